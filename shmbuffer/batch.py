@@ -1,0 +1,163 @@
+"""Batches: rows taken from a buffer, with fields by attribute and by key.
+
+``batch.obs`` and ``batch["obs"]`` are the same array; ``len(batch)`` is the number of rows (as
+in TorchRL's TensorDict); ``batch.keys()`` are the field names, so ``dict(batch)`` works.
+Besides fields a batch carries *extras*: ``index`` (the rows' global ids, see ``ring.py``) and,
+depending on the sampler, ``weight``, ``mask``, ``source`` ... — readable the same two ways.
+
+When the batch was gathered from the packed record (``schema.py``), it keeps that block, and
+``to(device)`` moves it with one copy, the small fields then being views of the device block.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from .schema import Record
+
+
+@cache
+def torch_dtype(dtype: np.dtype[Any]) -> Any:
+    import torch
+
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+def _tensor(a: Any) -> Any:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return a
+    a = np.asarray(a)
+    if a.flags.writeable:
+        return torch.from_numpy(a)
+    with warnings.catch_warnings():
+        # torch has no read-only tensors: a zero-copy tensor of a read-only view is writable
+        # memory that the docs ask users not to write (view() and column())
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
+
+
+class Batch:
+    """Rows of a buffer: ``fields`` (the schema's, in order) and ``extras`` (index, weight ...)."""
+
+    __slots__ = ("fields", "extras", "_block", "_record")
+
+    def __init__(
+        self,
+        fields: dict[str, Any],
+        extras: dict[str, Any] | None = None,
+        *,
+        block: Any = None,
+        record: Record | None = None,
+    ) -> None:
+        self.fields = fields
+        self.extras = extras if extras is not None else {}
+        self._block = block
+        self._record = record
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.fields[name]
+        except KeyError:
+            pass
+        try:
+            return self.extras[name]
+        except KeyError:
+            raise AttributeError(
+                f"batch has no field {name!r}: fields {', '.join(self.fields)}; extras "
+                f"{', '.join(self.extras) or 'none'}"
+            ) from None
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return self.fields[name] if name in self.fields else self.extras[name]
+        except KeyError:
+            raise KeyError(
+                f"batch has no field {name!r}: fields {', '.join(self.fields)}; extras "
+                f"{', '.join(self.extras) or 'none'}"
+            ) from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.fields or name in self.extras
+
+    def keys(self) -> list[str]:
+        return list(self.fields)
+
+    def values(self) -> list[Any]:
+        return list(self.fields.values())
+
+    def items(self) -> list[tuple[str, Any]]:
+        return list(self.fields.items())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.fields)
+
+    def __len__(self) -> int:
+        first = next(iter(self.fields.values()))
+        return int(first.shape[0]) if first.ndim else 1
+
+    @property
+    def size(self) -> int:
+        return len(self)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Fields and extras in one plain dict (cpprb's ``sample`` returns this shape)."""
+        return {**self.fields, **self.extras}
+
+    def to(self, device: Any = None, *, non_blocking: bool = False) -> Batch:
+        """The same rows as torch tensors on ``device`` (CPU by default, zero-copy there).
+
+        The packed small fields travel as one block; on the device they are views of it.
+        """
+        import torch
+
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+
+        def move(a: Any) -> Any:
+            t = _tensor(a)
+            return t if t.device == dev else t.to(dev, non_blocking=non_blocking)
+
+        fields: dict[str, Any] = {}
+        block = None
+        if self._block is not None and self._record is not None:
+            block = move(self._block)
+            fields.update(torch_views(block, self._record))
+        out = {name: fields[name] if name in fields else move(a) for name, a in self.fields.items()}
+        extras = {name: move(a) for name, a in self.extras.items()}
+        return Batch(out, extras, block=block, record=self._record)
+
+    def numpy(self) -> Batch:
+        """The same rows as numpy arrays (copied to the host if they are on a device)."""
+
+        def host(a: Any) -> Any:
+            return a.detach().cpu().numpy() if hasattr(a, "detach") else np.asarray(a)
+
+        return Batch(
+            {k: host(v) for k, v in self.fields.items()},
+            {k: host(v) for k, v in self.extras.items()},
+        )
+
+    def __repr__(self) -> str:
+        def show(a: Any) -> str:
+            return f"{tuple(a.shape)} {getattr(a, 'dtype', '?')}"
+
+        parts = [f"{k}: {show(v)}" for k, v in {**self.fields, **self.extras}.items()]
+        return f"Batch({len(self)} rows; {', '.join(parts)})"
+
+
+def torch_views(block: Any, record: Record) -> dict[str, Any]:
+    """Views of each small field of a ``(n, itemsize)`` uint8 tensor, like ``Record.views``."""
+    n = block.shape[0]
+    out = {}
+    for name, offset in record.offsets.items():
+        sub = record.dtype.fields[name][0]
+        base, shape = (sub.base, sub.shape) if sub.shape else (sub, ())
+        width = sub.itemsize
+        out[name] = block[:, offset:offset + width].view(torch_dtype(base)).view(n, *shape)
+    return out

@@ -1,0 +1,52 @@
+"""The exceptions shmbuffer raises, in one place.
+
+Every error names the thing, what was expected, what came, and how to fix it. Each class also
+derives from the builtin a caller would naturally catch (``ValueError`` for bad input,
+``FileNotFoundError`` for a missing segment, ``TimeoutError`` for a wait that ran out).
+"""
+
+from __future__ import annotations
+
+
+class ShmBufferError(Exception):
+    """Base class of every exception raised on purpose by shmbuffer."""
+
+
+class SchemaError(ShmBufferError, ValueError):
+    """A schema is malformed (bad name, shape or dtype), or two schemas do not match."""
+
+
+class FieldError(ShmBufferError, ValueError):
+    """Pushed data does not fit the schema: missing, unknown, wrong shape, ragged or unsafe dtype."""
+
+
+class CapacityError(ShmBufferError, ValueError):
+    """A request is larger than the buffer can ever hold (a push of more rows than a lane holds)."""
+
+
+class EmptyBufferError(ShmBufferError, LookupError):
+    """Sampling or reading rows that are not there (an empty buffer, too few rows, a bad index)."""
+
+
+class SegmentNotFound(ShmBufferError, FileNotFoundError):
+    """No shared-memory segment of that name exists."""
+
+
+class LayoutError(ShmBufferError, ValueError):
+    """A segment exists but is not a shmbuffer block of a layout this version can read."""
+
+
+class OutOfSharedMemory(ShmBufferError, MemoryError):
+    """``/dev/shm`` has too little free space for the requested buffer."""
+
+
+class ClosedError(ShmBufferError, RuntimeError):
+    """The buffer was closed in this process."""
+
+
+class WaitTimeout(ShmBufferError, TimeoutError):
+    """A bounded wait ran out: a lock, a stalled writer, a rate limiter or a source with too few rows."""
+
+
+class UnsupportedPlatform(ShmBufferError, RuntimeError):
+    """The platform lacks what the commit protocol needs (see ``ring.py``)."""

@@ -1,0 +1,324 @@
+"""The ring: slot reservation, per-row commit stamps, lanes, length and clearing.
+
+This module owns the commit protocol and the internal columns it uses.
+
+Rows, lanes and ids
+-------------------
+A ring of ``capacity`` slots is split into ``lanes`` lanes of ``lane_capacity`` slots (one lane
+by default). Each lane has a cursor: the count of rows ever reserved in it, a 64-bit number that
+never wraps. Row number ``n`` of lane ``l`` lives in slot ``l * lane_capacity + n % lane_capacity``
+and has the global id ``n * lanes + l``: ids never repeat, so an id names one row forever, and a
+stale id (its slot has since been overwritten) is detectable. A lane keeps one writer's (or one
+env's) consecutive pushes in consecutive slots, which sequences need.
+
+Columns (all in the block, see ``segment.py``)
+----------------------------------------------
+``_mutex``   64 bytes, a ``RobustLock`` (``lock.py``)
+``_lanes``   ``(lanes, 8)`` int64, one cache line a lane: ``[l, 0]`` cursor, ``[l, 1]`` base
+             (the first row number that counts after a ``clear()``)
+``_stats``   ``(16,)`` int64: ``[0]`` rows sampled (readers), ``[8]`` rows reclaimed from dead
+             writers, ``[9]`` lock recoveries (writers), on separate cache lines
+``_writer_pid``, ``_writer_start``  ``(WRITERS,)``: the processes that have pushed (pid and start
+             time, so a reused pid is not mistaken for a live writer); 0 marks a free entry
+``_stamp``   ``(capacity,)`` int64, the commit stamp of each slot
+``_owner``   ``(capacity,)`` uint16, the writer entry that last reserved each slot
+
+Commit protocol (a seqlock per row)
+-----------------------------------
+Stamp 0 means empty. A writer of row number ``n`` sets its slot's stamp to ``2n + 1`` (odd: being
+written) and ``_owner`` to its entry *inside* the reservation's critical section, advances the
+cursor, releases the lock, copies the data, then sets the stamp to ``2n + 2`` (even: committed).
+A reader that wants row ``n`` reads the stamp, gathers the row, reads the stamp again, and keeps
+the row only if both reads equal ``2n + 2``; otherwise it re-draws. So no reader ever keeps a torn,
+half-written or overwritten row, whatever the writers do.
+
+Lapping: on a small ring, or when a writer is descheduled mid-copy, another writer can come round
+to a slot still being written. A reservation therefore never takes a slot whose stamp is odd while
+its owner is alive: it releases the lock and waits (``WaitTimeout`` after ``stall_timeout``). If
+the owner is dead (SIGKILL; a zombie counts as dead) the slot is reclaimed. ``reap()`` marks the
+rows of dead writers empty, so nobody looks at them again.
+
+Every prefix of a critical section leaves a repairable state, because the lock is robust and a
+holder may die anywhere: stamps are marked odd before the cursor moves (a dead holder leaves odd
+slots of a dead owner, which the next reservation reclaims), and ``clear()`` moves the base before
+the cursor (reservations start at ``max(cursor, base)``).
+
+Memory ordering
+---------------
+The protocol needs a writer's data stores to become visible before its commit stamp, and a reader's
+first stamp load to happen before its data loads and those before its second stamp load. x86-64
+guarantees both (stores are not reordered with stores, loads not with loads), and each step is a
+separate numpy call, so no compiler reorders them. Weakly ordered CPUs (ARM, POWER) need fences
+that pure Python cannot issue, so ``check_platform`` refuses them with a clear error.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import CapacityError, ShmBufferError, UnsupportedPlatform, WaitTimeout
+from .lock import SIZE as MUTEX_SIZE
+from .lock import RobustLock
+from .segment import ColumnSpec, process_alive, start_time
+
+WRITERS = 1024
+_X86 = {"x86_64", "amd64", "i386", "i686", "x86"}
+
+
+def check_platform() -> None:
+    machine = platform.machine().lower()
+    if machine not in _X86:
+        raise UnsupportedPlatform(
+            f"shmbuffer's commit protocol relies on x86's store and load ordering; this CPU is "
+            f"{machine!r}, which needs memory fences that Python cannot issue (see ring.py)"
+        )
+
+
+def columns(capacity: int, lanes: int) -> list[ColumnSpec]:
+    """The internal columns a ring of this size needs."""
+    return [
+        ColumnSpec("_mutex", (MUTEX_SIZE,), np.dtype(np.uint8)),
+        ColumnSpec("_lanes", (lanes, 8), np.dtype(np.int64)),
+        ColumnSpec("_stats", (16,), np.dtype(np.int64)),
+        ColumnSpec("_writer_pid", (WRITERS,), np.dtype(np.int64)),
+        ColumnSpec("_writer_start", (WRITERS,), np.dtype(np.float64)),
+        ColumnSpec("_stamp", (capacity,), np.dtype(np.int64)),
+        ColumnSpec("_owner", (capacity,), np.dtype(np.uint16)),
+    ]
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Rows a writer holds between ``reserve`` and ``commit``: ``where`` indexes their slots
+    (a slice when they are contiguous), ``stamps`` are their committed stamps, ``ids`` their ids."""
+
+    where: slice | np.ndarray
+    stamps: np.ndarray
+    ids: np.ndarray
+
+
+class Ring:
+    """Reservation, commit and bookkeeping over a block's internal columns."""
+
+    stall_timeout = 30.0
+
+    def __init__(self, arrays: dict[str, np.ndarray], *, initialise: bool = False) -> None:
+        self._lanes = arrays["_lanes"]
+        self._stats = arrays["_stats"]
+        self._wpid = arrays["_writer_pid"]
+        self._wstart = arrays["_writer_start"]
+        self.stamp = arrays["_stamp"]
+        self.owner = arrays["_owner"]
+        self.lanes = int(self._lanes.shape[0])
+        self.capacity = int(self.stamp.shape[0])
+        self.lane_capacity = self.capacity // self.lanes
+        self.lock = RobustLock(arrays["_mutex"], initialise=initialise)
+        self._wid = -1
+        self._wid_pid = -1
+        self._recovered = 0
+
+    # -- writers -------------------------------------------------------------------------------
+    def writer_id(self) -> int:
+        """This process's entry in the writer table, registered on first use."""
+        pid = os.getpid()
+        if self._wid_pid == pid:
+            return self._wid
+        started = start_time()
+        with self.lock:
+            mine = np.flatnonzero(self._wpid == pid)
+            mine = [w for w in mine if abs(self._wstart[w] - started) < 0.01]
+            if mine:
+                w = int(mine[0])
+            else:
+                free = np.flatnonzero(self._wpid == 0)
+                w = int(free[0]) if free.size else self._reclaim_writer()
+                self._wstart[w] = started
+                self._wpid[w] = pid
+        self._wid, self._wid_pid = w, pid
+        return w
+
+    def _reclaim_writer(self) -> int:
+        for w in range(WRITERS):
+            if not process_alive(int(self._wpid[w]), float(self._wstart[w])):
+                lost = (self.owner == w) & (self.stamp & 1).astype(bool)
+                self.stamp[lost] = 0
+                self._wpid[w] = 0
+                return w
+        raise ShmBufferError(f"{WRITERS} live processes have pushed to this buffer; no writer entry is free")
+
+    def forget_writer(self) -> None:
+        """Free this process's writer entry (at close; its pushes are all committed by then)."""
+        if self._wid_pid == os.getpid():
+            with self.lock:
+                if self._wpid[self._wid] == self._wid_pid:
+                    self._wpid[self._wid] = 0
+            self._wid_pid = -1
+
+    def _alive(self, w: int) -> bool:
+        return w == self._wid and self._wid_pid == os.getpid() or process_alive(
+            int(self._wpid[w]), float(self._wstart[w])
+        )
+
+    def reserve(self, k: int, lane: int | np.ndarray = 0) -> Reservation:
+        """Reserve ``k`` rows in ``lane`` (an int), or one row in each of ``lane`` (an array of
+        ``k`` lane numbers), marking them odd; the caller copies, then calls ``commit``."""
+        w = self.writer_id()
+        deadline = None
+        while True:
+            with self.lock:
+                res = self._try_reserve(k, lane, w)
+            if res is not None:
+                return res
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.stall_timeout
+            elif now > deadline:
+                raise WaitTimeout(
+                    f"waited {self.stall_timeout:.0f} s for a writer that is still alive to finish "
+                    "rows this push must overwrite (is it stopped? a larger capacity avoids lapping)"
+                )
+            time.sleep(0.0001)
+
+    def _try_reserve(self, k: int, lane: int | np.ndarray, w: int) -> Reservation | None:
+        lc = self.lane_capacity
+        if isinstance(lane, np.ndarray):
+            counts = np.bincount(lane, minlength=self.lanes)
+            order = np.argsort(lane, kind="stable")
+            first = np.cumsum(counts) - counts
+            rank = np.empty(k, np.int64)
+            rank[order] = np.arange(k) - np.repeat(first, counts)
+            n = np.maximum(self._lanes[:, 0], self._lanes[:, 1])[lane] + rank
+            where: slice | np.ndarray = lane * lc + n % lc
+        else:
+            n0 = int(max(self._lanes[lane, 0], self._lanes[lane, 1]))
+            s0 = lane * lc + n0 % lc
+            n = np.arange(n0, n0 + k)
+            where = slice(s0, s0 + k) if n0 % lc + k <= lc else lane * lc + n % lc
+        busy = self.stamp[where] & 1
+        if busy.any():
+            held = np.unique(self.owner[where][busy.astype(bool)])
+            if any(self._alive(int(o)) for o in held):
+                return None
+            self._stats[8] += int(busy.sum())
+        self.stamp[where] = 2 * n + 1
+        self.owner[where] = w
+        if isinstance(lane, np.ndarray):
+            self._lanes[:, 0] = np.maximum(self._lanes[:, 0], self._lanes[:, 1]) + counts
+            ids = n * self.lanes + lane
+        else:
+            self._lanes[lane, 0] = n0 + k
+            ids = n * self.lanes + lane
+        if self.lock.recovered != self._recovered:
+            self._stats[9] += self.lock.recovered - self._recovered
+            self._recovered = self.lock.recovered
+        return Reservation(where, 2 * n + 2, ids)
+
+    def commit(self, res: Reservation) -> None:
+        self.stamp[res.where] = res.stamps
+
+    def abandon(self, res: Reservation) -> None:
+        """Give rows back unwritten (the copy failed): they read as empty, never as committed."""
+        self.stamp[res.where] = 0
+
+    # -- readers -------------------------------------------------------------------------------
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per lane, the first and one-past-last row numbers that count now."""
+        cur = self._lanes[:, 0].copy()
+        start = np.maximum(self._lanes[:, 1], cur - self.lane_capacity)
+        return np.minimum(start, cur), cur
+
+    def slots(self, ids: np.ndarray) -> np.ndarray:
+        if self.lanes == 1:
+            return ids % self.lane_capacity
+        lane = ids % self.lanes
+        return lane * self.lane_capacity + (ids // self.lanes) % self.lane_capacity
+
+    def expected(self, ids: np.ndarray) -> np.ndarray:
+        """The committed stamp each id must show."""
+        return 2 * (ids // self.lanes) + 2
+
+    def committed_ids(self) -> np.ndarray:
+        """Ids of every committed row that counts now (a scan of the stamps; the slow path)."""
+        start, stop = self.bounds()
+        st = self.stamp.reshape(self.lanes, self.lane_capacity)
+        out = []
+        for lane in range(self.lanes):
+            s = st[lane]
+            n = s // 2 - 1
+            ok = (s > 0) & (s % 2 == 0) & (n >= start[lane]) & (n < stop[lane])
+            out.append(n[ok] * self.lanes + lane)
+        ids = np.concatenate(out)
+        ids.sort()
+        return ids
+
+    def reap(self) -> int:
+        """Mark rows whose writer died mid-copy as empty; return how many."""
+        odd = np.flatnonzero(self.stamp & 1)
+        if not odd.size:
+            return 0
+        dead = [int(o) for o in np.unique(self.owner[odd]) if not self._alive(int(o))]
+        if not dead:
+            return 0
+        with self.lock:
+            odd = np.flatnonzero(self.stamp & 1)
+            lost = odd[np.isin(self.owner[odd], dead)]
+            self.stamp[lost] = 0
+            self._stats[8] += lost.size
+        return int(lost.size)
+
+    def count_sampled(self, rows: int) -> None:
+        self._stats[0] += rows
+
+    # -- size ------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        start, stop = self.bounds()
+        return int((stop - start).sum())
+
+    @property
+    def inserted(self) -> int:
+        """Rows ever reserved, all lanes, across clears (never wraps)."""
+        return int(self._lanes[:, 0].sum())
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return {
+            "inserted": self.inserted,
+            "sampled": int(self._stats[0]),
+            "reclaimed": int(self._stats[8]),
+            "lock_recoveries": int(self._stats[9]),
+        }
+
+    def clear(self) -> None:
+        """Forget every row. Row numbers keep growing (rounded up to a lane boundary so the next
+        row lands in the lane's first slot); rows still being written stay invisible."""
+        lc = self.lane_capacity
+        with self.lock:
+            cur = np.maximum(self._lanes[:, 0], self._lanes[:, 1])
+            new = -(-cur // lc) * lc
+            self._lanes[:, 1] = new  # base first: see "every prefix" in the module docstring
+            self._lanes[:, 0] = new
+
+    def check_push(self, k: int, lane: int | np.ndarray) -> None:
+        """Refuse, before touching anything, a push the ring can never hold."""
+        lc = self.lane_capacity
+        if isinstance(lane, np.ndarray):
+            if lane.shape != (k,):
+                raise CapacityError(f"lane: expected one lane per row ({k}), got shape {lane.shape}")
+            if lane.size and (lane.min() < 0 or lane.max() >= self.lanes):
+                raise CapacityError(f"lane: expected lane numbers in [0, {self.lanes}), got {lane.min()}..{lane.max()}")
+            worst = int(np.bincount(lane).max()) if lane.size else 0
+        else:
+            if not 0 <= lane < self.lanes:
+                raise CapacityError(f"lane: expected a lane in [0, {self.lanes}), got {lane}")
+            worst = k
+        if worst > lc:
+            where = "the buffer's capacity" if self.lanes == 1 else f"a lane's capacity ({self.lanes} lanes)"
+            raise CapacityError(
+                f"a push of {worst} rows into one lane is larger than {where} of {lc} rows; "
+                "push in smaller batches or raise capacity"
+            )

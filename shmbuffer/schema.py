@@ -1,0 +1,318 @@
+"""Schemas: the named, fixed-shape, fixed-dtype fields of a buffer's rows.
+
+A schema is what a user declares and what every attaching process checks::
+
+    Schema(obs=((4,), "float32"), action=((), "int64"), reward=((), "float32"))
+    Schema({"obs": {"shape": 4}, "rew": {}})          # a cpprb env_dict
+
+It owns three things:
+
+* **Validation** of pushed data (``Schema.validate``): every field present and no other, shapes
+  ``shape`` (one row) or ``(k, *shape)`` (k rows) with the same ``k`` everywhere, and dtypes that
+  cast safely (see ``_check_cast`` for the exact rule). It never copies and never touches shared
+  state, so a failed push leaves the buffer as it was.
+* **The packed record.** Fields of at most ``PACK_LIMIT`` bytes a row share one record of
+  ``Record.itemsize`` bytes: a batch of them is gathered with one ``np.take`` and moved to a device
+  with one copy, instead of one per field (3-4x faster for MuJoCo-sized rows on the 2-core
+  reference machine). Fields are placed by descending itemsize, then by name, so every field is
+  naturally aligned; the record is padded to a multiple of 8 bytes. Larger fields (images) keep a
+  column of their own. The user always sees named fields.
+* **The fingerprint**: blake2b-128 over the canonical JSON of the fields sorted by name, so two
+  schemas with the same fields in another order are equal and share a layout.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import keyword
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import FieldError, SchemaError
+
+PACK_LIMIT = 1024
+"""Fields whose row is at most this many bytes share the packed record."""
+
+RESERVED = frozenset(
+    {"index", "weight", "mask", "source", "steps", "lane", "keys", "values", "items", "to",
+     "numpy", "size", "fields", "extras", "get", "as_dict"}
+)
+"""Names a field cannot take: ``Batch`` uses them for its own attributes and methods."""
+
+
+def _shape(value: Any, name: str) -> tuple[int, ...]:
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        value = (int(value),)
+    try:
+        shape = tuple(int(d) for d in value)
+    except TypeError:
+        raise SchemaError(f"field {name!r}: shape must be a tuple of ints, got {value!r}") from None
+    if any(d <= 0 for d in shape):
+        raise SchemaError(f"field {name!r}: every dimension must be positive, got {shape}")
+    return shape
+
+
+def _dtype(value: Any, name: str) -> np.dtype[Any]:
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        raise SchemaError(f"field {name!r}: {value!r} is not a numpy dtype") from None
+    if dtype.kind not in "biufc" or dtype.fields is not None or dtype.subdtype is not None:
+        raise SchemaError(
+            f"field {name!r}: expected a numeric or bool dtype, got {dtype}; "
+            "store text or objects elsewhere and keep an integer id here"
+        )
+    if not dtype.isnative:
+        raise SchemaError(f"field {name!r}: dtype {dtype.str} is not in the native byte order")
+    return dtype
+
+
+@dataclass(frozen=True)
+class Field:
+    """One named column: every row holds an array of ``shape`` and ``dtype``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def describe(self) -> str:
+        return f"{self.shape} {self.dtype}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype.str}
+
+
+@dataclass(frozen=True)
+class Record:
+    """Where each small field sits inside the packed record (byte offsets into a row)."""
+
+    itemsize: int
+    offsets: dict[str, int]
+    dtype: np.dtype[Any]
+    """A structured dtype over the record, for numpy views of its fields."""
+
+    def views(self, block: np.ndarray) -> dict[str, np.ndarray]:
+        """Views of each field of ``block``, an ``(n, itemsize)`` uint8 array; no copy."""
+        rows = block.view(self.dtype).reshape(block.shape[0])
+        return {name: rows[name] for name in self.offsets}
+
+
+class Schema:
+    """The fields of a buffer's rows, in the order they were declared.
+
+    ``Schema(name=(shape, dtype), ...)``, ``Schema({name: {"shape": ..., "dtype": ...}})`` (a
+    cpprb ``env_dict``: a missing shape means ``(1,)`` and a missing dtype float32, as in cpprb) or
+    ``Schema(name=Field(...))``. Field names are identifiers, not starting with ``_``, not a Python
+    keyword and not one of ``RESERVED``.
+    """
+
+    def __init__(self, env_dict: Mapping[str, Any] | None = None, /, **fields: Any) -> None:
+        spec: dict[str, Any] = {}
+        for name, value in (env_dict or {}).items():
+            if not isinstance(value, Mapping):
+                raise SchemaError(
+                    f"field {name!r}: an env_dict entry must be a dict like "
+                    f"{{'shape': (4,), 'dtype': 'float32'}}, got {value!r}"
+                )
+            unknown = set(value) - {"shape", "dtype"}
+            if unknown:
+                raise SchemaError(f"field {name!r}: unknown keys {sorted(unknown)}; use shape and dtype")
+            spec[name] = (value.get("shape", 1), value.get("dtype", np.float32))
+        for name, value in fields.items():
+            if name in spec:
+                raise SchemaError(f"field {name!r} is given twice")
+            spec[name] = value
+        if not spec:
+            raise SchemaError("a schema needs at least one field")
+        self._fields: dict[str, Field] = {}
+        for name, value in spec.items():
+            self._fields[name] = self._field(name, value)
+        self._names = tuple(self._fields)
+        self._record, self._columns = self._plan()
+        canonical = json.dumps([self._fields[n].to_json() for n in sorted(self._fields)], sort_keys=True)
+        self.fingerprint = hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+    @staticmethod
+    def _field(name: str, value: Any) -> Field:
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            raise SchemaError(f"field name {name!r} must be a Python identifier")
+        if name.startswith("_"):
+            raise SchemaError(f"field name {name!r}: names starting with '_' are kept for internal columns")
+        if name in RESERVED:
+            raise SchemaError(f"field name {name!r} is reserved (a Batch attribute); rename it")
+        if isinstance(value, Field):
+            value = (value.shape, value.dtype)
+        elif isinstance(value, Mapping):
+            value = (value.get("shape", ()), value.get("dtype", np.float32))
+        if not isinstance(value, tuple) or len(value) != 2:
+            raise SchemaError(f"field {name!r}: expected (shape, dtype), got {value!r}")
+        return Field(name, _shape(value[0], name), _dtype(value[1], name))
+
+    def _plan(self) -> tuple[Record, tuple[Field, ...]]:
+        small = [f for f in self._fields.values() if f.row_bytes <= PACK_LIMIT]
+        small.sort(key=lambda f: (-f.dtype.itemsize, f.name))
+        offsets: dict[str, int] = {}
+        at = 0
+        for f in small:
+            offsets[f.name] = at
+            at += f.row_bytes
+        itemsize = -(-at // 8) * 8
+        dtype = np.dtype(
+            {
+                "names": [f.name for f in small],
+                "formats": [(f.dtype, f.shape) if f.shape else f.dtype for f in small],
+                "offsets": [offsets[f.name] for f in small],
+                "itemsize": max(itemsize, 1),
+            }
+        )
+        big = tuple(f for f in self._fields.values() if f.row_bytes > PACK_LIMIT)
+        return Record(itemsize, offsets, dtype), big
+
+    # -- reading the schema ------------------------------------------------------------------
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self._names
+
+    @property
+    def record(self) -> Record:
+        """The packed record of the small fields (``itemsize`` 0 when every field is large)."""
+        return self._record
+
+    @property
+    def columns(self) -> tuple[Field, ...]:
+        """The large fields, each stored in a column of its own."""
+        return self._columns
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(f.row_bytes for f in self._fields.values())
+
+    def __getitem__(self, name: str) -> Field:
+        try:
+            return self._fields[name]
+        except KeyError:
+            raise KeyError(f"no field {name!r}: the schema has {', '.join(self._names)}") from None
+
+    def __iter__(self) -> Iterator[Field]:
+        return iter(self._fields.values())
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fields
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Schema) and other.fingerprint == self.fingerprint
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{f.name}=({f.shape}, {str(f.dtype)!r})" for f in self)
+        return f"Schema({inner})"
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [f.to_json() for f in self]
+
+    @classmethod
+    def from_json(cls, fields: list[dict[str, Any]]) -> Schema:
+        return cls(**{f["name"]: (tuple(f["shape"]), f["dtype"]) for f in fields})
+
+    # -- validating pushed data ----------------------------------------------------------------
+    def validate(self, data: Mapping[str, Any]) -> tuple[int, dict[str, np.ndarray]]:
+        """Check ``data`` against the schema; return the row count and ``(k, *shape)`` arrays.
+
+        Nothing is copied or cast here (the copy into shared memory casts); every check runs
+        before the caller touches shared state. Raises ``FieldError`` naming the field.
+        """
+        if len(data) != len(self._fields) or not all(name in self._fields for name in data):
+            self._missing_or_unknown(data)
+        rows = -1
+        single: bool | None = None
+        first = ""
+        out: dict[str, np.ndarray] = {}
+        for f in self._fields.values():
+            value = data[f.name]
+            a = value if type(value) is np.ndarray else np.asarray(value)
+            extra = a.ndim - len(f.shape)
+            if extra == 0 and a.shape == f.shape:
+                one, k = True, 1
+                a = a[np.newaxis]
+            elif extra == 1 and a.shape[1:] == f.shape:
+                one, k = False, a.shape[0]
+            else:
+                raise FieldError(
+                    f"field {f.name!r}: expected shape {f.shape} (one row) or (k, "
+                    f"{', '.join(map(str, f.shape))}{',' if len(f.shape) == 1 else ''}) (k rows) of "
+                    f"{f.dtype}, got {a.shape} {a.dtype}"
+                )
+            if single is None:
+                single, rows, first = one, k, f.name
+            elif one != single or k != rows:
+                what = {True: "one row", False: f"{rows} rows"}
+                mine = "one row" if one else f"{k} rows"
+                raise FieldError(
+                    f"ragged batch: field {first!r} has {what[bool(single)]}, field {f.name!r} has {mine}; "
+                    "every field needs the same number of rows"
+                )
+            if a.dtype != f.dtype:
+                _check_cast(f, a)
+            out[f.name] = a
+        return rows, out
+
+    def _missing_or_unknown(self, data: Mapping[str, Any]) -> None:
+        unknown = [n for n in data if n not in self._fields]
+        if unknown:
+            hint = difflib.get_close_matches(str(unknown[0]), self._names, n=1)
+            near = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise FieldError(
+                f"unknown field {unknown[0]!r}{near}: the schema has {', '.join(self._names)}"
+            )
+        missing = [n for n in self._names if n not in data]
+        raise FieldError(
+            f"missing field {missing[0]!r} ({self._fields[missing[0]].describe()}): every push needs "
+            f"all of {', '.join(self._names)}"
+        )
+
+
+def _check_cast(f: Field, a: np.ndarray) -> None:
+    """Allow a cast that loses nothing a user would miss; refuse the rest before any write.
+
+    Allowed: numpy's ``safe`` casts; bools, integers and floats into any float field (float64
+    observations into float32, what every peer does); integers to a narrower integer or to bool when every value fits (checked);
+    floats equal to 0 or 1 into bool. Refused: float to integer, complex to real, anything non-numeric.
+    """
+    src, dst = a.dtype, f.dtype
+    if np.can_cast(src, dst, casting="safe"):
+        return
+    if src.kind in "biuf" and dst.kind in "fc":
+        return
+    if src.kind in "iub" and dst.kind in "iu" and a.size:
+        info = np.iinfo(dst)
+        lo, hi = a.min(), a.max()
+        if lo >= info.min and hi <= info.max:
+            return
+        raise FieldError(
+            f"field {f.name!r}: expected {dst} values in [{info.min}, {info.max}], got {src} "
+            f"values in [{lo}, {hi}]"
+        )
+    if dst.kind == "b" and src.kind in "iuf" and a.size:
+        if np.all((a == 0) | (a == 1)):
+            return
+        raise FieldError(f"field {f.name!r}: expected bool, got {src} with values other than 0 and 1")
+    if a.size == 0 and src.kind in "iuf":
+        return
+    raise FieldError(
+        f"field {f.name!r}: expected {dst}, got {src}, which does not cast safely; "
+        f"convert it first (e.g. .astype({str(dst)!r}))"
+    )
