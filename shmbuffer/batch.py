@@ -46,7 +46,7 @@ def _tensor(a: Any) -> Any:
 class Batch:
     """Rows of a buffer: ``fields`` (the schema's, in order) and ``extras`` (index, weight ...)."""
 
-    __slots__ = ("fields", "extras", "_block", "_record")
+    __slots__ = ("_block", "_record", "extras", "fields")
 
     def __init__(
         self,
@@ -156,7 +156,7 @@ def torch_views(block: Any, record: Record) -> dict[str, Any]:
     n = block.shape[0]
     out = {}
     for name, offset in record.offsets.items():
-        sub = record.dtype.fields[name][0]
+        sub = record.dtype[name]
         base, shape = (sub.base, sub.shape) if sub.shape else (sub, ())
         width = sub.itemsize
         out[name] = block[:, offset:offset + width].view(torch_dtype(base)).view(n, *shape)

@@ -249,8 +249,7 @@ class ReplayBuffer:
                 raise TypeError(f"push() expected a mapping of fields, got {type(data).__name__}")
             fields = dict(data)
         k, arrays = self.schema.validate(fields)
-        if not isinstance(lane, (int, np.integer)):
-            lane = np.asarray(lane, dtype=np.int64)
+        lane = int(lane) if isinstance(lane, (int, np.integer)) else np.asarray(lane, dtype=np.int64)
         ring.check_push(k, lane)
         if k == 0:
             return np.empty(0, np.int64)
@@ -367,7 +366,8 @@ class ReplayBuffer:
     def get(self, index: int | slice | Any) -> Batch:
         """Rows by logical index: 0 is the oldest, -1 the newest (lane by lane when there are
         several lanes). An int gives single-row fields (no leading dimension); a slice or an
-        array of ints gives rows. A row being written is waited for (up to a second)."""
+        array of ints gives rows. A row being written is waited for (up to a second); a row whose
+        writer died mid-push raises ``EmptyBufferError``."""
         ring = self.ring
         deadline = time.monotonic() + 1.0
         while True:
@@ -389,11 +389,15 @@ class ReplayBuffer:
             expect = ring.expected(ids)
             if np.array_equal(first, expect) and np.array_equal(second, expect):
                 break
+            now = ring.stamp.take(ring.slots(ids))
+            if np.any(now < expect) and not np.any(now[now < expect] & 1):
+                raise EmptyBufferError(f"get({index!r}): a row was lost: its writer died mid-push")
             if time.monotonic() > deadline:
-                lost = ring.reap()
-                why = f"its writer died ({lost} rows lost)" if lost else "it is still being written"
-                raise WaitTimeout(f"get({index!r}): a row is not committed after 1 s: {why}")
-            time.sleep(0.0005)
+                if ring.reap():
+                    raise EmptyBufferError(f"get({index!r}): a row was lost: its writer died mid-push")
+                raise WaitTimeout(f"get({index!r}): a row is still being written after 1 s")
+            if np.any(now & 1):
+                time.sleep(0.0005)  # being written: wait; overwritten: look the index up again
         batch = self._batch(ids, block, big)
         if one:
             return Batch({k: v[0] for k, v in batch.fields.items()}, {"index": ids[0]})

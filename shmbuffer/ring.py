@@ -130,10 +130,9 @@ class Ring:
             return self._wid
         started = start_time()
         with self.lock:
-            mine = np.flatnonzero(self._wpid == pid)
-            mine = [w for w in mine if abs(self._wstart[w] - started) < 0.01]
+            mine = [int(w) for w in np.flatnonzero(self._wpid == pid) if abs(self._wstart[w] - started) < 0.01]
             if mine:
-                w = int(mine[0])
+                w = mine[0]
             else:
                 free = np.flatnonzero(self._wpid == 0)
                 w = int(free[0]) if free.size else self._reclaim_writer()
@@ -160,7 +159,7 @@ class Ring:
             self._wid_pid = -1
 
     def _alive(self, w: int) -> bool:
-        return w == self._wid and self._wid_pid == os.getpid() or process_alive(
+        return (w == self._wid and self._wid_pid == os.getpid()) or process_alive(
             int(self._wpid[w]), float(self._wstart[w])
         )
 

@@ -50,7 +50,7 @@ def _shape(value: Any, name: str) -> tuple[int, ...]:
         value = (int(value),)
     try:
         shape = tuple(int(d) for d in value)
-    except TypeError:
+    except (TypeError, ValueError):
         raise SchemaError(f"field {name!r}: shape must be a tuple of ints, got {value!r}") from None
     if any(d <= 0 for d in shape):
         raise SchemaError(f"field {name!r}: every dimension must be positive, got {shape}")

@@ -196,7 +196,7 @@ def _parse_header(name: str, fd: int, size: int, wait: float = 2.0) -> Header:
             f"{path_of(name)} is not a shmbuffer block (magic {raw[:8]!r}, expected {MAGIC!r}"
             f"{'; it may still be being created' if raw[:8] == bytes(8) else ''})"
         )
-    magic, version, meta_len, total, data_offset, pid, started, fp = _HEADER.unpack(raw)
+    _, version, meta_len, total, data_offset, pid, started, fp = _HEADER.unpack(raw)
     if version != VERSION:
         raise LayoutError(
             f"buffer {name!r} has layout version {version}; this shmbuffer reads version {VERSION}: "
@@ -248,7 +248,7 @@ class Segment:
     _finalizer: weakref.finalize | None = None
     _creator_pid = -1
     _unlinked = True
-    arrays: dict[str, np.ndarray] = {}
+    arrays: dict[str, np.ndarray] = {}  # noqa: RUF012 (replaced per instance)
 
     def __init__(self, header: Header, mm: mmap.mmap, created: bool) -> None:
         self.name = header.name

@@ -1,0 +1,100 @@
+"""Shared fixtures: a unique buffer name per test, buffers that are always cleaned up, processes
+that are always killed, and a check that no test leaves a segment of ours in /dev/shm."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmbuffer as sb
+from shmbuffer import segment
+
+MUJOCO = sb.Schema(
+    obs=((17,), "float32"), action=((6,), "float32"), reward=((), "float32"),
+    next_obs=((17,), "float32"), done=((), "bool"),
+)
+
+
+@pytest.fixture
+def name(request: pytest.FixtureRequest) -> str:
+    """A buffer name no other test (or xdist worker) uses."""
+    return f"t{os.getpid()}-{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Fail a test that leaves behind a segment created by this process."""
+    before = set(segment.list_names())
+    yield
+    mine = f"{os.getpid()}-"
+    left = [n for n in set(segment.list_names()) - before if n.startswith(mine) or n.startswith(f"t{mine}")]
+    for n in left:
+        try:
+            os.unlink(segment.path_of(n))
+        except FileNotFoundError:
+            pass
+    assert not left, f"segments left in /dev/shm: {left}"
+
+
+@pytest.fixture
+def make() -> Iterator[Callable[..., sb.ReplayBuffer]]:
+    """Create buffers that are closed and unlinked after the test, even when it fails."""
+    made: list[sb.ReplayBuffer] = []
+
+    def factory(*args: Any, **kwargs: Any) -> sb.ReplayBuffer:
+        buf = sb.ReplayBuffer(*args, **kwargs)
+        made.append(buf)
+        return buf
+
+    yield factory
+    for buf in made:
+        try:
+            buf.close()
+        except BufferError:
+            pass
+        buf.unlink()
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Any]]:
+    """Processes started by a test; killed and joined at teardown whatever happened."""
+    started: list[Any] = []
+    yield started
+    for p in started:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+
+
+def transition(i: int | np.ndarray, k: int | None = None) -> dict[str, np.ndarray]:
+    """Self-verifying MuJoCo-like rows: every value derives from the row's sequence number
+    (below 2**24, which float32 holds exactly)."""
+    seq = np.arange(i, i + k) if k is not None else np.asarray(i)
+    s = seq.astype(np.float32)[..., None]
+    return {
+        "obs": s + np.arange(17, dtype=np.float32),
+        "action": -s + np.arange(6, dtype=np.float32),
+        "reward": seq.astype(np.float32),
+        "next_obs": s + 1 + np.arange(17, dtype=np.float32),
+        "done": seq % 2 == 1,
+    }
+
+
+def seq_of(batch: Any) -> np.ndarray:
+    """The sequence numbers of a batch of ``transition`` rows, after checking every value."""
+    seq = np.asarray(batch["reward"]).astype(np.int64)
+    s = seq.astype(np.float32)[..., None]
+    assert np.array_equal(batch["obs"], s + np.arange(17, dtype=np.float32))
+    assert np.array_equal(batch["action"], -s + np.arange(6, dtype=np.float32))
+    assert np.array_equal(batch["next_obs"], s + 1 + np.arange(17, dtype=np.float32))
+    assert np.array_equal(batch["done"], seq % 2 == 1)
+    return seq
+
+
+START_METHODS = [m for m in ("spawn", "forkserver", "fork") if m in mp.get_all_start_methods()]

@@ -1,0 +1,93 @@
+"""The robust lock: mutual exclusion across threads and processes, recovery from a dead holder,
+time-outs and re-entry."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import shmbuffer as sb
+
+from .conftest import MUJOCO
+
+Make = Callable[..., sb.ReplayBuffer]
+
+
+def _hold(handle: sb.BufferHandle, seconds: float, held: object) -> None:
+    buf = sb.ReplayBuffer.attach(handle)
+    buf.ring.lock.acquire()
+    held.set()  # type: ignore[attr-defined]
+    if seconds < 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(seconds)
+    buf.ring.lock.release()
+
+
+def test_threads_are_serialised(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=10, name=name)
+    lock, counter = buf.ring.lock, buf.ring._stats[12:13]  # a spare counter as the shared state
+
+    def work() -> None:
+        for _ in range(20_000):
+            with lock:
+                value = int(counter[0])
+                counter[0] = value + 1
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counter[0] == 80_000
+    counter[0] = 0
+
+
+def test_a_dead_holder_is_recovered(make: Make, name: str, procs: list) -> None:
+    ctx = mp.get_context("spawn")
+    buf = make(MUJOCO, capacity=10, name=name)
+    held = ctx.Event()
+    p = ctx.Process(target=_hold, args=(buf.handle, -1, held))
+    p.start()
+    procs.append(p)
+    assert held.wait(60)
+    p.join(30)
+    buf.ring.lock.acquire(timeout=5)
+    buf.ring.lock.release()
+    assert buf.ring.lock.recovered == 1
+
+
+def test_a_live_holder_times_out_others(make: Make, name: str, procs: list) -> None:
+    ctx = mp.get_context("spawn")
+    buf = make(MUJOCO, capacity=10, name=name)
+    held = ctx.Event()
+    p = ctx.Process(target=_hold, args=(buf.handle, 3.0, held))
+    p.start()
+    procs.append(p)
+    assert held.wait(60)
+    start = time.monotonic()
+    with pytest.raises(sb.WaitTimeout, match=r"waited 0\.2 s for the buffer.s lock"):
+        buf.ring.lock.acquire(timeout=0.2)
+    assert 0.15 < time.monotonic() - start < 2
+    buf.ring.lock.acquire(timeout=30)  # released by its holder after 3 s
+    buf.ring.lock.release()
+    assert buf.ring.lock.recovered == 0
+
+
+def test_reentry_is_an_error(make: Make, name: str) -> None:
+    lock = make(MUJOCO, capacity=10, name=name).ring.lock
+    with lock, pytest.raises(RuntimeError, match="already holds"):
+        lock.acquire()
+
+
+def test_lock_needs_aligned_memory() -> None:
+    from shmbuffer.lock import RobustLock
+
+    with pytest.raises(ValueError, match="needs 64 aligned bytes"):
+        RobustLock(np.zeros(8, np.uint8))

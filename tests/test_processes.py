@@ -1,0 +1,355 @@
+"""Many processes at once: no torn rows under load, writers killed mid-push, handles crossing
+process boundaries, every start method, and no resource_tracker noise."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from typing import Any
+
+import multiprocess
+import numpy as np
+import psutil
+import pytest
+
+import shmbuffer as sb
+from shmbuffer import segment
+
+from .conftest import MUJOCO, START_METHODS, seq_of, transition
+
+Make = Callable[..., sb.ReplayBuffer]
+
+WIDE = sb.Schema(payload=((512,), "int64"), x=((), "float64"), tag=((), "int32"))
+"""Rows with a 4 KiB column of their own and a packed record: both can tear."""
+
+
+def wide_rows(seq: np.ndarray) -> dict[str, np.ndarray]:
+    return {
+        "payload": seq[:, None] * 1000 + np.arange(512),
+        "x": seq * 0.5,
+        "tag": (seq % 1_000_003).astype(np.int32),
+    }
+
+
+def torn(batch: Any) -> np.ndarray:
+    """Rows whose values do not all derive from one sequence number."""
+    seq = batch.payload[:, 0] // 1000
+    ok = (batch.payload == seq[:, None] * 1000 + np.arange(512)).all(axis=1)
+    ok &= batch.x == seq * 0.5
+    ok &= batch.tag == seq % 1_000_003
+    return np.flatnonzero(~ok)
+
+
+def _wide_writer(buf: sb.ReplayBuffer, writer: int, seconds: float, done: Any) -> None:
+    rng = np.random.default_rng(writer)
+    i, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        k = int(rng.integers(1, 9))
+        buf.push(wide_rows(writer * 10**9 + np.arange(i, i + k)))
+        i += k
+    done.put(i)
+    buf.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", START_METHODS)
+def test_no_torn_rows_under_load(method: str, make: Make, name: str, procs: list) -> None:
+    """Two writers lap a 64-row ring in batches of 1-8 while the learner samples: on 2 cores
+    writers are descheduled mid-copy all the time. Not one sampled row may be torn."""
+    ctx = mp.get_context(method)
+    buf = make(WIDE, capacity=64, name=name)
+    done = ctx.Queue()
+    for w in (1, 2):
+        p = ctx.Process(target=_wide_writer, args=(buf, w, 2.5, done))  # the buffer pickles as its handle
+        p.start()
+        procs.append(p)
+    while len(buf) == 0:
+        time.sleep(0.001)
+    sampled = bad = 0
+    while any(p.is_alive() for p in procs):
+        batch = buf.sample(32)
+        bad += torn(batch).size
+        sampled += len(batch)
+    pushed = [done.get(timeout=30) for _ in procs]
+    for p in procs:
+        p.join(10)
+        assert p.exitcode == 0
+    assert bad == 0, f"{bad} torn rows among {sampled} sampled"
+    assert sampled > 1000 and min(pushed) > 100
+    # nothing lost: every row the ring holds now is committed and intact
+    assert buf.stats["inserted"] == sum(pushed) and len(buf) == 64
+    rows = buf.get(slice(None))
+    assert torn(rows).size == 0
+    assert np.array_equal(rows.index, np.arange(sum(pushed) - 64, sum(pushed)))
+
+
+class _DieOnThirdField(dict):
+    """Stands in for the buffer's column table; SIGKILLs the process mid-copy."""
+
+    def __init__(self, base: dict) -> None:
+        super().__init__(base)
+        self.calls = 0
+
+    def __getitem__(self, key: str) -> Any:
+        self.calls += 1
+        if self.calls == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(key)
+
+
+def _die_mid_push(handle: sb.BufferHandle) -> None:
+    buf = sb.ReplayBuffer.attach(handle)
+    buf._targets = _DieOnThirdField(buf._targets)
+    buf.push(transition(1000, 4))
+
+
+def _die_holding_lock(handle: sb.BufferHandle) -> None:
+    buf = sb.ReplayBuffer.attach(handle)
+    buf.ring.lock.acquire()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_writer_killed_mid_push(method: str, make: Make, name: str, procs: list) -> None:
+    ctx = mp.get_context(method)
+    buf = make(MUJOCO, capacity=16, name=name)
+    buf.push(transition(0, 4))
+    p = ctx.Process(target=_die_mid_push, args=(buf.handle,))
+    p.start()
+    procs.append(p)
+    deadline = time.monotonic() + 30
+    while p.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p.exitcode == -signal.SIGKILL
+    assert len(buf) == 8  # 4 committed rows and the dead writer's 4 reserved ones
+    # its rows 4..7 were half written: never sampled, never read
+    for _ in range(50):
+        assert set(seq_of(buf.sample(64))) <= {0, 1, 2, 3}
+    with pytest.raises(sb.EmptyBufferError, match="lost: its writer died mid-push"):
+        buf.get(5)
+    assert buf.stats["reclaimed"] == 4  # sample() or get() reaped them
+    # the lock is free and the other writers go on, over the dead rows and round the ring
+    buf.ring.lock.acquire(timeout=1)
+    buf.ring.lock.release()
+    buf.push(transition(100, 16))
+    assert seq_of(buf.get(slice(None))).tolist() == list(range(100, 116))
+
+
+def test_dead_writers_rows_are_reclaimed_by_lapping(make: Make, name: str, procs: list) -> None:
+    """Without anyone reaping, a reservation that comes round to a dead writer's rows takes them."""
+    ctx = mp.get_context("spawn")
+    buf = make(MUJOCO, capacity=8, name=name)
+    p = ctx.Process(target=_die_mid_push, args=(buf.handle,))
+    p.start()
+    procs.append(p)
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    buf.push(transition(0, 8))
+    assert buf.stats["reclaimed"] == 4
+    assert seq_of(buf.get(slice(None))).tolist() == list(range(8))
+
+
+def test_writer_killed_holding_the_lock(make: Make, name: str, procs: list) -> None:
+    ctx = mp.get_context("spawn")
+    buf = make(MUJOCO, capacity=16, name=name)
+    p = ctx.Process(target=_die_holding_lock, args=(buf.handle,))
+    p.start()
+    procs.append(p)
+    p.join(30)
+    assert p.exitcode == -signal.SIGKILL
+    start = time.monotonic()
+    buf.push(transition(0, 3))  # would hang forever with a multiprocessing.Lock
+    assert time.monotonic() - start < 5
+    assert buf.stats["lock_recoveries"] == 1 and len(buf) == 3
+
+
+def _mujoco_writer(buf: sb.ReplayBuffer, writer: int) -> None:
+    i = 0
+    while True:
+        buf.push(transition((writer * 2**16 + i) % 2**23, 8))  # float32 holds integers < 2**24 exactly
+        i += 8
+
+
+@pytest.mark.slow
+def test_random_kills_under_load(make: Make, name: str, procs: list) -> None:
+    """Writers SIGKILLed at random moments while others push and the learner samples."""
+    ctx = mp.get_context("fork" if "fork" in START_METHODS else "spawn")
+    buf = make(MUJOCO, capacity=256, name=name)
+    rng = np.random.default_rng(0)
+    steady = ctx.Process(target=_mujoco_writer, args=(buf, 1))
+    steady.start()
+    procs.append(steady)
+    kills = 0
+    end = time.monotonic() + 3
+    while time.monotonic() < end:
+        victim = ctx.Process(target=_mujoco_writer, args=(buf, 2 + kills))
+        victim.start()
+        procs.append(victim)
+        stop_at = time.monotonic() + rng.uniform(0.05, 0.3)
+        while time.monotonic() < stop_at:
+            if len(buf):
+                seq_of(buf.sample(64))  # checks every value of every row
+        victim.kill()
+        kills += 1
+    for _ in range(100):
+        seq_of(buf.sample(64))
+    steady.kill()
+    steady.join()
+    assert kills >= 5 and buf.stats["inserted"] > 1000
+
+
+def test_a_zombie_counts_as_dead() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = psutil.Process(proc.pid).create_time()
+        assert segment.process_alive(proc.pid, started)
+        assert not segment.process_alive(proc.pid, started + 5)  # same pid, another process
+        proc.kill()
+        deadline = time.monotonic() + 10
+        while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not segment.process_alive(proc.pid, started)  # not yet reaped: a zombie
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# -- handles crossing process boundaries -----------------------------------------------------
+
+
+def _push_from(handle: sb.BufferHandle, start: int) -> int:
+    with sb.ReplayBuffer.attach(handle) as buf:
+        buf.push(transition(start, 10))
+        return len(buf)
+
+
+def _consume(queue: Any, results: Any) -> None:
+    handle = queue.get()
+    results.put(_push_from(handle, 500))
+
+
+def test_handle_crosses_queue(make: Make, name: str, procs: list) -> None:
+    ctx = mp.get_context("spawn")
+    buf = make(MUJOCO, capacity=100, name=name)
+    queue, results = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_consume, args=(queue, results))
+    p.start()
+    procs.append(p)
+    queue.put(buf.handle)
+    assert results.get(timeout=60) == 10
+    p.join(30)
+    assert sorted(seq_of(buf.get(slice(None)))) == list(range(500, 510))
+
+
+@pytest.mark.parametrize("method", START_METHODS)
+def test_handle_crosses_pool(method: str, make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=100, name=name)
+    with mp.get_context(method).Pool(2) as pool:
+        pool.starmap(_push_from, [(buf.handle, 0), (buf.handle, 10), (buf.handle, 20)])
+    assert sorted(seq_of(buf.get(slice(None)))) == list(range(30))
+
+
+def test_handle_crosses_multiprocess_workers(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=100, name=name)
+    with multiprocess.get_context("spawn").Pool(2) as pool:
+        pool.starmap(_push_from, [(buf.handle, 0), (buf.handle, 10)])
+    with multiprocess.get_context("spawn").Pool(1) as pool:
+        pool.map(lambda h: _push_from(h, 20), [buf.handle])  # dill: lambdas cross too
+    assert sorted(seq_of(buf.get(slice(None)))) == list(range(30))
+
+
+# -- the resource tracker ---------------------------------------------------------------------
+
+
+def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "error"}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_unrelated_attacher_leaves_no_trace(make: Make, name: str) -> None:
+    """A process that is no child of the creator attaches, pushes and exits, with and without
+    close(): no resource_tracker warning, and the segment is still there afterwards."""
+    buf = make(MUJOCO, capacity=100, name=name)
+    for close in ("buf.close()", "pass"):
+        out = run_python(f"""
+            import shmbuffer as sb, numpy as np
+            from tests.conftest import transition
+            buf = sb.ReplayBuffer.attach({name!r})
+            buf.push(transition(0, 5))
+            {close}
+        """)
+        assert out.returncode == 0 and out.stderr == "", out.stderr
+        assert os.path.exists(segment.path_of(name))
+    assert len(buf) == 10
+
+
+def test_multiprocess_children_leave_no_trace(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=100, name=name)
+    out = run_python(f"""
+        import multiprocess
+        def push(i):
+            import shmbuffer as sb  # dill sends this function by value, without __main__'s globals
+            from tests.conftest import transition
+            b = sb.ReplayBuffer.attach({name!r})
+            b.push(transition(i, 1))
+            return len(b)
+        if __name__ == "__main__":
+            for method in ("spawn", "fork", "forkserver"):
+                with multiprocess.get_context(method).Pool(2) as pool:
+                    pool.map(push, range(3))
+    """)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert len(buf) == 9 and os.path.exists(segment.path_of(name))
+
+
+def test_creator_exit_removes_the_segment(name: str) -> None:
+    out = run_python(f"""
+        import shmbuffer as sb
+        from tests.conftest import MUJOCO, transition
+        buf = sb.ReplayBuffer(MUJOCO, 100, name={name!r})
+        buf.push(transition(0, 5))
+        view = buf.column("obs")  # still alive at exit: close() cannot unmap, unlink still happens
+    """)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert not os.path.exists(segment.path_of(name))
+
+
+def test_sigkilled_creator_is_cleaned_by_its_tracker(name: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time, shmbuffer as sb
+            from tests.conftest import MUJOCO
+            buf = sb.ReplayBuffer(MUJOCO, 100, name={name!r})
+            print("ready", flush=True)
+            time.sleep(60)
+        """)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=os.path.dirname(os.path.dirname(__file__)),
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        header = segment.read_header(name)
+        assert header.creator_pid == proc.pid and header.creator_alive
+        proc.kill()
+        proc.wait(10)
+        assert not header.creator_alive
+        deadline = time.monotonic() + 20
+        while os.path.exists(segment.path_of(name)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(segment.path_of(name))
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        if os.path.exists(segment.path_of(name)):
+            os.unlink(segment.path_of(name))
