@@ -12,7 +12,7 @@ existing block by name or handle and never removes it. ``close()`` unmaps this p
 (``BufferError`` while arrays from ``view()``/``column()`` are alive; call it again after deleting
 them); ``unlink()`` removes the name, and happens by itself when the creator exits or drops the
 buffer. Both are idempotent. As a context manager the creator closes and unlinks; an attacher only
-closes. A buffer pickles as its handle, so passing it to a spawned worker attaches there.
+closes; views still alive at the end of the block keep this process's mapping until they go. A buffer pickles as its handle, so passing it to a spawned worker attaches there.
 
 Reading: ``sample`` and ``get`` return stamped copies (never a torn row, see ``ring.py``);
 ``view`` and ``column`` return zero-copy, read-only views of live memory, which writers may
@@ -168,6 +168,9 @@ class ReplayBuffer:
 
     def close(self) -> None:
         """Unmap this process's view (see the module docstring). Idempotent."""
+        self._close(defer=False)
+
+    def _close(self, *, defer: bool) -> None:
         if self._segment is None:
             return
         if self._ring is not None:
@@ -175,7 +178,7 @@ class ReplayBuffer:
         self._ring = None
         self._block = None
         self._small, self._big, self._targets = {}, {}, {}
-        self._segment.close()
+        self._segment.close(defer=defer)
 
     def unlink(self) -> None:
         """Remove the buffer's name from ``/dev/shm``; open views stay valid. Idempotent."""
@@ -187,7 +190,7 @@ class ReplayBuffer:
 
     def __exit__(self, *exc: object) -> None:
         owner = self.owner
-        self.close()
+        self._close(defer=True)  # views still held keep the mapping alive until they go
         if owner:
             self.unlink()
 

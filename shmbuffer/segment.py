@@ -355,18 +355,21 @@ class Segment:
             os.close(fd)
         return cls(header, mm, created=False)
 
-    def close(self) -> None:
-        """Unmap this process's view. Idempotent; ``BufferError`` while views are alive."""
+    def close(self, *, defer: bool = False) -> None:
+        """Unmap this process's view. Idempotent. While arrays made from the mapping are alive,
+        raise ``BufferError`` — or, with ``defer``, let go of it: the mapping then goes away with
+        the last of those arrays."""
         if self._mm is None:
             return
         self.arrays = {}
         try:
             self._mm.close()
         except BufferError:
-            raise BufferError(
-                f"buffer {self.name!r}: arrays made from its shared memory are still alive (from "
-                "view(), column() or torch tensors of them); delete them and call close() again"
-            ) from None
+            if not defer:
+                raise BufferError(
+                    f"buffer {self.name!r}: arrays made from its shared memory are still alive (from "
+                    "view(), column() or torch tensors of them); delete them and call close() again"
+                ) from None
         self._mm = None
         if not (self.owner and not self._unlinked) and self._finalizer is not None:
             self._finalizer.detach()

@@ -324,3 +324,12 @@ def test_stats(make: Make, name: str) -> None:
     buf.sample(5)
     buf.sample(3)
     assert buf.stats == {"inserted": 7, "sampled": 8, "reclaimed": 0, "lock_recoveries": 0}
+
+
+def test_context_exit_with_live_views(name: str) -> None:
+    with sb.ReplayBuffer(MUJOCO, capacity=10, name=name) as buf:
+        buf.push(transition(0, 3))
+        view = buf.view(0, 3)
+    assert buf.closed and not os.path.exists(segment.path_of(name))
+    assert seq_of(view).tolist() == [0, 1, 2]  # the mapping lives as long as the view
+    del view

@@ -1,0 +1,50 @@
+"""The README's code and the examples run as written (as subprocesses, with tiny sizes)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "error", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stderr == "", out.stderr
+    return out
+
+
+def test_readme_quick_start_runs() -> None:
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, "README.md has no python block"
+    run(["-c", blocks[0]])
+
+
+def test_readme_commands_are_the_ci_commands() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "eval \"$cmd\"" in ci and "README.md" in ci
+    text = (ROOT / "README.md").read_text()
+    assert "pytest -n auto" in text and "shmbuffer demo" in text
+
+
+EXAMPLES = {
+    "quickstart.py": ["--capacity", "1000", "--seconds", "1"],
+}
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_example_runs(example: str) -> None:
+    out = run([str(ROOT / "examples" / example), *EXAMPLES[example]])
+    assert out.stdout.strip()
+
+
+def test_every_example_is_smoke_tested() -> None:
+    assert sorted(p.name for p in (ROOT / "examples").glob("*.py")) == sorted(EXAMPLES)
