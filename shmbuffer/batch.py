@@ -31,6 +31,8 @@ def torch_dtype(dtype: np.dtype[Any]) -> Any:
 def _tensor(a: Any) -> Any:
     import torch
 
+    if type(a) is np.ndarray and a.flags.writeable:
+        return torch.from_numpy(a)
     if isinstance(a, torch.Tensor):
         return a
     a = np.asarray(a)
@@ -113,11 +115,16 @@ class Batch:
     def to(self, device: Any = None, *, non_blocking: bool = False) -> Batch:
         """The same rows as torch tensors on ``device`` (CPU by default, zero-copy there).
 
-        The packed small fields travel as one block; on the device they are views of it.
+        To another device the packed small fields travel as one block and become views of it.
         """
         import torch
 
         dev = torch.device(device) if device is not None else torch.device("cpu")
+        if dev.type == "cpu":  # zero-copy: the fields already share the gathered block
+            return Batch(
+                {name: _tensor(a).cpu() for name, a in self.fields.items()},
+                {name: _tensor(a).cpu() for name, a in self.extras.items()},
+            )
 
         def move(a: Any) -> Any:
             t = _tensor(a)
@@ -127,7 +134,7 @@ class Batch:
         block = None
         if self._block is not None and self._record is not None:
             block = move(self._block)
-            fields.update(torch_views(block, self._record))
+            fields = torch_views(block, self._record)
         out = {name: fields[name] if name in fields else move(a) for name, a in self.fields.items()}
         extras = {name: move(a) for name, a in self.extras.items()}
         return Batch(out, extras, block=block, record=self._record)
@@ -153,11 +160,21 @@ class Batch:
 
 def torch_views(block: Any, record: Record) -> dict[str, Any]:
     """Views of each small field of a ``(n, itemsize)`` uint8 tensor, like ``Record.views``."""
+    import torch
+
     n = block.shape[0]
+    typed: dict[Any, Any] = {}
     out = {}
     for name, offset in record.offsets.items():
         sub = record.dtype[name]
         base, shape = (sub.base, sub.shape) if sub.shape else (sub, ())
-        width = sub.itemsize
-        out[name] = block[:, offset:offset + width].view(torch_dtype(base)).view(n, *shape)
+        size = base.itemsize
+        tdtype = torch_dtype(base)
+        if tdtype not in typed:
+            typed[tdtype] = block.view(tdtype)  # (n, itemsize / size): the record's width divides
+        flat = typed[tdtype]
+        inner = [int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape))]
+        out[name] = torch.as_strided(
+            flat, (n, *shape), (flat.stride(0), *inner), flat.storage_offset() + offset // size
+        )
     return out

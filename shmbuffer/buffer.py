@@ -35,6 +35,7 @@ from .ring import Ring
 from .schema import Schema
 from .segment import ColumnSpec, Segment
 
+_NONE = np.empty(0, np.int64)
 REDRAW_ROUNDS = 8
 """Rounds of re-drawing rows that were being written before scanning for committed rows."""
 
@@ -277,35 +278,42 @@ class ReplayBuffer:
         always has ``n`` rows; ``batch.index`` holds their ids.
         """
         ring = self.ring
-        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n <= 0:
+        if type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool)) or n <= 0:
             raise ValueError(f"sample: expected a positive number of rows, got {n!r}")
-        start, stop = ring.bounds()
-        sizes = stop - start
-        total = int(sizes.sum())
-        if total == 0:
-            raise EmptyBufferError(f"sample({n}): buffer {self.name!r} is empty; push rows first")
-        if not replace and n > total:
+        ids = self._uniform(n, replace, _NONE)
+        if ids.size < n:
+            if len(ring) == 0:
+                raise EmptyBufferError(f"sample({n}): buffer {self.name!r} is empty; push rows first")
             raise EmptyBufferError(
-                f"sample({n}, replace=False): buffer {self.name!r} holds only {total} rows"
+                f"sample({n}, replace=False): buffer {self.name!r} holds only {len(ring)} rows"
             )
-        rng = self._rng
-
-        def draw(k: int, taken: np.ndarray) -> np.ndarray:
-            start, stop = ring.bounds()
-            sizes = stop - start
-            m = int(sizes.sum())
-            if replace:
-                if m == 0:
-                    return np.empty(0, np.int64)
-                return _ids_at((rng.random(k) * m).astype(np.int64), start, sizes)
-            pick = rng.choice(m, size=min(m, k + taken.size), replace=False)
-            ids = _ids_at(pick, start, sizes)
-            return ids[~np.isin(ids, taken)][:k]
-
-        ids = draw(n, np.empty(0, np.int64))
-        batch = self._fetch(ids, draw, unique=not replace)
+        batch = self._fetch(ids, lambda k, taken: self._uniform(k, replace, taken), unique=not replace)
         ring.count_sampled(n)
         return batch
+
+    def _uniform(self, k: int, replace: bool, taken: np.ndarray) -> np.ndarray:
+        """``k`` ids drawn uniformly from the rows that count now, none of ``taken`` when not
+        ``replace``; fewer when there are not enough rows."""
+        ring = self.ring
+        rng = self._rng
+        if ring.lanes == 1:
+            start, stop = ring.span()
+            m = stop - start
+            if m <= 0:
+                return _NONE
+            if replace:
+                return start + (rng.random(k) * m).astype(np.int64)
+            pick = rng.choice(m, size=min(m, k + taken.size), replace=False) + start
+        else:
+            first, last = ring.bounds()
+            sizes = last - first
+            m = int(sizes.sum())
+            if m <= 0:
+                return _NONE
+            if replace:
+                return _ids_at((rng.random(k) * m).astype(np.int64), first, sizes)
+            pick = _ids_at(rng.choice(m, size=min(m, k + taken.size), replace=False), first, sizes)
+        return pick[~np.isin(pick, taken)][:k] if taken.size else pick[:k]
 
     def _gather(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict[str, np.ndarray]]:
         """Stamps, rows, stamps again: the reader's half of the commit protocol (``ring.py``)."""
@@ -331,7 +339,10 @@ class ReplayBuffer:
         ring = self.ring
         first, second, block, big = self._gather(ring.slots(ids))
         expect = ring.expected(ids)
-        bad = np.flatnonzero((first != expect) | (second != expect))
+        first ^= expect
+        second ^= expect
+        first |= second
+        bad = np.flatnonzero(first) if first.any() else _NONE
         rounds = 0
         while bad.size:
             rounds += 1

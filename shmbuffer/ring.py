@@ -231,6 +231,12 @@ class Ring:
         start = np.maximum(self._lanes[:, 1], cur - self.lane_capacity)
         return np.minimum(start, cur), cur
 
+    def span(self) -> tuple[int, int]:
+        """``bounds()`` of a one-lane ring, as ints (the sampling fast path)."""
+        cur = int(self._lanes[0, 0])
+        start = max(int(self._lanes[0, 1]), cur - self.lane_capacity)
+        return min(start, cur), cur
+
     def slots(self, ids: np.ndarray) -> np.ndarray:
         if self.lanes == 1:
             return ids % self.lane_capacity
@@ -239,7 +245,13 @@ class Ring:
 
     def expected(self, ids: np.ndarray) -> np.ndarray:
         """The committed stamp each id must show."""
-        return 2 * (ids // self.lanes) + 2
+        if self.lanes == 1:
+            out = ids * 2
+        else:
+            out = ids // self.lanes
+            out *= 2
+        out += 2
+        return out
 
     def committed_ids(self) -> np.ndarray:
         """Ids of every committed row that counts now (a scan of the stamps; the slow path)."""

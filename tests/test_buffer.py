@@ -333,3 +333,20 @@ def test_context_exit_with_live_views(name: str) -> None:
     assert buf.closed and not os.path.exists(segment.path_of(name))
     assert seq_of(view).tolist() == [0, 1, 2]  # the mapping lives as long as the view
     del view
+
+
+def test_torch_views_of_the_record_match_numpy() -> None:
+    """The device path's views of the packed block (checked here on CPU tensors)."""
+    from shmbuffer.batch import torch_views
+
+    schema = sb.Schema(a=((3,), "bool"), b=((), "float64"), c=((5,), "int16"), d=((2, 3), "float32"),
+                       e=((), "complex128"), f=((2,), "uint8"))
+    rec = schema.record
+    assert rec.itemsize % 16 == 0
+    block = np.random.default_rng(0).integers(0, 255, (7, rec.itemsize), dtype=np.uint8)
+    want = rec.views(block)
+    for offset_rows in (0, 2):  # also a block that starts inside a larger tensor
+        got = torch_views(torch.from_numpy(block)[offset_rows:], rec)
+        for name in schema.names:
+            assert got[name].dtype == torch.from_numpy(want[name][:1].copy()).dtype
+            assert np.array_equal(got[name].numpy(), want[name][offset_rows:], equal_nan=name in "bde"), name
