@@ -121,9 +121,12 @@ class Batch:
 
         dev = torch.device(device) if device is not None else torch.device("cpu")
         if dev.type == "cpu":  # zero-copy: the fields already share the gathered block
+            def cpu(a: Any) -> Any:
+                return torch.from_numpy(a) if type(a) is np.ndarray and a.flags.writeable else _tensor(a).cpu()
+
             return Batch(
-                {name: _tensor(a).cpu() for name, a in self.fields.items()},
-                {name: _tensor(a).cpu() for name, a in self.extras.items()},
+                {name: cpu(a) for name, a in self.fields.items()},
+                {name: cpu(a) for name, a in self.extras.items()},
             )
 
         def move(a: Any) -> Any:
