@@ -15,6 +15,7 @@ from .errors import (
     UnsupportedPlatform,
     WaitTimeout,
 )
+from .samplers import Prioritized, Uniform
 from .schema import Field, Schema
 
 __version__ = "0.1.0"
@@ -29,11 +30,13 @@ __all__ = [
     "FieldError",
     "LayoutError",
     "OutOfSharedMemory",
+    "Prioritized",
     "ReplayBuffer",
     "Schema",
     "SchemaError",
     "SegmentNotFound",
     "ShmBufferError",
+    "Uniform",
     "UnsupportedPlatform",
     "WaitTimeout",
 ]

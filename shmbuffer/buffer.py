@@ -30,14 +30,19 @@ import numpy as np
 
 from . import ring as ring_mod
 from .batch import Batch
-from .errors import ClosedError, EmptyBufferError, LayoutError, SchemaError, WaitTimeout
+from .errors import ClosedError, EmptyBufferError, FieldError, LayoutError, SchemaError, WaitTimeout
 from .ring import Ring
+from .samplers import Priorities, Prioritized, Sampler, Uniform, check_priorities, sampler_from_json, uniform_ids
 from .schema import Schema
 from .segment import ColumnSpec, Segment
 
 _NONE = np.empty(0, np.int64)
 REDRAW_ROUNDS = 8
-"""Rounds of re-drawing rows that were being written before scanning for committed rows."""
+"""Rounds of re-drawing rows that were being written before the slow path (a scan, or reaping
+dead writers' rows) starts."""
+UNIFORM = Uniform()
+GIVE_UP = 1.0
+"""Seconds a sample may keep re-drawing before it raises."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +52,48 @@ class BufferHandle:
     name: str
 
 
-def _columns(schema: Schema, capacity: int, lanes: int) -> list[ColumnSpec]:
-    cols = ring_mod.columns(capacity, lanes)
+@dataclass(frozen=True)
+class Options:
+    """What shapes a block besides its schema; stored in its metadata, read back on attach."""
+
+    capacity: int
+    lanes: int = 1
+    sampler: Sampler = UNIFORM
+    max_use: int | None = None
+    episodes: bool = False
+
+    def __post_init__(self) -> None:
+        cap, lanes, max_use = self.capacity, self.lanes, self.max_use
+        if not isinstance(cap, (int, np.integer)) or isinstance(cap, bool) or cap <= 0:
+            raise ValueError(f"capacity: expected a positive int, got {cap!r}")
+        if not isinstance(lanes, (int, np.integer)) or isinstance(lanes, bool) or lanes <= 0 or cap % lanes:
+            raise ValueError(f"lanes: expected a positive divisor of capacity {cap}, got {lanes!r}")
+        if max_use is not None and (not isinstance(max_use, (int, np.integer)) or isinstance(max_use, bool) or max_use <= 0):
+            raise ValueError(f"max_use: expected a positive int or None, got {max_use!r}")
+        if not isinstance(self.sampler, (Uniform, Prioritized)):
+            raise ValueError(f"sampler: expected Uniform() or Prioritized(...), got {self.sampler!r}")
+
+    @property
+    def tree(self) -> bool:
+        """Whether draws go through the priority tree (prioritized, or any sampler with max_use)."""
+        return isinstance(self.sampler, Prioritized) or self.max_use is not None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"capacity": int(self.capacity), "lanes": int(self.lanes), "sampler": self.sampler.to_json(),
+                "max_use": None if self.max_use is None else int(self.max_use), "episodes": bool(self.episodes)}
+
+    @classmethod
+    def from_json(cls, spec: dict[str, Any]) -> Options:
+        return cls(spec["capacity"], spec["lanes"], sampler_from_json(spec["sampler"]), spec["max_use"], spec["episodes"])
+
+
+def _columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
+    capacity = int(opts.capacity)
+    cols = ring_mod.columns(capacity, int(opts.lanes))
+    if opts.tree:
+        cols += Priorities.columns(capacity, opts.max_use)
+    if opts.episodes:
+        cols.append(ColumnSpec("_episode", (capacity,), np.dtype(np.int64)))
     if schema.record.itemsize:
         cols.append(ColumnSpec("_record", (capacity, schema.record.itemsize), np.dtype(np.uint8)))
     cols += [ColumnSpec(f.name, (capacity, *f.shape), f.dtype) for f in schema.columns]
@@ -67,7 +112,10 @@ class ReplayBuffer:
     """A fixed-schema ring of rows in one shared-memory block (see the module docstring).
 
     ``capacity`` rows in all, split into ``lanes`` equal lanes (a writer that pushes into its own
-    lane keeps its consecutive steps consecutive). ``name`` names the block (default: the pid and
+    lane keeps its consecutive steps consecutive; give each env a lane for sequences).
+    ``sampler`` is ``Uniform()`` or ``Prioritized(...)``; with ``max_use`` a row leaves the
+    sampling set after that many draws; with ``episodes`` every push names the episode of its rows
+    (sequences, n-step returns and groups need it). ``name`` names the block (default: the pid and
     a random token); ``seed`` seeds this process's sampling.
     """
 
@@ -79,21 +127,20 @@ class ReplayBuffer:
         schema: Schema | Mapping[str, Any],
         capacity: int,
         *,
+        sampler: Sampler = UNIFORM,
+        max_use: int | None = None,
         lanes: int = 1,
+        episodes: bool = False,
         name: str | None = None,
         seed: int | np.random.Generator | None = None,
     ) -> None:
         schema = _as_schema(schema)
-        if not isinstance(capacity, (int, np.integer)) or isinstance(capacity, bool) or capacity <= 0:
-            raise ValueError(f"capacity: expected a positive int, got {capacity!r}")
-        if not isinstance(lanes, (int, np.integer)) or lanes <= 0 or capacity % lanes:
-            raise ValueError(f"lanes: expected a positive divisor of capacity {capacity}, got {lanes!r}")
+        opts = Options(capacity, lanes, sampler, max_use, episodes)
         ring_mod.check_platform()
-        capacity, lanes = int(capacity), int(lanes)
-        meta = {"schema": schema.to_json(), "capacity": capacity, "lanes": lanes, "record": schema.record.itemsize}
-        segment = Segment.create(name, meta, _columns(schema, capacity, lanes), schema.fingerprint)
+        meta = {"schema": schema.to_json(), "options": opts.to_json(), "record": schema.record.itemsize}
+        segment = Segment.create(name, meta, _columns(schema, opts), schema.fingerprint)
         try:
-            self._setup(segment, schema, seed, initialise=True)
+            self._setup(segment, schema, opts, seed, initialise=True)
         except BaseException:
             segment.close()
             segment.unlink()
@@ -117,8 +164,8 @@ class ReplayBuffer:
                 raise LayoutError(f"buffer {name!r} is damaged: its schema does not match its fingerprint")
             if schema is not None and _as_schema(schema) != found:
                 raise SchemaError(f"buffer {name!r} has schema {found}, expected {_as_schema(schema)}")
-            capacity, lanes = int(segment.meta["capacity"]), int(segment.meta["lanes"])
-            expected = [(c.name, list(c.shape), c.dtype.str) for c in _columns(found, capacity, lanes)]
+            opts = Options.from_json(segment.meta["options"])
+            expected = [(c.name, list(c.shape), c.dtype.str) for c in _columns(found, opts)]
             stored = [(c["name"], c["shape"], c["dtype"]) for c in segment.meta["columns"]]
             if stored != expected:
                 raise LayoutError(
@@ -126,24 +173,28 @@ class ReplayBuffer:
                     f"uses; use the release that created it"
                 )
             self = cls.__new__(cls)
-            self._setup(segment, found, seed, initialise=False)
+            self._setup(segment, found, opts, seed, initialise=False)
         except BaseException:
             segment.close()
             raise
         return self
 
-    def _setup(self, segment: Segment, schema: Schema, seed: Any, *, initialise: bool) -> None:
+    def _setup(self, segment: Segment, schema: Schema, opts: Options, seed: Any, *, initialise: bool) -> None:
         self._segment = segment
         self.schema = schema
+        self.options = opts
         self.name = segment.name
         arrays = segment.arrays
         self._ring = Ring(arrays, initialise=initialise)
+        self._prios = Priorities(arrays, opts.sampler, opts.max_use, initialise=initialise) if opts.tree else None
+        self._episode = arrays.get("_episode")
         self._record = schema.record
         self._block = arrays.get("_record")
         self._small = self._record.views(self._block) if self._block is not None else {}
         self._big = {f.name: arrays[f.name] for f in schema.columns}
         self._targets = {**self._small, **self._big}
         self._rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+        self._calls = 0
 
     # -- identity and lifecycle ----------------------------------------------------------------
     @property
@@ -177,7 +228,8 @@ class ReplayBuffer:
         if self._ring is not None:
             self._ring.forget_writer()
         self._ring = None
-        self._block = None
+        self._prios = None
+        self._block = self._episode = None
         self._small, self._big, self._targets = {}, {}, {}
         self._segment.close(defer=defer)
 
@@ -233,17 +285,29 @@ class ReplayBuffer:
 
     def clear(self) -> None:
         """Forget every row (MindSpore's ``reset``). Ids keep growing; see ``Ring.clear``."""
-        self.ring.clear()
+        prios = self._prios
+        self.ring.clear(also=prios.clear if prios is not None else None)
 
     reset = clear
 
     # -- writing -------------------------------------------------------------------------------
-    def push(self, data: Mapping[str, Any] | None = None, /, *, lane: int | Any = 0, **fields: Any) -> np.ndarray:
+    def push(
+        self,
+        data: Mapping[str, Any] | None = None,
+        /,
+        *,
+        lane: int | Any = 0,
+        episode: int | Any = None,
+        priority: float | Any = None,
+        **fields: Any,
+    ) -> np.ndarray:
         """Append one row, or ``k`` rows given with a leading dimension; return their ids.
 
         Fields come as keywords (cpprb's ``add``) or as one mapping (DI-engine's ``push``).
-        ``lane`` is a lane number, or one lane per row. Everything is checked before the buffer
-        is touched: on any error it is exactly as it was.
+        ``lane``: a lane number, or one per row. ``episode``: the episode id of the rows (one, or
+        one per row), required when the buffer keeps episodes. ``priority``: the rows' priority
+        (one, or one per row; Ape-X style), else the largest given so far. Everything is checked
+        before the buffer is touched: on any error it is exactly as it was.
         """
         ring = self.ring
         if data is not None:
@@ -255,6 +319,12 @@ class ReplayBuffer:
         k, arrays = self.schema.validate(fields)
         lane = int(lane) if isinstance(lane, (int, np.integer)) else np.asarray(lane, dtype=np.int64)
         ring.check_push(k, lane)
+        episodes = self._check_episode(episode, k)
+        prios = self._prios
+        if priority is not None:
+            if prios is None or not prios.prioritized:
+                raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
+            priority = check_priorities(priority, k)
         if k == 0:
             return np.empty(0, np.int64)
         res = ring.reserve(k, lane)
@@ -262,24 +332,69 @@ class ReplayBuffer:
             targets = self._targets
             for name, a in arrays.items():
                 targets[name][res.where] = a
+            if episodes is not None and self._episode is not None:
+                self._episode[res.where] = episodes
         except BaseException:
             ring.abandon(res)
             raise
         ring.commit(res)
+        if prios is not None:
+            with ring.lock:
+                # rows a faster writer lapped meanwhile, or a clear() dropped, get nothing
+                mine = ring.current(res.ids)
+                if not mine.all():
+                    mine &= res.ids >= 0
+                slots = ring.slots(res.ids[mine]) if not mine.all() else ring.slots(res.ids)
+                prios.set_rows(slots, None if priority is None else priority[mine], fresh=True)
         return res.ids
 
     add = push
 
-    # -- reading -------------------------------------------------------------------------------
-    def sample(self, n: int, *, replace: bool = True) -> Batch:
-        """``n`` rows drawn uniformly from the committed rows, as one gathered copy.
+    def _check_episode(self, episode: Any, k: int) -> np.ndarray | None:
+        if not self.options.episodes:
+            if episode is not None:
+                raise FieldError("episode: this buffer does not keep episodes; create it with episodes=True")
+            return None
+        if episode is None:
+            raise FieldError("episode: this buffer keeps episodes (episodes=True); push(..., episode=id) is required")
+        e = np.asarray(episode)
+        if e.dtype.kind not in "iu" or e.shape not in ((), (k,)):
+            raise FieldError(f"episode: expected an int or {k} ints, got {e.dtype} of shape {e.shape}")
+        return e.astype(np.int64, copy=False)
 
-        ``replace=False`` draws ``n`` distinct rows. Rows being written are re-drawn, so the batch
-        always has ``n`` rows; ``batch.index`` holds their ids.
+    def update_priorities(self, rows: Batch | Any, priorities: Any) -> int:
+        """Set the priorities of sampled rows (a batch, or its ``index``), from any process.
+
+        Rows overwritten since they were sampled are skipped; returns how many were updated.
+        NaN, infinite or negative priorities raise ``FieldError`` and change nothing.
         """
         ring = self.ring
-        if type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool)) or n <= 0:
+        prios = self._prios
+        if prios is None or not prios.prioritized:
+            raise FieldError("update_priorities: this buffer samples uniformly; create it with sampler=Prioritized(...)")
+        ids = rows.index if isinstance(rows, Batch) else rows
+        if hasattr(ids, "detach"):
+            ids = ids.detach().cpu().numpy()
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        p = check_priorities(priorities, ids.size)
+        with ring.lock:
+            live = ring.current(ids)
+            prios.set_rows(ring.slots(ids[live]), p[live], fresh=False)
+        return int(live.sum())
+
+    # -- reading -------------------------------------------------------------------------------
+    def sample(self, n: int, *, replace: bool = True) -> Batch:
+        """``n`` rows drawn by the buffer's sampler, as one gathered copy.
+
+        ``replace=False`` draws ``n`` distinct rows. Rows being written are re-drawn, so the batch
+        always has ``n`` rows. ``batch.index`` holds their ids; a prioritized buffer adds
+        ``batch.weight`` (importance-sampling weights).
+        """
+        ring = self.ring
+        if (type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool))) or n <= 0:
             raise ValueError(f"sample: expected a positive number of rows, got {n!r}")
+        if self._prios is not None:
+            return self._sample_tree(n, replace)
         ids = self._uniform(n, replace, _NONE)
         if ids.size < n:
             if len(ring) == 0:
@@ -287,33 +402,47 @@ class ReplayBuffer:
             raise EmptyBufferError(
                 f"sample({n}, replace=False): buffer {self.name!r} holds only {len(ring)} rows"
             )
-        batch = self._fetch(ids, lambda k, taken: self._uniform(k, replace, taken), unique=not replace)
+        batch = self._fetch(ids, lambda k, taken: (self._uniform(k, replace, taken), None), unique=not replace)
         ring.count_sampled(n)
         return batch
 
     def _uniform(self, k: int, replace: bool, taken: np.ndarray) -> np.ndarray:
-        """``k`` ids drawn uniformly from the rows that count now, none of ``taken`` when not
-        ``replace``; fewer when there are not enough rows."""
         ring = self.ring
-        rng = self._rng
-        if ring.lanes == 1:
+        if ring.lanes == 1 and replace:  # the hot path, without building arrays of bounds
             start, stop = ring.span()
-            m = stop - start
-            if m <= 0:
+            if stop <= start:
                 return _NONE
-            if replace:
-                return start + (rng.random(k) * m).astype(np.int64)
-            pick = rng.choice(m, size=min(m, k + taken.size), replace=False) + start
+            return start + (self._rng.random(k) * (stop - start)).astype(np.int64)
+        first, last = ring.bounds()
+        return uniform_ids(self._rng, k, first, last, replace=replace, taken=taken)
+
+    def _sample_tree(self, n: int, replace: bool) -> Batch:
+        ring = self.ring
+        prios = self._prios
+        assert prios is not None
+        if not replace and n > len(ring):
+            raise EmptyBufferError(f"sample({n}, replace=False): buffer {self.name!r} holds only {len(ring)} rows")
+        slots, leaves = prios.draw(self._rng, n, stratified=True)
+        if slots.size == 0:
+            if len(ring) == 0:
+                raise EmptyBufferError(f"sample({n}): buffer {self.name!r} is empty; push rows first")
+            raise EmptyBufferError(
+                f"sample({n}): every row of buffer {self.name!r} has been drawn max_use={prios.max_use} times"
+            )
+
+        def redraw(k: int, taken: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            more, values = prios.draw(self._rng, k, stratified=False)
+            return ring.ids_of_slots(more), values
+
+        batch = self._fetch(ring.ids_of_slots(slots), redraw, unique=not replace, extra=leaves, tree=True)
+        if isinstance(prios.sampler, Prioritized):
+            beta = prios.sampler.beta_at(self._calls)
+            batch.extras["weight"] = prios.weights(batch.extras.pop("_extra"), beta)
         else:
-            first, last = ring.bounds()
-            sizes = last - first
-            m = int(sizes.sum())
-            if m <= 0:
-                return _NONE
-            if replace:
-                return _ids_at((rng.random(k) * m).astype(np.int64), first, sizes)
-            pick = _ids_at(rng.choice(m, size=min(m, k + taken.size), replace=False), first, sizes)
-        return pick[~np.isin(pick, taken)][:k] if taken.size else pick[:k]
+            batch.extras.pop("_extra")
+        self._calls += 1
+        ring.count_sampled(n)
+        return batch
 
     def _gather(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict[str, np.ndarray]]:
         """Stamps, rows, stamps again: the reader's half of the commit protocol (``ring.py``)."""
@@ -330,11 +459,22 @@ class ReplayBuffer:
         ordered = {name: fields[name] for name in self.schema.names}
         return Batch(ordered, {"index": ids}, block=block, record=self._record if block is not None else None)
 
-    def _fetch(self, ids: np.ndarray, redraw: Callable[[int, np.ndarray], np.ndarray], *, unique: bool) -> Batch:
+    def _fetch(
+        self,
+        ids: np.ndarray,
+        redraw: Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray | None]],
+        *,
+        unique: bool,
+        extra: np.ndarray | None = None,
+        tree: bool = False,
+    ) -> Batch:
         """Gather ``ids``; re-draw every row that was not committed before and after the gather.
 
-        After ``REDRAW_ROUNDS`` rounds the remaining rows are drawn from a scan of the committed
-        rows (rows of dead writers are reaped first); ``WaitTimeout`` if there are none.
+        ``redraw(k, ids)`` gives ``k`` new ids (and their ``extra`` values, e.g. tree leaves).
+        With ``unique`` a row may appear once; with ``max_use`` every row is claimed (its use
+        counted) under the lock once it is gathered, and re-drawn when it has no uses left. After
+        ``REDRAW_ROUNDS`` rounds the slow path starts: dead writers' rows are reaped and uniform
+        draws come from a scan of the committed rows; after ``GIVE_UP`` seconds, ``WaitTimeout``.
         """
         ring = self.ring
         first, second, block, big = self._gather(ring.slots(ids))
@@ -343,39 +483,80 @@ class ReplayBuffer:
         second ^= expect
         first |= second
         bad = np.flatnonzero(first) if first.any() else _NONE
+        claiming = tree and self.options.max_use is not None
+        unclaimed = np.arange(ids.size) if claiming else _NONE
         rounds = 0
-        while bad.size:
-            rounds += 1
-            new = redraw(bad.size, ids) if rounds <= REDRAW_ROUNDS else self._scan(bad.size, ids, unique, rounds)
-            if new.size < bad.size:  # the buffer was cleared meanwhile: scan from now on
-                rounds = REDRAW_ROUNDS
-                continue
-            ids[bad] = new
-            first, second, rows, more = self._gather(ring.slots(new))
-            if block is not None and rows is not None:
-                block[bad] = rows
-            for name, col in more.items():
-                big[name][bad] = col
-            expect = ring.expected(new)
-            bad = bad[(first != expect) | (second != expect)]
-        return self._batch(ids, block, big)
-
-    def _scan(self, k: int, taken: np.ndarray, unique: bool, rounds: int) -> np.ndarray:
-        ring = self.ring
-        deadline = time.monotonic() + 1.0
+        deadline = 0.0
         while True:
-            ring.reap()
-            ok = ring.committed_ids()
-            if unique:
-                ok = ok[~np.isin(ok, taken)]
-            if ok.size >= (k if unique else 1):
-                return self._rng.choice(ok, size=k, replace=not unique)
-            if time.monotonic() > deadline:
-                raise WaitTimeout(
-                    f"buffer {self.name!r}: after {rounds} rounds, {ok.size} committed rows are "
-                    f"available for {k} more; the others are still being written"
-                )
-            time.sleep(0.001)
+            while bad.size:
+                rounds += 1
+                if rounds == REDRAW_ROUNDS + 1:
+                    deadline = time.monotonic() + GIVE_UP
+                    self._reap()
+                elif rounds > REDRAW_ROUNDS and time.monotonic() > deadline:
+                    raise WaitTimeout(
+                        f"buffer {self.name!r}: {bad.size} of {ids.size} rows could not be drawn in "
+                        f"{GIVE_UP:.0f} s ({rounds} rounds): rows are being written or used up"
+                    )
+                if rounds > REDRAW_ROUNDS and not tree:
+                    new, values = self._scan(bad.size, ids, unique), None
+                else:
+                    new, values = redraw(bad.size, ids)
+                if new.size < bad.size:  # nothing to draw from right now (cleared, or used up)
+                    if tree and self._prios is not None and self._prios.tree.total <= 0:
+                        raise EmptyBufferError(f"buffer {self.name!r}: no rows left to draw")
+                    time.sleep(0.0005)
+                    continue
+                ids[bad] = new
+                if extra is not None and values is not None:
+                    extra[bad] = values
+                first, second, rows, more = self._gather(ring.slots(new))
+                if block is not None and rows is not None:
+                    block[bad] = rows
+                for name, col in more.items():
+                    big[name][bad] = col
+                expect = ring.expected(new)
+                bad = bad[(first != expect) | (second != expect)]
+            if unique and tree:
+                bad = _repeats(ids, unclaimed if claiming else None)
+                if bad.size:
+                    continue
+            if claiming and unclaimed.size:
+                bad = unclaimed = self._claim(ids, unclaimed)
+                if bad.size:
+                    continue
+            break
+        batch = self._batch(ids, block, big)
+        if extra is not None:
+            batch.extras["_extra"] = extra
+        return batch
+
+    def _claim(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Count a use for each of ``positions``; return those that must be re-drawn."""
+        ring = self.ring
+        prios = self._prios
+        assert prios is not None
+        with ring.lock:
+            mine = ids[positions]
+            live = ring.current(mine)
+            ok = np.zeros(positions.size, bool)
+            ok[live] = prios.claim(ring.slots(mine[live]))
+        return positions[~ok]
+
+    def _reap(self) -> np.ndarray:
+        prios = self._prios
+        if prios is None:
+            return self.ring.reap()
+        return self.ring.reap(also=lambda slots: prios.tree.update(slots, 0.0))
+
+    def _scan(self, k: int, taken: np.ndarray, unique: bool) -> np.ndarray:
+        """``k`` ids drawn uniformly from a scan of the committed rows (the slow path)."""
+        ok = self.ring.committed_ids()
+        if unique:
+            ok = ok[~np.isin(ok, taken)]
+        if ok.size < (k if unique else 1):
+            return _NONE
+        return self._rng.choice(ok, size=k, replace=not unique)
 
     def get(self, index: int | slice | Any) -> Batch:
         """Rows by logical index: 0 is the oldest, -1 the newest (lane by lane when there are
@@ -407,7 +588,7 @@ class ReplayBuffer:
             if np.any(now < expect) and not np.any(now[now < expect] & 1):
                 raise EmptyBufferError(f"get({index!r}): a row was lost: its writer died mid-push")
             if time.monotonic() > deadline:
-                if ring.reap():
+                if self._reap().size:
                     raise EmptyBufferError(f"get({index!r}): a row was lost: its writer died mid-push")
                 raise WaitTimeout(f"get({index!r}): a row is still being written after 1 s")
             if np.any(now & 1):
@@ -448,6 +629,19 @@ class ReplayBuffer:
         """A zero-copy, read-only view of a whole field, ``(capacity, *shape)``, in slot order."""
         self.schema[name]
         return _readonly(self._targets[name])
+
+
+def _repeats(ids: np.ndarray, fresh: np.ndarray | None) -> np.ndarray:
+    """Positions whose id also appears at an earlier position (or, when ``fresh`` lists the
+    positions drawn last, at a position not among them): the ones to re-draw."""
+    order = np.argsort(ids, kind="stable")
+    if fresh is not None and fresh.size < ids.size:
+        # keep the rows already claimed: sort them first among equal ids
+        later = np.zeros(ids.size, bool)
+        later[fresh] = True
+        order = np.lexsort((later, ids))
+    same = ids[order][1:] == ids[order][:-1]
+    return np.sort(order[1:][same])
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:

@@ -57,6 +57,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +68,8 @@ from .lock import RobustLock
 from .segment import ColumnSpec, process_alive, start_time
 
 WRITERS = 1024
+INVALID = -(2**62)
+"""An id no slot ever holds: its expected stamp is negative, and stamps never are."""
 _X86 = {"x86_64", "amd64", "i386", "i686", "x86"}
 
 
@@ -267,20 +270,23 @@ class Ring:
         ids.sort()
         return ids
 
-    def reap(self) -> int:
-        """Mark rows whose writer died mid-copy as empty; return how many."""
+    def reap(self, also: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
+        """Mark rows whose writer died mid-copy as empty; return their slots. ``also`` runs on
+        them inside the same critical section."""
         odd = np.flatnonzero(self.stamp & 1)
         if not odd.size:
-            return 0
+            return odd
         dead = [int(o) for o in np.unique(self.owner[odd]) if not self._alive(int(o))]
         if not dead:
-            return 0
+            return odd[:0]
         with self.lock:
             odd = np.flatnonzero(self.stamp & 1)
             lost = odd[np.isin(self.owner[odd], dead)]
             self.stamp[lost] = 0
             self._stats[8] += lost.size
-        return int(lost.size)
+            if also is not None:
+                also(lost)
+        return lost
 
     def count_sampled(self, rows: int) -> None:
         self._stats[0] += rows
@@ -304,15 +310,39 @@ class Ring:
             "lock_recoveries": int(self._stats[9]),
         }
 
-    def clear(self) -> None:
+    def clear(self, also: Callable[[], None] | None = None) -> None:
         """Forget every row. Row numbers keep growing (rounded up to a lane boundary so the next
-        row lands in the lane's first slot); rows still being written stay invisible."""
+        row lands in the lane's first slot); rows still being written stay invisible. ``also``
+        runs inside the same critical section."""
         lc = self.lane_capacity
         with self.lock:
             cur = np.maximum(self._lanes[:, 0], self._lanes[:, 1])
             new = -(-cur // lc) * lc
             self._lanes[:, 1] = new  # base first: see "every prefix" in the module docstring
             self._lanes[:, 0] = new
+            if also is not None:
+                also()
+
+    def ids_of_slots(self, slots: np.ndarray) -> np.ndarray:
+        """The id of the committed row in each slot now, or ``INVALID`` (empty, being written,
+        or cleared); reading ids this way is the first stamp read of the commit protocol."""
+        s = self.stamp.take(slots)
+        n = s // 2 - 1
+        lc = self.lane_capacity
+        if self.lanes == 1:
+            ids = n
+            start = self.span()[0]
+        else:
+            lane = slots // lc
+            ids = n * self.lanes + lane
+            start = self.bounds()[0][lane]
+        bad = (s <= 0) | (s & 1).astype(bool) | (n < start)
+        ids[bad] = INVALID
+        return ids
+
+    def current(self, ids: np.ndarray) -> np.ndarray:
+        """Which ids still name the committed row in their slot (not overwritten, not torn)."""
+        return self.stamp.take(self.slots(ids)) == self.expected(ids)
 
     def check_push(self, k: int, lane: int | np.ndarray) -> None:
         """Refuse, before touching anything, a push the ring can never hold."""

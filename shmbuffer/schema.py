@@ -41,9 +41,10 @@ PACK_LIMIT = 1024
 
 RESERVED = frozenset(
     {"index", "weight", "mask", "source", "steps", "lane", "keys", "values", "items", "to",
-     "numpy", "size", "fields", "extras", "get", "as_dict"}
+     "numpy", "size", "fields", "extras", "get", "as_dict", "episode", "priority"}
 )
-"""Names a field cannot take: ``Batch`` uses them for its own attributes and methods."""
+"""Names a field cannot take: ``Batch`` uses them for its attributes and methods, ``push`` for
+its keyword options."""
 
 
 def _shape(value: Any, name: str) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ def test_header(make: Make, name: str) -> None:
     assert h.version == segment.VERSION == 1
     assert h.creator_pid == os.getpid() and h.creator_alive
     assert h.fingerprint == MUJOCO.fingerprint
-    assert h.meta["capacity"] == 1000 and sb.Schema.from_json(h.meta["schema"]) == MUJOCO
+    assert h.meta["options"]["capacity"] == 1000 and sb.Schema.from_json(h.meta["schema"]) == MUJOCO
     assert h.data_offset % 64 == 0 and h.size == os.path.getsize(segment.path_of(name))
     assert all(c["offset"] % 64 == 0 for c in h.meta["columns"])
     assert name in segment.list_names()

@@ -1,0 +1,262 @@
+"""Samplers: one contract suite run against every sampler, then what each promises on its own."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmbuffer as sb
+from shmbuffer.samplers import uniform_ids
+
+from .conftest import MUJOCO, seq_of, transition
+
+Make = Callable[..., sb.ReplayBuffer]
+
+SAMPLERS: dict[str, dict[str, Any]] = {
+    "uniform": {},
+    "uniform-lanes": {"lanes": 4},
+    "uniform-max-use": {"max_use": 1000},
+    "prioritized": {"sampler": sb.Prioritized(alpha=0.6, beta=0.4)},
+    "prioritized-max-use": {"sampler": sb.Prioritized(), "max_use": 1000},
+}
+
+
+# -- the contract: every sampler ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", sorted(SAMPLERS))
+@pytest.mark.parametrize("replace", [True, False])
+def test_contract(config: str, replace: bool, make: Make, name: str) -> None:
+    """Ids in range, only committed rows, right shapes, reproducible under a seed."""
+    kw = SAMPLERS[config]
+    buf = make(MUJOCO, capacity=64, name=name, seed=3, **kw)
+    lanes = buf.lanes
+    for i in range(0, 100, 4):  # wraps: ids 0..99 pushed, each lane keeps its newest rows
+        buf.push(transition(i, 4), lane=(i // 4) % lanes)
+    everything = buf.get(slice(None))
+    held = set(seq_of(everything))
+    seq_of_id = dict(zip(everything.index.tolist(), seq_of(everything).tolist(), strict=True))
+    assert len(held) == 64
+    twin = sb.ReplayBuffer.attach(buf.handle, seed=3)
+    try:
+        for n in (1, 7, 64):
+            batch = buf.sample(n, replace=replace)
+            again = twin.sample(n, replace=replace)
+            assert len(batch) == n and batch.obs.shape == (n, 17) and batch.reward.shape == (n,)
+            seq = seq_of(batch)  # every value of every row derives from one sequence number
+            assert set(seq) <= held
+            assert [seq_of_id[i] for i in batch.index.tolist()] == seq.tolist()  # ids name their rows
+            assert np.array_equal(batch.index, again.index)
+            if not replace:
+                assert len(set(seq)) == n
+            if "weight" in batch:
+                assert batch.weight.shape == (n,) and batch.weight.dtype == np.float32
+                assert np.all((batch.weight > 0) & (batch.weight <= 1))
+        with pytest.raises(sb.EmptyBufferError):
+            buf.sample(65, replace=False)
+        assert seq_of(buf.sample(65)).size == 65 or not replace
+    finally:
+        twin.close()
+
+
+@pytest.mark.parametrize("config", sorted(SAMPLERS))
+def test_contract_skips_rows_being_written(config: str, make: Make, name: str) -> None:
+    kw = SAMPLERS[config]
+    buf = make(MUJOCO, capacity=16 * kw.get("lanes", 1), name=name, **kw)
+    buf.push(transition(0, 8))
+    res = buf.ring.reserve(4)  # a writer in the middle of rows 8..11
+    try:
+        for _ in range(20):
+            assert set(seq_of(buf.sample(32))) <= set(range(8))
+    finally:
+        buf.ring.abandon(res)
+
+
+@pytest.mark.parametrize("config", sorted(SAMPLERS))
+def test_contract_empty_and_cleared(config: str, make: Make, name: str) -> None:
+    kw = SAMPLERS[config]
+    buf = make(MUJOCO, capacity=16 * kw.get("lanes", 1), name=name, **kw)
+    with pytest.raises(sb.EmptyBufferError, match="empty"):
+        buf.sample(4)
+    buf.push(transition(0, 10))
+    buf.clear()
+    with pytest.raises(sb.EmptyBufferError):
+        buf.sample(4)
+    buf.push(transition(50, 3))
+    assert set(seq_of(buf.sample(50))) == {50, 51, 52}
+
+
+def test_uniform_ids_on_plain_arrays() -> None:
+    rng = np.random.default_rng(0)
+    start, stop = np.array([10, 0, 5]), np.array([14, 0, 7])  # lane 1 is empty
+    ids = uniform_ids(rng, 60_000, start, stop)
+    lane, n = ids % 3, ids // 3
+    assert set(lane) == {0, 2}
+    assert ((n >= start[lane]) & (n < stop[lane])).all()
+    assert np.abs(np.bincount(ids, minlength=3 * 14)[ids.min():].max() / 10_000 - 1) < 0.05
+    distinct = uniform_ids(rng, 6, start, stop, replace=False)
+    assert len(set(distinct)) == 6
+    assert uniform_ids(rng, 7, start, stop, replace=False).size == 6  # only 6 rows exist
+    taken = distinct[:3]
+    rest = uniform_ids(rng, 6, start, stop, replace=False, taken=taken)
+    assert set(rest) == set(distinct) - set(taken)
+    assert uniform_ids(rng, 5, np.array([3]), np.array([3])).size == 0
+
+
+# -- prioritized ------------------------------------------------------------------------------
+
+
+def test_frequencies_follow_priorities(make: Make, name: str) -> None:
+    alpha = 0.7
+    buf = make(MUJOCO, capacity=8, name=name, seed=0, sampler=sb.Prioritized(alpha=alpha, eps=0.0))
+    p = np.arange(1, 9, dtype=float)
+    buf.push(transition(0, 8), priority=p)
+    counts = np.zeros(8)
+    for _ in range(200):
+        counts += np.bincount(buf.sample(512).index, minlength=8)
+    expected = p**alpha / (p**alpha).sum() * counts.sum()
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 24  # 7 degrees of freedom, p < 0.001; alpha = 0.6 or 0.8 would give chi2 > 100
+    wrong = p**0.6 / (p**0.6).sum() * counts.sum()
+    assert ((counts - wrong) ** 2 / wrong).sum() > 100
+
+
+def test_weights_and_beta_annealing(make: Make, name: str) -> None:
+    s = sb.Prioritized(alpha=0.5, beta=0.4, beta_steps=4, eps=0.0)
+    buf = make(MUJOCO, capacity=8, name=name, seed=0, sampler=s)
+    p = np.array([1.0, 4, 9, 16, 25, 36, 49, 64])
+    buf.push(transition(0, 8), priority=p)
+    leaf = p**0.5
+    for call in range(6):
+        batch = buf.sample(32)
+        beta = min(1.0, 0.4 + 0.6 * call / 4)
+        assert s.beta_at(call) == pytest.approx(beta)
+        want = (leaf[batch.index] / leaf.min()) ** -beta
+        np.testing.assert_allclose(batch.weight, want, rtol=1e-6)
+    assert s.beta_at(10**6) == 1.0
+
+
+def test_update_priorities(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=16, name=name, seed=1, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
+    buf.push(transition(0, 16))
+    batch = buf.sample(16, replace=False)
+    prios = np.zeros(16)
+    prios[batch.index == 5] = 1.0  # only row 5 keeps a priority
+    assert buf.update_priorities(batch, prios) == 16
+    assert set(buf.sample(100).index) == {5}
+    assert buf.update_priorities([3], [2.0]) == 1  # ids work too
+    assert set(buf.sample(300).index) == {3, 5}
+
+
+def test_bad_priorities_change_nothing(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=16, name=name, sampler=sb.Prioritized())
+    buf.push(transition(0, 16))
+    batch = buf.sample(4)
+    tree = buf._prios.tree.sums.copy()  # type: ignore[union-attr]
+    for bad, match in [([1, 2, np.nan, 1], r"finite values >= 0, got \[nan\] at positions \[2\]"),
+                       ([1, -1, 1, 1], r"got \[-1.0\]"), ([1, np.inf, 1, 1], "inf"),
+                       ([1, 2], r"expected 4 values \(one per row\), got shape \(2,\)")]:
+        with pytest.raises(sb.FieldError, match=match):
+            buf.update_priorities(batch, bad)
+        with pytest.raises(sb.FieldError):
+            buf.push(transition(0, 4), priority=bad)
+    assert np.array_equal(buf._prios.tree.sums, tree)  # type: ignore[union-attr]
+    assert buf.stats["inserted"] == 16
+
+
+def test_stale_updates_are_dropped(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=8, name=name, seed=0, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
+    buf.push(transition(0, 8), priority=np.ones(8))
+    batch = buf.sample(8, replace=False)
+    buf.push(transition(8, 8), priority=np.full(8, 2.0))  # every sampled row is overwritten
+    assert buf.update_priorities(batch, np.full(8, 1000.0)) == 0
+    assert np.all(buf._prios.tree.leaves == 2.0)  # type: ignore[union-attr]
+
+
+def test_new_rows_get_the_largest_priority_so_far(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=8, name=name, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
+    buf.push(transition(0, 2))
+    assert buf._prios.max_priority == 1.0  # type: ignore[union-attr]
+    buf.push(transition(2, 1), priority=5.0)
+    buf.update_priorities([0], [7.0])
+    buf.push(transition(3, 1))
+    assert buf._prios.tree.leaves[:4].tolist() == [7.0, 1.0, 5.0, 7.0]  # type: ignore[union-attr]
+
+
+def test_priorities_on_a_uniform_buffer_are_refused(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=8, name=name)
+    buf.push(transition(0, 2))
+    with pytest.raises(sb.FieldError, match="samples uniformly"):
+        buf.push(transition(0, 1), priority=1.0)
+    with pytest.raises(sb.FieldError, match="samples uniformly"):
+        buf.update_priorities([0], [1.0])
+    assert len(buf) == 2
+
+
+def test_bad_sampler_options() -> None:
+    with pytest.raises(ValueError, match="alpha must be a finite number >= 0"):
+        sb.Prioritized(alpha=-1)
+    with pytest.raises(ValueError, match=r"beta must be in \[0, 1\]"):
+        sb.Prioritized(beta=2)
+    with pytest.raises(ValueError, match="beta_steps must be positive"):
+        sb.Prioritized(beta_steps=0)
+    with pytest.raises(ValueError, match="max_use: expected a positive int"):
+        sb.ReplayBuffer(MUJOCO, 8, max_use=0)
+    with pytest.raises(ValueError, match="sampler: expected Uniform"):
+        sb.ReplayBuffer(MUJOCO, 8, sampler="per")  # type: ignore[arg-type]
+
+
+def _update_from_child(handle: sb.BufferHandle, ids: list[int]) -> None:
+    with sb.ReplayBuffer.attach(handle) as buf:
+        buf.update_priorities(ids, np.zeros(len(ids)))
+
+
+def test_update_from_another_process(make: Make, name: str, procs: list) -> None:
+    buf = make(MUJOCO, capacity=8, name=name, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
+    buf.push(transition(0, 8))
+    p = mp.get_context("spawn").Process(target=_update_from_child, args=(buf.handle, list(range(7))))
+    p.start()
+    procs.append(p)
+    p.join(60)
+    assert p.exitcode == 0
+    assert set(buf.sample(100).index) == {7}
+
+
+# -- max use ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sampler", [sb.Uniform(), sb.Prioritized()])
+def test_max_use(sampler: Any, make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=10, name=name, seed=0, sampler=sampler, max_use=3)
+    buf.push(transition(0, 10))
+    drawn = np.concatenate([buf.sample(1).index for _ in range(29)])
+    drawn = np.concatenate([drawn, buf.sample(1).index])
+    assert np.bincount(drawn, minlength=10).tolist() == [3] * 10  # every row exactly max_use times
+    with pytest.raises(sb.EmptyBufferError, match="max_use=3"):
+        buf.sample(1)
+    buf.push(transition(10, 2))  # new rows start with no uses
+    assert set(buf.sample(6).index) == {10, 11}
+    with pytest.raises(sb.EmptyBufferError):
+        buf.sample(1)
+
+
+def test_max_use_within_one_batch(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=10, name=name, seed=0, max_use=2)
+    buf.push(transition(0, 10))
+    batch = buf.sample(20)  # with replacement, but no row more than twice
+    assert np.bincount(batch.index, minlength=10).tolist() == [2] * 10
+
+
+def test_max_use_counts_across_processes(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=20, name=name, seed=0, max_use=1)
+    buf.push(transition(0, 20))
+    other = sb.ReplayBuffer.attach(buf.handle, seed=1)
+    try:
+        seen = list(buf.sample(10, replace=False).index) + list(other.sample(10, replace=False).index)
+    finally:
+        other.close()
+    assert sorted(seen) == list(range(20))

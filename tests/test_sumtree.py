@@ -1,0 +1,82 @@
+"""The sum tree on plain arrays: batched updates equal one-at-a-time updates, draws follow the
+leaves, totals and minima are right."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shmbuffer.sumtree import FANOUT, TOP, SumTree
+
+CAPACITIES = [1, 7, FANOUT, TOP, TOP + 1, FANOUT * TOP + 3, 100_000]
+
+
+@pytest.mark.parametrize("capacity", CAPACITIES)
+def test_batched_equals_sequential_with_duplicates(capacity: int) -> None:
+    rng = np.random.default_rng(capacity)
+    batched, one_by_one = SumTree(capacity), SumTree(capacity)
+    for _ in range(5):
+        slots = rng.integers(0, capacity, 300)  # repeats included
+        values = rng.random(300) * (rng.random(300) < 0.8)  # some zeros
+        batched.update(slots, values)
+        for s, v in zip(slots, values, strict=True):
+            one_by_one.update(np.array([s]), np.array([v]))
+        assert np.array_equal(batched.sums, one_by_one.sums)
+        assert np.array_equal(batched.mins, one_by_one.mins)
+    assert batched.total == pytest.approx(batched.leaves.sum(), rel=1e-12)
+    positive = batched.leaves[batched.leaves > 0]
+    assert batched.min == (positive.min() if positive.size else np.inf)
+
+
+@given(
+    capacity=st.integers(1, 5000),
+    updates=st.lists(st.tuples(st.integers(0, 10**9), st.floats(0, 1e6)), min_size=1, max_size=60),
+)
+@settings(max_examples=60, deadline=None)
+def test_tree_matches_a_plain_array(capacity: int, updates: list[tuple[int, float]]) -> None:
+    tree, plain = SumTree(capacity), np.zeros(capacity)
+    slots = np.array([s % capacity for s, _ in updates])
+    values = np.array([v for _, v in updates])
+    tree.update(slots, values)
+    for s, v in zip(slots, values, strict=True):
+        plain[s] = v
+    assert np.array_equal(tree.leaves, plain)
+    assert tree.total == pytest.approx(plain.sum(), rel=1e-9, abs=1e-9)
+    if plain.sum() > 0:
+        u = np.linspace(0, tree.total, 101)[:-1]
+        found = tree.find(u)
+        reference = np.searchsorted(np.cumsum(plain), u, side="right")
+        # equal up to rounding at the edges between leaves; never a leaf of 0 but at the very end
+        assert (found == reference).mean() > 0.95
+        assert (plain[found] > 0).all()
+
+
+def test_draws_follow_the_leaves() -> None:
+    rng = np.random.default_rng(0)
+    capacity = 10_000
+    tree = SumTree(capacity)
+    p = rng.random(capacity) ** 3
+    p[rng.random(capacity) < 0.3] = 0
+    tree.update(np.arange(capacity), p)
+    found = tree.find(rng.random(2_000_000) * tree.total)
+    assert (p[found] > 0).all()
+    # group leaves in 20 bins of equal mass: each must get 1/20 of the draws (chi-square)
+    bins = np.searchsorted(np.cumsum(p) / p.sum(), np.linspace(0, 1, 21)[1:-1])
+    counts = np.bincount(np.searchsorted(bins, found, side="right"), minlength=20)
+    expected = np.bincount(np.searchsorted(bins, np.arange(capacity), side="right"), weights=p, minlength=20)
+    expected = expected / expected.sum() * found.size
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 45  # 19 degrees of freedom: p < 0.001 for a correct tree; a wrong one is far off
+
+
+def test_reset_and_sizes() -> None:
+    tree = SumTree(100)
+    tree.update(np.arange(100), np.ones(100))
+    assert tree.total == 100 and tree.min == 1
+    tree.reset()
+    assert tree.total == 0 and tree.min == np.inf
+    with pytest.raises(ValueError, match="needs two arrays"):
+        SumTree(100, np.zeros(3), np.zeros(3))
+    assert SumTree.size(1_000_000) < 1_000_000 * 1.1
