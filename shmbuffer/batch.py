@@ -48,7 +48,7 @@ def _tensor(a: Any) -> Any:
 class Batch:
     """Rows of a buffer: ``fields`` (the schema's, in order) and ``extras`` (index, weight ...)."""
 
-    __slots__ = ("_block", "_record", "extras", "fields")
+    __slots__ = ("_block", "_lead", "_record", "extras", "fields")
 
     def __init__(
         self,
@@ -57,11 +57,13 @@ class Batch:
         *,
         block: Any = None,
         record: Record | None = None,
+        lead: tuple[int, ...] | None = None,
     ) -> None:
         self.fields = fields
         self.extras = extras if extras is not None else {}
         self._block = block
         self._record = record
+        self._lead = lead  # the leading dims of the fields when the block's rows are (B, T) flattened
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -138,9 +140,11 @@ class Batch:
         if self._block is not None and self._record is not None:
             block = move(self._block)
             fields = torch_views(block, self._record)
+            if self._lead is not None:
+                fields = {k: v.view(*self._lead, *v.shape[1:]) for k, v in fields.items()}
         out = {name: fields[name] if name in fields else move(a) for name, a in self.fields.items()}
         extras = {name: move(a) for name, a in self.extras.items()}
-        return Batch(out, extras, block=block, record=self._record)
+        return Batch(out, extras, block=block, record=self._record, lead=self._lead)
 
     def numpy(self) -> Batch:
         """The same rows as numpy arrays (copied to the host if they are on a device)."""

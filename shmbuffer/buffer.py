@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import ring as ring_mod
+from . import sequences
 from .batch import Batch
 from .errors import ClosedError, EmptyBufferError, FieldError, LayoutError, SchemaError, WaitTimeout
 from .ring import Ring
@@ -383,28 +384,65 @@ class ReplayBuffer:
         return int(live.sum())
 
     # -- reading -------------------------------------------------------------------------------
-    def sample(self, n: int, *, replace: bool = True) -> Batch:
+    def sample(
+        self,
+        n: int,
+        *,
+        replace: bool = True,
+        n_step: int = 1,
+        gamma: float = 0.99,
+        fields: dict[str, str] | None = None,
+    ) -> Batch:
         """``n`` rows drawn by the buffer's sampler, as one gathered copy.
 
         ``replace=False`` draws ``n`` distinct rows. Rows being written are re-drawn, so the batch
         always has ``n`` rows. ``batch.index`` holds their ids; a prioritized buffer adds
-        ``batch.weight`` (importance-sampling weights).
+        ``batch.weight`` (importance-sampling weights). ``n_step > 1`` turns rows into n-step
+        transitions (``sequences.add_n_step``; ``fields`` names the reward, next_obs and done
+        fields when they are not called so) and adds ``batch.steps``.
         """
         ring = self.ring
         if (type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool))) or n <= 0:
             raise ValueError(f"sample: expected a positive number of rows, got {n!r}")
+        if n_step != 1:
+            if not isinstance(n_step, (int, np.integer)) or n_step < 1:
+                raise ValueError(f"sample: n_step must be an int >= 1, got {n_step!r}")
+            if not 0 <= gamma <= 1:
+                raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
+            sequences.check_n_step(self, n_step, fields)
         if self._prios is not None:
-            return self._sample_tree(n, replace)
-        ids = self._uniform(n, replace, _NONE)
-        if ids.size < n:
-            if len(ring) == 0:
-                raise EmptyBufferError(f"sample({n}): buffer {self.name!r} is empty; push rows first")
-            raise EmptyBufferError(
-                f"sample({n}, replace=False): buffer {self.name!r} holds only {len(ring)} rows"
-            )
-        batch = self._fetch(ids, lambda k, taken: (self._uniform(k, replace, taken), None), unique=not replace)
-        ring.count_sampled(n)
+            batch = self._sample_tree(n, replace)
+        else:
+            ids = self._uniform(n, replace, _NONE)
+            if ids.size < n:
+                if len(ring) == 0:
+                    raise EmptyBufferError(f"sample({n}): buffer {self.name!r} is empty; push rows first")
+                raise EmptyBufferError(
+                    f"sample({n}, replace=False): buffer {self.name!r} holds only {len(ring)} rows"
+                )
+            batch = self._fetch(ids, lambda k, taken: (self._uniform(k, replace, taken), None), unique=not replace)
+            ring.count_sampled(n)
+        if n_step > 1:
+            sequences.add_n_step(self, batch, int(n_step), float(gamma), fields)
         return batch
+
+    def sample_sequences(self, n: int, length: int, *, burn_in: int = 0, time_major: bool = False) -> Batch:
+        """``n`` windows of ``length`` consecutive steps of one episode (plus ``burn_in`` steps
+        before), fields ``(n, burn_in + length, ...)`` or, ``time_major``, ``(burn_in + length, n,
+        ...)``. ``batch.mask`` marks the steps that exist: a window stops at its episode's ends,
+        the write head and rows being written; the rest is zeros. See ``sequences.py``."""
+        return sequences.sample_sequences(self, n, length, burn_in=burn_in, time_major=time_major)
+
+    def sample_groups(self, groups: int, size: int, *, ordered: bool = True) -> Batch:
+        """``groups`` groups of ``size`` rows of one episode each, fields ``(groups, size, ...)``:
+        consecutive steps when ``ordered``, else distinct steps in random order (DI-engine's
+        ``groupby="episode"``). Episodes are drawn in proportion to their rows."""
+        return sequences.sample_groups(self, groups, size, ordered=ordered)
+
+    def sample_episodes(self, n: int) -> list[Batch]:
+        """``n`` complete episodes, each a batch of its rows in order (HER relabelling,
+        imitation). An episode counts as complete once the next one has started in its lane."""
+        return sequences.sample_episodes(self, n)
 
     def _uniform(self, k: int, replace: bool, taken: np.ndarray) -> np.ndarray:
         ring = self.ring

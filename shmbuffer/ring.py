@@ -234,6 +234,10 @@ class Ring:
         start = np.maximum(self._lanes[:, 1], cur - self.lane_capacity)
         return np.minimum(start, cur), cur
 
+    def base(self, lanes: np.ndarray) -> np.ndarray:
+        """The first row number of each lane since the last ``clear()``."""
+        return self._lanes[lanes, 1]
+
     def span(self) -> tuple[int, int]:
         """``bounds()`` of a one-lane ring, as ints (the sampling fast path)."""
         cur = int(self._lanes[0, 0])

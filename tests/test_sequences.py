@@ -1,0 +1,297 @@
+"""Windows of consecutive steps: sequences, n-step returns, groups and whole episodes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import shmbuffer as sb
+from shmbuffer.sequences import n_step_return, window_mask
+
+from .conftest import MUJOCO, transition
+from .conftest import seq_of as checked_seq_of
+
+Make = Callable[..., sb.ReplayBuffer]
+
+
+def seq_of(batch: Any) -> np.ndarray:
+    return checked_seq_of(batch, done=False)  # Lane sets done itself
+
+
+class Lane:
+    """One env's stream of rows: sequence numbers ``base + t``, episodes of random lengths that
+    end by termination (done) or truncation (a new episode id without done)."""
+
+    def __init__(self, lane: int, seed: int) -> None:
+        self.lane, self.rng = lane, np.random.default_rng(seed)
+        self.t, self.episode, self.left = 0, lane * 1_000_000, int(self.rng.integers(1, 12))
+        self.rows: list[tuple[int, int, bool]] = []  # (seq, episode, done) of every row pushed
+
+    def step(self) -> tuple[dict[str, np.ndarray], int]:
+        seq = self.lane * 100_000 + self.t
+        self.left -= 1
+        ended = self.left == 0
+        done = ended and bool(self.rng.random() < 0.5)  # else truncated: no done, a new episode
+        row = transition(seq)
+        row["done"] = np.asarray(done)
+        self.rows.append((seq, self.episode, done))
+        episode = self.episode
+        self.t += 1
+        if ended:
+            self.episode += 1
+            self.left = int(self.rng.integers(1, 12))
+        return row, episode
+
+    def fill(self, buf: sb.ReplayBuffer, steps: int) -> None:
+        for _ in range(steps):
+            row, episode = self.step()
+            buf.push(row, lane=self.lane, episode=episode)
+
+
+def episode_of(lanes: list[Lane]) -> dict[int, int]:
+    return {seq: ep for lane in lanes for seq, ep, _ in lane.rows}
+
+
+def check_windows(batch: Any, episodes: dict[int, int], burn_in: int) -> None:
+    """Every window: valid steps consecutive, one episode, contiguous around the anchor, zeros
+    elsewhere."""
+    mask = batch.mask
+    assert mask[:, burn_in].all()
+    for row in range(mask.shape[0]):
+        m = mask[row]
+        where = np.flatnonzero(m)
+        assert np.array_equal(where, np.arange(where[0], where[-1] + 1))  # one run
+        seq = seq_of({k: batch[k][row][m] for k in MUJOCO.names})
+        assert np.array_equal(np.diff(seq), np.ones(seq.size - 1))  # strictly increasing by 1
+        assert len({episodes[int(s)] for s in seq}) == 1
+        assert not batch.obs[row][~m].any() and (batch.index[row][~m] == -1).all()
+
+
+def test_sequences_stay_inside_episodes(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=4 * 64, lanes=4, episodes=True, name=name, seed=0)
+    lanes = [Lane(i, i) for i in range(4)]
+    for _ in range(30):
+        for lane in lanes:
+            lane.fill(buf, 3)  # lanes wrap: 90 steps into 64 slots each
+    episodes = episode_of(lanes)
+    for burn_in in (0, 3):
+        batch = buf.sample_sequences(64, 8, burn_in=burn_in)
+        assert batch.obs.shape == (64, 8 + burn_in, 17) and batch.mask.shape == (64, 8 + burn_in)
+        check_windows(batch, episodes, burn_in)
+    assert batch.mask.sum() < batch.mask.size  # some windows were cut at an episode's end
+
+
+def test_time_major_is_the_transpose(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=128, lanes=2, episodes=True, name=name)
+    lanes = [Lane(0, 0), Lane(1, 1)]
+    for lane in lanes:
+        lane.fill(buf, 40)
+    a = sb.ReplayBuffer.attach(buf.handle, seed=5)
+    b = sb.ReplayBuffer.attach(buf.handle, seed=5)
+    try:
+        bm = a.sample_sequences(16, 5, burn_in=2)
+        tm = b.sample_sequences(16, 5, burn_in=2, time_major=True)
+    finally:
+        a.close()
+        b.close()
+    assert tm.obs.shape == (7, 16, 17) and tm.obs.strides[0] > tm.obs.strides[1]  # time outermost in memory
+    for key in (*MUJOCO.names, "mask", "index"):
+        assert np.array_equal(tm[key], np.swapaxes(bm[key], 0, 1))
+    on_meta = tm.to("meta")  # the device path's views (shapes only) without a GPU
+    assert on_meta.obs.shape == (7, 16, 17) and on_meta.reward.shape == (7, 16)
+
+
+def _lane_writer(handle: sb.BufferHandle, lane: int, seconds: float) -> None:
+    buf = sb.ReplayBuffer.attach(handle)
+    source = Lane(lane, lane)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        source.fill(buf, 4)
+    buf.close()
+    assert source.t < 150_000, "the test's replay of this stream is too short"
+
+
+@pytest.mark.slow
+def test_sequences_while_writers_push(make: Make, name: str, procs: list) -> None:
+    """Flashbax's check under load: writers push increasing values into their lanes while the
+    learner samples windows; every window is strictly increasing, one episode, never torn."""
+    replay = [Lane(0, 0), Lane(1, 1)]  # the writers' deterministic streams, to know each episode
+    for lane in replay:
+        for _ in range(150_000):
+            lane.step()
+    episodes = episode_of(replay)
+    buf = make(MUJOCO, capacity=2 * 64, lanes=2, episodes=True, name=name)
+    ctx = mp.get_context("spawn")
+    for lane in (0, 1):
+        p = ctx.Process(target=_lane_writer, args=(buf.handle, lane, 2.5))
+        p.start()
+        procs.append(p)
+    while len(buf) < 32:
+        time.sleep(0.01)
+    windows = 0
+    while any(p.is_alive() for p in procs):
+        batch = buf.sample_sequences(16, 6, burn_in=2)
+        check_windows(batch, episodes, 2)
+        windows += 16
+    for p in procs:
+        p.join(10)
+        assert p.exitcode == 0
+    assert windows > 500
+
+
+# -- n-step -------------------------------------------------------------------------------------
+
+
+def test_n_step_return_on_plain_arrays() -> None:
+    reward = np.array([[1.0, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 8]])
+    done = np.array([[0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 0, 0]], bool)
+    mask = np.array([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 1]], bool)
+    mask = window_mask(mask, 0)
+    ret, steps, last_done = n_step_return(reward, done, mask, 0.5)
+    assert ret.tolist() == [1 + 1 + 1 + 1, 1 + 1, 1 + 1]
+    assert steps.tolist() == [4, 2, 2] and last_done.tolist() == [False, True, False]
+
+
+def reference_n_step(rows: list[tuple[int, int, bool]], held: set[int], seq: int, n: int, gamma: float) -> tuple[float, int, bool, int]:
+    """The n-step return of the row ``seq`` from the list of pushed rows, by hand."""
+    at = next(i for i, r in enumerate(rows) if r[0] == seq)
+    ret, k, done, last = 0.0, 0, False, seq
+    for j in range(n):
+        if at + j >= len(rows):
+            break
+        s, ep, d = rows[at + j]
+        if s not in held or ep != rows[at][1]:
+            break
+        ret += gamma**j * float(s)  # the reward of a row is its sequence number
+        k, done, last = k + 1, d, s
+        if d:
+            break
+    return ret, k, done, last
+
+
+@pytest.mark.parametrize("sampler", [sb.Uniform(), sb.Prioritized()])
+def test_n_step_matches_a_reference(sampler: Any, make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=2 * 32, lanes=2, episodes=True, sampler=sampler, name=name, seed=2)
+    lanes = [Lane(0, 10), Lane(1, 11)]
+    for _ in range(25):
+        for lane in lanes:
+            lane.fill(buf, 2)  # 50 steps a lane, 32 kept: rows wrap
+    held = set(seq_of(buf.get(slice(None))).tolist())
+    batch = buf.sample(200, n_step=3, gamma=0.5)
+    for i in range(200):
+        seq = int(batch.obs[i, 0])  # obs still says which row this is
+        lane = lanes[seq // 100_000]
+        ret, k, done, last = reference_n_step(lane.rows, held, seq, 3, 0.5)
+        assert batch.steps[i] == k
+        assert batch.reward[i] == pytest.approx(ret)
+        assert bool(batch.done[i]) == done
+        assert np.array_equal(batch.next_obs[i], transition(last)["next_obs"])
+    assert (batch.steps > 1).any() and (batch.steps < 3).any() and batch.done.any()
+
+
+def test_n_step_with_large_next_obs(make: Make, name: str) -> None:
+    schema = sb.Schema(obs=((600,), "float32"), reward=((), "float32"), next_obs=((600,), "float32"), done=((), "bool"))
+    buf = make(schema, capacity=20, episodes=True, name=name)
+    for t in range(20):
+        buf.push(obs=np.full(600, t), reward=1.0, next_obs=np.full(600, t + 1), done=t == 9, episode=t // 10)
+    batch = buf.sample(100, n_step=4, gamma=1.0)
+    for i in range(100):
+        t = int(batch.obs[i, 0])
+        k = min(4, 10 - t % 10)
+        assert batch.steps[i] == k and batch.reward[i] == k
+        assert batch.next_obs[i, 0] == t + k and bool(batch.done[i]) == (t + k == 10)
+
+
+def test_n_step_errors(make: Make, name: str) -> None:
+    plain = make(MUJOCO, capacity=8, name=name)
+    plain.push(transition(0, 4))
+    with pytest.raises(sb.FieldError, match="needs episode ids: create the buffer with episodes=True"):
+        plain.sample(2, n_step=3)
+    odd = sb.Schema(o=((2,), "float32"), r=((), "float32"))
+    buf = make(odd, capacity=8, episodes=True, name=name + "x")
+    buf.push(o=np.zeros(2), r=1.0, episode=0)
+    with pytest.raises(sb.FieldError, match="need a reward field"):
+        buf.sample(1, n_step=2)
+    with pytest.raises(ValueError, match="gamma must be in"):
+        plain.sample(1, n_step=2, gamma=2.0)
+    with pytest.raises(ValueError, match="n_step must be an int >= 1"):
+        plain.sample(1, n_step=0)
+
+
+# -- groups and episodes --------------------------------------------------------------------------
+
+
+def test_groups(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=3 * 50, lanes=3, episodes=True, name=name, seed=1)
+    lanes = [Lane(i, 20 + i) for i in range(3)]
+    for lane in lanes:
+        lane.fill(buf, 45)
+    episodes = episode_of(lanes)
+    ordered = buf.sample_groups(20, 4)
+    assert ordered.obs.shape == (20, 4, 17) and "mask" not in ordered
+    for g in range(20):
+        seq = seq_of({k: ordered[k][g] for k in MUJOCO.names})
+        assert np.array_equal(np.diff(seq), [1, 1, 1]) and len({episodes[int(s)] for s in seq}) == 1
+    shuffled = buf.sample_groups(20, 4, ordered=False)
+    for g in range(20):
+        seq = seq_of({k: shuffled[k][g] for k in MUJOCO.names})
+        assert len(set(seq)) == 4 and len({episodes[int(s)] for s in seq}) == 1
+    with pytest.raises(sb.EmptyBufferError, match="has 40 rows"):
+        buf.sample_groups(1, 40, ordered=False)
+    with pytest.raises(sb.EmptyBufferError, match="no episode has 40 rows in a row"):
+        buf.sample_groups(1, 40)
+
+
+def test_whole_episodes(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=2 * 40, lanes=2, episodes=True, name=name, seed=4)
+    lanes = [Lane(0, 30), Lane(1, 31)]
+    for lane in lanes:
+        lane.fill(buf, 60)  # wraps: the oldest episodes are cut, the newest is still running
+    held = set(seq_of(buf.get(slice(None))).tolist())
+    complete: dict[int, list[int]] = {}
+    for lane in lanes:
+        rows = lane.rows
+        for seq, ep, _ in rows:
+            complete.setdefault(ep, []).append(seq)
+        last_ep = rows[-1][1]
+        complete.pop(last_ep)  # still running: no later episode has started in its lane
+    complete = {ep: seqs for ep, seqs in complete.items() if set(seqs) <= held}
+    got = buf.sample_episodes(30)
+    assert len(got) == 30
+    for episode in got:
+        seq = seq_of(episode).tolist()
+        assert seq in complete.values()
+    assert len({tuple(seq_of(e)) for e in got}) > 3
+
+
+def test_episode_ids_are_checked(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=8, episodes=True, name=name)
+    with pytest.raises(sb.FieldError, match=r"push\(..., episode=id\) is required"):
+        buf.push(transition(0))
+    with pytest.raises(sb.FieldError, match=r"episode: expected an int or 3 ints, got float64"):
+        buf.push(transition(0, 3), episode=np.zeros(3))
+    with pytest.raises(sb.FieldError, match="expected an int or 3 ints"):
+        buf.push(transition(0, 3), episode=[1, 2])
+    plain = make(MUJOCO, capacity=8, name=name + "p")
+    with pytest.raises(sb.FieldError, match="does not keep episodes"):
+        plain.push(transition(0), episode=3)
+    with pytest.raises(sb.FieldError, match="needs episode ids"):
+        plain.sample_sequences(1, 2)
+    buf.push(transition(0, 3), episode=[7, 7, 8])
+    with pytest.raises(sb.CapacityError, match="longer than a lane"):
+        buf.sample_sequences(1, 8, burn_in=1)
+    with pytest.raises(ValueError, match="length must be an int >= 1"):
+        buf.sample_sequences(1, 0)
+
+
+def test_sequence_batch_to_torch(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=32, episodes=True, name=name)
+    Lane(0, 0).fill(buf, 32)
+    t = buf.sample_sequences(4, 3).to("cpu")
+    assert t.obs.shape == (4, 3, 17) and t.mask.dtype == torch.bool
