@@ -32,7 +32,7 @@ from . import ring as ring_mod
 from . import sequences
 from .batch import Batch
 from .errors import ClosedError, EmptyBufferError, FieldError, LayoutError, SchemaError, WaitTimeout
-from .ring import Ring
+from .ring import INVALID, Ring
 from .samplers import Priorities, Prioritized, Sampler, Uniform, check_priorities, sampler_from_json, uniform_ids
 from .schema import Schema
 from .segment import ColumnSpec, Segment
@@ -468,11 +468,16 @@ class ReplayBuffer:
                 f"sample({n}): every row of buffer {self.name!r} has been drawn max_use={prios.max_use} times"
             )
 
+        def ids_of(slots: np.ndarray, leaves: np.ndarray) -> np.ndarray:
+            ids = ring.ids_of_slots(slots)
+            ids[leaves <= 0] = INVALID  # a draw that raced an update onto a used-up slot
+            return ids
+
         def redraw(k: int, taken: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             more, values = prios.draw(self._rng, k, stratified=False)
-            return ring.ids_of_slots(more), values
+            return ids_of(more, values), values
 
-        batch = self._fetch(ring.ids_of_slots(slots), redraw, unique=not replace, extra=leaves, tree=True)
+        batch = self._fetch(ids_of(slots, leaves), redraw, unique=not replace, extra=leaves, tree=True)
         if isinstance(prios.sampler, Prioritized):
             beta = prios.sampler.beta_at(self._calls)
             batch.extras["weight"] = prios.weights(batch.extras.pop("_extra"), beta)

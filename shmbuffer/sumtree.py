@@ -97,17 +97,21 @@ class SumTree:
 
     def find(self, mass: np.ndarray) -> np.ndarray:
         """The slot holding each point of ``mass`` (in ``[0, total)``): for uniform ``mass``,
-        slot ``i`` comes with probability ``leaf_i / total``. A point that rounding pushes to the
-        very end of a range may land on a leaf of 0: callers check."""
+        slot ``i`` comes with probability ``leaf_i / total``. A point that rounding pushes past the
+        end of a node's range goes to its last positive child, so while the total is positive only
+        slots of positive leaves come back (a racing update aside)."""
         u = np.array(mass, dtype=np.float64).reshape(-1)
         cum = self._cum
-        node = np.minimum(np.searchsorted(cum, u, side="right"), cum.shape[0] - 1)
+        last = int(np.searchsorted(cum, cum[-1], side="left"))  # the last top node with mass
+        node = np.minimum(np.searchsorted(cum, u, side="right"), last)
         u -= np.where(node > 0, cum[node - 1], 0.0)
         rows = np.arange(u.shape[0])
+        flip = slice(None, None, -1)
         for sums, _ in reversed(self._blocks):
             children = sums.take(node, axis=0)
             part = np.cumsum(children, axis=1)
-            pick = np.minimum((part <= u[:, None]).sum(axis=1), FANOUT - 1)
+            pick = (part <= u[:, None]).sum(axis=1)
+            pick = np.minimum(pick, FANOUT - 1 - np.argmax(children[:, flip] > 0, axis=1))
             part -= children  # the mass before each child
             u -= part[rows, pick]
             node = node * FANOUT + pick

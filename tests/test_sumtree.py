@@ -32,7 +32,10 @@ def test_batched_equals_sequential_with_duplicates(capacity: int) -> None:
 
 @given(
     capacity=st.integers(1, 5000),
-    updates=st.lists(st.tuples(st.integers(0, 10**9), st.floats(0, 1e6)), min_size=1, max_size=60),
+    updates=st.lists(
+        st.tuples(st.integers(0, 10**9), st.one_of(st.just(0.0), st.floats(1e-300, 1e6), st.floats(0, 1e-300))),
+        min_size=1, max_size=60,
+    ),
 )
 @settings(max_examples=60, deadline=None)
 def test_tree_matches_a_plain_array(capacity: int, updates: list[tuple[int, float]]) -> None:
@@ -47,10 +50,10 @@ def test_tree_matches_a_plain_array(capacity: int, updates: list[tuple[int, floa
     if plain.sum() > 0:
         u = np.linspace(0, tree.total, 101)[:-1]
         found = tree.find(u)
-        reference = np.searchsorted(np.cumsum(plain), u, side="right")
-        # equal up to rounding at the edges between leaves; never a leaf of 0 but at the very end
-        assert (found == reference).mean() > 0.95
-        assert (plain[found] > 0).all()
+        assert (plain[found] > 0).all()  # never a leaf of 0, never a padding slot
+        if plain[plain > 0].min() > 1e-250:  # away from subnormal numbers, exact up to rounding
+            reference = np.searchsorted(np.cumsum(plain), u, side="right")
+            assert (found == reference).mean() > 0.95
 
 
 def test_draws_follow_the_leaves() -> None:
