@@ -392,6 +392,7 @@ class ReplayBuffer:
         n_step: int = 1,
         gamma: float = 0.99,
         fields: dict[str, str] | None = None,
+        out: dict[str, np.ndarray] | None = None,
     ) -> Batch:
         """``n`` rows drawn by the buffer's sampler, as one gathered copy.
 
@@ -399,7 +400,9 @@ class ReplayBuffer:
         always has ``n`` rows. ``batch.index`` holds their ids; a prioritized buffer adds
         ``batch.weight`` (importance-sampling weights). ``n_step > 1`` turns rows into n-step
         transitions (``sequences.add_n_step``; ``fields`` names the reward, next_obs and done
-        fields when they are not called so) and adds ``batch.steps``.
+        fields when they are not called so) and adds ``batch.steps``. ``out`` gathers into given
+        arrays (``"_block"`` for the packed record, one per large field; the loader passes its
+        pinned staging memory), whose views the batch then holds.
         """
         ring = self.ring
         if (type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool))) or n <= 0:
@@ -411,7 +414,7 @@ class ReplayBuffer:
                 raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
             sequences.check_n_step(self, n_step, fields)
         if self._prios is not None:
-            batch = self._sample_tree(n, replace)
+            batch = self._sample_tree(n, replace, out)
         else:
             ids = self._uniform(n, replace, _NONE)
             if ids.size < n:
@@ -420,7 +423,7 @@ class ReplayBuffer:
                 raise EmptyBufferError(
                     f"sample({n}, replace=False): buffer {self.name!r} holds only {len(ring)} rows"
                 )
-            batch = self._fetch(ids, lambda k, taken: (self._uniform(k, replace, taken), None), unique=not replace)
+            batch = self._fetch(ids, lambda k, taken: (self._uniform(k, replace, taken), None), unique=not replace, out=out)
             ring.count_sampled(n)
         if n_step > 1:
             sequences.add_n_step(self, batch, int(n_step), float(gamma), fields)
@@ -454,7 +457,7 @@ class ReplayBuffer:
         first, last = ring.bounds()
         return uniform_ids(self._rng, k, first, last, replace=replace, taken=taken)
 
-    def _sample_tree(self, n: int, replace: bool) -> Batch:
+    def _sample_tree(self, n: int, replace: bool, out: dict[str, np.ndarray] | None) -> Batch:
         ring = self.ring
         prios = self._prios
         assert prios is not None
@@ -477,7 +480,7 @@ class ReplayBuffer:
             more, values = prios.draw(self._rng, k, stratified=False)
             return ids_of(more, values), values
 
-        batch = self._fetch(ids_of(slots, leaves), redraw, unique=not replace, extra=leaves, tree=True)
+        batch = self._fetch(ids_of(slots, leaves), redraw, unique=not replace, extra=leaves, tree=True, out=out)
         if isinstance(prios.sampler, Prioritized):
             beta = prios.sampler.beta_at(self._calls)
             batch.extras["weight"] = prios.weights(batch.extras.pop("_extra"), beta)
@@ -487,12 +490,18 @@ class ReplayBuffer:
         ring.count_sampled(n)
         return batch
 
-    def _gather(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict[str, np.ndarray]]:
+    def _gather(
+        self, slots: np.ndarray, out: dict[str, np.ndarray] | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, dict[str, np.ndarray]]:
         """Stamps, rows, stamps again: the reader's half of the commit protocol (``ring.py``)."""
         stamp = self.ring.stamp
         first = stamp.take(slots)
-        block = self._block.take(slots, axis=0) if self._block is not None else None
-        big = {name: col.take(slots, axis=0) for name, col in self._big.items()}
+        if out is None:
+            block = self._block.take(slots, axis=0) if self._block is not None else None
+            big = {name: col.take(slots, axis=0) for name, col in self._big.items()}
+        else:
+            block = self._block.take(slots, axis=0, out=out["_block"]) if self._block is not None else None
+            big = {name: col.take(slots, axis=0, out=out[name]) for name, col in self._big.items()}
         second = stamp.take(slots)
         return first, second, block, big
 
@@ -510,6 +519,7 @@ class ReplayBuffer:
         unique: bool,
         extra: np.ndarray | None = None,
         tree: bool = False,
+        out: dict[str, np.ndarray] | None = None,
     ) -> Batch:
         """Gather ``ids``; re-draw every row that was not committed before and after the gather.
 
@@ -520,7 +530,7 @@ class ReplayBuffer:
         draws come from a scan of the committed rows; after ``GIVE_UP`` seconds, ``WaitTimeout``.
         """
         ring = self.ring
-        first, second, block, big = self._gather(ring.slots(ids))
+        first, second, block, big = self._gather(ring.slots(ids), out)
         expect = ring.expected(ids)
         first ^= expect
         second ^= expect
