@@ -15,6 +15,7 @@ from .errors import (
     UnsupportedPlatform,
     WaitTimeout,
 )
+from .limiter import RateLimiter
 from .samplers import Prioritized, Uniform
 from .schema import Field, Schema
 
@@ -31,6 +32,7 @@ __all__ = [
     "LayoutError",
     "OutOfSharedMemory",
     "Prioritized",
+    "RateLimiter",
     "ReplayBuffer",
     "Schema",
     "SchemaError",

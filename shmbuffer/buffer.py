@@ -32,6 +32,7 @@ from . import ring as ring_mod
 from . import sequences
 from .batch import Batch
 from .errors import ClosedError, EmptyBufferError, FieldError, LayoutError, SchemaError, WaitTimeout
+from .limiter import RateLimiter
 from .ring import INVALID, Ring
 from .samplers import Priorities, Prioritized, Sampler, Uniform, check_priorities, sampler_from_json, uniform_ids
 from .schema import Schema
@@ -62,6 +63,7 @@ class Options:
     sampler: Sampler = UNIFORM
     max_use: int | None = None
     episodes: bool = False
+    limiter: RateLimiter | None = None
 
     def __post_init__(self) -> None:
         cap, lanes, max_use = self.capacity, self.lanes, self.max_use
@@ -73,6 +75,8 @@ class Options:
             raise ValueError(f"max_use: expected a positive int or None, got {max_use!r}")
         if not isinstance(self.sampler, (Uniform, Prioritized)):
             raise ValueError(f"sampler: expected Uniform() or Prioritized(...), got {self.sampler!r}")
+        if self.limiter is not None and not isinstance(self.limiter, RateLimiter):
+            raise ValueError(f"limiter: expected a RateLimiter, got {self.limiter!r}")
 
     @property
     def tree(self) -> bool:
@@ -81,11 +85,13 @@ class Options:
 
     def to_json(self) -> dict[str, Any]:
         return {"capacity": int(self.capacity), "lanes": int(self.lanes), "sampler": self.sampler.to_json(),
-                "max_use": None if self.max_use is None else int(self.max_use), "episodes": bool(self.episodes)}
+                "max_use": None if self.max_use is None else int(self.max_use), "episodes": bool(self.episodes),
+                "limiter": None if self.limiter is None else self.limiter.to_json()}
 
     @classmethod
     def from_json(cls, spec: dict[str, Any]) -> Options:
-        return cls(spec["capacity"], spec["lanes"], sampler_from_json(spec["sampler"]), spec["max_use"], spec["episodes"])
+        return cls(spec["capacity"], spec["lanes"], sampler_from_json(spec["sampler"]), spec["max_use"],
+                   spec["episodes"], RateLimiter.from_json(spec.get("limiter")))
 
 
 def _columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
@@ -116,8 +122,9 @@ class ReplayBuffer:
     lane keeps its consecutive steps consecutive; give each env a lane for sequences).
     ``sampler`` is ``Uniform()`` or ``Prioritized(...)``; with ``max_use`` a row leaves the
     sampling set after that many draws; with ``episodes`` every push names the episode of its rows
-    (sequences, n-step returns and groups need it). ``name`` names the block (default: the pid and
-    a random token); ``seed`` seeds this process's sampling.
+    (sequences, n-step returns and groups need it); ``limiter`` (a ``RateLimiter``) holds the
+    ratio of samples to inserts in a window, for every process. ``name`` names the block (default:
+    the pid and a random token); ``seed`` seeds this process's sampling.
     """
 
     _ring: Ring | None = None
@@ -132,11 +139,12 @@ class ReplayBuffer:
         max_use: int | None = None,
         lanes: int = 1,
         episodes: bool = False,
+        limiter: RateLimiter | None = None,
         name: str | None = None,
         seed: int | np.random.Generator | None = None,
     ) -> None:
         schema = _as_schema(schema)
-        opts = Options(capacity, lanes, sampler, max_use, episodes)
+        opts = Options(capacity, lanes, sampler, max_use, episodes, limiter)
         ring_mod.check_platform()
         meta = {"schema": schema.to_json(), "options": opts.to_json(), "record": schema.record.itemsize}
         segment = Segment.create(name, meta, _columns(schema, opts), schema.fingerprint)
@@ -300,6 +308,7 @@ class ReplayBuffer:
         lane: int | Any = 0,
         episode: int | Any = None,
         priority: float | Any = None,
+        timeout: float | None = None,
         **fields: Any,
     ) -> np.ndarray:
         """Append one row, or ``k`` rows given with a leading dimension; return their ids.
@@ -328,7 +337,12 @@ class ReplayBuffer:
             priority = check_priorities(priority, k)
         if k == 0:
             return np.empty(0, np.int64)
-        res = ring.reserve(k, lane)
+        limiter = self.options.limiter
+        if limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None:
+            res = ring.reserve(k, lane, gate=lambda i, s: limiter.can_insert(i, s, k), why=self._rates,
+                               timeout=limiter.timeout if timeout is None else timeout)
+        else:
+            res = ring.reserve(k, lane)
         try:
             targets = self._targets
             for name, a in arrays.items():
@@ -393,6 +407,7 @@ class ReplayBuffer:
         gamma: float = 0.99,
         fields: dict[str, str] | None = None,
         out: dict[str, np.ndarray] | None = None,
+        timeout: float | None = None,
     ) -> Batch:
         """``n`` rows drawn by the buffer's sampler, as one gathered copy.
 
@@ -402,7 +417,8 @@ class ReplayBuffer:
         transitions (``sequences.add_n_step``; ``fields`` names the reward, next_obs and done
         fields when they are not called so) and adds ``batch.steps``. ``out`` gathers into given
         arrays (``"_block"`` for the packed record, one per large field; the loader passes its
-        pinned staging memory), whose views the batch then holds.
+        pinned staging memory), whose views the batch then holds. ``timeout``: how long a rate
+        limiter may hold this sample (default: the limiter's).
         """
         ring = self.ring
         if (type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool))) or n <= 0:
@@ -413,38 +429,69 @@ class ReplayBuffer:
             if not 0 <= gamma <= 1:
                 raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
             sequences.check_n_step(self, n_step, fields)
-        if self._prios is not None:
-            batch = self._sample_tree(n, replace, out)
-        else:
-            ids = self._uniform(n, replace, _NONE)
-            if ids.size < n:
-                if len(ring) == 0:
-                    raise EmptyBufferError(f"sample({n}): buffer {self.name!r} is empty; push rows first")
-                raise EmptyBufferError(
-                    f"sample({n}, replace=False): buffer {self.name!r} holds only {len(ring)} rows"
-                )
-            batch = self._fetch(ids, lambda k, taken: (self._uniform(k, replace, taken), None), unique=not replace, out=out)
-            ring.count_sampled(n)
-        if n_step > 1:
-            sequences.add_n_step(self, batch, int(n_step), float(gamma), fields)
-        return batch
+        def draw() -> Batch:
+            if self._prios is not None:
+                batch = self._sample_tree(n, replace, out)
+            else:
+                ids = self._uniform(n, replace, _NONE)
+                if ids.size < n:
+                    if len(ring) == 0:
+                        raise EmptyBufferError(f"sample({n}): buffer {self.name!r} is empty; push rows first")
+                    raise EmptyBufferError(
+                        f"sample({n}, replace=False): buffer {self.name!r} holds only {len(ring)} rows"
+                    )
+                batch = self._fetch(ids, lambda k, taken: (self._uniform(k, replace, taken), None),
+                                    unique=not replace, out=out)
+            if n_step > 1:
+                sequences.add_n_step(self, batch, int(n_step), float(gamma), fields)
+            return batch
+
+        return self._counted(n, timeout, draw)
+
+    def _counted(self, rows: int, timeout: float | None, draw: Callable[[], Any]) -> Any:
+        """Run a sample, counting its ``rows`` as sampled; with a rate limiter, wait for it and
+        count atomically before drawing (given back if the draw fails)."""
+        ring = self.ring
+        limiter = self.options.limiter
+        if limiter is None:
+            result = draw()
+            ring.count_sampled(rows)
+            return result
+        limiter.check_sample_size(rows)
+        limiter.wait(lambda: ring.admit(lambda i, s: limiter.can_sample(i, s, rows), rows),
+                     f"sample of {rows} rows", self._rates, timeout)
+        try:
+            return draw()
+        except BaseException:
+            ring.count_sampled(-rows)
+            raise
+
+    def _rates(self) -> str:
+        ring, limiter = self.ring, self.options.limiter
+        assert limiter is not None
+        spi = limiter.samples_per_insert
+        diff = (spi or 0) * ring.inserted - ring.sampled
+        return (f"{ring.inserted} rows inserted, {ring.sampled} sampled, samples_per_insert={spi}, "
+                f"min_size={limiter.min_size}: diff {diff:g} vs window {limiter.offset:g} +- {limiter.error:g}")
 
     def sample_sequences(self, n: int, length: int, *, burn_in: int = 0, time_major: bool = False) -> Batch:
         """``n`` windows of ``length`` consecutive steps of one episode (plus ``burn_in`` steps
         before), fields ``(n, burn_in + length, ...)`` or, ``time_major``, ``(burn_in + length, n,
         ...)``. ``batch.mask`` marks the steps that exist: a window stops at its episode's ends,
         the write head and rows being written; the rest is zeros. See ``sequences.py``."""
-        return sequences.sample_sequences(self, n, length, burn_in=burn_in, time_major=time_major)
+        return self._counted(n * (length + burn_in), None, lambda: sequences.sample_sequences(
+            self, n, length, burn_in=burn_in, time_major=time_major))
 
     def sample_groups(self, groups: int, size: int, *, ordered: bool = True) -> Batch:
         """``groups`` groups of ``size`` rows of one episode each, fields ``(groups, size, ...)``:
         consecutive steps when ``ordered``, else distinct steps in random order (DI-engine's
         ``groupby="episode"``). Episodes are drawn in proportion to their rows."""
-        return sequences.sample_groups(self, groups, size, ordered=ordered)
+        return self._counted(groups * size, None, lambda: sequences.sample_groups(self, groups, size, ordered=ordered))
 
     def sample_episodes(self, n: int) -> list[Batch]:
         """``n`` complete episodes, each a batch of its rows in order (HER relabelling,
-        imitation). An episode counts as complete once the next one has started in its lane."""
+        imitation). An episode counts as complete once the next one has started in its lane.
+        Its rows count as sampled; a rate limiter does not hold it back."""
         return sequences.sample_episodes(self, n)
 
     def _uniform(self, k: int, replace: bool, taken: np.ndarray) -> np.ndarray:
@@ -487,7 +534,6 @@ class ReplayBuffer:
         else:
             batch.extras.pop("_extra")
         self._calls += 1
-        ring.count_sampled(n)
         return batch
 
     def _gather(

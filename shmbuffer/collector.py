@@ -302,7 +302,15 @@ def _run(
         rows = transition(obs, actions, reward, next_obs, terminated, truncated)
         rows = {k: v for k, v in rows.items() if k in names}
         episode = (first_env + np.arange(n_envs)) << 32 | episode_no if keeps_episodes else None
-        buf.push(rows, lane=lanes, episode=episode)
+        while not flags[0]:  # a rate limiter may hold writers back; keep seeing the stop flag
+            try:
+                buf.push(rows, lane=lanes, episode=episode, timeout=0.2)
+                break
+            except WaitTimeout:
+                if not process_alive(*learner):
+                    flags[0] = 1
+        if flags[0]:
+            break
         ret += reward
         step += n_envs
         count[STEPS] = step

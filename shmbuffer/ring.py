@@ -16,8 +16,10 @@ Columns (all in the block, see ``segment.py``)
 ``_mutex``   64 bytes, a ``RobustLock`` (``lock.py``)
 ``_lanes``   ``(lanes, 8)`` int64, one cache line a lane: ``[l, 0]`` cursor, ``[l, 1]`` base
              (the first row number that counts after a ``clear()``)
-``_stats``   ``(16,)`` int64: ``[0]`` rows sampled (readers), ``[8]`` rows reclaimed from dead
-             writers, ``[9]`` lock recoveries (writers), on separate cache lines
+``_stats``   ``(16,)`` int64, readers' and writers' counters on separate cache lines: ``[0]``
+             rows sampled; ``[8]`` rows reclaimed from dead writers, ``[9]`` lock recoveries,
+             ``[10]`` rows inserted (ever reserved; unlike the cursors, a clear does not move it).
+             All are updated under the lock and never wrap.
 ``_writer_pid``, ``_writer_start``  ``(WRITERS,)``: the processes that have pushed (pid and start
              time, so a reused pid is not mistaken for a live writer); 0 marks a free entry
 ``_stamp``   ``(capacity,)`` int64, the commit stamp of each slot
@@ -68,6 +70,8 @@ from .lock import RobustLock
 from .segment import ColumnSpec, process_alive, start_time
 
 WRITERS = 1024
+Gate = Callable[[int, int], bool]
+"""``gate(inserted, sampled) -> allowed``: a rate limiter's test (``limiter.py``)."""
 INVALID = -(2**62)
 """An id no slot ever holds: its expected stamp is negative, and stamps never are."""
 _X86 = {"x86_64", "amd64", "i386", "i686", "x86"}
@@ -166,25 +170,46 @@ class Ring:
             int(self._wpid[w]), float(self._wstart[w])
         )
 
-    def reserve(self, k: int, lane: int | np.ndarray = 0) -> Reservation:
+    def reserve(
+        self, k: int, lane: int | np.ndarray = 0, *, gate: Gate | None = None, timeout: float = 0.0,
+        why: Callable[[], str] | None = None,
+    ) -> Reservation:
         """Reserve ``k`` rows in ``lane`` (an int), or one row in each of ``lane`` (an array of
-        ``k`` lane numbers), marking them odd; the caller copies, then calls ``commit``."""
+        ``k`` lane numbers), marking them odd; the caller copies, then calls ``commit``.
+
+        ``gate(inserted, sampled)`` (a rate limiter) is checked inside the same critical section,
+        so concurrent writers cannot overshoot it; while it says no, wait up to ``timeout``."""
         w = self.writer_id()
-        deadline = None
+        stalled = gated = None
+        pause = 0.0001
         while True:
             with self.lock:
-                res = self._try_reserve(k, lane, w)
+                shut = gate is not None and not gate(int(self._stats[10]), int(self._stats[0]))
+                res = None if shut else self._try_reserve(k, lane, w)
             if res is not None:
                 return res
             now = time.monotonic()
-            if deadline is None:
-                deadline = now + self.stall_timeout
-            elif now > deadline:
-                raise WaitTimeout(
-                    f"waited {self.stall_timeout:.0f} s for a writer that is still alive to finish "
-                    "rows this push must overwrite (is it stopped? a larger capacity avoids lapping)"
-                )
-            time.sleep(0.0001)
+            if shut:
+                gated = gated or now + timeout
+                if now > gated:
+                    raise WaitTimeout(f"push of {k} rows waited {timeout:g} s for the rate limiter: {why() if why else ''}")
+            else:
+                stalled = stalled or now + self.stall_timeout
+                if now > stalled:
+                    raise WaitTimeout(
+                        f"waited {self.stall_timeout:.0f} s for a writer that is still alive to finish "
+                        "rows this push must overwrite (is it stopped? a larger capacity avoids lapping)"
+                    )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
+
+    def admit(self, gate: Gate, rows: int) -> bool:
+        """Count ``rows`` as sampled if ``gate(inserted, sampled)`` allows it, atomically."""
+        with self.lock:
+            if not gate(int(self._stats[10]), int(self._stats[0])):
+                return False
+            self._stats[0] += rows
+            return True
 
     def _try_reserve(self, k: int, lane: int | np.ndarray, w: int) -> Reservation | None:
         lc = self.lane_capacity
@@ -209,6 +234,7 @@ class Ring:
             self._stats[8] += int(busy.sum())
         self.stamp[where] = 2 * n + 1
         self.owner[where] = w
+        self._stats[10] += k
         if isinstance(lane, np.ndarray):
             self._lanes[:, 0] = np.maximum(self._lanes[:, 0], self._lanes[:, 1]) + counts
             ids = n * self.lanes + lane
@@ -293,7 +319,13 @@ class Ring:
         return lost
 
     def count_sampled(self, rows: int) -> None:
-        self._stats[0] += rows
+        with self.lock:
+            self._stats[0] += rows
+
+    @property
+    def sampled(self) -> int:
+        """Rows ever handed out by samples, all processes (never wraps)."""
+        return int(self._stats[0])
 
     # -- size ------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -303,7 +335,7 @@ class Ring:
     @property
     def inserted(self) -> int:
         """Rows ever reserved, all lanes, across clears (never wraps)."""
-        return int(self._lanes[:, 0].sum())
+        return int(self._stats[10])
 
     @property
     def stats(self) -> dict[str, int]:

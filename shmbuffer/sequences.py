@@ -222,9 +222,7 @@ def sample_sequences(
     _check_windows(buf, what, n, length, burn_in)
     offsets = np.arange(-burn_in, length)
     ids, mask, block, big = _windows(buf, n, offsets, burn_in, full=False, what=what)
-    batch = _assemble(buf, ids, mask, block, big, time_major)
-    buf.ring.count_sampled(int(mask.sum()))
-    return batch
+    return _assemble(buf, ids, mask, block, big, time_major)
 
 
 def sample_groups(buf: ReplayBuffer, groups: int, size: int, *, ordered: bool = True) -> Batch:
@@ -234,7 +232,6 @@ def sample_groups(buf: ReplayBuffer, groups: int, size: int, *, ordered: bool = 
         ids, mask, block, big = _windows(buf, groups, np.arange(size), 0, full=True, what=what)
         batch = _assemble(buf, ids, mask, block, big, False)
         del batch.extras["mask"]
-        buf.ring.count_sampled(groups * size)
         return batch
     return _shuffled_groups(buf, groups, size, what)
 
@@ -274,7 +271,6 @@ def _shuffled_groups(buf: ReplayBuffer, groups: int, size: int, what: str) -> Ba
         todo = todo[~fine]
     batch = _assemble(buf, rows, np.ones((groups, size), bool), block, big, False)
     del batch.extras["mask"]
-    buf.ring.count_sampled(groups * size)
     return batch
 
 

@@ -1,0 +1,101 @@
+"""Rate limiting between writers and learners, as Reverb's ``SampleToInsertRatio``.
+
+A learner that samples far faster than collectors insert overfits the few rows it has; one that
+lags wastes data. With ``RateLimiter(samples_per_insert, min_size, error)`` a buffer keeps
+
+    diff = samples_per_insert * inserted - sampled          (rows, all processes together)
+
+inside the window ``[offset - error, offset + error]``, ``offset = samples_per_insert * min_size``:
+
+* a sample of ``n`` rows waits until at least ``min_size`` rows were inserted and
+  ``diff - n >= offset - error`` (the learner is not too far ahead);
+* with ``block_writers``, a push of ``k`` rows waits until ``diff + samples_per_insert * k <=
+  offset + error`` (the writers are not too far ahead).
+
+``samples_per_insert=None`` only waits for ``min_size``. Waits poll the shared counters (with a
+short sleep) and raise ``WaitTimeout`` after ``timeout`` seconds, saying which side is ahead. The
+counters are the ring's ``inserted`` (rows ever reserved, across clears) and ``sampled`` (rows
+ever handed out), 64-bit and never wrapping, updated under the ring's lock, so the window holds
+across processes. ``error`` must leave room for a batch: a sample larger than the whole window can
+never be served and is refused at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .errors import WaitTimeout
+
+
+@dataclass(frozen=True)
+class RateLimiter:
+    """See the module docstring."""
+
+    samples_per_insert: float | None = None
+    min_size: int = 1
+    error: float = float("inf")
+    block_writers: bool = False
+    timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        spi = self.samples_per_insert
+        if spi is not None and not (spi > 0 and spi < float("inf")):
+            raise ValueError(f"RateLimiter: samples_per_insert must be a positive number or None, got {spi!r}")
+        if not isinstance(self.min_size, int) or self.min_size < 1:
+            raise ValueError(f"RateLimiter: min_size must be an int >= 1, got {self.min_size!r}")
+        if not self.error >= 0:
+            raise ValueError(f"RateLimiter: error must be >= 0, got {self.error!r}")
+        if self.timeout <= 0:
+            raise ValueError(f"RateLimiter: timeout must be positive, got {self.timeout!r}")
+
+    @property
+    def offset(self) -> float:
+        return (self.samples_per_insert or 0.0) * self.min_size
+
+    def can_sample(self, inserted: int, sampled: int, n: int) -> bool:
+        if inserted < self.min_size:
+            return False
+        spi = self.samples_per_insert
+        return spi is None or spi * inserted - sampled - n >= self.offset - self.error
+
+    def can_insert(self, inserted: int, sampled: int, k: int) -> bool:
+        spi = self.samples_per_insert
+        if not self.block_writers or spi is None:
+            return True
+        return spi * (inserted + k) - sampled <= self.offset + self.error
+
+    def check_sample_size(self, n: int) -> None:
+        if self.samples_per_insert is not None and n > 2 * self.error + (self.samples_per_insert or 0):
+            raise ValueError(
+                f"RateLimiter: a sample of {n} rows can never fit the window of +-{self.error:g} rows; "
+                "raise error above the batch size"
+            )
+
+    def wait(self, ready: Callable[[], bool], what: str, state: Callable[[], str], timeout: float | None = None) -> None:
+        """Poll ``ready`` until it holds; ``WaitTimeout`` after ``timeout`` (default: the limiter's)."""
+        if ready():
+            return
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        pause = 0.0001
+        while not ready():
+            if time.monotonic() > deadline:
+                raise WaitTimeout(f"{what} waited {limit:g} s for the rate limiter: {state()}")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["error"] = None if self.error == float("inf") else self.error
+        return out
+
+    @classmethod
+    def from_json(cls, spec: dict[str, Any] | None) -> RateLimiter | None:
+        if spec is None:
+            return None
+        spec = dict(spec)
+        spec["error"] = float("inf") if spec["error"] is None else spec["error"]
+        return cls(**spec)
