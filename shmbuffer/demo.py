@@ -1,0 +1,224 @@
+"""The demo: a DQN learner with prioritized replay on CartPole-v1, fed by collector processes.
+
+    shmbuffer demo [--seed 1] [--workers 2] [--max-seconds 300] ...
+
+Two worker processes step 4 CartPole envs each with an epsilon-greedy copy of the Q-network and
+push every transition into a shared buffer (one lane per env, episode ids, so that 3-step returns
+can be formed at sample time). The learner samples prioritized batches through a ``Loader``
+(prefetched in a thread; on a GPU through pinned memory), trains a double DQN with importance
+weights, sends the TD errors back as priorities, and publishes its weights to the workers. A rate
+limiter holds the collectors to ``samples_per_insert`` so that on two cores the learner is not
+starved. Every ``eval_every`` updates the greedy policy is evaluated on separate envs; the run
+ends when it averages ``target`` over ``eval_episodes`` episodes, or after ``max_seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Args:
+    seed: int = 1
+    workers: int = 2
+    envs_per_worker: int = 4
+    capacity: int = 100_000
+    batch_size: int = 128
+    lr: float = 1e-3
+    gamma: float = 0.99
+    n_step: int = 3
+    hidden: int = 128
+    tau: float = 0.01
+    learning_starts: int = 2_000
+    samples_per_insert: float = 16.0
+    eps_start: float = 1.0
+    eps_end: float = 0.02
+    eps_steps: int = 15_000
+    publish_every: int = 25
+    eval_every: int = 1_000
+    eval_episodes: int = 20
+    target: float = 475.0
+    max_seconds: float = 300.0
+    device: str = "cpu"
+
+
+# -- the Q-network and the collectors' policy ----------------------------------------------------
+def make_env() -> Any:
+    import gymnasium as gym
+
+    return gym.make("CartPole-v1")
+
+
+def q_network(obs_dim: int, actions: int, hidden: int) -> Any:
+    import torch
+
+    return torch.nn.Sequential(
+        torch.nn.Linear(obs_dim, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
+        torch.nn.Linear(hidden, actions),
+    )
+
+
+class EpsilonGreedy:
+    """Greedy on the worker's copy of the Q-network, random with a probability that decays
+    linearly from ``start`` to ``end`` over the worker's first ``steps`` env steps."""
+
+    def __init__(self, start: float, end: float, steps: int, actions: int, seed: int) -> None:
+        self.start, self.end, self.steps, self.actions = start, end, steps, actions
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, model: Any, obs: np.ndarray, step: int) -> np.ndarray:
+        import torch
+
+        eps = self.end + (self.start - self.end) * max(0.0, 1.0 - step / self.steps)
+        with torch.no_grad():
+            greedy = model(torch.from_numpy(np.asarray(obs, np.float32))).argmax(dim=1).numpy()
+        explore = self.rng.random(obs.shape[0]) < eps
+        return np.where(explore, self.rng.integers(self.actions, size=obs.shape[0]), greedy)
+
+
+def evaluate(model: Any, episodes: int, seed: int) -> np.ndarray:
+    """Returns of ``episodes`` greedy episodes on fresh envs."""
+    import torch
+
+    env = make_env()
+    returns = []
+    for i in range(episodes):
+        obs, _ = env.reset(seed=seed + i)
+        total, done = 0.0, False
+        while not done:
+            with torch.no_grad():
+                action = int(model(torch.from_numpy(obs[None])).argmax())
+            obs, reward, terminated, truncated, _ = env.step(action)
+            total += float(reward)
+            done = terminated or truncated
+        returns.append(total)
+    env.close()
+    return np.array(returns)
+
+
+# -- the learner ----------------------------------------------------------------------------------
+def main(args: Args) -> dict[str, Any]:
+    import torch
+
+    import shmbuffer as sb
+    from shmbuffer.collector import Collector
+    from shmbuffer.loader import Loader
+
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # two cores, two collectors: more threads only contend
+    env = make_env()
+    obs_dim, actions = env.observation_space.shape[0], int(env.action_space.n)
+    env.close()
+    device = torch.device(args.device)
+    q = q_network(obs_dim, actions, args.hidden)
+    target = copy.deepcopy(q)
+    q, target = q.to(device), target.to(device)
+    opt = torch.optim.Adam(q.parameters(), lr=args.lr)
+    schema = sb.Schema(obs=((obs_dim,), "float32"), action=((), "int64"), reward=((), "float32"),
+                       next_obs=((obs_dim,), "float32"), done=((), "bool"))
+    envs = args.workers * args.envs_per_worker
+    limiter = sb.RateLimiter(samples_per_insert=args.samples_per_insert, min_size=args.learning_starts,
+                             error=args.samples_per_insert * args.learning_starts, block_writers=True)
+    lanes = envs if args.capacity % envs == 0 else 1
+    policy = EpsilonGreedy(args.eps_start, args.eps_end, args.eps_steps, actions, args.seed)
+    start = time.monotonic()
+    report: dict[str, Any] = {"seed": args.seed, "solved": False}
+    with sb.ReplayBuffer(schema, args.capacity, sampler=sb.Prioritized(alpha=0.6, beta=0.4, beta_steps=20_000),
+                         lanes=lanes, episodes=True, limiter=limiter, seed=args.seed) as buf, \
+            Collector(make_env, buf, workers=args.workers, envs_per_worker=args.envs_per_worker,
+                      policy=policy, model=copy.deepcopy(q).cpu(), seed=args.seed) as collector:
+        collector.warm(args.learning_starts)
+        loader = Loader(buf, args.batch_size, device=device, prefetch=2, collector=collector,
+                        n_step=args.n_step, gamma=args.gamma, timeout=30.0)
+        best, best_state, updates, last_line, evals = -np.inf, None, 0, 0.0, []
+        with loader:
+            for batch in loader:
+                obs, act = batch.obs.float(), batch.action.long()
+                q_taken = q(obs).gather(1, act[:, None]).squeeze(1)
+                with torch.no_grad():
+                    next_obs = batch.next_obs.float()
+                    best_next = q(next_obs).argmax(dim=1, keepdim=True)
+                    bootstrap = target(next_obs).gather(1, best_next).squeeze(1)
+                    discount = args.gamma ** batch.steps.float()
+                    goal = batch.reward + discount * (~batch.done).float() * bootstrap
+                td = goal - q_taken
+                loss = (batch.weight * torch.nn.functional.smooth_l1_loss(q_taken, goal, reduction="none")).mean()
+                opt.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(q.parameters(), 10.0)
+                opt.step()
+                loader.update_priorities(batch, td.detach().abs())
+                with torch.no_grad():
+                    for p, tp in zip(q.parameters(), target.parameters(), strict=True):
+                        tp.lerp_(p, args.tau)
+                updates += 1
+                if updates % args.publish_every == 0:
+                    collector.publish(q)
+                elapsed = time.monotonic() - start
+                if updates % args.eval_every == 0:
+                    returns = evaluate(q, 5, seed=10_000 + updates)
+                    evals.append(float(returns.mean()))
+                    if returns.mean() >= best:
+                        best, best_state = float(returns.mean()), copy.deepcopy(q.state_dict())
+                    if returns.mean() >= args.target:
+                        full = evaluate(q, args.eval_episodes, seed=50_000 + updates)
+                        if full.mean() >= args.target:
+                            report.update(solved=True, eval_returns=full)
+                            break
+                if elapsed - last_line >= 1.0 or updates == 1:
+                    last_line = elapsed
+                    _line(elapsed, collector.stats(), buf, updates, evals)
+                if elapsed > args.max_seconds:
+                    break
+        collector.stop()
+        stats = collector.stats()
+        if not report["solved"]:
+            if best_state is not None:
+                q.load_state_dict(best_state)
+            report["eval_returns"] = evaluate(q, args.eval_episodes, seed=90_000)
+            report["solved"] = bool(report["eval_returns"].mean() >= args.target)
+        report.update(seconds=time.monotonic() - start, updates=updates, env_steps=stats["env_steps"],
+                      episodes=stats["episodes"], rows=len(buf), sampled=buf.stats["sampled"])
+    _summary(report, args)
+    return report
+
+
+def _line(elapsed: float, stats: dict[str, Any], buf: Any, updates: int, evals: list[float]) -> None:
+    recent = stats["recent_return"]
+    line = (f"{elapsed:6.1f}s  env steps {stats['env_steps']:>8,d} ({stats['env_steps'] / max(elapsed, 1e-9):,.0f}/s)  "
+            f"buffer {len(buf):>7,d}  updates {updates:>6,d} ({updates / max(elapsed, 1e-9):,.0f}/s)  "
+            f"return {recent:6.1f}  eval {evals[-1] if evals else float('nan'):6.1f}")
+    end = "\r" if sys.stdout.isatty() else "\n"
+    print(line, end=end, flush=True)
+
+
+def _summary(report: dict[str, Any], args: Args) -> None:
+    returns = report["eval_returns"]
+    print()
+    print(f"{'SOLVED' if report['solved'] else 'NOT SOLVED'}: mean evaluation return {returns.mean():.1f} "
+          f"+- {returns.std():.1f} over {returns.size} episodes (target {args.target:g}), seed {args.seed}")
+    print(f"{report['seconds']:.0f} s, {report['env_steps']:,d} env steps in {report['episodes']:,d} episodes "
+          f"by {args.workers} collector processes, {report['updates']:,d} updates of {args.batch_size} rows "
+          f"({report['sampled']:,d} rows sampled, {args.n_step}-step prioritized replay)")
+
+
+def parse(argv: list[str] | None = None) -> Args:
+    p = argparse.ArgumentParser(prog="shmbuffer demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in fields(Args):
+        default = getattr(Args, f.name)
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default)
+    return Args(**vars(p.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    result = main(parse())
+    sys.exit(0 if result["solved"] else 1)
