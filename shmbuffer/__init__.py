@@ -9,6 +9,7 @@ from .errors import (
     FieldError,
     LayoutError,
     OutOfSharedMemory,
+    ReadOnlyError,
     SchemaError,
     SegmentNotFound,
     ShmBufferError,
@@ -16,6 +17,8 @@ from .errors import (
     WaitTimeout,
 )
 from .limiter import RateLimiter
+from .mixing import Buffers, Mix
+from .persistence import export, from_arrays, load, save
 from .samplers import Prioritized, Uniform
 from .schema import Field, Schema
 
@@ -24,15 +27,18 @@ __version__ = "0.1.0"
 __all__ = [
     "Batch",
     "BufferHandle",
+    "Buffers",
     "CapacityError",
     "ClosedError",
     "EmptyBufferError",
     "Field",
     "FieldError",
     "LayoutError",
+    "Mix",
     "OutOfSharedMemory",
     "Prioritized",
     "RateLimiter",
+    "ReadOnlyError",
     "ReplayBuffer",
     "Schema",
     "SchemaError",
@@ -41,4 +47,8 @@ __all__ = [
     "Uniform",
     "UnsupportedPlatform",
     "WaitTimeout",
+    "export",
+    "from_arrays",
+    "load",
+    "save",
 ]

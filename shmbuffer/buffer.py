@@ -299,6 +299,15 @@ class ReplayBuffer:
 
     reset = clear
 
+    def freeze(self) -> None:
+        """Make the buffer read-only for every process (expert data): pushes and clears raise
+        ``ReadOnlyError``; sampling and priority updates go on. There is no unfreezing."""
+        self.ring.freeze()
+
+    @property
+    def frozen(self) -> bool:
+        return self.ring.frozen
+
     # -- writing -------------------------------------------------------------------------------
     def push(
         self,

@@ -48,5 +48,9 @@ class WaitTimeout(ShmBufferError, TimeoutError):
     """A bounded wait ran out: a lock, a stalled writer, a rate limiter or a source with too few rows."""
 
 
+class ReadOnlyError(ShmBufferError, PermissionError):
+    """A push or clear on a buffer that was frozen (expert demonstrations, loaded data)."""
+
+
 class UnsupportedPlatform(ShmBufferError, RuntimeError):
     """The platform lacks what the commit protocol needs (see ``ring.py``)."""

@@ -55,7 +55,7 @@ class _Staging:
 
 
 class Loader:
-    """Iterate device batches from ``buffer`` (see the module docstring).
+    """Iterate device batches from ``buffer`` (see the module docstring); a ``Mix`` works too.
 
     ``sample(buffer) -> Batch`` draws one batch (default: ``buffer.sample(batch_size,
     **sample_kwargs)``). ``collector``, when given, is checked for worker errors at every batch.
@@ -64,7 +64,7 @@ class Loader:
 
     def __init__(
         self,
-        buffer: ReplayBuffer,
+        buffer: ReplayBuffer | Any,
         batch_size: int = 256,
         *,
         device: Any = None,
@@ -84,7 +84,7 @@ class Loader:
         self.cuda = self.device.type == "cuda"
         if self.cuda and not torch.cuda.is_available():
             raise RuntimeError(f"device {self.device} was asked for, but torch.cuda.is_available() is False")
-        self._custom = sample is not None
+        self._custom = sample is not None or not isinstance(buffer, ReplayBuffer)  # e.g. a Mix
         self._batch_size = batch_size
         self._kwargs = sample_kwargs
         self._sample = sample or (lambda b: b.sample(batch_size, **sample_kwargs))

@@ -18,7 +18,8 @@ Columns (all in the block, see ``segment.py``)
              (the first row number that counts after a ``clear()``)
 ``_stats``   ``(16,)`` int64, readers' and writers' counters on separate cache lines: ``[0]``
              rows sampled; ``[8]`` rows reclaimed from dead writers, ``[9]`` lock recoveries,
-             ``[10]`` rows inserted (ever reserved; unlike the cursors, a clear does not move it).
+             ``[10]`` rows inserted (ever reserved; unlike the cursors, a clear does not move it),
+             ``[11]`` 1 once the buffer is frozen (read-only).
              All are updated under the lock and never wrap.
 ``_writer_pid``, ``_writer_start``  ``(WRITERS,)``: the processes that have pushed (pid and start
              time, so a reused pid is not mistaken for a live writer); 0 marks a free entry
@@ -64,7 +65,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import CapacityError, ShmBufferError, UnsupportedPlatform, WaitTimeout
+from .errors import CapacityError, ReadOnlyError, ShmBufferError, UnsupportedPlatform, WaitTimeout
 from .lock import SIZE as MUTEX_SIZE
 from .lock import RobustLock
 from .segment import ColumnSpec, process_alive, start_time
@@ -184,6 +185,8 @@ class Ring:
         pause = 0.0001
         while True:
             with self.lock:
+                if self._stats[11]:
+                    raise ReadOnlyError("this buffer is frozen (read-only): it takes no more rows")
                 shut = gate is not None and not gate(int(self._stats[10]), int(self._stats[0]))
                 res = None if shut else self._try_reserve(k, lane, w)
             if res is not None:
@@ -323,6 +326,14 @@ class Ring:
             self._stats[0] += rows
 
     @property
+    def frozen(self) -> bool:
+        return bool(self._stats[11])
+
+    def freeze(self) -> None:
+        with self.lock:
+            self._stats[11] = 1
+
+    @property
     def sampled(self) -> int:
         """Rows ever handed out by samples, all processes (never wraps)."""
         return int(self._stats[0])
@@ -352,6 +363,8 @@ class Ring:
         runs inside the same critical section."""
         lc = self.lane_capacity
         with self.lock:
+            if self._stats[11]:
+                raise ReadOnlyError("this buffer is frozen (read-only): it cannot be cleared")
             cur = np.maximum(self._lanes[:, 0], self._lanes[:, 1])
             new = -(-cur // lc) * lc
             self._lanes[:, 1] = new  # base first: see "every prefix" in the module docstring
