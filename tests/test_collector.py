@@ -32,6 +32,11 @@ def test_rows_are_the_envs_transitions(make: Make, name: str) -> None:
     buf = make(SCHEMA, capacity=4 * 500, lanes=4, episodes=True, name=name)
     with Collector(CountingEnv, buf, workers=2, envs_per_worker=2, seed=1) as col:
         col.warm(400)
+        deadline = time.monotonic() + 60
+        while min(stop - start for start, stop in zip(*buf.ring.bounds(), strict=True)) < 50:
+            col.check()  # both workers have started (a loaded machine starts them slowly)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         col.stop()
         stats = col.stats()
     assert stats["env_steps"] == buf.stats["inserted"] >= 400
