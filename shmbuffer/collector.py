@@ -302,14 +302,15 @@ def _run(
         rows = transition(obs, actions, reward, next_obs, terminated, truncated)
         rows = {k: v for k, v in rows.items() if k in names}
         episode = (first_env + np.arange(n_envs)) << 32 | episode_no if keeps_episodes else None
-        while not flags[0]:  # a rate limiter may hold writers back; keep seeing the stop flag
+        pushed = False
+        while not pushed and not flags[0]:  # a rate limiter may hold writers back: keep seeing the flag
             try:
                 buf.push(rows, lane=lanes, episode=episode, timeout=0.2)
-                break
+                pushed = True
             except WaitTimeout:
                 if not process_alive(*learner):
                     flags[0] = 1
-        if flags[0]:
+        if not pushed:
             break
         ret += reward
         step += n_envs
