@@ -22,7 +22,7 @@ overwrite as they come round the ring.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -601,6 +601,14 @@ class ReplayBuffer:
                 if rounds == REDRAW_ROUNDS + 1:
                     deadline = time.monotonic() + GIVE_UP
                     self._reap()
+                    if tree and unique and self._prios is not None:
+                        drawable = int(np.count_nonzero(self._prios.tree.leaves))
+                        if drawable < ids.size:
+                            raise EmptyBufferError(
+                                f"sample({ids.size}, replace=False): only {drawable} rows of buffer "
+                                f"{self.name!r} can be drawn; the others are used up (max_use="
+                                f"{self.options.max_use}) or empty"
+                            )
                 elif rounds > REDRAW_ROUNDS and time.monotonic() > deadline:
                     raise WaitTimeout(
                         f"buffer {self.name!r}: {bad.size} of {ids.size} rows could not be drawn in "
@@ -665,6 +673,36 @@ class ReplayBuffer:
         if ok.size < (k if unique else 1):
             return _NONE
         return self._rng.choice(ok, size=k, replace=not unique)
+
+    def epoch(self, batch_size: int, *, shuffle: bool = True, drop_last: bool = False) -> Iterator[Batch]:
+        """Every row held now, once, in batches of ``batch_size`` (epoch-style sampling without
+        replacement; PPO and PPG iterate a rollout like this). Rows used up (``max_use``) are
+        left out, and every row given counts a use; rows overwritten during the epoch are dropped
+        from their batch, so a batch can be short; the last one is short unless ``drop_last``."""
+        if (type(batch_size) is not int and not isinstance(batch_size, np.integer)) or batch_size <= 0:
+            raise ValueError(f"epoch: expected a positive batch size, got {batch_size!r}")
+        ring = self.ring
+        first, last = ring.bounds()
+        ids = np.concatenate([np.arange(a, b) * ring.lanes + lane for lane, (a, b) in enumerate(zip(first, last, strict=True))])
+        if self._prios is not None and self.options.max_use is not None:
+            ids = ids[self._prios.tree.leaves[ring.slots(ids)] > 0]
+        if shuffle:
+            ids = self._rng.permutation(ids)
+        stop = ids.size - ids.size % batch_size if drop_last else ids.size
+        for at in range(0, stop, batch_size):
+            chunk = ids[at:at + batch_size].copy()
+            first_stamp, second_stamp, block, big = self._gather(ring.slots(chunk))
+            expect = ring.expected(chunk)
+            keep = np.flatnonzero((first_stamp == expect) & (second_stamp == expect))
+            if self.options.max_use is not None and self._prios is not None:
+                keep = np.setdiff1d(keep, self._claim(chunk, keep), assume_unique=True)
+            if keep.size < chunk.size:
+                chunk = chunk[keep]
+                block = block[keep] if block is not None else None
+                big = {name: col[keep] for name, col in big.items()}
+            if chunk.size:
+                ring.count_sampled(int(chunk.size))
+                yield self._batch(chunk, block, big)
 
     def get(self, index: int | slice | Any) -> Batch:
         """Rows by logical index: 0 is the oldest, -1 the newest (lane by lane when there are

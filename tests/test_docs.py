@@ -37,6 +37,9 @@ def test_readme_commands_are_the_ci_commands() -> None:
 
 EXAMPLES = {
     "quickstart.py": ["--capacity", "1000", "--seconds", "1"],
+    "r2d2.py": ["--updates", "20", "--capacity", "4000"],
+    "ppg_buffers.py": ["--iterations", "2", "--aux-every", "2", "--rollout", "32"],
+    "expert_mix.py": ["--demos", "2", "--updates", "50"],
 }
 
 

@@ -260,3 +260,46 @@ def test_max_use_counts_across_processes(make: Make, name: str) -> None:
     finally:
         other.close()
     assert sorted(seen) == list(range(20))
+
+
+# -- epochs -------------------------------------------------------------------------------------
+
+
+def test_epoch_gives_every_row_once(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=40, lanes=2, name=name, seed=0)
+    buf.push(transition(0, 20), lane=0)
+    buf.push(transition(100, 13), lane=1)
+    batches = list(buf.epoch(8))
+    assert [len(b) for b in batches] == [8, 8, 8, 8, 1]
+    seen = np.concatenate([seq_of(b) for b in batches])
+    assert sorted(seen) == list(range(20)) + list(range(100, 113))
+    assert not np.array_equal(seen, np.sort(seen))  # shuffled
+    ordered = np.concatenate([seq_of(b) for b in buf.epoch(10, shuffle=False, drop_last=True)])
+    assert ordered.tolist() == list(range(20)) + list(range(100, 110))
+    assert buf.stats["sampled"] == 33 + 30
+    with pytest.raises(ValueError, match="positive batch size"):
+        next(buf.epoch(0))
+
+
+def test_epoch_counts_uses_and_drops_overwritten_rows(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=10, name=name, max_use=2)
+    buf.push(transition(0, 10))
+    for _ in range(2):
+        assert sorted(np.concatenate([seq_of(b) for b in buf.epoch(4)])) == list(range(10))
+    assert list(buf.epoch(4)) == []  # every row used twice
+    with pytest.raises(sb.EmptyBufferError, match="max_use=2"):
+        buf.sample(1)
+    fresh = make(MUJOCO, capacity=10, name=name + "f")
+    fresh.push(transition(0, 10))
+    batches = fresh.epoch(5, shuffle=False)
+    assert seq_of(next(batches)).tolist() == [0, 1, 2, 3, 4]
+    fresh.push(transition(10, 7))  # overwrites rows 0..6 before the second batch (rows 5..9)
+    assert [seq_of(b).tolist() for b in batches] == [[7, 8, 9]]
+
+
+def test_prioritized_without_replacement_beyond_what_is_left(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=20, name=name, max_use=1)
+    buf.push(transition(0, 20))
+    buf.sample(15, replace=False)
+    with pytest.raises(sb.EmptyBufferError, match=r"only 5 rows of buffer .* can be drawn; the others are used up \(max_use=1\)"):
+        buf.sample(6, replace=False)
