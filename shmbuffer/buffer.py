@@ -21,6 +21,7 @@ overwrite as they come round the ring.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -703,6 +704,39 @@ class ReplayBuffer:
             if chunk.size:
                 ring.count_sampled(int(chunk.size))
                 yield self._batch(chunk, block, big)
+
+    # -- persistence (persistence.py) -----------------------------------------------------------
+    def save(self, path: str | os.PathLike[str], *, progress: bool | Callable[[int, int], None] = False,
+             wait: float = 1.0) -> dict[str, Any]:
+        """Save to the directory ``path`` (safetensors + JSON) while writers may go on."""
+        from .persistence import save
+
+        return save(self, path, progress=progress, wait=wait)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, name: str | None = None, capacity: int | None = None,
+             seed: int | np.random.Generator | None = None) -> ReplayBuffer:
+        """A new buffer holding a save: the same rows, ids, priorities and uses (Velora's ``load``)."""
+        from .persistence import load
+
+        return load(path, name=name, capacity=capacity, seed=seed)
+
+    def export(self) -> dict[str, np.ndarray]:
+        """All rows as numpy arrays in ``get`` order, plus ``index`` (and ``episode``)."""
+        from .persistence import export
+
+        return export(self)
+
+    get_all_transitions = export  # cpprb
+    export_data = export  # DI-engine
+
+    @classmethod
+    def from_arrays(cls, schema: Schema | Mapping[str, Any], arrays: Mapping[str, Any],
+                    capacity: int | None = None, **options: Any) -> ReplayBuffer:
+        """A new buffer of these rows (DI-engine's ``import_data``)."""
+        from .persistence import from_arrays
+
+        return from_arrays(schema, arrays, capacity, **options)
 
     def get(self, index: int | slice | Any) -> Batch:
         """Rows by logical index: 0 is the oldest, -1 the newest (lane by lane when there are

@@ -1,0 +1,182 @@
+"""The ``shmbuffer`` command, run as a subprocess: ls, inspect, gc (after a SIGKILLed creator),
+save / load and bench."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmbuffer as sb
+from shmbuffer import segment
+
+from .conftest import MUJOCO, seq_of, transition
+
+Make = Callable[..., sb.ReplayBuffer]
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONWARNINGS": "error", "PYTHONPATH": str(ROOT)}
+
+
+def cli(*args: str, ok: bool = True, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([sys.executable, "-m", "shmbuffer.cli", *args], capture_output=True, text=True,
+                         timeout=timeout, env=ENV, cwd=ROOT)
+    if ok:
+        assert out.returncode == 0 and out.stderr == "", out.stdout + out.stderr
+    return out
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[str]]:
+    """Names of blocks a test makes outside this process: removed at teardown, whatever happened."""
+    names: list[str] = []
+    yield names
+    for n in names:
+        try:
+            os.unlink(segment.path_of(n))
+        except FileNotFoundError:
+            pass
+
+
+def test_ls(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=100, lanes=2, name=name)
+    buf.push(transition(0, 30), lane=0)
+    buf.push(transition(30, 40), lane=1)
+    buf.push(transition(70, 30), lane=1)  # lane 1 wraps: 30 + 50 rows held
+    entry = next(e for e in json.loads(cli("ls", "--json").stdout) if e["name"] == name)
+    assert entry == {
+        "name": name, "schema": "obs[17]f4 action[6]f4 reward f4 next_obs[17]f4 done b1", "rows": 80,
+        "capacity": 100, "lanes": 2, "bytes": os.path.getsize(segment.path_of(name)),
+        "creator_pid": os.getpid(), "alive": True,
+    }
+    line = next(ln for ln in cli("ls").stdout.splitlines() if ln.startswith(name))
+    assert "80/100" in line and str(os.getpid()) in line and "alive" in line
+
+
+def test_inspect(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=64, lanes=2, name=name, sampler=sb.Prioritized())
+    buf.push(transition(0, 40), lane=np.arange(40) % 2)
+    buf.sample(5)
+    info = json.loads(cli("inspect", name, "--json").stdout)
+    assert info["rows"] == 40 and info["capacity"] == 64 and info["creator_pid"] == os.getpid()
+    assert info["options"] == buf.options.to_json() and info["stats"] == buf.stats
+    assert info["lanes"] == [{"lane": i, "first": 0, "stop": 20, "rows": 20, "capacity": 32} for i in (0, 1)]
+    rows = transition(0, 40)
+    for f in info["fields"]:
+        a = rows[f["name"]]
+        assert f["min"] == a.min() and f["max"] == a.max() and f["mean"] == pytest.approx(a.mean())
+    text = cli("inspect", name).stdout
+    assert "lane 1: rows [0, 20)  20/32" in text and "sampled 5" in text
+    out = cli("inspect", name + "-none", ok=False)
+    assert out.returncode == 1 and f"no buffer named {name + '-none'!r}" in out.stderr
+
+
+CREATOR = """
+    import sys, time
+    from multiprocessing import resource_tracker
+    import shmbuffer as sb
+    from shmbuffer import segment
+    from tests.conftest import MUJOCO, transition
+    buf = sb.ReplayBuffer(MUJOCO, 100, name={name!r})
+    buf.push(transition(0, 7))
+    # as if its resource tracker had died with it: nothing removes the block at its death
+    resource_tracker.unregister("/" + segment.PREFIX + {name!r}, "shared_memory")
+    print("ready", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_gc_removes_blocks_of_dead_creators_only(make: Make, name: str, cleanup: list[str]) -> None:
+    dead, live = name + "-dead", name + "-live"
+    cleanup.append(dead)
+    make(MUJOCO, capacity=10, name=live)
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CREATOR.format(name=dead))],
+                            stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert "removed 0, kept 1 live" in cli("gc", dead).stdout
+        assert os.path.exists(segment.path_of(dead))
+        proc.kill()
+        proc.wait(10)
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    time.sleep(0.2)
+    assert os.path.exists(segment.path_of(dead)), "its tracker should not have removed it"
+    entry = next(e for e in json.loads(cli("ls", "--json").stdout) if e["name"] == dead)
+    assert entry["alive"] is False and entry["creator_pid"] == proc.pid and entry["rows"] == 7
+    out = cli("gc", "--dry-run").stdout  # every block: a dry run touches nothing
+    assert f"would remove {segment.path_of(dead)} (creator pid {proc.pid} is dead" in out
+    assert segment.path_of(live) not in out
+    assert os.path.exists(segment.path_of(dead))
+    out = cli("gc", dead, live).stdout
+    assert f"removed {segment.path_of(dead)}" in out and "removed 1, kept 1 live" in out
+    assert not os.path.exists(segment.path_of(dead)) and os.path.exists(segment.path_of(live))
+
+
+def test_gc_removes_unreadable_blocks_only_with_force(name: str, cleanup: list[str]) -> None:
+    cleanup.append(name)
+    with open(segment.path_of(name), "wb") as f:
+        f.write(b"not a buffer" * 100)
+    out = cli("gc", name).stdout
+    assert f"skipped {name}: not a readable shmbuffer block" in out and "--force" in out
+    assert os.path.exists(segment.path_of(name))
+    entry = next(e for e in json.loads(cli("ls", "--json").stdout) if e["name"] == name)
+    assert "is not a shmbuffer block" in entry["error"]
+    out = cli("gc", "--force", "--dry-run", name).stdout
+    assert "would remove" in out and os.path.exists(segment.path_of(name))
+    out = cli("gc", "--force", name).stdout
+    assert f"removed {segment.path_of(name)} (not readable" in out
+    assert not os.path.exists(segment.path_of(name))
+
+
+def test_save_and_load(make: Make, name: str, tmp_path: Path, cleanup: list[str]) -> None:
+    buf = make(MUJOCO, capacity=50, name=name)
+    buf.push(transition(0, 50))
+    buf.push(transition(50, 20))
+    out = cli("save", name, str(tmp_path / "ckpt")).stdout
+    assert f"saved 50 rows of {name!r}" in out
+    copy = name + "-copy"
+    cleanup.append(copy)
+    proc = subprocess.Popen([sys.executable, "-m", "shmbuffer.cli", "load", str(tmp_path / "ckpt"), "--name", copy,
+                             "--capacity", "100"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith(f"loaded 50 rows into {copy!r}")
+        other = sb.ReplayBuffer.attach(copy)
+        try:
+            rows = other.get(slice(None))
+            assert np.array_equal(rows.index, np.arange(20, 70)) and np.array_equal(seq_of(rows), rows.index)
+            assert other.capacity == 100
+        finally:
+            other.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert proc.stderr is not None and proc.stderr.read() == ""
+    finally:
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+    assert not os.path.exists(segment.path_of(copy))
+    out = cli("load", str(tmp_path / "nothing"), "--name", copy, ok=False)
+    assert out.returncode == 1 and "does not exist" in out.stderr
+
+
+def test_bench() -> None:
+    out: dict[str, Any] = json.loads(cli("bench", "--seconds", "0.05", "--json").stdout)
+    assert out["memcpy_gb_s"] > 0 and out["sample_batches_s_of_256"] > 0
+    assert out["push_rows_s_batches_of_256"] > out["push_rows_s_one_at_a_time"] > 0

@@ -1,0 +1,606 @@
+"""Save / load (the file format, golden files, damaged files), saving while writers run, and the
+plain numpy export / import."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import shmbuffer as sb
+from shmbuffer import persistence, segment
+
+from .conftest import MUJOCO, seq_of, transition
+
+Make = Callable[..., sb.ReplayBuffer]
+GOLDEN = Path(__file__).resolve().parent / "golden" / "v1"
+
+
+@pytest.fixture
+def loaded() -> Iterator[list[sb.ReplayBuffer]]:
+    """Buffers made by ``load``: closed and unlinked after the test."""
+    made: list[sb.ReplayBuffer] = []
+    yield made
+    for buf in made:
+        try:
+            buf.close()
+        except BufferError:
+            pass
+        buf.unlink()
+
+
+def push_lane(buf: sb.ReplayBuffer, lane: int, k: int, **kw: Any) -> np.ndarray:
+    """Push ``k`` rows into ``lane`` whose values derive from their ids (``n * lanes + lane``);
+    only correct while no one else pushes into that lane."""
+    n0 = int(buf.ring.bounds()[1][lane])
+    ids = (n0 + np.arange(k)) * buf.lanes + lane
+    got = buf.push(transition(ids), lane=lane, **kw)
+    assert np.array_equal(got, ids)
+    return ids
+
+
+def check_file(path: Path) -> dict[str, Any]:
+    """Read a save with the safetensors package; check that every lane's rows are its consecutive
+    row numbers [first, stop), each row intact and the row with that id. Returns meta.json."""
+    meta = json.loads((path / "meta.json").read_text())
+    tensors = load_file(str(path / "rows.safetensors"))
+    lanes = len(meta["lanes"])
+    ids = np.concatenate([np.arange(ln["first"], ln["stop"]) * lanes + i for i, ln in enumerate(meta["lanes"])])
+    assert meta["rows"] == ids.size
+    assert np.array_equal(seq_of(tensors), ids)
+    assert {t["name"] for t in meta["tensors"]} == set(tensors)
+    for t in meta["tensors"]:
+        assert list(tensors[t["name"]].shape) == t["shape"]
+    return meta
+
+
+# -- round trips ---------------------------------------------------------------------------------------
+def test_uniform_round_trip(make: Make, loaded: list, name: str, tmp_path: Path) -> None:
+    buf = make(MUJOCO, capacity=100, name=name)
+    buf.push(transition(0, 80))
+    buf.push(transition(80, 50))  # wraps: rows 30..129 stay
+    buf.sample(7)
+    out = sb.save(buf, tmp_path / "ckpt")
+    assert out["rows"] == 100 and out["dropped"] == 0 and not out["moved"]
+    meta = check_file(tmp_path / "ckpt")
+    assert meta["format"] == "shmbuffer" and meta["format_version"] == 1
+    assert meta["lanes"] == [{"first": 30, "stop": 130, "base": 0}]
+    assert meta["stats"] == buf.stats and meta["sampler_state"] is None
+    assert sb.Schema.from_json(meta["schema"]) == MUJOCO and meta["options"] == buf.options.to_json()
+    assert set(load_file(str(tmp_path / "ckpt" / "rows.safetensors"))) == set(MUJOCO.names)
+
+    new = sb.load(tmp_path / "ckpt", seed=3)
+    loaded.append(new)
+    assert new.owner and new.name != buf.name and len(new) == 100 and new.full
+    assert new.stats["inserted"] == 130 and new.stats["sampled"] == 7
+    rows = new.get(slice(None))
+    assert np.array_equal(rows.index, np.arange(30, 130)) and np.array_equal(seq_of(rows), rows.index)
+    # the same seed draws the same ids from the original and from the copy
+    again = sb.ReplayBuffer.attach(buf.handle, seed=3)
+    try:
+        for _ in range(3):
+            a, b = again.sample(64), new.sample(64)
+            assert np.array_equal(a.index, b.index)
+            assert np.array_equal(seq_of(b), b.index)
+    finally:
+        again.close()
+    # row ids go on where they stopped
+    assert new.push(transition(130, 2)).tolist() == [130, 131]
+    assert seq_of(new.get(-1)) == 131
+
+
+def test_prioritized_round_trip(make: Make, loaded: list, name: str, tmp_path: Path) -> None:
+    """Two lanes, episodes, max_use: rows, ids, episodes, leaves, uses and the largest priority
+    come back, and the same seed then draws the same rows, round after round."""
+    opts: dict[str, Any] = {"sampler": sb.Prioritized(alpha=0.7, beta=0.5), "max_use": 4, "lanes": 2, "episodes": True}
+    buf = make(MUJOCO, capacity=64, name=name, seed=0, **opts)
+    rng = np.random.default_rng(1)
+    for i in range(6):
+        lane = i % 2
+        push_lane(buf, lane, 10, episode=i, priority=rng.random(10) * 5)
+    batch = buf.sample(16)
+    buf.update_priorities(batch, rng.random(16) * 20)
+    for _ in range(5):
+        buf.sample(16)
+    sb.save(buf, tmp_path / "p")
+    meta = check_file(tmp_path / "p")
+    assert meta["sampler_state"] == {"max_priority": buf._prios.max_priority}
+    tensors = load_file(str(tmp_path / "p" / "rows.safetensors"))
+    ring, prios = buf.ring, buf._prios
+    ids = buf.get(slice(None)).index
+    slots = ring.slots(ids)
+    assert np.array_equal(tensors["_leaf"], prios.tree.leaves[slots])
+    assert np.array_equal(tensors["_uses"], prios.uses[slots]) and tensors["_uses"].max() > 0
+    assert np.array_equal(tensors["_episode"], buf._episode[slots])
+
+    new = sb.load(tmp_path / "p", seed=9)
+    loaded.append(new)
+    assert new.options == buf.options and new.stats == buf.stats
+    assert np.array_equal(new.get(slice(None)).index, ids)
+    assert np.array_equal(new._prios.tree.leaves[new.ring.slots(ids)], tensors["_leaf"])
+    assert new._prios.tree.total == prios.tree.total and new._prios.max_priority == prios.max_priority
+    assert np.array_equal(sb.export(new)["episode"], tensors["_episode"])
+    again = sb.ReplayBuffer.attach(buf.handle, seed=9)
+    try:
+        for _ in range(6):  # uses run out along the way, identically in both
+            a, b = again.sample(8), new.sample(8)
+            assert np.array_equal(a.index, b.index) and np.array_equal(a.weight, b.weight)
+            assert np.array_equal(seq_of(b), b.index)
+        assert np.array_equal(new._prios.uses, prios.uses)
+    finally:
+        again.close()
+
+
+def test_capacity_may_change_while_the_rows_fit(make: Make, loaded: list, name: str, tmp_path: Path) -> None:
+    buf = make(MUJOCO, capacity=20, lanes=2, name=name, seed=0)
+    for lane in (0, 1, 0):
+        push_lane(buf, lane, 8)  # lane 0 wraps: rows 6..15 stay
+    sb.save(buf, tmp_path / "c")
+    ids = buf.get(slice(None)).index
+    big = sb.load(tmp_path / "c", capacity=100)
+    loaded.append(big)
+    assert big.capacity == 100 and big.lane_capacity == 50
+    assert np.array_equal(big.get(slice(None)).index, ids) and len(big) == len(buf) == 18
+    assert np.array_equal(seq_of(big.get(slice(None))), ids)
+    assert push_lane(big, 1, 3).tolist() == [17, 19, 21]  # ids go on in each lane
+    small = sb.load(tmp_path / "c", capacity=20)
+    loaded.append(small)
+    assert np.array_equal(small.get(slice(None)).index, ids)
+    with pytest.raises(sb.CapacityError, match=r"lanes of 5 rows, but a lane .* holds 10 rows: expected capacity >= 20"):
+        sb.load(tmp_path / "c", name=name + "x", capacity=10)
+    with pytest.raises(sb.CapacityError, match="positive multiple of the 2 lanes"):
+        sb.load(tmp_path / "c", name=name + "x", capacity=21)
+    assert not os.path.exists(segment.path_of(name + "x"))
+
+
+def test_every_dtype_and_a_large_field(make: Make, loaded: list, name: str, tmp_path: Path) -> None:
+    schema = sb.Schema(
+        frame=((2, 24, 24), "uint8"), f16=((3,), "float16"), c64=((2,), "complex64"), c128=((), "complex128"),
+        i8=((), "int8"), u64=((), "uint64"), i16=((2,), "int16"), flag=((), "bool"),
+    )
+    rng = np.random.default_rng(0)
+    k = 37
+    data = {
+        "frame": rng.integers(0, 255, (k, 2, 24, 24), dtype=np.uint8),
+        "f16": rng.normal(size=(k, 3)).astype(np.float16),
+        "c64": (rng.normal(size=(k, 2)) + 1j * rng.normal(size=(k, 2))).astype(np.complex64),
+        "c128": rng.normal(size=k) + 1j * rng.normal(size=k),
+        "i8": rng.integers(-128, 127, k, dtype=np.int8),
+        "u64": rng.integers(0, 2**63, k, dtype=np.uint64) * 2 + 1,
+        "i16": rng.integers(-3000, 3000, (k, 2), dtype=np.int16),
+        "flag": rng.random(k) < 0.5,
+    }
+    buf = make(schema, capacity=40, name=name)
+    buf.push(data)
+    sb.save(buf, tmp_path / "d")
+    tensors = load_file(str(tmp_path / "d" / "rows.safetensors"))
+    assert tensors["c64"].dtype == np.float32 and tensors["c64"].shape == (k, 2, 2)
+    assert np.array_equal(tensors["c64"].view(np.complex64)[..., 0], data["c64"])
+    assert np.array_equal(tensors["c128"].view(np.complex128)[..., 0], data["c128"])
+    for n in ("frame", "f16", "i8", "u64", "i16", "flag"):
+        assert tensors[n].dtype == data[n].dtype and np.array_equal(tensors[n], data[n]), n
+    new = sb.load(tmp_path / "d")
+    loaded.append(new)
+    rows = new.get(slice(None))
+    for n, a in data.items():
+        assert rows[n].dtype == a.dtype and np.array_equal(rows[n], a), n
+    # export sees the same, and from_arrays makes a buffer of it
+    exported = sb.export(new)
+    assert np.array_equal(exported["index"], np.arange(k))
+    copy = sb.from_arrays(schema, exported)
+    loaded.append(copy)
+    assert copy.capacity == k and all(np.array_equal(copy.get(slice(None))[n], a) for n, a in data.items())
+
+
+def test_empty_and_cleared_buffers(make: Make, loaded: list, name: str, tmp_path: Path) -> None:
+    buf = make(MUJOCO, capacity=16, lanes=2, name=name)
+    sb.save(buf, tmp_path / "empty")
+    assert check_file(tmp_path / "empty")["rows"] == 0
+    new = sb.load(tmp_path / "empty")
+    loaded.append(new)
+    assert len(new) == 0 and push_lane(new, 1, 2).tolist() == [1, 3]
+
+    push_lane(buf, 0, 5)
+    push_lane(buf, 1, 2)
+    buf.clear()  # base moves to the lane boundary: ids go on from 16
+    push_lane(buf, 1, 3)
+    sb.save(buf, tmp_path / "cleared")
+    meta = check_file(tmp_path / "cleared")
+    assert meta["lanes"] == [{"first": 8, "stop": 8, "base": 8}, {"first": 8, "stop": 11, "base": 8}]
+    new = sb.load(tmp_path / "cleared")
+    loaded.append(new)
+    assert new.get(slice(None)).index.tolist() == [17, 19, 21]
+    assert np.array_equal(new.ring.base(np.arange(2)), [8, 8])
+    assert push_lane(new, 0, 1).tolist() == [16]
+
+
+def test_save_replaces_an_earlier_save_and_reports_progress(
+    make: Make, name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    buf = make(MUJOCO, capacity=100, name=name)
+    buf.push(transition(0, 10))
+    sb.save(buf, tmp_path / "s")
+    buf.push(transition(10, 90))
+    monkeypatch.setattr(persistence, "CHUNK_BYTES", 165 * 10)
+    calls: list[tuple[int, int]] = []
+    sb.save(buf, tmp_path / "s", progress=lambda done, total: calls.append((done, total)))
+    assert check_file(tmp_path / "s")["rows"] == 100
+    assert sorted(os.listdir(tmp_path / "s")) == ["meta.json", "rows.safetensors"]
+    assert len(calls) == 10 and calls[-1] == (100 * 165, 100 * 165)
+    assert [d for d, _ in calls] == sorted(d for d, _ in calls)
+    sb.save(buf, tmp_path / "s", progress=True)
+    assert "saving" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="is not a directory"):
+        sb.save(buf, tmp_path / "file")
+
+
+# -- saving while writers run ------------------------------------------------------------------------------
+def lapping(monkeypatch: pytest.MonkeyPatch, buf: sb.ReplayBuffer, at_call: int, lane: int, rows: int) -> None:
+    """Before the save's ``at_call``-th piece (0-based), a writer pushes ``rows`` rows into ``lane``."""
+    real = persistence._Snapshot.copy
+    calls = [0]
+
+    def copy(self: Any, run: Any, k: int) -> Any:
+        if calls[0] == at_call:
+            for i in range(0, rows, 10):
+                push_lane(buf, lane, min(10, rows - i))
+        calls[0] += 1
+        return real(self, run, k)
+
+    monkeypatch.setattr(persistence._Snapshot, "copy", copy)
+
+
+@pytest.mark.parametrize(
+    ("at_call", "lane", "rows", "moved"),
+    [
+        (1, 1, 5, False),  # lane 1's oldest rows go before its first piece: the layout allows for it
+        (2, 0, 15, True),  # lane 0's second piece is reached by the writer: the tensors move down
+        (1, 1, 120, False),  # lane 1 is lapped whole before it is read: none of its rows is saved
+    ],
+)
+def test_rows_overwritten_during_the_save_are_dropped_from_the_oldest_end(
+    at_call: int, lane: int, rows: int, moved: bool, make: Make, loaded: list, name: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    buf = make(MUJOCO, capacity=200, lanes=2, name=name)
+    for ln in (0, 1):
+        for _ in range(13):
+            push_lane(buf, ln, 10)  # full, wrapped: rows 30..129 of each lane
+    monkeypatch.setattr(persistence, "CHUNK_BYTES", 165 * 10 * 2)  # pieces of 10 rows a lane
+    lapping(monkeypatch, buf, at_call, lane, rows)
+    out = sb.save(buf, tmp_path / "w")
+    assert out["moved"] == moved
+    meta = check_file(tmp_path / "w")
+    other = 1 - lane
+    assert meta["lanes"][other] == {"first": 30, "stop": 130, "base": 0}
+    expect_first = min(30 + rows, 130)
+    assert meta["lanes"][lane] == {"first": expect_first, "stop": 130 if rows < 100 else expect_first, "base": 0}
+    assert out["dropped"] == min(rows, 100)
+    new = sb.load(tmp_path / "w")
+    loaded.append(new)
+    got = new.get(slice(None))
+    assert np.array_equal(seq_of(got), got.index) and len(new) == meta["rows"]
+
+
+class _Stall(dict):
+    """Stands in for the buffer's column table: the push copying through it waits for ``go``."""
+
+    def __init__(self, base: dict, go: threading.Event) -> None:
+        super().__init__(base)
+        self.go = go
+
+    def __getitem__(self, key: str) -> Any:
+        self.go.wait(10)
+        return super().__getitem__(key)
+
+
+@pytest.mark.parametrize("commits", [True, False])
+def test_a_row_being_written_at_the_start(commits: bool, make: Make, name: str, tmp_path: Path) -> None:
+    """Waited for when it commits within ``wait``; else the lane's run stops before it."""
+    buf = make(MUJOCO, capacity=100, name=name)
+    push_lane(buf, 0, 10)
+    go = threading.Event()
+    targets = buf._targets
+    buf._targets = _Stall(targets, go)
+    writer = threading.Thread(target=push_lane, args=(buf, 0, 3))
+    writer.start()
+    try:
+        while len(buf) < 13:  # reserved: rows 10..12 are being written
+            time.sleep(0.001)
+        buf._targets = targets
+        push_lane(buf, 0, 4)  # committed after them: rows 13..16
+        timer = threading.Timer(0.2, go.set)
+        if commits:
+            timer.start()
+        out = sb.save(buf, tmp_path / "b", wait=5.0 if commits else 0.2)
+    finally:
+        go.set()
+        writer.join()
+    meta = check_file(tmp_path / "b")
+    assert meta["lanes"][0]["stop"] == (17 if commits else 10)
+    assert out["dropped"] == (0 if commits else 7)
+
+
+def _writer(handle: sb.BufferHandle, stop: Any, started: Any) -> None:
+    buf = sb.ReplayBuffer.attach(handle)
+    lanes = buf.lanes
+    n = [int(x) for x in buf.ring.bounds()[1]]
+    i = 0
+    while not stop.is_set():
+        lane = i % lanes
+        k = 1 + i % 37
+        ids = (n[lane] + np.arange(k)) * lanes + lane
+        buf.push(transition(ids), lane=lane)
+        n[lane] += k
+        i += 1
+        if i == 50:
+            started.set()
+    buf.close()
+
+
+@pytest.mark.slow
+def test_save_while_a_writer_laps_the_ring(make: Make, loaded: list, name: str, tmp_path: Path, procs: list,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer process pushes self-verifying rows as fast as it can into a small ring while
+    saves run with small pieces: every saved row intact and the row of its id, each lane one run
+    of consecutive row numbers, none pushed after the save began."""
+    buf = make(MUJOCO, capacity=4000, lanes=2, name=name)
+    for lane in (0, 1):
+        for _ in range(3):
+            push_lane(buf, lane, 1000)
+    ctx = mp.get_context("spawn")
+    stop, started = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=_writer, args=(buf.handle, stop, started))
+    p.start()
+    procs.append(p)
+    assert started.wait(60)
+    kept: list[int] = []
+    try:
+        for i, rows in enumerate([20, 200, 2000] * 2):  # small pieces: the writer laps the save; large: less
+            monkeypatch.setattr(persistence, "CHUNK_BYTES", 165 * rows)
+            before = buf.ring.bounds()[1].copy()
+            out = sb.save(buf, tmp_path / f"s{i}")
+            after = buf.ring.bounds()[1]
+            meta = check_file(tmp_path / f"s{i}")
+            for lane, ln in enumerate(meta["lanes"]):
+                assert before[lane] - buf.lane_capacity <= ln["first"] <= ln["stop"] <= after[lane]
+            kept.append(out["rows"])
+            new = sb.load(tmp_path / f"s{i}")
+            loaded.append(new)
+            got = new.get(slice(None))
+            assert np.array_equal(seq_of(got), got.index)
+    finally:
+        stop.set()
+        p.join(30)
+    assert p.exitcode == 0
+    assert max(kept) >= buf.capacity // 2, kept  # not only empty saves
+
+
+# -- golden files of format version 1 ------------------------------------------------------------------
+def test_golden_uniform(loaded: list) -> None:
+    new = sb.load(GOLDEN / "uniform", seed=0)
+    loaded.append(new)
+    rows = new.get(slice(None))
+    assert rows.index.tolist() == list(range(3, 11)) and np.array_equal(seq_of(rows), rows.index)
+    assert new.capacity == 8 and new.lanes == 1 and new.options.sampler == sb.Uniform() and new._prios is None
+    assert new.stats == {"inserted": 11, "sampled": 5, "reclaimed": 0, "lock_recoveries": 0}
+    assert set(load_file(str(GOLDEN / "uniform" / "rows.safetensors"))) == set(MUJOCO.names)
+
+
+def test_golden_prioritized(loaded: list) -> None:
+    """The content tests/golden/make_golden.py describes."""
+    new = sb.load(GOLDEN / "prioritized", seed=0)
+    loaded.append(new)
+    assert new.options == persistence.Options(8, 2, sb.Prioritized(alpha=0.5, beta=0.4), 3, True)
+    ids = np.array([4, 6, 8, 10, 1, 3, 5])
+    rows = new.get(slice(None))
+    assert np.array_equal(rows.index, ids) and np.array_equal(seq_of(rows), ids)
+    assert sb.export(new)["episode"].tolist() == [0, 1, 1, 1, 7, 7, 7]
+    slots = new.ring.slots(ids)
+    prio = np.array([5.0, 7.0, 0.25, 11.0, 0.5, 0.5, 9.0])
+    leaves = (prio + 1e-6) ** 0.5
+    leaves[0] = 0.0  # id 4 was drawn max_use times
+    assert np.array_equal(new._prios.tree.leaves[slots], leaves)
+    assert new._prios.uses[slots].tolist() == [3, 0, 0, 0, 0, 1, 0]
+    assert new._prios.max_priority == 11.0
+    assert new.stats["inserted"] == 9
+    for _ in range(4):  # 17 draws are left in all
+        batch = new.sample(4)
+        assert 4 not in batch.index and np.array_equal(seq_of(batch), batch.index)
+
+
+def test_golden_files_are_what_the_script_makes() -> None:
+    for kind in ("uniform", "prioritized"):
+        meta = json.loads((GOLDEN / kind / "meta.json").read_text())
+        assert meta["format_version"] == 1
+        with open(GOLDEN / kind / "rows.safetensors", "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            assert (8 + n) % 64 == 0
+            assert json.loads(f.read(n))["__metadata__"]["save_id"] == meta["save_id"]
+
+
+# -- damaged, truncated and mismatched files ------------------------------------------------------------
+@pytest.fixture
+def saved(make: Make, name: str, tmp_path: Path) -> Path:
+    buf = make(MUJOCO, capacity=16, name=name, sampler=sb.Prioritized())
+    buf.push(transition(0, 10))
+    sb.save(buf, tmp_path / "ok")
+    return tmp_path / "ok"
+
+
+def rewrite_header(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Change the JSON header of rows.safetensors in place, keeping its length."""
+    file = path / "rows.safetensors"
+    raw = bytearray(file.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    head = json.loads(raw[8:8 + n])
+    edit(head)
+    new = json.dumps(head, separators=(",", ":")).encode()
+    assert len(new) <= n
+    raw[8:8 + n] = new + b" " * (n - len(new))
+    file.write_bytes(bytes(raw))
+
+
+def edit_meta(path: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    meta = json.loads((path / "meta.json").read_text())
+    edit(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+def _offsets(head: dict[str, Any]) -> None:
+    head["obs"]["data_offsets"] = [head["obs"]["data_offsets"][0] + 10**6, head["obs"]["data_offsets"][1] + 10**6]
+
+
+def _dtype(head: dict[str, Any]) -> None:
+    head["reward"]["dtype"] = "I32"
+
+
+DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
+    "meta not JSON": (lambda p: (p / "meta.json").write_text("{oops"), r"meta.json: not valid JSON"),
+    "meta not ours": (lambda p: edit_meta(p, lambda m: m.update(format="npz")),
+                      r"meta.json: format 'npz', expected 'shmbuffer'"),
+    "unknown version": (lambda p: edit_meta(p, lambda m: m.update(format_version=7)),
+                        r"format version 7; this shmbuffer reads versions 1"),
+    "meta rows disagree": (lambda p: edit_meta(p, lambda m: m.update(rows=11)), r"rows is 11, the lanes hold 10"),
+    "meta lanes disagree": (lambda p: edit_meta(p, lambda m: m.update(rows=11) or m["lanes"][0].update(stop=11)),
+                            r"tensors .* expected .* for its schema and options"),
+    "meta entry missing": (lambda p: edit_meta(p, lambda m: m.pop("schema")), r"meta.json: missing or malformed entry"),
+    "header not JSON": (lambda p: rewrite_header(p, lambda h: None) or _poke(p, 8, b"["), r"header is not valid JSON"),
+    "header not ours": (lambda p: rewrite_header(p, lambda h: h["__metadata__"].update(format="other")),
+                        r"__metadata__ format 'other', expected 'shmbuffer'"),
+    "offsets out of range": (lambda p: rewrite_header(p, _offsets), r"starts at data offset \d+, expected \d+ .* out of range"),
+    "dtype disagrees": (lambda p: rewrite_header(p, _dtype), r"rows.safetensors holds tensors .*; .*meta.json says"),
+    "truncated data": (lambda p: _truncate(p, -7), r"rows.safetensors is truncated: its header says the data runs to byte \d+, the file has \d+ bytes"),
+    "truncated header": (lambda p: _truncate(p, 20), r"rows.safetensors is truncated: its header length says \d+ bytes follow"),
+    "tiny": (lambda p: _truncate(p, 3), r"3 bytes, expected at least 8"),
+    "trailing bytes": (lambda p: _append(p, b"xyz"), r"3 bytes follow the last tensor, expected none"),
+    "other save": (lambda p: rewrite_header(p, lambda h: h["__metadata__"].update(save_id="0" * 16)),
+                   r"come from different saves"),
+    "bad priorities": (lambda p: _poke(p, _tensor_at(p, "_leaf"), struct.pack("<d", -1.0)),
+                       r"'_leaf' holds negative or non-finite priorities"),
+}
+
+
+def _poke(path: Path, at: int, data: bytes) -> None:
+    with open(path / "rows.safetensors", "r+b") as f:
+        f.seek(at)
+        f.write(data)
+
+
+def _truncate(path: Path, size: int) -> None:
+    file = path / "rows.safetensors"
+    os.truncate(file, size if size > 0 else file.stat().st_size + size)
+
+
+def _append(path: Path, data: bytes) -> None:
+    with open(path / "rows.safetensors", "ab") as f:
+        f.write(data)
+
+
+def _tensor_at(path: Path, tensor: str) -> int:
+    with open(path / "rows.safetensors", "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return 8 + n + int(json.loads(f.read(n))[tensor]["data_offsets"][0])
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_damaged_files_are_refused_and_leave_nothing(case: str, saved: Path, name: str) -> None:
+    damage, message = DAMAGE[case]
+    damage(saved)
+    before = set(segment.list_names())
+    with pytest.raises(sb.LayoutError, match=message):
+        sb.load(saved, name=name + "-loaded")
+    assert not os.path.exists(segment.path_of(name + "-loaded"))
+    assert not {n for n in set(segment.list_names()) - before if n.startswith(f"{os.getpid()}-")}
+
+
+def test_missing_files(saved: Path, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"expected a directory written by shmbuffer\.save"):
+        sb.load(tmp_path / "nothing")
+    (saved / "rows.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"rows.safetensors does not exist \(.*meta.json does\)"):
+        sb.load(saved)
+
+
+# -- plain numpy --------------------------------------------------------------------------------------
+def test_export_and_from_arrays(make: Make, loaded: list, name: str) -> None:
+    buf = make(MUJOCO, capacity=20, lanes=2, episodes=True, name=name)
+    for lane, episode in ((0, 1), (1, 2), (0, 3)):
+        push_lane(buf, lane, 7, episode=episode)
+    out = sb.export(buf)
+    rows = buf.get(slice(None))
+    assert sorted(out) == sorted([*MUJOCO.names, "index", "episode"])
+    assert np.array_equal(out["index"], rows.index) and np.array_equal(seq_of(out), rows.index)
+    assert out["episode"].tolist() == [1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2]
+
+    copy = sb.from_arrays(MUJOCO, out, episodes=True, seed=0)
+    loaded.append(copy)
+    assert copy.capacity == 17 and np.array_equal(seq_of(copy.get(slice(None))), rows.index)
+    assert np.array_equal(sb.export(copy)["episode"], out["episode"])
+    # a cpprb env_dict, priorities and lanes per row, and fewer slots than rows: the newest stay
+    env = {"obs": {"shape": 17}, "action": {"shape": 6}, "reward": {"shape": ()}, "next_obs": {"shape": 17},
+           "done": {"shape": (), "dtype": "bool"}}
+    fields = transition(0, 17)  # row i has the value i
+    lanes = np.arange(17) % 2
+    small = sb.from_arrays(env, {**fields, "lane": lanes, "priority": np.arange(17.0)}, capacity=8, lanes=2,
+                           sampler=sb.Prioritized())
+    loaded.append(small)
+    assert len(small) == 8 and small._prios.max_priority == 16.0
+    assert seq_of(small.get(slice(None))).tolist() == [10, 12, 14, 16, 9, 11, 13, 15]
+    assert np.array_equal(copy.get(slice(None)).obs, out["obs"])
+
+
+def test_from_arrays_refuses_bad_input_and_leaves_nothing(name: str) -> None:
+    data = transition(0, 5)
+    del data["done"]
+    with pytest.raises(sb.FieldError, match="missing field 'done'"):
+        sb.from_arrays(MUJOCO, data, name=name)
+    with pytest.raises(sb.FieldError, match="episode: this buffer keeps episodes"):
+        sb.from_arrays(MUJOCO, transition(0, 5), name=name, episodes=True)
+    assert not os.path.exists(segment.path_of(name))
+
+
+def test_export_drops_rows_overwritten_meanwhile(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    buf = make(MUJOCO, capacity=200, lanes=2, name=name)
+    for ln in (0, 1):
+        for _ in range(13):
+            push_lane(buf, ln, 10)
+    monkeypatch.setattr(persistence, "CHUNK_BYTES", 165 * 10 * 2)
+    lapping(monkeypatch, buf, 2, 0, 15)
+    out = sb.export(buf)
+    ids = np.concatenate([np.arange(45, 130) * 2, np.arange(30, 130) * 2 + 1])
+    assert np.array_equal(out["index"], ids) and np.array_equal(seq_of(out), ids)
+    assert all(a.flags.c_contiguous and a.flags.aligned for a in out.values())
+
+
+def test_the_buffer_methods(make: Any, name: str, tmp_path: Path) -> None:
+    """``save``/``load``/``export``/``from_arrays`` as Velora, cpprb and DI-engine users call them."""
+    buf = make(MUJOCO, capacity=20, name=name, seed=0)
+    buf.push(transition(0, 12))
+    buf.save(tmp_path / "b")
+    back = sb.ReplayBuffer.load(tmp_path / "b", name=name + "l", seed=0)
+    try:
+        assert np.array_equal(back.get(slice(None)).index, buf.get(slice(None)).index)
+        assert seq_of(back.get(slice(None))).tolist() == list(range(12))
+        assert np.array_equal(buf.get_all_transitions()["obs"], back.export_data()["obs"])
+    finally:
+        back.close()
+        back.unlink()
+    rows = buf.export()
+    again = sb.ReplayBuffer.from_arrays(MUJOCO, {k: rows[k] for k in MUJOCO.names}, 30, name=name + "a")
+    try:
+        assert seq_of(again.get(slice(None))).tolist() == list(range(12)) and again.capacity == 30
+    finally:
+        again.close()
+        again.unlink()
