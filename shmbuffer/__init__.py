@@ -2,6 +2,7 @@
 
 from .batch import Batch
 from .buffer import BufferHandle, ReplayBuffer
+from .collector import Collector, WorkerError
 from .errors import (
     CapacityError,
     ClosedError,
@@ -17,6 +18,7 @@ from .errors import (
     WaitTimeout,
 )
 from .limiter import RateLimiter
+from .loader import Loader
 from .mixing import Buffers, Mix
 from .persistence import export, from_arrays, load, save
 from .samplers import Prioritized, Uniform
@@ -30,10 +32,12 @@ __all__ = [
     "Buffers",
     "CapacityError",
     "ClosedError",
+    "Collector",
     "EmptyBufferError",
     "Field",
     "FieldError",
     "LayoutError",
+    "Loader",
     "Mix",
     "OutOfSharedMemory",
     "Prioritized",
@@ -47,6 +51,7 @@ __all__ = [
     "Uniform",
     "UnsupportedPlatform",
     "WaitTimeout",
+    "WorkerError",
     "export",
     "from_arrays",
     "load",

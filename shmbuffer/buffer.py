@@ -32,7 +32,7 @@ import numpy as np
 from . import ring as ring_mod
 from . import sequences
 from .batch import Batch
-from .errors import ClosedError, EmptyBufferError, FieldError, LayoutError, SchemaError, WaitTimeout
+from .errors import ClosedError, EmptyBufferError, FieldError, LayoutError, ReadOnlyError, SchemaError, WaitTimeout
 from .limiter import RateLimiter
 from .ring import INVALID, Ring
 from .samplers import Priorities, Prioritized, Sampler, Uniform, check_priorities, sampler_from_json, uniform_ids
@@ -330,50 +330,60 @@ class ReplayBuffer:
         before the buffer is touched: on any error it is exactly as it was.
         """
         ring = self.ring
-        if data is not None:
-            if fields:
-                raise TypeError("push() takes a mapping or keyword fields, not both")
-            if not isinstance(data, Mapping):
-                raise TypeError(f"push() expected a mapping of fields, got {type(data).__name__}")
-            fields = dict(data)
-        k, arrays = self.schema.validate(fields)
-        lane = int(lane) if isinstance(lane, (int, np.integer)) else np.asarray(lane, dtype=np.int64)
-        ring.check_push(k, lane)
-        episodes = self._check_episode(episode, k)
+        k, arrays, lane, episodes, priority = self.check(data, lane=lane, episode=episode, priority=priority, **fields)
         prios = self._prios
-        if priority is not None:
-            if prios is None or not prios.prioritized:
-                raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
-            priority = check_priorities(priority, k)
         if k == 0:
             return np.empty(0, np.int64)
+        # new rows take their priority (and no uses) inside the reservation's critical section:
+        # while they are being written a draw that lands on them sees an odd stamp and re-draws
+        also = None if prios is None else (lambda slots: prios.set_rows(slots, priority, fresh=True))
         limiter = self.options.limiter
         if limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None:
-            res = ring.reserve(k, lane, gate=lambda i, s: limiter.can_insert(i, s, k), why=self._rates,
-                               timeout=limiter.timeout if timeout is None else timeout)
+            res = ring.reserve(k, lane, gate=lambda i, s, size: limiter.can_insert(i, s, size, k), why=self._rates,
+                               timeout=limiter.timeout if timeout is None else timeout, also=also)
         else:
-            res = ring.reserve(k, lane)
+            res = ring.reserve(k, lane, also=also)
         try:
             targets = self._targets
             for name, a in arrays.items():
                 targets[name][res.where] = a
             if episodes is not None and self._episode is not None:
                 self._episode[res.where] = episodes
-        except BaseException:
+        except BaseException:  # KeyboardInterrupt mid-copy: the rows read as empty, never as committed
             ring.abandon(res)
+            if prios is not None:
+                with ring.lock:
+                    prios.tree.update(ring.slots(res.ids), 0.0)
             raise
         ring.commit(res)
-        if prios is not None:
-            with ring.lock:
-                # rows a faster writer lapped meanwhile, or a clear() dropped, get nothing
-                mine = ring.current(res.ids)
-                if not mine.all():
-                    mine &= res.ids >= 0
-                slots = ring.slots(res.ids[mine]) if not mine.all() else ring.slots(res.ids)
-                prios.set_rows(slots, None if priority is None else priority[mine], fresh=True)
         return res.ids
 
     add = push
+
+    def check(
+        self, data: Mapping[str, Any] | None = None, /, *, lane: int | Any = 0, episode: int | Any = None,
+        priority: float | Any = None, **fields: Any,
+    ) -> tuple[int, dict[str, np.ndarray], int | np.ndarray, np.ndarray | None, np.ndarray | None]:
+        """Everything ``push`` checks before it touches the buffer, without touching it: raises
+        what ``push`` would; returns the row count and the checked rows and options."""
+        if data is not None:
+            if fields:
+                raise TypeError("push() takes a mapping or keyword fields, not both")
+            if not isinstance(data, Mapping):
+                raise TypeError(f"push() expected a mapping of fields, got {type(data).__name__}")
+            fields = dict(data)
+        ring = self.ring
+        k, arrays = self.schema.validate(fields)
+        lane = int(lane) if isinstance(lane, (int, np.integer)) else np.asarray(lane, dtype=np.int64)
+        ring.check_push(k, lane)
+        if ring.frozen:
+            raise ReadOnlyError(f"buffer {self.name!r} is frozen (read-only): it takes no more rows")
+        episodes = self._check_episode(episode, k)
+        if priority is not None:
+            if self._prios is None or not self._prios.prioritized:
+                raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
+            priority = check_priorities(priority, k)
+        return k, arrays, lane, episodes, priority
 
     def _check_episode(self, episode: Any, k: int) -> np.ndarray | None:
         if not self.options.episodes:
@@ -468,7 +478,7 @@ class ReplayBuffer:
             ring.count_sampled(rows)
             return result
         limiter.check_sample_size(rows)
-        limiter.wait(lambda: ring.admit(lambda i, s: limiter.can_sample(i, s, rows), rows),
+        limiter.wait(lambda: ring.admit(lambda i, s, size: limiter.can_sample(i, s, size, rows), rows),
                      f"sample of {rows} rows", self._rates, timeout)
         try:
             return draw()
@@ -704,6 +714,34 @@ class ReplayBuffer:
             if chunk.size:
                 ring.count_sampled(int(chunk.size))
                 yield self._batch(chunk, block, big)
+
+    def take(self, ids: Any) -> Batch:
+        """Rows by id (an earlier ``batch.index``; DI-engine's ``sample(indices=...)``), as a
+        stamped copy. Raises ``EmptyBufferError`` naming ids whose rows are gone (overwritten,
+        cleared, or being written)."""
+        ring = self.ring
+        if hasattr(ids, "detach"):
+            ids = ids.detach().cpu().numpy()
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        if not ids.size:
+            raise ValueError("take: expected at least one id")
+        first, second, block, big = self._gather(ring.slots(ids))
+        expect = ring.expected(ids)
+        lane = ids % ring.lanes
+        ok = (ids >= 0) & (first == expect) & (second == expect) & (ids // ring.lanes >= ring.bounds()[0][lane])
+        if not ok.all():
+            gone = ids[~ok]
+            raise EmptyBufferError(
+                f"take: {gone.size} of {ids.size} rows are no longer in buffer {self.name!r} "
+                f"(ids {gone[:5].tolist()}{' ...' if gone.size > 5 else ''}: overwritten, cleared or being written)"
+            )
+        return self._batch(ids, block, big)
+
+    def loader(self, batch_size: int = 256, **kwargs: Any) -> Any:
+        """A ``Loader`` over this buffer: batches on a device, sampled ahead (``loader.py``)."""
+        from .loader import Loader
+
+        return Loader(self, batch_size, **kwargs)
 
     # -- persistence (persistence.py) -----------------------------------------------------------
     def save(self, path: str | os.PathLike[str], *, progress: bool | Callable[[int, int], None] = False,

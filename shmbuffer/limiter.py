@@ -7,7 +7,7 @@ lags wastes data. With ``RateLimiter(samples_per_insert, min_size, error)`` a bu
 
 inside the window ``[offset - error, offset + error]``, ``offset = samples_per_insert * min_size``:
 
-* a sample of ``n`` rows waits until at least ``min_size`` rows were inserted and
+* a sample of ``n`` rows waits until the buffer holds at least ``min_size`` rows and
   ``diff - n >= offset - error`` (the learner is not too far ahead);
 * with ``block_writers``, a push of ``k`` rows waits until ``diff + samples_per_insert * k <=
   offset + error`` (the writers are not too far ahead).
@@ -15,8 +15,8 @@ inside the window ``[offset - error, offset + error]``, ``offset = samples_per_i
 ``samples_per_insert=None`` only waits for ``min_size``. Waits poll the shared counters (with a
 short sleep) and raise ``WaitTimeout`` after ``timeout`` seconds, saying which side is ahead. The
 counters are the ring's ``inserted`` (rows ever reserved, across clears) and ``sampled`` (rows
-ever handed out), 64-bit and never wrapping, updated under the ring's lock, so the window holds
-across processes. ``error`` must leave room for a batch: a sample larger than the whole window can
+ever handed out), 64-bit and never wrapping, checked and updated under the ring's lock together
+with the reservation or the sample they allow, so the window holds exactly across processes. ``error`` must leave room for a batch: a sample larger than the whole window can
 never be served and is refused at once.
 """
 
@@ -55,13 +55,13 @@ class RateLimiter:
     def offset(self) -> float:
         return (self.samples_per_insert or 0.0) * self.min_size
 
-    def can_sample(self, inserted: int, sampled: int, n: int) -> bool:
-        if inserted < self.min_size:
+    def can_sample(self, inserted: int, sampled: int, size: int, n: int) -> bool:
+        if size < self.min_size:
             return False
         spi = self.samples_per_insert
         return spi is None or spi * inserted - sampled - n >= self.offset - self.error
 
-    def can_insert(self, inserted: int, sampled: int, k: int) -> bool:
+    def can_insert(self, inserted: int, sampled: int, size: int, k: int) -> bool:
         spi = self.samples_per_insert
         if not self.block_writers or spi is None:
             return True

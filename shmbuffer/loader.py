@@ -151,9 +151,11 @@ class Loader:
         fields: dict[str, Any] = {}
         if "_block" in moved and batch._record is not None:
             fields = torch_views(moved["_block"], batch._record)
+            if batch._lead is not None:  # (n, T) windows: the block's rows are flattened
+                fields = {k: v.view(*batch._lead, *v.shape[1:]) for k, v in fields.items()}
         out = {name: fields[name] if name in fields else moved[name] for name in batch.fields}
         extras = {k[6:]: v for k, v in moved.items() if k.startswith("extra:")}
-        return Batch(out, extras, block=moved.get("_block"), record=batch._record), stage.event
+        return Batch(out, extras, block=moved.get("_block"), record=batch._record, lead=batch._lead), stage.event
 
     # -- the learner's side -------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:

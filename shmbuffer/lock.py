@@ -21,6 +21,7 @@ import ctypes
 import errno
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -71,12 +72,15 @@ class RobustLock:
     """A robust, process-shared mutex living in ``memory`` (a uint8 array of ``SIZE`` bytes).
 
     ``with lock:`` acquires with the default timeout; ``acquire(timeout)`` raises ``WaitTimeout``
-    when it expires. ``recovered`` counts acquisitions that found the previous holder dead.
+    when it expires. ``recovered`` counts acquisitions (in this process) that found the previous
+    holder dead; ``on_recover`` is called, holding the lock, each time that happens.
     """
 
     default_timeout = 30.0
 
-    def __init__(self, memory: np.ndarray, *, initialise: bool = False) -> None:
+    def __init__(
+        self, memory: np.ndarray, *, initialise: bool = False, on_recover: Callable[[], None] | None = None
+    ) -> None:
         if memory.nbytes < SIZE or memory.ctypes.data % 8:
             raise ValueError(f"a RobustLock needs {SIZE} aligned bytes, got {memory.nbytes}")
         self._memory = memory  # keeps the mapping (and so the address) alive
@@ -87,6 +91,7 @@ class RobustLock:
         self._timedlock = lib.pthread_mutex_timedlock
         self._consistent = lib.pthread_mutex_consistent
         self.recovered = 0
+        self._on_recover = on_recover
         if initialise:
             attr = ctypes.create_string_buffer(64)
             _check(lib.pthread_mutexattr_init(attr), "pthread_mutexattr_init")
@@ -107,6 +112,8 @@ class RobustLock:
             # repairable by construction (module docstring), so mark the mutex usable again
             self._consistent(self._ptr)
             self.recovered += 1
+            if self._on_recover is not None:
+                self._on_recover()
             return
         if rc == errno.EDEADLK:
             raise RuntimeError("this thread already holds the buffer's lock (a re-entrant call)")

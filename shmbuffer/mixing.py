@@ -88,15 +88,20 @@ class Buffers(Mapping[str, ReplayBuffer]):
         return len(self._buffers)
 
     def push(self, data: Mapping[str, Any] | None = None, /, *, to: Sequence[str] | None = None,
-             **fields: Any) -> dict[str, np.ndarray]:
-        """Push the same rows into each buffer of ``to`` (default: all); every target checks the
-        rows before any is written, so a refused push changes none. Returns the ids per buffer.
-        The rows are copied into each buffer's shared memory; nothing is deep-copied twice."""
+             **options: Any) -> dict[str, np.ndarray]:
+        """Push the same rows into each buffer of ``to`` (default: all), with ``push``'s options
+        (``lane``, ``episode``, ``priority``) for each. Every target runs ``push``'s checks before
+        any is written (schema, capacity, frozen, episode ids, priorities), so a push refused by
+        one changes none; a rate limiter that blocks writers may still hold a later target back.
+        Returns the ids per buffer. Rows are copied once into each buffer's shared memory."""
         targets = list(self._buffers) if to is None else list(to)
-        rows = dict(data) if data is not None else fields
+        keys = ("lane", "episode", "priority", "timeout")
+        rows = dict(data) if data is not None else {k: v for k, v in options.items() if k not in keys}
+        kw = {k: v for k, v in options.items() if k in keys}
+        check = {k: v for k, v in kw.items() if k != "timeout"}
         for key in targets:
-            self[key].schema.validate(rows)
-        return {key: self[key].push(rows) for key in targets}
+            self[key].check(rows, **check)
+        return {key: self[key].push(rows, **kw) for key in targets}
 
     def mix(self, weights: Mapping[str, float], **kwargs: Any) -> Mix:
         return Mix([(self[key], w) for key, w in weights.items()], **kwargs)
@@ -168,14 +173,14 @@ class Mix:
         carry = self._carry.copy()
         counts = self.shares(n)
         try:
-            self._wait_for(counts, kwargs.get("replace", True))
+            self._wait_for(counts)
             parts = [(i, b.sample(int(c), **kwargs)) for i, (b, c) in enumerate(zip(self.buffers, counts, strict=True)) if c]
         except BaseException:
             self._carry[:] = carry  # a batch that was not drawn takes nothing from the shares
             raise
         return self._join(parts)
 
-    def _wait_for(self, counts: np.ndarray, replace: bool) -> None:
+    def _wait_for(self, counts: np.ndarray) -> None:
         deadline = time.monotonic() + self.timeout
         while True:
             short = [(i, b, int(c)) for i, (b, c) in enumerate(zip(self.buffers, counts, strict=True)) if c and len(b) < c]

@@ -71,11 +71,11 @@ from .lock import RobustLock
 from .segment import ColumnSpec, process_alive, start_time
 
 WRITERS = 1024
-Gate = Callable[[int, int], bool]
-"""``gate(inserted, sampled) -> allowed``: a rate limiter's test (``limiter.py``)."""
+Gate = Callable[[int, int, int], bool]
+"""``gate(inserted, sampled, size) -> allowed``: a rate limiter's test (``limiter.py``)."""
 INVALID = -(2**62)
 """An id no slot ever holds: its expected stamp is negative, and stamps never are."""
-_X86 = {"x86_64", "amd64", "i386", "i686", "x86"}
+_X86 = {"x86_64", "amd64"}  # 64-bit only: a 32-bit CPU stores an int64 stamp in two halves
 
 
 def check_platform() -> None:
@@ -125,10 +125,15 @@ class Ring:
         self.lanes = int(self._lanes.shape[0])
         self.capacity = int(self.stamp.shape[0])
         self.lane_capacity = self.capacity // self.lanes
-        self.lock = RobustLock(arrays["_mutex"], initialise=initialise)
+        stats = self._stats
+
+        def recovered() -> None:  # called holding the lock, so the count is shared and exact
+            stats[9] += 1
+
+        # a closure over the counters, not a bound method: no cycle keeps the mapping alive
+        self.lock = RobustLock(arrays["_mutex"], initialise=initialise, on_recover=recovered)
         self._wid = -1
         self._wid_pid = -1
-        self._recovered = 0
 
     # -- writers -------------------------------------------------------------------------------
     def writer_id(self) -> int:
@@ -173,13 +178,14 @@ class Ring:
 
     def reserve(
         self, k: int, lane: int | np.ndarray = 0, *, gate: Gate | None = None, timeout: float = 0.0,
-        why: Callable[[], str] | None = None,
+        why: Callable[[], str] | None = None, also: Callable[[np.ndarray], None] | None = None,
     ) -> Reservation:
         """Reserve ``k`` rows in ``lane`` (an int), or one row in each of ``lane`` (an array of
         ``k`` lane numbers), marking them odd; the caller copies, then calls ``commit``.
 
-        ``gate(inserted, sampled)`` (a rate limiter) is checked inside the same critical section,
-        so concurrent writers cannot overshoot it; while it says no, wait up to ``timeout``."""
+        ``gate(inserted, sampled, size)`` (a rate limiter) is checked inside the same critical
+        section, so concurrent writers cannot overshoot it; while it says no, wait up to
+        ``timeout``. ``also(slots)`` runs inside it once the rows are reserved (their priorities)."""
         w = self.writer_id()
         stalled = gated = None
         pause = 0.0001
@@ -187,8 +193,10 @@ class Ring:
             with self.lock:
                 if self._stats[11]:
                     raise ReadOnlyError("this buffer is frozen (read-only): it takes no more rows")
-                shut = gate is not None and not gate(int(self._stats[10]), int(self._stats[0]))
+                shut = gate is not None and not gate(int(self._stats[10]), int(self._stats[0]), len(self))
                 res = None if shut else self._try_reserve(k, lane, w)
+                if res is not None and also is not None:
+                    also(self.slots(res.ids))
             if res is not None:
                 return res
             now = time.monotonic()
@@ -207,9 +215,9 @@ class Ring:
             pause = min(pause * 2, 0.002)
 
     def admit(self, gate: Gate, rows: int) -> bool:
-        """Count ``rows`` as sampled if ``gate(inserted, sampled)`` allows it, atomically."""
+        """Count ``rows`` as sampled if ``gate(inserted, sampled, size)`` allows it, atomically."""
         with self.lock:
-            if not gate(int(self._stats[10]), int(self._stats[0])):
+            if not gate(int(self._stats[10]), int(self._stats[0]), len(self)):
                 return False
             self._stats[0] += rows
             return True
@@ -235,8 +243,8 @@ class Ring:
             if any(self._alive(int(o)) for o in held):
                 return None
             self._stats[8] += int(busy.sum())
+        self.owner[where] = w  # the owner first: an odd stamp always names its live or dead writer
         self.stamp[where] = 2 * n + 1
-        self.owner[where] = w
         self._stats[10] += k
         if isinstance(lane, np.ndarray):
             self._lanes[:, 0] = np.maximum(self._lanes[:, 0], self._lanes[:, 1]) + counts
@@ -244,9 +252,6 @@ class Ring:
         else:
             self._lanes[lane, 0] = n0 + k
             ids = n * self.lanes + lane
-        if self.lock.recovered != self._recovered:
-            self._stats[9] += self.lock.recovered - self._recovered
-            self._recovered = self.lock.recovered
         return Reservation(where, 2 * n + 2, ids)
 
     def commit(self, res: Reservation) -> None:

@@ -226,5 +226,6 @@ class Priorities:
 
     def clear(self) -> None:
         self.tree.reset()
+        self._prio[0] = 1.0
         if self.uses is not None:
             self.uses[:] = 0

@@ -41,7 +41,7 @@ PACK_LIMIT = 1024
 
 RESERVED = frozenset(
     {"index", "weight", "mask", "source", "steps", "lane", "keys", "values", "items", "to",
-     "numpy", "size", "fields", "extras", "get", "as_dict", "episode", "priority"}
+     "numpy", "size", "fields", "extras", "get", "as_dict", "episode", "priority", "timeout"}
 )
 """Names a field cannot take: ``Batch`` uses them for its attributes and methods, ``push`` for
 its keyword options."""
@@ -247,6 +247,9 @@ class Schema:
         for f in self._fields.values():
             value = data[f.name]
             a = value if type(value) is np.ndarray else np.asarray(value)
+            if f.shape == (1,) and a.ndim < 2 and a.shape != (1,):
+                # cpprb's default shape (1,): a scalar is one row, (k,) is k rows
+                a = a.reshape(1) if a.ndim == 0 else a.reshape(-1, 1)
             extra = a.ndim - len(f.shape)
             if extra == 0 and a.shape == f.shape:
                 one, k = True, 1
@@ -292,11 +295,21 @@ def _check_cast(f: Field, a: np.ndarray) -> None:
     """Allow a cast that loses nothing a user would miss; refuse the rest before any write.
 
     Allowed: numpy's ``safe`` casts; bools, integers and floats into any float field (float64
-    observations into float32, what every peer does); integers to a narrower integer or to bool when every value fits (checked);
+    observations into float32, what every peer does; finite values must fit, else they would
+    silently become inf); integers to a narrower integer or to bool when every value fits (checked);
     floats equal to 0 or 1 into bool. Refused: float to integer, complex to real, anything non-numeric.
     """
     src, dst = a.dtype, f.dtype
     if np.can_cast(src, dst, casting="safe"):
+        return
+    if src.kind == "f" and dst.kind == "f" and a.size:
+        big = np.finfo(dst).max
+        finite = a[np.isfinite(a)]
+        if finite.size and np.abs(finite).max() > big:
+            raise FieldError(
+                f"field {f.name!r}: expected {dst} values within +-{big:.3g}, got {src} values up to "
+                f"{np.abs(finite).max():.3g}, which would become inf"
+            )
         return
     if src.kind in "biuf" and dst.kind in "fc":
         return

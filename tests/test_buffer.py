@@ -6,6 +6,7 @@ import os
 import pickle
 import stat
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -350,3 +351,49 @@ def test_torch_views_of_the_record_match_numpy() -> None:
         for name in schema.names:
             assert got[name].dtype == torch.from_numpy(want[name][:1].copy()).dtype
             assert np.array_equal(got[name].numpy(), want[name][offset_rows:], equal_nan=name in "bde"), name
+
+
+def test_take_rows_by_id(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=8, lanes=2, name=name)
+    buf.push(transition(0, 4), lane=0)
+    buf.push(transition(10, 4), lane=1)
+    batch = buf.sample(6)
+    again = buf.take(batch.index)
+    assert np.array_equal(seq_of(again), seq_of(batch)) and np.array_equal(again.index, batch.index)
+    buf.push(transition(20, 2), lane=0)  # overwrites lane 0's two oldest rows (ids 0 and 2)
+    with pytest.raises(sb.EmptyBufferError, match=r"take: 2 of 3 rows are no longer .*ids \[0, 2\]"):
+        buf.take([0, 2, 4])
+    with pytest.raises(sb.EmptyBufferError):
+        buf.take([-1])
+    assert seq_of(buf.take(torch.tensor([1, 4]))).tolist() == [10, 2]
+
+
+def test_loader_method(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=32, name=name)
+    buf.push(transition(0, 32))
+    with buf.loader(8, batches=2) as loader:
+        assert [b.obs.shape for b in loader] == [torch.Size([8, 17])] * 2
+
+
+def test_a_copy_that_fails_gives_the_rows_back(make: Make, name: str) -> None:
+    class Boom(np.ndarray):
+        pass
+
+    buf = make(MUJOCO, capacity=8, name=name, sampler=sb.Prioritized())
+    buf.push(transition(0, 4))
+
+    class Targets(dict):
+        def __getitem__(self, key: str) -> Any:
+            if key == "done":
+                raise KeyboardInterrupt
+            return super().__getitem__(key)
+
+    good = buf._targets
+    buf._targets = Targets(good)
+    with pytest.raises(KeyboardInterrupt):
+        buf.push(transition(4, 2))
+    buf._targets = good
+    assert set(seq_of(buf.sample(100))) == {0, 1, 2, 3}  # the abandoned rows are never drawn
+    assert buf._prios.tree.leaves[4:6].tolist() == [0.0, 0.0]  # type: ignore[union-attr]
+    with pytest.raises(sb.EmptyBufferError, match="lost"):
+        buf.get(5)

@@ -18,13 +18,13 @@ Make = Callable[..., sb.ReplayBuffer]
 def test_window_arithmetic() -> None:
     lim = sb.RateLimiter(samples_per_insert=2.0, min_size=10, error=20)
     assert lim.offset == 20
-    assert not lim.can_sample(9, 0, 1)  # below min_size
-    assert lim.can_sample(10, 0, 1)  # diff 20 - 1 >= 0
-    assert lim.can_sample(10, 20, 0) and not lim.can_sample(10, 20, 1)  # diff 0 is the floor
-    assert lim.can_insert(100, 0, 5)  # only when it blocks writers
+    assert not lim.can_sample(10, 0, 9, 1)  # the buffer holds fewer than min_size rows
+    assert lim.can_sample(10, 0, 10, 1)  # diff 20 - 1 >= 0
+    assert lim.can_sample(10, 20, 10, 0) and not lim.can_sample(10, 20, 10, 1)  # diff 0 is the floor
+    assert lim.can_insert(100, 0, 100, 5)  # only when it blocks writers
     block = sb.RateLimiter(samples_per_insert=2.0, min_size=10, error=20, block_writers=True)
-    assert block.can_insert(10, 0, 10) and not block.can_insert(10, 0, 11)  # 2 * 21 - 0 > 40
-    assert sb.RateLimiter(min_size=3).can_sample(3, 10**9, 10**6)  # no ratio: only min_size
+    assert block.can_insert(10, 0, 10, 10) and not block.can_insert(10, 0, 10, 11)  # 2 * 21 - 0 > 40
+    assert sb.RateLimiter(min_size=3).can_sample(3, 10**9, 3, 10**6)  # no ratio: only min_size
     with pytest.raises(ValueError, match="samples_per_insert must be a positive number"):
         sb.RateLimiter(samples_per_insert=0)
     with pytest.raises(ValueError, match="min_size must be an int >= 1"):
@@ -123,3 +123,13 @@ def test_ratio_stays_in_the_window_across_processes(make: Make, name: str, procs
         p.join(10)
     assert len(seen) > 100
     assert buf.stats["inserted"] > 1000
+
+
+def test_min_size_counts_rows_held(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=100, name=name, limiter=sb.RateLimiter(min_size=10, timeout=0.1))
+    buf.push(transition(0, 20))
+    buf.sample(5)
+    buf.clear()
+    buf.push(transition(20, 5))
+    with pytest.raises(sb.WaitTimeout, match="min_size=10"):
+        buf.sample(1)  # 25 rows were inserted, but the buffer holds 5

@@ -178,3 +178,18 @@ def test_frozen_buffers(make: Make, name: str) -> None:
     finally:
         other.close()
     assert len(expert) == 20 and expert.stats["inserted"] == 20
+
+
+def test_group_push_is_all_or_nothing(name: str) -> None:
+    with sb.Buffers(a=dict(schema=MUJOCO, capacity=10, episodes=True, name=name + "a"),
+                    b=dict(schema=MUJOCO, capacity=4, episodes=True, name=name + "b")) as group:
+        with pytest.raises(sb.CapacityError):
+            group.push(transition(0, 5), episode=0)  # b holds 4: a must not take them either
+        group["b"].freeze()
+        with pytest.raises(sb.ReadOnlyError):
+            group.push(transition(0, 2), episode=0)
+        with pytest.raises(sb.FieldError, match="episode"):
+            group.push(transition(0, 2), to=["a"])
+        assert len(group["a"]) == 0 and len(group["b"]) == 0
+        group.push(transition(0, 2), to=["a"], episode=[3, 3])
+        assert len(group["a"]) == 2

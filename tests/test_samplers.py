@@ -303,3 +303,16 @@ def test_prioritized_without_replacement_beyond_what_is_left(make: Make, name: s
     buf.sample(15, replace=False)
     with pytest.raises(sb.EmptyBufferError, match=r"only 5 rows of buffer .* can be drawn; the others are used up \(max_use=1\)"):
         buf.sample(6, replace=False)
+
+
+def test_rows_being_written_are_never_drawn(make: Make, name: str) -> None:
+    """Prioritized rows get their priority inside the reservation: a row being written is in the
+    tree already, yet a draw that lands on it re-draws."""
+    buf = make(MUJOCO, capacity=16, name=name, sampler=sb.Prioritized(alpha=1.0, eps=0.0), max_use=1000)
+    buf.push(transition(0, 8), priority=np.full(8, 1.0))
+    res = buf.ring.reserve(4, also=lambda slots: buf._prios.set_rows(slots, np.full(4, 3.0), fresh=True))  # type: ignore[union-attr]
+    try:
+        assert buf._prios.tree.leaves[8:12].tolist() == [3.0] * 4  # type: ignore[union-attr]  # 60% of the mass
+        assert set(seq_of(buf.sample(64))) <= set(range(8))
+    finally:
+        buf.ring.abandon(res)

@@ -144,3 +144,23 @@ def test_casting_rules() -> None:
 def test_zero_rows_validate() -> None:
     data = {k: v[:0] for k, v in transition(0, 2).items()}
     assert MUJOCO.validate(data)[0] == 0
+
+
+def test_float_values_that_would_overflow_are_refused() -> None:
+    s = sb.Schema(x=((2,), "float32"))
+    with pytest.raises(sb.FieldError, match=r"field 'x': expected float32 values within \+-3\.4e\+38, got float64 values up to 1e\+300"):
+        s.validate({"x": np.array([1.0, 1e300])})
+    assert s.validate({"x": np.array([np.inf, np.nan])})[0] == 1  # inf and nan stay what they are
+
+
+def test_cpprb_shape_one_takes_scalars() -> None:
+    s = sb.Schema({"rew": {}, "obs": {"shape": 3}})  # cpprb: rew has shape (1,)
+    assert s.validate({"rew": 1.0, "obs": np.zeros(3)})[1]["rew"].shape == (1, 1)
+    assert s.validate({"rew": np.ones(5), "obs": np.zeros((5, 3))})[1]["rew"].shape == (5, 1)
+    assert s.validate({"rew": np.ones((5, 1)), "obs": np.zeros((5, 3))})[0] == 5
+
+
+def test_push_options_are_reserved_names() -> None:
+    for name in ("timeout", "episode", "priority", "lane"):
+        with pytest.raises(sb.SchemaError, match="reserved"):
+            sb.Schema(**{name: ((), "f4")})
