@@ -197,6 +197,8 @@ class ReplayBuffer:
         arrays = segment.arrays
         self._ring = Ring(arrays, initialise=initialise)
         self._prios = Priorities(arrays, opts.sampler, opts.max_use, initialise=initialise) if opts.tree else None
+        if self._prios is not None:
+            self._ring.repairs.append(self._prios.tree.rebuild)
         self._episode = arrays.get("_episode")
         self._record = schema.record
         self._block = arrays.get("_record")
@@ -235,8 +237,6 @@ class ReplayBuffer:
     def _close(self, *, defer: bool) -> None:
         if self._segment is None:
             return
-        if self._ring is not None:
-            self._ring.forget_writer()
         self._ring = None
         self._prios = None
         self._block = self._episode = None
@@ -338,24 +338,26 @@ class ReplayBuffer:
         # while they are being written a draw that lands on them sees an odd stamp and re-draws
         also = None if prios is None else (lambda slots: prios.set_rows(slots, priority, fresh=True))
         limiter = self.options.limiter
-        if limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None:
-            res = ring.reserve(k, lane, gate=lambda i, s, size: limiter.can_insert(i, s, size, k), why=self._rates,
-                               timeout=limiter.timeout if timeout is None else timeout, also=also)
-        else:
-            res = ring.reserve(k, lane, also=also)
+        res = None
         try:
+            if limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None:
+                res = ring.reserve(k, lane, gate=lambda i, s, size: limiter.can_insert(i, s, size, k),
+                                   why=self._rates, timeout=limiter.timeout if timeout is None else timeout,
+                                   also=also)
+            else:
+                res = ring.reserve(k, lane, also=also)
             targets = self._targets
             for name, a in arrays.items():
                 targets[name][res.where] = a
             if episodes is not None and self._episode is not None:
                 self._episode[res.where] = episodes
-        except BaseException:  # KeyboardInterrupt mid-copy: the rows read as empty, never as committed
-            ring.abandon(res)
-            if prios is not None:
-                with ring.lock:
-                    prios.tree.update(ring.slots(res.ids), 0.0)
+            ring.commit(res)
+        except BaseException:
+            # interrupted (KeyboardInterrupt) after the reservation: give the rows back — they read
+            # as empty, never as committed, and are never drawn; a live owner must not keep them odd
+            if res is not None and not ring.current(res.ids).all():
+                ring.abandon(res, None if prios is None else (lambda slots: prios.tree.update(slots, 0.0)))
             raise
-        ring.commit(res)
         return res.ids
 
     add = push
@@ -534,9 +536,9 @@ class ReplayBuffer:
         if slots.size == 0:
             if len(ring) == 0:
                 raise EmptyBufferError(f"sample({n}): buffer {self.name!r} is empty; push rows first")
-            raise EmptyBufferError(
-                f"sample({n}): every row of buffer {self.name!r} has been drawn max_use={prios.max_use} times"
-            )
+            why = (f"has been drawn max_use={prios.max_use} times" if prios.max_use is not None
+                   else "has priority 0 (a prioritized buffer with eps=0 draws no row of priority 0)")
+            raise EmptyBufferError(f"sample({n}): every row of buffer {self.name!r} {why}")
 
         def ids_of(slots: np.ndarray, leaves: np.ndarray) -> np.ndarray:
             ids = ring.ids_of_slots(slots)
@@ -601,6 +603,9 @@ class ReplayBuffer:
         first ^= expect
         second ^= expect
         first |= second
+        cleared = ring.cleared(ids)  # after the gather: a row cleared before it does not count
+        if cleared.size:
+            first[cleared] = 1
         bad = np.flatnonzero(first) if first.any() else _NONE
         claiming = tree and self.options.max_use is not None
         unclaimed = np.arange(ids.size) if claiming else _NONE
@@ -630,6 +635,8 @@ class ReplayBuffer:
                 else:
                     new, values = redraw(bad.size, ids)
                 if new.size < bad.size:  # nothing to draw from right now (cleared, or used up)
+                    if len(ring) == 0:
+                        raise EmptyBufferError(f"buffer {self.name!r} was emptied (cleared) while sampling")
                     if tree and self._prios is not None and self._prios.tree.total <= 0:
                         raise EmptyBufferError(f"buffer {self.name!r}: no rows left to draw")
                     time.sleep(0.0005)
@@ -643,7 +650,11 @@ class ReplayBuffer:
                 for name, col in more.items():
                     big[name][bad] = col
                 expect = ring.expected(new)
-                bad = bad[(first != expect) | (second != expect)]
+                stale = (first != expect) | (second != expect)
+                cleared = ring.cleared(new)
+                if cleared.size:
+                    stale[cleared] = True
+                bad = bad[stale]
             if unique and tree:
                 bad = _repeats(ids, unclaimed if claiming else None)
                 if bad.size:
@@ -704,7 +715,9 @@ class ReplayBuffer:
             chunk = ids[at:at + batch_size].copy()
             first_stamp, second_stamp, block, big = self._gather(ring.slots(chunk))
             expect = ring.expected(chunk)
-            keep = np.flatnonzero((first_stamp == expect) & (second_stamp == expect))
+            fine = (first_stamp == expect) & (second_stamp == expect)
+            fine[ring.cleared(chunk)] = False
+            keep = np.flatnonzero(fine)
             if self.options.max_use is not None and self._prios is not None:
                 keep = np.setdiff1d(keep, self._claim(chunk, keep), assume_unique=True)
             if keep.size < chunk.size:
@@ -729,6 +742,7 @@ class ReplayBuffer:
         expect = ring.expected(ids)
         lane = ids % ring.lanes
         ok = (ids >= 0) & (first == expect) & (second == expect) & (ids // ring.lanes >= ring.bounds()[0][lane])
+        ok[ring.cleared(ids)] = False
         if not ok.all():
             gone = ids[~ok]
             raise EmptyBufferError(
@@ -800,7 +814,7 @@ class ReplayBuffer:
             ids = _ids_at(pos.reshape(-1).astype(np.int64), start, sizes)
             first, second, block, big = self._gather(ring.slots(ids))
             expect = ring.expected(ids)
-            if np.array_equal(first, expect) and np.array_equal(second, expect):
+            if np.array_equal(first, expect) and np.array_equal(second, expect) and not ring.cleared(ids).size:
                 break
             now = ring.stamp.take(ring.slots(ids))
             if np.any(now < expect) and not np.any(now[now < expect] & 1):

@@ -13,11 +13,12 @@ inside the window ``[offset - error, offset + error]``, ``offset = samples_per_i
   offset + error`` (the writers are not too far ahead).
 
 ``samples_per_insert=None`` only waits for ``min_size``. Waits poll the shared counters (with a
-short sleep) and raise ``WaitTimeout`` after ``timeout`` seconds, saying which side is ahead. The
+short sleep) and raise ``WaitTimeout`` after ``timeout`` seconds, saying which side is ahead.
+With ``block_writers``, a sample of more rows than the window (``2 * error + samples_per_insert``)
+could never be served, and is refused at once; without it, writers keep inserting until it fits. The
 counters are the ring's ``inserted`` (rows ever reserved, across clears) and ``sampled`` (rows
 ever handed out), 64-bit and never wrapping, checked and updated under the ring's lock together
-with the reservation or the sample they allow, so the window holds exactly across processes. ``error`` must leave room for a batch: a sample larger than the whole window can
-never be served and is refused at once.
+with the reservation or the sample they allow, so the window holds exactly across processes.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class RateLimiter:
         return spi * (inserted + k) - sampled <= self.offset + self.error
 
     def check_sample_size(self, n: int) -> None:
-        if self.samples_per_insert is not None and n > 2 * self.error + (self.samples_per_insert or 0):
+        """With writers blocked, a sample wider than the whole window would wait forever."""
+        if self.block_writers and self.samples_per_insert is not None and n > 2 * self.error + self.samples_per_insert:
             raise ValueError(
                 f"RateLimiter: a sample of {n} rows can never fit the window of +-{self.error:g} rows; "
                 "raise error above the batch size"

@@ -102,33 +102,48 @@ class RobustLock:
             lib.pthread_mutexattr_destroy(attr)
 
     def acquire(self, timeout: float | None = None) -> None:
-        rc = self._trylock(self._ptr)
-        if rc == errno.EBUSY:
-            rc = self._wait(self.default_timeout if timeout is None else timeout)
-        if rc == 0:
-            return
-        if rc == errno.EOWNERDEAD:
-            # the previous holder died inside its critical section; the state it guarded is
-            # repairable by construction (module docstring), so mark the mutex usable again
-            self._consistent(self._ptr)
-            self.recovered += 1
-            if self._on_recover is not None:
-                self._on_recover()
-            return
+        try:
+            rc = self._trylock(self._ptr)
+            if rc == errno.EBUSY:
+                rc = self._wait(self.default_timeout if timeout is None else timeout)
+            if rc == 0:
+                return
+            if rc == errno.EOWNERDEAD:
+                # the previous holder died inside its critical section; the state it guarded is
+                # repairable by construction (module docstring), so mark the mutex usable again
+                self._consistent(self._ptr)
+                self.recovered += 1
+                if self._on_recover is not None:
+                    self._on_recover()
+                return
+        except BaseException:
+            # a signal (KeyboardInterrupt) is raised when the call that took the mutex returns:
+            # give the mutex back before re-raising, or it stays held by a live process forever
+            again = self._trylock(self._ptr)
+            if again in (0, errno.EDEADLK, errno.EOWNERDEAD):
+                if again == errno.EOWNERDEAD:
+                    self._consistent(self._ptr)
+                self._unlock(self._ptr)
+            raise
         if rc == errno.EDEADLK:
             raise RuntimeError("this thread already holds the buffer's lock (a re-entrant call)")
         _check(rc, "pthread_mutex_lock")
 
     def _wait(self, timeout: float) -> int:
+        # in slices: a blocked pthread call does not return for a signal, so Ctrl-C would only
+        # be seen once the lock is free; between slices Python runs its signal handlers
         deadline = time.time() + timeout
-        ts = _Timespec(int(deadline), int((deadline % 1) * 1e9))
-        rc = self._timedlock(self._ptr, ctypes.byref(ts))
-        if rc == errno.ETIMEDOUT:
-            raise WaitTimeout(
-                f"waited {timeout:.1f} s for the buffer's lock; its holder is alive but stuck "
-                "(stopped with SIGSTOP, or in a debugger?)"
-            )
-        return int(rc)
+        while True:
+            until = min(deadline, time.time() + 0.05)
+            ts = _Timespec(int(until), int((until % 1) * 1e9))
+            rc = int(self._timedlock(self._ptr, ctypes.byref(ts)))
+            if rc != errno.ETIMEDOUT:
+                return rc
+            if time.time() >= deadline:
+                raise WaitTimeout(
+                    f"waited {timeout:.1f} s for the buffer's lock; its holder is alive but stuck "
+                    "(stopped with SIGSTOP, or in a debugger?)"
+                )
 
     def release(self) -> None:
         _check(self._unlock(self._ptr), "pthread_mutex_unlock")

@@ -22,7 +22,9 @@ Columns (all in the block, see ``segment.py``)
              ``[11]`` 1 once the buffer is frozen (read-only).
              All are updated under the lock and never wrap.
 ``_writer_pid``, ``_writer_start``  ``(WRITERS,)``: the processes that have pushed (pid and start
-             time, so a reused pid is not mistaken for a live writer); 0 marks a free entry
+             time, so a reused pid is not mistaken for a live writer); 0 marks a free entry. An
+             entry is shared by every buffer object of its process and freed only once the
+             process is dead (when the table is full), never while it may still be writing.
 ``_stamp``   ``(capacity,)`` int64, the commit stamp of each slot
 ``_owner``   ``(capacity,)`` uint16, the writer entry that last reserved each slot
 
@@ -73,6 +75,7 @@ from .segment import ColumnSpec, process_alive, start_time
 WRITERS = 1024
 Gate = Callable[[int, int, int], bool]
 """``gate(inserted, sampled, size) -> allowed``: a rate limiter's test (``limiter.py``)."""
+_EMPTY = np.empty(0, np.int64)
 INVALID = -(2**62)
 """An id no slot ever holds: its expected stamp is negative, and stamps never are."""
 _X86 = {"x86_64", "amd64"}  # 64-bit only: a 32-bit CPU stores an int64 stamp in two halves
@@ -126,9 +129,13 @@ class Ring:
         self.capacity = int(self.stamp.shape[0])
         self.lane_capacity = self.capacity // self.lanes
         stats = self._stats
+        self.repairs: list[Callable[[], None]] = []
+        repairs = self.repairs
 
         def recovered() -> None:  # called holding the lock, so the count is shared and exact
             stats[9] += 1
+            for repair in repairs:  # what a dead holder may have left half-updated
+                repair()
 
         # a closure over the counters, not a bound method: no cycle keeps the mapping alive
         self.lock = RobustLock(arrays["_mutex"], initialise=initialise, on_recover=recovered)
@@ -139,7 +146,7 @@ class Ring:
     def writer_id(self) -> int:
         """This process's entry in the writer table, registered on first use."""
         pid = os.getpid()
-        if self._wid_pid == pid:
+        if self._wid_pid == pid and self._wpid[self._wid] == pid:
             return self._wid
         started = start_time()
         with self.lock:
@@ -162,14 +169,6 @@ class Ring:
                 self._wpid[w] = 0
                 return w
         raise ShmBufferError(f"{WRITERS} live processes have pushed to this buffer; no writer entry is free")
-
-    def forget_writer(self) -> None:
-        """Free this process's writer entry (at close; its pushes are all committed by then)."""
-        if self._wid_pid == os.getpid():
-            with self.lock:
-                if self._wpid[self._wid] == self._wid_pid:
-                    self._wpid[self._wid] = 0
-            self._wid_pid = -1
 
     def _alive(self, w: int) -> bool:
         return (w == self._wid and self._wid_pid == os.getpid()) or process_alive(
@@ -196,7 +195,11 @@ class Ring:
                 shut = gate is not None and not gate(int(self._stats[10]), int(self._stats[0]), len(self))
                 res = None if shut else self._try_reserve(k, lane, w)
                 if res is not None and also is not None:
-                    also(self.slots(res.ids))
+                    try:
+                        also(self.slots(res.ids))
+                    except BaseException:  # the rows must not stay odd under a live owner
+                        self._abandon(res, None)
+                        raise
             if res is not None:
                 return res
             now = time.monotonic()
@@ -257,9 +260,21 @@ class Ring:
     def commit(self, res: Reservation) -> None:
         self.stamp[res.where] = res.stamps
 
-    def abandon(self, res: Reservation) -> None:
-        """Give rows back unwritten (the copy failed): they read as empty, never as committed."""
-        self.stamp[res.where] = 0
+    def abandon(self, res: Reservation, also: Callable[[np.ndarray], None] | None = None) -> None:
+        """Give rows back unwritten (the copy failed): they read as empty, never as committed.
+
+        Only slots that still hold this reservation's odd stamps are touched, and ``also(slots)``
+        (their priorities to 0) runs first, in the same critical section: nobody else can have
+        taken them meanwhile, and nobody sees an empty slot with a live priority."""
+        with self.lock:
+            self._abandon(res, also)
+
+    def _abandon(self, res: Reservation, also: Callable[[np.ndarray], None] | None) -> None:
+        slots = self.slots(res.ids)
+        mine = slots[self.stamp[slots] == res.stamps - 1]
+        if also is not None and mine.size:
+            also(mine)
+        self.stamp[mine] = 0
 
     # -- readers -------------------------------------------------------------------------------
     def bounds(self) -> tuple[np.ndarray, np.ndarray]:
@@ -395,8 +410,23 @@ class Ring:
         return ids
 
     def current(self, ids: np.ndarray) -> np.ndarray:
-        """Which ids still name the committed row in their slot (not overwritten, not torn)."""
-        return self.stamp.take(self.slots(ids)) == self.expected(ids)
+        """Which ids still name the committed row in their slot and count (not overwritten, not
+        being written, not cleared)."""
+        ok = self.stamp.take(self.slots(ids)) == self.expected(ids)
+        cleared = self.cleared(ids)
+        if cleared.size:
+            ok[cleared] = False
+        return ok
+
+    def cleared(self, ids: np.ndarray) -> np.ndarray:
+        """Positions of ``ids`` older than their lane's last ``clear()``: a cleared row keeps its
+        stamp, so this is the check that makes a clear final for readers."""
+        if self.lanes == 1:
+            base = int(self._lanes[0, 1])
+            if not ids.size or ids.min() >= base:
+                return _EMPTY
+            return np.flatnonzero(ids < base)
+        return np.flatnonzero(ids // self.lanes < self._lanes[ids % self.lanes, 1])
 
     def check_push(self, k: int, lane: int | np.ndarray) -> None:
         """Refuse, before touching anything, a push the ring can never hold."""

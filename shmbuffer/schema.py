@@ -291,6 +291,13 @@ class Schema:
         )
 
 
+def _largest(dtype: np.dtype[Any]) -> float:
+    """The largest magnitude a value of ``dtype`` can have."""
+    if dtype.kind in "iu":
+        return float(max(abs(np.iinfo(dtype).min), np.iinfo(dtype).max))
+    return float(np.finfo(dtype).max)
+
+
 def _check_cast(f: Field, a: np.ndarray) -> None:
     """Allow a cast that loses nothing a user would miss; refuse the rest before any write.
 
@@ -302,15 +309,19 @@ def _check_cast(f: Field, a: np.ndarray) -> None:
     src, dst = a.dtype, f.dtype
     if np.can_cast(src, dst, casting="safe"):
         return
-    if src.kind == "f" and dst.kind == "f" and a.size:
-        big = np.finfo(dst).max
-        finite = a[np.isfinite(a)]
-        if finite.size and np.abs(finite).max() > big:
+    if src.kind in "iufc" and dst.kind in "fc" and a.size and float(np.finfo(dst).max) < _largest(src):
+        big = np.finfo(dst).max  # of a complex dtype: of its real and imaginary parts
+        parts = np.abs(a) if src.kind != "c" else np.maximum(np.abs(a.real), np.abs(a.imag))
+        finite = parts
+        if parts.max() > big:  # NaN compares False: only an inf or a value too large looks further
+            finite = parts[np.isfinite(parts)]
+        if finite.size and finite.max() > big:
             raise FieldError(
                 f"field {f.name!r}: expected {dst} values within +-{big:.3g}, got {src} values up to "
-                f"{np.abs(finite).max():.3g}, which would become inf"
+                f"{finite.max():.3g}, which would become inf"
             )
-        return
+        if src.kind != "c" or dst.kind == "c":
+            return
     if src.kind in "biuf" and dst.kind in "fc":
         return
     if src.kind in "iub" and dst.kind in "iu" and a.size:

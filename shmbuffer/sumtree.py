@@ -16,8 +16,10 @@ prefix sum of the top level. Unused slots hold 0 in ``sums`` and +inf in ``mins`
 Every node is recomputed from its children (never adjusted by a difference), so a tree's state is
 a function of its leaves alone: a batched update equals the same updates one at a time (where a
 slot repeats in one batch its last value wins, as it would one at a time), and no rounding error
-accumulates over millions of updates. Readers do not lock: a draw that races an update may land on
-a leaf that is 0 by then, so callers check the leaves they get (``Prioritized`` re-draws them).
+accumulates over millions of updates, and ``rebuild`` repairs a tree whose updater died half-way.
+Readers do not lock: a draw that races an update may land on a leaf that is 0 by then (or, in a
+level being rewritten, on the wrong slot), so callers check the leaves they get (``Prioritized``
+re-draws them); ``find`` never returns a slot outside the tree.
 """
 
 from __future__ import annotations
@@ -108,10 +110,13 @@ class SumTree:
         u = np.array(mass, dtype=np.float64).reshape(-1)
         cum = self._cum
         last = int(np.searchsorted(cum, cum[-1], side="left"))  # the last top node with mass
-        node = np.minimum(np.searchsorted(cum, u, side="right"), last)
+        node = np.minimum(np.searchsorted(cum, u, side="right"), min(last, cum.shape[0] - 1))
         u -= np.where(node > 0, cum[node - 1], 0.0)
         rows = np.arange(u.shape[0])
         for sums, _ in reversed(self._blocks):
+            # a reader racing an update (readers do not lock) may see a parent whose children
+            # were just zeroed and walk past the end of a level: stay inside; callers check leaves
+            np.minimum(node, sums.shape[0] - 1, out=node)
             children = sums.take(node, axis=0)
             part = children @ _PREFIX
             pick = (part <= u[:, None]).sum(axis=1)
@@ -120,4 +125,14 @@ class SumTree:
                 pick[past] = FANOUT - 1 - np.argmax(children[past, ::-1] > 0, axis=1)
             u -= part[rows, pick] - children[rows, pick]  # the mass before the child picked
             node = node * FANOUT + pick
-        return node
+        return np.minimum(node, self.capacity - 1, out=node)
+
+    def rebuild(self) -> None:
+        """Recompute every level from the leaves (after a writer died in the middle of an update:
+        the tree is a function of its leaves, so this repairs whatever it left)."""
+        for (child_sums, child_mins), sums, mins in zip(self._blocks, self._sums[1:], self._mins[1:], strict=True):
+            n = child_sums.shape[0]
+            sums[:n] = child_sums @ _ONES
+            mins[:n] = np.ascontiguousarray(child_mins.T).min(axis=0)
+            sums[n:], mins[n:] = 0, np.inf  # the padding of a level
+        np.cumsum(self._sums[-1], out=self._cum)

@@ -91,3 +91,45 @@ def test_lock_needs_aligned_memory() -> None:
 
     with pytest.raises(ValueError, match="needs 64 aligned bytes"):
         RobustLock(np.zeros(8, np.uint8))
+
+
+def test_ctrl_c_while_waiting_leaves_the_lock_free(make: Make, name: str, procs: list) -> None:
+    """SIGINT arrives while this process waits for a lock another process holds: the
+    KeyboardInterrupt comes promptly, and this process does not keep the lock afterwards."""
+    import signal as sig
+
+    ctx = mp.get_context("spawn")
+    buf = make(MUJOCO, capacity=10, name=name)
+    held = ctx.Event()
+    p = ctx.Process(target=_hold, args=(buf.handle, 2.0, held))
+    p.start()
+    procs.append(p)
+    assert held.wait(60)
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), sig.SIGINT))
+    start = time.monotonic()
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        buf.ring.lock.acquire(timeout=30)
+    assert time.monotonic() - start < 1.5  # not only once the holder lets go at 2 s
+    p.join(30)
+    buf.ring.lock.acquire(timeout=5)  # neither held by this thread (RuntimeError) nor by anyone
+    buf.ring.lock.release()
+
+
+def test_a_recovered_lock_repairs_the_priority_tree(make: Make, name: str, procs: list) -> None:
+    buf = make(MUJOCO, capacity=100, name=name, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
+    from .conftest import transition
+
+    buf.push(transition(0, 100), priority=np.ones(100))
+    tree = buf._prios.tree  # type: ignore[union-attr]
+    tree._cum[:] = 0  # what a holder killed half-way through an update could leave
+    ctx = mp.get_context("spawn")
+    held = ctx.Event()
+    p = ctx.Process(target=_hold, args=(buf.handle, -1, held))
+    p.start()
+    procs.append(p)
+    assert held.wait(60)
+    p.join(30)
+    buf.push(transition(100, 1), priority=[1.0])  # the next locker recovers the lock and repairs
+    assert buf.stats["lock_recoveries"] == 1
+    assert tree.total == pytest.approx(100.0) and len(buf.sample(10)) == 10

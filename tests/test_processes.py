@@ -353,3 +353,46 @@ def test_sigkilled_creator_is_cleaned_by_its_tracker(name: str) -> None:
             proc.stdout.close()
         if os.path.exists(segment.path_of(name)):
             os.unlink(segment.path_of(name))
+
+
+def test_one_process_keeps_its_writer_entry_while_any_of_its_buffers_is_open(make: Make, name: str) -> None:
+    """The creator and an attach in the same process share a writer entry: closing one must not
+    free it, or another process would take the other's rows being written for a dead writer's."""
+    buf = make(MUJOCO, capacity=16, name=name)
+    buf.push(transition(0, 2))
+    helper = sb.ReplayBuffer.attach(buf.handle)
+    helper.push(transition(2, 2))
+    assert helper.ring._wid == buf.ring._wid
+    helper.close()
+    w = buf.ring._wid
+    assert buf.ring._wpid[w] == os.getpid()  # still registered: its rows are not anybody's to take
+    res = buf.ring.reserve(2)
+    try:
+        assert buf.ring.owner[buf.ring.slots(res.ids)].tolist() == [w, w]
+        assert not buf.ring.reap().size  # a live writer's rows are not reaped
+    finally:
+        buf.ring.abandon(res)
+
+
+def test_an_interrupted_push_gives_its_rows_back(make: Make, name: str) -> None:
+    """Ctrl-C after the copy but before the commit: the rows must not stay odd under a live owner
+    (every writer coming round would wait 30 s on them) and are never drawn."""
+    buf = make(MUJOCO, capacity=8, name=name, sampler=sb.Prioritized())
+    buf.push(transition(0, 4))
+    real = buf.ring.commit
+
+    def interrupted(res: Any) -> None:
+        raise KeyboardInterrupt
+
+    buf.ring.commit = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        buf.push(transition(4, 2))
+    buf.ring.commit = real  # type: ignore[method-assign]
+    assert not (buf.ring.stamp & 1).any()
+    assert buf._prios.tree.leaves[4:6].tolist() == [0.0, 0.0]  # type: ignore[union-attr]
+    assert set(seq_of(buf.sample(50))) <= {0, 1, 2, 3}
+    buf.ring.stall_timeout = 1.0
+    start = time.monotonic()
+    buf.push(transition(10, 8))  # laps over them at once
+    assert time.monotonic() - start < 0.5
+    assert seq_of(buf.get(slice(None))).tolist() == list(range(10, 18))

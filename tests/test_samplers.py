@@ -68,7 +68,8 @@ def test_contract_skips_rows_being_written(config: str, make: Make, name: str) -
     kw = SAMPLERS[config]
     buf = make(MUJOCO, capacity=16 * kw.get("lanes", 1), name=name, **kw)
     buf.push(transition(0, 8))
-    res = buf.ring.reserve(4)  # a writer in the middle of rows 8..11
+    prios = buf._prios  # rows being written have their priority already, as in push()
+    res = buf.ring.reserve(4, also=None if prios is None else lambda s: prios.set_rows(s, None, fresh=True))  # a writer in the middle of rows 8..11
     try:
         for _ in range(20):
             assert set(seq_of(buf.sample(32))) <= set(range(8))
@@ -316,3 +317,43 @@ def test_rows_being_written_are_never_drawn(make: Make, name: str) -> None:
         assert set(seq_of(buf.sample(64))) <= set(range(8))
     finally:
         buf.ring.abandon(res)
+
+
+
+# -- clear is final ------------------------------------------------------------------------------
+
+
+def test_nothing_cleared_comes_back(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=64, name=name, seed=0, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
+    buf.push(transition(0, 32))
+    batch = buf.sample(8)
+    epoch = buf.epoch(8, shuffle=False)
+    next(epoch)
+    buf.clear()
+    assert buf.update_priorities(batch, np.ones(8)) == 0  # stale: dropped, not resurrected
+    assert buf._prios.tree.total == 0  # type: ignore[union-attr]
+    assert list(epoch) == []
+    with pytest.raises(sb.EmptyBufferError):
+        buf.take(batch.index)
+    with pytest.raises(sb.EmptyBufferError, match="empty"):
+        buf.sample(4)
+    buf.push(transition(100, 4))
+    assert set(seq_of(buf.sample(64))) == {100, 101, 102, 103}
+
+
+@pytest.mark.parametrize("sampler", [sb.Uniform(), sb.Prioritized()])
+def test_a_clear_between_draw_and_gather(sampler: Any, make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=64, name=name, seed=0, sampler=sampler)
+    buf.push(transition(0, 32))
+    real = buf._gather
+    cleared: list[bool] = []
+
+    def gather(slots: np.ndarray, out: Any = None) -> Any:
+        if not cleared:
+            cleared.append(True)
+            buf.clear()  # another process clears right here
+        return real(slots, out)
+
+    buf._gather = gather  # type: ignore[method-assign]
+    with pytest.raises(sb.EmptyBufferError, match="cleared"):
+        buf.sample(8)

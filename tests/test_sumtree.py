@@ -83,3 +83,27 @@ def test_reset_and_sizes() -> None:
     with pytest.raises(ValueError, match="needs two arrays"):
         SumTree(100, np.zeros(3), np.zeros(3))
     assert SumTree.size(1_000_000) < 1_000_000 * 1.1
+
+
+
+def test_find_stays_inside_a_tree_being_rewritten() -> None:
+    """A reader racing an update can see a parent with mass over children already zeroed."""
+    tree = SumTree(5000)
+    tree.update(np.arange(5000), np.ones(5000))
+    tree.leaves[4000:] = 0  # an update or reset half-way: leaves zeroed, parents not yet
+    tree._sums[1][4000 // 16:] = 0
+    found = tree.find(np.linspace(0, tree.total, 1000, endpoint=False))
+    assert found.min() >= 0 and found.max() < 5000
+
+
+def test_rebuild_repairs_a_half_finished_update() -> None:
+    rng = np.random.default_rng(1)
+    tree, fresh = SumTree(70_000), SumTree(70_000)
+    values = rng.random(70_000)
+    tree.update(np.arange(70_000), values)
+    fresh.update(np.arange(70_000), values)
+    tree._sums[1][:100] = 0  # killed in the middle of recomputing a level
+    tree._mins[2][:] = np.inf
+    tree.rebuild()
+    np.testing.assert_allclose(tree.sums, fresh.sums, rtol=1e-12)
+    assert np.array_equal(tree.mins, fresh.mins) and tree.total == pytest.approx(fresh.total)
