@@ -1,0 +1,272 @@
+"""From results to ratios, targets, a Markdown report and plots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+OURS = "shmbuffer"
+
+
+# -- ratios ---------------------------------------------------------------------------------------------
+def _median(subject: dict[str, Any] | None, metric: str) -> float | None:
+    if not subject or subject.get("status") != "ok":
+        return None
+    m = subject.get("metrics", {}).get(metric, {})
+    return m.get("median")
+
+
+def _best(case: dict[str, Any], metric: str, kind: str) -> tuple[str | None, float | None]:
+    found: list[tuple[str, float]] = []
+    for name, s in case["subjects"].items():
+        v = _median(s, metric) if s.get("kind") == kind else None
+        if v is not None:
+            found.append((name, v))
+    if not found:
+        return None, None
+    return max(found, key=lambda x: x[1])
+
+
+def ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per case and measure: ours, the best peer, the baseline and the best floor."""
+    rows = []
+    for name, case in results["cases"].items():
+        if case.get("status") != "ok":
+            continue
+        for metric, meta in case["metrics"].items():
+            ours = _median(case["subjects"].get(OURS), metric)
+            row: dict[str, Any] = {"case": name, "metric": metric, "label": meta["label"], "unit": meta["unit"],
+                                   "ours": ours}
+            for kind in ("peer", "baseline", "floor"):
+                who, value = _best(case, metric, kind)
+                row[kind] = who
+                row[f"{kind}_value"] = value
+                row[f"ours_per_{kind}"] = ours / value if ours is not None and value else None
+            if ours is not None:
+                row["ours_gb_per_s"] = case["subjects"][OURS]["metrics"][metric].get("gb_per_s")
+            rows.append(row)
+    return rows
+
+
+# -- targets --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    id: str
+    text: str
+    case: str
+    metric: str
+    against: str  # a subject's name, or "floor" for the case's best floor
+    need: float
+    profile: str | None = None  # what ``cases.profile`` shows when it is missed
+
+
+TARGETS = [
+    Target("mujoco-push64-sb3", "MuJoCo push 64 >= 2x SB3", "mujoco.push64", "push", "sb3.ReplayBuffer", 2.0,
+           "mujoco.push64"),
+    Target("mujoco-sample-cpprb", "MuJoCo sample 256 >= 2x cpprb", "mujoco.sample256", "numpy", "cpprb.ReplayBuffer",
+           2.0, "mujoco.sample256"),
+    Target("mujoco-sample-ring", "MuJoCo sample 256 >= 0.8x the in-process numpy ring", "mujoco.sample256", "numpy",
+           "numpy ring", 0.8, "mujoco.sample256"),
+    Target("atari-push-floor", "Atari push 64 >= 0.8x the np.copyto floor", "atari.push64", "push", "floor", 0.8,
+           "atari.push64"),
+    Target("atari-sample-floor", "Atari sample 256 >= 0.8x the np.take floor", "atari.sample256", "numpy", "floor",
+           0.8, "atari.sample256"),
+    Target("mujoco-mp-ingest", "multi-process MuJoCo ingest >= 5x cpprb MPReplayBuffer", "mujoco.multiproc", "ingest",
+           "cpprb.MPReplayBuffer", 5.0, "mujoco.push8"),
+    Target("mujoco-mp-learner", "... while our learner samples >= 1x as fast as cpprb's", "mujoco.multiproc",
+           "learner", "cpprb.MPReplayBuffer", 1.0, "mujoco.sample256"),
+    Target("mujoco-mp-integrity", "... with 0 torn and 0 lost rows", "mujoco.multiproc", "integrity", OURS, 0),
+    Target("atari-mp-ingest", "multi-process Atari ingest >= 3x cpprb's", "atari.multiproc", "ingest",
+           "cpprb.MPReplayBuffer", 3.0, "atari.push8"),
+    Target("atari-mp-integrity", "(and 0 torn and 0 lost rows there too)", "atari.multiproc", "integrity", OURS, 0),
+]
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for t in TARGETS:
+        row: dict[str, Any] = {"id": t.id, "text": t.text, "need": t.need, "profile": t.profile}
+        case = results["cases"].get(t.case)
+        ours = (case or {}).get("subjects", {}).get(OURS)
+        if not case or case.get("status") != "ok" or not ours or ours.get("status") != "ok":
+            row.update(status="not measured", detail=f"{t.case} was not run or shmbuffer was not measured there")
+        elif t.metric == "integrity":
+            bad = {k: ours.get(k, 0) for k in ("torn", "lost", "corrupt")}
+            row.update(status="met" if not any(bad.values()) else "missed",
+                       detail=f"torn {bad['torn']} of {ours.get('sampled_rows', 0):,} sampled rows, lost {bad['lost']}, "
+                              f"corrupt {bad['corrupt']} (all runs)")
+        else:
+            mine = _median(ours, t.metric)
+            if t.against == "floor":
+                who, other = _best(case, t.metric, "floor")
+            else:
+                who, other = t.against, _median(case["subjects"].get(t.against), t.metric)
+            if mine is None or not other:
+                why = case["subjects"].get(t.against, {}).get("status", "not measured")
+                row.update(status="not measured", detail=f"{t.against}: {why}")
+            else:
+                r = mine / other
+                row.update(ratio=r, against=who, status="met" if r >= t.need else "missed",
+                           detail=f"{r:.2f}x {who} (needs {t.need:g}x)" + (
+                               "" if r >= t.need else f": {r / t.need:.0%} of the target, short by {t.need / r:.2f}x"))
+        out.append(row)
+    return out
+
+
+# -- Markdown -------------------------------------------------------------------------------------------
+def num(v: float | None) -> str:
+    if v is None:
+        return "—"
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(v) >= div:
+            return f"{v / div:.3g}{suffix}"
+    return f"{v:.3g}"
+
+
+def ratio(v: float | None) -> str:
+    return "—" if v is None else f"**{v:.2f}x**"
+
+
+def ratio_table(results: dict[str, Any]) -> str:
+    lines = ["| case | measure | shmbuffer | best peer | ours / best peer | baseline | ours / baseline | floor | ours / floor |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in results.get("ratios") or ratios(results):
+        gb = r.get("ours_gb_per_s")
+        ours = "—" if r["ours"] is None else f"{num(r['ours'])} {r['unit']}" + (
+            f" ({gb:.2f} GB/s)" if gb is not None and r["unit"] != "GB/s" else "")
+
+        lines.append(f"| {r['case']} | {r['label']} | {ours} | {_who(r, 'peer')} | {ratio(r['ours_per_peer'])} | "
+                     f"{_who(r, 'baseline')} | {ratio(r['ours_per_baseline'])} | {_who(r, 'floor')} | "
+                     f"{ratio(r['ours_per_floor'])} |")
+    return "\n".join(lines)
+
+
+def _who(r: dict[str, Any], kind: str) -> str:
+    return f"{r[kind]}: {num(r[f'{kind}_value'])}" if r[kind] else "—"
+
+
+def target_table(results: dict[str, Any]) -> str:
+    lines = ["| target | result | detail |", "|---|---|---|"]
+    for t in results.get("targets", []):
+        mark = {"met": "met", "missed": "**missed**"}.get(t["status"], t["status"])
+        lines.append(f"| {t['text']} | {mark} | {t['detail']} |")
+    return "\n".join(lines)
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    p = m["packages"]
+    return (f"{m['date']}: {m['cpu']}, {m['usable_cores']} usable cores ({m['logical_cores']} logical), "
+            f"{m['memory_gib']} GiB RAM, {m['os']}, Python {m['python']}, numpy {p['numpy']}, torch {p['torch']}, "
+            f"cpprb {p['cpprb']}, torchrl {p['torchrl']}, stable-baselines3 {p['stable-baselines3']}; GPU: {m['gpu']}; "
+            f"load average at start {m['load_average']}; shmbuffer {m.get('shmbuffer_commit')}")
+
+
+def details(name: str, case: dict[str, Any]) -> str:
+    head = f"### {name}: {case.get('title', '')}\n"
+    if case.get("status") != "ok":
+        return head + f"\n{case.get('status')}: {case.get('reason', '')}\n"
+    mp = "seconds" in case
+    cols = "| subject | " + " | ".join(f"{m['label']} ({m['unit']}), median [min-max], GB/s" for m in case["metrics"].values())
+    cols += " | torn / lost / corrupt |" if mp else " |"
+    lines = [head, cols, "|---" * (len(case["metrics"]) + 1 + mp) + "|"]
+    for sname, s in case["subjects"].items():
+        cells: list[str] = []
+        for metric in case["metrics"]:
+            if s.get("status") != "ok":
+                cells.append(f"{s.get('status')}: {s.get('reason', '')}" if not cells else "")
+                continue
+            m = s["metrics"].get(metric, {})
+            if "median" not in m:
+                cells.append(f"{m.get('status', 'n/a')}: {m.get('reason', '')}")
+            else:
+                cells.append(f"{num(m['median'])} [{num(m['min'])}-{num(m['max'])}], {m.get('gb_per_s', 0):.2f}")
+        if mp:
+            cells.append(f"{s.get('torn', '—')} of {s.get('sampled_rows', 0):,} / {s.get('lost', '—')} / "
+                         f"{s.get('corrupt', '—')}" if s.get("status") == "ok" else "")
+        lines.append(f"| {sname} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def markdown(results: dict[str, Any], plots: list[str]) -> str:
+    cfg = results["config"]
+    parts = [
+        "# shmbuffer benchmark results\n",
+        f"Machine: {machine_line(results['machine'])}.\n",
+        f"Settings: {'--quick, ' if cfg['quick'] else ''}{cfg['repeat']} interleaved rounds per case, timed blocks "
+        f"of ~{cfg['block_s']} s, multi-process runs of {cfg['mp_seconds']} s; capacities: "
+        + ", ".join(f"{k} {v:,}" for k, v in cfg["capacities"].items())
+        + f". Medians of the rounds; every ratio compares numbers measured side by side in this run. "
+        f"Total time {results.get('elapsed_s', 0):.0f} s.\n",
+        *(["**--quick run: tiny capacities, one short round. These numbers only show that the harness works; "
+            "do not read anything into them.**\n"] if cfg["quick"] else []),
+        "## Ratios\n",
+        "Best peer: the fastest library (cpprb, TorchRL, Stable-Baselines3); baseline: the plain numpy ring "
+        "(one process) or `multiprocessing.Queue` into a numpy ring (several); floor: the fastest numpy floor "
+        "for the same bytes (`np.copyto` for pushes, `np.take` for samples). Ratios above 1 mean shmbuffer is faster.\n",
+        ratio_table(results) + "\n",
+        "## Targets\n",
+        target_table(results) + "\n",
+    ]
+    if plots:
+        parts += ["## Plots\n", *(f"![{Path(p).stem}]({Path(p).name})\n" for p in plots)]
+    parts.append("## Details\n")
+    for name, case in results["cases"].items():
+        parts.append(details(name, case))
+    if results.get("profiles"):
+        parts.append("## Profiles of shmbuffer where a target is missed\n")
+        for what, lines in results["profiles"].items():
+            parts.append(f"`{what}`:\n\n```text\n" + "\n".join(lines) + "\n```\n")
+    if results.get("left_in_dev_shm"):
+        parts.append(f"Segments of ours left in /dev/shm and removed: {results['left_in_dev_shm']}\n")
+    return "\n".join(parts)
+
+
+# -- plots ----------------------------------------------------------------------------------------------
+PANELS = {
+    "push": [("mujoco.push1", "push"), ("mujoco.push64", "push"), ("atari.push1", "push"), ("atari.push64", "push")],
+    "sample": [("mujoco.sample256", "numpy"), ("mujoco.sample256", "torch"), ("atari.sample256", "numpy"),
+               ("atari.sample256", "torch")],
+    "multiproc": [("mujoco.multiproc", "ingest"), ("mujoco.multiproc", "learner"), ("atari.multiproc", "ingest"),
+                  ("atari.multiproc", "learner")],
+}
+COLORS = {"ours": "#d62728", "peer": "#1f77b4", "baseline": "#7f7f7f", "floor": "#2ca02c"}
+
+
+def plots(results: dict[str, Any], out: Path) -> tuple[list[str], str | None]:
+    """PNG files next to ``out`` (``<stem>-push.png`` ...); ``(files, why none)``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [], "matplotlib is not installed: no plots"
+    files = []
+    for group, panels in PANELS.items():
+        panels = [(c, m) for c, m in panels if results["cases"].get(c, {}).get("status") == "ok"]
+        if not panels:
+            continue
+        fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.2 + 1.9 * len(panels)), squeeze=False)
+        for ax, (cname, metric) in zip(axes[:, 0], panels, strict=True):
+            case = results["cases"][cname]
+            rows = [(n, s) for n, s in case["subjects"].items() if _median(s, metric) is not None]
+            rows.sort(key=lambda x: _median(x[1], metric) or 0)
+            names = [n for n, _ in rows]
+            med = [s["metrics"][metric]["median"] for _, s in rows]
+            lo = [m - s["metrics"][metric]["min"] for m, (_, s) in zip(med, rows, strict=True)]
+            hi = [s["metrics"][metric]["max"] - m for m, (_, s) in zip(med, rows, strict=True)]
+            ax.barh(names, med, xerr=[lo, hi], color=[COLORS.get(s.get("kind", "peer"), "#1f77b4") for _, s in rows],
+                    capsize=3)
+            ax.set_xscale("log")
+            meta = case["metrics"][metric]
+            ax.set_title(f"{cname}: {meta['label']} ({meta['unit']}, median, min-max)", fontsize=9)
+            ax.tick_params(labelsize=8)
+            for y, v in enumerate(med):
+                ax.text(v, y, f" {num(v)}", va="center", fontsize=7)
+        fig.tight_layout()
+        path = out.with_name(f"{out.stem}-{group}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(str(path))
+    return files, None
