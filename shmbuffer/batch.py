@@ -121,8 +121,9 @@ class Batch:
         """
         import torch
 
-        dev = torch.device(device) if device is not None else torch.device("cpu")
-        if dev.type == "cpu":  # zero-copy: the fields already share the gathered block
+        cpu = device is None or device == "cpu"  # the common case, without building a torch.device
+        dev = torch.device("cpu") if cpu else torch.device(device)
+        if cpu or dev.type == "cpu":  # zero-copy: the fields already share the gathered block
             def cpu(a: Any) -> Any:
                 return torch.from_numpy(a) if type(a) is np.ndarray and a.flags.writeable else _tensor(a).cpu()
 

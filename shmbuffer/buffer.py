@@ -373,14 +373,15 @@ class ReplayBuffer:
                 raise TypeError("push() takes a mapping or keyword fields, not both")
             if not isinstance(data, Mapping):
                 raise TypeError(f"push() expected a mapping of fields, got {type(data).__name__}")
-            fields = dict(data)
+            fields = data  # type: ignore[assignment]
         ring = self.ring
         k, arrays = self.schema.validate(fields)
-        lane = int(lane) if isinstance(lane, (int, np.integer)) else np.asarray(lane, dtype=np.int64)
-        ring.check_push(k, lane)
+        if type(lane) is not int or not 0 <= lane < ring.lanes or k > ring.lane_capacity:  # the usual case is cheap
+            lane = int(lane) if isinstance(lane, (int, np.integer)) else np.asarray(lane, dtype=np.int64)
+            ring.check_push(k, lane)
         if ring.frozen:
             raise ReadOnlyError(f"buffer {self.name!r} is frozen (read-only): it takes no more rows")
-        episodes = self._check_episode(episode, k)
+        episodes = None if episode is None and not self.options.episodes else self._check_episode(episode, k)
         if priority is not None:
             if self._prios is None or not self._prios.prioritized:
                 raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")

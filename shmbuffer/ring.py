@@ -63,7 +63,6 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -103,14 +102,23 @@ def columns(capacity: int, lanes: int) -> list[ColumnSpec]:
     ]
 
 
-@dataclass(frozen=True)
 class Reservation:
-    """Rows a writer holds between ``reserve`` and ``commit``: ``where`` indexes their slots
-    (a slice when they are contiguous), ``stamps`` are their committed stamps, ``ids`` their ids."""
+    """Rows a writer holds between ``reserve`` and ``commit``: ``where`` indexes their slots (a
+    slice when they are contiguous), ``n`` their row numbers, ``lane`` their lane(s)."""
 
-    where: slice | np.ndarray
-    stamps: np.ndarray
-    ids: np.ndarray
+    __slots__ = ("lane", "lanes", "n", "where")
+
+    def __init__(self, where: slice | np.ndarray, n: np.ndarray, lane: int | np.ndarray, lanes: int) -> None:
+        self.where, self.n, self.lane, self.lanes = where, n, lane, lanes
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self.n * self.lanes + self.lane if self.lanes > 1 else self.n
+
+    @property
+    def stamps(self) -> np.ndarray:
+        """The stamps of these rows once committed (``2n + 2``)."""
+        return 2 * self.n + 2
 
 
 class Ring:
@@ -122,6 +130,11 @@ class Ring:
         self._lanes = arrays["_lanes"]
         self._stats = arrays["_stats"]
         self._wpid = arrays["_writer_pid"]
+        # memoryviews read and write single int64s several times faster than numpy indexing:
+        # the hot path of a push (cursors, counters, the writer check) goes through them
+        self._cur = self._lanes.reshape(-1).data
+        self._count = self._stats.data
+        self._pids = self._wpid.data
         self._wstart = arrays["_writer_start"]
         self.stamp = arrays["_stamp"]
         self.owner = arrays["_owner"]
@@ -146,7 +159,7 @@ class Ring:
     def writer_id(self) -> int:
         """This process's entry in the writer table, registered on first use."""
         pid = os.getpid()
-        if self._wid_pid == pid and self._wpid[self._wid] == pid:
+        if self._wid_pid == pid and self._pids[self._wid] == pid:
             return self._wid
         started = start_time()
         with self.lock:
@@ -190,9 +203,9 @@ class Ring:
         pause = 0.0001
         while True:
             with self.lock:
-                if self._stats[11]:
+                if self._count[11]:
                     raise ReadOnlyError("this buffer is frozen (read-only): it takes no more rows")
-                shut = gate is not None and not gate(int(self._stats[10]), int(self._stats[0]), len(self))
+                shut = gate is not None and not gate(self._count[10], self._count[0], len(self))
                 res = None if shut else self._try_reserve(k, lane, w)
                 if res is not None and also is not None:
                     try:
@@ -227,38 +240,41 @@ class Ring:
 
     def _try_reserve(self, k: int, lane: int | np.ndarray, w: int) -> Reservation | None:
         lc = self.lane_capacity
+        cursors = self._lanes
         if isinstance(lane, np.ndarray):
             counts = np.bincount(lane, minlength=self.lanes)
             order = np.argsort(lane, kind="stable")
             first = np.cumsum(counts) - counts
             rank = np.empty(k, np.int64)
             rank[order] = np.arange(k) - np.repeat(first, counts)
-            n = np.maximum(self._lanes[:, 0], self._lanes[:, 1])[lane] + rank
+            n = np.maximum(cursors[:, 0], cursors[:, 1])[lane] + rank
             where: slice | np.ndarray = lane * lc + n % lc
         else:
-            n0 = int(max(self._lanes[lane, 0], self._lanes[lane, 1]))
-            s0 = lane * lc + n0 % lc
+            cur = self._cur
+            n0 = max(cur[8 * lane], cur[8 * lane + 1])
             n = np.arange(n0, n0 + k)
-            where = slice(s0, s0 + k) if n0 % lc + k <= lc else lane * lc + n % lc
-        busy = self.stamp[where] & 1
-        if busy.any():
-            held = np.unique(self.owner[where][busy.astype(bool)])
+            s0 = n0 % lc
+            where = slice(lane * lc + s0, lane * lc + s0 + k) if s0 + k <= lc else lane * lc + n % lc
+        stamps = self.stamp[where]
+        if (stamps[0] if k == 1 else np.bitwise_or.reduce(stamps)) & 1:  # some slot is odd: being written
+            busy = (stamps & 1).astype(bool)
+            held = np.unique(self.owner[where][busy])
             if any(self._alive(int(o)) for o in held):
                 return None
             self._stats[8] += int(busy.sum())
         self.owner[where] = w  # the owner first: an odd stamp always names its live or dead writer
-        self.stamp[where] = 2 * n + 1
-        self._stats[10] += k
         if isinstance(lane, np.ndarray):
-            self._lanes[:, 0] = np.maximum(self._lanes[:, 0], self._lanes[:, 1]) + counts
-            ids = n * self.lanes + lane
+            self.stamp[where] = 2 * n + 1
+            cursors[:, 0] = np.maximum(cursors[:, 0], cursors[:, 1]) + counts
         else:
-            self._lanes[lane, 0] = n0 + k
-            ids = n * self.lanes + lane
-        return Reservation(where, 2 * n + 2, ids)
+            self.stamp[where] = np.arange(2 * n0 + 1, 2 * (n0 + k), 2)
+            self._cur[8 * lane] = n0 + k
+        self._count[10] += k
+        return Reservation(where, n, lane, self.lanes)
 
     def commit(self, res: Reservation) -> None:
-        self.stamp[res.where] = res.stamps
+        """Odd to even: the rows are committed (nobody else touches a live writer's odd stamps)."""
+        self.stamp[res.where] += 1
 
     def abandon(self, res: Reservation, also: Callable[[np.ndarray], None] | None = None) -> None:
         """Give rows back unwritten (the copy failed): they read as empty, never as committed.
@@ -289,8 +305,8 @@ class Ring:
 
     def span(self) -> tuple[int, int]:
         """``bounds()`` of a one-lane ring, as ints (the sampling fast path)."""
-        cur = int(self._lanes[0, 0])
-        start = max(int(self._lanes[0, 1]), cur - self.lane_capacity)
+        cur = self._cur[0]
+        start = max(self._cur[1], cur - self.lane_capacity)
         return min(start, cur), cur
 
     def slots(self, ids: np.ndarray) -> np.ndarray:
@@ -343,11 +359,11 @@ class Ring:
 
     def count_sampled(self, rows: int) -> None:
         with self.lock:
-            self._stats[0] += rows
+            self._count[0] += rows
 
     @property
     def frozen(self) -> bool:
-        return bool(self._stats[11])
+        return bool(self._count[11])
 
     def freeze(self) -> None:
         with self.lock:
@@ -366,7 +382,7 @@ class Ring:
     @property
     def inserted(self) -> int:
         """Rows ever reserved, all lanes, across clears (never wraps)."""
-        return int(self._stats[10])
+        return int(self._count[10])
 
     @property
     def stats(self) -> dict[str, int]:
@@ -422,7 +438,7 @@ class Ring:
         """Positions of ``ids`` older than their lane's last ``clear()``: a cleared row keeps its
         stamp, so this is the check that makes a clear final for readers."""
         if self.lanes == 1:
-            base = int(self._lanes[0, 1])
+            base = self._cur[1]
             if not ids.size or ids.min() >= base:
                 return _EMPTY
             return np.flatnonzero(ids < base)

@@ -139,6 +139,8 @@ class Schema:
         for name, value in spec.items():
             self._fields[name] = self._field(name, value)
         self._names = tuple(self._fields)
+        self._keys = frozenset(self._fields)
+        self._specs = tuple((f.name, f.shape, len(f.shape), f.dtype, f.shape == (1,)) for f in self._fields.values())
         self._record, self._columns = self._plan()
         canonical = json.dumps([self._fields[n].to_json() for n in sorted(self._fields)], sort_keys=True)
         self.fingerprint = hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
@@ -238,42 +240,42 @@ class Schema:
         Nothing is copied or cast here (the copy into shared memory casts); every check runs
         before the caller touches shared state. Raises ``FieldError`` naming the field.
         """
-        if len(data) != len(self._fields) or not all(name in self._fields for name in data):
+        if data.keys() != self._keys:
             self._missing_or_unknown(data)
         rows = -1
-        single: bool | None = None
+        single = False
         first = ""
         out: dict[str, np.ndarray] = {}
-        for f in self._fields.values():
-            value = data[f.name]
+        for name, shape, ndim, dtype, cpprb in self._specs:
+            value = data[name]
             a = value if type(value) is np.ndarray else np.asarray(value)
-            if f.shape == (1,) and a.ndim < 2 and a.shape != (1,):
+            if cpprb and a.ndim < 2 and a.shape != (1,):
                 # cpprb's default shape (1,): a scalar is one row, (k,) is k rows
                 a = a.reshape(1) if a.ndim == 0 else a.reshape(-1, 1)
-            extra = a.ndim - len(f.shape)
-            if extra == 0 and a.shape == f.shape:
+            got = a.shape
+            if len(got) == ndim and got == shape:
                 one, k = True, 1
                 a = a[np.newaxis]
-            elif extra == 1 and a.shape[1:] == f.shape:
-                one, k = False, a.shape[0]
+            elif len(got) == ndim + 1 and got[1:] == shape:
+                one, k = False, got[0]
             else:
                 raise FieldError(
-                    f"field {f.name!r}: expected shape {f.shape} (one row) or (k, "
-                    f"{', '.join(map(str, f.shape))}{',' if len(f.shape) == 1 else ''}) (k rows) of "
-                    f"{f.dtype}, got {a.shape} {a.dtype}"
+                    f"field {name!r}: expected shape {shape} (one row) or (k, "
+                    f"{', '.join(map(str, shape))}{',' if len(shape) == 1 else ''}) (k rows) of "
+                    f"{dtype}, got {a.shape} {a.dtype}"
                 )
-            if single is None:
-                single, rows, first = one, k, f.name
+            if rows < 0:
+                single, rows, first = one, k, name
             elif one != single or k != rows:
-                what = {True: "one row", False: f"{rows} rows"}
                 mine = "one row" if one else f"{k} rows"
+                theirs = "one row" if single else f"{rows} rows"
                 raise FieldError(
-                    f"ragged batch: field {first!r} has {what[bool(single)]}, field {f.name!r} has {mine}; "
+                    f"ragged batch: field {first!r} has {theirs}, field {name!r} has {mine}; "
                     "every field needs the same number of rows"
                 )
-            if a.dtype != f.dtype:
-                _check_cast(f, a)
-            out[f.name] = a
+            if a.dtype != dtype:
+                _check_cast(self._fields[name], a)
+            out[name] = a
         return rows, out
 
     def _missing_or_unknown(self, data: Mapping[str, Any]) -> None:
