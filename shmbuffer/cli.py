@@ -12,7 +12,10 @@
 
 ``ls`` and ``gc`` only read headers (``segment.read_header``) and the lanes' cursors; they never
 attach, so they cannot disturb a buffer. ``gc`` removes a block only when its creator (pid and
-start time) is dead; blocks with our prefix that cannot be parsed only with ``--force``.
+start time) is dead, including a block whose creator died creating it (no magic yet, but the
+header already names its creator: ``segment.unfinished_creator``); one still being created by a
+live process is kept. Blocks with our prefix that name no creator at all (foreign or damaged
+files) are removed only with ``--force``.
 """
 
 from __future__ import annotations
@@ -107,6 +110,21 @@ def _gc(args: argparse.Namespace) -> int:
     removed = kept = skipped = 0
     for name in names:
         try:
+            creator = segment.unfinished_creator(name)
+        except SegmentNotFound:
+            continue
+        except (ValueError, OSError):
+            creator = None
+        if creator is not None:  # no magic yet: being created, or its creator died creating it
+            pid, started = creator
+            if segment.process_alive(pid, started):
+                kept += 1
+                continue
+            size = os.path.getsize(segment.path_of(name)) if os.path.exists(segment.path_of(name)) else 0
+            why = f"creator pid {pid} died while creating it, {segment.human(size)}"
+            removed += _remove(name, why, args.dry_run)
+            continue
+        try:
             h = segment.read_header(name)
         except SegmentNotFound:
             continue
@@ -121,15 +139,20 @@ def _gc(args: argparse.Namespace) -> int:
                 kept += 1
                 continue
             why = f"creator pid {h.creator_pid} is dead, {segment.human(h.size)}"
-        if not args.dry_run:
-            try:
-                os.unlink(segment.path_of(name))
-            except FileNotFoundError:
-                continue
-        print(f"{verb} {segment.path_of(name)} ({why})")
-        removed += 1
+        removed += _remove(name, why, args.dry_run)
     print(f"{verb} {removed}, kept {kept} live, skipped {skipped} unreadable")
     return 0
+
+
+def _remove(name: str, why: str, dry_run: bool) -> int:
+    """Remove (or, in a dry run, name) one block; 1 if it was there."""
+    if not dry_run:
+        try:
+            os.unlink(segment.path_of(name))
+        except FileNotFoundError:
+            return 0
+    print(f"{'would remove' if dry_run else 'removed'} {segment.path_of(name)} ({why})")
+    return 1
 
 
 # -- inspect, save, load: attach ---------------------------------------------------------------------
@@ -194,8 +217,9 @@ def _save(args: argparse.Namespace) -> int:
         out = save(buf, args.path, progress=sys.stderr.isatty())
     finally:
         buf.close()
+    holes = f", {out['holes']} empty rows kept as holes" if out["holes"] else ""
     print(f"saved {out['rows']} rows of {args.name!r} to {out['path']} ({segment.human(out['bytes'])}, "
-          f"{out['seconds']:.2f} s, {out['dropped']} dropped)")
+          f"{out['seconds']:.2f} s, {out['dropped']} dropped{holes})")
     return 0
 
 
@@ -277,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("gc", help="remove buffers whose creating process is dead")
     p.add_argument("names", nargs="*", metavar="NAME", help="only these buffers (default: all)")
     p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
-    p.add_argument("--force", action="store_true", help="also remove blocks with our prefix that cannot be read")
+    p.add_argument("--force", action="store_true",
+                   help="also remove blocks with our prefix that cannot be read and name no creator")
     p.set_defaults(run=_gc)
     p = sub.add_parser("save", help="save a live buffer to a directory")
     p.add_argument("name")

@@ -4,7 +4,7 @@
 
 Two worker processes step 4 CartPole envs each with an epsilon-greedy copy of the Q-network and
 push every transition into a shared buffer (one lane per env, episode ids, so that 3-step returns
-can be formed at sample time). The learner samples prioritized batches through a ``Loader``
+can be formed at sample time; the capacity is rounded up to a multiple of the envs). The learner samples prioritized batches through a ``Loader``
 (prefetched in a thread; on a GPU through pinned memory), trains a double DQN with importance
 weights, sends the TD errors back as priorities, and publishes its weights to the workers. A rate
 limiter holds the collectors to ``samples_per_insert`` so that on two cores the learner is not
@@ -105,6 +105,15 @@ def evaluate(model: Any, episodes: int, seed: int) -> np.ndarray:
 
 
 # -- the learner ----------------------------------------------------------------------------------
+def buffer_size(capacity: int, envs: int) -> tuple[int, int]:
+    """The buffer's capacity and lanes: one lane per env, so that each env's steps are consecutive
+    rows, which n-step returns need (in a shared lane the envs' steps interleave and every return
+    is cut to one step). The capacity is rounded up to a multiple of the envs."""
+    if envs < 1:
+        raise ValueError(f"demo: expected at least one env, got workers * envs_per_worker = {envs}")
+    return -(-capacity // envs) * envs, envs
+
+
 def main(args: Args) -> dict[str, Any]:
     import torch
 
@@ -127,11 +136,14 @@ def main(args: Args) -> dict[str, Any]:
     envs = args.workers * args.envs_per_worker
     limiter = sb.RateLimiter(samples_per_insert=args.samples_per_insert, min_size=args.learning_starts,
                              error=args.samples_per_insert * args.learning_starts, block_writers=True)
-    lanes = envs if args.capacity % envs == 0 else 1
+    capacity, lanes = buffer_size(args.capacity, envs)
+    if capacity != args.capacity:
+        print(f"capacity {args.capacity:,d} rounded up to {capacity:,d}: a multiple of the {envs} envs "
+              "(one lane each, for the n-step returns)", flush=True)
     policy = EpsilonGreedy(args.eps_start, args.eps_end, args.eps_steps, actions, args.seed)
     start = time.monotonic()
     report: dict[str, Any] = {"seed": args.seed, "solved": False}
-    with sb.ReplayBuffer(schema, args.capacity, sampler=sb.Prioritized(alpha=0.6, beta=0.4, beta_steps=20_000),
+    with sb.ReplayBuffer(schema, capacity, sampler=sb.Prioritized(alpha=0.6, beta=0.4, beta_steps=20_000),
                          lanes=lanes, episodes=True, limiter=limiter, seed=args.seed) as buf, \
             Collector(make_env, buf, workers=args.workers, envs_per_worker=args.envs_per_worker,
                       policy=policy, model=copy.deepcopy(q).cpu(), seed=args.seed) as collector:

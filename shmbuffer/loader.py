@@ -21,34 +21,64 @@ sampled ahead so that sampling overlaps training.
 
 NOTE (shutdown): ``close()`` (or leaving the ``with`` block, or the end of iteration) stops the
 thread: it sets a flag, drains the queue so the thread is never blocked on a full one, and joins
-it. An exception in the thread is re-raised in the learner at the next batch.
+it. A rate limiter can hold a sample for its whole timeout, so on the default path
+(``buffer.sample``) the thread samples in slices of ``SLICE`` seconds (``sample(...,
+timeout=SLICE)``, again after each ``WaitTimeout``) and looks at the flag between them: ``close()``
+returns within about a slice, and once it has returned no sample is admitted. The slices add up to the
+``timeout`` given in ``sample_kwargs``, or to the limiter's own, before the ``WaitTimeout`` reaches
+the learner. A custom ``sample=`` (or a ``Mix``) is called as it is, and ``close()`` waits up to
+``JOIN`` seconds for it to return. An exception in the thread is re-raised in the learner at the
+next batch. Once the loader has ended (every batch given, ``close()``, or an error re-raised),
+``next()`` raises ``StopIteration`` again, or the same error.
+
+Every batch must have the keys and shapes of the first one (fields, extras such as ``weight``):
+the pinned staging memory is made for them, and a batch that differs raises ``FieldError``
+naming what differs.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
 from .batch import Batch, torch_views
 from .buffer import ReplayBuffer
+from .errors import FieldError, WaitTimeout
 
-_DONE = object()
+SLICE = 0.1
+"""Seconds a default-path sample may wait for a rate limiter before the thread looks at ``close()``."""
+JOIN = 10.0
+"""Seconds ``close()`` waits for a custom sampler to return."""
+_DONE = object()  # the thread gave every batch it was asked for
+_CLOSED = object()  # close() ended the loader
+
+
+def _host_arrays(batch: Batch) -> dict[str, np.ndarray]:
+    """What travels to the device: the packed block, each field outside it, each extra."""
+    record = batch._record if batch._block is not None else None
+    out: dict[str, Any] = {"_block": batch._block} if record is not None else {}
+    out.update({k: v for k, v in batch.fields.items() if record is None or k not in record.offsets})
+    out.update({f"extra:{k}": v for k, v in batch.extras.items()})
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def _what(key: str) -> str:
+    if key == "_block":
+        return "the packed record"
+    return f"extra {key[6:]!r}" if key.startswith("extra:") else f"field {key!r}"
 
 
 class _Staging:
     """Pinned host memory for one batch: the packed block, each large field, the extras."""
 
-    def __init__(self, like: Batch, torch: Any) -> None:
+    def __init__(self, arrays: dict[str, np.ndarray], torch: Any) -> None:
         self.pinned: dict[str, Any] = {}
-        arrays = {**({"_block": like._block} if like._block is not None else {}),
-                  **{k: v for k, v in like.fields.items() if like._block is None or k not in like._record.offsets},  # type: ignore[union-attr]
-                  **{f"extra:{k}": v for k, v in like.extras.items()}}
         for key, a in arrays.items():
-            a = np.asarray(a)
             self.pinned[key] = torch.empty(a.shape, dtype=torch.from_numpy(a[:0]).dtype, pin_memory=True)
         self.host = {key: t.numpy() for key, t in self.pinned.items()}
         self.event: Any = None
@@ -92,8 +122,10 @@ class Loader:
         self._limit = batches
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
+        self._ended: object = None  # _DONE, _CLOSED or the error re-raised, once the loader has ended
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._staging: list[_Staging] = []
+        self._layout: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] | None = None
         self._thread = threading.Thread(target=self._produce, name="shmbuffer-loader", daemon=True)
         self._thread.start()
 
@@ -102,7 +134,9 @@ class Loader:
         made = 0
         try:
             while not self._stop.is_set() and (self._limit is None or made < self._limit):
-                item = self._to_device(made) if self.cuda else self._sample(self.buffer).to("cpu")
+                item = self._to_device(made) if self.cuda else self._to_cpu()
+                if item is None:  # close() came while a rate limiter held the sample
+                    return
                 while not self._stop.is_set():
                     try:
                         self._queue.put(item, timeout=0.1)
@@ -123,26 +157,76 @@ class Loader:
             except queue.Full:
                 continue
 
-    def _to_device(self, made: int) -> tuple[Batch, Any]:
+    def _draw(self, out: dict[str, np.ndarray] | None = None) -> Batch | None:
+        """One batch; ``None`` when ``close()`` came while a rate limiter held it (see the NOTE)."""
+        if self._custom:
+            return self._sample(self.buffer)
+        kwargs = dict(self._kwargs)
+        if out is not None:
+            kwargs["out"] = out
+        limiter = self.buffer.options.limiter
+        if limiter is None:
+            return self.buffer.sample(self._batch_size, **kwargs)
+        given = kwargs.pop("timeout", None)
+        total = limiter.timeout if given is None else float(given)
+        deadline = time.monotonic() + total
+        while True:
+            left = max(deadline - time.monotonic(), 0.0)
+            try:
+                return self.buffer.sample(self._batch_size, timeout=min(SLICE, left), **kwargs)
+            except WaitTimeout as exc:
+                if self._stop.is_set():
+                    return None
+                if left <= SLICE:
+                    raise WaitTimeout(f"Loader: no batch of {self._batch_size} rows after {total:g} s; the last try: {exc}") from None
+
+    def _to_cpu(self) -> Batch | None:
+        batch = self._draw()
+        return None if batch is None else batch.to("cpu")
+
+    def _check_layout(self, arrays: dict[str, np.ndarray], made: int) -> None:
+        """Every batch has the first one's keys, shapes and dtypes: the staging memory's."""
+        layout = {key: (a.shape, a.dtype) for key, a in arrays.items()}
+        first = self._layout
+        if first is None:
+            self._layout = layout
+            return
+        if layout == first:
+            return
+        diff = [f"lacks {_what(k)}" for k in first if k not in layout]
+        diff += [f"has {_what(k)}, which the first batch had not" for k in layout if k not in first]
+        diff += [
+            f"{_what(k)}: expected shape {first[k][0]} {first[k][1]}, got {layout[k][0]} {layout[k][1]}"
+            for k in layout if k in first and layout[k] != first[k]
+        ]
+        raise FieldError(
+            f"Loader: batch {made} does not match the first batch ({'; '.join(diff)}): the pinned "
+            "staging memory is made for the first batch, so every batch must have the same fields, "
+            "extras and shapes"
+        )
+
+    def _to_device(self, made: int) -> tuple[Batch, Any] | None:
         torch = self._torch
         slots = self._queue.maxsize + 2  # in the queue, with the learner, being filled
         stage = self._staging[made % slots] if len(self._staging) == slots else None
         if stage is not None and stage.event is not None:
             stage.event.synchronize()  # its previous copy to the device has finished
         if stage is not None and not self._custom:  # gather straight into pinned memory
-            batch = self.buffer.sample(self._batch_size, out=stage.host, **self._kwargs)
+            batch = self._draw(out=stage.host)
             copy_rows = False
         else:
-            batch = self._sample(self.buffer)
-            if stage is None:
-                stage = _Staging(batch, torch)
-                self._staging.append(stage)
+            batch = self._draw()
             copy_rows = True
+        if batch is None:
+            return None
+        arrays = _host_arrays(batch)
+        self._check_layout(arrays, made)
+        if stage is None:
+            stage = _Staging(arrays, torch)
+            self._staging.append(stage)
         for key, a in stage.host.items():
-            if key.startswith("extra:"):
-                np.copyto(a, batch.extras[key[6:]])
-            elif copy_rows:  # a custom sampler (or the first batch): one copy into pinned memory
-                np.copyto(a, batch._block if key == "_block" else batch.fields[key])
+            if copy_rows or key.startswith("extra:"):  # else the gather already wrote it there
+                np.copyto(a, arrays[key])
         assert self._stream is not None
         with torch.cuda.stream(self._stream):
             moved = {k: t.to(self.device, non_blocking=True) for k, t in stage.pinned.items()}
@@ -162,18 +246,39 @@ class Loader:
         return self
 
     def __next__(self) -> Batch:
+        if self._ended is not None:
+            self._end()
         if self._collector is not None:
             self._collector.check()
-        item = self._queue.get()
-        if item is _DONE:
+        while True:
+            try:
+                item = self._queue.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if self._thread.is_alive() and not self._stop.is_set():
+                    continue
+                try:  # it may have put its last item just before it ended
+                    item = self._queue.get_nowait()
+                    break
+                except queue.Empty:
+                    item = _CLOSED
+                    break
+        if item is _DONE or item is _CLOSED or isinstance(item, BaseException):
+            self._ended = item
             self.close()
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
+            self._end()
         if not self.cuda:
             return item
-        batch, event = item
+        return self._receive(*item)
+
+    def _end(self) -> NoReturn:
+        """Raise what ended the loader: its error, or ``StopIteration``."""
+        if isinstance(self._ended, BaseException):
+            raise self._ended
+        raise StopIteration
+
+    def _receive(self, batch: Batch, event: Any) -> Batch:
+        """Hand a device batch to the consumer's stream (see the module docstring)."""
         stream = self._torch.cuda.current_stream(self.device)
         stream.wait_event(event)
         for t in [*batch.fields.values(), *batch.extras.values()]:
@@ -187,13 +292,19 @@ class Loader:
     def close(self) -> None:
         """Stop the background thread (see the module docstring). Idempotent."""
         self._stop.set()
+        self._drain()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(JOIN)
+        self._drain()  # a put that was under way when the flag was set
+        if self._ended is None:
+            self._ended = _CLOSED
+
+    def _drain(self) -> None:
         while True:
             try:
                 self._queue.get_nowait()
             except queue.Empty:
-                break
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(10)
+                return
 
     def __enter__(self) -> Loader:
         return self

@@ -23,8 +23,10 @@ up to ``timeout`` seconds, then ``WaitTimeout``) or raises ``EmptyBufferError`` 
 (``on_short="raise"``): a batch is never silently short.
 
 The rows of a mixed batch keep their source's order (source 0's rows first). Fields are those the
-sources share (same name, shape and dtype); a prioritized source gives ``weight``, and rows of
-the others get weight 1.
+sources share (same name, shape and dtype). When any source is prioritized every batch has
+``weight``, even one to which no prioritized source gave a row: a prioritized source's rows carry
+their importance weights, the others' weight 1. So every batch of a mix has the same keys (a
+``Loader`` stages them once).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import numpy as np
 from .batch import Batch
 from .buffer import BufferHandle, ReplayBuffer
 from .errors import EmptyBufferError, SchemaError, WaitTimeout
+from .samplers import Prioritized, check_priorities
 
 
 class Buffers(Mapping[str, ReplayBuffer]):
@@ -162,6 +165,7 @@ class Mix:
             raise SchemaError("Mix: the buffers share no field (same name, shape and dtype)")
         self.fields = tuple(f.name for f in shared)
         self._packed = all(b.schema == first for b in self.buffers)
+        self._weighted = any(isinstance(b.options.sampler, Prioritized) for b in self.buffers)
 
     def shares(self, n: int) -> np.ndarray:
         """How many rows each source gives to the next batch of ``n`` (advances the carry)."""
@@ -198,7 +202,7 @@ class Mix:
         fields = {name: np.concatenate([p.fields[name] for _, p in parts]) for name in self.fields}
         source = np.concatenate([np.full(len(p), i, np.int8) for i, p in parts])
         extras: dict[str, Any] = {"index": np.concatenate([p.index for _, p in parts]), "source": source}
-        if any("weight" in p.extras for _, p in parts):
+        if self._weighted:  # even when no prioritized source gave a row to this batch
             extras["weight"] = np.concatenate(
                 [p.extras.get("weight", np.ones(len(p), np.float32)) for _, p in parts])
         for key in ("steps", "mask"):
@@ -215,16 +219,14 @@ class Mix:
 
     def update_priorities(self, batch: Batch, priorities: Any) -> int:
         """Send each row's priority to its own source; sources that sample uniformly are skipped.
-        Returns how many rows were updated."""
+        Returns how many rows were updated. Every priority is checked before any source is
+        updated: NaN, infinite or negative ones raise ``FieldError`` and change nothing."""
         source = batch.source
         index = batch.index
         if hasattr(source, "detach"):
             source, index = source.detach().cpu().numpy(), index.detach().cpu().numpy()
-        if hasattr(priorities, "detach"):
-            priorities = priorities.detach().cpu().numpy()
-        priorities = np.asarray(priorities, dtype=np.float64).reshape(-1)
-        if priorities.shape != source.shape:
-            raise ValueError(f"update_priorities: expected {source.size} priorities, got {priorities.size}")
+        source, index = np.asarray(source).reshape(-1), np.asarray(index).reshape(-1)
+        priorities = check_priorities(priorities, source.size, "update_priorities: priority")
         done = 0
         for i, buf in enumerate(self.buffers):
             rows = source == i

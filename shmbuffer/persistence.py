@@ -20,8 +20,10 @@ little-endian::
                    They tile this section exactly, larger itemsizes first (so each tensor is aligned
                    to its element size); nothing follows the last one.
 
-Every tensor has one row per saved row, in the order of ``get``: lane 0's rows oldest first, then
-lane 1's, and so on. The tensors:
+Every tensor has one row per row number of the saved runs (see ``lanes`` below), in the order of
+``get``: lane 0's rows oldest first, then lane 1's, and so on; a *hole* (a row number whose row
+was empty, see ``_present``) has a row too, so that every other row keeps its row number. The
+tensors:
 
 * one per field of the schema, named as the field, ``(rows, *shape)``, CODE from its dtype
   (F64 F32 F16 I64 I32 I16 I8 U64 U32 U16 U8 BOOL). complex64 / complex128 fields are stored as
@@ -32,48 +34,61 @@ lane 1's, and so on. The tensors:
   ``(p + eps) ** alpha``, 1 for a uniform row under ``max_use``, 0 once used up), when the buffer
   has a tree (``Prioritized`` or ``max_use``).
 * ``_uses`` U32 ``(rows,)``: times each row was drawn, with ``max_use``.
+* ``_present`` BOOL ``(rows,)``, always: 1 for a saved row, 0 for a hole, a row number whose slot
+  was empty when the save ran (stamp 0, ``ring.py``: its writer died mid-push and the row was
+  reaped, or its push was interrupted and abandoned). A hole's bytes are zeros in every tensor. A
+  load leaves a hole's slot empty (stamp 0, leaf 0): it is never drawn, ``get`` raises on it as on
+  the original, and the other rows keep their row numbers, ids and order.
 
 ``meta.json`` is a UTF-8 JSON object:
 
 ``format`` ``"shmbuffer"``; ``format_version`` 1; ``shmbuffer_version`` the writer's release;
 ``save_id`` the same random token as the header's, so two files of different saves never pair up;
 ``name`` the buffer's name; ``schema`` ``Schema.to_json()``; ``options`` ``Options.to_json()``
-(capacity, lanes, sampler, max_use, episodes); ``rows`` the number of saved rows; ``lanes`` one
-``{"first": F, "stop": S, "base": B}`` per lane: its saved rows are the row numbers ``[F, S)``
-(``ring.py``: row ``n`` of lane ``l`` has the id ``n * lanes + l``), ``B <= F`` its base (first row
-number since its last ``clear()``); ``sampler_state`` ``{"max_priority": P}`` (the largest priority
-given so far) or null without a tree; ``stats`` the buffer's counters (``ReplayBuffer.stats``);
-``tensors`` the tensors of ``rows.safetensors`` in file order, each ``{"name", "dtype" (CODE),
-"shape", "numpy" (the buffer's numpy dtype)}``.
+(capacity, lanes, sampler, max_use, episodes); ``rows`` the rows of every tensor (holes
+included); ``lanes`` one ``{"first": F, "stop": S, "base": B}`` per lane: its saved rows and holes
+are the row numbers ``[F, S)`` (``ring.py``: row ``n`` of lane ``l`` has the id ``n * lanes + l``),
+``B <= F`` its base (first row number since its last ``clear()``); ``sampler_state``
+``{"max_priority": P}`` (the largest priority given so far) or null without a tree; ``stats`` the
+buffer's counters (``ReplayBuffer.stats``); ``tensors`` the tensors of ``rows.safetensors`` in
+file order, each ``{"name", "dtype" (CODE), "shape", "numpy" (the buffer's numpy dtype)}``.
 
 A later format version adds a reader to ``READERS`` and keeps the older ones.
 
 A save while writers run
 ------------------------
-``save`` reads each lane's bounds ``[first, stop)`` once, when it starts, and copies rows in pieces
-with the reader's half of the commit protocol (``ring.py``): read the stamps, copy, read the stamps
-again; a row counts only when both reads equal its committed stamp. What it saves is, per lane, the
-row numbers ``[F, S)`` where
+``save`` first reaps the rows of writers that died mid-push (``ring.py``: they read as empty from
+then on), reads each lane's bounds ``[first, stop)`` once, and copies rows in pieces with the
+reader's half of the commit protocol (``ring.py``): read the stamps, copy, read the stamps again;
+a row counts only when both reads equal its committed stamp. What it saves is, per lane, the row
+numbers ``[F, S)`` where
 
-* ``S`` is ``stop``, or the first row of ``[first, stop)`` that was not committed at the start and
-  did not commit within ``wait`` seconds (a row whose writer is slow or dead): the run stops before
-  it. Rows reserved after the start (row numbers ``>= stop``) are never saved.
+* ``S`` is ``stop``, or the first row of ``[first, stop)`` that a live writer was still writing
+  ``wait`` seconds after the start: the run stops before it, and the committed rows after it are
+  not saved (they count as dropped). Rows of writers found dead by then are reaped and become
+  holes. Rows reserved after the start (row numbers ``>= stop``) are never saved.
 * ``F >= first`` is one past the last row of ``[first, S)`` that was found overwritten, at the
-  start or when its piece was copied (writers lapping the ring overwrite the oldest rows first).
+  start or when its piece was copied: every row before it goes too, intact or not (writers
+  lapping the ring take a lane's slots in row-number order, so those are overwritten next). A
+  hole counts as overwritten once its slot is no longer empty.
+* every row of ``[F, S)`` that the scan at the start found empty (stamp 0; dead writers' rows are
+  by then) is a hole (``_present`` 0); every other one is saved.
 
-So every saved row was committed when the save started (or within ``wait`` of it), was copied
-intact (episode ids with it: they are part of the row), and each lane's saved rows are
-consecutive row numbers: the snapshot of a moment, less rows overwritten from the oldest end while
-the save ran. Tree leaves and use counts are read with their piece under the ring's lock: each as
-of that moment, not of the start (samplers change them without touching the rows).
+So every saved row was committed when the save started (or within ``wait`` of it) and was copied
+intact (episode ids with it: they are part of the row), and each lane's saved rows and holes are
+consecutive row numbers: the snapshot of a moment, less a lane's rows up to the newest one that
+writers overwrote while the save ran, and less the rows from the first one a live writer was
+still writing. Tree leaves and use counts are read with their piece under the ring's lock: each
+as of that moment, not of the start (samplers change them without touching the rows).
 
 Pieces are at most ``CHUNK_BYTES`` of rows, taken from the lanes in turn. The first piece of every
 lane is held in memory until all lanes have one, so the file's layout (every lane's row count) is
 known before anything is written; if writers still overwrite rows after that (they outran the
 save), the tensors are moved down over the dropped rows at the end: one more pass over the file
 from the first gap on. Memory: about two pieces, whatever the buffer's size. ``export`` runs the
-same copy into one array of bytes (its result) instead of a file; ``pieces`` yields the pieces
-without keeping them (``shmbuffer inspect``).
+same copy into one array of bytes (its result) instead of a file, then moves the rows down over
+the holes (an export has no holes: ``index`` names each row); ``pieces`` yields the pieces without
+keeping them, holes left out (``shmbuffer inspect``).
 
 Measured on the 2-core reference VM (2.0 GB buffer: 36,000 Atari-like rows, two (4, 84, 84) uint8
 fields and three small ones; files in /dev/shm or on the VM's disk, page cache warm): save 1.0 GB/s
@@ -167,13 +182,15 @@ def _tensors(schema: Schema, opts: Options) -> list[_Tensor]:
         out.append(_tensor("_leaf", (), np.dtype(np.float64)))
     if opts.max_use is not None:
         out.append(_tensor("_uses", (), np.dtype(np.uint32)))
+    out.append(_tensor("_present", (), np.dtype(np.bool_)))
     return sorted(out, key=lambda t: -t.dtype.itemsize)
 
 
 # -- reading a consistent set of rows from a live buffer ---------------------------------------------
 @dataclass
 class _Run:
-    """One lane's rows: bounds at the start, the run ``[keep, end)`` kept so far, the next row."""
+    """One lane's rows: bounds at the start, the run ``[keep, end)`` kept so far, the next row,
+    and the holes (row numbers of empty rows, sorted) of ``[first, end)``."""
 
     lane: int
     first: int
@@ -182,6 +199,17 @@ class _Run:
     end: int
     keep: int
     at: int
+    holes: np.ndarray
+
+    def hole_count(self) -> int:
+        return int(self.holes.size - np.searchsorted(self.holes, self.keep))
+
+    def hole_mask(self, n0: int, n1: int) -> np.ndarray:
+        """Which rows of ``[n0, n1)`` are holes."""
+        h = self.holes[np.searchsorted(self.holes, n0):np.searchsorted(self.holes, n1)]
+        mask = np.zeros(n1 - n0, bool)
+        mask[h - n0] = True
+        return mask
 
 
 @dataclass
@@ -210,6 +238,8 @@ class _Snapshot:
         self.buf = buf
         self.arrays = _arrays(buf)
         self.lc = ring.lane_capacity
+        buf._reap()  # rows of writers that died mid-push read as empty from now on: holes, not waited for
+        self._reaped = False
         first, stop = ring.bounds()
         base = ring.base(np.arange(ring.lanes)).copy()
         self.stats = ring.stats
@@ -220,10 +250,13 @@ class _Snapshot:
                      for lane in range(ring.lanes)]
 
     def _scan(self, lane: int, first: int, stop: int, base: int, deadline: float) -> _Run:
-        """Find the run's end (the first row never committed) and the overwritten rows before it."""
+        """Find the run's end (the first row a live writer is still writing after the wait), the
+        overwritten rows before it and the holes (empty rows) among them."""
         stamp = self.buf.ring.stamp
         keep, n0 = first, first
+        holes: list[np.ndarray] = []
         step = CHUNK_BYTES // 8
+        end = stop
         while n0 < stop:
             n1 = min(stop, n0 + step, (n0 // self.lc + 1) * self.lc)
             sl = self._slots(lane, n0, n1)
@@ -235,15 +268,23 @@ class _Snapshot:
                     break
                 time.sleep(0.001)
                 s[writing] = stamp[sl][writing]
-            never = np.flatnonzero(s < expect)
-            cut = int(never[0]) if never.size else n1 - n0
+            if writing.any() and not self._reaped:  # writers that died while we waited
+                self._reaped = True
+                self.buf._reap()
+                s[writing] = stamp[sl][writing]
+                writing = s == expect - 1
+            stuck = np.flatnonzero(writing)
+            cut = int(stuck[0]) if stuck.size else n1 - n0
             over = np.flatnonzero(s[:cut] > expect[:cut])
             if over.size:
                 keep = n0 + int(over[-1]) + 1
-            if never.size:
-                return _Run(lane, first, stop, base, n0 + cut, keep, keep)
+            holes.append(n0 + np.flatnonzero(s[:cut] < expect[:cut]))
+            if stuck.size:
+                end = n0 + cut
+                break
             n0 = n1
-        return _Run(lane, first, stop, base, stop, keep, keep)
+        found = np.concatenate(holes) if holes else np.empty(0, np.int64)
+        return _Run(lane, first, stop, base, end, keep, keep, found[found >= keep])
 
     def _slots(self, lane: int, n0: int, n1: int) -> slice:
         s0 = lane * self.lc + n0 % self.lc
@@ -256,7 +297,9 @@ class _Snapshot:
         n0 = run.at
         n1 = min(run.end, n0 + rows, (n0 // self.lc + 1) * self.lc)
         sl = self._slots(run.lane, n0, n1)
+        hole = run.hole_mask(n0, n1)
         expect = 2 * np.arange(n0, n1, dtype=np.int64) + 2
+        expect[hole] = 0  # a hole must still be empty: a stamp there means a writer lapped it
         before = ring.stamp[sl].copy()
         block = buf._block[sl].copy() if buf._block is not None else None
         out = {name: col[sl].copy() for name, col in buf._big.items()}
@@ -275,9 +318,15 @@ class _Snapshot:
         lo = max(run.keep, n0) - n0
         if lo >= n1 - n0:
             return None
+        if hole.any():  # a hole's bytes are zeros in every tensor (see the format)
+            for a in out.values():
+                a[hole] = 0
+            if block is not None:
+                block[hole] = 0
         if block is not None:
             for name, view in buf._record.views(block).items():
                 out[name] = np.ascontiguousarray(view)
+        out["_present"] = ~hole
         return _Piece(run.lane, n0 + lo, {name: a[lo:] for name, a in out.items()})
 
     def piece_rows(self, row_bytes: int) -> int:
@@ -451,9 +500,9 @@ def save(buf: ReplayBuffer, path: str | os.PathLike[str], *, progress: Progress 
     replaced) as ``meta.json`` and ``rows.safetensors`` (see the module docstring), while writers
     may go on pushing. ``progress``: True for a progress line on stderr, or a callable
     ``(done_bytes, total_bytes)`` called after each piece. ``wait``: seconds to wait for rows being
-    written when the save starts. Returns a summary: path, rows, bytes, seconds, dropped (rows
-    within the bounds at the start that were not saved), moved (whether the tensors had to be
-    moved over rows dropped late)."""
+    written when the save starts. Returns a summary: path, rows (saved), holes (empty rows kept as
+    holes), bytes, seconds, dropped (rows within the bounds at the start that were neither saved
+    nor holes), moved (whether the tensors had to be moved over rows dropped late)."""
     t0 = time.perf_counter()
     folder = Path(path)
     if folder.exists() and not folder.is_dir():
@@ -479,8 +528,9 @@ def save(buf: ReplayBuffer, path: str | os.PathLike[str], *, progress: Progress 
         tmp.unlink(missing_ok=True)
         meta_tmp.unlink(missing_ok=True)
         raise
+    holes = sum(r.hole_count() for r in snap.runs)
     return {
-        "path": str(folder), "rows": final.rows, "bytes": sink.data_start + final.data_bytes,
+        "path": str(folder), "rows": final.rows - holes, "holes": holes, "bytes": sink.data_start + final.data_bytes,
         "seconds": time.perf_counter() - t0, "dropped": sum(r.stop - r.first for r in snap.runs) - final.rows,
         "moved": moved,
     }
@@ -684,7 +734,8 @@ def _v1(folder: Path, meta: dict[str, Any], *, name: str | None, capacity: int |
 
 def _fill(buf: ReplayBuffer, fd: int, file: Path, data_start: int, entries: dict[str, _Entry],
           tensors: list[_Tensor], lanes: list[tuple[int, int, int]]) -> None:
-    """Read the rows into the new buffer's slots, with their stamps, a chunk at a time."""
+    """Read the rows into the new buffer's slots, with their stamps, a chunk at a time; a hole's
+    slot stays empty (stamp 0, leaf 0)."""
     arrays = _arrays(buf)
     lc = buf.lane_capacity
     targets: dict[str, np.ndarray] = {**(buf._record.views(buf._block) if buf._block is not None else {}), **buf._big}
@@ -701,7 +752,14 @@ def _fill(buf: ReplayBuffer, fd: int, file: Path, data_start: int, entries: dict
             n1 = min(stop, n0 + step, (n0 // lc + 1) * lc)
             s0 = lane * lc + n0 % lc
             sl = slice(s0, s0 + n1 - n0)
+            flags = np.empty(n1 - n0, np.uint8)
+            _pread_into(fd, flags, data_start + entries["_present"].begin + pos + n0 - first, file)
+            if flags.size and flags.max() > 1:
+                raise LayoutError(f"{file}: tensor '_present' holds {int(flags.max())}, expected 0 or 1")
+            present = flags.astype(bool)
             for t in tensors:
+                if t.name == "_present":
+                    continue
                 offset = data_start + entries[t.name].begin + (pos + n0 - first) * t.row_bytes
                 target = targets[t.name][sl] if t.name != "_leaf" else None
                 if target is not None and target.flags.c_contiguous:
@@ -711,6 +769,7 @@ def _fill(buf: ReplayBuffer, fd: int, file: Path, data_start: int, entries: dict
                     staged = np.empty((n1 - n0, *t.shape), t.dtype)
                     _pread_into(fd, staged, offset, file)
                 if t.name == "_leaf":
+                    staged[~present] = 0.0  # a hole is never drawn
                     if not np.all(np.isfinite(staged) & (staged >= 0)):
                         raise LayoutError(f"{file}: tensor '_leaf' holds negative or non-finite priorities")
                     assert prios is not None
@@ -719,7 +778,9 @@ def _fill(buf: ReplayBuffer, fd: int, file: Path, data_start: int, entries: dict
                     raise LayoutError(f"{file}: tensor '_uses' holds {int(staged.max())}, more than max_use={max_use}")
                 elif target is not None and staged is not target:
                     target[...] = staged
-            arrays["_stamp"][sl] = 2 * np.arange(n0, n1, dtype=np.int64) + 2
+            stamps = 2 * np.arange(n0, n1, dtype=np.int64) + 2
+            stamps[~present] = 0
+            arrays["_stamp"][sl] = stamps
             n0 = n1
         pos += stop - first
 
@@ -729,39 +790,63 @@ READERS: dict[int, Callable[..., ReplayBuffer]] = {1: _v1}
 
 
 def pieces(buf: ReplayBuffer, *, wait: float = 1.0) -> Iterator[dict[str, np.ndarray]]:
-    """The buffer's rows a piece at a time (lanes in turn, oldest first), each piece copied intact
-    (its fields, and ``_episode`` / ``_leaf`` / ``_uses`` where the buffer has them): for
-    statistics over a buffer too large to copy at once. Unlike ``export``, a piece already given
-    stays given when writers overwrite its rows later."""
+    """The rows ``save`` would save, a piece at a time (lanes in turn, oldest first; holes left
+    out), each piece copied intact (its fields, and ``_episode`` / ``_leaf`` / ``_uses`` where the
+    buffer has them): for statistics over a buffer too large to copy at once. Unlike ``export``, a
+    piece already given stays given when writers overwrite its rows later."""
     snap = _Snapshot(buf, wait)
     step = snap.piece_rows(buf.schema.row_bytes)
     while any(r.at < r.end for r in snap.runs):
         for run in snap.runs:
             if run.at < run.end:
                 got = snap.copy(run, step)
-                if got is not None:
+                if got is None:
+                    continue
+                present = got.arrays.pop("_present")
+                if present.all():
                     yield got.arrays
+                elif present.any():
+                    yield {name: a[present] for name, a in got.arrays.items()}
 
 
 # -- plain numpy ------------------------------------------------------------------------------------------
 def export(buf: ReplayBuffer) -> dict[str, np.ndarray]:
-    """All rows as one copy, in ``get`` order (lane by lane, oldest first): every field, ``index``
-    (the row ids) and, when the buffer keeps episodes, ``episode``. Consistent as ``save`` is
-    while writers run (rows overwritten meanwhile are dropped from the oldest end of each lane);
-    the arrays are views of one allocation, made once."""
+    """The rows ``save`` would save, as one copy in ``get`` order (lane by lane, oldest first):
+    every field, ``index`` (the row ids) and, when the buffer keeps episodes, ``episode``. Holes
+    (empty rows) are left out: ``index`` says which rows are there. Consistent as ``save`` is
+    while writers run (see "A save while writers run"); the arrays are views of one allocation,
+    made once."""
     snap = _Snapshot(buf, 1.0)
-    tensors = [t for t in _tensors(buf.schema, buf.options) if t.name in buf.schema or t.name == "_episode"]
+    keep = ("_episode", "_present")
+    tensors = [t for t in _tensors(buf.schema, buf.options) if t.name in buf.schema or t.name in keep]
     sink = _MemorySink()
     final, _ = _copy_rows(snap, tensors, sink, None)
+    lanes = len(snap.runs)
+    ids = np.concatenate([np.arange(r.keep, r.end, dtype=np.int64) * lanes + r.lane for r in snap.runs])
+    at = final.offsets["_present"]
+    present = sink.data[at:at + final.rows].astype(bool)
+    rows = final.rows
+    if not present.all():  # move every tensor's rows down over the holes, in place, front to back
+        there = np.flatnonzero(present)
+        breaks = np.flatnonzero(np.diff(there) != 1) + 1
+        parts = np.split(there, breaks) if there.size else []
+        for t in tensors:
+            dst = final.offsets[t.name]
+            for part in parts:
+                src, nbytes = final.offsets[t.name] + int(part[0]) * t.row_bytes, part.size * t.row_bytes
+                if src != dst:
+                    sink.move(src, dst, nbytes)
+                dst += nbytes
+        ids, rows = ids[there], int(there.size)
     out: dict[str, np.ndarray] = {}
     order = {n: i for i, n in enumerate(buf.schema.names)}
     for t in sorted(tensors, key=lambda t: order.get(t.name, len(order))):
+        if t.name == "_present":
+            continue
         at = final.offsets[t.name]
-        raw = sink.data[at:at + final.rows * t.row_bytes]
-        out[t.name.lstrip("_")] = raw.view(t.dtype).reshape(final.rows, *t.shape)
-    lanes = len(snap.runs)
-    ids = [np.arange(r.keep, r.end, dtype=np.int64) * lanes + r.lane for r in snap.runs]
-    out["index"] = np.concatenate(ids)
+        raw = sink.data[at:at + rows * t.row_bytes]
+        out[t.name.lstrip("_")] = raw.view(t.dtype).reshape(rows, *t.shape)
+    out["index"] = ids
     return out
 
 

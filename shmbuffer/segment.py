@@ -18,7 +18,12 @@ are little-endian::
     data    ...   the columns, each aligned to 64 bytes; each "columns" entry gives its name,
                   shape, dtype (numpy ``dtype.str``) and offset from the data offset
 
-The magic is written last, so a block that is still being created reads as "not ready". Which
+Creation goes in this order: the file is created (``O_EXCL``) and at once registered with the
+resource tracker; the header (magic left zero, creator pid and start time included) and the
+metadata are written; the pages are reserved (``posix_fallocate``, seconds for a block of GBs); the
+magic is written last, so a block that is still being created reads as "not ready". A block
+without magic names its creator from the start, so ``shmbuffer gc`` can tell one being created
+(its creator alive) from one whose creator died creating it (``unfinished_creator``). Which
 columns exist and what they mean belongs to the modules that use them (``ring.py`` for the commit
 protocol's columns, ``buffer.py`` for the fields); this module only maps them.
 
@@ -26,11 +31,13 @@ Lifecycle
 ---------
 The creating process owns the block: ``unlink()`` removes its name and happens at the creator's
 ``close()``-and-exit or garbage collection (``weakref.finalize``), never in another process. It is
-also registered with multiprocessing's resource tracker, so a creator killed by SIGKILL still has
-its block removed when its tracker notices. Attaching maps ``/dev/shm/NAME`` with ``mmap`` directly
-and never touches a resource tracker, so attaching processes cause no warnings and never unlink
-on exit (the stdlib ``SharedMemory`` registers every attach, and an unrelated process's tracker
-then unlinks the block when that process exits). ``close()`` unmaps this process's view; it raises
+also registered with multiprocessing's resource tracker, right after the file is created, so a
+creator killed by SIGKILL, even while it creates the block, still has its block removed when its
+tracker notices. A creation that fails (no space, an interrupt) removes the file and unregisters.
+Attaching maps ``/dev/shm/NAME`` with ``mmap`` directly and never touches a resource tracker, so
+attaching processes cause no warnings and never unlink on exit (the stdlib ``SharedMemory``
+registers every attach, and an unrelated process's tracker then unlinks the block when that
+process exits). ``close()`` unmaps this process's view; it raises
 ``BufferError`` while arrays made from the mapping are alive, and may be called again once they are
 gone. Both are idempotent.
 
@@ -183,6 +190,27 @@ def _not_found(name: str) -> str:
     return f"no buffer named {name!r} ({path_of(name)} does not exist); buffers here: {listing}"
 
 
+def unfinished_creator(name: str) -> tuple[int, float] | None:
+    """The creator (pid, start time) of a block whose magic is not written yet: one being created,
+    or one whose creator died creating it. ``None`` for a block with its magic, or one that names no
+    creator (too short, another layout version, pid 0)."""
+    path = path_of(check_name(name))
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise SegmentNotFound(_not_found(name)) from None
+    try:
+        raw = os.pread(fd, _HEADER.size, 0)
+    finally:
+        os.close(fd)
+    if len(raw) < _HEADER.size or raw[:8] != bytes(8):
+        return None
+    _, version, _, _, _, pid, started, _ = _HEADER.unpack(raw)
+    if version != VERSION or pid <= 0 or not started > 0:
+        return None
+    return int(pid), float(started)
+
+
 def _parse_header(name: str, fd: int, size: int, wait: float = 2.0) -> Header:
     deadline = time.monotonic() + wait
     while True:
@@ -310,7 +338,18 @@ class Segment:
             raise FileExistsError(errno.EEXIST, _exists(name), path) from None
         registered = False
         try:
+            from multiprocessing import resource_tracker
+
+            # first: from here on a creator killed by SIGKILL has its tracker remove the block
+            resource_tracker.register("/" + PREFIX + name, "shared_memory")
+            registered = True
+            pid, started = os.getpid(), start_time()
+            raw = _HEADER.pack(bytes(8), VERSION, len(blob), size, data_offset, pid, started, bytes.fromhex(fingerprint))
             try:
+                # the creator is on record before the seconds a large fallocate takes (shmbuffer gc)
+                head, done = raw + blob, 0
+                while done < len(head):
+                    done += os.pwrite(fd, head[done:], done)
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 if exc.errno != errno.ENOSPC:
@@ -321,16 +360,8 @@ class Segment:
                     "(docker: --shm-size)"
                 ) from None
             mm = mmap.mmap(fd, size)
-            pid, started = os.getpid(), start_time()
             header = Header(name, VERSION, size, data_offset, pid, started, fingerprint, json.loads(blob))
-            mm[_HEADER.size:_HEADER.size + len(blob)] = blob
-            raw = _HEADER.pack(MAGIC, VERSION, len(blob), size, data_offset, pid, started, bytes.fromhex(fingerprint))
-            mm[8:_HEADER.size] = raw[8:]
-            mm[:8] = MAGIC
-            from multiprocessing import resource_tracker
-
-            resource_tracker.register("/" + PREFIX + name, "shared_memory")
-            registered = True
+            mm[:8] = MAGIC  # last: the block is ready
             return cls(header, mm, created=True)
         except BaseException:
             _unlink(path, registered)

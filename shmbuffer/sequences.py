@@ -246,6 +246,7 @@ def _shuffled_groups(buf: ReplayBuffer, groups: int, size: int, what: str) -> Ba
     todo = np.arange(groups)
     block: np.ndarray | None = None
     big: dict[str, np.ndarray] = {}
+    first_round = True  # not ``block is None``: a schema of large fields only has no block
     while todo.size:
         if time.monotonic() > deadline:
             raise EmptyBufferError(f"{what}: no episode in buffer {buf.name!r} has {size} rows")
@@ -261,8 +262,8 @@ def _shuffled_groups(buf: ReplayBuffer, groups: int, size: int, what: str) -> Ba
                 rows[g] = INVALID
         ok, episode, got_block, got_big = gather_windows(buf, rows[todo])
         fine = ok.all(axis=1) & (episode == episode[:, :1]).all(axis=1)
-        if block is None:  # the first round fetched every group
-            block, big = got_block, got_big
+        if first_round:  # it fetched every group
+            block, big, first_round = got_block, got_big, False
         else:
             if block is not None and got_block is not None:
                 block.reshape(groups, size, -1)[todo] = got_block.reshape(todo.size, size, -1)

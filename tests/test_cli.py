@@ -141,6 +141,63 @@ def test_gc_removes_unreadable_blocks_only_with_force(name: str, cleanup: list[s
     assert not os.path.exists(segment.path_of(name))
 
 
+CREATING = """
+    import os, time
+    from multiprocessing import resource_tracker
+    from shmbuffer import segment
+    real = os.posix_fallocate
+    def slow(fd, offset, length):  # stands for the seconds a fallocate of many GB takes
+        real(fd, offset, length)
+        # as if its resource tracker had died with it: nothing removes the block at its death
+        resource_tracker.unregister("/" + segment.PREFIX + {name!r}, "shared_memory")
+        print("allocating", flush=True)
+        time.sleep(120)
+    os.posix_fallocate = slow
+    import shmbuffer as sb
+    from tests.conftest import MUJOCO
+    sb.ReplayBuffer(MUJOCO, 1000, name={name!r})
+"""
+
+
+def test_gc_removes_a_block_whose_creator_died_creating_it(name: str, cleanup: list[str]) -> None:
+    """No magic yet, but the header names the creator: gc keeps the block while its creator is
+    alive (it is being created) and removes it once the creator is dead, without --force (r22)."""
+    cleanup.append(name)
+    path = segment.path_of(name)
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CREATING.format(name=name))],
+                            stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "allocating"
+        assert "removed 0, kept 1 live, skipped 0" in cli("gc", name).stdout
+        assert os.path.exists(path)
+        proc.kill()
+        proc.wait(10)
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    time.sleep(0.2)
+    assert os.path.exists(path), "its tracker should not have removed it"
+    with open(path, "rb") as f:
+        assert f.read(8) == bytes(8)  # killed before the magic
+    out = cli("gc", "--dry-run", name).stdout
+    assert f"would remove {path} (creator pid {proc.pid} died while creating it" in out and os.path.exists(path)
+    out = cli("gc", name).stdout
+    assert f"removed {path} (creator pid {proc.pid} died while creating it" in out and "removed 1, kept 0 live" in out
+    assert not os.path.exists(path)
+
+
+def test_gc_keeps_a_block_without_magic_or_creator_unless_forced(name: str, cleanup: list[str]) -> None:
+    cleanup.append(name)
+    with open(segment.path_of(name), "wb") as f:
+        f.write(bytes(4096))  # nobody on record: it could be a block a live process just opened
+    out = cli("gc", name, timeout=60).stdout
+    assert f"skipped {name}: not a readable shmbuffer block" in out and os.path.exists(segment.path_of(name))
+    assert f"removed {segment.path_of(name)} (not readable" in cli("gc", "--force", name).stdout
+    assert not os.path.exists(segment.path_of(name))
+
+
 def test_save_and_load(make: Make, name: str, tmp_path: Path, cleanup: list[str]) -> None:
     buf = make(MUJOCO, capacity=50, name=name)
     buf.push(transition(0, 50))
@@ -174,6 +231,30 @@ def test_save_and_load(make: Make, name: str, tmp_path: Path, cleanup: list[str]
     assert not os.path.exists(segment.path_of(copy))
     out = cli("load", str(tmp_path / "nothing"), "--name", copy, ok=False)
     assert out.returncode == 1 and "does not exist" in out.stderr
+
+
+def test_demo_gives_every_env_its_own_lane(make: Make, name: str) -> None:
+    """``--workers 3`` makes 12 envs, which do not divide the default capacity: the demo used one
+    lane for all, the envs' steps interleaved, and every 3-step return was a 1-step one (r18).
+    It rounds the capacity up instead."""
+    from shmbuffer import demo
+
+    assert demo.buffer_size(100_000, 12) == (100_008, 12)
+    assert demo.buffer_size(100_000, 8) == (100_000, 8)
+    capacity, lanes = demo.buffer_size(1_000, 12)
+    schema = sb.Schema(obs=((2,), "float32"), action=((), "int64"), reward=((), "float32"),
+                       next_obs=((2,), "float32"), done=((), "bool"))
+    buf = make(schema, capacity, lanes=lanes, episodes=True, name=name, seed=0)
+    g = np.arange(12)
+    for t in range(50):  # as the collector pushes: one row per env and step, env g into lane g % lanes
+        step = np.stack([g, np.full(12, t)], axis=1).astype(np.float32)
+        buf.push(obs=step, action=np.zeros(12, np.int64), reward=np.ones(12), next_obs=step + np.array([0, 1]),
+                 done=np.zeros(12, bool), lane=g % buf.lanes, episode=g << 32)
+    batch = buf.sample(256, n_step=3)
+    t = batch.obs[:, 1].astype(np.int64)
+    assert np.array_equal(batch.steps, np.minimum(3, 50 - t))  # the write head cuts only the last two
+    assert np.array_equal(batch.next_obs, batch.obs + np.stack([0 * t, batch.steps], axis=1))  # the same env
+    assert np.allclose(batch.reward, [sum(0.99**i for i in range(s)) for s in batch.steps])
 
 
 def test_bench() -> None:

@@ -74,6 +74,46 @@ def test_mix_priority_updates_go_home(make: Make, name: str) -> None:
         assert set(again.index[again.source == 0]) == {7} and set(again.index[again.source == 1]) == {9}
 
 
+def test_mix_priority_update_checks_every_priority_first(make: Make, name: str) -> None:
+    """A bad priority for source 1's rows changes no source, source 0 included (r09)."""
+    per = sb.Prioritized(alpha=1.0, eps=0.0)
+    a = make(MUJOCO, capacity=64, name=name + "a", sampler=per, seed=0)
+    b = make(MUJOCO, capacity=64, name=name + "b", sampler=per, seed=1)
+    a.push(transition(0, 16))
+    b.push(transition(100, 16))
+    mix = sb.Mix([(a, 0.5), (b, 0.5)])
+    batch = mix.sample(8)
+    assert set(batch.source.tolist()) == {0, 1}
+    before = [buf._prios.tree.leaves.copy() for buf in (a, b)]  # type: ignore[union-attr]
+    for bad in (np.nan, -1.0, np.inf):
+        p = np.full(8, 50.0)
+        p[batch.source == 1] = bad
+        with pytest.raises(sb.FieldError, match="nothing was changed"):
+            mix.update_priorities(batch, p)
+        assert all(np.array_equal(buf._prios.tree.leaves, old) for buf, old in zip((a, b), before, strict=True))  # type: ignore[union-attr]
+    with pytest.raises(sb.FieldError, match=r"expected 8 values"):
+        mix.update_priorities(batch, np.ones(7))
+    assert mix.update_priorities(batch, np.full(8, 50.0)) == 8
+
+
+def test_a_mix_with_a_prioritized_source_always_gives_weight(make: Make, name: str) -> None:
+    """Also in a batch to which the prioritized source gave no row (r13): every batch of a mix
+    has the same keys."""
+    agent = make(MUJOCO, capacity=64, name=name + "a", seed=0)
+    expert = make(MUJOCO, capacity=64, name=name + "e", sampler=sb.Prioritized(), seed=1)
+    agent.push(transition(0, 32))
+    expert.push(transition(100, 32))
+    mix = sb.Mix([(agent, 0.9), (expert, 0.1)])
+    batches = [mix.sample(8) for _ in range(20)]
+    assert any((b.source == 0).all() for b in batches)  # some batches have no expert row
+    for b in batches:
+        assert b.keys() == mix.sample(8).keys() and sorted(b.extras) == ["index", "source", "weight"]
+        assert b.weight.dtype == np.float32 and b.weight.shape == (8,) and (b.weight[b.source == 0] == 1).all()
+    other = make(MUJOCO, capacity=64, name=name + "o", seed=2)
+    other.push(transition(200, 32))
+    assert "weight" not in sb.Mix([(agent, 0.5), (other, 0.5)]).sample(8).extras  # no prioritized source
+
+
 def test_a_short_source_waits_or_raises(make: Make, name: str) -> None:
     agent = make(MUJOCO, capacity=100, name=name + "a")
     expert = make(MUJOCO, capacity=100, name=name + "e")

@@ -24,6 +24,8 @@ from .conftest import MUJOCO, seq_of, transition
 
 Make = Callable[..., sb.ReplayBuffer]
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v1"
+ROW = MUJOCO.row_bytes + 1
+"""Bytes a MUJOCO row takes in a save: its fields and ``_present``."""
 
 
 @pytest.fixture
@@ -51,13 +53,17 @@ def push_lane(buf: sb.ReplayBuffer, lane: int, k: int, **kw: Any) -> np.ndarray:
 
 def check_file(path: Path) -> dict[str, Any]:
     """Read a save with the safetensors package; check that every lane's rows are its consecutive
-    row numbers [first, stop), each row intact and the row with that id. Returns meta.json."""
+    row numbers [first, stop), each row intact and the row with that id, or a hole (``_present``
+    0), zeros in every tensor. Returns meta.json."""
     meta = json.loads((path / "meta.json").read_text())
     tensors = load_file(str(path / "rows.safetensors"))
     lanes = len(meta["lanes"])
     ids = np.concatenate([np.arange(ln["first"], ln["stop"]) * lanes + i for i, ln in enumerate(meta["lanes"])])
     assert meta["rows"] == ids.size
-    assert np.array_equal(seq_of(tensors), ids)
+    present = tensors["_present"]
+    assert present.dtype == np.bool_ and present.shape == (ids.size,)
+    assert np.array_equal(seq_of({k: v[present] for k, v in tensors.items()}), ids[present])
+    assert all(not v[~present].any() for v in tensors.values())
     assert {t["name"] for t in meta["tensors"]} == set(tensors)
     for t in meta["tensors"]:
         assert list(tensors[t["name"]].shape) == t["shape"]
@@ -77,7 +83,8 @@ def test_uniform_round_trip(make: Make, loaded: list, name: str, tmp_path: Path)
     assert meta["lanes"] == [{"first": 30, "stop": 130, "base": 0}]
     assert meta["stats"] == buf.stats and meta["sampler_state"] is None
     assert sb.Schema.from_json(meta["schema"]) == MUJOCO and meta["options"] == buf.options.to_json()
-    assert set(load_file(str(tmp_path / "ckpt" / "rows.safetensors"))) == set(MUJOCO.names)
+    tensors = load_file(str(tmp_path / "ckpt" / "rows.safetensors"))
+    assert set(tensors) == {*MUJOCO.names, "_present"} and tensors["_present"].all()
 
     new = sb.load(tmp_path / "ckpt", seed=3)
     loaded.append(new)
@@ -231,12 +238,12 @@ def test_save_replaces_an_earlier_save_and_reports_progress(
     buf.push(transition(0, 10))
     sb.save(buf, tmp_path / "s")
     buf.push(transition(10, 90))
-    monkeypatch.setattr(persistence, "CHUNK_BYTES", 165 * 10)
+    monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * 10)
     calls: list[tuple[int, int]] = []
     sb.save(buf, tmp_path / "s", progress=lambda done, total: calls.append((done, total)))
     assert check_file(tmp_path / "s")["rows"] == 100
     assert sorted(os.listdir(tmp_path / "s")) == ["meta.json", "rows.safetensors"]
-    assert len(calls) == 10 and calls[-1] == (100 * 165, 100 * 165)
+    assert len(calls) == 10 and calls[-1] == (100 * ROW, 100 * ROW)
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
     sb.save(buf, tmp_path / "s", progress=True)
     assert "saving" in capsys.readouterr().err
@@ -277,7 +284,7 @@ def test_rows_overwritten_during_the_save_are_dropped_from_the_oldest_end(
     for ln in (0, 1):
         for _ in range(13):
             push_lane(buf, ln, 10)  # full, wrapped: rows 30..129 of each lane
-    monkeypatch.setattr(persistence, "CHUNK_BYTES", 165 * 10 * 2)  # pieces of 10 rows a lane
+    monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * 10 * 2)  # pieces of 10 rows a lane
     lapping(monkeypatch, buf, at_call, lane, rows)
     out = sb.save(buf, tmp_path / "w")
     assert out["moved"] == moved
@@ -368,7 +375,7 @@ def test_save_while_a_writer_laps_the_ring(make: Make, loaded: list, name: str, 
     kept: list[int] = []
     try:
         for i, rows in enumerate([20, 200, 2000] * 2):  # small pieces: the writer laps the save; large: less
-            monkeypatch.setattr(persistence, "CHUNK_BYTES", 165 * rows)
+            monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * rows)
             before = buf.ring.bounds()[1].copy()
             out = sb.save(buf, tmp_path / f"s{i}")
             after = buf.ring.bounds()[1]
@@ -387,6 +394,144 @@ def test_save_while_a_writer_laps_the_ring(make: Make, loaded: list, name: str, 
     assert max(kept) >= buf.capacity // 2, kept  # not only empty saves
 
 
+# -- holes: empty rows inside a lane's run ---------------------------------------------------------------
+class _Interrupted(dict):
+    """Stands in for the buffer's column table: the push copying through it is interrupted."""
+
+    def __getitem__(self, key: str) -> Any:
+        raise KeyboardInterrupt
+
+
+def interrupted_push(buf: sb.ReplayBuffer, lane: int, k: int) -> np.ndarray:
+    """A push of ``k`` rows interrupted mid-copy: they read as empty. Returns their ids."""
+    n0 = int(buf.ring.bounds()[1][lane])
+    targets = buf._targets
+    buf._targets = _Interrupted(targets)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            buf.push(transition(np.zeros(k, np.int64)), lane=lane, episode=99 if buf.options.episodes else None)
+    finally:
+        buf._targets = targets
+    return (n0 + np.arange(k)) * buf.lanes + lane
+
+
+class _Dies(dict):
+    def __getitem__(self, key: str) -> Any:
+        os._exit(0)
+
+
+def _dies_mid_push(handle: sb.BufferHandle, lane: int, k: int) -> None:
+    """A writer killed while it copies its rows: they stay odd, owned by a dead process."""
+    buf = sb.ReplayBuffer.attach(handle)
+    buf._targets = _Dies(buf._targets)
+    buf.push(transition(np.zeros(k, np.int64)), lane=lane, episode=99 if buf.options.episodes else None)
+
+
+def dead_push(buf: sb.ReplayBuffer, procs: list, lane: int, k: int) -> np.ndarray:
+    n0 = int(buf.ring.bounds()[1][lane])
+    p = mp.get_context("spawn").Process(target=_dies_mid_push, args=(buf.handle, lane, k))
+    procs.append(p)
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    ids = (n0 + np.arange(k)) * buf.lanes + lane
+    assert (buf.ring.stamp[buf.ring.slots(ids)] & 1).all()  # being written, by nobody alive
+    return ids
+
+
+def test_a_dead_writers_row_is_a_hole_not_the_end(make: Make, loaded: list, name: str, tmp_path: Path, procs: list) -> None:
+    """r21: rows pushed after a dead writer's row are saved; that row is a hole. The save reaps it
+    (nobody has yet) instead of waiting for it."""
+    buf = make(MUJOCO, capacity=1000, name=name)
+    push_lane(buf, 0, 10)
+    hole = dead_push(buf, procs, 0, 1)
+    push_lane(buf, 0, 500)
+    t0 = time.monotonic()
+    out = sb.save(buf, tmp_path / "d", wait=30.0)
+    assert time.monotonic() - t0 < 10  # not waited for
+    assert (out["rows"], out["holes"], out["dropped"]) == (510, 1, 0)
+    meta = check_file(tmp_path / "d")
+    assert meta["lanes"] == [{"first": 0, "stop": 511, "base": 0}] and meta["rows"] == 511
+    assert load_file(str(tmp_path / "d" / "rows.safetensors"))["_present"].tolist() == [True] * 10 + [False] + [True] * 500
+    new = sb.load(tmp_path / "d")
+    loaded.append(new)
+    ids = np.delete(np.arange(511), hole)
+    assert len(new) == 511 and new.ring.stamp[new.ring.slots(hole)].tolist() == [0]
+    assert np.array_equal(seq_of(new.take(ids)), ids)
+    for source in (buf, new):
+        out = sb.export(source)
+        assert np.array_equal(out["index"], ids) and np.array_equal(seq_of(out), ids)
+        assert sum(len(p["reward"]) for p in persistence.pieces(source)) == 510
+
+
+def test_holes_survive_the_round_trip(make: Make, loaded: list, name: str, tmp_path: Path, procs: list) -> None:
+    """Dead writers' rows and interrupted pushes, at a lane's start, middle and end, with
+    priorities, uses and episodes: the loaded buffer has the same rows at the same row numbers,
+    its holes empty (stamp 0, leaf 0), and saves to the same file content."""
+    opts: dict[str, Any] = {"sampler": sb.Prioritized(alpha=1.0, eps=0.0), "max_use": 5, "lanes": 2, "episodes": True}
+    buf = make(MUJOCO, capacity=64, name=name, seed=0, **opts)
+    holes = [interrupted_push(buf, 1, 2)]  # lane 1's first rows
+    for i in range(3):
+        push_lane(buf, 0, 6, episode=i, priority=np.arange(6) + 1.0)
+        holes.append(dead_push(buf, procs, 0, 1) if i != 1 else interrupted_push(buf, 0, 3))
+        push_lane(buf, 1, 5, episode=10 + i, priority=2.0)
+    holes.append(interrupted_push(buf, 1, 1))  # lane 1's last row
+    gone = np.sort(np.concatenate(holes))
+    buf.sample(20)  # uses
+    ring, prios = buf.ring, buf._prios
+    assert prios is not None
+    first, stop = ring.bounds()
+    every = np.concatenate([np.arange(a, b) * 2 + lane for lane, (a, b) in enumerate(zip(first, stop, strict=True))])
+    kept = every[~np.isin(every, gone)]
+    out = sb.save(buf, tmp_path / "h")
+    assert (out["rows"], out["holes"], out["dropped"]) == (kept.size, gone.size, 0)
+    check_file(tmp_path / "h")
+    tensors = load_file(str(tmp_path / "h" / "rows.safetensors"))
+    assert np.array_equal(tensors["_present"], ~np.isin(every, gone))
+    assert not ring.stamp[ring.slots(gone)].any()  # the dead writers' rows were reaped
+
+    new = sb.load(tmp_path / "h", seed=1)
+    loaded.append(new)
+    assert len(new) == len(buf) and np.array_equal(new.ring.bounds()[1], stop)
+    assert np.array_equal(new.ring.bounds()[0], first)
+    assert not new.ring.stamp[new.ring.slots(gone)].any() and not new._prios.tree.leaves[new.ring.slots(gone)].any()
+    slots = ring.slots(kept)
+    assert np.array_equal(new.ring.stamp[slots], ring.stamp[slots])
+    assert np.array_equal(new._prios.tree.leaves[slots], prios.tree.leaves[slots])
+    assert np.array_equal(new._prios.uses[slots], prios.uses[slots])
+    assert new._prios.tree.total == prios.tree.total
+    rows = new.take(kept)
+    assert np.array_equal(seq_of(rows), kept)
+    exported = sb.export(new)
+    assert np.array_equal(exported["index"], kept) and np.array_equal(exported["episode"], buf._episode[slots])
+    assert np.array_equal(seq_of(exported), kept)
+    for _ in range(5):
+        assert not np.isin(new.sample(8).index, gone).any()
+    sb.save(new, tmp_path / "again")
+    again = load_file(str(tmp_path / "again" / "rows.safetensors"))
+    assert all(np.array_equal(again[k], tensors[k]) for k in tensors if k not in ("_leaf", "_uses"))
+
+
+def test_a_hole_overwritten_during_the_save_goes_with_the_rows_before_it(
+    make: Make, loaded: list, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    buf = make(MUJOCO, capacity=100, name=name)
+    push_lane(buf, 0, 55)
+    interrupted_push(buf, 0, 1)  # row 55
+    for _ in range(7):
+        push_lane(buf, 0, 10)  # full, wrapped: rows 26..125, row 55 a hole
+    monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * 10)  # pieces of 10 rows
+    lapping(monkeypatch, buf, 1, 0, 34)  # after the first piece: rows 26..59 overwritten
+    out = sb.save(buf, tmp_path / "o")
+    meta = check_file(tmp_path / "o")
+    assert meta["lanes"] == [{"first": 60, "stop": 126, "base": 0}]
+    assert (out["rows"], out["holes"], out["dropped"], out["moved"]) == (66, 0, 34, True)
+    new = sb.load(tmp_path / "o")
+    loaded.append(new)
+    got = new.get(slice(None))
+    assert np.array_equal(seq_of(got), got.index) and got.index.tolist() == list(range(60, 126))
+
+
 # -- golden files of format version 1 ------------------------------------------------------------------
 def test_golden_uniform(loaded: list) -> None:
     new = sb.load(GOLDEN / "uniform", seed=0)
@@ -395,7 +540,7 @@ def test_golden_uniform(loaded: list) -> None:
     assert rows.index.tolist() == list(range(3, 11)) and np.array_equal(seq_of(rows), rows.index)
     assert new.capacity == 8 and new.lanes == 1 and new.options.sampler == sb.Uniform() and new._prios is None
     assert new.stats == {"inserted": 11, "sampled": 5, "reclaimed": 0, "lock_recoveries": 0}
-    assert set(load_file(str(GOLDEN / "uniform" / "rows.safetensors"))) == set(MUJOCO.names)
+    assert set(load_file(str(GOLDEN / "uniform" / "rows.safetensors"))) == {*MUJOCO.names, "_present"}
 
 
 def test_golden_prioritized(loaded: list) -> None:
@@ -420,8 +565,28 @@ def test_golden_prioritized(loaded: list) -> None:
         assert 4 not in batch.index and np.array_equal(seq_of(batch), batch.index)
 
 
+def test_golden_holes(loaded: list) -> None:
+    """Empty rows inside a lane's run come back empty at their row numbers (make_golden.py)."""
+    new = sb.load(GOLDEN / "holes", seed=0)
+    loaded.append(new)
+    assert len(new) == 8 and new.ring.bounds()[0].tolist() == [0, 0] and new.ring.bounds()[1].tolist() == [4, 4]
+    present, holes = np.array([0, 6, 1, 3, 5]), np.array([2, 4, 7])
+    out = sb.export(new)
+    assert np.array_equal(out["index"], present) and np.array_equal(seq_of(out), present)
+    assert out["episode"].tolist() == [0, 0, 1, 1, 1]
+    slots = new.ring.slots(holes)
+    assert not new.ring.stamp[slots].any() and not new._prios.tree.leaves[slots].any()
+    assert np.array_equal(new._prios.tree.leaves[new.ring.slots(present)], present + 1.0)
+    assert new._prios.max_priority == 7.0
+    with pytest.raises(sb.EmptyBufferError, match="lost"):
+        new.get(1)
+    assert set(new.sample(200).index) == set(present)
+    tensors = load_file(str(GOLDEN / "holes" / "rows.safetensors"))
+    assert tensors["_present"].tolist() == [True, False, False, True, True, True, True, False]
+
+
 def test_golden_files_are_what_the_script_makes() -> None:
-    for kind in ("uniform", "prioritized"):
+    for kind in ("uniform", "prioritized", "holes"):
         meta = json.loads((GOLDEN / kind / "meta.json").read_text())
         assert meta["format_version"] == 1
         with open(GOLDEN / kind / "rows.safetensors", "rb") as f:
@@ -576,7 +741,7 @@ def test_export_drops_rows_overwritten_meanwhile(make: Make, name: str, monkeypa
     for ln in (0, 1):
         for _ in range(13):
             push_lane(buf, ln, 10)
-    monkeypatch.setattr(persistence, "CHUNK_BYTES", 165 * 10 * 2)
+    monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * 10 * 2)
     lapping(monkeypatch, buf, 2, 0, 15)
     out = sb.export(buf)
     ids = np.concatenate([np.arange(45, 130) * 2, np.arange(30, 130) * 2 + 1])

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import struct
+import subprocess
+import sys
+import textwrap
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +20,8 @@ from shmbuffer import segment
 from .conftest import MUJOCO
 
 Make = Callable[..., sb.ReplayBuffer]
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONWARNINGS": "error", "PYTHONPATH": str(ROOT)}
 
 
 def test_header(make: Make, name: str) -> None:
@@ -92,6 +100,89 @@ def test_fallocate_failure_leaves_nothing(name: str, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(sb.OutOfSharedMemory, match="ran out of space"):
         sb.ReplayBuffer(MUJOCO, capacity=100, name=name)
+    assert not os.path.exists(segment.path_of(name))
+
+
+def test_the_creator_is_on_record_before_the_pages_are_reserved(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While ``posix_fallocate`` runs (seconds for GBs) the block has no magic yet, but its header
+    already names its creator, for ``shmbuffer gc``."""
+    seen = []
+    real = os.posix_fallocate
+
+    def watched(fd: int, offset: int, length: int) -> None:
+        with open(segment.path_of(name), "rb") as f:
+            seen.append(f.read(8))
+        seen.append(segment.unfinished_creator(name))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", watched)
+    with sb.ReplayBuffer(MUJOCO, capacity=100, name=name):
+        assert seen == [bytes(8), (os.getpid(), segment.start_time())]
+        assert segment.unfinished_creator(name) is None  # finished: the magic is there
+        assert segment.read_header(name).creator_pid == os.getpid()
+
+
+CREATING = """
+    import os, time
+    real = os.posix_fallocate
+    def slow(fd, offset, length):  # stands for the seconds a fallocate of many GB takes
+        real(fd, offset, length)
+        print("allocating", flush=True)
+        time.sleep(120)
+    os.posix_fallocate = slow
+    import shmbuffer as sb
+    from tests.conftest import MUJOCO
+    sb.ReplayBuffer(MUJOCO, 1000, name={name!r})
+"""
+
+
+def test_a_creator_killed_while_creating_leaves_nothing(name: str) -> None:
+    """Registered with the resource tracker before its pages are reserved: a creator killed then
+    has its block removed by its tracker (r22)."""
+    path = segment.path_of(name)
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CREATING.format(name=name))],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV, cwd=ROOT)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "allocating"
+        assert os.path.exists(path) and segment.unfinished_creator(name) == (proc.pid, segment.start_time(proc.pid))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(path), "the killed creator's tracker should have removed its block"
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+FAILING = """
+    import errno, os
+    def fail(fd, offset, length):
+        raise {error}
+    os.posix_fallocate = fail
+    import shmbuffer as sb
+    from tests.conftest import MUJOCO
+    try:
+        sb.ReplayBuffer(MUJOCO, 1000, name={name!r})
+    except {caught}:
+        print("refused", flush=True)
+    assert not os.path.exists("/dev/shm/shmbuffer-" + {name!r})
+"""
+
+
+@pytest.mark.parametrize(("error", "caught"), [('OSError(errno.ENOSPC, "No space left on device")', "sb.OutOfSharedMemory"),
+                                               ("KeyboardInterrupt", "KeyboardInterrupt")])
+def test_a_failed_create_leaves_nothing_registered(error: str, caught: str, name: str) -> None:
+    """The file is removed and its registration undone: the tracker, which outlives the process,
+    has nothing to warn about or to remove (its warnings would come on stderr)."""
+    code = textwrap.dedent(FAILING.format(error=error, caught=caught, name=name))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=ENV, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout == "refused\n" and out.stderr == "", out.stdout + out.stderr
     assert not os.path.exists(segment.path_of(name))
 
 

@@ -248,6 +248,26 @@ def test_groups(make: Make, name: str) -> None:
         buf.sample_groups(1, 40)
 
 
+def test_shuffled_groups_of_large_fields_only(make: Make, name: str) -> None:
+    """Every field large (no packed record, so no block): the groups re-drawn in later rounds go
+    into the first round's batch instead of replacing it (r05)."""
+    schema = sb.Schema(obs=((300,), "float32"))
+    assert schema.record.itemsize == 0
+    buf = make(schema, capacity=256, episodes=True, name=name, seed=1)
+    at = 0
+    for episode, length in enumerate([2, 10] * 10):  # anchors on a 2-row episode must be re-drawn
+        obs = np.zeros((length, 300), np.float32)
+        obs[:, 0], obs[:, 1:] = episode, (at + np.arange(length))[:, None]
+        buf.push(obs=obs, episode=episode)
+        at += length
+    for _ in range(10):
+        batch = buf.sample_groups(8, 4, ordered=False)
+        assert batch.obs.shape == (8, 4, 300) and batch.index.shape == (8, 4)
+        assert np.array_equal(batch.obs[:, :, 1], batch.index) and (batch.obs[:, :, 2:] == batch.obs[:, :, 1:2]).all()
+        assert (batch.obs[:, :, 0] == batch.obs[:, :1, 0]).all() and (batch.obs[:, :, 0] % 2 == 1).all()
+        assert all(len(set(g)) == 4 for g in batch.index.tolist())
+
+
 def test_whole_episodes(make: Make, name: str) -> None:
     buf = make(MUJOCO, capacity=2 * 40, lanes=2, episodes=True, name=name, seed=4)
     lanes = [Lane(0, 30), Lane(1, 31)]

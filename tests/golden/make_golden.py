@@ -55,7 +55,50 @@ def prioritized() -> None:
         sb.save(buf, OUT / "prioritized")
 
 
+class _Interrupted(dict):
+    """Stands in for a buffer's column table: the push copying through it is interrupted."""
+
+    def __getitem__(self, key: str) -> None:
+        raise KeyboardInterrupt
+
+
+def _interrupted_push(buf: sb.ReplayBuffer, rows: dict, **kw: object) -> None:
+    """A push interrupted mid-copy: its rows are given back empty (holes)."""
+    targets = buf._targets
+    buf._targets = _Interrupted(targets)
+    try:
+        buf.push(rows, **kw)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the push was not interrupted")
+    finally:
+        buf._targets = targets
+
+
+def holes() -> None:
+    """Capacity 8 in 2 lanes of 4, Prioritized(alpha=1.0, eps=0.0), episodes; row values derive
+    from the row's id (``n * 2 + lane``), priorities are id + 1. Empty rows inside the lanes' runs
+    are holes (``_present`` 0, zeros in every tensor):
+
+    lane 0: row 0 (id 0, episode 0); rows 1, 2 (ids 2, 4) pushed with an interrupt mid-copy, so
+            empty; row 3 (id 6, episode 0)
+    lane 1: rows 0..2 (ids 1, 3, 5, episode 1); row 3 (id 7) interrupted: a hole at the lane's end
+    Largest priority given: 7.
+    """
+    opts = {"sampler": sb.Prioritized(alpha=1.0, eps=0.0), "lanes": 2, "episodes": True}
+    with sb.ReplayBuffer(MUJOCO, 8, name=f"golden-{os.getpid()}-holes", **opts) as buf:
+        buf.push(transition(np.array([0])), lane=0, episode=0, priority=1.0)
+        _interrupted_push(buf, transition(np.array([2, 4])), lane=0, episode=0)
+        buf.push(transition(np.array([6])), lane=0, episode=0, priority=7.0)
+        ids = np.array([1, 3, 5])
+        buf.push(transition(ids), lane=1, episode=1, priority=ids + 1.0)
+        _interrupted_push(buf, transition(np.array([7])), lane=1, episode=1)
+        sb.save(buf, OUT / "holes")
+
+
 if __name__ == "__main__":
     uniform()
     prioritized()
+    holes()
     print(f"wrote {OUT}")
