@@ -3,7 +3,8 @@
 A case is a function ``run(cfg) -> dict`` registered under a dotted name (``mujoco.push64``); a
 capability that does not exist yet is registered with ``pending`` (a reason) and no function, and
 shows in the results as "not available yet". Adding a capability's rows means adding one function
-with ``@case(...)``; ``measure`` does the rest.
+with ``@case(...)`` (or registering it, as ``multiproc.py`` and ``features.py`` do); ``measure`` does
+the rest.
 
 How ``measure`` times (every case, every subject alike):
 
@@ -467,12 +468,6 @@ for _spec in (MUJOCO, ATARI):
         CASES[f"{_spec.name}.push{_k}"] = Case(f"{_spec.name}.push{_k}", f"push {_k}", "push", _push_case(_spec, _k))
     CASES[f"{_spec.name}.sample256"] = Case(f"{_spec.name}.sample256", "sample 256", "sample", _sample_case(_spec))
 
-pending("mujoco.prioritized", "prioritized sample 256 + update 256 at capacity 1,000,000", "prioritized",
-        "no case function yet: it comes with shmbuffer's prioritized sampling (peers then: cpprb "
-        "PrioritizedReplayBuffer and MPPrioritizedReplayBuffer, TorchRL PrioritizedSampler)")
-pending("mujoco.sequence", "256 windows of 16 consecutive rows", "sequence",
-        "no case function yet: it comes with shmbuffer's sequence sampling (peer then: TorchRL SliceSampler)")
-
 
 @case("floor.memcpy", "large memcpy (np.copyto of 256 MiB)", "floor")
 def memcpy_case(cfg: Config) -> dict[str, Any]:
@@ -545,18 +540,27 @@ def gpu_case(cfg: Config) -> dict[str, Any]:
 
 # -- profiles (for missed targets) ----------------------------------------------------------------------
 def profile(what: str, cfg: Config, top: int = 14) -> list[str]:
-    """cProfile of shmbuffer doing ``what`` (``push<k>`` or ``sample256[torch]`` on ``<schema>``), in
-    this process at the case's capacity; the ``top`` entries by own time."""
+    """cProfile of shmbuffer doing ``what`` (``push<k>``, ``sample256[torch]`` or one of
+    ``features.PROFILES`` such as ``prioritized``, on ``<schema>``), in this process at the case's
+    capacity; the ``top`` entries by own time."""
+    from .features import PROFILES
+
     schema, op_name = what.split(".", 1)
     spec = SPECS[schema]
     cap = cfg.capacity(spec)
-    store = peers.Ours(spec, cap, 64)
+    op: Op | None = None
+    if op_name in PROFILES:  # prioritized sample + update, ...
+        op, close = PROFILES[op_name](spec, cap)
+    else:
+        store = peers.Ours(spec, cap, 64)
+        close = store.close
     try:
-        fill(store, spec, cap)
-        if op_name.startswith("push"):
-            op = _pushes(store, spec, int(op_name[4:]))
-        else:
-            op = _bind(store.sample_torch if op_name.endswith("torch") else store.sample, BATCH)
+        if op is None:
+            fill(store, spec, cap)
+            if op_name.startswith("push"):
+                op = _pushes(store, spec, int(op_name[4:]))
+            else:
+                op = _bind(store.sample_torch if op_name.endswith("torch") else store.sample, BATCH)
         n = _warm(op, 0.1, 0.5 if cfg.quick else 2.0)
         prof = cProfile.Profile()
         prof.enable()
@@ -564,7 +568,7 @@ def profile(what: str, cfg: Config, top: int = 14) -> list[str]:
             op()
         prof.disable()
     finally:
-        store.close()
+        close()
     s = io.StringIO()
     stats = pstats.Stats(prof, stream=s)
     stats.sort_stats("tottime").print_stats(top)

@@ -215,3 +215,39 @@ class Stamper:
                 words[:, -1] = words[:, 1]
             np.add(self._r, i, out=b["action"])
         return b
+
+
+# -- lanes of episodes (sequence sampling) ----------------------------------------------------------
+EPISODE = 1000
+"""Steps per episode in the sequence case (MuJoCo's usual time limit)."""
+
+
+@dataclass
+class Lanes:
+    """``capacity`` rows as ``lanes`` envs of ``capacity // lanes`` steps each: the row of env ``l`` at
+    step ``t`` is ``make(l, t)`` (so ``check`` gives back ``w = l`` and ``seq = t``), and its episode
+    id is ``l << 32 | t // EPISODE`` (episodes of ``EPISODE`` steps; the last one of a lane may be
+    shorter). ``cols[name]`` is ``(lanes, steps, *shape)``, ``episode`` is ``(lanes, steps)``."""
+
+    spec: Spec
+    lanes: int
+    steps: int
+    cols: Fields
+    episode: np.ndarray
+
+    @classmethod
+    def make(cls, spec: Spec, capacity: int, lanes: int) -> Lanes:
+        steps = capacity // lanes
+        t = np.arange(steps)
+        cols = {n: np.empty((lanes, steps, *spec.shape(n)), spec.dtype(n)) for n in spec.fields}
+        episode = np.empty((lanes, steps), np.int64)
+        for lane in range(lanes):
+            rows = spec.make(lane, t)
+            for n in spec.fields:
+                cols[n][lane] = rows[n]
+            episode[lane] = (lane << 32) | (t // EPISODE)
+        return cls(spec, lanes, steps, cols, episode)
+
+    def episode_end(self, seq: np.ndarray) -> np.ndarray:
+        """The step after the last one of the episode that step ``seq`` belongs to."""
+        return np.minimum((seq // EPISODE + 1) * EPISODE, self.steps)

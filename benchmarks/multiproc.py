@@ -288,7 +288,7 @@ def _mp_case(spec: Spec) -> Any:
                     runs[cls.name].append(res)
                 print(f"      {cls.name}: {_line(res)}", flush=True)
         for cls in avail:
-            note = peers.NOTES.get(cls.name, "")
+            note = peers.MP_NOTES.get(cls.name) or peers.NOTES.get(cls.name, "")
             if cls.name in subjects:
                 subjects[cls.name].update(kind=cls.kind, note=note)
                 continue

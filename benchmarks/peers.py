@@ -286,6 +286,13 @@ NOTES = {
 }
 
 
+MP_NOTES = {
+    "shmbuffer": "`ReplayBuffer(schema, capacity)` created by the learner, which fills it and samples `sample(256)`; "
+                 "each writer process `ReplayBuffer.attach(buf.handle)` and `push(**fields)` of 8 rows",
+}
+"""Notes for the multi-process subjects where the single-process note does not say how they are used."""
+
+
 def sanity(cls: type[Store], spec: Spec, _done: dict[tuple[str, str], Unavailable | None] = {}) -> None:  # noqa: B006
     """Check that ``cls`` stores and returns the right rows (once per process): push 12 single rows
     into 8 slots and 6 batches of 8 into 32, sample, and compare every value with what was pushed
@@ -546,3 +553,373 @@ class MPQueue(MPSubject):
 
 MP: list[type[MPSubject]] = [MPOurs, MPCpprb, MPTorchRL, MPQueue]
 MP_BY_NAME = {c.name: c for c in MP}
+
+
+# -- prioritized stores (mujoco.prioritized) ----------------------------------------------------------
+ALPHA, BETA = 0.6, 0.4
+
+
+class PStore:
+    """A prioritized buffer: ``push(rows, priorities)`` (returns the rows' indices), ``sample(n)``,
+    ``index(out)`` (what the library's update takes), ``update(index, priorities)`` with priorities
+    from ``prepare`` (the library's own format, converted up front), ``raw(out)`` / ``indices(out)`` /
+    ``weights(out)`` for the sanity checks."""
+
+    name = ""
+    kind = "peer"
+    module: str | None = None
+    note = ""
+
+    def __init__(self, spec: Spec, capacity: int) -> None:
+        self.spec = spec
+        self.capacity = capacity
+
+    @classmethod
+    def available(cls) -> None:
+        if cls.module:
+            need(cls.module)
+
+    def push(self, rows: Fields, priorities: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def prepare(self, priorities: np.ndarray) -> Any:
+        return priorities
+
+    def sample(self, n: int) -> Any:
+        raise NotImplementedError
+
+    def index(self, out: Any) -> Any:
+        raise NotImplementedError
+
+    def update(self, index: Any, priorities: Any) -> Any:
+        raise NotImplementedError
+
+    def raw(self, out: Any) -> dict[str, Any]:
+        return {n: out[n] for n in self.spec.fields}
+
+    def indices(self, out: Any) -> np.ndarray:
+        return np.asarray(self.index(out)).reshape(-1)
+
+    def weights(self, out: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class POurs(PStore):
+    name = "shmbuffer"
+    kind = "ours"
+    module = "shmbuffer"
+    note = ("`ReplayBuffer(schema, capacity, sampler=Prioritized(alpha=0.6, beta=0.4))`; `push(**fields, priority=p)`; "
+            "`batch = sample(256)` (`batch.weight`, `batch.index`); `update_priorities(batch, p)`")
+
+    def __init__(self, spec: Spec, capacity: int) -> None:
+        super().__init__(spec, capacity)
+        import shmbuffer as sb
+
+        self.buf: Any = sb.ReplayBuffer(spec.schema, capacity, sampler=sb.Prioritized(alpha=ALPHA, beta=BETA),
+                                        name=buffer_name(Ours.prefix))
+
+    def push(self, rows: Fields, priorities: np.ndarray) -> np.ndarray:
+        return np.asarray(self.buf.push(**rows, priority=priorities))
+
+    def sample(self, n: int) -> Any:
+        return self.buf.sample(n)
+
+    def index(self, out: Any) -> Any:
+        return out  # update_priorities takes the batch itself
+
+    def update(self, index: Any, priorities: Any) -> Any:
+        return self.buf.update_priorities(index, priorities)
+
+    def indices(self, out: Any) -> np.ndarray:
+        return np.asarray(out.index)
+
+    def weights(self, out: Any) -> np.ndarray:
+        return np.asarray(out.weight)
+
+    def close(self) -> None:
+        close_ours(self.buf)
+
+
+class PCpprb(PStore):
+    name = "cpprb.PrioritizedReplayBuffer"
+    module = "cpprb"
+    cls_name = "PrioritizedReplayBuffer"
+    note = ("`PrioritizedReplayBuffer(capacity, env_dict, alpha=0.6)` (its default eps 1e-4); "
+            "`add(**fields, priorities=p)`; `sample(256, beta=0.4)` (dict with `weights`, `indexes`); "
+            "`update_priorities(indexes, p)`")
+
+    def __init__(self, spec: Spec, capacity: int) -> None:
+        super().__init__(spec, capacity)
+        self.rb = getattr(need("cpprb"), self.cls_name)(capacity, env_dict(spec), alpha=ALPHA)
+
+    def push(self, rows: Fields, priorities: np.ndarray) -> np.ndarray:
+        first = self.rb.add(**rows, priorities=priorities)
+        return (int(first) + np.arange(len(priorities))) % self.capacity
+
+    def sample(self, n: int) -> Any:
+        return self.rb.sample(n, BETA)
+
+    def index(self, out: Any) -> Any:
+        return out["indexes"]
+
+    def update(self, index: Any, priorities: Any) -> Any:
+        return self.rb.update_priorities(index, priorities)
+
+    def weights(self, out: Any) -> np.ndarray:
+        return np.asarray(out["weights"])
+
+
+class PCpprbMP(PCpprb):
+    name = "cpprb.MPPrioritizedReplayBuffer"
+    cls_name = "MPPrioritizedReplayBuffer"
+    note = ("`MPPrioritizedReplayBuffer(capacity, env_dict, alpha=0.6)` (cpprb's shared-memory PER, used here "
+            "from one process), otherwise as `PrioritizedReplayBuffer`")
+
+
+class PTorchRL(PStore):
+    name = "torchrl PrioritizedSampler"
+    module = "torchrl"
+    note = ("`ReplayBuffer(storage=LazyTensorStorage(capacity), sampler=PrioritizedSampler(capacity, alpha=0.6, "
+            "beta=0.4))`; `extend(TensorDict)` then `update_priority(indices, p)`; "
+            "`sample(256, return_info=True)` (`info['index']`, `info['priority_weight']`); "
+            "`update_priority(info['index'], p)` with p a tensor")
+
+    @classmethod
+    def available(cls) -> None:
+        need("torchrl.data")
+        try:
+            from torchrl.data import PrioritizedSampler
+
+            PrioritizedSampler(8, ALPHA, BETA)
+        except RuntimeError as e:
+            try:
+                importlib.import_module("torchrl._torchrl")
+                why = str(e)
+            except ImportError as ie:
+                msg = str(ie)
+                at = msg.find("undefined symbol")
+                why = f"ImportError: {msg[at:at + 60] if at >= 0 else msg[:100]}..."
+            raise Unavailable(
+                "unusable",
+                f"torchrl {version('torchrl')}'s compiled extension (torchrl._torchrl, the segment trees "
+                f"PrioritizedSampler needs) does not load with torch {version('torch')}: {why}",
+            ) from None
+
+    def __init__(self, spec: Spec, capacity: int) -> None:
+        super().__init__(spec, capacity)
+        data = need("torchrl.data")
+        self.rb = data.ReplayBuffer(storage=data.LazyTensorStorage(capacity),
+                                    sampler=data.PrioritizedSampler(capacity, ALPHA, BETA))
+
+    def push(self, rows: Fields, priorities: np.ndarray) -> np.ndarray:
+        idx = self.rb.extend(tensordict(rows, False))
+        self.rb.update_priority(idx, self.prepare(priorities))
+        return np.asarray(idx).reshape(-1)
+
+    def prepare(self, priorities: np.ndarray) -> Any:
+        import torch
+
+        return torch.from_numpy(np.asarray(priorities, np.float32))
+
+    def sample(self, n: int) -> Any:
+        return self.rb.sample(n, return_info=True)
+
+    def index(self, out: Any) -> Any:
+        return out[1]["index"]
+
+    def update(self, index: Any, priorities: Any) -> Any:
+        return self.rb.update_priority(index, priorities)
+
+    def raw(self, out: Any) -> dict[str, Any]:
+        return {n: out[0][n] for n in self.spec.fields}
+
+    def weights(self, out: Any) -> np.ndarray:
+        return np.asarray(out[1]["priority_weight"])
+
+
+PSTORES: list[type[PStore]] = [POurs, PCpprb, PCpprbMP, PTorchRL]
+
+
+# -- sequence stores (mujoco.sequence) ------------------------------------------------------------------
+class SeqStore:
+    """Windows of consecutive steps from ``Lanes`` data: ``sample(n, length)`` in the library's own
+    form; ``windows(out, n, length)`` gives ``(fields (n, length, ...) canonical, mask (n, length))``
+    for the sanity checks. ``strict``: every window must be whole (no mask) and inside one episode."""
+
+    name = ""
+    kind = "peer"
+    module: str | None = None
+    note = ""
+    strict = True
+    episodes_checked = True
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+        self.spec: Spec = data.spec
+
+    @classmethod
+    def available(cls) -> None:
+        if cls.module:
+            need(cls.module)
+
+    def sample(self, n: int, length: int) -> Any:
+        raise NotImplementedError
+
+    def windows(self, out: Any, n: int, length: int) -> tuple[Fields, np.ndarray]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _flat_canonical(spec: Spec, raw: dict[str, Any], n: int, length: int) -> Fields:
+    """``(n, length, ...)`` fields of any library form, canonical (numpy, the schema's dtypes)."""
+    flat = {}
+    for name in spec.fields:
+        v = raw[name]
+        v = v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+        flat[name] = v.reshape(n * length, *spec.shape(name))
+    return {k: v.reshape(n, length, *v.shape[1:]) for k, v in spec.canonical(flat).items()}
+
+
+class SeqOurs(SeqStore):
+    name = "shmbuffer"
+    kind = "ours"
+    module = "shmbuffer"
+    strict = False
+    note = ("`ReplayBuffer(schema, capacity, lanes=8, episodes=True)`, each env's rows pushed with "
+            "`push(**fields, lane=env, episode=id)`; `sample_sequences(256, 16)`: fields (256, 16, ...) "
+            "and `mask` (a window stops at its episode's end)")
+
+    def __init__(self, data: Any) -> None:
+        super().__init__(data)
+        import shmbuffer as sb
+
+        lanes, steps = data.lanes, data.steps
+        self.buf: Any = sb.ReplayBuffer(self.spec.schema, lanes * steps, lanes=lanes, episodes=True,
+                                        name=buffer_name(Ours.prefix))
+        try:
+            chunk = 8192
+            for a in range(0, steps, chunk):
+                for lane in range(lanes):
+                    self.buf.push(**{k: v[lane, a:a + chunk] for k, v in data.cols.items()}, lane=lane,
+                                  episode=data.episode[lane, a:a + chunk])
+        except BaseException:
+            close_ours(self.buf)
+            raise
+
+    def sample(self, n: int, length: int) -> Any:
+        return self.buf.sample_sequences(n, length)
+
+    def windows(self, out: Any, n: int, length: int) -> tuple[Fields, np.ndarray]:
+        return _flat_canonical(self.spec, out.fields, n, length), np.asarray(out.mask, bool)
+
+    def close(self) -> None:
+        close_ours(self.buf)
+
+
+class SeqTorchRL(SeqStore):
+    """``SliceSampler(slice_len, traj_key="episode")`` over a ``LazyTensorStorage`` that holds the same
+    rows and their episode ids. ``ndim=1``: each env's steps one after another (the layout most
+    favourable to it: its trajectories are contiguous); ``ndim=2``: a ``[envs, time]`` storage, as a
+    collector with 8 envs writes it."""
+
+    module = "torchrl"
+    ndim = 1
+    cache = False
+
+    def __init__(self, data: Any) -> None:
+        super().__init__(data)
+        import torch
+        from tensordict import TensorDict
+
+        d = need("torchrl.data")
+        lanes, steps = data.lanes, data.steps
+        self.rb = d.ReplayBuffer(storage=d.LazyTensorStorage(lanes * steps, ndim=self.ndim),
+                                 sampler=d.SliceSampler(slice_len=16, traj_key="episode", cache_values=self.cache))
+        td = TensorDict({**{k: torch.from_numpy(v) for k, v in data.cols.items()},
+                         "episode": torch.from_numpy(data.episode)}, batch_size=[lanes, steps])
+        chunk = 8192
+        if self.ndim == 1:
+            flat = td.reshape(-1)  # env 0's steps, then env 1's ...
+            for a in range(0, lanes * steps, chunk * lanes):
+                self.rb.extend(flat[a:a + chunk * lanes])
+        else:
+            for a in range(0, steps, chunk):
+                self.rb.extend(td[:, a:a + chunk])
+
+    def sample(self, n: int, length: int) -> Any:
+        return self.rb.sample(n * length).reshape(n, length)
+
+    def windows(self, out: Any, n: int, length: int) -> tuple[Fields, np.ndarray]:
+        fields = _flat_canonical(self.spec, {k: out[k] for k in self.spec.fields}, n, length)
+        return fields, np.ones((n, length), bool)
+
+
+class SeqTorchRL1(SeqTorchRL):
+    name = "torchrl SliceSampler"
+    note = ("`ReplayBuffer(storage=LazyTensorStorage(capacity), sampler=SliceSampler(slice_len=16, "
+            "traj_key='episode'))`, each env's steps stored one after another (contiguous trajectories); "
+            "`sample(256 * 16)` reshaped to (256, 16)")
+
+
+class SeqTorchRL2(SeqTorchRL):
+    name = "torchrl SliceSampler, [envs, time] storage"
+    ndim = 2
+    note = ("as above over `LazyTensorStorage(capacity, ndim=2)`, extended with `[8 envs, time]` "
+            "TensorDicts, as a collector with 8 envs writes them")
+
+
+class SeqTorchRLCached(SeqTorchRL):
+    name = "torchrl SliceSampler, cache_values=True"
+    cache = True
+    note = ("as `torchrl SliceSampler` with `cache_values=True`: the trajectory boundaries are found once and "
+            "kept until the storage changes (nothing is written while it is timed here; in a replay loop that "
+            "extends between samples they are found again each time)")
+
+
+class SeqNumpy(SeqStore):
+    """The plain baseline: random env and start, one fancy-index gather of ``start + arange(length)``
+    per field; no episode checks (its windows may cross an episode's end)."""
+
+    name = "numpy windows"
+    kind = "baseline"
+    episodes_checked = False
+    note = ("one numpy array per field, `(envs * steps, ...)`; `rng.integers` for the env and the start, then "
+            "`col.take(start[:, None] + arange(16), axis=0)` per field; no episode checks")
+
+    def __init__(self, data: Any) -> None:
+        super().__init__(data)
+        self.cols = {k: v.reshape(data.lanes * data.steps, *v.shape[2:]).copy() for k, v in data.cols.items()}
+        self.rng = np.random.default_rng(0)
+
+    def sample(self, n: int, length: int) -> Any:
+        data = self.data
+        lane = self.rng.integers(0, data.lanes, n)
+        start = lane * data.steps + self.rng.integers(0, data.steps - length + 1, n)
+        idx = start[:, None] + np.arange(length)
+        return {k: col.take(idx, axis=0) for k, col in self.cols.items()}
+
+    def windows(self, out: Any, n: int, length: int) -> tuple[Fields, np.ndarray]:
+        return _flat_canonical(self.spec, out, n, length), np.ones((n, length), bool)
+
+
+SEQSTORES: list[type[SeqStore]] = [SeqOurs, SeqTorchRL1, SeqTorchRL2, SeqTorchRLCached, SeqNumpy]
+
+NO_EQUIVALENT = {
+    "mujoco.prioritized": {
+        "sb3.ReplayBuffer": "Stable-Baselines3 has no prioritized replay buffer",
+    },
+    "mujoco.sequence": {
+        "cpprb.ReplayBuffer": "cpprb has no sequence sampler (no windows of consecutive steps)",
+        "sb3.ReplayBuffer": "Stable-Baselines3's ReplayBuffer has no sequence sampler",
+    },
+    "mujoco.loader": {
+        "cpprb.ReplayBuffer": "cpprb has no prefetching loader",
+        "sb3.ReplayBuffer": "Stable-Baselines3's ReplayBuffer has no prefetching loader",
+    },
+}
+"""Peers that lack a case's feature: reported as "no equivalent", never measured as something else."""

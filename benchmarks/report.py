@@ -80,6 +80,8 @@ TARGETS = [
     Target("atari-mp-ingest", "multi-process Atari ingest >= 3x cpprb's", "atari.multiproc", "ingest",
            "cpprb.MPReplayBuffer", 3.0, "atari.push8"),
     Target("atari-mp-integrity", "(and 0 torn and 0 lost rows there too)", "atari.multiproc", "integrity", OURS, 0),
+    Target("mujoco-per-cpprb", "MuJoCo prioritized sample 256 + update 256 >= 2x cpprb PrioritizedReplayBuffer",
+           "mujoco.prioritized", "per", "cpprb.PrioritizedReplayBuffer", 2.0, "mujoco.prioritized"),
 ]
 
 
@@ -185,6 +187,9 @@ def details(name: str, case: dict[str, Any]) -> str:
             cells.append(f"{s.get('torn', '—')} of {s.get('sampled_rows', 0):,} / {s.get('lost', '—')} / "
                          f"{s.get('corrupt', '—')}" if s.get("status") == "ok" else "")
         lines.append(f"| {sname} | " + " | ".join(cells) + " |")
+    notes = [f"- {sname}: {s['note']}" for sname, s in case["subjects"].items() if s.get("note")]
+    if notes:
+        lines += ["", "How each subject is used:", "", *notes]
     return "\n".join(lines) + "\n"
 
 
@@ -202,8 +207,10 @@ def markdown(results: dict[str, Any], plots: list[str]) -> str:
             "do not read anything into them.**\n"] if cfg["quick"] else []),
         "## Ratios\n",
         "Best peer: the fastest library (cpprb, TorchRL, Stable-Baselines3); baseline: the plain numpy ring "
-        "(one process) or `multiprocessing.Queue` into a numpy ring (several); floor: the fastest numpy floor "
-        "for the same bytes (`np.copyto` for pushes, `np.take` for samples). Ratios above 1 mean shmbuffer is faster.\n",
+        "(one process) or `multiprocessing.Queue` into a numpy ring (several); for sequences a plain numpy "
+        "window gather, for the loader shmbuffer's own `sample()` without prefetch; floor: the fastest numpy "
+        "floor for the same bytes (`np.copyto` for pushes, `np.take` for samples); for the loader the training "
+        "step alone. Ratios above 1 mean shmbuffer is faster.\n",
         ratio_table(results) + "\n",
         "## Targets\n",
         target_table(results) + "\n",
@@ -229,6 +236,7 @@ PANELS = {
                ("atari.sample256", "torch")],
     "multiproc": [("mujoco.multiproc", "ingest"), ("mujoco.multiproc", "learner"), ("atari.multiproc", "ingest"),
                   ("atari.multiproc", "learner")],
+    "sampling": [("mujoco.prioritized", "per"), ("mujoco.sequence", "windows"), ("mujoco.loader", "train")],
 }
 COLORS = {"ours": "#d62728", "peer": "#1f77b4", "baseline": "#7f7f7f", "floor": "#2ca02c"}
 
