@@ -16,8 +16,11 @@ marked as used by the consumer's stream (``record_stream``) so the caching alloc
 hand their memory out early. A staging slot is reused only after its copy has completed. Device
 tensors are fresh for each batch, so a batch stays valid as long as it is referenced.
 
-Without CUDA the same API yields CPU tensors (zero-copy views of the sampled arrays), still
-sampled ahead so that sampling overlaps training.
+Without CUDA the same API yields CPU tensors (zero-copy views of the sampled arrays), sampled in
+the learner's own thread by default: under the GIL a background thread cannot overlap the
+learner's Python work, and on the 2-core reference machine it gave 0.8-0.9x the training
+iterations of sampling in the loop (``benchmarks/README.md``, the loader case). ``background=True``
+asks for the thread anyway (e.g. when the training step mostly runs GIL-free torch kernels).
 
 NOTE (shutdown): ``close()`` (or leaving the ``with`` block, or the end of iteration) stops the
 thread: it sets a flag, drains the queue so the thread is never blocked on a full one, and joins
@@ -89,7 +92,8 @@ class Loader:
 
     ``sample(buffer) -> Batch`` draws one batch (default: ``buffer.sample(batch_size,
     **sample_kwargs)``). ``collector``, when given, is checked for worker errors at every batch.
-    ``batches`` ends the iteration after that many (default: never).
+    ``batches`` ends the iteration after that many (default: never). ``background`` samples in a
+    thread, ``prefetch`` batches ahead (default: with CUDA only; see the module docstring).
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class Loader:
         sample: Callable[[ReplayBuffer], Batch] | None = None,
         collector: Any = None,
         batches: int | None = None,
+        background: bool | None = None,
         **sample_kwargs: Any,
     ) -> None:
         import torch
@@ -126,8 +131,11 @@ class Loader:
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._staging: list[_Staging] = []
         self._layout: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] | None = None
+        self._made = 0
+        self._background = self.cuda if background is None else bool(background)
         self._thread = threading.Thread(target=self._produce, name="shmbuffer-loader", daemon=True)
-        self._thread.start()
+        if self._background:
+            self._thread.start()
 
     # -- the background thread ----------------------------------------------------------------
     def _produce(self) -> None:
@@ -250,6 +258,8 @@ class Loader:
             self._end()
         if self._collector is not None:
             self._collector.check()
+        if not self._background:
+            return self._next_here()
         while True:
             try:
                 item = self._queue.get(timeout=0.1)
@@ -270,6 +280,26 @@ class Loader:
         if not self.cuda:
             return item
         return self._receive(*item)
+
+    def _next_here(self) -> Batch:
+        """A batch sampled in the caller's thread (no background thread)."""
+        if self._limit is not None and self._made >= self._limit:
+            self._ended = _DONE
+            self._end()
+        try:
+            if self.cuda:
+                item = self._to_device(self._made)
+                assert item is not None
+                batch = self._receive(*item)
+            else:
+                got = self._to_cpu()
+                assert got is not None
+                batch = got
+        except BaseException as exc:
+            self._ended = exc
+            raise
+        self._made += 1
+        return batch
 
     def _end(self) -> NoReturn:
         """Raise what ended the loader: its error, or ``StopIteration``."""

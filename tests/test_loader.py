@@ -54,10 +54,11 @@ def within(seconds: float, fn: Callable[[], Any]) -> Any:
     return out.get("value")
 
 
-def test_cpu_batches(make: Make, name: str) -> None:
+@pytest.mark.parametrize("background", [True, False])
+def test_cpu_batches(background: bool, make: Make, name: str) -> None:
     buf = make(MUJOCO, capacity=100, name=name)
     buf.push(transition(0, 100))
-    with Loader(buf, 32, prefetch=3, batches=10) as loader:
+    with Loader(buf, 32, prefetch=3, batches=10, background=background) as loader:
         got = list(loader)
     assert len(got) == 10
     for batch in got:
@@ -87,7 +88,7 @@ def test_custom_sampler(make: Make, name: str) -> None:
 
 def test_an_error_in_the_thread_reaches_the_learner(make: Make, name: str) -> None:
     buf = make(MUJOCO, capacity=10, name=name)  # empty: sampling raises
-    loader = Loader(buf, 4)
+    loader = Loader(buf, 4, background=True)
     with pytest.raises(sb.EmptyBufferError, match="empty"):
         next(loader)
     loader.close()
@@ -97,11 +98,21 @@ def test_an_error_in_the_thread_reaches_the_learner(make: Make, name: str) -> No
 def test_close_stops_the_thread(make: Make, name: str) -> None:
     buf = make(MUJOCO, capacity=100, name=name)
     buf.push(transition(0, 100))
-    loader = Loader(buf, 8, prefetch=2)
+    loader = Loader(buf, 8, prefetch=2, background=True)
     next(loader)
+    assert loader._thread.is_alive()
     loader.close()
     loader.close()
     assert not loader._thread.is_alive()
+
+
+def test_on_the_cpu_batches_are_sampled_in_the_callers_thread(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=100, name=name)
+    buf.push(transition(0, 100))
+    with Loader(buf, 8, batches=3) as loader:
+        got = list(loader)
+        assert not loader._thread.is_alive() and len(got) == 3
+    assert buf.stats["sampled"] == 24  # nothing sampled ahead
 
 
 def test_gather_into_given_memory(make: Make, name: str) -> None:
@@ -123,23 +134,24 @@ def test_cpu_device_is_refused_for_cuda_without_gpu(make: Make, name: str) -> No
         Loader(buf, 4, device="cuda")
 
 
-def test_next_after_the_end_does_not_hang(make: Make, name: str) -> None:
+@pytest.mark.parametrize("background", [True, False])
+def test_next_after_the_end_does_not_hang(background: bool, make: Make, name: str) -> None:
     """After the last batch, close() or an error, next() answers at once, again (r01)."""
     buf = make(MUJOCO, capacity=64, name=name)
     buf.push(transition(0, 32))
-    loader = Loader(buf, 4, batches=2)
+    loader = Loader(buf, 4, batches=2, background=background)
     assert len(within(10, lambda: list(loader))) == 2
     assert within(3, lambda: list(loader)) == []  # a second pass is empty, not stuck
     with pytest.raises(StopIteration):
         within(3, lambda: next(loader))
-    endless = Loader(buf, 4)
+    endless = Loader(buf, 4, background=background)
     seq_of(next(endless).numpy())
     endless.close()
     with pytest.raises(StopIteration):
         within(3, lambda: next(endless))
     assert within(3, lambda: list(endless)) == [] and not endless._thread.is_alive()
     empty = make(MUJOCO, capacity=8, name=name + "e")
-    failing = Loader(empty, 4)
+    failing = Loader(empty, 4, background=background)
     with pytest.raises(sb.EmptyBufferError, match="empty") as first:
         within(10, lambda: next(failing))
     for _ in range(2):
@@ -155,7 +167,7 @@ def test_close_while_a_rate_limiter_holds_the_sample(make: Make, name: str) -> N
     limiter = sb.RateLimiter(min_size=20, timeout=30.0)
     buf = make(MUJOCO, capacity=64, limiter=limiter, name=name)
     buf.push(transition(0, 10))
-    loader = Loader(buf, 4)
+    loader = Loader(buf, 4, background=True)
     time.sleep(0.3)  # the thread is waiting for min_size
     t0 = time.monotonic()
     loader.close()
@@ -167,14 +179,15 @@ def test_close_while_a_rate_limiter_holds_the_sample(make: Make, name: str) -> N
         next(loader)
 
 
+@pytest.mark.parametrize("background", [True, False])
 @pytest.mark.parametrize("where", ["sample_kwargs", "limiter"])
-def test_a_sliced_sample_keeps_its_timeout(where: str, make: Make, name: str) -> None:
+def test_a_sliced_sample_keeps_its_timeout(where: str, background: bool, make: Make, name: str) -> None:
     """The slices add up to the timeout given to the loader, or else to the limiter's."""
     limiter = sb.RateLimiter(min_size=20, timeout=0.8 if where == "limiter" else 30.0)
     buf = make(MUJOCO, capacity=64, limiter=limiter, name=name)
     buf.push(transition(0, 10))
     kwargs = {"timeout": 0.8} if where == "sample_kwargs" else {}
-    with Loader(buf, 4, **kwargs) as loader:
+    with Loader(buf, 4, background=background, **kwargs) as loader:
         t0 = time.monotonic()
         with pytest.raises(sb.WaitTimeout, match=r"no batch of 4 rows after 0\.8 s; the last try: .*rate limiter"):
             within(10, lambda: next(loader))
@@ -182,13 +195,14 @@ def test_a_sliced_sample_keeps_its_timeout(where: str, make: Make, name: str) ->
     assert buf.stats["sampled"] == 0
 
 
-def test_a_sliced_sample_gets_its_batch_when_the_limiter_opens(make: Make, name: str) -> None:
+@pytest.mark.parametrize("background", [True, False])
+def test_a_sliced_sample_gets_its_batch_when_the_limiter_opens(background: bool, make: Make, name: str) -> None:
     buf = make(MUJOCO, capacity=64, limiter=sb.RateLimiter(min_size=20, timeout=30.0), name=name)
     buf.push(transition(0, 10))
     late = threading.Timer(10 * SLICE, lambda: buf.push(transition(10, 10)))
     late.start()
     try:
-        with Loader(buf, 4, batches=1) as loader:
+        with Loader(buf, 4, batches=1, background=background) as loader:
             got = within(20, lambda: list(loader))
     finally:
         late.join()
