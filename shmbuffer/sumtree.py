@@ -29,9 +29,18 @@ import numpy as np
 FANOUT = 16
 TOP = 4096
 _ONES = np.ones(FANOUT)
-_PREFIX = np.triu(np.ones((FANOUT, FANOUT)))
-"""``children @ _PREFIX`` is the running sum along each row, ``children @ _ONES`` its total: one
-BLAS call each, several times faster than ``cumsum``/``sum`` along rows of 16."""
+_WORDS = np.ones(FANOUT // 8, np.int64)
+_BEFORE = np.triu(np.ones((FANOUT, FANOUT)), k=1)
+"""``children @ _BEFORE`` is the mass before each child along each row, ``children @ _ONES`` the
+row's total: one BLAS call each, several times faster than ``cumsum``/``sum`` along rows of 16."""
+
+
+def _count_true(rows: np.ndarray) -> np.ndarray:
+    """How many of each row of a ``(n, FANOUT)`` bool array are true, as int64."""
+    if hasattr(np, "bitwise_count"):  # numpy >= 2: a popcount of the bools, 8 at a time
+        bits = np.bitwise_count(rows.view(np.uint64))
+        return bits @ _WORDS
+    return rows.sum(axis=1)
 
 
 def _plan(capacity: int) -> list[int]:
@@ -88,7 +97,9 @@ class SumTree:
     def update(self, slots: np.ndarray, values: np.ndarray | float) -> None:
         """Set the leaves ``slots`` to ``values`` (>= 0, finite) and recompute their ancestors."""
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
-        values = np.broadcast_to(np.asarray(values, dtype=np.float64), slots.shape)
+        values = np.asarray(values, dtype=np.float64)
+        if values.shape != slots.shape:
+            values = np.full(slots.shape, values)
         if not slots.size:
             return
         # numpy assigns a repeated index in order, so the last value wins, as one at a time
@@ -104,27 +115,29 @@ class SumTree:
 
     def find(self, mass: np.ndarray) -> np.ndarray:
         """The slot holding each point of ``mass`` (in ``[0, total)``): for uniform ``mass``,
-        slot ``i`` comes with probability ``leaf_i / total``. A point that rounding pushes past the
-        end of a node's range goes to its last positive child, so while the total is positive only
-        slots of positive leaves come back (a racing update aside)."""
+        slot ``i`` comes with probability ``leaf_i / total``. Rounding can push a point to the very
+        end of a node's range, onto a child of 0 there; callers check the leaves they get."""
         u = np.array(mass, dtype=np.float64).reshape(-1)
+        n = u.shape[0]
         cum = self._cum
-        last = int(np.searchsorted(cum, cum[-1], side="left"))  # the last top node with mass
-        node = np.minimum(np.searchsorted(cum, u, side="right"), min(last, cum.shape[0] - 1))
+        node = np.searchsorted(cum, u, side="right")
+        np.minimum(node, cum.shape[0] - 1, out=node)
         u -= np.where(node > 0, cum[node - 1], 0.0)
-        rows = np.arange(u.shape[0])
+        np.maximum(u, 0.0, out=u)
+        starts = np.arange(0, n * FANOUT, FANOUT)
+        bound = u[:, None]
         for sums, _ in reversed(self._blocks):
             # a reader racing an update (readers do not lock) may see a parent whose children
             # were just zeroed and walk past the end of a level: stay inside; callers check leaves
             np.minimum(node, sums.shape[0] - 1, out=node)
-            children = sums.take(node, axis=0)
-            part = children @ _PREFIX
-            pick = (part <= u[:, None]).sum(axis=1)
-            past = np.flatnonzero(pick == FANOUT)
-            if past.size:  # rounding put u at the node's end: its last positive child
-                pick[past] = FANOUT - 1 - np.argmax(children[past, ::-1] > 0, axis=1)
-            u -= part[rows, pick] - children[rows, pick]  # the mass before the child picked
-            node = node * FANOUT + pick
+            before = sums.take(node, axis=0) @ _BEFORE
+            # children whose mass starts at or below u, counted 8 bytes (8 bools) at a time
+            counts = _count_true(before <= bound)
+            counts -= 1  # the last child whose mass starts at or below u
+            np.maximum(counts, 0, out=counts)
+            u -= before.ravel().take(starts + counts)
+            node *= FANOUT
+            node += counts
         return np.minimum(node, self.capacity - 1, out=node)
 
     def rebuild(self) -> None:
