@@ -171,13 +171,16 @@ def free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
-def read_header(name: str) -> Header:
-    """Read a block's header and metadata with ``pread``; raises if it is not one of ours."""
-    path = path_of(check_name(name))
+def _open(name: str, flags: int = os.O_RDONLY) -> int:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        return os.open(path_of(check_name(name)), flags)
     except FileNotFoundError:
         raise SegmentNotFound(_not_found(name)) from None
+
+
+def read_header(name: str) -> Header:
+    """Read a block's header and metadata with ``pread``; raises if it is not one of ours."""
+    fd = _open(name)
     try:
         return _parse_header(name, fd, os.fstat(fd).st_size)
     finally:
@@ -194,11 +197,7 @@ def unfinished_creator(name: str) -> tuple[int, float] | None:
     """The creator (pid, start time) of a block whose magic is not written yet: one being created,
     or one whose creator died creating it. ``None`` for a block with its magic, or one that names no
     creator (too short, another layout version, pid 0)."""
-    path = path_of(check_name(name))
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise SegmentNotFound(_not_found(name)) from None
+    fd = _open(name)
     try:
         raw = os.pread(fd, _HEADER.size, 0)
     finally:
@@ -372,10 +371,7 @@ class Segment:
     @classmethod
     def attach(cls, name: str) -> Segment:
         path = path_of(check_name(name))
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            raise SegmentNotFound(_not_found(name)) from None
+        fd = _open(name, os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
             if size < _HEADER.size:
