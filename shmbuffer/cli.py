@@ -289,7 +289,7 @@ def _bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shmbuffer", description="A replay buffer in shared memory.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the demo")
+    demo = sub.add_parser("demo", help="run the demo (shmbuffer demo --help: its settings)", add_help=False)
     demo.set_defaults(run=_demo)
     p = sub.add_parser("ls", help="list the buffers in /dev/shm")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -51,3 +51,19 @@ def test_example_runs(example: str) -> None:
 
 def test_every_example_is_smoke_tested() -> None:
     assert sorted(p.name for p in (ROOT / "examples").glob("*.py")) == sorted(EXAMPLES)
+
+
+def test_the_demo_command_runs() -> None:
+    """``shmbuffer demo`` end to end with tiny settings (learning itself is measured, not tested:
+    see the README), through the installed command's code path."""
+    env = {**os.environ, "PYTHONWARNINGS": "error", "PYTHONPATH": str(ROOT)}
+    args = ["--max-seconds", "3", "--learning-starts", "300", "--eval-every", "50", "--eval-episodes", "2",
+            "--capacity", "4000", "--target", "1000"]
+    out = subprocess.run([sys.executable, "-m", "shmbuffer.cli", "demo", *args], capture_output=True, text=True,
+                         timeout=240, env=env, cwd=ROOT)
+    assert out.returncode == 1, out.stdout + out.stderr  # a target of 1000 cannot be reached: exit 1
+    assert out.stderr == "", out.stderr
+    assert "NOT SOLVED: mean evaluation return" in out.stdout and "2 collector processes" in out.stdout
+    help_text = subprocess.run([sys.executable, "-m", "shmbuffer.cli", "demo", "--help"], capture_output=True,
+                               text=True, timeout=60, env=env, cwd=ROOT)
+    assert "--samples-per-insert" in help_text.stdout
