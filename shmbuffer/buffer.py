@@ -12,7 +12,8 @@ existing block by name or handle and never removes it. ``close()`` unmaps this p
 (``BufferError`` while arrays from ``view()``/``column()`` are alive; call it again after deleting
 them); ``unlink()`` removes the name, and happens by itself when the creator exits or drops the
 buffer. Both are idempotent. As a context manager the creator closes and unlinks; an attacher only
-closes; views still alive at the end of the block keep this process's mapping until they go. A buffer pickles as its handle, so passing it to a spawned worker attaches there.
+closes; views still alive at the end of the block keep this process's mapping until they go. A
+buffer pickles as its handle, so passing it to a spawned worker attaches there.
 
 Reading: ``sample`` and ``get`` return stamped copies (never a torn row, see ``ring.py``);
 ``view`` and ``column`` return zero-copy, read-only views of live memory, which writers may
