@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 import shmbuffer as sb
 from shmbuffer import persistence, segment
 
-from .conftest import MUJOCO, seq_of, transition
+from .conftest import MUJOCO, discard, seq_of, transition
 
 Make = Callable[..., sb.ReplayBuffer]
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v1"
@@ -33,12 +33,7 @@ def loaded() -> Iterator[list[sb.ReplayBuffer]]:
     """Buffers made by ``load``: closed and unlinked after the test."""
     made: list[sb.ReplayBuffer] = []
     yield made
-    for buf in made:
-        try:
-            buf.close()
-        except BufferError:
-            pass
-        buf.unlink()
+    discard(made)
 
 
 def push_lane(buf: sb.ReplayBuffer, lane: int, k: int, **kw: Any) -> np.ndarray:
