@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,6 +29,18 @@ def _hold(handle: sb.BufferHandle, seconds: float, held: object) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(seconds)
     buf.ring.lock.release()
+
+
+def holding(buf: sb.ReplayBuffer, seconds: float, procs: list) -> Any:
+    """A spawned process that holds ``buf``'s lock for ``seconds`` (or dies holding it when
+    negative); returns once it holds it."""
+    ctx = mp.get_context("spawn")
+    held = ctx.Event()
+    p = ctx.Process(target=_hold, args=(buf.handle, seconds, held))
+    p.start()
+    procs.append(p)
+    assert held.wait(60)
+    return p
 
 
 def test_threads_are_serialised(make: Make, name: str) -> None:
@@ -50,13 +63,8 @@ def test_threads_are_serialised(make: Make, name: str) -> None:
 
 
 def test_a_dead_holder_is_recovered(make: Make, name: str, procs: list) -> None:
-    ctx = mp.get_context("spawn")
     buf = make(MUJOCO, capacity=10, name=name)
-    held = ctx.Event()
-    p = ctx.Process(target=_hold, args=(buf.handle, -1, held))
-    p.start()
-    procs.append(p)
-    assert held.wait(60)
+    p = holding(buf, -1, procs)
     p.join(30)
     buf.ring.lock.acquire(timeout=5)
     buf.ring.lock.release()
@@ -64,13 +72,8 @@ def test_a_dead_holder_is_recovered(make: Make, name: str, procs: list) -> None:
 
 
 def test_a_live_holder_times_out_others(make: Make, name: str, procs: list) -> None:
-    ctx = mp.get_context("spawn")
     buf = make(MUJOCO, capacity=10, name=name)
-    held = ctx.Event()
-    p = ctx.Process(target=_hold, args=(buf.handle, 3.0, held))
-    p.start()
-    procs.append(p)
-    assert held.wait(60)
+    holding(buf, 3.0, procs)
     start = time.monotonic()
     with pytest.raises(sb.WaitTimeout, match=r"waited 0\.2 s for the buffer.s lock"):
         buf.ring.lock.acquire(timeout=0.2)
@@ -98,13 +101,8 @@ def test_ctrl_c_while_waiting_leaves_the_lock_free(make: Make, name: str, procs:
     KeyboardInterrupt comes promptly, and this process does not keep the lock afterwards."""
     import signal as sig
 
-    ctx = mp.get_context("spawn")
     buf = make(MUJOCO, capacity=10, name=name)
-    held = ctx.Event()
-    p = ctx.Process(target=_hold, args=(buf.handle, 2.0, held))
-    p.start()
-    procs.append(p)
-    assert held.wait(60)
+    p = holding(buf, 2.0, procs)
     timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), sig.SIGINT))
     start = time.monotonic()
     timer.start()
@@ -123,12 +121,7 @@ def test_a_recovered_lock_repairs_the_priority_tree(make: Make, name: str, procs
     buf.push(transition(0, 100), priority=np.ones(100))
     tree = buf._prios.tree  # type: ignore[union-attr]
     tree._cum[:] = 0  # what a holder killed half-way through an update could leave
-    ctx = mp.get_context("spawn")
-    held = ctx.Event()
-    p = ctx.Process(target=_hold, args=(buf.handle, -1, held))
-    p.start()
-    procs.append(p)
-    assert held.wait(60)
+    p = holding(buf, -1, procs)
     p.join(30)
     buf.push(transition(100, 1), priority=[1.0])  # the next locker recovers the lock and repairs
     assert buf.stats["lock_recoveries"] == 1
