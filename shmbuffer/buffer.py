@@ -572,6 +572,8 @@ class ReplayBuffer:
         else:
             block = self._block.take(slots, axis=0, out=out["_block"]) if self._block is not None else None
             big = {name: col.take(slots, axis=0, out=out[name]) for name, col in self._big.items()}
+        if self._episode is not None:  # part of the row: read between the two stamp reads
+            big["_episode"] = self._episode.take(slots)
         second = stamp.take(slots)
         return first, second, block, big
 
@@ -579,7 +581,10 @@ class ReplayBuffer:
         fields = self._record.views(block) if block is not None else {}
         fields.update(big)
         ordered = {name: fields[name] for name in self.schema.names}
-        return Batch(ordered, {"index": ids}, block=block, record=self._record if block is not None else None)
+        extras = {"index": ids}
+        if "_episode" in big:
+            extras["episode"] = big["_episode"]
+        return Batch(ordered, extras, block=block, record=self._record if block is not None else None)
 
     def _fetch(
         self,

@@ -316,7 +316,13 @@ def add_n_step(
     """Turn a sampled batch into n-step transitions, in place: ``reward`` becomes the discounted
     return over up to ``n_step`` steps of the row's episode, ``next_obs`` the observation after the
     last step used, ``done`` whether that step ended the episode; ``steps`` says how many steps
-    were used (bootstrap with ``gamma ** steps``)."""
+    were used (bootstrap with ``gamma ** steps``).
+
+    The batch's rows and their episode ids (``batch.episode``) were read under one stamp check
+    when it was gathered; the rows after each one are gathered here under their own: a following
+    row counts only while it is committed, of the row's lane and of the row's episode *as read
+    with the row* (its slot may hold another row by now). A window whose last row's large
+    ``next_obs`` changed before it was read is gathered again."""
     what = f"n_step={n_step}"
     _need_episodes(buf, what)
     names = names or {}
@@ -328,33 +334,47 @@ def add_n_step(
         if name not in packed:
             raise FieldError(f"{what}: field {name!r} must be a small field (a scalar per row)")
     n = len(batch)
-    ids, inside = window_ids(buf.ring, batch.index, np.arange(n_step))
-    ok, episode, block, _ = gather_windows(buf, ids, fields=())
-    valid = inside & ok & (episode == episode[:, :1])
-    valid[:, 0] = True  # the row itself was checked when the batch was gathered
-    mask = window_mask(valid, 0)
-    assert block is not None
-    views = buf._record.views(block)
-    rewards = views[reward].reshape(n, n_step).copy()
-    dones = views[done].reshape(n, n_step).copy()
-    rewards[:, 0] = batch.fields[reward]
-    dones[:, 0] = batch.fields[done]
-    ret, steps, last_done = n_step_return(rewards, dones, mask, gamma)
-    rows = np.arange(n)
-    last = ids[rows, steps - 1]
-    if next_obs in packed:
-        following = views[next_obs].reshape(n, n_step, *views[next_obs].shape[1:])[rows, steps - 1]
-    else:  # a large field: gather it for the last rows only, and check them again
-        ok2, _, _, got = gather_windows(buf, last, fields=(next_obs,))
-        following = got[next_obs]
-        if not ok2.all():  # the last row changed meanwhile: one step for those rows
-            steps = np.where(ok2, steps, 1)
-            ret = np.where(ok2, ret, rewards[:, 0])
-            last_done = np.where(ok2, last_done, dones[:, 0].astype(bool))
-    use = steps > 1
-    batch.fields[next_obs][use] = following[use]
-    batch.fields[reward][...] = ret
-    batch.fields[done][...] = last_done
+    own_episode = batch.extras["episode"]
+    own_reward = batch.fields[reward].reshape(n)
+    own_done = batch.fields[done].reshape(n)
+    ret = np.empty(n)
+    steps = np.ones(n, np.int64)
+    last_done = own_done.astype(bool)
+    following = batch.fields[next_obs].copy()
+    todo = np.arange(n)
+    while todo.size:
+        m = todo.size
+        ids, inside = window_ids(buf.ring, batch.index[todo], np.arange(1, n_step))
+        ok, episode, block, _ = gather_windows(buf, ids, fields=())
+        valid = np.ones((m, n_step), bool)
+        valid[:, 1:] = inside & ok & (episode == own_episode[todo, None])
+        mask = window_mask(valid, 0)
+        rewards = np.empty((m, n_step))
+        dones = np.empty((m, n_step), bool)
+        rewards[:, 0], dones[:, 0] = own_reward[todo], own_done[todo]
+        if block is not None and n_step > 1:
+            views = buf._record.views(block)
+            rewards[:, 1:] = views[reward].reshape(m, n_step - 1)
+            dones[:, 1:] = views[done].reshape(m, n_step - 1)
+        r, k, d = n_step_return(rewards, dones, mask, gamma)
+        ret[todo], steps[todo], last_done[todo] = r, k, d
+        more = np.flatnonzero(k > 1)
+        if not more.size:
+            break
+        last = ids[more, k[more] - 2]
+        if next_obs in packed:
+            got = buf._record.views(block)[next_obs].reshape(m, n_step - 1, *following.shape[1:])
+            following[todo[more]] = got[more, k[more] - 2]
+            break
+        # a large field: gathered for the last rows only, under its own stamp check; a window
+        # whose last row changed meanwhile is gathered again (it is shorter then)
+        ok2, episode2, _, got_big = gather_windows(buf, last, fields=(next_obs,))
+        fine = ok2 & (episode2 == own_episode[todo[more]])
+        following[todo[more[fine]]] = got_big[next_obs][fine]
+        todo = todo[more[~fine]]
+    batch.fields[next_obs][...] = following
+    batch.fields[reward][...] = ret.reshape(batch.fields[reward].shape)
+    batch.fields[done][...] = last_done.reshape(batch.fields[done].shape)
     batch.extras["steps"] = steps
 
 

@@ -315,3 +315,91 @@ def test_sequence_batch_to_torch(make: Make, name: str) -> None:
     Lane(0, 0).fill(buf, 32)
     t = buf.sample_sequences(4, 3).to("cpu")
     assert t.obs.shape == (4, 3, 17) and t.mask.dtype == torch.bool
+
+
+# -- n-step under concurrency (the anchor's episode is the one read with the anchor) --------------
+
+
+def test_n_step_anchor_overwritten_before_the_window_is_read(make: Make, name: str, monkeypatch: Any) -> None:
+    """The anchor row's slot is overwritten between the batch's stamped gather and the n-step
+    window's gather, by a row of the episode that follows the anchor's: the window must still be
+    judged by the anchor's own episode (read with it), never by the new row's."""
+    from shmbuffer import sequences
+
+    buf = make(MUJOCO, capacity=8, episodes=True, sampler=sb.Prioritized(alpha=1.0, eps=0.0), name=name)
+    for t in range(8):  # row 0 ends episode 0 by truncation (no done); rows 1.. are episode 1
+        row = transition(t)
+        row["done"] = np.asarray(False)
+        buf.push(row, episode=0 if t == 0 else 1, priority=1.0 if t == 0 else 0.0)
+    original = sequences.window_ids
+    calls = []
+
+    def overwrite_then_read(*args: Any) -> Any:
+        if not calls:
+            row = transition(8)
+            row["done"] = np.asarray(False)
+            buf.push(row, episode=1, priority=0.0)  # lands in row 0's slot
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(sequences, "window_ids", overwrite_then_read)
+    batch = buf.sample(4, n_step=3, gamma=0.5)
+    assert calls, "the window was not gathered"
+    assert batch.obs[:, 0].tolist() == [0.0] * 4  # the anchor's copy, intact
+    assert batch.steps.tolist() == [1] * 4, "the window crossed into the next episode"
+    assert batch.reward.tolist() == [0.0] * 4
+    assert np.array_equal(batch.next_obs, np.stack([transition(0)["next_obs"]] * 4))
+    assert batch.episode.tolist() == [0] * 4
+
+
+def _check_n_step(batch: Any, rows: dict[int, tuple[int, bool]], n: int, gamma: float) -> int:
+    """Every transition against the rows it was built from; returns how many used > 1 step."""
+    longer = 0
+    for i in range(len(batch)):
+        seq = int(batch.obs[i, 0])
+        ep, _ = rows[seq]
+        k = int(batch.steps[i])
+        assert 1 <= k <= n
+        ret, done = 0.0, False
+        for j in range(k):
+            e, d = rows[seq + j]
+            assert e == ep, f"row {seq}: step {j} is from episode {e}, the row's is {ep}"
+            assert not done, f"row {seq}: step {j} follows a done"
+            ret += gamma**j * float(seq + j)
+            done = d
+        assert batch.reward[i] == pytest.approx(ret, rel=1e-6), f"row {seq}: return {batch.reward[i]}, expected {ret}"
+        assert bool(batch.done[i]) == done
+        assert np.array_equal(batch.next_obs[i], transition(seq + k - 1)["next_obs"])
+        assert int(batch.episode[i]) == ep
+        longer += k > 1
+    return longer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampler", [sb.Uniform(), sb.Prioritized()])
+def test_n_step_while_writers_push(sampler: Any, make: Make, name: str, procs: list) -> None:
+    """Two writer processes, one env a lane, episodes ending by termination or by truncation (a
+    new episode id without done), a small ring that laps all the time: every sampled n-step
+    transition equals the one computed from the rows it was built from."""
+    replay = [Lane(0, 0), Lane(1, 1)]
+    for lane in replay:
+        for _ in range(150_000):
+            lane.step()
+    rows = {seq: (ep, d) for lane in replay for seq, ep, d in lane.rows}
+    buf = make(MUJOCO, capacity=2 * 16, lanes=2, episodes=True, sampler=sampler, name=name)
+    ctx = mp.get_context("spawn")
+    for lane in (0, 1):
+        p = ctx.Process(target=_lane_writer, args=(buf.handle, lane, 3.0))
+        p.start()
+        procs.append(p)
+    while len(buf) < 16:
+        time.sleep(0.01)
+    sampled = longer = 0
+    while any(p.is_alive() for p in procs):
+        batch = buf.sample(64, n_step=3, gamma=0.5)
+        longer += _check_n_step(batch, rows, 3, 0.5)
+        sampled += 64
+    for p in procs:
+        p.join(10)
+        assert p.exitcode == 0
+    assert sampled > 2000 and longer > sampled // 10
