@@ -65,6 +65,22 @@ class Batch:
         self._record = record
         self._lead = lead  # the leading dims of the fields when the block's rows are (B, T) flattened
 
+    @property
+    def block(self) -> Any:
+        """The packed small fields of these rows, ``(rows, itemsize)`` uint8 (``schema.Record``),
+        when the batch was gathered from them; the small fields are views of it."""
+        return self._block
+
+    @property
+    def record(self) -> Record | None:
+        """Where each small field sits in ``block`` (``None`` without a block)."""
+        return self._record
+
+    @property
+    def lead(self) -> tuple[int, ...] | None:
+        """The leading dimensions of windows ``(n, T)`` whose rows ``block`` holds flattened."""
+        return self._lead
+
     def __getattr__(self, name: str) -> Any:
         try:
             return self.fields[name]

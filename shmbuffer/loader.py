@@ -63,8 +63,8 @@ _CLOSED = object()  # close() ended the loader
 
 def _host_arrays(batch: Batch) -> dict[str, np.ndarray]:
     """What travels to the device: the packed block, each field outside it, each extra."""
-    record = batch._record if batch._block is not None else None
-    out: dict[str, Any] = {"_block": batch._block} if record is not None else {}
+    record = batch.record if batch.block is not None else None
+    out: dict[str, Any] = {"_block": batch.block} if record is not None else {}
     out.update({k: v for k, v in batch.fields.items() if record is None or k not in record.offsets})
     out.update({f"extra:{k}": v for k, v in batch.extras.items()})
     return {k: np.asarray(v) for k, v in out.items()}
@@ -241,13 +241,13 @@ class Loader:
             stage.event = torch.cuda.Event()
             stage.event.record(self._stream)
         fields: dict[str, Any] = {}
-        if "_block" in moved and batch._record is not None:
-            fields = torch_views(moved["_block"], batch._record)
-            if batch._lead is not None:  # (n, T) windows: the block's rows are flattened
-                fields = {k: v.view(*batch._lead, *v.shape[1:]) for k, v in fields.items()}
+        if "_block" in moved and batch.record is not None:
+            fields = torch_views(moved["_block"], batch.record)
+            if batch.lead is not None:  # (n, T) windows: the block's rows are flattened
+                fields = {k: v.view(*batch.lead, *v.shape[1:]) for k, v in fields.items()}
         out = {name: fields[name] if name in fields else moved[name] for name in batch.fields}
         extras = {k[6:]: v for k, v in moved.items() if k.startswith("extra:")}
-        return Batch(out, extras, block=moved.get("_block"), record=batch._record, lead=batch._lead), stage.event
+        return Batch(out, extras, block=moved.get("_block"), record=batch.record, lead=batch.lead), stage.event
 
     # -- the learner's side -------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:

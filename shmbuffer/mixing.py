@@ -208,9 +208,9 @@ class Mix:
         for key in ("steps", "mask"):
             if all(key in p.extras for _, p in parts):
                 extras[key] = np.concatenate([p.extras[key] for _, p in parts])
-        if self._packed and all(p._block is not None for _, p in parts):
-            block = np.concatenate([p._block for _, p in parts])
-            record = parts[0][1]._record
+        if self._packed and all(p.block is not None for _, p in parts):
+            block = np.concatenate([p.block for _, p in parts])
+            record = parts[0][1].record
             assert record is not None
             views = record.views(block)  # the fields as views of one block: one copy to a device
             fields = {name: views[name] if name in views else fields[name] for name in self.fields}
