@@ -36,7 +36,16 @@ from .batch import Batch
 from .errors import ClosedError, EmptyBufferError, FieldError, LayoutError, ReadOnlyError, SchemaError, WaitTimeout
 from .limiter import RateLimiter
 from .ring import INVALID, Ring
-from .samplers import Priorities, Prioritized, Sampler, Uniform, check_priorities, sampler_from_json, uniform_ids
+from .samplers import (
+    Priorities,
+    Prioritized,
+    Sampler,
+    Uniform,
+    check_ids,
+    check_priorities,
+    sampler_from_json,
+    uniform_ids,
+)
 from .schema import Schema
 from .segment import ColumnSpec, Segment
 
@@ -199,7 +208,7 @@ class ReplayBuffer:
         self._ring = Ring(arrays, initialise=initialise)
         self._prios = Priorities(arrays, opts.sampler, opts.max_use, initialise=initialise) if opts.tree else None
         if self._prios is not None:
-            self._ring.repairs.append(self._prios.tree.rebuild)
+            self._ring.repairs.append(self._prios.repair)  # no cycle through the ring: close() stays prompt
         self._episode = arrays.get("_episode")
         self._record = schema.record
         self._block = arrays.get("_record")
@@ -404,18 +413,17 @@ class ReplayBuffer:
     def update_priorities(self, rows: Batch | Any, priorities: Any) -> int:
         """Set the priorities of sampled rows (a batch, or its ``index``), from any process.
 
-        Rows overwritten since they were sampled are skipped; returns how many were updated.
-        NaN, infinite or negative priorities raise ``FieldError`` and change nothing.
+        Rows overwritten or cleared since they were sampled are skipped; returns how many were
+        updated. NaN, infinite or negative priorities, priorities too large for the tree (see
+        ``samplers.MAX_LEAF``), ids that are not integers and ids that never named a row
+        (``UnknownIdError``) raise ``FieldError`` and change nothing.
         """
         ring = self.ring
         prios = self._prios
         if prios is None or not prios.prioritized:
             raise FieldError("update_priorities: this buffer samples uniformly; create it with sampler=Prioritized(...)")
-        ids = rows.index if isinstance(rows, Batch) else rows
-        if hasattr(ids, "detach"):
-            ids = ids.detach().cpu().numpy()
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        p = check_priorities(priorities, ids.size)
+        ids = check_ids(rows.index if isinstance(rows, Batch) else rows, "update_priorities", ring.bounds()[1])
+        p = prios.check(priorities, ids.size, "update_priorities: priority")
         with ring.lock:
             live = ring.current(ids)
             prios.set_rows(ring.slots(ids[live]), p[live], fresh=False)
@@ -738,11 +746,11 @@ class ReplayBuffer:
     def take(self, ids: Any) -> Batch:
         """Rows by id (an earlier ``batch.index``; DI-engine's ``sample(indices=...)``), as a
         stamped copy. Raises ``EmptyBufferError`` naming ids whose rows are gone (overwritten,
-        cleared, or being written)."""
+        cleared, or being written), ``UnknownIdError`` (a ``FieldError`` and an
+        ``EmptyBufferError``) naming ids that never named a row, ``FieldError`` for ids that are
+        not integers."""
         ring = self.ring
-        if hasattr(ids, "detach"):
-            ids = ids.detach().cpu().numpy()
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = check_ids(ids, "take", ring.bounds()[1])
         if not ids.size:
             raise ValueError("take: expected at least one id")
         first, second, block, big = self._gather(ring.slots(ids))

@@ -55,6 +55,27 @@ file order, each ``{"name", "dtype" (CODE), "shape", "numpy" (the buffer's numpy
 
 A later format version adds a reader to ``READERS`` and keeps the older ones.
 
+Files, and what a load checks
+-----------------------------
+``save`` creates ``path`` with mode 0700 when it does not exist; an existing ``path`` must be a
+directory (not a symbolic link) of the saving user, and may hold a save only with
+``overwrite=True``. Both files are written under fresh names (``.NAME.<save_id>.tmp``) opened
+with ``O_CREAT | O_EXCL | O_NOFOLLOW`` relative to the opened directory, made mode 0600 whatever
+the umask, and renamed into place (rows first, ``meta.json`` last): nothing is ever written
+through a link someone planted, and nobody else can read a save.
+
+``load`` opens both files with ``O_NOFOLLOW | O_NONBLOCK`` and reads only regular files (a link,
+a FIFO or a directory raises ``LayoutError``; a FIFO never blocks it). Before it makes any shared
+memory it checks every entry of ``meta.json``: its type, its range and its agreement with the
+others (``0 <= base <= first <= stop <= first +`` the lane's capacity, ``stop * lanes <=
+MAX_ROW`` so that ids and stamps fit an int64, ``rows`` the sum of the lanes', ``max_priority``
+finite, ``>= 0`` and with a leaf of at most ``samplers.MAX_LEAF``, capacity times a row's bytes
+at most ``MAX_BLOCK``, the tensors those of the schema and options); and every entry of the
+safetensors header (object, dtype code, shape, offsets that tile the data section, metadata
+strings). As it reads the rows it checks ``_present`` (0 or 1), ``_leaf`` (in ``[0,
+MAX_LEAF]``) and ``_uses`` (at most ``max_use``). Whatever is malformed raises ``LayoutError``
+naming the file and the entry; JSON nested too deep to parse is malformed too.
+
 A save while writers run
 ------------------------
 ``save`` first reaps the rows of writers that died mid-push (``ring.py``: they read as empty from
@@ -101,9 +122,12 @@ guest memory run at 0.25 GB/s there, 3-6 GB/s once touched.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import secrets
+import stat
 import struct
 import sys
 import time
@@ -115,7 +139,8 @@ from typing import Any
 import numpy as np
 
 from .buffer import Options, ReplayBuffer, _as_schema
-from .errors import CapacityError, ClosedError, LayoutError, SchemaError
+from .errors import CapacityError, ClosedError, LayoutError
+from .samplers import MAX_LEAF, Prioritized
 from .schema import Schema
 from .segment import human
 
@@ -127,7 +152,14 @@ CHUNK_BYTES = 64 << 20
 """Bytes of rows copied (or read) at a time."""
 ALIGN = 64
 MAX_HEADER = 100 << 20
-"""The largest header safetensors accepts."""
+"""The largest header safetensors accepts; also the largest ``meta.json`` a load reads."""
+MAX_ROW = 2**61
+"""Every saved lane's ``stop * lanes`` is at most this: ids (``n * lanes + l``) and stamps
+(``2n + 2``) of its rows, and of the rows pushed after a load for ages to come, fit an int64."""
+MAX_BLOCK = 2**48
+"""A save whose buffer would need more bytes of rows than this (256 TiB) is damaged."""
+_CREATE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 _CODES = {"f8": "F64", "f4": "F32", "f2": "F16", "i8": "I64", "i4": "I32", "i2": "I16", "i1": "I8",
           "u8": "U64", "u4": "U32", "u2": "U16", "u1": "U8", "b1": "BOOL"}
@@ -495,45 +527,118 @@ def _copy_rows(snap: _Snapshot, tensors: list[_Tensor], sink: _FileSink | _Memor
 
 
 # -- save ----------------------------------------------------------------------------------------------
-def save(buf: ReplayBuffer, path: str | os.PathLike[str], *, progress: Progress = False, wait: float = 1.0) -> dict[str, Any]:
-    """Write ``buf``'s rows to the directory ``path`` (created if needed; a save there before is
-    replaced) as ``meta.json`` and ``rows.safetensors`` (see the module docstring), while writers
-    may go on pushing. ``progress``: True for a progress line on stderr, or a callable
-    ``(done_bytes, total_bytes)`` called after each piece. ``wait``: seconds to wait for rows being
-    written when the save starts. Returns a summary: path, rows (saved), holes (empty rows kept as
-    holes), bytes, seconds, dropped (rows within the bounds at the start that were neither saved
-    nor holes), moved (whether the tensors had to be moved over rows dropped late)."""
+def save(buf: ReplayBuffer, path: str | os.PathLike[str], *, progress: Progress = False, wait: float = 1.0,
+         overwrite: bool = False) -> dict[str, Any]:
+    """Write ``buf``'s rows to the directory ``path`` as ``meta.json`` and ``rows.safetensors`` (see
+    the module docstring), while writers may go on pushing. ``path`` is created (mode 0700) if it
+    does not exist; an existing one must be a directory of this user, not a symbolic link, and may
+    hold a save only with ``overwrite=True`` (it is replaced). The files are created afresh (never
+    through a link), mode 0600 whatever the umask, and renamed into place. ``progress``: True for a
+    progress line on stderr, or a callable ``(done_bytes, total_bytes)`` called after each piece.
+    ``wait``: seconds to wait for rows being written when the save starts. Returns a summary: path,
+    rows (saved), holes (empty rows kept as holes), bytes, seconds, dropped (rows within the bounds
+    at the start that were neither saved nor holes), moved (whether the tensors had to be moved
+    over rows dropped late)."""
     t0 = time.perf_counter()
     folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise FileExistsError(f"save: {folder} exists and is not a directory; expected a directory for {META} and {ROWS}")
-    snap = _Snapshot(buf, wait)
-    tensors = _tensors(buf.schema, buf.options)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp, meta_tmp = folder / f".{ROWS}.{os.getpid()}.tmp", folder / f".{META}.{os.getpid()}.tmp"
+    dfd, made = _open_folder(folder)
     save_id = secrets.token_hex(8)
-    bar = _Bar(progress, f"saving {buf.name!r}", sum(r.end - r.keep for r in snap.runs) * sum(t.row_bytes for t in tensors))
-    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_RDWR, 0o644)
+    tmp, meta_tmp = f".{ROWS}.{save_id}.tmp", f".{META}.{save_id}.tmp"
     try:
+        if not overwrite:
+            _refuse_a_save(folder, dfd)
+        snap = _Snapshot(buf, wait)
+        tensors = _tensors(buf.schema, buf.options)
+        bar = _Bar(progress, f"saving {buf.name!r}", sum(r.end - r.keep for r in snap.runs) * sum(t.row_bytes for t in tensors))
+        fd = _create(tmp, dfd)
         try:
             sink = _FileSink(fd, tensors, save_id)
             final, moved = _copy_rows(snap, tensors, sink, bar)
         finally:
             os.close(fd)
             bar.close()
-        meta_tmp.write_text(json.dumps(_meta(buf, snap, tensors, final, save_id), indent=1) + "\n")
-        os.replace(tmp, folder / ROWS)
-        os.replace(meta_tmp, folder / META)
+        fd = _create(meta_tmp, dfd)
+        try:
+            _pwrite(fd, (json.dumps(_meta(buf, snap, tensors, final, save_id), indent=1) + "\n").encode(), 0)
+        finally:
+            os.close(fd)
+        if not overwrite:
+            _refuse_a_save(folder, dfd)  # one made while this one ran
+        os.replace(tmp, ROWS, src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.replace(meta_tmp, META, src_dir_fd=dfd, dst_dir_fd=dfd)
     except BaseException:
-        tmp.unlink(missing_ok=True)
-        meta_tmp.unlink(missing_ok=True)
+        for name in (tmp, meta_tmp):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dfd)
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # only while empty
         raise
+    finally:
+        os.close(dfd)
     holes = sum(r.hole_count() for r in snap.runs)
     return {
         "path": str(folder), "rows": final.rows - holes, "holes": holes, "bytes": sink.data_start + final.data_bytes,
         "seconds": time.perf_counter() - t0, "dropped": sum(r.stop - r.first for r in snap.runs) - final.rows,
         "moved": moved,
     }
+
+
+def _open_folder(folder: Path) -> tuple[int, bool]:
+    """The save directory opened (created with mode 0700 when it does not exist), and whether it
+    was created here. An existing one must be a real directory (not a link) of this user: another
+    user's directory, or a link they could point elsewhere, would let them read or swap the save."""
+    made = False
+    if not os.path.lexists(folder):
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):  # someone else made it meanwhile: checked below
+            os.mkdir(folder, 0o700)
+            made = True
+    expected = f"expected a directory of yours (or a path that does not exist) for {META} and {ROWS}"
+    if os.path.islink(folder):
+        raise FileExistsError(f"save: {folder} is a symbolic link; {expected}: pass the directory it points to")
+    try:
+        dfd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (NotADirectoryError, FileNotFoundError):  # a file, a link or nothing (it was swapped meanwhile)
+        raise FileExistsError(f"save: {folder} exists and is not a directory; {expected}") from None
+    try:
+        st = os.fstat(dfd)
+        if st.st_uid != os.geteuid():
+            raise PermissionError(
+                f"save: {folder} belongs to user {st.st_uid}, not to you (user {os.geteuid()}): its owner could "
+                f"read or replace the save; {expected}"
+            )
+        if made:
+            os.fchmod(dfd, 0o700)  # whatever the umask
+    except BaseException:
+        os.close(dfd)
+        raise
+    return dfd, made
+
+
+def _refuse_a_save(folder: Path, dfd: int) -> None:
+    there = []
+    for name in (META, ROWS):
+        with contextlib.suppress(FileNotFoundError):
+            os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            there.append(name)
+    if there:
+        raise FileExistsError(
+            f"save: {folder} already holds a save ({' and '.join(there)}); pass overwrite=True to replace "
+            "it, or choose another path"
+        )
+
+
+def _create(name: str, dfd: int) -> int:
+    """A new file ``name`` in the directory ``dfd``, mode 0600 whatever the umask: never an
+    existing file, never through a link."""
+    fd = os.open(name, _CREATE, 0o600, dir_fd=dfd)
+    try:
+        os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _meta(buf: ReplayBuffer, snap: _Snapshot, tensors: list[_Tensor], layout: _Layout, save_id: str) -> dict[str, Any]:
@@ -566,31 +671,243 @@ def load(
     """A new buffer (this process its creator) holding what ``save`` wrote to ``path``: the same
     schema and options, the same rows at the same row numbers (so the same ids and ``get`` order),
     priorities, use counts and counters. ``capacity`` may differ from the saved one as long as every
-    lane still holds its saved rows. Files that are damaged, truncated or do not match raise
-    ``LayoutError`` naming the file, before any shared memory is made."""
+    lane still holds its saved rows. Files that are damaged, truncated, do not match, are not
+    regular files (a link, a FIFO) or describe a buffer no machine could hold raise ``LayoutError``
+    naming the file, before any shared memory is made; a missing file raises ``FileNotFoundError``;
+    a buffer larger than ``/dev/shm`` has room for raises ``OutOfSharedMemory``, as creating it would."""
     folder = Path(path)
     meta_file = folder / META
+    fd = _open_regular(meta_file, f"load: {meta_file} does not exist; expected a directory written by shmbuffer.save")
     try:
-        text = meta_file.read_text()
-    except FileNotFoundError:
-        raise FileNotFoundError(
-            f"load: {meta_file} does not exist; expected a directory written by shmbuffer.save"
-        ) from None
+        size = os.fstat(fd).st_size
+        if size > MAX_HEADER:
+            raise LayoutError(f"{meta_file}: {size} bytes, expected at most {MAX_HEADER}: not written by shmbuffer.save")
+        text = os.pread(fd, MAX_HEADER, 0)
+    finally:
+        os.close(fd)
     try:
         meta = json.loads(text)
-    except ValueError as exc:
-        raise LayoutError(f"{meta_file}: not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to parse
+        raise LayoutError(f"{meta_file}: not valid JSON ({type(exc).__name__}: {_clip(str(exc))})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise LayoutError(f"{meta_file}: format {found!r}, expected {FORMAT!r}: not written by shmbuffer.save")
+        raise LayoutError(f"{meta_file}: format {_show(found)}, expected {FORMAT!r}: not written by shmbuffer.save")
     version = meta.get("format_version")
-    reader = READERS.get(version) if isinstance(version, int) else None
+    reader = READERS.get(version) if type(version) is int else None
     if reader is None:
         raise LayoutError(
-            f"{meta_file}: format version {version!r}; this shmbuffer reads versions "
+            f"{meta_file}: format version {_show(version)}; this shmbuffer reads versions "
             f"{', '.join(map(str, READERS))}: load it with a newer shmbuffer"
         )
     return reader(folder, meta, name=name, capacity=capacity, seed=seed)
+
+
+def _open_regular(file: Path, missing: str) -> int:
+    """``file`` opened for reading, never through a link and without blocking (a FIFO would
+    block), or ``LayoutError`` when it is not a regular file."""
+    try:
+        fd = os.open(file, _READ)
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectoryError: the path is a file
+        raise FileNotFoundError(missing) from None
+    except OSError:
+        if os.path.islink(file):  # ELOOP
+            raise LayoutError(
+                f"{file} is a symbolic link; expected the regular file shmbuffer.save wrote (copy the "
+                "file itself, a link could point anywhere)"
+            ) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "special file"
+        raise LayoutError(f"{file} is a {kind}; expected the regular file shmbuffer.save wrote")
+    return fd
+
+
+def _show(value: Any) -> str:
+    """A short description of a JSON value for an error message (never a deep or long repr)."""
+    if isinstance(value, dict):
+        return "a JSON object"
+    if isinstance(value, list):
+        return f"a JSON array of {len(value)}"
+    return _clip(repr(value))
+
+
+def _clip(text: str, most: int = 200) -> str:
+    return text if len(text) <= most else text[:most] + "..."
+
+
+class _Meta:
+    """Reads the entries of a ``meta.json`` object, each checked, or ``LayoutError`` naming it."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+
+    def bad(self, where: str, value: Any, expected: str) -> LayoutError:
+        return LayoutError(
+            f"{self.file}: malformed entry: {where} is {_show(value)}, expected {expected}; the file is damaged or was not "
+            "written by shmbuffer.save: save the buffer again"
+        )
+
+    def get(self, obj: dict[str, Any], key: str, where: str) -> Any:
+        if key not in obj:
+            raise LayoutError(
+                f"{self.file}: missing or malformed entry: {where}{key} is missing; the file is damaged or was "
+                "not written by shmbuffer.save: save the buffer again"
+            )
+        return obj[key]
+
+    def obj(self, obj: dict[str, Any], key: str, where: str = "", keys: set[str] | None = None) -> dict[str, Any]:
+        value = self.get(obj, key, where)
+        if not isinstance(value, dict) or (keys is not None and set(value) != keys):
+            raise self.bad(where + key, value, "an object" + (f" with the keys {sorted(keys)}" if keys else ""))
+        return value
+
+    def array(self, obj: dict[str, Any], key: str, where: str = "") -> list[Any]:
+        value = self.get(obj, key, where)
+        if not isinstance(value, list):
+            raise self.bad(where + key, value, "an array")
+        return value
+
+    def text(self, obj: dict[str, Any], key: str, where: str = "") -> str:
+        value = self.get(obj, key, where)
+        if not isinstance(value, str):
+            raise self.bad(where + key, value, "a string")
+        return value
+
+    def integer(self, obj: dict[str, Any], key: str, where: str = "", lo: int = 0, hi: int = 2**63 - 1) -> int:
+        value = self.get(obj, key, where)
+        if type(value) is not int or not lo <= value <= hi:
+            raise self.bad(where + key, value, f"an int in [{lo}, {hi}]")
+        return value
+
+    def number(self, obj: dict[str, Any], key: str, where: str = "", lo: float = 0.0) -> float:
+        value = self.get(obj, key, where)
+        ok = type(value) is float or (type(value) is int and abs(value) < 2**1000)  # float() of a larger int overflows
+        if not ok or not lo <= float(value) < math.inf:
+            raise self.bad(where + key, value, f"a finite number >= {lo:g}")
+        return float(value)
+
+    def shape(self, value: Any, where: str, lo: int) -> tuple[int, ...]:
+        if not isinstance(value, list) or not all(type(d) is int and lo <= d < 2**48 for d in value):
+            raise self.bad(where, value, f"a list of ints in [{lo}, 2**48)")
+        return tuple(value)
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """What a version-1 ``meta.json`` says, checked."""
+
+    schema: Schema
+    opts: Options
+    lanes: list[tuple[int, int, int]]
+    max_priority: float | None
+    stats: dict[str, int]
+    tensors: list[tuple[str, str, tuple[int, ...], str]]
+    rows: int
+    save_id: str
+
+
+def _read_meta_v1(meta_file: Path, meta: dict[str, Any]) -> _Saved:
+    """Check every entry of a version-1 ``meta.json``: its type, its range and its agreement with
+    the others (see the module docstring); ``LayoutError`` naming the first one that is wrong."""
+    m = _Meta(meta_file)
+    save_id = m.text(meta, "save_id")
+    m.text(meta, "name")
+    m.text(meta, "shmbuffer_version")
+    fields = m.array(meta, "schema")
+    spec: dict[str, Any] = {}
+    row_bytes = 0
+    for i, f in enumerate(fields):
+        if not isinstance(f, dict) or set(f) != {"name", "shape", "dtype"}:
+            raise m.bad(f"schema[{i}]", f, "an object with the keys ['dtype', 'name', 'shape']")
+        name, dtype = m.text(f, "name", f"schema[{i}]."), m.text(f, "dtype", f"schema[{i}].")
+        shape = m.shape(f["shape"], f"schema[{i}].shape", 1)
+        try:
+            itemsize = np.dtype(dtype).itemsize
+        except (TypeError, ValueError, SyntaxError):
+            raise m.bad(f"schema[{i}].dtype", dtype, "a numpy dtype") from None
+        row_bytes += math.prod(shape) * itemsize
+        spec[name] = (shape, dtype)
+    o = m.obj(meta, "options")
+    capacity = m.integer(o, "capacity", "options.", 1, MAX_BLOCK)
+    lanes_n = m.integer(o, "lanes", "options.", 1, capacity)
+    if capacity % lanes_n:
+        raise m.bad("options.lanes", lanes_n, f"a divisor of options.capacity {capacity}")
+    if capacity * max(row_bytes, 1) > MAX_BLOCK:
+        raise LayoutError(
+            f"{meta_file}: {capacity} rows of {row_bytes} bytes (options.capacity, schema) need more than "
+            f"{human(MAX_BLOCK)}; the file is damaged: save the buffer again"
+        )
+    sampler = m.obj(o, "sampler", "options.")
+    kind = m.text(sampler, "kind", "options.sampler.")
+    if kind == "prioritized":
+        for key in ("alpha", "beta", "eps"):
+            m.number(sampler, key, "options.sampler.")
+        if m.get(sampler, "beta_steps", "options.sampler.") is not None:
+            m.integer(sampler, "beta_steps", "options.sampler.", 1)
+    if o.get("max_use") is not None:
+        m.integer(o, "max_use", "options.", 1, 2**32 - 1)
+    if type(m.get(o, "episodes", "options.")) is not bool:
+        raise m.bad("options.episodes", o["episodes"], "true or false")
+    if o.get("limiter") is not None:  # a NaN timeout would make every wait endless
+        limiter = m.obj(o, "limiter", "options.", {"samples_per_insert", "min_size", "error", "block_writers", "timeout"})
+        for key in ("samples_per_insert", "error", "timeout"):
+            if key == "timeout" or limiter[key] is not None:
+                m.number(limiter, key, "options.limiter.")
+        m.integer(limiter, "min_size", "options.limiter.", 1)
+        if type(limiter["block_writers"]) is not bool:
+            raise m.bad("options.limiter.block_writers", limiter["block_writers"], "true or false")
+    try:
+        schema = Schema(**spec) if len(spec) == len(fields) else None
+        opts = Options.from_json(o)
+    except (KeyError, TypeError, ValueError) as exc:  # SchemaError is a ValueError
+        raise LayoutError(f"{meta_file}: schema or options malformed ({type(exc).__name__}: {_clip(str(exc))})") from None
+    if schema is None:
+        raise LayoutError(f"{meta_file}: schema names a field twice; the file is damaged: save the buffer again")
+    lc = capacity // lanes_n
+    lanes = []
+    listed = m.array(meta, "lanes")
+    if len(listed) != lanes_n:
+        raise LayoutError(f"{meta_file}: {len(listed)} lanes listed, expected {lanes_n} (options.lanes)")
+    for i, ln in enumerate(listed):
+        if not isinstance(ln, dict) or set(ln) != {"first", "stop", "base"}:
+            raise m.bad(f"lanes[{i}]", ln, "an object with the keys ['base', 'first', 'stop']")
+        base, first, stop = (m.integer(ln, k, f"lanes[{i}].", 0, MAX_ROW // lanes_n) for k in ("base", "first", "stop"))
+        if not base <= first <= stop <= first + lc:
+            raise LayoutError(
+                f"{meta_file}: lane {i} has base {base} and rows [{first}, {stop}); expected "
+                f"base <= first <= stop <= first + {lc} (the lane's capacity)"
+            )
+        lanes.append((first, stop, base))
+    rows = m.integer(meta, "rows")
+    if rows != sum(stop - first for first, stop, _ in lanes):
+        raise LayoutError(f"{meta_file}: rows is {rows}, the lanes hold {sum(s - f for f, s, _ in lanes)}")
+    state = m.get(meta, "sampler_state", "")
+    max_priority = None
+    if opts.tree != (state is not None):
+        expected = "the largest priority (the buffer has a tree)" if opts.tree else "null (the buffer has no tree)"
+        raise m.bad("sampler_state", state, expected)
+    if state is not None:
+        if not isinstance(state, dict) or set(state) != {"max_priority"}:
+            raise m.bad("sampler_state", state, "an object with the key 'max_priority'")
+        max_priority = m.number(state, "max_priority", "sampler_state.")
+        s = opts.sampler
+        if isinstance(s, Prioritized):
+            with np.errstate(over="ignore"):
+                leaf = float(np.power(max_priority + s.eps, s.alpha))
+            if not leaf <= MAX_LEAF:
+                raise m.bad("sampler_state.max_priority", max_priority, f"a priority whose leaf (p + eps) ** alpha is <= {MAX_LEAF:g}")
+    stats_in = m.obj(meta, "stats")
+    stats = {key: m.integer(stats_in, key, "stats.") for key in stats_in}
+    tensors = []
+    for i, t in enumerate(m.array(meta, "tensors")):
+        if not isinstance(t, dict) or set(t) != {"name", "dtype", "shape", "numpy"}:
+            raise m.bad(f"tensors[{i}]", t, "an object with the keys ['dtype', 'name', 'numpy', 'shape']")
+        where = f"tensors[{i}]."
+        tensors.append((m.text(t, "name", where), m.text(t, "dtype", where), m.shape(t["shape"], where + "shape", 0),
+                        m.text(t, "numpy", where)))
+    return _Saved(schema, opts, lanes, max_priority, stats, tensors, rows, save_id)
 
 
 @dataclass(frozen=True)
@@ -599,6 +916,16 @@ class _Entry:
     shape: list[int]
     begin: int
     end: int
+
+
+def _header_entry(e: Any) -> bool:
+    """Whether ``e`` is a safetensors header entry (dtype, shape, data_offsets) of a known dtype."""
+    if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+        return False
+    code, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+    return (isinstance(code, str) and code in _SIZES and isinstance(shape, list)
+            and all(type(d) is int and d >= 0 for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets))
 
 
 def _read_header(file: Path, fd: int) -> tuple[int, dict[str, str], dict[str, _Entry]]:
@@ -615,29 +942,28 @@ def _read_header(file: Path, fd: int) -> tuple[int, dict[str, str], dict[str, _E
     raw = os.pread(fd, n, 8)
     try:
         head = json.loads(raw)
-    except ValueError as exc:
-        raise LayoutError(f"{file}: its header is not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to parse
+        raise LayoutError(f"{file}: its header is not valid JSON ({type(exc).__name__}: {_clip(str(exc))})") from None
     if not isinstance(head, dict):
         raise LayoutError(f"{file}: its header is a JSON {type(head).__name__}, expected an object")
     meta = head.pop("__metadata__", {})
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else meta
-        raise LayoutError(f"{file}: __metadata__ format {found!r}, expected {FORMAT!r}: not written by shmbuffer.save")
+        raise LayoutError(f"{file}: __metadata__ format {_show(found)}, expected {FORMAT!r}: not written by shmbuffer.save")
+    if not all(isinstance(v, str) for v in meta.values()):
+        raise LayoutError(f"{file}: __metadata__ holds values that are not strings; safetensors allows only strings")
     data = size - 8 - n
     entries: dict[str, _Entry] = {}
     for name, e in head.items():
-        try:
-            code, shape, (begin, end) = e["dtype"], e["shape"], e["data_offsets"]
-            if code not in _SIZES or not all(isinstance(d, int) and d >= 0 for d in shape):
-                raise ValueError
-            if not (isinstance(begin, int) and isinstance(end, int)):
-                raise ValueError
-        except (KeyError, TypeError, ValueError):
-            raise LayoutError(f"{file}: tensor {name!r} has a malformed header entry {e!r}") from None
-        need = int(np.prod(shape, dtype=np.int64)) * _SIZES[code]
+        if not _header_entry(e):
+            raise LayoutError(f"{file}: tensor {_clip(repr(name))} has a malformed header entry {_show(e)}: expected "
+                              "{'dtype': CODE, 'shape': [ints >= 0], 'data_offsets': [begin, end]}")
+        code, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+        begin, end = offsets
+        need = math.prod(shape) * _SIZES[code]
         if not 0 <= begin <= end or end - begin != need:
             raise LayoutError(
-                f"{file}: tensor {name!r} ({code} {shape}) needs {need} bytes, its data_offsets "
+                f"{file}: tensor {_clip(repr(name))} ({code} {_clip(str(shape))}) needs {need} bytes, its data_offsets "
                 f"[{begin}, {end}] are out of range"
             )
         entries[name] = _Entry(code, shape, begin, end)
@@ -645,7 +971,7 @@ def _read_header(file: Path, fd: int) -> tuple[int, dict[str, str], dict[str, _E
     for name, e in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
         if e.begin != at:
             raise LayoutError(
-                f"{file}: tensor {name!r} starts at data offset {e.begin}, expected {at} (tensors must "
+                f"{file}: tensor {_clip(repr(name))} starts at data offset {e.begin}, expected {at} (tensors must "
                 "tile the data section): its data_offsets are out of range"
             )
         at = e.end
@@ -653,39 +979,17 @@ def _read_header(file: Path, fd: int) -> tuple[int, dict[str, str], dict[str, _E
         raise LayoutError(f"{file} is truncated: its header says the data runs to byte {8 + n + at}, the file has {size} bytes")
     if at < data:
         raise LayoutError(f"{file}: {data - at} bytes follow the last tensor, expected none")
-    return 8 + n, {str(k): str(v) for k, v in meta.items()}, entries
+    return 8 + n, meta, entries
 
 
 def _v1(folder: Path, meta: dict[str, Any], *, name: str | None, capacity: int | None, seed: Any) -> ReplayBuffer:
     meta_file, rows_file = folder / META, folder / ROWS
-    try:
-        schema = Schema.from_json(meta["schema"])
-        opts = Options.from_json(meta["options"])
-        lanes = [(int(ln["first"]), int(ln["stop"]), int(ln["base"])) for ln in meta["lanes"]]
-        state = meta["sampler_state"]
-        max_priority = None if state is None else float(state["max_priority"])
-        stats = {k: int(v) for k, v in meta["stats"].items()}
-        listed = [(t["name"], t["dtype"], list(t["shape"])) for t in meta["tensors"]]
-        rows, save_id = int(meta["rows"]), str(meta["save_id"])
-    except (KeyError, TypeError, ValueError, SchemaError) as exc:
-        raise LayoutError(f"{meta_file}: missing or malformed entry ({type(exc).__name__}: {exc})") from None
-    lc = opts.capacity // opts.lanes
-    if len(lanes) != opts.lanes:
-        raise LayoutError(f"{meta_file}: {len(lanes)} lanes listed, expected {opts.lanes} (options.lanes)")
-    for lane, (first, stop, base) in enumerate(lanes):
-        if not base <= first <= stop <= first + lc:
-            raise LayoutError(
-                f"{meta_file}: lane {lane} has base {base} and rows [{first}, {stop}); expected "
-                f"base <= first <= stop <= first + {lc} (the lane's capacity)"
-            )
-    if rows != sum(stop - first for first, stop, _ in lanes):
-        raise LayoutError(f"{meta_file}: rows is {rows}, the lanes hold {sum(s - f for f, s, _ in lanes)}")
-    if opts.tree and max_priority is None:
-        raise LayoutError(f"{meta_file}: sampler_state is null, expected the largest priority (the buffer has a tree)")
+    saved = _read_meta_v1(meta_file, meta)
+    schema, opts, lanes, rows = saved.schema, saved.opts, saved.lanes, saved.rows
     tensors = _tensors(schema, opts)
-    expected = [(t.name, t.code, t.file_shape(rows)) for t in tensors]
-    if sorted(listed) != sorted(expected):
-        raise LayoutError(f"{meta_file}: tensors {listed}, expected {expected} for its schema and options")
+    expected = [(t.name, t.code, tuple(t.file_shape(rows)), t.dtype.str) for t in tensors]
+    if sorted(saved.tensors) != sorted(expected):
+        raise LayoutError(f"{meta_file}: tensors {_clip(str(saved.tensors), 1000)}, expected {expected} for its schema and options")
     most = max(stop - first for first, stop, _ in lanes)
     cap = opts.capacity if capacity is None else capacity
     if not isinstance(cap, (int, np.integer)) or isinstance(cap, bool) or cap <= 0 or cap % opts.lanes:
@@ -695,30 +999,29 @@ def _v1(folder: Path, meta: dict[str, Any], *, name: str | None, capacity: int |
             f"load: capacity {cap} gives lanes of {cap // opts.lanes} rows, but a lane of {folder} holds "
             f"{most} rows: expected capacity >= {most * opts.lanes}"
         )
-    try:
-        fd = os.open(rows_file, os.O_RDONLY)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"load: {rows_file} does not exist ({meta_file} does)") from None
+    fd = _open_regular(rows_file, f"load: {rows_file} does not exist ({meta_file} does)")
     try:
         data_start, head_meta, entries = _read_header(rows_file, fd)
-        if head_meta.get("save_id") != save_id:
+        if head_meta.get("save_id") != saved.save_id:
             raise LayoutError(
                 f"{rows_file} and {meta_file} come from different saves (save_id "
-                f"{head_meta.get('save_id')!r} vs {save_id!r})"
+                f"{_show(head_meta.get('save_id'))} vs {saved.save_id!r})"
             )
+        if head_meta.get("format_version") != str(VERSION):
+            raise LayoutError(f"{rows_file}: __metadata__ format_version {_show(head_meta.get('format_version'))}, expected '{VERSION}'")
         found = {n: (e.code, e.shape) for n, e in entries.items()}
-        want = {n: (c, s) for n, c, s in expected}
+        want = {n: (c, list(s)) for n, c, s, _ in expected}
         if found != want:
-            raise LayoutError(f"{rows_file} holds tensors {found}; {meta_file} says {want}")
+            raise LayoutError(f"{rows_file} holds tensors {_clip(str(found), 1000)}; {meta_file} says {want}")
         kwargs = {f.name: getattr(opts, f.name) for f in fields(opts) if f.name != "capacity"}
         buf = ReplayBuffer(schema, cap, **kwargs, name=name, seed=seed)
         try:
             _fill(buf, fd, rows_file, data_start, entries, tensors, lanes)
             arrays = _arrays(buf)
-            if max_priority is not None:
-                arrays["_prio"][0] = max_priority
+            if saved.max_priority is not None:
+                arrays["_prio"][0] = saved.max_priority
             for key, at in _STATS.items():
-                arrays["_stats"][at] = stats.get(key, 0)
+                arrays["_stats"][at] = saved.stats.get(key, 0)
             new_lc = buf.lane_capacity
             for lane, (first, stop, base) in enumerate(lanes):
                 # the saved base reproduces the bounds unless the lanes grew or rows were dropped
@@ -770,8 +1073,11 @@ def _fill(buf: ReplayBuffer, fd: int, file: Path, data_start: int, entries: dict
                     _pread_into(fd, staged, offset, file)
                 if t.name == "_leaf":
                     staged[~present] = 0.0  # a hole is never drawn
-                    if not np.all(np.isfinite(staged) & (staged >= 0)):
-                        raise LayoutError(f"{file}: tensor '_leaf' holds negative or non-finite priorities")
+                    if not np.all((staged >= 0) & (staged <= MAX_LEAF)):  # false for NaN
+                        raise LayoutError(
+                            f"{file}: tensor '_leaf' holds negative or non-finite priorities, or leaves "
+                            f"above {MAX_LEAF:g}: expected tree leaves in [0, {MAX_LEAF:g}]"
+                        )
                     assert prios is not None
                     prios.tree.update(np.arange(sl.start, sl.stop), staged)
                 elif t.name == "_uses" and max_use is not None and staged.size and int(staged.max()) > max_use:

@@ -114,12 +114,16 @@ class SumTree:
         np.cumsum(self._sums[-1], out=self._cum)
 
     def find(self, mass: np.ndarray) -> np.ndarray:
-        """The slot holding each point of ``mass`` (in ``[0, total)``): for uniform ``mass``,
-        slot ``i`` comes with probability ``leaf_i / total``. Rounding can push a point to the very
+        """The slot holding each point of ``mass`` (in ``[0, total)``; a point at or past the total
+        counts as just below it): for uniform ``mass``, slot ``i`` comes with probability
+        ``leaf_i / total``. Rounding can push a point to the very
         end of a node's range, onto a child of 0 there; callers check the leaves they get."""
         u = np.array(mass, dtype=np.float64).reshape(-1)
         n = u.shape[0]
         cum = self._cum
+        # a point rounded up to the total (tiny totals: 0.99 * 5e-324 is 5e-324) would land past the
+        # last leaf of mass: keep it below the total, so it lands in the last top node that has mass
+        np.minimum(u, np.nextafter(cum[-1], 0.0), out=u)
         node = np.searchsorted(cum, u, side="right")
         np.minimum(node, cum.shape[0] - 1, out=node)
         u -= np.where(node > 0, cum[node - 1], 0.0)
@@ -141,8 +145,12 @@ class SumTree:
         return np.minimum(node, self.capacity - 1, out=node)
 
     def rebuild(self) -> None:
-        """Recompute every level from the leaves (after a writer died in the middle of an update:
-        the tree is a function of its leaves, so this repairs whatever it left)."""
+        """Recompute every level from the leaves (after a writer died in the middle of an update
+        or a reset: the tree is a function of its leaves, so this repairs whatever it left), the
+        leaves' own entries in ``mins`` and the padding included."""
+        leaves = self._sums[0]
+        leaves[self.capacity:] = 0
+        np.copyto(self._mins[0], np.where(leaves > 0, leaves, np.inf))
         for (child_sums, child_mins), sums, mins in zip(self._blocks, self._sums[1:], self._mins[1:], strict=True):
             n = child_sums.shape[0]
             sums[:n] = child_sums @ _ONES

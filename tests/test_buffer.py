@@ -397,3 +397,22 @@ def test_a_copy_that_fails_gives_the_rows_back(make: Make, name: str) -> None:
     assert buf._prios.tree.leaves[4:6].tolist() == [0.0, 0.0]  # type: ignore[union-attr]
     with pytest.raises(sb.EmptyBufferError, match="lost"):
         buf.get(5)
+
+
+def test_take_refuses_ids_that_never_existed(make: Make, name: str) -> None:
+    """A huge id's stamp 2 * id + 2 wraps to 0, an empty slot's: it must never be read (issue 10)."""
+    buf = make(MUJOCO, capacity=10, lanes=2, name=name)
+    buf.push(transition(0, 5), lane=0)  # ids 0 2 4 6 8
+    buf.push(transition(5, 2), lane=1)  # ids 1 3
+    for ids, shown in [([2**63 - 1], r"\[9223372036854775807\]"), ([-1], r"\[-1\]"), ([0, 5, 10], r"\[5, 10\]"),
+                       ([-(2**63)], r"\[-9223372036854775808\]"), (np.array([2**63], np.uint64), r"\[9223372036854775808\]")]:
+        with pytest.raises(sb.FieldError, match=rf"take: ids {shown} never named a row of this buffer"):
+            buf.take(ids)
+    for ids in (np.array([0.0]), [0.5], [True]):
+        with pytest.raises(sb.FieldError, match=r"take: expected integer row ids \(batch.index\), got dtype"):
+            buf.take(ids)
+    buf.push(transition(10, 5), lane=0)  # lane 0 laps: ids 0..8 are overwritten, which is not unknown
+    with pytest.raises(sb.EmptyBufferError, match="no longer in buffer") as gone:
+        buf.take([0, 3])
+    assert not isinstance(gone.value, sb.FieldError)
+    assert seq_of(buf.take(np.array([10, 3], np.uint8))).tolist() == [10, 6]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import stat
 import struct
 import threading
 import time
@@ -233,14 +234,18 @@ def test_save_replaces_an_earlier_save_and_reports_progress(
     buf.push(transition(0, 10))
     sb.save(buf, tmp_path / "s")
     buf.push(transition(10, 90))
+    with pytest.raises(FileExistsError, match=r"already holds a save \(meta.json and rows.safetensors\); pass overwrite=True"):
+        sb.save(buf, tmp_path / "s")
+    assert check_file(tmp_path / "s")["rows"] == 10  # the earlier save is untouched
+    assert sorted(os.listdir(tmp_path / "s")) == ["meta.json", "rows.safetensors"]
     monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * 10)
     calls: list[tuple[int, int]] = []
-    sb.save(buf, tmp_path / "s", progress=lambda done, total: calls.append((done, total)))
+    sb.save(buf, tmp_path / "s", progress=lambda done, total: calls.append((done, total)), overwrite=True)
     assert check_file(tmp_path / "s")["rows"] == 100
     assert sorted(os.listdir(tmp_path / "s")) == ["meta.json", "rows.safetensors"]
     assert len(calls) == 10 and calls[-1] == (100 * ROW, 100 * ROW)
     assert [d for d, _ in calls] == sorted(d for d, _ in calls)
-    sb.save(buf, tmp_path / "s", progress=True)
+    sb.save(buf, tmp_path / "s", progress=True, overwrite=True)
     assert "saving" in capsys.readouterr().err
     (tmp_path / "file").write_text("x")
     with pytest.raises(FileExistsError, match="is not a directory"):
@@ -649,7 +654,72 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
                    r"come from different saves"),
     "bad priorities": (lambda p: _poke(p, _tensor_at(p, "_leaf"), struct.pack("<d", -1.0)),
                        r"'_leaf' holds negative or non-finite priorities"),
+    # issue 10: files that raised other exceptions, hung, or loaded a buffer that could not be read
+    "first 2**62": (lambda p: edit_meta(p, lambda m: m["lanes"][0].update(first=2**62, stop=2**62 + 10, base=2**62)),
+                    r"lanes\[0\]\.base is 4611686018427387904, expected an int in \[0, 2305843009213693952\]"),
+    "negative first": (lambda p: edit_meta(p, lambda m: m["lanes"][0].update(first=-1, stop=9, base=-1)),
+                       r"lanes\[0\]\.base is -1, expected an int in \[0, "),
+    "base after first": (lambda p: edit_meta(p, lambda m: m["lanes"][0].update(base=1)),
+                         r"lane 0 has base 1 and rows \[0, 10\); expected base <= first"),
+    "max_priority NaN": (lambda p: edit_meta(p, lambda m: m["sampler_state"].update(max_priority=float("nan"))),
+                         r"sampler_state\.max_priority is nan, expected a finite number >= 0"),
+    "max_priority -1": (lambda p: edit_meta(p, lambda m: m["sampler_state"].update(max_priority=-1)),
+                        r"sampler_state\.max_priority is -1, expected a finite number >= 0"),
+    "max_priority string": (lambda p: edit_meta(p, lambda m: m["sampler_state"].update(max_priority="1")),
+                            r"sampler_state\.max_priority is '1', expected a finite number"),
+    "no sampler_state": (lambda p: edit_meta(p, lambda m: m.update(sampler_state=None)),
+                         r"sampler_state is None, expected the largest priority \(the buffer has a tree\)"),
+    "leaf too large": (lambda p: _poke(p, _tensor_at(p, "_leaf"), struct.pack("<d", 1e300)),
+                       r"'_leaf' holds .* leaves above 1e\+280"),
+    "limiter timeout NaN": (lambda p: edit_meta(p, lambda m: m["options"].update(limiter={
+                                "samples_per_insert": 1.0, "min_size": 1, "error": None, "block_writers": False,
+                                "timeout": float("nan")})),
+                            r"options\.limiter\.timeout is nan, expected a finite number >= 0"),
+    "alpha a huge int": (lambda p: edit_meta(p, lambda m: m["options"]["sampler"].update(alpha=10**400)),
+                         r"options\.sampler\.alpha is 1000.*\.\.\., expected a finite number >= 0"),
+    "version true": (lambda p: edit_meta(p, lambda m: m.update(format_version=True)), r"format version True; this"),
+    "stats overflow": (lambda p: edit_meta(p, lambda m: m["stats"].update(sampled=2**64)),
+                       r"stats\.sampled is 18446744073709551616, expected an int in \[0, 9223372036854775807\]"),
+    "capacity absurd": (lambda p: edit_meta(p, lambda m: m["options"].update(capacity=2**62)),
+                        r"options\.capacity is 4611686018427387904, expected an int in \[1, 281474976710656\]"),
+    "field absurd": (lambda p: edit_meta(p, lambda m: m["schema"][0].update(shape=[1, 2**50])),
+                     r"schema\[0\]\.shape is a JSON array of 2, expected a list of ints in \[1, 2\*\*48\)"),
+    "field huge": (lambda p: edit_meta(p, lambda m: m["schema"][0].update(shape=[2**30, 2**30])),
+                   r"16 rows of \d+ bytes \(options.capacity, schema\) need more than 256\.0 TiB"),
+    "dtype nonsense": (lambda p: edit_meta(p, lambda m: m["schema"][0].update(dtype="nonsense")),
+                       r"schema\[0\]\.dtype is 'nonsense', expected a numpy dtype"),
+    "lanes not a list": (lambda p: edit_meta(p, lambda m: m.update(lanes={"first": 0})),
+                         r"malformed entry: lanes is a JSON object, expected an array"),
+    "tensor entry malformed": (lambda p: edit_meta(p, lambda m: m["tensors"][0].pop("numpy")),
+                               r"tensors\[0\] is a JSON object, expected an object with the keys"),
+    "meta nested 10000 deep": (lambda p: (p / "meta.json").write_text('{"format": "shmbuffer", "x": ' + "[" * 10000 + "]" * 10000 + "}"),
+                               r"meta.json: not valid JSON \(RecursionError"),
+    "header nested 10000 deep": (lambda p: (p / "rows.safetensors").write_bytes(_header_only(b'{"a": ' + b"[" * 10000 + b"]" * 10000 + b"}")),
+                                 r"rows.safetensors: its header is not valid JSON \(RecursionError"),
+    "header metadata not strings": (lambda p: rewrite_header(p, lambda h: h["__metadata__"].update(format_version=1)),
+                                    r"__metadata__ holds values that are not strings"),
+    "header shape of bools": (lambda p: rewrite_header(p, lambda h: h["reward"].update(shape=[True])),
+                              r"tensor 'reward' has a malformed header entry"),
+    "header offsets a string": (lambda p: rewrite_header(p, lambda h: h["reward"].update(data_offsets="ab")),
+                                r"tensor 'reward' has a malformed header entry"),
+    "rows a FIFO": (lambda p: (p / "rows.safetensors").unlink() or os.mkfifo(p / "rows.safetensors"),
+                    r"rows.safetensors is a FIFO; expected the regular file shmbuffer.save wrote"),
+    "meta a FIFO": (lambda p: (p / "meta.json").unlink() or os.mkfifo(p / "meta.json"), r"meta.json is a FIFO"),
+    "rows a directory": (lambda p: (p / "rows.safetensors").unlink() or (p / "rows.safetensors").mkdir(),
+                         r"rows.safetensors is a directory"),
+    "rows a link": (lambda p: _link(p, "rows.safetensors"), r"rows.safetensors is a symbolic link; expected the regular file"),
+    "meta a link": (lambda p: _link(p, "meta.json"), r"meta.json is a symbolic link; expected the regular file"),
 }
+
+
+def _header_only(head: bytes) -> bytes:
+    return struct.pack("<Q", len(head)) + head
+
+
+def _link(path: Path, file: str) -> None:
+    """Move ``file`` aside and put a symbolic link to it in its place."""
+    (path / file).rename(path / f"{file}.real")
+    (path / file).symlink_to(path / f"{file}.real")
 
 
 def _poke(path: Path, at: int, data: bytes) -> None:
@@ -764,3 +834,178 @@ def test_the_buffer_methods(make: Any, name: str, tmp_path: Path) -> None:
     finally:
         again.close()
         again.unlink()
+
+
+# -- malformed saves, fuzzed (issue 10) ------------------------------------------------------------------
+POOL: list[Any] = [None, True, False, -1, 0, 1, 2, 3, 7, 16, 2**31, 2**62, 2**63, 2**64, -(2**63), 0.5, -0.0, 1e308,
+                   float("nan"), float("inf"), "", "x", "<f4", "F32", "prioritized", [], {}, [1], [[]], [-1], {"a": 1}]
+"""Values a corrupted JSON entry may take."""
+
+
+def _paths(value: Any, at: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    """The path of every value inside a JSON value (not the value itself)."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, inner in items:
+        yield (*at, key)
+        yield from _paths(inner, (*at, key))
+
+
+def _mutate(value: Any, rng: np.random.Generator) -> tuple[Any, ...]:
+    """Change a JSON value in one random place: replace an entry, remove it, or add one."""
+    paths = list(_paths(value))
+    path = paths[rng.integers(len(paths))]
+    parent = value
+    for key in path[:-1]:
+        parent = parent[key]
+    what = rng.integers(4)
+    if what == 0:
+        del parent[path[-1]]
+    elif what == 1 and isinstance(parent, dict):
+        parent["extra"] = POOL[rng.integers(len(POOL))]
+    else:
+        parent[path[-1]] = POOL[rng.integers(len(POOL))]
+    return path
+
+
+def _check_loaded(new: sb.ReplayBuffer) -> None:
+    """A buffer loaded from a corrupted save must still be right: every row the one of its id,
+    the tree finite, sampling working."""
+    out = sb.export(new)
+    assert np.array_equal(seq_of(out), out["index"])
+    prios = new._prios
+    if prios is not None:
+        assert np.isfinite(prios.tree.total) and np.isfinite(prios.max_priority) and prios.max_priority >= 0
+        if prios.tree.total > 0:
+            batch = new.sample(4)
+            assert np.array_equal(seq_of(batch), batch.index) and np.isfinite(batch.weight).all()
+
+
+def test_fuzzed_saves_load_correctly_or_raise_layout_error(make: Make, name: str, tmp_path: Path) -> None:
+    """Hundreds of random corruptions of meta.json's values and of the safetensors header (its
+    bytes and its values): each loads a correct buffer or raises LayoutError, never another
+    exception, and leaves nothing in /dev/shm (the ``no_leaks`` fixture)."""
+    buf = make(MUJOCO, capacity=16, lanes=2, name=name, seed=0, sampler=sb.Prioritized(alpha=0.5), max_use=3,
+               episodes=True)
+    push_lane(buf, 0, 6, episode=1, priority=np.arange(1.0, 7.0))
+    push_lane(buf, 1, 3, episode=2)
+    buf.sample(5)
+    sb.save(buf, tmp_path / "good")
+    meta = json.loads((tmp_path / "good" / "meta.json").read_text())
+    raw = (tmp_path / "good" / "rows.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    head, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    rng = np.random.default_rng(10)
+    seen: dict[str, int] = {"loaded": 0, "refused": 0, "too large": 0}
+
+    def attempt(meta_text: str, rows: bytes, case: str) -> None:
+        (folder / "meta.json").write_text(meta_text)
+        (folder / "rows.safetensors").write_bytes(rows)
+        try:
+            new = sb.load(folder, name=f"{name}-{sum(seen.values())}", seed=0)
+        except sb.LayoutError:
+            seen["refused"] += 1
+            return
+        except sb.OutOfSharedMemory:  # a capacity that may be real but does not fit here
+            assert case == "('options', 'capacity')", case
+            seen["too large"] += 1
+            return
+        try:
+            _check_loaded(new)
+        finally:
+            discard([new])
+        seen["loaded"] += 1
+
+    good_meta = json.dumps(meta)
+    for _ in range(400):
+        m = json.loads(good_meta)
+        path = _mutate(m, rng)
+        attempt(json.dumps(m), raw, str(path))
+    for _ in range(300):  # bytes of the header, its length included
+        bad = bytearray(raw)
+        for at in rng.integers(0, 8 + n, size=rng.integers(1, 4)):
+            bad[at] = rng.integers(256)
+        attempt(good_meta, bytes(bad), "header bytes")
+    for _ in range(300):  # values of the header (with its new length)
+        h = json.loads(json.dumps(head))
+        _mutate(h, rng)
+        encoded = json.dumps(h).encode()
+        attempt(good_meta, struct.pack("<Q", len(encoded)) + encoded + data, "header values")
+    assert seen["loaded"] > 10 and seen["refused"] > 500, seen
+
+
+# -- files and other users (issue 10) ------------------------------------------------------------------
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o277])
+def test_saves_are_private_whatever_the_umask(umask: int, make: Make, loaded: list, name: str, tmp_path: Path) -> None:
+    buf = make(MUJOCO, capacity=8, name=name)
+    buf.push(transition(0, 8))
+    (tmp_path / "mine").mkdir()
+    os.chmod(tmp_path / "mine", 0o755)
+    old = os.umask(umask)
+    try:
+        sb.save(buf, tmp_path / "s")
+        sb.save(buf, tmp_path / "mine")  # an existing directory of ours keeps its mode
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "s").st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(tmp_path / "mine").st_mode) == 0o755
+    for folder in (tmp_path / "s", tmp_path / "mine"):
+        assert sorted(os.listdir(folder)) == ["meta.json", "rows.safetensors"]
+        for file in ("meta.json", "rows.safetensors"):
+            assert stat.S_IMODE(os.stat(folder / file).st_mode) == 0o600, (folder, file)
+    new = sb.load(tmp_path / "s")
+    loaded.append(new)
+    assert seq_of(new.get(slice(None))).tolist() == list(range(8))
+
+
+def test_save_never_writes_through_links(make: Make, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    buf = make(MUJOCO, capacity=8, name=name)
+    buf.push(transition(0, 8))
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    folder = tmp_path / "s"
+    folder.mkdir()
+    for planted in (f".rows.safetensors.{os.getpid()}.tmp", f".meta.json.{os.getpid()}.tmp"):  # names once predictable
+        (folder / planted).symlink_to(victim)
+    sb.save(buf, folder)
+    assert victim.read_text() == "precious"
+    # a temporary file's name that someone guessed is refused, never opened
+    monkeypatch.setattr(persistence.secrets, "token_hex", lambda k: "0" * (2 * k))
+    (folder / f".rows.safetensors.{'0' * 16}.tmp").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        sb.save(buf, folder, overwrite=True)
+    monkeypatch.undo()
+    assert victim.read_text() == "precious"
+    # links where the files go are replaced, not written through
+    for file in ("meta.json", "rows.safetensors"):
+        (folder / file).unlink()
+        (folder / file).symlink_to(victim)
+    with pytest.raises(FileExistsError, match="already holds a save"):
+        sb.save(buf, folder)
+    sb.save(buf, folder, overwrite=True)
+    assert victim.read_text() == "precious"
+    assert not (folder / "meta.json").is_symlink() and check_file(folder)["rows"] == 8
+    # the directory itself may not be a link: another user could point it elsewhere
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(FileExistsError, match=r"link is a symbolic link; expected a directory of yours"):
+        sb.save(buf, tmp_path / "link")
+    assert os.listdir(tmp_path / "elsewhere") == []
+
+
+def test_save_refuses_a_directory_of_another_user(make: Make, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    buf = make(MUJOCO, capacity=8, name=name)
+    buf.push(transition(0, 8))
+    (tmp_path / "theirs").mkdir()
+    me = os.geteuid()
+    monkeypatch.setattr(os, "geteuid", lambda: me + 1)
+    with pytest.raises(PermissionError, match=rf"theirs belongs to user {me}, not to you \(user {me + 1}\)"):
+        sb.save(buf, tmp_path / "theirs")
+    monkeypatch.undo()
+    assert os.listdir(tmp_path / "theirs") == []
+    with pytest.raises(sb.ClosedError):  # a failed save leaves no directory it made
+        closed = sb.ReplayBuffer.attach(buf.handle)
+        closed.close()
+        sb.save(closed, tmp_path / "new")
+    assert not (tmp_path / "new").exists()

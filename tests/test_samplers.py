@@ -357,3 +357,97 @@ def test_a_clear_between_draw_and_gather(sampler: Any, make: Make, name: str) ->
     buf._gather = gather  # type: ignore[method-assign]
     with pytest.raises(sb.EmptyBufferError, match="cleared"):
         buf.sample(8)
+
+
+# -- ids that never existed, priorities too large for the tree, a clear killed half-way (issue 10) ------
+
+
+def test_update_priorities_refuses_ids_that_never_existed(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=10, lanes=2, name=name, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
+    buf.push(transition(0, 5), lane=0)  # ids 0 2 4 6 8
+    buf.push(transition(5, 3), lane=1)  # ids 1 3 5
+    tree = buf._prios.tree.sums.copy()  # type: ignore[union-attr]
+    top = buf._prios.max_priority  # type: ignore[union-attr]
+    for ids, shown in [([-1, 12345], r"\[-1, 12345\]"), ([0, 7], r"\[7\]"), ([2**63 - 1], r"\[9223372036854775807\]"),
+                       ([-(2**63)], r"\[-9223372036854775808\]"), (np.array([2**64 - 1], np.uint64), r"\[18446744073709551615\]")]:
+        with pytest.raises(sb.FieldError, match=rf"update_priorities: ids {shown} never named a row .* nothing was changed"):
+            buf.update_priorities(ids, np.full(len(ids), 5.0))
+    for ids in (np.array([0.0, 2.0]), [True, False], ["0", "2"]):
+        with pytest.raises(sb.FieldError, match="update_priorities: expected integer row ids"):
+            buf.update_priorities(ids, [5.0, 5.0])
+    assert np.array_equal(buf._prios.tree.sums, tree) and buf._prios.max_priority == top  # type: ignore[union-attr]
+    assert buf.update_priorities(np.array([8, 5], np.uint32), [2.0, 3.0]) == 2  # any integer dtype
+    assert buf.update_priorities([], []) == 0
+    buf.push(transition(8, 5), lane=0)  # lane 0 laps: ids 0..8 of lane 0 are overwritten, not unknown
+    assert buf.update_priorities([0, 2, 1], [9.0, 9.0, 9.0]) == 1  # stale rows are still skipped
+
+
+def test_priorities_whose_leaves_overflow_are_refused(make: Make, name: str) -> None:
+    """Finite priorities whose leaf (p + eps) ** alpha overflows would make the total inf, after
+    which no sample could ever succeed; they are refused and the tree stays as it was."""
+    squared = make(MUJOCO, capacity=8, name=name, seed=0, sampler=sb.Prioritized(alpha=2.0))
+    squared.push(transition(0, 4), priority=[1.0, 2.0, 3.0, 1e139])  # leaf 1e278: fine
+    tree = squared._prios.tree  # type: ignore[union-attr]
+    before = tree.sums.copy()
+    with pytest.raises(sb.FieldError, match=r"priority: got \[1e\+200\] at positions \[0\], whose tree leaves .* exceed 1e\+280"):
+        squared.push(transition(4, 1), priority=1e200)
+    with pytest.raises(sb.FieldError, match=r"update_priorities: priority: got \[1e\+141\] at positions \[1\], .* expected priorities <= 1e\+140"):
+        squared.update_priorities([0, 1], [1.0, 1e141])
+    assert np.array_equal(tree.sums, before) and np.isfinite(tree.total)
+    assert squared._prios.max_priority == 1e139  # type: ignore[union-attr]
+    assert set(seq_of(squared.sample(16))) <= {0, 1, 2, 3}
+
+    linear = make(MUJOCO, capacity=8, name=name + "l", seed=0, sampler=sb.Prioritized(alpha=1.0))
+    with pytest.raises(sb.FieldError, match="exceed 1e"):
+        linear.push(transition(0, 2), priority=[1e308, 1e308])
+    linear.push(transition(0, 8), priority=np.full(8, 1e280))  # every leaf at the bound: the total stays finite
+    assert linear._prios.tree.total == pytest.approx(8e280)  # type: ignore[union-attr]
+    assert len(seq_of(linear.sample(8))) == 8
+    root = make(MUJOCO, capacity=8, name=name + "r", sampler=sb.Prioritized(alpha=0.5))
+    root.push(transition(0, 2), priority=[1e308, 1.0])  # any finite priority fits with alpha <= 0.5
+    assert np.isfinite(root._prios.tree.total)  # type: ignore[union-attr]
+
+
+def _die_inside_clear(handle: sb.BufferHandle) -> None:
+    """Clear ``handle``'s buffer, dying (SIGKILL, holding the lock) after the lanes moved and
+    before the priority tree was reset."""
+    import os
+    import signal
+
+    from shmbuffer import samplers
+
+    def die(self: Any) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    samplers.Priorities.clear = die  # type: ignore[method-assign]
+    buf = sb.ReplayBuffer.attach(handle)
+    buf.clear()
+
+
+@pytest.mark.parametrize("max_use", [None, 2])
+def test_a_clear_killed_after_the_lanes_moved_is_repaired(max_use: int | None, make: Make, name: str, procs: list) -> None:
+    import signal
+
+    from shmbuffer.sumtree import SumTree
+
+    buf = make(MUJOCO, capacity=16, lanes=2, name=name, seed=0, sampler=sb.Prioritized(alpha=1.0, eps=0.0),
+               max_use=max_use)
+    buf.push(transition(0, 5), lane=0, priority=np.arange(1.0, 6.0))
+    buf.push(transition(5, 3), lane=1, priority=[7.0, 8.0, 9.0])
+    p = mp.get_context("spawn").Process(target=_die_inside_clear, args=(buf.handle,))
+    p.start()
+    procs.append(p)
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL
+    tree = buf._prios.tree  # type: ignore[union-attr]
+    assert len(buf) == 0 and tree.total == 39.0  # the rows are gone, their priorities are not
+    ids = buf.push(transition(100, 2), lane=1, priority=[2.0, 3.0])  # the next locker recovers and repairs
+    assert buf.stats["lock_recoveries"] == 1 and ids.tolist() == [17, 19]
+    want = np.zeros(16)
+    want[buf.ring.slots(ids)] = [2.0, 3.0]
+    fresh = SumTree(16)
+    fresh.update(np.arange(16), want)
+    assert np.array_equal(tree.sums, fresh.sums) and np.array_equal(tree.mins, fresh.mins)
+    assert set(seq_of(buf.sample(2 if max_use else 64))) <= {100, 101}
+    buf.push(transition(102, 1), lane=0)
+    assert buf._prios.max_priority == 9.0  # type: ignore[union-attr]

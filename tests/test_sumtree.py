@@ -107,3 +107,32 @@ def test_rebuild_repairs_a_half_finished_update() -> None:
     tree.rebuild()
     np.testing.assert_allclose(tree.sums, fresh.sums, rtol=1e-12)
     assert np.array_equal(tree.mins, fresh.mins) and tree.total == pytest.approx(fresh.total)
+
+
+@pytest.mark.parametrize("capacity", [7, TOP + 1])
+def test_rebuild_repairs_a_half_finished_reset(capacity: int) -> None:
+    """A holder killed inside ``reset`` (the sums zeroed, the minima not yet) or between a leaf's
+    sum and its minimum: the tree is rebuilt from the leaves' sums alone."""
+    rng = np.random.default_rng(2)
+    tree, fresh = SumTree(capacity), SumTree(capacity)
+    tree.update(np.arange(capacity), rng.random(capacity) + 0.5)
+    tree.sums[:] = 0  # reset, killed before the minima
+    tree.rebuild()
+    assert np.array_equal(tree.sums, fresh.sums) and np.array_equal(tree.mins, fresh.mins)
+    assert tree.min == np.inf and tree.total == 0
+    tree.update([3], [2.0])
+    tree._mins[0][3] = 5.0  # killed between the leaf's sum and its minimum
+    tree.rebuild()
+    fresh.update([3], [2.0])
+    assert np.array_equal(tree.mins, fresh.mins) and tree.min == 2.0
+
+
+@pytest.mark.parametrize("capacity", [2, TOP + 5])
+def test_a_point_rounded_up_to_the_total_lands_on_a_leaf_of_mass(capacity: int) -> None:
+    """With a subnormal total, 0.99 * total rounds to the total itself (hypothesis found it)."""
+    tree = SumTree(capacity)
+    tree.update([0], [5e-324])
+    found = tree.find(np.linspace(0, tree.total, 101)[:-1])
+    assert (found == 0).all()
+    tree.update([capacity - 1], [1.0])
+    assert tree.find([tree.total, np.nextafter(tree.total, 0)]).tolist() == [capacity - 1] * 2
