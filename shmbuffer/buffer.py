@@ -47,7 +47,7 @@ from .samplers import (
     uniform_ids,
 )
 from .schema import Schema
-from .segment import ColumnSpec, Segment
+from .segment import MALFORMED, ColumnSpec, Segment
 
 _NONE = np.empty(0, np.int64)
 REDRAW_ROUNDS = 8
@@ -179,13 +179,19 @@ class ReplayBuffer:
         name = handle.name if isinstance(handle, BufferHandle) else handle
         segment = Segment.attach(name)
         try:
-            found = Schema.from_json(segment.meta["schema"])
+            try:
+                found = Schema.from_json(segment.meta["schema"])
+                opts = Options.from_json(segment.meta["options"])
+                expected = [(c.name, list(c.shape), c.dtype.str) for c in _columns(found, opts)]
+            except MALFORMED as exc:
+                raise LayoutError(
+                    f"buffer {name!r} is damaged: its schema or options cannot be read "
+                    f"({type(exc).__name__}: {str(exc)[:200]}); remove it (`shmbuffer gc --force {name}`)"
+                ) from None
             if found.fingerprint != segment.header.fingerprint:
                 raise LayoutError(f"buffer {name!r} is damaged: its schema does not match its fingerprint")
             if schema is not None and _as_schema(schema) != found:
                 raise SchemaError(f"buffer {name!r} has schema {found}, expected {_as_schema(schema)}")
-            opts = Options.from_json(segment.meta["options"])
-            expected = [(c.name, list(c.shape), c.dtype.str) for c in _columns(found, opts)]
             stored = [(c["name"], c["shape"], c["dtype"]) for c in segment.meta["columns"]]
             if stored != expected:
                 raise LayoutError(

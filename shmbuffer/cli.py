@@ -14,8 +14,16 @@
 attach, so they cannot disturb a buffer. ``gc`` removes a block only when its creator (pid and
 start time) is dead, including a block whose creator died creating it (no magic yet, but the
 header already names its creator: ``segment.unfinished_creator``); one still being created by a
-live process is kept. Blocks with our prefix that name no creator at all (foreign or damaged
-files) are removed only with ``--force``.
+live process is kept. Blocks of ours that cannot be read (damaged, or naming no creator) are
+removed only with ``--force``. A block whose creator is in another pid namespace (a container
+sharing /dev/shm but not its pids) has a liveness nobody here can judge: ``ls`` says so, and
+``gc`` keeps it unless it is named with ``--force``. ``gc`` removes a file only if it is still
+the one it judged (same device and inode).
+
+Files that are not ours (not regular files, another user's, open to other users: see
+``segment.py``) are listed as not readable, never read, and never removed, even with ``--force``.
+Every NAME is checked (``segment.check_name``), so none reaches outside /dev/shm;
+``/dev/shm/shmbuffer-NAME`` and ``shmbuffer-NAME`` are taken for NAME.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import numpy as np
 
 from . import segment
 from .errors import LayoutError, SegmentNotFound, ShmBufferError
+from .schema import Schema
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -41,45 +50,87 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 # -- ls, gc: headers only ----------------------------------------------------------------------------
-def _short(schema: list[dict[str, Any]]) -> str:
+def _name(arg: str) -> str:
+    """A NAME argument: a buffer name, or its file (``/dev/shm/shmbuffer-NAME``, or ``shmbuffer-NAME``
+    unless a buffer has that very name)."""
+    path = segment.path_of("")
+    if arg.startswith(path):
+        arg = arg[len(path):]
+    elif arg.startswith(segment.PREFIX) and not os.path.lexists(segment.path_of(arg)):
+        arg = arg[len(segment.PREFIX):]
+    try:
+        return segment.check_name(arg)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _new_name(arg: str) -> str:
+    try:
+        return segment.check_name(arg)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _schema(h: segment.Header) -> Schema:
+    try:
+        return Schema.from_json(h.meta["schema"])
+    except segment.MALFORMED as exc:
+        raise LayoutError(f"buffer {h.name!r} is damaged: its schema cannot be read ({type(exc).__name__})") from None
+
+
+def _short(schema: Schema) -> str:
     """``obs[17]f4 action[6]f4 reward f4``"""
     out = []
     for f in schema:
-        shape = f"[{','.join(map(str, f['shape']))}]" if f["shape"] else " "
-        out.append(f"{f['name']}{shape}{np.dtype(f['dtype']).str[1:]}")
+        shape = f"[{','.join(map(str, f.shape))}]" if f.shape else " "
+        out.append(f"{f.name}{shape}{f.dtype.str[1:]}")
     return " ".join(out)
 
 
 def _rows(h: segment.Header) -> tuple[int, int, list[tuple[int, int]]]:
     """Rows held, capacity and each lane's ``[first, stop)``, read from the block's ``_lanes``
     column as ``Ring.bounds`` computes them."""
-    opts = h.meta["options"]
-    capacity, lanes = int(opts["capacity"]), int(opts["lanes"])
-    col = next(c for c in h.meta["columns"] if c["name"] == "_lanes")
-    fd = os.open(segment.path_of(h.name), os.O_RDONLY)
-    try:
-        raw = os.pread(fd, lanes * 8 * 8, h.data_offset + col["offset"])
-    finally:
-        os.close(fd)
+    opts = h.meta.get("options")
+    capacity, lanes = (opts.get("capacity"), opts.get("lanes")) if isinstance(opts, dict) else (None, None)
+    if not (type(capacity) is int and type(lanes) is int and 0 < lanes <= capacity and capacity % lanes == 0):
+        raise LayoutError(f"buffer {h.name!r} is damaged: capacity {segment.clip(capacity)} and lanes "
+                          f"{segment.clip(lanes)} in its options, expected positive ints, lanes dividing capacity")
+    cols = {c["name"]: c for c in h.meta["columns"]}
+    col, stamps = cols.get("_lanes"), cols.get("_stamp")
+    if col is None or col["shape"] != [lanes, 8] or col["dtype"] != "<i8" or stamps is None or stamps["shape"] != [capacity]:
+        raise LayoutError(f"buffer {h.name!r} is damaged: its _lanes and _stamp columns do not match capacity "
+                          f"{capacity} in {lanes} lanes")
+    raw = segment.read_data(h, col["offset"], lanes * 8 * 8)
     cur, base = np.frombuffer(raw, np.int64).reshape(lanes, 8)[:, :2].T
     first = np.minimum(np.maximum(base, cur - capacity // lanes), cur)
     bounds = [(int(a), int(b)) for a, b in zip(first, cur, strict=True)]
     return int((cur - first).sum()), capacity, bounds
 
 
+def _size(name: str) -> int:
+    try:
+        return os.lstat(segment.path_of(name)).st_size
+    except OSError:
+        return 0
+
+
+OTHER_NS = "other pid namespace: liveness unknown"
+
+
 def _entry(name: str) -> dict[str, Any]:
     try:
         h = segment.read_header(name)
-        used, capacity, _ = _rows(h)
+        used, capacity, bounds = _rows(h)
+        schema = _short(_schema(h))
     except SegmentNotFound:
         return {"name": name, "error": "gone"}
-    except (ShmBufferError, KeyError, TypeError, ValueError, StopIteration, OSError) as exc:
-        size = os.path.getsize(segment.path_of(name)) if os.path.exists(segment.path_of(name)) else 0
-        return {"name": name, "bytes": size, "error": str(exc) or type(exc).__name__}
+    except LayoutError as exc:
+        return {"name": name, "bytes": _size(name), "error": str(exc)}
+    state = h.creator_state
     return {
-        "name": name, "schema": _short(h.meta["schema"]), "rows": used, "capacity": capacity,
-        "lanes": int(h.meta["options"]["lanes"]), "bytes": h.size, "creator_pid": h.creator_pid,
-        "alive": h.creator_alive,
+        "name": name, "schema": schema, "rows": used, "capacity": capacity, "lanes": len(bounds),
+        "bytes": h.size, "creator_pid": h.creator_pid, "alive": None if state == "unknown" else state == "alive",
+        **({"liveness": OTHER_NS} if state == "unknown" else {}),
     }
 
 
@@ -99,58 +150,70 @@ def _ls(args: argparse.Namespace) -> int:
             print(f"{e['name']:<28} {'-':>19} {size:>10} {'-':>8} {'?':<8} not readable: {e['error']}")
         else:
             rows = f"{e['rows']}/{e['capacity']}"
-            state = "alive" if e["alive"] else "dead"
-            print(f"{e['name']:<28} {rows:>19} {size:>10} {e['creator_pid']:>8} {state:<8} {e['schema']}")
+            state = {True: "alive", False: "dead", None: "unknown"}[e["alive"]]
+            note = f"  ({OTHER_NS})" if e["alive"] is None else ""
+            print(f"{e['name']:<28} {rows:>19} {size:>10} {e['creator_pid']:>8} {state:<8} {e['schema']}{note}")
     return 0
+
+
+def _judge(name: str) -> tuple[str, str]:
+    """What gc makes of a block: ``alive``, ``dead``, ``other`` (its creator is in another pid
+    namespace) or ``unreadable``, and why."""
+    creator = segment.unfinished_creator(name)
+    if creator is not None:  # no magic yet: being created, or its creator died creating it
+        pid, started = creator
+        ns = segment.pid_namespace_of(name)
+        why = f"creator pid {pid} died while creating it, {segment.human(_size(name))}"
+    else:
+        try:
+            h = segment.read_header(name)
+        except segment.ForeignBlock:
+            raise
+        except LayoutError as exc:
+            return "unreadable", f"not readable: {exc}"
+        pid, started, ns = h.creator_pid, h.creator_start, h.pid_ns
+        why = f"creator pid {pid} is dead, {segment.human(h.size)}"
+    if ns is not None and ns != segment.pid_namespace():
+        return "other", f"creator pid {pid} in another pid namespace, liveness unknown"
+    return ("alive", "") if segment.process_alive(pid, started) else ("dead", why)
 
 
 def _gc(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     names = args.names or segment.list_names()
-    removed = kept = skipped = 0
+    removed = kept = other = skipped = 0
     for name in names:
         try:
-            creator = segment.unfinished_creator(name)
+            ident = segment.identity(name)
+            verdict, why = _judge(name)
         except SegmentNotFound:
             continue
-        except (ValueError, OSError):
-            creator = None
-        if creator is not None:  # no magic yet: being created, or its creator died creating it
-            pid, started = creator
-            if segment.process_alive(pid, started):
-                kept += 1
-                continue
-            size = os.path.getsize(segment.path_of(name)) if os.path.exists(segment.path_of(name)) else 0
-            why = f"creator pid {pid} died while creating it, {segment.human(size)}"
-            removed += _remove(name, why, args.dry_run)
+        except segment.ForeignBlock as exc:
+            print(f"skipped {name}: {exc}")
+            skipped += 1
             continue
-        try:
-            h = segment.read_header(name)
-        except SegmentNotFound:
+        if verdict == "alive":
+            kept += 1
             continue
-        except (LayoutError, ValueError, OSError) as exc:
-            if not args.force:
-                print(f"skipped {name}: not a readable shmbuffer block ({exc}); --force removes it")
-                skipped += 1
-                continue
-            why = f"not readable: {exc}"
-        else:
-            if h.creator_alive:
-                kept += 1
-                continue
-            why = f"creator pid {h.creator_pid} is dead, {segment.human(h.size)}"
-        removed += _remove(name, why, args.dry_run)
-    print(f"{verb} {removed}, kept {kept} live, skipped {skipped} unreadable")
+        if verdict == "other" and not (args.force and args.names):
+            print(f"kept {name}: its {why}; `shmbuffer gc --force {name}` removes it")
+            other += 1
+            continue
+        if verdict == "unreadable" and not args.force:
+            print(f"skipped {name}: not a readable shmbuffer block ({why}); --force removes it")
+            skipped += 1
+            continue
+        removed += _remove(name, ident, why, args.dry_run)
+    others = f", kept {other} of other pid namespaces" if other else ""
+    print(f"{verb} {removed}, kept {kept} live, skipped {skipped} unreadable{others}")
     return 0
 
 
-def _remove(name: str, why: str, dry_run: bool) -> int:
-    """Remove (or, in a dry run, name) one block; 1 if it was there."""
-    if not dry_run:
-        try:
-            os.unlink(segment.path_of(name))
-        except FileNotFoundError:
-            return 0
+def _remove(name: str, ident: tuple[int, int], why: str, dry_run: bool) -> int:
+    """Remove (or, in a dry run, name) one block, if its name still names the file judged; 1 if it
+    was there."""
+    if not dry_run and not segment.remove(name, ident):
+        return 0
     print(f"{'would remove' if dry_run else 'removed'} {segment.path_of(name)} ({why})")
     return 1
 
@@ -182,10 +245,10 @@ def _inspect(args: argparse.Namespace) -> int:
                 if f.name in acc else {})}
             for f in buf.schema
         ]
-        info = {
+        info: dict[str, Any] = {
             "name": h.name, "path": segment.path_of(h.name), "layout_version": h.version, "bytes": h.size,
             "creator_pid": h.creator_pid, "creator_alive": h.creator_alive, "fingerprint": h.fingerprint,
-            "options": h.meta["options"], "stats": buf.stats, "rows": len(buf), "capacity": capacity,
+            "options": buf.options.to_json(), "stats": buf.stats, "rows": len(buf), "capacity": capacity,
             "lanes": [{"lane": i, "first": a, "stop": b, "rows": b - a, "capacity": lc} for i, (a, b) in enumerate(bounds)],
             "fields": fields,
         }
@@ -258,7 +321,6 @@ def _rate(fn: Any, seconds: float) -> float:
 
 def _bench(args: argparse.Namespace) -> int:
     from .buffer import ReplayBuffer
-    from .schema import Schema
 
     n = 64 << 20
     src, dst = np.ones(n, np.uint8), np.empty(n, np.uint8)
@@ -295,22 +357,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_ls)
     p = sub.add_parser("inspect", help="a buffer's header, options, counters, lanes and field statistics")
-    p.add_argument("name")
+    p.add_argument("name", type=_name, help="a name, or /dev/shm/shmbuffer-NAME")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_inspect)
     p = sub.add_parser("gc", help="remove buffers whose creating process is dead")
-    p.add_argument("names", nargs="*", metavar="NAME", help="only these buffers (default: all)")
+    p.add_argument("names", nargs="*", metavar="NAME", type=_name, help="only these buffers (default: all)")
     p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     p.add_argument("--force", action="store_true",
-                   help="also remove blocks with our prefix that cannot be read and name no creator")
+                   help="also remove blocks of yours that cannot be read, and those named here whose "
+                        "creator is in another pid namespace")
     p.set_defaults(run=_gc)
     p = sub.add_parser("save", help="save a live buffer to a directory")
-    p.add_argument("name")
+    p.add_argument("name", type=_name)
     p.add_argument("path")
     p.set_defaults(run=_save)
     p = sub.add_parser("load", help="load a saved buffer and hold it in shared memory until interrupted")
     p.add_argument("path")
-    p.add_argument("--name", required=True)
+    p.add_argument("--name", required=True, type=_new_name)
     p.add_argument("--capacity", type=int, default=None)
     p.set_defaults(run=_load)
     p = sub.add_parser("bench", help="a quick probe: memcpy, push and sample rates")

@@ -21,6 +21,7 @@ import shmbuffer as sb
 from shmbuffer import segment
 
 from .conftest import MUJOCO, seq_of, transition
+from .test_segment import write_file
 
 Make = Callable[..., sb.ReplayBuffer]
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,15 +82,15 @@ def test_inspect(make: Make, name: str) -> None:
 
 
 CREATOR = """
-    import sys, time
-    from multiprocessing import resource_tracker
+    import os, signal, sys, time
     import shmbuffer as sb
-    from shmbuffer import segment
+    from shmbuffer import _tracker
     from tests.conftest import MUJOCO, transition
     buf = sb.ReplayBuffer(MUJOCO, 100, name={name!r})
     buf.push(transition(0, 7))
-    # as if its resource tracker had died with it: nothing removes the block at its death
-    resource_tracker.unregister("/" + segment.PREFIX + {name!r}, "shared_memory")
+    # as if its watchdog had died with it: nothing removes the block at its death
+    os.kill(_tracker.watchdog_pid(), signal.SIGKILL)
+    os.waitpid(_tracker.watchdog_pid(), 0)
     print("ready", flush=True)
     time.sleep(120)
 """
@@ -113,7 +114,7 @@ def test_gc_removes_blocks_of_dead_creators_only(make: Make, name: str, cleanup:
         if proc.stdout is not None:
             proc.stdout.close()
     time.sleep(0.2)
-    assert os.path.exists(segment.path_of(dead)), "its tracker should not have removed it"
+    assert os.path.exists(segment.path_of(dead)), "its watchdog should not have removed it"
     entry = next(e for e in json.loads(cli("ls", "--json").stdout) if e["name"] == dead)
     assert entry["alive"] is False and entry["creator_pid"] == proc.pid and entry["rows"] == 7
     out = cli("gc", "--dry-run").stdout  # every block: a dry run touches nothing
@@ -127,8 +128,7 @@ def test_gc_removes_blocks_of_dead_creators_only(make: Make, name: str, cleanup:
 
 def test_gc_removes_unreadable_blocks_only_with_force(name: str, cleanup: list[str]) -> None:
     cleanup.append(name)
-    with open(segment.path_of(name), "wb") as f:
-        f.write(b"not a buffer" * 100)
+    write_file(name, b"not a buffer" * 100)
     out = cli("gc", name).stdout
     assert f"skipped {name}: not a readable shmbuffer block" in out and "--force" in out
     assert os.path.exists(segment.path_of(name))
@@ -142,14 +142,14 @@ def test_gc_removes_unreadable_blocks_only_with_force(name: str, cleanup: list[s
 
 
 CREATING = """
-    import os, time
-    from multiprocessing import resource_tracker
-    from shmbuffer import segment
+    import os, signal, time
+    from shmbuffer import _tracker
     real = os.posix_fallocate
     def slow(fd, offset, length):  # stands for the seconds a fallocate of many GB takes
         real(fd, offset, length)
-        # as if its resource tracker had died with it: nothing removes the block at its death
-        resource_tracker.unregister("/" + segment.PREFIX + {name!r}, "shared_memory")
+        # as if its watchdog had died with it: nothing removes the block at its death
+        os.kill(_tracker.watchdog_pid(), signal.SIGKILL)
+        os.waitpid(_tracker.watchdog_pid(), 0)
         print("allocating", flush=True)
         time.sleep(120)
     os.posix_fallocate = slow
@@ -178,7 +178,7 @@ def test_gc_removes_a_block_whose_creator_died_creating_it(name: str, cleanup: l
         if proc.stdout is not None:
             proc.stdout.close()
     time.sleep(0.2)
-    assert os.path.exists(path), "its tracker should not have removed it"
+    assert os.path.exists(path), "its watchdog should not have removed it"
     with open(path, "rb") as f:
         assert f.read(8) == bytes(8)  # killed before the magic
     out = cli("gc", "--dry-run", name).stdout
@@ -190,8 +190,7 @@ def test_gc_removes_a_block_whose_creator_died_creating_it(name: str, cleanup: l
 
 def test_gc_keeps_a_block_without_magic_or_creator_unless_forced(name: str, cleanup: list[str]) -> None:
     cleanup.append(name)
-    with open(segment.path_of(name), "wb") as f:
-        f.write(bytes(4096))  # nobody on record: it could be a block a live process just opened
+    write_file(name, bytes(4096))  # nobody on record: it could be a block a live process just opened
     out = cli("gc", name, timeout=60).stdout
     assert f"skipped {name}: not a readable shmbuffer block" in out and os.path.exists(segment.path_of(name))
     assert f"removed {segment.path_of(name)} (not readable" in cli("gc", "--force", name).stdout

@@ -264,7 +264,7 @@ def test_handle_crosses_multiprocess_workers(make: Make, name: str) -> None:
     assert sorted(seq_of(buf.get(slice(None)))) == list(range(30))
 
 
-# -- the resource tracker ---------------------------------------------------------------------
+# -- cleanup: a watchdog of our own (_tracker.py), no resource tracker ----------------------------
 
 
 def run_python(code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -353,6 +353,113 @@ def test_sigkilled_creator_is_cleaned_by_its_tracker(name: str) -> None:
             proc.stdout.close()
         if os.path.exists(segment.path_of(name)):
             os.unlink(segment.path_of(name))
+
+
+def wait_gone(path: str, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not os.path.exists(path)
+
+
+def _create_and_wait(name: str, ready: Any) -> None:
+    buf = sb.ReplayBuffer(MUJOCO, 100, name=name)
+    ready.set()
+    time.sleep(60)
+    buf.close()
+
+
+@pytest.mark.parametrize("lib", ["multiprocessing", "multiprocess"])
+@pytest.mark.parametrize("method", START_METHODS)
+def test_a_sigkilled_child_creator_is_cleaned_by_its_watchdog(lib: str, method: str, name: str, procs: list) -> None:
+    """A creator that is a spawned, forked or forkserver child (of multiprocessing or multiprocess)
+    has a watchdog of its own, which removes its block when it is killed."""
+    ctx = (mp if lib == "multiprocessing" else multiprocess).get_context(method)
+    ready = ctx.Event()
+    p = ctx.Process(target=_create_and_wait, args=(name, ready))
+    procs.append(p)
+    p.start()
+    assert ready.wait(60)
+    assert segment.read_header(name).creator_pid == p.pid
+    p.kill()
+    p.join(10)
+    assert wait_gone(segment.path_of(name)), "the killed creator's watchdog should have removed its block"
+
+
+FORKING = """
+    import os, time
+    import shmbuffer as sb
+    from shmbuffer import _tracker
+    from tests.conftest import MUJOCO
+    buf = sb.ReplayBuffer(MUJOCO, 100, name={name!r})
+    # a child forked past Python's at-fork hooks (by C code) keeps the watchdog's pipe open
+    kept = os.dup(_tracker._watch[2]) if {past_hooks} else None
+    child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(child, flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("past_hooks", [False, True])
+def test_a_forked_child_does_not_keep_the_block_after_its_creator_died(past_hooks: bool, name: str) -> None:
+    """The creator forks a child that outlives it. The child closes its copy of the watchdog's pipe
+    (an at-fork hook); one that still holds it cannot keep the watchdog waiting either, since the
+    watchdog also sees that its parent, the creator, is gone."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(FORKING.format(name=name, past_hooks=past_hooks))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    child = None
+    try:
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        assert os.path.exists(segment.path_of(name))
+        proc.kill()
+        proc.wait(10)
+        assert running(child)
+        assert wait_gone(segment.path_of(name)), "the creator's watchdog should have removed its block"
+        os.kill(child, signal.SIGKILL)  # it holds the stderr pipe open too
+        assert proc.stderr is not None and proc.stderr.read() == ""
+    finally:
+        proc.kill()
+        proc.wait()
+        if child is not None and running(child):
+            os.kill(child, signal.SIGKILL)
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+        if os.path.exists(segment.path_of(name)):
+            os.unlink(segment.path_of(name))
+
+
+def running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_the_watchdog_leaves_with_its_creator(name: str) -> None:
+    """It is started by the first create, and ends when its creator ends."""
+    out = run_python(f"""
+        import shmbuffer as sb
+        from shmbuffer import _tracker
+        from tests.conftest import MUJOCO
+        assert _tracker.watchdog_pid() is None
+        buf = sb.ReplayBuffer(MUJOCO, 100, name={name!r})
+        other = sb.ReplayBuffer.attach({name!r})
+        other.close()
+        print(_tracker.watchdog_pid())
+    """)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    watchdog = int(out.stdout)
+    deadline = time.monotonic() + 10
+    while running(watchdog) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(watchdog), "the watchdog outlived its creator by 10 s"
+    assert not os.path.exists(segment.path_of(name))
 
 
 def test_one_process_keeps_its_writer_entry_while_any_of_its_buffers_is_open(make: Make, name: str) -> None:

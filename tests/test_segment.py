@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import struct
@@ -47,6 +48,16 @@ def patch(name: str, offset: int, data: bytes) -> None:
         os.close(fd)
 
 
+def write_file(name: str, data: bytes) -> None:
+    """Write ``data`` as the file of block ``name``, mode 0600 as shmbuffer makes them (files open
+    to other users are refused before anything is read: test_hostile.py)."""
+    fd = os.open(segment.path_of(name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
 def test_other_layout_version_is_refused(make: Make, name: str) -> None:
     make(MUJOCO, capacity=10, name=name)
     patch(name, 8, struct.pack("<I", 2))
@@ -73,13 +84,11 @@ def test_schema_that_does_not_match_its_fingerprint(make: Make, name: str) -> No
 
 def test_tiny_file_and_uninitialised_block(name: str) -> None:
     path = segment.path_of(name)
-    with open(path, "wb") as f:
-        f.write(b"x")
+    write_file(name, b"x")
     try:
         with pytest.raises(sb.LayoutError, match="too small"):
             sb.ReplayBuffer.attach(name)
-        with open(path, "wb") as f:
-            f.write(bytes(4096))
+        write_file(name, bytes(4096))
         with pytest.raises(sb.LayoutError, match="may still be being created"):
             sb.ReplayBuffer.attach(name)
     finally:
@@ -137,8 +146,8 @@ CREATING = """
 
 
 def test_a_creator_killed_while_creating_leaves_nothing(name: str) -> None:
-    """Registered with the resource tracker before its pages are reserved: a creator killed then
-    has its block removed by its tracker (r22)."""
+    """Registered with its watchdog before its pages are reserved: a creator killed then has its
+    block removed by its watchdog (r22)."""
     path = segment.path_of(name)
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CREATING.format(name=name))],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV, cwd=ROOT)
@@ -150,7 +159,7 @@ def test_a_creator_killed_while_creating_leaves_nothing(name: str) -> None:
         deadline = time.monotonic() + 10
         while os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not os.path.exists(path), "the killed creator's tracker should have removed its block"
+        assert not os.path.exists(path), "the killed creator's watchdog should have removed its block"
     finally:
         proc.kill()
         proc.wait()
@@ -178,12 +187,51 @@ FAILING = """
 @pytest.mark.parametrize(("error", "caught"), [('OSError(errno.ENOSPC, "No space left on device")', "sb.OutOfSharedMemory"),
                                                ("KeyboardInterrupt", "KeyboardInterrupt")])
 def test_a_failed_create_leaves_nothing_registered(error: str, caught: str, name: str) -> None:
-    """The file is removed and its registration undone: the tracker, which outlives the process,
-    has nothing to warn about or to remove (its warnings would come on stderr)."""
+    """The file is removed and its registration undone: the watchdog, which outlives the process,
+    has nothing to remove, and nothing comes on stderr."""
     code = textwrap.dedent(FAILING.format(error=error, caught=caught, name=name))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=ENV, cwd=ROOT)
     assert out.returncode == 0 and out.stdout == "refused\n" and out.stderr == "", out.stdout + out.stderr
     assert not os.path.exists(segment.path_of(name))
+
+
+def test_a_stale_handle_leaves_a_new_block_of_its_name_alone(name: str) -> None:
+    """Someone removed the block (``shmbuffer gc``, a user) and a new one took its name: the old
+    creator's and an old attacher's ``unlink()``, and the old creator's finalizer, remove nothing
+    (their block's name is gone already, and the new block is not theirs to remove)."""
+    path = segment.path_of(name)
+    old = sb.ReplayBuffer(MUJOCO, capacity=10, name=name)
+    seen = sb.ReplayBuffer.attach(name)
+    os.unlink(path)
+    new = sb.ReplayBuffer(MUJOCO, capacity=20, name=name)
+    try:
+        seen.unlink()
+        old.unlink()
+        assert os.path.exists(path)
+        seen.close()
+        old.close()
+        del old, seen
+        gc.collect()
+        assert segment.read_header(name).meta["options"]["capacity"] == 20
+        assert len(new) == 0
+    finally:
+        new.close()
+        new.unlink()
+    assert not os.path.exists(path)
+
+
+def test_the_old_creators_finalizer_leaves_a_new_block_alone(name: str) -> None:
+    path = segment.path_of(name)
+    old = sb.ReplayBuffer(MUJOCO, capacity=10, name=name)
+    os.unlink(path)
+    new = sb.ReplayBuffer(MUJOCO, capacity=20, name=name)
+    try:
+        del old  # its finalizer runs now: it unlinks its own block, which is gone, and nothing else
+        gc.collect()
+        assert segment.read_header(name).meta["options"]["capacity"] == 20
+    finally:
+        new.close()
+        new.unlink()
 
 
 def test_human_sizes() -> None:
