@@ -35,6 +35,7 @@ from . import sequences
 from .batch import Batch
 from .errors import ClosedError, EmptyBufferError, FieldError, LayoutError, ReadOnlyError, SchemaError, WaitTimeout
 from .limiter import RateLimiter
+from .lock import resume_signals
 from .ring import INVALID, Ring
 from .samplers import (
     Priorities,
@@ -359,9 +360,11 @@ class ReplayBuffer:
             if limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None:
                 res = ring.reserve(k, lane, gate=lambda i, s, size: limiter.can_insert(i, s, size, k),
                                    why=self._rates, timeout=limiter.timeout if timeout is None else timeout,
-                                   also=also)
+                                   also=also, deferring=True)
             else:
-                res = ring.reserve(k, lane, also=also)
+                res = ring.reserve(k, lane, also=also, deferring=True)
+            # from here to the commit, signal handlers wait (lock.py): a Ctrl-C cannot leave the
+            # rows odd under this live process; it is raised once they are committed
             targets = self._targets
             for name, a in arrays.items():
                 targets[name][res.where] = a
@@ -369,11 +372,14 @@ class ReplayBuffer:
                 self._episode[res.where] = episodes
             ring.commit(res)
         except BaseException:
-            # interrupted (KeyboardInterrupt) after the reservation: give the rows back — they read
-            # as empty, never as committed, and are never drawn; a live owner must not keep them odd
+            # the copy failed after the reservation: give the rows back — they read as empty,
+            # never as committed, and are never drawn; a live owner must not keep them odd
             if res is not None and not ring.current(res.ids).all():
                 ring.abandon(res, None if prios is None else (lambda slots: prios.tree.update(slots, 0.0)))
             raise
+        finally:
+            if res is not None:
+                resume_signals()  # a signal that came meanwhile is raised here
         return res.ids
 
     add = push

@@ -12,14 +12,31 @@ also serialises the threads of one process, which ``flock`` on a shared descript
 The data a dead holder was changing may be half-updated: every critical section in shmbuffer is
 written so that each prefix of it leaves a state the others can repair (see ``ring.py``).
 
+Signals. A live holder must not stop half-way either: a ``KeyboardInterrupt`` raised inside a
+critical section (or as ``__exit__`` starts) would leave the mutex held, or the state half-updated,
+by a process that goes on (a notebook, a loop that catches it). So from just before the mutex is
+taken until it is released, the Python handlers of ``DEFERRED`` wait (``defer_signals``): in the
+main thread, the only one that runs them, each is swapped for one that notes the signal; the end
+of the outermost critical section puts them back and runs them for the signals noted. Blocking
+the signals with ``pthread_sigmask`` is not enough: the kernel hands a signal that the main
+thread blocks to another thread (numpy's BLAS threads will do), whose C handler flags it, and the
+main thread runs the Python handler all the same. While *waiting* for the mutex the handlers
+run, between slices of 50 ms. Handlers of other signals are not deferred.
+
 Requires glibc's robust mutexes (Linux); ctypes releases the GIL while a call blocks.
 """
 
 from __future__ import annotations
 
+# ``_signal``: ``signal.signal`` and ``signal.getsignal`` wrap its functions and turn the old
+# handler into an enum, which costs a caught ValueError (~1 us) for every Python handler
+import _signal
 import ctypes
 import errno
+import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -68,6 +85,94 @@ def _lib() -> Any:
     return _LIB
 
 
+DEFERRED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM, signal.SIGUSR1,
+            signal.SIGUSR2)
+"""Signals whose Python-level handlers wait while the main thread is in a critical section."""
+
+_SIGNALS = tuple(int(s) for s in DEFERRED)
+_main = threading.main_thread().ident  # the thread that runs Python signal handlers
+_ident, _getsignal, _setsignal = threading.get_ident, _signal.getsignal, _signal.signal  # a push calls them
+_depth = 0  # nesting of defer_signals() in the main thread
+_saved: list[tuple[int, Any]] = []  # (signal, its own handler) while ``_note`` stands in for it
+_noted: list[int] = []  # signals that came meanwhile
+
+
+def _note(signum: int, frame: Any) -> None:
+    _noted.append(signum)
+
+
+def defer_signals() -> None:
+    """Make the Python handlers of ``DEFERRED`` wait until the matching ``resume_signals()``
+    (calls nest). Only the main thread runs Python handlers, so in other threads this does
+    nothing. A handler that raises while they are being swapped raises here, deferring nothing."""
+    global _depth
+    if _ident() != _main:
+        return
+    if not _depth:
+        try:
+            for s in _SIGNALS:
+                handler = _getsignal(s)
+                if callable(handler) and handler is not _note:
+                    _saved.append((s, handler))
+                    _setsignal(s, _note)  # runs pending handlers first, which may raise
+        except BaseException:
+            _leave()
+            raise
+    _depth += 1
+
+
+def resume_signals() -> None:
+    """Undo one ``defer_signals()``. The outermost puts the handlers back and delivers the
+    signals that came meanwhile to them: a ``KeyboardInterrupt`` is raised here then."""
+    global _depth
+    if _ident() != _main:
+        return
+    if _depth <= 0:
+        raise RuntimeError("resume_signals() without defer_signals()")
+    _depth -= 1
+    if not _depth:
+        _leave()
+
+
+def _leave() -> None:
+    """Put the handlers back, then run them for the signals that came meanwhile (each once, as
+    the kernel merges a signal pending twice); the first exception one raises is raised."""
+    error = None
+    while _saved:
+        s, handler = _saved[-1]
+        try:
+            _setsignal(s, handler)
+        except BaseException as exc:  # a handler already put back ran first (its signal came) and raised
+            error = error or exc
+            continue  # put this one back all the same
+        _saved.pop()
+    if _noted:
+        noted = sorted(set(_noted))
+        _noted.clear()
+        for s in noted:
+            try:
+                handler = _getsignal(s)
+                if callable(handler):
+                    handler(s, None)
+            except BaseException as exc:
+                error = error or exc
+    if error is not None:
+        raise error
+
+
+def _forked() -> None:
+    # the forking thread is the child's main thread; if another thread was deferring at the fork,
+    # the child's handlers come back
+    global _depth, _main
+    _main = threading.get_ident()
+    _depth = 0
+    _noted.clear()
+    _leave()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 class RobustLock:
     """A robust, process-shared mutex living in ``memory`` (a uint8 array of ``SIZE`` bytes).
 
@@ -102,51 +207,66 @@ class RobustLock:
             lib.pthread_mutexattr_destroy(attr)
 
     def acquire(self, timeout: float | None = None) -> None:
-        try:
-            rc = self._trylock(self._ptr)
-            if rc == errno.EBUSY:
-                rc = self._wait(self.default_timeout if timeout is None else timeout)
-            if rc == 0:
+        """Take the mutex; ``WaitTimeout`` after ``timeout`` seconds (``default_timeout``). From
+        here to ``release`` the handlers of ``DEFERRED`` wait (module docstring)."""
+        deadline = None
+        while True:
+            defer_signals()
+            try:
+                rc = self._trylock(self._ptr) if deadline is None else self._wait(deadline)
+            except BaseException:  # a handler of a signal that is not deferred raised as the call returned
+                self._drop()
+                resume_signals()
+                raise
+            if not rc:
                 return
             if rc == errno.EOWNERDEAD:
-                # the previous holder died inside its critical section; the state it guarded is
-                # repairable by construction (module docstring), so mark the mutex usable again
-                self._consistent(self._ptr)
-                self.recovered += 1
-                if self._on_recover is not None:
-                    self._on_recover()
+                self._recover()
                 return
-        except BaseException:
-            # a signal (KeyboardInterrupt) is raised when the call that took the mutex returns:
-            # give the mutex back before re-raising, or it stays held by a live process forever
-            again = self._trylock(self._ptr)
-            if again in (0, errno.EDEADLK, errno.EOWNERDEAD):
-                if again == errno.EOWNERDEAD:
-                    self._consistent(self._ptr)
-                self._unlock(self._ptr)
-            raise
-        if rc == errno.EDEADLK:
-            raise RuntimeError("this thread already holds the buffer's lock (a re-entrant call)")
-        _check(rc, "pthread_mutex_lock")
-
-    def _wait(self, timeout: float) -> int:
-        # in slices: a blocked pthread call does not return for a signal, so Ctrl-C would only
-        # be seen once the lock is free; between slices Python runs its signal handlers
-        deadline = time.time() + timeout
-        while True:
-            until = min(deadline, time.time() + 0.05)
-            ts = _Timespec(int(until), int((until % 1) * 1e9))
-            rc = int(self._timedlock(self._ptr, ctypes.byref(ts)))
-            if rc != errno.ETIMEDOUT:
-                return rc
-            if time.time() >= deadline:
+            resume_signals()  # not held: a signal that came meanwhile (Ctrl-C while waiting) runs here
+            if rc == errno.EDEADLK:
+                raise RuntimeError("this thread already holds the buffer's lock (a re-entrant call)")
+            if rc not in (errno.EBUSY, errno.ETIMEDOUT):
+                _check(rc, "pthread_mutex_lock")
+            limit = self.default_timeout if timeout is None else timeout
+            if deadline is None:
+                deadline = time.time() + limit
+            elif time.time() >= deadline:
                 raise WaitTimeout(
-                    f"waited {timeout:.1f} s for the buffer's lock; its holder is alive but stuck "
+                    f"waited {limit:.1f} s for the buffer's lock; its holder is alive but stuck "
                     "(stopped with SIGSTOP, or in a debugger?)"
                 )
 
+    def _wait(self, deadline: float) -> int:
+        # in slices: a blocked pthread call does not return for a signal, so Ctrl-C would only
+        # be seen once the lock is free; between slices the signal handlers run
+        until = min(deadline, time.time() + 0.05)
+        ts = _Timespec(int(until), int((until % 1) * 1e9))
+        return int(self._timedlock(self._ptr, ctypes.byref(ts)))
+
+    def _recover(self) -> None:
+        # the previous holder died inside its critical section; the state it guarded is
+        # repairable by construction (module docstring), so mark the mutex usable again
+        self._consistent(self._ptr)
+        self.recovered += 1
+        if self._on_recover is not None:
+            try:
+                self._on_recover()
+            except BaseException:
+                self.release()
+                raise
+
+    def _drop(self) -> None:
+        """Give the mutex back if the call that was interrupted had taken it."""
+        again = self._trylock(self._ptr)
+        if again in (0, errno.EDEADLK, errno.EOWNERDEAD):
+            if again == errno.EOWNERDEAD:
+                self._consistent(self._ptr)
+            self._unlock(self._ptr)
+
     def release(self) -> None:
-        _check(self._unlock(self._ptr), "pthread_mutex_unlock")
+        _check(self._unlock(self._ptr), "pthread_mutex_unlock")  # raises only when not held: nothing deferred
+        resume_signals()
 
     def __enter__(self) -> RobustLock:
         self.acquire()

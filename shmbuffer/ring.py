@@ -17,14 +17,20 @@ Columns (all in the block, see ``segment.py``)
 ``_lanes``   ``(lanes, 8)`` int64, one cache line a lane: ``[l, 0]`` cursor, ``[l, 1]`` base
              (the first row number that counts after a ``clear()``)
 ``_stats``   ``(16,)`` int64, readers' and writers' counters on separate cache lines: ``[0]``
-             rows sampled; ``[8]`` rows reclaimed from dead writers, ``[9]`` lock recoveries,
+             rows sampled under the lock (a rate limiter's admissions, and a loaded buffer's
+             count); ``[8]`` rows reclaimed from dead writers, ``[9]`` lock recoveries,
              ``[10]`` rows inserted (ever reserved; unlike the cursors, a clear does not move it),
              ``[11]`` 1 once the buffer is frozen (read-only).
              All are updated under the lock and never wrap.
-``_writer_pid``, ``_writer_start``  ``(WRITERS,)``: the processes that have pushed (pid and start
-             time, so a reused pid is not mistaken for a live writer); 0 marks a free entry. An
-             entry is shared by every buffer object of its process and freed only once the
-             process is dead (when the table is full), never while it may still be writing.
+``_writer_pid``, ``_writer_start``  ``(WRITERS,)``: the processes that have pushed or sampled (pid
+             and start time, so a reused pid is not mistaken for a live writer); 0 marks a free
+             entry. An entry is shared by every buffer object of its process and freed only once
+             the process is dead (when the table is full), never while it may still be writing.
+``_sampled`` ``(WRITERS,)`` int64, rows sampled outside the lock (``count_sampled``) by the
+             processes that held each writer entry, in turn: only the entry's live process
+             changes it (its threads one at a time), so counting a sample needs no lock, and a
+             stopped lock holder does not hold the learner up. A reclaimed entry keeps its count.
+             Rows sampled in all (``sampled``) = ``_stats[0]`` + the sum of ``_sampled``.
 ``_stamp``   ``(capacity,)`` int64, the commit stamp of each slot
 ``_owner``   ``(capacity,)`` uint16, the writer entry that last reserved each slot
 
@@ -43,7 +49,10 @@ its owner is alive: it releases the lock and waits (``WaitTimeout`` after ``stal
 the owner is dead (SIGKILL; a zombie counts as dead) the slot is reclaimed. ``reap()`` marks the
 rows of dead writers empty, so nobody looks at them again.
 
-Every prefix of a critical section leaves a repairable state, because the lock is robust and a
+Interrupts: nothing raises inside a critical section, nor between marking rows odd and the
+caller's commit when it asks for that (``reserve(deferring=True)``): signal handlers wait
+(``lock.py``), so a live process that survives its Ctrl-C leaves neither the lock held nor rows
+odd. Every prefix of a critical section leaves a repairable state, because the lock is robust and a
 holder may die anywhere: stamps are marked odd before the cursor moves (a dead holder leaves odd
 slots of a dead owner, which the next reservation reclaims), and ``clear()`` moves the base before
 the cursor (reservations start at ``max(cursor, base)``).
@@ -61,6 +70,7 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 import time
 from collections.abc import Callable
 
@@ -68,7 +78,7 @@ import numpy as np
 
 from .errors import CapacityError, ReadOnlyError, ShmBufferError, UnsupportedPlatform, WaitTimeout
 from .lock import SIZE as MUTEX_SIZE
-from .lock import RobustLock
+from .lock import RobustLock, defer_signals
 from .segment import ColumnSpec, process_alive, start_time
 
 WRITERS = 1024
@@ -78,6 +88,15 @@ _EMPTY = np.empty(0, np.int64)
 INVALID = -(2**62)
 """An id no slot ever holds: its expected stamp is negative, and stamps never are."""
 _X86 = {"x86_64", "amd64"}  # 64-bit only: a 32-bit CPU stores an int64 stamp in two halves
+_counting = threading.Lock()  # this process's threads, one at a time on its ``_sampled`` entry
+
+
+def _forked() -> None:
+    global _counting
+    _counting = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def check_platform() -> None:
@@ -97,6 +116,7 @@ def columns(capacity: int, lanes: int) -> list[ColumnSpec]:
         ColumnSpec("_stats", (16,), np.dtype(np.int64)),
         ColumnSpec("_writer_pid", (WRITERS,), np.dtype(np.int64)),
         ColumnSpec("_writer_start", (WRITERS,), np.dtype(np.float64)),
+        ColumnSpec("_sampled", (WRITERS,), np.dtype(np.int64)),
         ColumnSpec("_stamp", (capacity,), np.dtype(np.int64)),
         ColumnSpec("_owner", (capacity,), np.dtype(np.uint16)),
     ]
@@ -136,6 +156,8 @@ class Ring:
         self._count = self._stats.data
         self._pids = self._wpid.data
         self._wstart = arrays["_writer_start"]
+        self._sampled = arrays["_sampled"]
+        self._mine = self._sampled.data
         self.stamp = arrays["_stamp"]
         self.owner = arrays["_owner"]
         self.lanes = int(self._lanes.shape[0])
@@ -181,7 +203,7 @@ class Ring:
                 self.stamp[lost] = 0
                 self._wpid[w] = 0
                 return w
-        raise ShmBufferError(f"{WRITERS} live processes have pushed to this buffer; no writer entry is free")
+        raise ShmBufferError(f"{WRITERS} live processes have pushed to or sampled from this buffer; no writer entry is free")
 
     def _alive(self, w: int) -> bool:
         return (w == self._wid and self._wid_pid == os.getpid()) or process_alive(
@@ -191,13 +213,17 @@ class Ring:
     def reserve(
         self, k: int, lane: int | np.ndarray = 0, *, gate: Gate | None = None, timeout: float = 0.0,
         why: Callable[[], str] | None = None, also: Callable[[np.ndarray], None] | None = None,
+        deferring: bool = False,
     ) -> Reservation:
         """Reserve ``k`` rows in ``lane`` (an int), or one row in each of ``lane`` (an array of
         ``k`` lane numbers), marking them odd; the caller copies, then calls ``commit``.
 
         ``gate(inserted, sampled, size)`` (a rate limiter) is checked inside the same critical
         section, so concurrent writers cannot overshoot it; while it says no, wait up to
-        ``timeout``. ``also(slots)`` runs inside it once the rows are reserved (their priorities)."""
+        ``timeout``. ``also(slots)`` runs inside it once the rows are reserved (their priorities).
+        With ``deferring``, signal handlers still wait when it returns (``lock.defer_signals``):
+        the caller commits or abandons, then calls ``lock.resume_signals()``, so no interrupt can
+        come between the rows turning odd and their commit."""
         w = self.writer_id()
         stalled = gated = None
         pause = 0.0001
@@ -205,7 +231,7 @@ class Ring:
             with self.lock:
                 if self._count[11]:
                     raise ReadOnlyError("this buffer is frozen (read-only): it takes no more rows")
-                shut = gate is not None and not gate(self._count[10], self._count[0], len(self))
+                shut = gate is not None and not gate(self._count[10], self.sampled, len(self))
                 res = None if shut else self._try_reserve(k, lane, w)
                 if res is not None and also is not None:
                     try:
@@ -213,6 +239,8 @@ class Ring:
                     except BaseException:  # the rows must not stay odd under a live owner
                         self._abandon(res, None)
                         raise
+                if res is not None and deferring:
+                    defer_signals()  # once more: outlasts the lock, until the caller resumes
             if res is not None:
                 return res
             now = time.monotonic()
@@ -233,7 +261,7 @@ class Ring:
     def admit(self, gate: Gate, rows: int) -> bool:
         """Count ``rows`` as sampled if ``gate(inserted, sampled, size)`` allows it, atomically."""
         with self.lock:
-            if not gate(int(self._stats[10]), int(self._stats[0]), len(self)):
+            if not gate(int(self._stats[10]), self.sampled, len(self)):
                 return False
             self._stats[0] += rows
             return True
@@ -358,8 +386,11 @@ class Ring:
         return lost
 
     def count_sampled(self, rows: int) -> None:
-        with self.lock:
-            self._count[0] += rows
+        """Count ``rows`` as sampled (negative: given back) in this process's ``_sampled``
+        entry, without the lock (the module docstring)."""
+        w = self.writer_id()
+        with _counting:
+            self._mine[w] += rows
 
     @property
     def frozen(self) -> bool:
@@ -372,7 +403,7 @@ class Ring:
     @property
     def sampled(self) -> int:
         """Rows ever handed out by samples, all processes (never wraps)."""
-        return int(self._stats[0])
+        return int(self._stats[0]) + int(self._sampled.sum())
 
     # -- size ------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -388,7 +419,7 @@ class Ring:
     def stats(self) -> dict[str, int]:
         return {
             "inserted": self.inserted,
-            "sampled": int(self._stats[0]),
+            "sampled": self.sampled,
             "reclaimed": int(self._stats[8]),
             "lock_recoveries": int(self._stats[9]),
         }

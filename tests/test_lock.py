@@ -126,3 +126,122 @@ def test_a_recovered_lock_repairs_the_priority_tree(make: Make, name: str, procs
     buf.push(transition(100, 1), priority=[1.0])  # the next locker recovers the lock and repairs
     assert buf.stats["lock_recoveries"] == 1
     assert tree.total == pytest.approx(100.0) and len(buf.sample(10)) == 10
+
+
+def test_a_signal_inside_the_lock_is_raised_at_release(make: Make, name: str) -> None:
+    """A Ctrl-C that arrives while this process holds the lock waits for the release, even when
+    the kernel hands it to another thread (the main thread blocks it here, as it would if the
+    deferral blocked signals): the lock is never left held, the handler comes back."""
+    lock = make(MUJOCO, capacity=10, name=name).ring.lock
+    handler = signal.getsignal(signal.SIGINT)
+    other = threading.Event()
+    helper = threading.Thread(target=other.wait)  # a thread that may take the signal
+    helper.start()
+    reached = False
+    try:
+        with pytest.raises(KeyboardInterrupt), lock:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # another thread's C handler flags it meanwhile
+                for _ in range(1000):  # many chances for the main thread to run the Python handler
+                    np.zeros(3).sum()
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            reached = True
+    finally:
+        other.set()
+        helper.join()
+    assert reached
+    assert signal.getsignal(signal.SIGINT) is handler
+    lock.acquire(timeout=1)  # not held by this thread (RuntimeError) nor by anyone
+    lock.release()
+
+
+def test_handlers_run_once_after_the_outermost_release(make: Make, name: str) -> None:
+    lock = make(MUJOCO, capacity=10, name=name).ring.lock
+    calls: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        calls.append(signum)
+
+    old = signal.signal(signal.SIGUSR1, handler)
+    try:
+        with lock:
+            signal.raise_signal(signal.SIGUSR1)
+            signal.raise_signal(signal.SIGUSR1)  # pending twice: the kernel would run it once
+            assert calls == []
+        assert calls == [signal.SIGUSR1]
+        assert signal.getsignal(signal.SIGUSR1) is handler
+        signal.raise_signal(signal.SIGUSR1)  # outside the lock: at once
+        assert calls == [signal.SIGUSR1] * 2
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def test_other_threads_take_the_lock_without_touching_handlers(make: Make, name: str) -> None:
+    lock = make(MUJOCO, capacity=10, name=name).ring.lock
+    seen: list[Any] = []
+
+    def work() -> None:
+        with lock:
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert seen == [signal.getsignal(signal.SIGINT)]
+
+
+@pytest.mark.parametrize("sampler", [sb.Uniform(), sb.Prioritized()], ids=["uniform", "prioritized"])
+def test_a_stopped_lock_holder_does_not_hold_up_sampling(make: Make, name: str, procs: list, sampler: Any) -> None:
+    """A process stopped (SIGSTOP, a debugger) while it holds the lock: samples without a rate
+    limiter or max_use never take the lock, so they go on; what takes the lock waits for it."""
+    from .conftest import seq_of, transition
+
+    buf = make(MUJOCO, capacity=100, name=name, sampler=sampler)
+    buf.push(transition(0, 100))  # this process has its writer entry (the first sample would take the lock)
+    p = holding(buf, 60.0, procs)
+    os.kill(p.pid, signal.SIGSTOP)
+    buf.ring.lock.default_timeout = 0.5  # a sample that took the lock would raise WaitTimeout
+    for _ in range(20):
+        batch = buf.sample(32)
+        seq_of(batch)
+    assert buf.stats["sampled"] == 640
+    with pytest.raises(sb.WaitTimeout):
+        buf.clear()
+
+
+def _sample(handle: sb.BufferHandle, times: int, rows: int) -> None:
+    buf = sb.ReplayBuffer.attach(handle)
+    for _ in range(times):
+        buf.sample(rows)
+
+
+def test_sampled_rows_are_counted_exactly_without_the_lock(make: Make, name: str, procs: list) -> None:
+    """Processes and threads count their samples in their own entries: the total is exact, and
+    an entry reclaimed from a dead process keeps its count."""
+    from .conftest import transition
+
+    buf = make(MUJOCO, capacity=100, name=name)
+    buf.push(transition(0, 100))
+    ctx = mp.get_context("spawn")
+    for rows in (3, 7):
+        p = ctx.Process(target=_sample, args=(buf.handle, 300, rows))
+        p.start()
+        procs.append(p)
+    threads = [threading.Thread(target=lambda: [buf.sample(5) for _ in range(300)]) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert buf.stats["sampled"] == 300 * (3 + 7 + 3 * 5)
+    ring = buf.ring
+    ring._wstart[:] = 1.0  # every entry names a dead process (its pid reused since) ...
+    ring._wpid[ring._wpid == 0] = os.getpid()  # ... and none is free
+    ring._wid_pid = -1  # this process registers again: it reclaims a dead entry
+    buf.sample(2)
+    assert buf.stats["sampled"] == 300 * (3 + 7 + 3 * 5) + 2
