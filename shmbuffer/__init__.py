@@ -8,23 +8,30 @@ from .errors import (
     ClosedError,
     EmptyBufferError,
     FieldError,
+    ForeignBlock,
     LayoutError,
     OutOfSharedMemory,
     ReadOnlyError,
     SchemaError,
     SegmentNotFound,
     ShmBufferError,
+    UnknownIdError,
     UnsupportedPlatform,
     WaitTimeout,
 )
 from .limiter import RateLimiter
 from .loader import Loader
 from .mixing import Buffers, Mix
-from .persistence import export, from_arrays, load, save
+from .persistence import export, save
 from .samplers import Prioritized, Uniform
 from .schema import Field, Schema
 
 __version__ = "0.1.0"
+
+load = ReplayBuffer.load
+"""``load(path, *, name=None, capacity=None, seed=None)``: a new buffer holding a save (``persistence.py``)."""
+from_arrays = ReplayBuffer.from_arrays
+"""``from_arrays(schema, arrays, capacity=None, **options)``: a new buffer of these rows (``persistence.py``)."""
 
 __all__ = [
     "Batch",
@@ -36,6 +43,7 @@ __all__ = [
     "EmptyBufferError",
     "Field",
     "FieldError",
+    "ForeignBlock",
     "LayoutError",
     "Loader",
     "Mix",
@@ -49,6 +57,7 @@ __all__ = [
     "SegmentNotFound",
     "ShmBufferError",
     "Uniform",
+    "UnknownIdError",
     "UnsupportedPlatform",
     "WaitTimeout",
     "WorkerError",

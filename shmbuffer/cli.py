@@ -5,7 +5,7 @@
     shmbuffer ls [--json]                       buffers in /dev/shm: rows, size, creator, alive
     shmbuffer inspect NAME [--json]             header, options, counters, lanes, field statistics
     shmbuffer gc [--dry-run] [--force] [NAME ...]   remove buffers whose creator is dead
-    shmbuffer save NAME PATH                    save a live buffer (persistence.py)
+    shmbuffer save NAME PATH [--force]          save a live buffer (persistence.py)
     shmbuffer load PATH --name NAME             load a save and hold it until interrupted
     shmbuffer bench [--seconds S] [--json]      memcpy, push and sample rates on this machine
     shmbuffer demo [--seed 1 ...]               the demo: DQN + PER on CartPole (demo.py)
@@ -39,7 +39,10 @@ from typing import Any
 import numpy as np
 
 from . import segment
-from .errors import LayoutError, SegmentNotFound, ShmBufferError
+from .buffer import ReplayBuffer
+from .errors import ForeignBlock, LayoutError, SegmentNotFound, ShmBufferError
+from .persistence import pieces
+from .ring import lane_bounds
 from .schema import Schema
 
 
@@ -101,8 +104,7 @@ def _rows(h: segment.Header) -> tuple[int, int, list[tuple[int, int]]]:
         raise LayoutError(f"buffer {h.name!r} is damaged: its _lanes and _stamp columns do not match capacity "
                           f"{capacity} in {lanes} lanes")
     raw = segment.read_data(h, col["offset"], lanes * 8 * 8)
-    cur, base = np.frombuffer(raw, np.int64).reshape(lanes, 8)[:, :2].T
-    first = np.minimum(np.maximum(base, cur - capacity // lanes), cur)
+    first, cur = lane_bounds(np.frombuffer(raw, np.int64).reshape(lanes, 8), capacity // lanes)
     bounds = [(int(a), int(b)) for a, b in zip(first, cur, strict=True)]
     return int((cur - first).sum()), capacity, bounds
 
@@ -167,7 +169,7 @@ def _judge(name: str) -> tuple[str, str]:
     else:
         try:
             h = segment.read_header(name)
-        except segment.ForeignBlock:
+        except ForeignBlock:
             raise
         except LayoutError as exc:
             return "unreadable", f"not readable: {exc}"
@@ -188,7 +190,7 @@ def _gc(args: argparse.Namespace) -> int:
             verdict, why = _judge(name)
         except SegmentNotFound:
             continue
-        except segment.ForeignBlock as exc:
+        except ForeignBlock as exc:
             print(f"skipped {name}: {exc}")
             skipped += 1
             continue
@@ -220,8 +222,6 @@ def _remove(name: str, ident: tuple[int, int], why: str, dry_run: bool) -> int:
 
 # -- inspect, save, load: attach ---------------------------------------------------------------------
 def _inspect(args: argparse.Namespace) -> int:
-    from .buffer import ReplayBuffer
-    from .persistence import pieces
 
     h = segment.read_header(args.name)
     _, capacity, bounds = _rows(h)
@@ -272,17 +272,16 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _save(args: argparse.Namespace) -> int:
-    from .buffer import ReplayBuffer
-    from .persistence import save
-
     buf = ReplayBuffer.attach(args.name)
     try:
-        out = save(buf, args.path, progress=sys.stderr.isatty())
+        out = buf.save(args.path, progress=sys.stderr.isatty(), overwrite=args.force)
     finally:
         buf.close()
     holes = f", {out['holes']} empty rows kept as holes" if out["holes"] else ""
+    dropped = (f", {out['dropped']} dropped (overwritten by writers, or still being written, while the save ran)"
+               if out["dropped"] else "")
     print(f"saved {out['rows']} rows of {args.name!r} to {out['path']} ({segment.human(out['bytes'])}, "
-          f"{out['seconds']:.2f} s, {out['dropped']} dropped{holes})")
+          f"{out['seconds']:.2f} s{dropped}{holes})")
     return 0
 
 
@@ -291,10 +290,8 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def _load(args: argparse.Namespace) -> int:
-    from .persistence import load
-
     signal.signal(signal.SIGTERM, _interrupt)
-    buf = load(args.path, name=args.name, capacity=args.capacity)
+    buf = ReplayBuffer.load(args.path, name=args.name, capacity=args.capacity)
     try:
         print(f"loaded {len(buf)} rows into {buf.name!r}; holding it until interrupted "
               "(Ctrl-C or SIGTERM removes it)", flush=True)
@@ -320,7 +317,6 @@ def _rate(fn: Any, seconds: float) -> float:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .buffer import ReplayBuffer
 
     n = 64 << 20
     src, dst = np.ones(n, np.uint8), np.empty(n, np.uint8)
@@ -370,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("save", help="save a live buffer to a directory")
     p.add_argument("name", type=_name)
     p.add_argument("path")
+    p.add_argument("--force", action="store_true", help="replace a save already in PATH")
     p.set_defaults(run=_save)
     p = sub.add_parser("load", help="load a saved buffer and hold it in shared memory until interrupted")
     p.add_argument("path")

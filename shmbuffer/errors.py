@@ -28,12 +28,23 @@ class EmptyBufferError(ShmBufferError, LookupError):
     """Sampling or reading rows that are not there (an empty buffer, too few rows, a bad index)."""
 
 
+class UnknownIdError(FieldError, EmptyBufferError):
+    """Ids that never named a row of the buffer: negative, or beyond every row pushed so far.
+    Both a ``FieldError`` (bad input) and an ``EmptyBufferError`` (what ``take`` raised for them
+    before); unlike a row overwritten since it was sampled, this is never a race."""
+
+
 class SegmentNotFound(ShmBufferError, FileNotFoundError):
     """No shared-memory segment of that name exists."""
 
 
 class LayoutError(ShmBufferError, ValueError):
     """A segment exists but is not a shmbuffer block of a layout this version can read."""
+
+
+class ForeignBlock(LayoutError, PermissionError):
+    """A file under our name that is not ours to read, map or remove: not a regular file, another
+    user's, or open to other users (``segment.py``)."""
 
 
 class OutOfSharedMemory(ShmBufferError, MemoryError):

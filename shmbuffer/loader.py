@@ -50,8 +50,8 @@ from typing import Any, NoReturn
 import numpy as np
 
 from .batch import Batch, torch_views
-from .buffer import ReplayBuffer
 from .errors import FieldError, WaitTimeout
+from .layout import Block
 
 SLICE = 0.1
 """Seconds a default-path sample may wait for a rate limiter before the thread looks at ``close()``."""
@@ -98,12 +98,12 @@ class Loader:
 
     def __init__(
         self,
-        buffer: ReplayBuffer | Any,
+        buffer: Any,
         batch_size: int = 256,
         *,
         device: Any = None,
         prefetch: int = 2,
-        sample: Callable[[ReplayBuffer], Batch] | None = None,
+        sample: Callable[[Any], Batch] | None = None,
         collector: Any = None,
         batches: int | None = None,
         background: bool | None = None,
@@ -119,7 +119,7 @@ class Loader:
         self.cuda = self.device.type == "cuda"
         if self.cuda and not torch.cuda.is_available():
             raise RuntimeError(f"device {self.device} was asked for, but torch.cuda.is_available() is False")
-        self._custom = sample is not None or not isinstance(buffer, ReplayBuffer)  # e.g. a Mix
+        self._custom = sample is not None or not isinstance(getattr(buffer, "block", None), Block)  # e.g. a Mix
         self._batch_size = batch_size
         self._kwargs = sample_kwargs
         self._sample = sample or (lambda b: b.sample(batch_size, **sample_kwargs))

@@ -40,7 +40,8 @@ import numpy as np
 from .batch import Batch
 from .buffer import BufferHandle, ReplayBuffer
 from .errors import EmptyBufferError, SchemaError, WaitTimeout
-from .samplers import Prioritized, check_priorities
+from .priorities import check_priorities
+from .samplers import Prioritized
 
 
 class Buffers(Mapping[str, ReplayBuffer]):
@@ -227,12 +228,15 @@ class Mix:
             source, index = source.detach().cpu().numpy(), index.detach().cpu().numpy()
         source, index = np.asarray(source).reshape(-1), np.asarray(index).reshape(-1)
         priorities = check_priorities(priorities, source.size, "update_priorities: priority")
-        done = 0
-        for i, buf in enumerate(self.buffers):
+        work = []
+        for i, buf in enumerate(self.buffers):  # every source checked before any is updated
             rows = source == i
-            if rows.any() and buf._prios is not None and buf._prios.prioritized:
-                done += buf.update_priorities(index[rows], priorities[rows])
-        return done
+            prios = buf.priorities
+            if rows.any() and prios is not None and prios.prioritized:
+                what = f"update_priorities: source {i} ({buf.name!r})"
+                ids = buf.ring.check_ids(index[rows], what)
+                work.append((buf, ids, prios.check(priorities[rows], ids.size, what)))
+        return sum(buf.update_priorities(ids, p) for buf, ids, p in work)
 
     def __len__(self) -> int:
         return sum(len(b) for b in self.buffers)

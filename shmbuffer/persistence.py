@@ -50,7 +50,7 @@ included); ``lanes`` one ``{"first": F, "stop": S, "base": B}`` per lane: its sa
 are the row numbers ``[F, S)`` (``ring.py``: row ``n`` of lane ``l`` has the id ``n * lanes + l``),
 ``B <= F`` its base (first row number since its last ``clear()``); ``sampler_state``
 ``{"max_priority": P}`` (the largest priority given so far) or null without a tree; ``stats`` the
-buffer's counters (``ReplayBuffer.stats``); ``tensors`` the tensors of ``rows.safetensors`` in
+buffer's counters (``Buffer.stats``); ``tensors`` the tensors of ``rows.safetensors`` in
 file order, each ``{"name", "dtype" (CODE), "shape", "numpy" (the buffer's numpy dtype)}``.
 
 A later format version adds a reader to ``READERS`` and keeps the older ones.
@@ -138,9 +138,11 @@ from typing import Any
 
 import numpy as np
 
-from .buffer import Options, ReplayBuffer, _as_schema
+from . import reader
 from .errors import CapacityError, ClosedError, LayoutError
-from .samplers import MAX_LEAF, Prioritized
+from .layout import Counter, Lane, Options
+from .priorities import MAX_LEAF
+from .samplers import Prioritized
 from .schema import Schema
 from .segment import human
 
@@ -167,8 +169,13 @@ _SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
           "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "C64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
 """Element sizes of every safetensors dtype code (for checking a header we did not write)."""
 
-_STATS = {"sampled": 0, "reclaimed": 8, "inserted": 10}
-"""Where ``ring.py`` keeps the counters a load restores (lock recoveries belong to the old lock)."""
+_STATS = {"sampled": Counter.SAMPLED, "reclaimed": Counter.RECLAIMED, "inserted": Counter.INSERTED}
+"""The counters a load restores (lock recoveries belong to the old lock)."""
+
+Buffer = Any
+"""A ``Buffer`` (``buffer.py``, above this module: it is never imported here): what is saved
+is read through its public ``ring``, ``block``, ``priorities``, ``reap``, ``schema`` and ``options``;
+a load makes one with the ``factory`` it is given (``Buffer`` itself)."""
 
 Progress = bool | Callable[[int, int], None]
 
@@ -255,27 +262,27 @@ class _Piece:
         return int(next(iter(self.arrays.values())).shape[0])
 
 
-def _arrays(buf: ReplayBuffer) -> dict[str, np.ndarray]:
-    segment = buf._segment
-    if segment is None or buf.closed:
+def _arrays(buf: Buffer) -> dict[str, np.ndarray]:
+    if buf.closed:
         raise ClosedError(f"buffer {buf.name!r} is closed in this process")
-    return segment.arrays
+    arrays: dict[str, np.ndarray] = buf.block.arrays
+    return arrays
 
 
 class _Snapshot:
     """The rows of ``buf`` as of now, read piece by piece (see "A save while writers run")."""
 
-    def __init__(self, buf: ReplayBuffer, wait: float) -> None:
+    def __init__(self, buf: Buffer, wait: float) -> None:
         ring = buf.ring
         self.buf = buf
         self.arrays = _arrays(buf)
         self.lc = ring.lane_capacity
-        buf._reap()  # rows of writers that died mid-push read as empty from now on: holes, not waited for
+        buf.reap()  # rows of writers that died mid-push read as empty from now on: holes, not waited for
         self._reaped = False
         first, stop = ring.bounds()
         base = ring.base(np.arange(ring.lanes)).copy()
         self.stats = ring.stats
-        prios = buf._prios
+        prios = buf.priorities
         self.max_priority = prios.max_priority if prios is not None else None
         deadline = time.monotonic() + wait
         self.runs = [self._scan(lane, int(first[lane]), int(stop[lane]), min(int(base[lane]), int(first[lane])), deadline)
@@ -302,7 +309,7 @@ class _Snapshot:
                 s[writing] = stamp[sl][writing]
             if writing.any() and not self._reaped:  # writers that died while we waited
                 self._reaped = True
-                self.buf._reap()
+                self.buf.reap()
                 s[writing] = stamp[sl][writing]
                 writing = s == expect - 1
             stuck = np.flatnonzero(writing)
@@ -333,17 +340,18 @@ class _Snapshot:
         expect = 2 * np.arange(n0, n1, dtype=np.int64) + 2
         expect[hole] = 0  # a hole must still be empty: a stamp there means a writer lapped it
         before = ring.stamp[sl].copy()
-        block = buf._block[sl].copy() if buf._block is not None else None
-        out = {name: col[sl].copy() for name, col in buf._big.items()}
+        packed = buf.block.packed
+        block = packed[sl].copy() if packed is not None else None
+        out = {name: col[sl].copy() for name, col in buf.block.large.items()}
         if "_episode" in self.arrays:
             out["_episode"] = self.arrays["_episode"][sl].copy()
-        prios = buf._prios
+        prios = buf.priorities
         if prios is not None:
             with ring.lock:
                 out["_leaf"] = prios.tree.leaves[sl].copy()
                 if prios.uses is not None:
                     out["_uses"] = prios.uses[sl].copy()
-        bad = (before != expect) | (ring.stamp[sl] != expect)
+        bad = ~reader.intact(before, ring.stamp[sl], expect)
         run.at = n1
         if bad.any():
             run.keep = max(run.keep, n0 + int(np.flatnonzero(bad)[-1]) + 1)
@@ -356,7 +364,7 @@ class _Snapshot:
             if block is not None:
                 block[hole] = 0
         if block is not None:
-            for name, view in buf._record.views(block).items():
+            for name, view in buf.block.record.views(block).items():
                 out[name] = np.ascontiguousarray(view)
         out["_present"] = ~hole
         return _Piece(run.lane, n0 + lo, {name: a[lo:] for name, a in out.items()})
@@ -527,7 +535,7 @@ def _copy_rows(snap: _Snapshot, tensors: list[_Tensor], sink: _FileSink | _Memor
 
 
 # -- save ----------------------------------------------------------------------------------------------
-def save(buf: ReplayBuffer, path: str | os.PathLike[str], *, progress: Progress = False, wait: float = 1.0,
+def save(buf: Buffer, path: str | os.PathLike[str], *, progress: Progress = False, wait: float = 1.0,
          overwrite: bool = False) -> dict[str, Any]:
     """Write ``buf``'s rows to the directory ``path`` as ``meta.json`` and ``rows.safetensors`` (see
     the module docstring), while writers may go on pushing. ``path`` is created (mode 0700) if it
@@ -641,13 +649,22 @@ def _create(name: str, dfd: int) -> int:
     return fd
 
 
-def _meta(buf: ReplayBuffer, snap: _Snapshot, tensors: list[_Tensor], layout: _Layout, save_id: str) -> dict[str, Any]:
-    from . import __version__
+def _version() -> str:
+    """This release's version, for a save's ``shmbuffer_version``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shmbuffer")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def _meta(buf: Buffer, snap: _Snapshot, tensors: list[_Tensor], layout: _Layout, save_id: str) -> dict[str, Any]:
 
     return {
         "format": FORMAT,
         "format_version": VERSION,
-        "shmbuffer_version": __version__,
+        "shmbuffer_version": _version(),
         "save_id": save_id,
         "name": buf.name,
         "schema": buf.schema.to_json(),
@@ -663,12 +680,14 @@ def _meta(buf: ReplayBuffer, snap: _Snapshot, tensors: list[_Tensor], layout: _L
 # -- load ------------------------------------------------------------------------------------------------
 def load(
     path: str | os.PathLike[str],
+    factory: Callable[..., Buffer],
     *,
     name: str | None = None,
     capacity: int | None = None,
     seed: int | np.random.Generator | None = None,
-) -> ReplayBuffer:
-    """A new buffer (this process its creator) holding what ``save`` wrote to ``path``: the same
+) -> Buffer:
+    """A new buffer (made by ``factory``, ``ReplayBuffer``; this process its creator) holding what
+    ``save`` wrote to ``path``: the same
     schema and options, the same rows at the same row numbers (so the same ids and ``get`` order),
     priorities, use counts and counters. ``capacity`` may differ from the saved one as long as every
     lane still holds its saved rows. Files that are damaged, truncated, do not match, are not
@@ -693,13 +712,13 @@ def load(
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise LayoutError(f"{meta_file}: format {_show(found)}, expected {FORMAT!r}: not written by shmbuffer.save")
     version = meta.get("format_version")
-    reader = READERS.get(version) if type(version) is int else None
-    if reader is None:
+    read = READERS.get(version) if type(version) is int else None
+    if read is None:
         raise LayoutError(
             f"{meta_file}: format version {_show(version)}; this shmbuffer reads versions "
             f"{', '.join(map(str, READERS))}: load it with a newer shmbuffer"
         )
-    return reader(folder, meta, name=name, capacity=capacity, seed=seed)
+    return read(folder, meta, factory, name=name, capacity=capacity, seed=seed)
 
 
 def _open_regular(file: Path, missing: str) -> int:
@@ -982,7 +1001,8 @@ def _read_header(file: Path, fd: int) -> tuple[int, dict[str, str], dict[str, _E
     return 8 + n, meta, entries
 
 
-def _v1(folder: Path, meta: dict[str, Any], *, name: str | None, capacity: int | None, seed: Any) -> ReplayBuffer:
+def _v1(folder: Path, meta: dict[str, Any], factory: Callable[..., Buffer], *, name: str | None,
+        capacity: int | None, seed: Any) -> Buffer:
     meta_file, rows_file = folder / META, folder / ROWS
     saved = _read_meta_v1(meta_file, meta)
     schema, opts, lanes, rows = saved.schema, saved.opts, saved.lanes, saved.rows
@@ -1014,7 +1034,7 @@ def _v1(folder: Path, meta: dict[str, Any], *, name: str | None, capacity: int |
         if found != want:
             raise LayoutError(f"{rows_file} holds tensors {_clip(str(found), 1000)}; {meta_file} says {want}")
         kwargs = {f.name: getattr(opts, f.name) for f in fields(opts) if f.name != "capacity"}
-        buf = ReplayBuffer(schema, cap, **kwargs, name=name, seed=seed)
+        buf = factory(schema, cap, **kwargs, name=name, seed=seed)
         try:
             _fill(buf, fd, rows_file, data_start, entries, tensors, lanes)
             arrays = _arrays(buf)
@@ -1025,8 +1045,8 @@ def _v1(folder: Path, meta: dict[str, Any], *, name: str | None, capacity: int |
             new_lc = buf.lane_capacity
             for lane, (first, stop, base) in enumerate(lanes):
                 # the saved base reproduces the bounds unless the lanes grew or rows were dropped
-                arrays["_lanes"][lane, 1] = base if max(base, stop - new_lc) == first else first
-                arrays["_lanes"][lane, 0] = stop  # last: until now the buffer reads as empty
+                arrays["_lanes"][lane, Lane.BASE] = base if max(base, stop - new_lc) == first else first
+                arrays["_lanes"][lane, Lane.CURSOR] = stop  # last: until now the buffer reads as empty
         except BaseException:
             buf.__exit__(None, None, None)  # unlink; unmap once the traceback's views are gone
             raise
@@ -1035,17 +1055,17 @@ def _v1(folder: Path, meta: dict[str, Any], *, name: str | None, capacity: int |
     return buf
 
 
-def _fill(buf: ReplayBuffer, fd: int, file: Path, data_start: int, entries: dict[str, _Entry],
+def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, _Entry],
           tensors: list[_Tensor], lanes: list[tuple[int, int, int]]) -> None:
     """Read the rows into the new buffer's slots, with their stamps, a chunk at a time; a hole's
     slot stays empty (stamp 0, leaf 0)."""
     arrays = _arrays(buf)
     lc = buf.lane_capacity
-    targets: dict[str, np.ndarray] = {**(buf._record.views(buf._block) if buf._block is not None else {}), **buf._big}
+    targets: dict[str, np.ndarray] = dict(buf.block.fields)
     for internal in ("_episode", "_uses"):
         if internal in arrays:
             targets[internal] = arrays[internal]
-    prios = buf._prios
+    prios = buf.priorities
     max_use = buf.options.max_use
     step = max(1, CHUNK_BYTES // max(1, sum(t.row_bytes for t in tensors)))
     pos = 0
@@ -1091,11 +1111,11 @@ def _fill(buf: ReplayBuffer, fd: int, file: Path, data_start: int, entries: dict
         pos += stop - first
 
 
-READERS: dict[int, Callable[..., ReplayBuffer]] = {1: _v1}
+READERS: dict[int, Callable[..., Buffer]] = {1: _v1}
 """Format version -> reader. A later version adds its reader here and keeps the older ones."""
 
 
-def pieces(buf: ReplayBuffer, *, wait: float = 1.0) -> Iterator[dict[str, np.ndarray]]:
+def pieces(buf: Buffer, *, wait: float = 1.0) -> Iterator[dict[str, np.ndarray]]:
     """The rows ``save`` would save, a piece at a time (lanes in turn, oldest first; holes left
     out), each piece copied intact (its fields, and ``_episode`` / ``_leaf`` / ``_uses`` where the
     buffer has them): for statistics over a buffer too large to copy at once. Unlike ``export``, a
@@ -1116,7 +1136,7 @@ def pieces(buf: ReplayBuffer, *, wait: float = 1.0) -> Iterator[dict[str, np.nda
 
 
 # -- plain numpy ------------------------------------------------------------------------------------------
-def export(buf: ReplayBuffer) -> dict[str, np.ndarray]:
+def export(buf: Buffer) -> dict[str, np.ndarray]:
     """The rows ``save`` would save, as one copy in ``get`` order (lane by lane, oldest first):
     every field, ``index`` (the row ids) and, when the buffer keeps episodes, ``episode``. Holes
     (empty rows) are left out: ``index`` says which rows are there. Consistent as ``save`` is
@@ -1157,18 +1177,18 @@ def export(buf: ReplayBuffer) -> dict[str, np.ndarray]:
 
 
 def from_arrays(
-    schema: Schema | Mapping[str, Any],
+    schema: Schema,
     arrays: Mapping[str, Any],
+    factory: Callable[..., Buffer],
     capacity: int | None = None,
     **options: Any,
-) -> ReplayBuffer:
+) -> Buffer:
     """A new buffer holding the rows of ``arrays`` (a dict of ``(k, *shape)`` arrays, one per
     field, as ``export`` gives), pushed in order. ``episode`` (required when ``episodes=True``),
     ``priority`` and ``lane`` may come along, one per row; ``index`` is ignored (the new buffer
     numbers its rows from 0). ``capacity`` defaults to the rows (per lane, times lanes); with fewer
-    slots only the newest rows stay. ``options`` are ``ReplayBuffer``'s (lanes, sampler, max_use,
+    slots only the newest rows stay. ``options`` are ``Buffer``'s (lanes, sampler, max_use,
     episodes, name, seed)."""
-    schema = _as_schema(schema)
     data = dict(arrays)
     data.pop("index", None)
     extra: dict[str, Any] = {key: data.pop(key) for key in ("episode", "priority", "lane") if key in data}
@@ -1180,7 +1200,7 @@ def from_arrays(
     if capacity is None:
         per_lane = int(np.bincount(lane).max()) if lane is not None and k else k
         capacity = max(per_lane, 1) * lanes
-    buf = ReplayBuffer(schema, capacity, **options)
+    buf = factory(schema, capacity, **options)
     try:
         step = buf.lane_capacity
         single = k == 1 and all(np.ndim(a) == len(schema[n].shape) for n, a in data.items())

@@ -11,28 +11,19 @@ and has the global id ``n * lanes + l``: ids never repeat, so an id names one ro
 stale id (its slot has since been overwritten) is detectable. A lane keeps one writer's (or one
 env's) consecutive pushes in consecutive slots, which sequences need.
 
-Columns (all in the block, see ``segment.py``)
-----------------------------------------------
-``_mutex``   64 bytes, a ``RobustLock`` (``lock.py``)
-``_lanes``   ``(lanes, 8)`` int64, one cache line a lane: ``[l, 0]`` cursor, ``[l, 1]`` base
-             (the first row number that counts after a ``clear()``)
-``_stats``   ``(16,)`` int64, readers' and writers' counters on separate cache lines: ``[0]``
-             rows sampled under the lock (a rate limiter's admissions, and a loaded buffer's
-             count); ``[8]`` rows reclaimed from dead writers, ``[9]`` lock recoveries,
-             ``[10]`` rows inserted (ever reserved; unlike the cursors, a clear does not move it),
-             ``[11]`` 1 once the buffer is frozen (read-only).
-             All are updated under the lock and never wrap.
-``_writer_pid``, ``_writer_start``  ``(WRITERS,)``: the processes that have pushed or sampled (pid
-             and start time, so a reused pid is not mistaken for a live writer); 0 marks a free
-             entry. An entry is shared by every buffer object of its process and freed only once
-             the process is dead (when the table is full), never while it may still be writing.
-``_sampled`` ``(WRITERS,)`` int64, rows sampled outside the lock (``count_sampled``) by the
-             processes that held each writer entry, in turn: only the entry's live process
-             changes it (its threads one at a time), so counting a sample needs no lock, and a
-             stopped lock holder does not hold the learner up. A reclaimed entry keeps its count.
-             Rows sampled in all (``sampled``) = ``_stats[0]`` + the sum of ``_sampled``.
-``_stamp``   ``(capacity,)`` int64, the commit stamp of each slot
-``_owner``   ``(capacity,)`` uint16, the writer entry that last reserved each slot
+Columns (the table is ``layout.py``'s)
+-------------------------------------
+``_mutex`` the ``RobustLock`` (``lock.py``); ``_lanes`` each lane's cursor and base
+(``layout.Lane``); ``_stats`` shared counters (``layout.Counter``), all updated under the lock and
+never wrapping; ``_writer_pid``, ``_writer_start`` the processes that have pushed or sampled (pid
+and start time, so a reused pid is not mistaken for a live writer; 0 marks a free entry; an entry
+is shared by every buffer object of its process and freed only once the process is dead, when the
+table is full, never while it may still be writing); ``_sampled`` rows sampled outside the lock
+(``count_sampled``) by the processes that held each writer entry, in turn: only the entry's live
+process changes it (its threads one at a time), so counting a sample needs no lock, and a stopped
+lock holder does not hold the learner up (a reclaimed entry keeps its count; rows sampled in all
+are ``Counter.SAMPLED`` plus the sum of ``_sampled``); ``_stamp`` each slot's commit stamp;
+``_owner`` the writer entry that last reserved each slot.
 
 Commit protocol (a seqlock per row)
 -----------------------------------
@@ -76,12 +67,24 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .errors import CapacityError, ReadOnlyError, ShmBufferError, UnsupportedPlatform, WaitTimeout
-from .lock import SIZE as MUTEX_SIZE
+from .errors import (
+    CapacityError,
+    EmptyBufferError,
+    FieldError,
+    ReadOnlyError,
+    ShmBufferError,
+    UnknownIdError,
+    UnsupportedPlatform,
+    WaitTimeout,
+)
+from .layout import WRITERS, Counter, Lane
 from .lock import RobustLock, defer_signals
-from .segment import ColumnSpec, process_alive, start_time
+from .segment import process_alive, start_time
 
-WRITERS = 1024
+_CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
+_SAMPLED, _RECLAIMED, _RECOVERIES = int(Counter.SAMPLED), int(Counter.RECLAIMED), int(Counter.LOCK_RECOVERIES)
+_INSERTED, _FROZEN = int(Counter.INSERTED), int(Counter.FROZEN)
+_INT64_MAX = np.iinfo(np.int64).max
 Gate = Callable[[int, int, int], bool]
 """``gate(inserted, sampled, size) -> allowed``: a rate limiter's test (``limiter.py``)."""
 _EMPTY = np.empty(0, np.int64)
@@ -108,18 +111,12 @@ def check_platform() -> None:
         )
 
 
-def columns(capacity: int, lanes: int) -> list[ColumnSpec]:
-    """The internal columns a ring of this size needs."""
-    return [
-        ColumnSpec("_mutex", (MUTEX_SIZE,), np.dtype(np.uint8)),
-        ColumnSpec("_lanes", (lanes, 8), np.dtype(np.int64)),
-        ColumnSpec("_stats", (16,), np.dtype(np.int64)),
-        ColumnSpec("_writer_pid", (WRITERS,), np.dtype(np.int64)),
-        ColumnSpec("_writer_start", (WRITERS,), np.dtype(np.float64)),
-        ColumnSpec("_sampled", (WRITERS,), np.dtype(np.int64)),
-        ColumnSpec("_stamp", (capacity,), np.dtype(np.int64)),
-        ColumnSpec("_owner", (capacity,), np.dtype(np.uint16)),
-    ]
+def lane_bounds(lanes: np.ndarray, lane_capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per lane, the first and one-past-last row numbers that count, from a ``_lanes`` column:
+    rows from the base on (the last ``clear()``), at most a lane's capacity back from the cursor."""
+    cur = lanes[:, _CURSOR].copy()
+    start = np.maximum(lanes[:, _BASE], cur - lane_capacity)
+    return np.minimum(start, cur), cur
 
 
 class Reservation:
@@ -168,7 +165,7 @@ class Ring:
         repairs = self.repairs
 
         def recovered() -> None:  # called holding the lock, so the count is shared and exact
-            stats[9] += 1
+            stats[_RECOVERIES] += 1
             for repair in repairs:  # what a dead holder may have left half-updated
                 repair()
 
@@ -229,9 +226,9 @@ class Ring:
         pause = 0.0001
         while True:
             with self.lock:
-                if self._count[11]:
+                if self._count[_FROZEN]:
                     raise ReadOnlyError("this buffer is frozen (read-only): it takes no more rows")
-                shut = gate is not None and not gate(self._count[10], self.sampled, len(self))
+                shut = gate is not None and not gate(self._count[_INSERTED], self.sampled, len(self))
                 res = None if shut else self._try_reserve(k, lane, w)
                 if res is not None and also is not None:
                     try:
@@ -261,9 +258,9 @@ class Ring:
     def admit(self, gate: Gate, rows: int) -> bool:
         """Count ``rows`` as sampled if ``gate(inserted, sampled, size)`` allows it, atomically."""
         with self.lock:
-            if not gate(int(self._stats[10]), self.sampled, len(self)):
+            if not gate(int(self._stats[_INSERTED]), self.sampled, len(self)):
                 return False
-            self._stats[0] += rows
+            self._stats[_SAMPLED] += rows
             return True
 
     def _try_reserve(self, k: int, lane: int | np.ndarray, w: int) -> Reservation | None:
@@ -275,11 +272,11 @@ class Ring:
             first = np.cumsum(counts) - counts
             rank = np.empty(k, np.int64)
             rank[order] = np.arange(k) - np.repeat(first, counts)
-            n = np.maximum(cursors[:, 0], cursors[:, 1])[lane] + rank
+            n = np.maximum(cursors[:, _CURSOR], cursors[:, _BASE])[lane] + rank
             where: slice | np.ndarray = lane * lc + n % lc
         else:
             cur = self._cur
-            n0 = max(cur[8 * lane], cur[8 * lane + 1])
+            n0 = max(cur[8 * lane + _CURSOR], cur[8 * lane + _BASE])
             n = np.arange(n0, n0 + k)
             s0 = n0 % lc
             where = slice(lane * lc + s0, lane * lc + s0 + k) if s0 + k <= lc else lane * lc + n % lc
@@ -289,15 +286,15 @@ class Ring:
             held = np.unique(self.owner[where][busy])
             if any(self._alive(int(o)) for o in held):
                 return None
-            self._stats[8] += int(busy.sum())
+            self._stats[_RECLAIMED] += int(busy.sum())
         self.owner[where] = w  # the owner first: an odd stamp always names its live or dead writer
         if isinstance(lane, np.ndarray):
             self.stamp[where] = 2 * n + 1
-            cursors[:, 0] = np.maximum(cursors[:, 0], cursors[:, 1]) + counts
+            cursors[:, _CURSOR] = np.maximum(cursors[:, _CURSOR], cursors[:, _BASE]) + counts
         else:
             self.stamp[where] = np.arange(2 * n0 + 1, 2 * (n0 + k), 2)
-            self._cur[8 * lane] = n0 + k
-        self._count[10] += k
+            self._cur[8 * lane + _CURSOR] = n0 + k
+        self._count[_INSERTED] += k
         return Reservation(where, n, lane, self.lanes)
 
     def commit(self, res: Reservation) -> None:
@@ -323,18 +320,16 @@ class Ring:
     # -- readers -------------------------------------------------------------------------------
     def bounds(self) -> tuple[np.ndarray, np.ndarray]:
         """Per lane, the first and one-past-last row numbers that count now."""
-        cur = self._lanes[:, 0].copy()
-        start = np.maximum(self._lanes[:, 1], cur - self.lane_capacity)
-        return np.minimum(start, cur), cur
+        return lane_bounds(self._lanes, self.lane_capacity)
 
     def base(self, lanes: np.ndarray) -> np.ndarray:
         """The first row number of each lane since the last ``clear()``."""
-        return self._lanes[lanes, 1]
+        return self._lanes[lanes, _BASE]
 
     def span(self) -> tuple[int, int]:
         """``bounds()`` of a one-lane ring, as ints (the sampling fast path)."""
-        cur = self._cur[0]
-        start = max(self._cur[1], cur - self.lane_capacity)
+        cur = self._cur[_CURSOR]
+        start = max(self._cur[_BASE], cur - self.lane_capacity)
         return min(start, cur), cur
 
     def slots(self, ids: np.ndarray) -> np.ndarray:
@@ -380,7 +375,7 @@ class Ring:
             odd = np.flatnonzero(self.stamp & 1)
             lost = odd[np.isin(self.owner[odd], dead)]
             self.stamp[lost] = 0
-            self._stats[8] += lost.size
+            self._stats[_RECLAIMED] += lost.size
             if also is not None:
                 also(lost)
         return lost
@@ -394,16 +389,16 @@ class Ring:
 
     @property
     def frozen(self) -> bool:
-        return bool(self._count[11])
+        return bool(self._count[_FROZEN])
 
     def freeze(self) -> None:
         with self.lock:
-            self._stats[11] = 1
+            self._stats[_FROZEN] = 1
 
     @property
     def sampled(self) -> int:
         """Rows ever handed out by samples, all processes (never wraps)."""
-        return int(self._stats[0]) + int(self._sampled.sum())
+        return int(self._stats[_SAMPLED]) + int(self._sampled.sum())
 
     # -- size ------------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -413,15 +408,15 @@ class Ring:
     @property
     def inserted(self) -> int:
         """Rows ever reserved, all lanes, across clears (never wraps)."""
-        return int(self._count[10])
+        return int(self._count[_INSERTED])
 
     @property
     def stats(self) -> dict[str, int]:
         return {
             "inserted": self.inserted,
             "sampled": self.sampled,
-            "reclaimed": int(self._stats[8]),
-            "lock_recoveries": int(self._stats[9]),
+            "reclaimed": int(self._stats[_RECLAIMED]),
+            "lock_recoveries": int(self._stats[_RECOVERIES]),
         }
 
     def clear(self, also: Callable[[], None] | None = None) -> None:
@@ -430,18 +425,19 @@ class Ring:
         runs inside the same critical section."""
         lc = self.lane_capacity
         with self.lock:
-            if self._stats[11]:
+            if self._stats[_FROZEN]:
                 raise ReadOnlyError("this buffer is frozen (read-only): it cannot be cleared")
-            cur = np.maximum(self._lanes[:, 0], self._lanes[:, 1])
+            cur = np.maximum(self._lanes[:, _CURSOR], self._lanes[:, _BASE])
             new = -(-cur // lc) * lc
-            self._lanes[:, 1] = new  # base first: see "every prefix" in the module docstring
-            self._lanes[:, 0] = new
+            self._lanes[:, _BASE] = new  # base first: see "every prefix" in the module docstring
+            self._lanes[:, _CURSOR] = new
             if also is not None:
                 also()
 
-    def ids_of_slots(self, slots: np.ndarray) -> np.ndarray:
+    def ids_of_slots(self, slots: np.ndarray, live: np.ndarray | None = None) -> np.ndarray:
         """The id of the committed row in each slot now, or ``INVALID`` (empty, being written,
-        or cleared); reading ids this way is the first stamp read of the commit protocol."""
+        cleared, or where ``live`` is false); reading ids this way is the first stamp read of
+        the commit protocol."""
         s = self.stamp.take(slots)
         n = s // 2 - 1
         lc = self.lane_capacity
@@ -453,8 +449,91 @@ class Ring:
             ids = n * self.lanes + lane
             start = self.bounds()[0][lane]
         bad = (s <= 0) | (s & 1).astype(bool) | (n < start)
+        if live is not None:
+            bad |= ~live
         ids[bad] = INVALID
         return ids
+
+    def check_ids(self, values: object, what: str) -> np.ndarray:
+        """Row ids from a caller (``batch.index``: an integer array-like or tensor) as int64.
+        An id is valid when it is ``>= 0`` and its row number ``id // lanes`` is below its lane's
+        cursor; others never named a row (a huge id's stamp ``2 n + 2`` would even wrap to an
+        empty slot's): ``UnknownIdError``, raised before any arithmetic on them. Ids that are not
+        integers raise ``FieldError``."""
+        if hasattr(values, "detach"):  # a torch tensor, maybe on a device
+            values = values.detach().cpu().numpy()
+        a = np.asarray(values)
+        if a.size == 0:
+            return np.empty(0, np.int64)
+        if a.dtype.kind not in "iu":
+            raise FieldError(f"{what}: expected integer row ids (batch.index), got dtype {a.dtype}; pass batch.index as it came")
+        a = a.reshape(-1)
+        stop = self._lanes[:, _CURSOR]
+        lanes = self.lanes
+        if a.dtype.kind == "u" and a.max() > _INT64_MAX:
+            never = a[a > _INT64_MAX]
+        else:
+            ids = a.astype(np.int64, copy=False)
+            lane = ids % lanes  # in [0, lanes), also for negative ids
+            never = ids[(ids < 0) | (ids // lanes >= stop[lane])]
+            if not never.size:
+                return ids
+        below = f"id < {int(stop[0])}" if lanes == 1 else f"id // {lanes} < {stop.tolist()}[id % {lanes}]"
+        raise UnknownIdError(
+            f"{what}: ids {never[:5].tolist()}{' ...' if never.size > 5 else ''} never named a row of this "
+            f"buffer: expected ids from batch.index, >= 0 and below the next row of their lane ({below}); "
+            "nothing was changed"
+        )
+
+    def held_ids(self) -> np.ndarray:
+        """The ids of every row that counts now, lane by lane, oldest first (rows being written
+        and dead writers' rows included: readers check them)."""
+        first, last = self.bounds()
+        return np.concatenate([np.arange(a, b) * self.lanes + lane for lane, (a, b) in enumerate(zip(first, last, strict=True))])
+
+    def ids_at(self, index: object) -> np.ndarray:
+        """Ids of the rows at logical positions ``index`` (an int, a slice or an array of ints;
+        0 the oldest, -1 the newest, lane by lane); an int gives a 0-d array."""
+        start, stop = self.bounds()
+        sizes = stop - start
+        total = int(sizes.sum())
+        if isinstance(index, slice):
+            pos = np.arange(total)[index]
+        else:
+            pos = np.asarray(index)
+            if pos.dtype.kind not in "iu":
+                raise TypeError(f"get: expected an int, a slice or an array of ints, got {pos.dtype}")
+            pos = np.where(pos < 0, pos + total, pos)
+            if pos.size and (pos.min() < 0 or pos.max() >= total):
+                raise EmptyBufferError(f"get({index!r}): index out of range for {total} rows")
+        flat = pos.reshape(-1).astype(np.int64)
+        if self.lanes == 1:
+            ids = start[0] + flat
+        else:
+            ends = np.cumsum(sizes)
+            lane = np.searchsorted(ends, flat, side="right")
+            ids = (start[lane] + flat - (ends[lane] - sizes[lane])) * self.lanes + lane
+        return ids.reshape(pos.shape)
+
+    def contiguous(self, start: int, stop: int, lane: int) -> tuple[slice, np.ndarray]:
+        """The slots of logical rows ``[start, stop)`` of ``lane`` as one slice, and their ids;
+        ``ValueError`` when they wrap past the lane's end (two pieces cannot be one view)."""
+        if not 0 <= lane < self.lanes:
+            raise ValueError(f"lane: expected a lane in [0, {self.lanes}), got {lane}")
+        first, last = self.bounds()
+        held = int(last[lane] - first[lane])
+        lo, hi, step = slice(start, stop).indices(held)
+        if step != 1 or hi < lo:
+            raise ValueError(f"view({start}, {stop}): expected 0 <= start <= stop within {held} rows")
+        lc = self.lane_capacity
+        s0 = (int(first[lane]) + lo) % lc
+        if s0 + (hi - lo) > lc:
+            raise ValueError(
+                f"view({start}, {stop}): those rows wrap past the end of the ring (slot {lc}); "
+                "take two views, or get() for one copy"
+            )
+        ids = (int(first[lane]) + np.arange(lo, hi)) * self.lanes + lane
+        return slice(lane * lc + s0, lane * lc + s0 + hi - lo), ids
 
     def current(self, ids: np.ndarray) -> np.ndarray:
         """Which ids still name the committed row in their slot and count (not overwritten, not
@@ -469,11 +548,11 @@ class Ring:
         """Positions of ``ids`` older than their lane's last ``clear()``: a cleared row keeps its
         stamp, so this is the check that makes a clear final for readers."""
         if self.lanes == 1:
-            base = self._cur[1]
+            base = self._cur[_BASE]
             if not ids.size or ids.min() >= base:
                 return _EMPTY
             return np.flatnonzero(ids < base)
-        return np.flatnonzero(ids // self.lanes < self._lanes[ids % self.lanes, 1])
+        return np.flatnonzero(ids // self.lanes < self._lanes[ids % self.lanes, _BASE])
 
     def check_push(self, k: int, lane: int | np.ndarray) -> None:
         """Refuse, before touching anything, a push the ring can never hold."""

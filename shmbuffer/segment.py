@@ -93,7 +93,7 @@ import numpy as np
 import psutil
 
 from . import _tracker
-from .errors import LayoutError, OutOfSharedMemory, SegmentNotFound, ShmBufferError, UnsupportedPlatform
+from .errors import ForeignBlock, LayoutError, OutOfSharedMemory, SegmentNotFound, ShmBufferError, UnsupportedPlatform
 
 SHM_DIR = "/dev/shm"
 PREFIX = "shmbuffer-"
@@ -109,11 +109,6 @@ _MAX_DIMS = 32
 #: What parsing a damaged block's "schema" or "options" can raise; callers turn it into LayoutError.
 MALFORMED = (ShmBufferError, KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError,
              RecursionError)
-
-
-class ForeignBlock(LayoutError, PermissionError):
-    """A file under our name that is not ours to read, map or remove: not a regular file, another
-    user's, or open to other users."""
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ Make = Callable[..., sb.ReplayBuffer]
 
 
 def block_bytes(buf: sb.ReplayBuffer) -> bytes:
-    assert buf._segment is not None and buf._segment._mm is not None
-    return bytes(buf._segment._mm)
+    """Every byte of every column of the block."""
+    return b"".join(a.tobytes() for a in buf.block.arrays.values())
 
 
 def test_push_sample_round_trip(make: Make, name: str) -> None:
@@ -388,13 +388,13 @@ def test_a_copy_that_fails_gives_the_rows_back(make: Make, name: str) -> None:
                 raise KeyboardInterrupt
             return super().__getitem__(key)
 
-    good = buf._targets
-    buf._targets = Targets(good)
+    good = buf.block.fields
+    buf.block.fields = Targets(good)
     with pytest.raises(KeyboardInterrupt):
         buf.push(transition(4, 2))
-    buf._targets = good
+    buf.block.fields = good
     assert set(seq_of(buf.sample(100))) == {0, 1, 2, 3}  # the abandoned rows are never drawn
-    assert buf._prios.tree.leaves[4:6].tolist() == [0.0, 0.0]  # type: ignore[union-attr]
+    assert buf.priorities.tree.leaves[4:6].tolist() == [0.0, 0.0]  # type: ignore[union-attr]
     with pytest.raises(sb.EmptyBufferError, match="lost"):
         buf.get(5)
 

@@ -105,8 +105,8 @@ def test_random_sigints_leave_the_buffer_usable(make: Make, name: str, procs: li
     assert not np.flatnonzero(ring.stamp & 1).size, "rows left being written by a live process"
     ring.lock.acquire(timeout=1)  # not held by the interrupted process
     ring.lock.release()
-    if buf._prios is not None:
-        tree = buf._prios.tree
+    if buf.priorities is not None:
+        tree = buf.priorities.tree
         assert tree.total == pytest.approx(float(tree.leaves.sum()), rel=1e-9, abs=1e-9)
     # another process pushes round every slot and samples: no slot is stuck, no row is torn
     ring.stall_timeout = 1.0
@@ -124,7 +124,7 @@ def test_a_ctrl_c_during_the_reservation_comes_after_the_commit(make: Make, name
     """A SIGINT that arrives while a push holds the lock is raised once its rows are committed:
     not when the lock is released, which would leave them odd under this live process."""
     buf = make(MUJOCO, capacity=16, name=name, sampler=sb.Prioritized())
-    prios = buf._prios
+    prios = buf.priorities
     assert prios is not None
     set_rows = prios.set_rows
 

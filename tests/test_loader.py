@@ -473,7 +473,7 @@ def test_cuda_batches_dropped_early_are_not_reused_while_read(make: Make, name: 
             torch.cuda._sleep(LAG * 2)  # the consumer's stream: its reads below run after this
             seen.append(torch.stack([batch.obs.amin(dim=(1, 2, 3)).long(), batch.obs.amax(dim=(1, 2, 3)).long(),
                                      batch.action, batch.reward.long(), batch.index]))
-            like = [(t.shape, t.dtype) for t in (batch._block, *batch.fields.values(), *batch.extras.values())]
+            like = [(t.shape, t.dtype) for t in (batch.block, *batch.fields.values(), *batch.extras.values())]
             del batch
             with torch.cuda.stream(loader._stream):  # runs now: this stream is idle
                 junk = [torch.full(shape, 255 if dtype == torch.uint8 else -1, dtype=dtype, device="cuda")

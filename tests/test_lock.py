@@ -119,7 +119,7 @@ def test_a_recovered_lock_repairs_the_priority_tree(make: Make, name: str, procs
     from .conftest import transition
 
     buf.push(transition(0, 100), priority=np.ones(100))
-    tree = buf._prios.tree  # type: ignore[union-attr]
+    tree = buf.priorities.tree  # type: ignore[union-attr]
     tree._cum[:] = 0  # what a holder killed half-way through an update could leave
     p = holding(buf, -1, procs)
     p.join(30)

@@ -84,13 +84,13 @@ def test_mix_priority_update_checks_every_priority_first(make: Make, name: str) 
     mix = sb.Mix([(a, 0.5), (b, 0.5)])
     batch = mix.sample(8)
     assert set(batch.source.tolist()) == {0, 1}
-    before = [buf._prios.tree.leaves.copy() for buf in (a, b)]  # type: ignore[union-attr]
+    before = [buf.priorities.tree.leaves.copy() for buf in (a, b)]  # type: ignore[union-attr]
     for bad in (np.nan, -1.0, np.inf):
         p = np.full(8, 50.0)
         p[batch.source == 1] = bad
         with pytest.raises(sb.FieldError, match="nothing was changed"):
             mix.update_priorities(batch, p)
-        assert all(np.array_equal(buf._prios.tree.leaves, old) for buf, old in zip((a, b), before, strict=True))  # type: ignore[union-attr]
+        assert all(np.array_equal(buf.priorities.tree.leaves, old) for buf, old in zip((a, b), before, strict=True))  # type: ignore[union-attr]
     with pytest.raises(sb.FieldError, match=r"expected 8 values"):
         mix.update_priorities(batch, np.ones(7))
     assert mix.update_priorities(batch, np.full(8, 50.0)) == 8

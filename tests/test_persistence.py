@@ -117,21 +117,21 @@ def test_prioritized_round_trip(make: Make, loaded: list, name: str, tmp_path: P
         buf.sample(16)
     sb.save(buf, tmp_path / "p")
     meta = check_file(tmp_path / "p")
-    assert meta["sampler_state"] == {"max_priority": buf._prios.max_priority}
+    assert meta["sampler_state"] == {"max_priority": buf.priorities.max_priority}
     tensors = load_file(str(tmp_path / "p" / "rows.safetensors"))
-    ring, prios = buf.ring, buf._prios
+    ring, prios = buf.ring, buf.priorities
     ids = buf.get(slice(None)).index
     slots = ring.slots(ids)
     assert np.array_equal(tensors["_leaf"], prios.tree.leaves[slots])
     assert np.array_equal(tensors["_uses"], prios.uses[slots]) and tensors["_uses"].max() > 0
-    assert np.array_equal(tensors["_episode"], buf._episode[slots])
+    assert np.array_equal(tensors["_episode"], buf.block.episode[slots])
 
     new = sb.load(tmp_path / "p", seed=9)
     loaded.append(new)
     assert new.options == buf.options and new.stats == buf.stats
     assert np.array_equal(new.get(slice(None)).index, ids)
-    assert np.array_equal(new._prios.tree.leaves[new.ring.slots(ids)], tensors["_leaf"])
-    assert new._prios.tree.total == prios.tree.total and new._prios.max_priority == prios.max_priority
+    assert np.array_equal(new.priorities.tree.leaves[new.ring.slots(ids)], tensors["_leaf"])
+    assert new.priorities.tree.total == prios.tree.total and new.priorities.max_priority == prios.max_priority
     assert np.array_equal(sb.export(new)["episode"], tensors["_episode"])
     again = sb.ReplayBuffer.attach(buf.handle, seed=9)
     try:
@@ -139,7 +139,7 @@ def test_prioritized_round_trip(make: Make, loaded: list, name: str, tmp_path: P
             a, b = again.sample(8), new.sample(8)
             assert np.array_equal(a.index, b.index) and np.array_equal(a.weight, b.weight)
             assert np.array_equal(seq_of(b), b.index)
-        assert np.array_equal(new._prios.uses, prios.uses)
+        assert np.array_equal(new.priorities.uses, prios.uses)
     finally:
         again.close()
 
@@ -318,14 +318,14 @@ def test_a_row_being_written_at_the_start(commits: bool, make: Make, name: str, 
     buf = make(MUJOCO, capacity=100, name=name)
     push_lane(buf, 0, 10)
     go = threading.Event()
-    targets = buf._targets
-    buf._targets = _Stall(targets, go)
+    targets = buf.block.fields
+    buf.block.fields = _Stall(targets, go)
     writer = threading.Thread(target=push_lane, args=(buf, 0, 3))
     writer.start()
     try:
         while len(buf) < 13:  # reserved: rows 10..12 are being written
             time.sleep(0.001)
-        buf._targets = targets
+        buf.block.fields = targets
         push_lane(buf, 0, 4)  # committed after them: rows 13..16
         timer = threading.Timer(0.2, go.set)
         if commits:
@@ -405,13 +405,13 @@ class _Interrupted(dict):
 def interrupted_push(buf: sb.ReplayBuffer, lane: int, k: int) -> np.ndarray:
     """A push of ``k`` rows interrupted mid-copy: they read as empty. Returns their ids."""
     n0 = int(buf.ring.bounds()[1][lane])
-    targets = buf._targets
-    buf._targets = _Interrupted(targets)
+    targets = buf.block.fields
+    buf.block.fields = _Interrupted(targets)
     try:
         with pytest.raises(KeyboardInterrupt):
             buf.push(transition(np.zeros(k, np.int64)), lane=lane, episode=99 if buf.options.episodes else None)
     finally:
-        buf._targets = targets
+        buf.block.fields = targets
     return (n0 + np.arange(k)) * buf.lanes + lane
 
 
@@ -423,7 +423,7 @@ class _Dies(dict):
 def _dies_mid_push(handle: sb.BufferHandle, lane: int, k: int) -> None:
     """A writer killed while it copies its rows: they stay odd, owned by a dead process."""
     buf = sb.ReplayBuffer.attach(handle)
-    buf._targets = _Dies(buf._targets)
+    buf.block.fields = _Dies(buf.block.fields)
     buf.push(transition(np.zeros(k, np.int64)), lane=lane, episode=99 if buf.options.episodes else None)
 
 
@@ -478,7 +478,7 @@ def test_holes_survive_the_round_trip(make: Make, loaded: list, name: str, tmp_p
     holes.append(interrupted_push(buf, 1, 1))  # lane 1's last row
     gone = np.sort(np.concatenate(holes))
     buf.sample(20)  # uses
-    ring, prios = buf.ring, buf._prios
+    ring, prios = buf.ring, buf.priorities
     assert prios is not None
     first, stop = ring.bounds()
     every = np.concatenate([np.arange(a, b) * 2 + lane for lane, (a, b) in enumerate(zip(first, stop, strict=True))])
@@ -494,16 +494,16 @@ def test_holes_survive_the_round_trip(make: Make, loaded: list, name: str, tmp_p
     loaded.append(new)
     assert len(new) == len(buf) and np.array_equal(new.ring.bounds()[1], stop)
     assert np.array_equal(new.ring.bounds()[0], first)
-    assert not new.ring.stamp[new.ring.slots(gone)].any() and not new._prios.tree.leaves[new.ring.slots(gone)].any()
+    assert not new.ring.stamp[new.ring.slots(gone)].any() and not new.priorities.tree.leaves[new.ring.slots(gone)].any()
     slots = ring.slots(kept)
     assert np.array_equal(new.ring.stamp[slots], ring.stamp[slots])
-    assert np.array_equal(new._prios.tree.leaves[slots], prios.tree.leaves[slots])
-    assert np.array_equal(new._prios.uses[slots], prios.uses[slots])
-    assert new._prios.tree.total == prios.tree.total
+    assert np.array_equal(new.priorities.tree.leaves[slots], prios.tree.leaves[slots])
+    assert np.array_equal(new.priorities.uses[slots], prios.uses[slots])
+    assert new.priorities.tree.total == prios.tree.total
     rows = new.take(kept)
     assert np.array_equal(seq_of(rows), kept)
     exported = sb.export(new)
-    assert np.array_equal(exported["index"], kept) and np.array_equal(exported["episode"], buf._episode[slots])
+    assert np.array_equal(exported["index"], kept) and np.array_equal(exported["episode"], buf.block.episode[slots])
     assert np.array_equal(seq_of(exported), kept)
     for _ in range(5):
         assert not np.isin(new.sample(8).index, gone).any()
@@ -538,7 +538,7 @@ def test_golden_uniform(loaded: list) -> None:
     loaded.append(new)
     rows = new.get(slice(None))
     assert rows.index.tolist() == list(range(3, 11)) and np.array_equal(seq_of(rows), rows.index)
-    assert new.capacity == 8 and new.lanes == 1 and new.options.sampler == sb.Uniform() and new._prios is None
+    assert new.capacity == 8 and new.lanes == 1 and new.options.sampler == sb.Uniform() and new.priorities is None
     assert new.stats == {"inserted": 11, "sampled": 5, "reclaimed": 0, "lock_recoveries": 0}
     assert set(load_file(str(GOLDEN / "uniform" / "rows.safetensors"))) == {*MUJOCO.names, "_present"}
 
@@ -556,9 +556,9 @@ def test_golden_prioritized(loaded: list) -> None:
     prio = np.array([5.0, 7.0, 0.25, 11.0, 0.5, 0.5, 9.0])
     leaves = (prio + 1e-6) ** 0.5
     leaves[0] = 0.0  # id 4 was drawn max_use times
-    assert np.array_equal(new._prios.tree.leaves[slots], leaves)
-    assert new._prios.uses[slots].tolist() == [3, 0, 0, 0, 0, 1, 0]
-    assert new._prios.max_priority == 11.0
+    assert np.array_equal(new.priorities.tree.leaves[slots], leaves)
+    assert new.priorities.uses[slots].tolist() == [3, 0, 0, 0, 0, 1, 0]
+    assert new.priorities.max_priority == 11.0
     assert new.stats["inserted"] == 9
     for _ in range(4):  # 17 draws are left in all
         batch = new.sample(4)
@@ -575,9 +575,9 @@ def test_golden_holes(loaded: list) -> None:
     assert np.array_equal(out["index"], present) and np.array_equal(seq_of(out), present)
     assert out["episode"].tolist() == [0, 0, 1, 1, 1]
     slots = new.ring.slots(holes)
-    assert not new.ring.stamp[slots].any() and not new._prios.tree.leaves[slots].any()
-    assert np.array_equal(new._prios.tree.leaves[new.ring.slots(present)], present + 1.0)
-    assert new._prios.max_priority == 7.0
+    assert not new.ring.stamp[slots].any() and not new.priorities.tree.leaves[slots].any()
+    assert np.array_equal(new.priorities.tree.leaves[new.ring.slots(present)], present + 1.0)
+    assert new.priorities.max_priority == 7.0
     with pytest.raises(sb.EmptyBufferError, match="lost"):
         new.get(1)
     assert set(new.sample(200).index) == set(present)
@@ -786,7 +786,7 @@ def test_export_and_from_arrays(make: Make, loaded: list, name: str) -> None:
     small = sb.from_arrays(env, {**fields, "lane": lanes, "priority": np.arange(17.0)}, capacity=8, lanes=2,
                            sampler=sb.Prioritized())
     loaded.append(small)
-    assert len(small) == 8 and small._prios.max_priority == 16.0
+    assert len(small) == 8 and small.priorities.max_priority == 16.0
     assert seq_of(small.get(slice(None))).tolist() == [10, 12, 14, 16, 9, 11, 13, 15]
     assert np.array_equal(copy.get(slice(None)).obs, out["obs"])
 
@@ -872,7 +872,7 @@ def _check_loaded(new: sb.ReplayBuffer) -> None:
     the tree finite, sampling working."""
     out = sb.export(new)
     assert np.array_equal(seq_of(out), out["index"])
-    prios = new._prios
+    prios = new.priorities
     if prios is not None:
         assert np.isfinite(prios.tree.total) and np.isfinite(prios.max_priority) and prios.max_priority >= 0
         if prios.tree.total > 0:

@@ -105,7 +105,7 @@ class _DieOnThirdField(dict):
 
 def _die_mid_push(handle: sb.BufferHandle) -> None:
     buf = sb.ReplayBuffer.attach(handle)
-    buf._targets = _DieOnThirdField(buf._targets)
+    buf.block.fields = _DieOnThirdField(buf.block.fields)
     buf.push(transition(1000, 4))
 
 
@@ -496,7 +496,7 @@ def test_an_interrupted_push_gives_its_rows_back(make: Make, name: str) -> None:
         buf.push(transition(4, 2))
     buf.ring.commit = real  # type: ignore[method-assign]
     assert not (buf.ring.stamp & 1).any()
-    assert buf._prios.tree.leaves[4:6].tolist() == [0.0, 0.0]  # type: ignore[union-attr]
+    assert buf.priorities.tree.leaves[4:6].tolist() == [0.0, 0.0]  # type: ignore[union-attr]
     assert set(seq_of(buf.sample(50))) <= {0, 1, 2, 3}
     buf.ring.stall_timeout = 1.0
     start = time.monotonic()

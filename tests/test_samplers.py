@@ -68,7 +68,7 @@ def test_contract_skips_rows_being_written(config: str, make: Make, name: str) -
     kw = SAMPLERS[config]
     buf = make(MUJOCO, capacity=16 * kw.get("lanes", 1), name=name, **kw)
     buf.push(transition(0, 8))
-    prios = buf._prios  # rows being written have their priority already, as in push()
+    prios = buf.priorities  # rows being written have their priority already, as in push()
     res = buf.ring.reserve(4, also=None if prios is None else lambda s: prios.set_rows(s, None, fresh=True))  # a writer in the middle of rows 8..11
     try:
         for _ in range(20):
@@ -157,7 +157,7 @@ def test_bad_priorities_change_nothing(make: Make, name: str) -> None:
     buf = make(MUJOCO, capacity=16, name=name, sampler=sb.Prioritized())
     buf.push(transition(0, 16))
     batch = buf.sample(4)
-    tree = buf._prios.tree.sums.copy()  # type: ignore[union-attr]
+    tree = buf.priorities.tree.sums.copy()  # type: ignore[union-attr]
     for bad, match in [([1, 2, np.nan, 1], r"finite values >= 0, got \[nan\] at positions \[2\]"),
                        ([1, -1, 1, 1], r"got \[-1.0\]"), ([1, np.inf, 1, 1], "inf"),
                        ([1, 2], r"expected 4 values \(one per row\), got shape \(2,\)")]:
@@ -165,7 +165,7 @@ def test_bad_priorities_change_nothing(make: Make, name: str) -> None:
             buf.update_priorities(batch, bad)
         with pytest.raises(sb.FieldError):
             buf.push(transition(0, 4), priority=bad)
-    assert np.array_equal(buf._prios.tree.sums, tree)  # type: ignore[union-attr]
+    assert np.array_equal(buf.priorities.tree.sums, tree)  # type: ignore[union-attr]
     assert buf.stats["inserted"] == 16
 
 
@@ -175,17 +175,17 @@ def test_stale_updates_are_dropped(make: Make, name: str) -> None:
     batch = buf.sample(8, replace=False)
     buf.push(transition(8, 8), priority=np.full(8, 2.0))  # every sampled row is overwritten
     assert buf.update_priorities(batch, np.full(8, 1000.0)) == 0
-    assert np.all(buf._prios.tree.leaves == 2.0)  # type: ignore[union-attr]
+    assert np.all(buf.priorities.tree.leaves == 2.0)  # type: ignore[union-attr]
 
 
 def test_new_rows_get_the_largest_priority_so_far(make: Make, name: str) -> None:
     buf = make(MUJOCO, capacity=8, name=name, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
     buf.push(transition(0, 2))
-    assert buf._prios.max_priority == 1.0  # type: ignore[union-attr]
+    assert buf.priorities.max_priority == 1.0  # type: ignore[union-attr]
     buf.push(transition(2, 1), priority=5.0)
     buf.update_priorities([0], [7.0])
     buf.push(transition(3, 1))
-    assert buf._prios.tree.leaves[:4].tolist() == [7.0, 1.0, 5.0, 7.0]  # type: ignore[union-attr]
+    assert buf.priorities.tree.leaves[:4].tolist() == [7.0, 1.0, 5.0, 7.0]  # type: ignore[union-attr]
 
 
 def test_priorities_on_a_uniform_buffer_are_refused(make: Make, name: str) -> None:
@@ -311,9 +311,9 @@ def test_rows_being_written_are_never_drawn(make: Make, name: str) -> None:
     tree already, yet a draw that lands on it re-draws."""
     buf = make(MUJOCO, capacity=16, name=name, sampler=sb.Prioritized(alpha=1.0, eps=0.0), max_use=1000)
     buf.push(transition(0, 8), priority=np.full(8, 1.0))
-    res = buf.ring.reserve(4, also=lambda slots: buf._prios.set_rows(slots, np.full(4, 3.0), fresh=True))  # type: ignore[union-attr]
+    res = buf.ring.reserve(4, also=lambda slots: buf.priorities.set_rows(slots, np.full(4, 3.0), fresh=True))  # type: ignore[union-attr]
     try:
-        assert buf._prios.tree.leaves[8:12].tolist() == [3.0] * 4  # type: ignore[union-attr]  # 60% of the mass
+        assert buf.priorities.tree.leaves[8:12].tolist() == [3.0] * 4  # type: ignore[union-attr]  # 60% of the mass
         assert set(seq_of(buf.sample(64))) <= set(range(8))
     finally:
         buf.ring.abandon(res)
@@ -331,7 +331,7 @@ def test_nothing_cleared_comes_back(make: Make, name: str) -> None:
     next(epoch)
     buf.clear()
     assert buf.update_priorities(batch, np.ones(8)) == 0  # stale: dropped, not resurrected
-    assert buf._prios.tree.total == 0  # type: ignore[union-attr]
+    assert buf.priorities.tree.total == 0  # type: ignore[union-attr]
     assert list(epoch) == []
     with pytest.raises(sb.EmptyBufferError):
         buf.take(batch.index)
@@ -342,21 +342,24 @@ def test_nothing_cleared_comes_back(make: Make, name: str) -> None:
 
 
 @pytest.mark.parametrize("sampler", [sb.Uniform(), sb.Prioritized()])
-def test_a_clear_between_draw_and_gather(sampler: Any, make: Make, name: str) -> None:
+def test_a_clear_between_draw_and_gather(sampler: Any, make: Make, name: str, monkeypatch: Any) -> None:
+    from shmbuffer import reader
+
     buf = make(MUJOCO, capacity=64, name=name, seed=0, sampler=sampler)
     buf.push(transition(0, 32))
-    real = buf._gather
+    real = reader.gather
     cleared: list[bool] = []
 
-    def gather(slots: np.ndarray, out: Any = None) -> Any:
+    def gather(*args: Any, **kwargs: Any) -> Any:
         if not cleared:
             cleared.append(True)
             buf.clear()  # another process clears right here
-        return real(slots, out)
+        return real(*args, **kwargs)
 
-    buf._gather = gather  # type: ignore[method-assign]
+    monkeypatch.setattr(reader, "gather", gather)
     with pytest.raises(sb.EmptyBufferError, match="cleared"):
         buf.sample(8)
+    assert cleared
 
 
 # -- ids that never existed, priorities too large for the tree, a clear killed half-way (issue 10) ------
@@ -366,8 +369,8 @@ def test_update_priorities_refuses_ids_that_never_existed(make: Make, name: str)
     buf = make(MUJOCO, capacity=10, lanes=2, name=name, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
     buf.push(transition(0, 5), lane=0)  # ids 0 2 4 6 8
     buf.push(transition(5, 3), lane=1)  # ids 1 3 5
-    tree = buf._prios.tree.sums.copy()  # type: ignore[union-attr]
-    top = buf._prios.max_priority  # type: ignore[union-attr]
+    tree = buf.priorities.tree.sums.copy()  # type: ignore[union-attr]
+    top = buf.priorities.max_priority  # type: ignore[union-attr]
     for ids, shown in [([-1, 12345], r"\[-1, 12345\]"), ([0, 7], r"\[7\]"), ([2**63 - 1], r"\[9223372036854775807\]"),
                        ([-(2**63)], r"\[-9223372036854775808\]"), (np.array([2**64 - 1], np.uint64), r"\[18446744073709551615\]")]:
         with pytest.raises(sb.FieldError, match=rf"update_priorities: ids {shown} never named a row .* nothing was changed"):
@@ -375,7 +378,7 @@ def test_update_priorities_refuses_ids_that_never_existed(make: Make, name: str)
     for ids in (np.array([0.0, 2.0]), [True, False], ["0", "2"]):
         with pytest.raises(sb.FieldError, match="update_priorities: expected integer row ids"):
             buf.update_priorities(ids, [5.0, 5.0])
-    assert np.array_equal(buf._prios.tree.sums, tree) and buf._prios.max_priority == top  # type: ignore[union-attr]
+    assert np.array_equal(buf.priorities.tree.sums, tree) and buf.priorities.max_priority == top  # type: ignore[union-attr]
     assert buf.update_priorities(np.array([8, 5], np.uint32), [2.0, 3.0]) == 2  # any integer dtype
     assert buf.update_priorities([], []) == 0
     buf.push(transition(8, 5), lane=0)  # lane 0 laps: ids 0..8 of lane 0 are overwritten, not unknown
@@ -387,25 +390,26 @@ def test_priorities_whose_leaves_overflow_are_refused(make: Make, name: str) -> 
     which no sample could ever succeed; they are refused and the tree stays as it was."""
     squared = make(MUJOCO, capacity=8, name=name, seed=0, sampler=sb.Prioritized(alpha=2.0))
     squared.push(transition(0, 4), priority=[1.0, 2.0, 3.0, 1e139])  # leaf 1e278: fine
-    tree = squared._prios.tree  # type: ignore[union-attr]
+    tree = squared.priorities.tree  # type: ignore[union-attr]
     before = tree.sums.copy()
     with pytest.raises(sb.FieldError, match=r"priority: got \[1e\+200\] at positions \[0\], whose tree leaves .* exceed 1e\+280"):
         squared.push(transition(4, 1), priority=1e200)
+    assert len(squared) == 4 and squared.stats["inserted"] == 4  # refused before any row was reserved
     with pytest.raises(sb.FieldError, match=r"update_priorities: priority: got \[1e\+141\] at positions \[1\], .* expected priorities <= 1e\+140"):
         squared.update_priorities([0, 1], [1.0, 1e141])
     assert np.array_equal(tree.sums, before) and np.isfinite(tree.total)
-    assert squared._prios.max_priority == 1e139  # type: ignore[union-attr]
+    assert squared.priorities.max_priority == 1e139  # type: ignore[union-attr]
     assert set(seq_of(squared.sample(16))) <= {0, 1, 2, 3}
 
     linear = make(MUJOCO, capacity=8, name=name + "l", seed=0, sampler=sb.Prioritized(alpha=1.0))
     with pytest.raises(sb.FieldError, match="exceed 1e"):
         linear.push(transition(0, 2), priority=[1e308, 1e308])
     linear.push(transition(0, 8), priority=np.full(8, 1e280))  # every leaf at the bound: the total stays finite
-    assert linear._prios.tree.total == pytest.approx(8e280)  # type: ignore[union-attr]
+    assert linear.priorities.tree.total == pytest.approx(8e280)  # type: ignore[union-attr]
     assert len(seq_of(linear.sample(8))) == 8
     root = make(MUJOCO, capacity=8, name=name + "r", sampler=sb.Prioritized(alpha=0.5))
     root.push(transition(0, 2), priority=[1e308, 1.0])  # any finite priority fits with alpha <= 0.5
-    assert np.isfinite(root._prios.tree.total)  # type: ignore[union-attr]
+    assert np.isfinite(root.priorities.tree.total)  # type: ignore[union-attr]
 
 
 def _die_inside_clear(handle: sb.BufferHandle) -> None:
@@ -414,12 +418,12 @@ def _die_inside_clear(handle: sb.BufferHandle) -> None:
     import os
     import signal
 
-    from shmbuffer import samplers
+    from shmbuffer import priorities
 
     def die(self: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    samplers.Priorities.clear = die  # type: ignore[method-assign]
+    priorities.Priorities.clear = die  # type: ignore[method-assign]
     buf = sb.ReplayBuffer.attach(handle)
     buf.clear()
 
@@ -439,7 +443,7 @@ def test_a_clear_killed_after_the_lanes_moved_is_repaired(max_use: int | None, m
     procs.append(p)
     p.join(60)
     assert p.exitcode == -signal.SIGKILL
-    tree = buf._prios.tree  # type: ignore[union-attr]
+    tree = buf.priorities.tree  # type: ignore[union-attr]
     assert len(buf) == 0 and tree.total == 39.0  # the rows are gone, their priorities are not
     ids = buf.push(transition(100, 2), lane=1, priority=[2.0, 3.0])  # the next locker recovers and repairs
     assert buf.stats["lock_recoveries"] == 1 and ids.tolist() == [17, 19]
@@ -450,4 +454,4 @@ def test_a_clear_killed_after_the_lanes_moved_is_repaired(max_use: int | None, m
     assert np.array_equal(tree.sums, fresh.sums) and np.array_equal(tree.mins, fresh.mins)
     assert set(seq_of(buf.sample(2 if max_use else 64))) <= {100, 101}
     buf.push(transition(102, 1), lane=0)
-    assert buf._prios.max_priority == 9.0  # type: ignore[union-attr]
+    assert buf.priorities.max_priority == 9.0  # type: ignore[union-attr]

@@ -1,0 +1,192 @@
+"""What a buffer's block holds: its options, its column table and named views of the columns.
+
+This module is the one owner of the layout inside a block (``segment.py`` owns the bytes around
+it: header, metadata, alignment). The same table creates a block, checks it at attach, tells
+persistence what to save and the CLI where to read; nothing else names an internal column.
+
+Columns, in block order
+-----------------------
+``_mutex``        64 bytes, the ``RobustLock`` (``lock.py``)
+``_lanes``        ``(lanes, 8)`` int64, one cache line a lane: ``[l, CURSOR]`` rows ever reserved in
+                  lane ``l``, ``[l, BASE]`` the first row number that counts after a ``clear()``
+``_stats``        ``(16,)`` int64, shared counters, never wrapping; index ``Counter``
+``_writer_pid``, ``_writer_start``  ``(WRITERS,)`` the processes that have pushed or sampled (``ring.py``)
+``_sampled``      ``(WRITERS,)`` int64, rows each writer entry's processes sampled without the lock
+``_stamp``        ``(capacity,)`` int64, each slot's commit stamp (``ring.py``)
+``_owner``        ``(capacity,)`` uint16, the writer entry that last reserved each slot
+``_tree_sum``, ``_tree_min``, ``_prio``, ``_uses``  the priority tree, the largest priority and the
+                  use counts (``priorities.py``); only with a ``Prioritized`` sampler or ``max_use``
+                  (``_uses`` only with ``max_use``)
+``_episode``      ``(capacity,)`` int64, each row's episode id; only with ``episodes=True``
+``_record``       ``(capacity, itemsize)`` uint8, the packed small fields (``schema.Record``)
+one column per large field, named as the field, ``(capacity, *shape)`` in its dtype
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+from .errors import LayoutError
+from .limiter import RateLimiter
+from .lock import SIZE as MUTEX_SIZE
+from .samplers import Prioritized, Sampler, Uniform, sampler_from_json
+from .schema import Record, Schema
+from .segment import MALFORMED, ColumnSpec
+from .sumtree import SumTree
+
+WRITERS = 1024
+UNIFORM = Uniform()
+"""Entries in the writer table: processes that may push to one buffer at once."""
+
+
+class Counter(IntEnum):
+    """Where each shared counter lives in ``_stats`` (readers' and writers' on separate lines)."""
+
+    SAMPLED = 0
+    """rows handed out by samples counted under the lock (a rate limiter's admissions, a loaded
+    buffer's count); the others are in ``_sampled`` (``Ring.sampled`` adds them up)"""
+    RECLAIMED = 8
+    """rows of dead writers reclaimed or reaped"""
+    LOCK_RECOVERIES = 9
+    """times a locker found the lock's holder dead"""
+    INSERTED = 10
+    """rows ever reserved, all lanes; a clear does not move it"""
+    FROZEN = 11
+    """1 once the buffer is read-only"""
+
+
+class Lane(IntEnum):
+    """Where each lane's numbers live in its row of ``_lanes``."""
+
+    CURSOR = 0
+    BASE = 1
+
+
+@dataclass(frozen=True)
+class Options:
+    """What shapes a block besides its schema; stored in its metadata, read back on attach."""
+
+    capacity: int
+    lanes: int = 1
+    sampler: Sampler = UNIFORM
+    max_use: int | None = None
+    episodes: bool = False
+    limiter: RateLimiter | None = None
+
+    def __post_init__(self) -> None:
+        cap, lanes, max_use = self.capacity, self.lanes, self.max_use
+        if not _count(cap):
+            raise ValueError(f"capacity: expected a positive int, got {cap!r}")
+        if not _count(lanes) or cap % lanes:
+            raise ValueError(f"lanes: expected a positive divisor of capacity {cap}, got {lanes!r}")
+        if max_use is not None and not _count(max_use):
+            raise ValueError(f"max_use: expected a positive int or None, got {max_use!r}")
+        if not isinstance(self.sampler, (Uniform, Prioritized)):
+            raise ValueError(f"sampler: expected Uniform() or Prioritized(...), got {self.sampler!r}")
+        if self.limiter is not None and not isinstance(self.limiter, RateLimiter):
+            raise ValueError(f"limiter: expected a RateLimiter, got {self.limiter!r}")
+
+    @property
+    def tree(self) -> bool:
+        """Whether draws go through the priority tree (prioritized, or any sampler with max_use)."""
+        return isinstance(self.sampler, Prioritized) or self.max_use is not None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"capacity": int(self.capacity), "lanes": int(self.lanes), "sampler": self.sampler.to_json(),
+                "max_use": None if self.max_use is None else int(self.max_use), "episodes": bool(self.episodes),
+                "limiter": None if self.limiter is None else self.limiter.to_json()}
+
+    @classmethod
+    def from_json(cls, spec: dict[str, Any]) -> Options:
+        return cls(spec["capacity"], spec["lanes"], sampler_from_json(spec["sampler"]), spec["max_use"],
+                   spec["episodes"], RateLimiter.from_json(spec.get("limiter")))
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value > 0)
+
+
+def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
+    """The block's columns, in order (the module docstring says what each holds)."""
+    capacity, lanes = int(opts.capacity), int(opts.lanes)
+    i8, u1 = np.dtype(np.int64), np.dtype(np.uint8)
+    cols = [
+        ColumnSpec("_mutex", (MUTEX_SIZE,), u1),
+        ColumnSpec("_lanes", (lanes, 8), i8),
+        ColumnSpec("_stats", (16,), i8),
+        ColumnSpec("_writer_pid", (WRITERS,), i8),
+        ColumnSpec("_writer_start", (WRITERS,), np.dtype(np.float64)),
+        ColumnSpec("_sampled", (WRITERS,), i8),
+        ColumnSpec("_stamp", (capacity,), i8),
+        ColumnSpec("_owner", (capacity,), np.dtype(np.uint16)),
+    ]
+    if opts.tree:
+        size = SumTree.size(capacity)
+        cols += [ColumnSpec("_tree_sum", (size,), np.dtype(np.float64)),
+                 ColumnSpec("_tree_min", (size,), np.dtype(np.float64)),
+                 ColumnSpec("_prio", (8,), np.dtype(np.float64))]
+        if opts.max_use is not None:
+            cols.append(ColumnSpec("_uses", (capacity,), np.dtype(np.uint32)))
+    if opts.episodes:
+        cols.append(ColumnSpec("_episode", (capacity,), i8))
+    if schema.record.itemsize:
+        cols.append(ColumnSpec("_record", (capacity, schema.record.itemsize), u1))
+    cols += [ColumnSpec(f.name, (capacity, *f.shape), f.dtype) for f in schema.columns]
+    return cols
+
+
+def read(name: str, meta: dict[str, Any], fingerprint: str) -> tuple[Schema, Options]:
+    """The schema and options of a block from its metadata, checked: readable, the schema's
+    fingerprint the header's, and the column table the one this release builds for them (another
+    release made the block, or it is damaged: ``LayoutError``)."""
+    try:
+        schema = Schema.from_json(meta["schema"])
+        opts = Options.from_json(meta["options"])
+        expected = [(c.name, list(c.shape), c.dtype.str) for c in columns(schema, opts)]
+        stored = [(c["name"], list(c["shape"]), c["dtype"]) for c in meta["columns"]]
+    except MALFORMED as exc:
+        raise LayoutError(
+            f"buffer {name!r} is damaged: its schema or options cannot be read "
+            f"({type(exc).__name__}: {str(exc)[:200]}); remove it (`shmbuffer gc --force {name}`)"
+        ) from None
+    if schema.fingerprint != fingerprint:
+        raise LayoutError(f"buffer {name!r} is damaged: its schema does not match its fingerprint")
+    if stored != expected:
+        raise LayoutError(
+            f"buffer {name!r} was written with another column layout than this shmbuffer uses; "
+            "use the release that created it"
+        )
+    return schema, opts
+
+
+class Block:
+    """Named views of one block's columns (from a segment, or plain arrays: ``Block.allocate``)."""
+
+    def __init__(self, schema: Schema, opts: Options, arrays: dict[str, np.ndarray]) -> None:
+        self.schema = schema
+        self.options = opts
+        self.arrays = arrays
+        self.record: Record = schema.record
+        self.stamp = arrays["_stamp"]
+        self.episode: np.ndarray | None = arrays.get("_episode")
+        self.packed: np.ndarray | None = arrays.get("_record")
+        """The packed small fields, ``(capacity, itemsize)`` uint8, or ``None``."""
+        self.large = {f.name: arrays[f.name] for f in schema.columns}
+        """The fields that have a column of their own."""
+        small = self.record.views(self.packed) if self.packed is not None else {}
+        self.fields = {name: small[name] if name in small else self.large[name] for name in schema.names}
+        """Every field as a ``(capacity, *shape)`` view, in schema order."""
+
+    @classmethod
+    def allocate(cls, schema: Schema, opts: Options) -> Block:
+        """A block of plain, process-local arrays: the reader and samplers without shared memory."""
+        arrays = {}
+        for col in columns(schema, opts):
+            raw = np.zeros(col.nbytes + 64, np.uint8)
+            at = -raw.ctypes.data % 64
+            arrays[col.name] = raw[at:at + col.nbytes].view(col.dtype).reshape(col.shape)
+        return cls(schema, opts, arrays)

@@ -1,0 +1,177 @@
+"""The shared state behind ``Prioritized`` and ``max_use``: the tree, the largest priority, uses.
+
+Columns in the block (``layout.py``):
+
+``_tree_sum``, ``_tree_min``  the ``SumTree`` over slots: ``(p + eps)^alpha`` for a prioritized row,
+                             1 for a uniform row under ``max_use``, 0 for an empty, cleared or
+                             used-up slot; every leaf is at most ``MAX_LEAF``
+``_prio``     ``(8,)`` float64: ``[0]`` the largest priority given so far (new rows get it when
+              the writer gives none), 1.0 at creation
+``_uses``     ``(capacity,)`` uint32, times each row was drawn (only with ``max_use``)
+
+Every change of these happens under the ring's lock: a committing writer setting its rows'
+priorities, ``update_priorities``, ``claim`` (counting uses) and ``clear``. An update names rows
+by id; a row overwritten since it was sampled has another id in its slot, so the update is
+dropped, never applied to the new row. An id that never named a row (negative, or not reserved
+yet) is a caller's bug, not a race: ``Ring.check_ids`` refuses it.
+
+Leaves stay finite, and so does their total: a priority whose leaf would exceed ``MAX_LEAF`` is
+refused (``Priorities.check``), so ``capacity`` leaves (``capacity < 2**63``) sum to less than
+``1e299``, far below float64's largest number (``1.8e308``). With ``alpha = 1`` that allows
+priorities up to ``1e280``, with ``alpha = 2`` up to ``1e140``, with ``alpha <= 0.9`` any finite one.
+
+A holder of the ring's lock may die anywhere (``lock.py``). The next locker runs ``repair``: it
+zeroes the leaf of every slot that holds no row that counts (empty, or a row number outside its
+lane's bounds, as a ``clear`` that died before resetting the tree leaves them; a slot being
+written keeps its leaf, its live writer will commit it) or that is used up, then recomputes the
+tree from its leaves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import FieldError
+from .ring import lane_bounds
+from .samplers import Prioritized, Sampler
+from .sumtree import SumTree
+
+MAX_LEAF = 1e280
+"""The largest leaf the tree takes (see the module docstring): its total stays finite."""
+_REPAIR_CHUNK = 1 << 20
+"""Slots a repair looks at in one numpy call (bounds its temporary memory)."""
+
+
+def check_priorities(values: Any, k: int, what: str = "priority") -> np.ndarray:
+    """``k`` finite priorities >= 0 as float64 (a scalar is broadcast), or ``FieldError``."""
+    if hasattr(values, "detach"):  # a torch tensor, maybe on a device
+        values = values.detach().cpu().numpy()
+    p = np.asarray(values, dtype=np.float64)
+    if p.ndim == 0:
+        p = np.full(k, float(p))
+    elif p.size == k:
+        p = p.reshape(k)
+    if p.shape != (k,):
+        raise FieldError(f"{what}: expected {k} values (one per row), got shape {np.shape(values)}")
+    bad = ~np.isfinite(p) | (p < 0)
+    if bad.any():
+        raise FieldError(
+            f"{what}: expected finite values >= 0, got {p[bad][:3].tolist()} at positions "
+            f"{np.flatnonzero(bad)[:3].tolist()}; nothing was changed"
+        )
+    return p
+
+
+class Priorities:
+    """The shared-memory side of ``Prioritized`` and ``max_use`` (see the module docstring)."""
+
+    def __init__(
+        self, arrays: dict[str, np.ndarray], sampler: Sampler, max_use: int | None, *, initialise: bool
+    ) -> None:
+        self.sampler = sampler
+        self.max_use = max_use
+        self.prioritized = isinstance(sampler, Prioritized)
+        capacity = arrays["_stamp"].shape[0]
+        self.tree = SumTree(capacity, arrays["_tree_sum"], arrays["_tree_min"])
+        self._prio = arrays["_prio"]
+        self.uses = arrays.get("_uses")
+        self._stamp = arrays["_stamp"]
+        self._lanes = arrays["_lanes"]
+        if initialise:
+            self.tree.reset()
+            self._prio[0] = 1.0
+
+    @property
+    def max_priority(self) -> float:
+        return float(self._prio[0])
+
+    def leaf(self, priorities: np.ndarray) -> np.ndarray:
+        """The leaves of these priorities (``inf`` where one overflows)."""
+        if isinstance(self.sampler, Prioritized):
+            s = self.sampler
+            with np.errstate(over="ignore"):
+                return (priorities + s.eps) ** s.alpha
+        return np.ones_like(priorities)
+
+    def check(self, values: Any, k: int, what: str = "priority") -> np.ndarray:
+        """``check_priorities``, and every leaf at most ``MAX_LEAF``, or ``FieldError``."""
+        p = check_priorities(values, k, what)
+        self._bound(p, self.leaf(p), what)
+        return p
+
+    def _bound(self, priorities: np.ndarray, leaves: np.ndarray, what: str) -> None:
+        if not leaves.size or leaves.max() <= MAX_LEAF:
+            return
+        bad = ~(leaves <= MAX_LEAF)
+        s = self.sampler
+        assert isinstance(s, Prioritized) and s.alpha > 0  # otherwise every leaf is 1
+        with np.errstate(over="ignore"):
+            most = float(np.power(MAX_LEAF, 1.0 / s.alpha)) - s.eps
+        raise FieldError(
+            f"{what}: got {priorities[bad][:3].tolist()} at positions {np.flatnonzero(bad)[:3].tolist()}, "
+            f"whose tree leaves (p + {s.eps:g}) ** {s.alpha:g} exceed {MAX_LEAF:g} (the tree's total must "
+            f"stay finite); expected priorities <= {most:.6g}: scale them down; nothing was changed"
+        )
+
+    def set_rows(self, slots: np.ndarray, priorities: np.ndarray | None, fresh: bool) -> None:
+        """Under the lock: give ``slots`` their priorities (``None``: the largest so far); fresh
+        rows also start with zero uses. Priorities whose leaves exceed ``MAX_LEAF`` raise
+        ``FieldError`` before anything changes (callers check them first with ``check``)."""
+        if priorities is None:
+            leaves = self.leaf(np.full(slots.shape[0], self._prio[0]))
+        else:
+            leaves = self.leaf(priorities)
+            self._bound(priorities, leaves, "priority")
+            if priorities.size:
+                self._prio[0] = max(float(self._prio[0]), float(priorities.max()))
+        if self.uses is not None:
+            if fresh:
+                self.uses[slots] = 0
+            leaves = np.where(self.uses[slots] >= self.max_use, 0.0, leaves) if not fresh else leaves
+        self.tree.update(slots, leaves)
+
+    def claim(self, slots: np.ndarray) -> np.ndarray:
+        """Under the lock: count one use for each drawn slot (a slot drawn twice counts twice);
+        return which draws fit within ``max_use`` — the rest must be re-drawn. Slots that reach
+        ``max_use`` leave the tree."""
+        assert self.uses is not None and self.max_use is not None
+        uniq, inverse, counts = np.unique(slots, return_inverse=True, return_counts=True)
+        room = np.maximum(self.max_use - self.uses[uniq].astype(np.int64), 0)
+        order = np.argsort(inverse, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        ok = rank < room[inverse]
+        self.uses[uniq] += np.minimum(counts, room).astype(np.uint32)
+        done = uniq[self.uses[uniq] >= self.max_use]
+        if done.size:
+            self.tree.update(done, 0.0)
+        return ok
+
+    def repair(self) -> None:
+        """Under the lock, once a holder of it died (``Ring.repairs``): zero the leaves of slots
+        that hold no row that counts, or a used-up one, and recompute the tree (see the module
+        docstring). A slot counts while its stamp's row number (``2n + 2`` committed, ``2n + 1``
+        being written) lies within its lane's bounds, as ``Ring.bounds`` computes them."""
+        stamp, cursors, leaves, uses = self._stamp, self._lanes, self.tree.leaves, self.uses
+        lanes = cursors.shape[0]
+        lc = stamp.shape[0] // lanes
+        first, stop = lane_bounds(cursors, lc)
+        for lane in range(lanes):
+            start, cur = int(first[lane]), int(stop[lane])
+            for a in range(lane * lc, (lane + 1) * lc, _REPAIR_CHUNK):
+                b = min(a + _REPAIR_CHUNK, (lane + 1) * lc)
+                s = stamp[a:b]
+                n = (s - 1) // 2
+                stale = (s <= 0) | (n < start) | (n >= cur)
+                if uses is not None and self.max_use is not None:
+                    stale |= uses[a:b] >= self.max_use
+                leaves[a:b][stale] = 0.0
+        self.tree.rebuild()
+
+    def clear(self) -> None:
+        self.tree.reset()
+        self._prio[0] = 1.0
+        if self.uses is not None:
+            self.uses[:] = 0

@@ -1,0 +1,336 @@
+"""The reader's half of the commit protocol (``ring.py``), in one place.
+
+A read of rows by id is: read their stamps, copy the rows (the packed small fields, the large
+fields, the episode ids), read the stamps again; a row is *intact* when both reads equal the
+stamp its id must show (``Ring.expected``) and it is not older than its lane's last ``clear()``.
+``gather`` does that; ``intact`` is the rule. ``fetch`` is the one re-draw loop: rows (or windows
+of rows) that are not accepted are drawn again, a bounded number of rounds before dead writers'
+rows are reaped, and for at most ``GIVE_UP`` seconds; with ``unique`` a row appears once, with a
+``claim`` (``max_use``) each row's use is counted under the lock once it is read. ``assemble``
+makes the ``Batch``.
+
+Everything here works on a ``layout.Block`` and a ``Ring``, which may wrap plain numpy arrays
+(``Block.allocate``): the protocol is tested without shared memory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from .batch import Batch
+from .errors import EmptyBufferError, WaitTimeout
+from .layout import Block, Options
+from .priorities import Priorities
+from .ring import Ring
+
+NONE = np.empty(0, np.int64)
+REDRAW_ROUNDS = 8
+"""Rounds of re-drawing rows that were being written before the slow path (reaping dead
+writers' rows, then a scan of the committed rows) starts."""
+GIVE_UP = 1.0
+"""Seconds a read may keep re-drawing after the slow path started before it raises."""
+
+Redraw = Callable[[int, np.ndarray, bool], tuple[np.ndarray, "np.ndarray | None"]]
+"""``redraw(k, ids, slow) -> (k new ids, their values or None)``: ``ids`` are those held now (to
+leave out when drawing distinct rows), ``slow`` is true once the slow path started. Fewer than
+``k`` ids means nothing can be drawn right now (the reader waits); raise when that is final."""
+Accept = Callable[[np.ndarray, "Rows"], np.ndarray]
+"""``accept(ids, rows) -> bool per unit``: which rows (or windows) are kept."""
+Claim = Callable[[np.ndarray, np.ndarray], np.ndarray]
+"""``claim(ids, positions) -> positions to re-draw``: count a use of each row, under the lock."""
+
+
+class Source(Protocol):
+    """What readers built on this module need of a buffer (``ReplayBuffer`` is one)."""
+
+    name: str
+    rng: np.random.Generator
+
+    @property
+    def block(self) -> Block: ...
+
+    @property
+    def ring(self) -> Ring: ...
+
+    @property
+    def options(self) -> Options: ...
+
+    @property
+    def priorities(self) -> Priorities | None: ...
+
+    def reap(self) -> np.ndarray: ...
+
+
+def intact(first: np.ndarray, second: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    """The rule: a copied row counts when the stamps read before and after it both equal the
+    stamp its row must show."""
+    return (first == expected) & (second == expected)
+
+
+@dataclass
+class Rows:
+    """Rows copied by ``gather``, shaped like the ids they were read for: ``ok`` marks the intact
+    ones (see the module docstring); the others' contents are whatever the slots held."""
+
+    ok: np.ndarray
+    packed: np.ndarray | None
+    large: dict[str, np.ndarray]
+    episode: np.ndarray | None
+
+    def put(self, at: np.ndarray, other: Rows) -> None:
+        """Overwrite positions ``at`` (of the leading dimension) with ``other``'s rows."""
+        self.ok[at] = other.ok
+        if self.packed is not None and other.packed is not None:
+            self.packed[at] = other.packed
+        if self.episode is not None and other.episode is not None:
+            self.episode[at] = other.episode
+        for name, col in other.large.items():
+            self.large[name][at] = col
+
+    def subset(self, keep: np.ndarray) -> Rows:
+        """The rows at positions ``keep``."""
+        return Rows(self.ok[keep], self.packed[keep] if self.packed is not None else None,
+                    {k: v[keep] for k, v in self.large.items()}, self.episode[keep] if self.episode is not None else None)
+
+
+def gather(
+    block: Block, ring: Ring, ids: np.ndarray, *, out: dict[str, np.ndarray] | None = None,
+    large: tuple[str, ...] | None = None,
+) -> Rows:
+    """Copy the rows ``ids`` (any shape; ``ring.INVALID`` reads as not intact) with the stamp
+    check. ``out`` gathers into given arrays (``"_block"`` for the packed record, one per large
+    field); ``large`` limits the large fields copied (all by default)."""
+    shape = ids.shape
+    flat = ids.reshape(-1)
+    slots = ring.slots(flat)
+    stamp = block.stamp
+    first = stamp.take(slots)
+    packed = block.packed
+    if packed is not None:
+        packed = packed.take(slots, axis=0) if out is None else packed.take(slots, axis=0, out=out["_block"])
+    cols = {n: c for n, c in block.large.items() if large is None or n in large}
+    if out is None:
+        got = {n: c.take(slots, axis=0) for n, c in cols.items()}
+    else:
+        got = {n: c.take(slots, axis=0, out=out[n]) for n, c in cols.items()}
+    episode = block.episode.take(slots) if block.episode is not None else None
+    second = stamp.take(slots)
+    ok = intact(first, second, ring.expected(flat))
+    cleared = ring.cleared(flat)  # after the copy: a row cleared before it does not count
+    if cleared.size:
+        ok[cleared] = False
+    if len(shape) > 1:
+        packed = packed.reshape(*shape, -1) if packed is not None else None
+        got = {n: a.reshape(*shape, *a.shape[1:]) for n, a in got.items()}
+        episode = episode.reshape(shape) if episode is not None else None
+    return Rows(ok.reshape(shape), packed, got, episode)
+
+
+def fetch(
+    block: Block, ring: Ring, ids: np.ndarray, redraw: Redraw, *, reap: Callable[[], object],
+    values: np.ndarray | None = None, accept: Accept | None = None, unique: bool = False,
+    claim: Claim | None = None, out: dict[str, np.ndarray] | None = None, what: str = "sample",
+) -> tuple[np.ndarray, Rows, np.ndarray | None]:
+    """Read ``ids`` (``(n,)`` rows or ``(n, width)`` windows) and re-draw every unit that is not
+    accepted (default: every row intact) until all are; returns the final ids, rows and values
+    (``values`` are the draw's per-unit numbers, e.g. tree leaves, re-drawn along)."""
+    rows = gather(block, ring, ids, out=out)
+
+    def rejected(ids: np.ndarray, rows: Rows) -> np.ndarray:
+        keep = accept(ids, rows) if accept is not None else rows.ok
+        return ~keep
+
+    bad = np.flatnonzero(rejected(ids, rows))
+    unclaimed = np.arange(ids.shape[0]) if claim is not None else NONE
+    rounds, deadline = 0, 0.0
+    while True:
+        while bad.size:
+            rounds += 1
+            if rounds == REDRAW_ROUNDS + 1:
+                deadline = time.monotonic() + GIVE_UP
+                reap()
+            elif rounds > REDRAW_ROUNDS and time.monotonic() > deadline:
+                raise WaitTimeout(
+                    f"{what}: {bad.size} of {ids.shape[0]} could not be drawn in {GIVE_UP:.0f} s "
+                    f"({rounds} rounds): rows are being written or used up"
+                )
+            new, more = redraw(bad.size, ids, rounds > REDRAW_ROUNDS)
+            if new.shape[0] < bad.size:  # nothing to draw from right now
+                time.sleep(0.0005)
+                continue
+            ids[bad] = new
+            if values is not None and more is not None:
+                values[bad] = more
+            got = gather(block, ring, new)
+            rows.put(bad, got)
+            bad = bad[rejected(new, got)]
+        if unique:
+            bad = repeats(ids, unclaimed if claim is not None else None)
+            if bad.size:
+                continue
+        if claim is not None and unclaimed.size:
+            bad = unclaimed = claim(ids, unclaimed)
+            if bad.size:
+                continue
+        return ids, rows, values
+
+
+def repeats(ids: np.ndarray, fresh: np.ndarray | None) -> np.ndarray:
+    """Positions whose id also appears at an earlier position (or, when ``fresh`` lists the
+    positions drawn last, at a position not among them): the ones to re-draw."""
+    order = np.argsort(ids, kind="stable")
+    if fresh is not None and fresh.size < ids.size:
+        # keep the rows already claimed: sort them first among equal ids
+        later = np.zeros(ids.size, bool)
+        later[fresh] = True
+        order = np.lexsort((later, ids))
+    same = ids[order][1:] == ids[order][:-1]
+    return np.sort(order[1:][same])
+
+
+def assemble(block: Block, ids: np.ndarray, rows: Rows, extras: dict[str, np.ndarray] | None = None) -> Batch:
+    """The batch of ``rows`` read for ``ids``: fields in schema order (the small ones views of the
+    packed block), ``index`` and, with episodes, ``episode``; windows ``(n, T)`` keep that lead."""
+    lead = ids.shape
+    packed = rows.packed.reshape(-1, rows.packed.shape[-1]) if rows.packed is not None else None
+    small = block.record.views(packed) if packed is not None else {}
+    fields = {}
+    for name in block.schema.names:
+        a = small[name] if name in small else rows.large[name]
+        fields[name] = a.reshape(*lead, *a.shape[1:]) if name in small and len(lead) > 1 else a
+    more: dict[str, np.ndarray] = {"index": ids}
+    if rows.episode is not None:
+        more["episode"] = rows.episode
+    more.update(extras or {})
+    return Batch(fields, more, block=packed, record=block.record if packed is not None else None,
+                 lead=lead if len(lead) > 1 else None)
+
+
+# -- reads a buffer serves with these ------------------------------------------------------------
+def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray] | None = None, calls: int = 0) -> Batch:
+    """``n`` rows drawn by ``src``'s sampler and read intact; what the reader refuses is drawn
+    again (``fetch``). A prioritized batch has ``weight``, annealed for the ``calls``-th sample."""
+    ring, prios, sampler = src.ring, src.priorities, src.options.sampler
+    tree = prios.tree if prios is not None else None
+    if not replace and n > len(ring):
+        raise EmptyBufferError(f"sample({n}, replace=False): buffer {src.name!r} holds only {len(ring)} rows")
+    first = sampler.draw(ring, tree, src.rng, n, replace=replace)
+    if first.ids.size < n:
+        _nothing_to_draw(src, n, final=True)
+
+    def redraw(k: int, taken: np.ndarray, slow: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        if slow and tree is not None and not replace and np.count_nonzero(tree.leaves) < n:
+            raise EmptyBufferError(
+                f"sample({n}, replace=False): only {np.count_nonzero(tree.leaves)} rows of buffer "
+                f"{src.name!r} can be drawn; the others are used up (max_use={src.options.max_use}) or empty")
+        more = sampler.draw(ring, tree, src.rng, k, replace=replace, taken=taken, again=True, slow=slow)
+        if more.ids.size < k:
+            _nothing_to_draw(src, n, final=False)
+        return more.ids, more.leaves
+
+    counting = prios is not None and prios.uses is not None
+    ids, rows, leaves = fetch(src.block, ring, first.ids, redraw, reap=src.reap, values=first.leaves,
+                              unique=not replace, claim=(lambda ids, at: claim(src, ids, at)) if counting else None,
+                              out=out, what=f"sample({n}) of buffer {src.name!r}")
+    weight = sampler.weights(tree, leaves, calls)
+    return assemble(src.block, ids, rows, {"weight": weight} if weight is not None else None)
+
+
+def _nothing_to_draw(src: Source, n: int, *, final: bool) -> None:
+    """Raise when no row can be drawn now or ever; return to let the reader wait a moment."""
+    if len(src.ring) == 0:
+        why = "is empty; push rows first" if final else "was emptied (cleared) while sampling"
+        raise EmptyBufferError(f"sample({n}): buffer {src.name!r} {why}")
+    prios = src.priorities
+    if prios is not None and prios.tree.total <= 0:
+        why = (f"has been drawn max_use={prios.max_use} times" if prios.max_use is not None
+               else "has priority 0 (a prioritized buffer with eps=0 draws no row of priority 0)")
+        raise EmptyBufferError(f"sample({n}): every row of buffer {src.name!r} {why}")
+    if final:
+        raise EmptyBufferError(f"sample({n}, replace=False): buffer {src.name!r} holds only {len(src.ring)} rows")
+
+
+def claim(src: Source, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Count a use (``max_use``) for the rows at ``positions``, under the lock, for those still
+    current; return the positions to re-draw (used up meanwhile, or gone)."""
+    ring, prios = src.ring, src.priorities
+    assert prios is not None
+    with ring.lock:
+        mine = ids[positions]
+        live = ring.current(mine)
+        ok = np.zeros(positions.size, bool)
+        ok[live] = prios.claim(ring.slots(mine[live]))
+    return positions[~ok]
+
+
+def epoch(src: Source, batch_size: int, *, shuffle: bool, drop_last: bool) -> Iterator[Batch]:
+    """Every row held now, once, in batches (``ReplayBuffer.epoch``)."""
+    if (type(batch_size) is not int and not isinstance(batch_size, np.integer)) or batch_size <= 0:
+        raise ValueError(f"epoch: expected a positive batch size, got {batch_size!r}")
+    ring, prios = src.ring, src.priorities
+    counting = prios is not None and prios.uses is not None
+    ids = ring.held_ids()
+    if counting:
+        assert prios is not None
+        ids = ids[prios.tree.leaves[ring.slots(ids)] > 0]
+    if shuffle:
+        ids = src.rng.permutation(ids)
+    stop = ids.size - ids.size % batch_size if drop_last else ids.size
+    for at in range(0, stop, batch_size):
+        chunk = ids[at:at + batch_size].copy()
+        rows = gather(src.block, ring, chunk)
+        keep = np.flatnonzero(rows.ok)
+        if counting:
+            keep = np.setdiff1d(keep, claim(src, chunk, keep), assume_unique=True)
+        if keep.size < chunk.size:
+            chunk, rows = chunk[keep], rows.subset(keep)
+        if chunk.size:
+            ring.count_sampled(int(chunk.size))
+            yield assemble(src.block, chunk, rows)
+
+
+def take(src: Source, ids: Any) -> Batch:
+    """The rows ``ids``, all intact, or an error naming those that are not (``ReplayBuffer.take``)."""
+    ring = src.ring
+    ids = ring.check_ids(ids, "take")
+    if not ids.size:
+        raise ValueError("take: expected at least one id")
+    rows = gather(src.block, ring, ids)
+    if not rows.ok.all():
+        gone = ids[~rows.ok]
+        raise EmptyBufferError(
+            f"take: {gone.size} of {ids.size} rows are no longer in buffer {src.name!r} "
+            f"(ids {gone[:5].tolist()}{' ...' if gone.size > 5 else ''}: overwritten, cleared or being written)"
+        )
+    return assemble(src.block, ids, rows)
+
+
+def get(src: Source, index: Any) -> Batch:
+    """Rows by logical index, waiting (up to a second) for rows being written (``ReplayBuffer.get``)."""
+    ring = src.ring
+    deadline = time.monotonic() + 1.0
+    while True:
+        ids = ring.ids_at(index)
+        flat = ids.reshape(-1)
+        rows = gather(src.block, ring, flat)
+        if rows.ok.all():
+            break
+        expect = ring.expected(flat)
+        now = ring.stamp.take(ring.slots(flat))
+        if np.any(now < expect) and not np.any(now[now < expect] & 1):
+            raise EmptyBufferError(f"get({index!r}): a row was lost: its writer died mid-push")
+        if time.monotonic() > deadline:
+            if src.reap().size:
+                raise EmptyBufferError(f"get({index!r}): a row was lost: its writer died mid-push")
+            raise WaitTimeout(f"get({index!r}): a row is still being written after 1 s")
+        if np.any(now & 1):
+            time.sleep(0.0005)  # being written: wait; overwritten: look the index up again
+    batch = assemble(src.block, flat, rows)
+    if ids.ndim == 0:
+        return Batch({k: v[0] for k, v in batch.fields.items()}, {k: v[0] for k, v in batch.extras.items()})
+    return batch
