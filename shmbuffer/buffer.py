@@ -35,7 +35,7 @@ from . import persistence, reader, sequences
 from .batch import Batch
 from .errors import ClosedError, FieldError, ReadOnlyError, SchemaError
 from .layout import UNIFORM, Block, Options, columns, read
-from .limiter import RateLimiter
+from .limiter import RateLimiter, counted
 from .loader import Loader
 from .lock import resume_signals
 from .priorities import Priorities
@@ -290,8 +290,8 @@ class ReplayBuffer:
         try:
             if limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None:
                 res = ring.reserve(k, lane, gate=lambda i, s, size: limiter.can_insert(i, s, size, k),
-                                   why=self._rates, timeout=limiter.timeout if timeout is None else timeout,
-                                   also=also, deferring=True)
+                                   why=lambda: limiter.state(ring), also=also, deferring=True,
+                                   timeout=limiter.timeout if timeout is None else timeout)
             else:
                 res = ring.reserve(k, lane, also=also, deferring=True)
             # from here to the commit, signal handlers wait (lock.py): a Ctrl-C cannot leave the
@@ -334,24 +334,12 @@ class ReplayBuffer:
             ring.check_push(k, lane)
         if ring.frozen:
             raise ReadOnlyError(f"buffer {self.name!r} is frozen (read-only): it takes no more rows")
-        episodes = None if episode is None and not self.options.episodes else self._check_episode(episode, k)
+        episodes = self.options.check_episode(episode, k)
         if priority is not None:
             if self._prios is None or not self._prios.prioritized:
                 raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
             priority = self._prios.check(priority, k)
         return k, arrays, lane, episodes, priority
-
-    def _check_episode(self, episode: Any, k: int) -> np.ndarray | None:
-        if not self.options.episodes:
-            if episode is not None:
-                raise FieldError("episode: this buffer does not keep episodes; create it with episodes=True")
-            return None
-        if episode is None:
-            raise FieldError("episode: this buffer keeps episodes (episodes=True); push(..., episode=id) is required")
-        e = np.asarray(episode)
-        if e.dtype.kind not in "iu" or e.shape not in ((), (k,)):
-            raise FieldError(f"episode: expected an int or {k} ints, got {e.dtype} of shape {e.shape}")
-        return e.astype(np.int64, copy=False)
 
     def update_priorities(self, rows: Batch | Any, priorities: Any) -> int:
         """Set the priorities of sampled rows (a batch, or its ``index``), from any process.
@@ -374,21 +362,11 @@ class ReplayBuffer:
     def priority(self, ids: Any) -> np.ndarray:
         """The tree leaf of each row, ``(priority + eps) ** alpha`` (0 once used up or gone; 1 for
         a uniform row under ``max_use``); ``FieldError`` without a tree."""
-        prios = self._need_tree("priority")
-        return prios.tree.leaves[self.ring.slots(self.ring.check_ids(ids, "priority"))].copy()
+        return Priorities.leaves_of(self.priorities, self.ring.slots(self.ring.check_ids(ids, "priority")))
 
     def uses(self, ids: Any) -> np.ndarray:
         """How many times each row was drawn (``max_use`` buffers only)."""
-        prios = self._need_tree("uses")
-        if prios.uses is None:
-            raise FieldError("uses: this buffer counts no uses; create it with max_use=N")
-        return prios.uses[self.ring.slots(self.ring.check_ids(ids, "uses"))].astype(np.int64)
-
-    def _need_tree(self, what: str) -> Priorities:
-        self.ring  # noqa: B018
-        if self._prios is None:
-            raise FieldError(f"{what}: this buffer keeps no priority tree (create it with Prioritized(...) or max_use)")
-        return self._prios
+        return Priorities.uses_of(self.priorities, self.ring.slots(self.ring.check_ids(ids, "uses")))
 
     # -- reading -------------------------------------------------------------------------------
     def sample(
@@ -430,30 +408,8 @@ class ReplayBuffer:
         return self._counted(n, timeout, draw)
 
     def _counted(self, rows: int, timeout: float | None, draw: Callable[[], Any]) -> Any:
-        """Run a sample, counting its ``rows`` as sampled; with a rate limiter, wait for it and
-        count atomically before drawing (given back if the draw fails)."""
-        ring = self.ring
-        limiter = self.options.limiter
-        if limiter is None:
-            result = draw()
-            ring.count_sampled(rows)
-            return result
-        limiter.check_sample_size(rows)
-        limiter.wait(lambda: ring.admit(lambda i, s, size: limiter.can_sample(i, s, size, rows), rows),
-                     f"sample of {rows} rows", self._rates, timeout)
-        try:
-            return draw()
-        except BaseException:
-            ring.count_sampled(-rows)
-            raise
-
-    def _rates(self) -> str:
-        ring, limiter = self.ring, self.options.limiter
-        assert limiter is not None
-        spi = limiter.samples_per_insert
-        diff = (spi or 0) * ring.inserted - ring.sampled
-        return (f"{ring.inserted} rows inserted, {ring.sampled} sampled, samples_per_insert={spi}, "
-                f"min_size={limiter.min_size}: diff {diff:g} vs window {limiter.offset:g} +- {limiter.error:g}")
+        """Run a sample, counting its ``rows`` as sampled (through the rate limiter, if any)."""
+        return counted(self.options.limiter, self.ring, rows, timeout, draw)
 
     def sample_sequences(self, n: int, length: int, *, burn_in: int = 0, time_major: bool = False) -> Batch:
         """``n`` windows of ``length`` consecutive steps of one episode (plus ``burn_in`` steps

@@ -105,10 +105,18 @@ def unflatten(model: Any, flat: np.ndarray) -> None:
 class Collector:
     """Worker processes filling ``buffer`` from envs made by ``env_fn`` (see the module docstring).
 
-    ``policy(model, obs, step) -> actions`` picks actions (default: random); ``model`` is a torch
-    module whose copy each worker keeps and ``publish`` refreshes. ``transition(obs, action,
-    reward, next_obs, terminated, truncated)`` maps a step to the buffer's fields (default: those
-    names, with ``done`` = terminated; fields the schema lacks are dropped).
+    :param env_fn: makes one Gymnasium env (a lambda is fine: workers use ``multiprocess``).
+    :param buffer: the buffer the workers attach to and push into, one lane per env when it has
+        ``workers * envs_per_worker`` lanes.
+    :param workers: worker processes.
+    :param envs_per_worker: envs each worker steps as a vector.
+    :param policy: ``policy(model, obs, step) -> actions`` (default: random actions).
+    :param model: a torch module whose copy each worker keeps; ``publish`` refreshes the copies.
+    :param transition: ``transition(obs, action, reward, next_obs, terminated, truncated)`` maps a
+        step to the buffer's fields (default: those names, with ``done`` = terminated; fields the
+        schema lacks are dropped).
+    :param seed: seeds the envs' resets and each worker's sampling (different for every worker and env).
+    :param start_method: ``multiprocess``'s start method (default: forkserver where there is one).
     """
 
     def __init__(

@@ -18,7 +18,7 @@ import argparse
 import copy
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -26,27 +26,29 @@ import numpy as np
 
 @dataclass
 class Args:
-    seed: int = 1
-    workers: int = 2
-    envs_per_worker: int = 4
-    capacity: int = 100_000
-    batch_size: int = 128
-    lr: float = 1e-3
-    gamma: float = 0.99
-    n_step: int = 3
-    hidden: int = 128
-    tau: float = 0.01
-    learning_starts: int = 2_000
-    samples_per_insert: float = 16.0
-    eps_start: float = 1.0
-    eps_end: float = 0.02
-    eps_steps: int = 15_000
-    publish_every: int = 25
-    eval_every: int = 1_000
-    eval_episodes: int = 20
-    target: float = 475.0
-    max_seconds: float = 300.0
-    device: str = "cpu"
+    """The demo's settings; each is a flag of ``shmbuffer demo`` (``--batch-size 64``)."""
+
+    seed: int = field(default=1, metadata={"help": "seeds torch, numpy, the envs and the buffer's sampling"})
+    workers: int = field(default=2, metadata={"help": "collector processes"})
+    envs_per_worker: int = field(default=4, metadata={"help": "CartPole envs each worker steps (one buffer lane each)"})
+    capacity: int = field(default=100_000, metadata={"help": "rows the buffer holds (rounded up to a multiple of the envs)"})
+    batch_size: int = field(default=128, metadata={"help": "rows per learner batch"})
+    lr: float = field(default=1e-3, metadata={"help": "Adam's learning rate"})
+    gamma: float = field(default=0.99, metadata={"help": "discount"})
+    n_step: int = field(default=3, metadata={"help": "steps of the n-step return formed at sample time"})
+    hidden: int = field(default=128, metadata={"help": "width of the Q-network's two hidden layers"})
+    tau: float = field(default=0.01, metadata={"help": "Polyak rate of the target network, per update"})
+    learning_starts: int = field(default=2_000, metadata={"help": "rows the buffer holds before the first update"})
+    samples_per_insert: float = field(default=16.0, metadata={"help": "rate limiter: rows sampled per row inserted"})
+    eps_start: float = field(default=1.0, metadata={"help": "epsilon of the collectors' epsilon-greedy policy at the start"})
+    eps_end: float = field(default=0.02, metadata={"help": "epsilon after eps_steps env steps"})
+    eps_steps: int = field(default=15_000, metadata={"help": "env steps (all workers) over which epsilon decays linearly"})
+    publish_every: int = field(default=25, metadata={"help": "updates between publishing the weights to the collectors"})
+    eval_every: int = field(default=1_000, metadata={"help": "updates between greedy evaluations"})
+    eval_episodes: int = field(default=20, metadata={"help": "episodes of each evaluation"})
+    target: float = field(default=475.0, metadata={"help": "mean evaluation return that ends the run as solved"})
+    max_seconds: float = field(default=300.0, metadata={"help": "wall-clock limit of the run"})
+    device: str = field(default="cpu", metadata={"help": "torch device of the learner (cuda for a GPU)"})
 
 
 # -- the Q-network and the collectors' policy ----------------------------------------------------
@@ -226,8 +228,8 @@ def parse(argv: list[str] | None = None) -> Args:
     p = argparse.ArgumentParser(prog="shmbuffer demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(Args):
-        default = getattr(Args, f.name)
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default)
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                       help=f"{f.metadata['help']} (default: {f.default})")
     return Args(**vars(p.parse_args(argv)))
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import LayoutError
+from .errors import FieldError, LayoutError
 from .limiter import RateLimiter
 from .lock import SIZE as MUTEX_SIZE
 from .samplers import Prioritized, Sampler, Uniform, sampler_from_json
@@ -94,6 +94,20 @@ class Options:
     def tree(self) -> bool:
         """Whether draws go through the priority tree (prioritized, or any sampler with max_use)."""
         return isinstance(self.sampler, Prioritized) or self.max_use is not None
+
+    def check_episode(self, episode: Any, k: int) -> np.ndarray | None:
+        """The episode ids of a push of ``k`` rows as int64 (one, or one per row), ``None`` for a
+        buffer that keeps none; ``FieldError`` when they are missing, unwanted or malformed."""
+        if not self.episodes:
+            if episode is not None:
+                raise FieldError("episode: this buffer does not keep episodes; create it with episodes=True")
+            return None
+        if episode is None:
+            raise FieldError("episode: this buffer keeps episodes (episodes=True); push(..., episode=id) is required")
+        e = np.asarray(episode)
+        if e.dtype.kind not in "iu" or e.shape not in ((), (k,)):
+            raise FieldError(f"episode: expected an int or {k} ints, got {e.dtype} of shape {e.shape}")
+        return e.astype(np.int64, copy=False)
 
     def to_json(self) -> dict[str, Any]:
         return {"capacity": int(self.capacity), "lanes": int(self.lanes), "sampler": self.sampler.to_json(),

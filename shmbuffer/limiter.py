@@ -89,6 +89,13 @@ class RateLimiter:
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
 
+    def state(self, ring: Any) -> str:
+        """The counters of ``ring`` against this window, for an error message."""
+        spi = self.samples_per_insert
+        diff = (spi or 0) * ring.inserted - ring.sampled
+        return (f"{ring.inserted} rows inserted, {ring.sampled} sampled, samples_per_insert={spi}, "
+                f"min_size={self.min_size}: diff {diff:g} vs window {self.offset:g} +- {self.error:g}")
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["error"] = None if self.error == float("inf") else self.error
@@ -101,3 +108,21 @@ class RateLimiter:
         spec = dict(spec)
         spec["error"] = float("inf") if spec["error"] is None else spec["error"]
         return cls(**spec)
+
+
+def counted(limiter: RateLimiter | None, ring: Any, rows: int, timeout: float | None, draw: Callable[[], Any]) -> Any:
+    """Run ``draw`` (a sample), counting its ``rows`` as sampled in ``ring`` (``ring.Ring``). With
+    a limiter, wait until it admits them — tested and counted atomically under the ring's lock —
+    before drawing, and give them back if the draw fails."""
+    if limiter is None:
+        result = draw()
+        ring.count_sampled(rows)
+        return result
+    limiter.check_sample_size(rows)
+    limiter.wait(lambda: ring.admit(lambda i, s, size: limiter.can_sample(i, s, size, rows), rows),
+                 f"sample of {rows} rows", lambda: limiter.state(ring), timeout)
+    try:
+        return draw()
+    except BaseException:
+        ring.count_sampled(-rows)
+        raise

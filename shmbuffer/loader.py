@@ -18,8 +18,8 @@ tensors are fresh for each batch, so a batch stays valid as long as it is refere
 
 Without CUDA the same API yields CPU tensors (zero-copy views of the sampled arrays), sampled in
 the learner's own thread by default: under the GIL a background thread cannot overlap the
-learner's Python work, and on the 2-core reference machine it gave 0.8-0.9x the training
-iterations of sampling in the loop (``benchmarks/README.md``, the loader case). ``background=True``
+learner's Python work (``benchmarks/README.md``, the loader case, measures it against sampling
+in the loop). ``background=True``
 asks for the thread anyway (e.g. when the training step mostly runs GIL-free torch kernels).
 
 NOTE (shutdown): ``close()`` (or leaving the ``with`` block, or the end of iteration) stops the
@@ -88,12 +88,19 @@ class _Staging:
 
 
 class Loader:
-    """Iterate device batches from ``buffer`` (see the module docstring); a ``Mix`` works too.
+    """Iterate device batches from ``buffer`` (see the module docstring).
 
-    ``sample(buffer) -> Batch`` draws one batch (default: ``buffer.sample(batch_size,
-    **sample_kwargs)``). ``collector``, when given, is checked for worker errors at every batch.
-    ``batches`` ends the iteration after that many (default: never). ``background`` samples in a
-    thread, ``prefetch`` batches ahead (default: with CUDA only; see the module docstring).
+    :param buffer: a ``ReplayBuffer`` (gathered straight into pinned staging memory), or anything
+        with ``sample`` such as a ``Mix`` (sampled, then copied into staging).
+    :param batch_size: rows per batch.
+    :param device: where batches go (default: the CPU, zero-copy).
+    :param prefetch: batches sampled ahead by the background thread.
+    :param sample: ``sample(buffer) -> Batch`` draws one batch (default: ``buffer.sample(batch_size,
+        **sample_kwargs)``), e.g. ``lambda b: b.sample_sequences(32, 16)``.
+    :param collector: a ``Collector`` checked for worker errors at every batch.
+    :param batches: end the iteration after that many batches (default: never).
+    :param background: sample in a thread (default: with CUDA only; see the module docstring).
+    :param sample_kwargs: passed to ``buffer.sample`` (``n_step``, ``gamma``, ...).
     """
 
     def __init__(

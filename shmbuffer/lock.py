@@ -2,8 +2,7 @@
 
 It is a POSIX mutex with the attributes ``PTHREAD_PROCESS_SHARED``, ``PTHREAD_MUTEX_ROBUST`` and
 ``PTHREAD_MUTEX_ERRORCHECK``, initialised once by the block's creator inside a 64-byte column and
-called through ctypes (about 0.6 us for an uncontended acquire and release on the reference
-machine, against 0.7 us for ``fcntl.flock`` and 12-28 us for the ``atomics`` package). When a
+called through ctypes (``benchmarks/README.md`` has its cost beside ``fcntl.flock``'s). When a
 holder dies — SIGKILL included, and a zombie counts — the kernel walks its robust-futex list and the
 next locker gets ``EOWNERDEAD``; it marks the mutex consistent and carries on, and
 ``recovered`` counts how often. ``multiprocessing.Lock`` would stay held forever instead. The mutex

@@ -110,14 +110,6 @@ from the first gap on. Memory: about two pieces, whatever the buffer's size. ``e
 same copy into one array of bytes (its result) instead of a file, then moves the rows down over
 the holes (an export has no holes: ``index`` names each row); ``pieces`` yields the pieces without
 keeping them, holes left out (``shmbuffer inspect``).
-
-Measured on the 2-core reference VM (2.0 GB buffer: 36,000 Atari-like rows, two (4, 84, 84) uint8
-fields and three small ones; files in /dev/shm or on the VM's disk, page cache warm): save 1.0 GB/s
-to tmpfs, 0.5 GB/s to disk (``dd`` writes 0.24-0.3 GB/s there: the page cache absorbs the rest),
-load 1.1-1.3 GB/s; peak RSS growth (anonymous memory) 128 MiB for a save, under 1 MiB for a load
-(rows are read straight into the block's columns), 2.0 GiB (the result) for ``export``. A save
-whose file needs memory the VM has not touched before runs at 0.2 GB/s: first touches of fresh
-guest memory run at 0.25 GB/s there, 3-6 GB/s once touched.
 """
 
 from __future__ import annotations

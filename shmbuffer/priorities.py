@@ -170,6 +170,20 @@ class Priorities:
                 leaves[a:b][stale] = 0.0
         self.tree.rebuild()
 
+    @staticmethod
+    def leaves_of(prios: Priorities | None, slots: np.ndarray) -> np.ndarray:
+        """The tree leaves of ``slots`` (``ReplayBuffer.priority``), or ``FieldError`` without a tree."""
+        if prios is None:
+            raise FieldError("priority: this buffer keeps no priority tree (create it with Prioritized(...) or max_use)")
+        return prios.tree.leaves[slots].copy()
+
+    @staticmethod
+    def uses_of(prios: Priorities | None, slots: np.ndarray) -> np.ndarray:
+        """The use counts of ``slots`` (``ReplayBuffer.uses``), or ``FieldError`` without ``max_use``."""
+        if prios is None or prios.uses is None:
+            raise FieldError("uses: this buffer counts no uses; create it with max_use=N")
+        return prios.uses[slots].astype(np.int64)
+
     def clear(self) -> None:
         self.tree.reset()
         self._prio[0] = 1.0

@@ -153,6 +153,8 @@ def fetch(
             rounds += 1
             if rounds == REDRAW_ROUNDS + 1:
                 deadline = time.monotonic() + GIVE_UP
+                with ring.lock:  # a dead holder's half-done work is repaired by the next locker
+                    pass
                 reap()
             elif rounds > REDRAW_ROUNDS and time.monotonic() > deadline:
                 raise WaitTimeout(

@@ -13,8 +13,7 @@ It owns three things:
   state, so a failed push leaves the buffer as it was.
 * **The packed record.** Fields of at most ``PACK_LIMIT`` bytes a row share one record of
   ``Record.itemsize`` bytes: a batch of them is gathered with one ``np.take`` and moved to a device
-  with one copy, instead of one per field (3-4x faster for MuJoCo-sized rows on the 2-core
-  reference machine). Fields are placed by descending itemsize, then by name, so every field is
+  with one copy, instead of one per field (``benchmarks/README.md`` measures the difference). Fields are placed by descending itemsize, then by name, so every field is
   naturally aligned; the record is padded to a multiple of 8 bytes (16 with complex128 fields), so
   that a field is also a strided view of the record reinterpreted as the field's dtype. Larger fields (images) keep a
   column of their own. The user always sees named fields.

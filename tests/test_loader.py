@@ -82,8 +82,10 @@ def test_custom_sampler(make: Make, name: str) -> None:
     buf = make(MUJOCO, capacity=40, episodes=True, name=name)
     buf.push(transition(0, 40), episode=np.repeat(np.arange(4), 10))
     with Loader(buf, sample=lambda b: b.sample_sequences(4, 5), batches=2) as loader:
-        for batch in loader:
-            assert batch.obs.shape == (4, 5, 17) and batch.mask.dtype == torch.bool
+        got = list(loader)
+    assert len(got) == 2  # the assertions below run on every batch, and batches do come
+    for batch in got:
+        assert batch.obs.shape == (4, 5, 17) and batch.mask.dtype == torch.bool
 
 
 def test_an_error_in_the_thread_reaches_the_learner(make: Make, name: str) -> None:

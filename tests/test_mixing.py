@@ -155,8 +155,10 @@ def test_loader_over_a_mix(make: Make, name: str) -> None:
     a.push(transition(0, 100))
     b.push(transition(1000, 100))
     with Loader(sb.Mix([(a, 3), (b, 1)]), 16, batches=4) as loader:
-        for batch in loader:
-            assert batch.source.tolist() == [0] * 12 + [1] * 4
+        got = list(loader)
+    assert len(got) == 4
+    for batch in got:
+        assert batch.source.tolist() == [0] * 12 + [1] * 4
 
 
 # -- groups -------------------------------------------------------------------------------------
