@@ -455,3 +455,24 @@ def test_a_clear_killed_after_the_lanes_moved_is_repaired(max_use: int | None, m
     assert set(seq_of(buf.sample(2 if max_use else 64))) <= {100, 101}
     buf.push(transition(102, 1), lane=0)
     assert buf.priorities.max_priority == 9.0  # type: ignore[union-attr]
+
+
+def test_priority_and_uses_are_public(make: Make, name: str) -> None:
+    """A row's tree leaf and use count, read through the public API by id."""
+    buf = make(MUJOCO, capacity=8, name=name, seed=0, sampler=sb.Prioritized(alpha=1.0, eps=0.0), max_use=3)
+    ids = buf.push(transition(0, 4), priority=[1.0, 2.0, 3.0, 4.0])
+    assert buf.priority(ids).tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert buf.uses(ids).tolist() == [0, 0, 0, 0]
+    batch = buf.sample(2, replace=False)
+    used = buf.uses(ids)
+    assert used.sum() == 2 and set(ids[used == 1].tolist()) == set(batch.index.tolist())
+    buf.update_priorities(batch, [5.0, 5.0])
+    assert buf.priority(batch.index).tolist() == [5.0, 5.0]
+    with pytest.raises(sb.UnknownIdError):
+        buf.priority([99])
+    plain = make(MUJOCO, capacity=8, name=name + "u")
+    plain.push(transition(0, 2))
+    with pytest.raises(sb.FieldError, match="no priority tree"):
+        plain.priority([0])
+    with pytest.raises(sb.FieldError, match="counts no uses"):
+        plain.uses([0])
