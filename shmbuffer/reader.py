@@ -9,6 +9,9 @@ rows are reaped, and for at most ``GIVE_UP`` seconds; with ``unique`` a row appe
 ``claim`` (``max_use``) each row's use is counted under the lock once it is read. ``assemble``
 makes the ``Batch``.
 
+With the C extension (``native.py``) ``gather`` is one C call with real atomics: acquire loads of
+the first stamps, the copies (without the GIL above a size), an acquire fence, the second stamps.
+
 Everything here works on a ``layout.Block`` and a ``Ring``, which may wrap plain numpy arrays
 (``Block.allocate``): the protocol is tested without shared memory.
 """
@@ -22,6 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from . import native
 from .batch import Batch
 from .errors import EmptyBufferError, WaitTimeout
 from .layout import Block, Options
@@ -107,6 +111,10 @@ def gather(
     field); ``large`` limits the large fields copied (all by default)."""
     shape = ids.shape
     flat = ids.reshape(-1)
+    if native.lib is not None:
+        rows = _gather_native(native.lib, block, ring, flat, out, large)
+        if rows is not None:
+            return _shaped(rows, shape)
     slots = ring.slots(flat)
     stamp = block.stamp
     first = stamp.take(slots)
@@ -124,11 +132,60 @@ def gather(
     cleared = ring.cleared(flat)  # after the copy: a row cleared before it does not count
     if cleared.size:
         ok[cleared] = False
-    if len(shape) > 1:
-        packed = packed.reshape(*shape, -1) if packed is not None else None
-        got = {n: a.reshape(*shape, *a.shape[1:]) for n, a in got.items()}
-        episode = episode.reshape(shape) if episode is not None else None
-    return Rows(ok.reshape(shape), packed, got, episode)
+    return _shaped(Rows(ok, packed, got, episode), shape)
+
+
+def _shaped(rows: Rows, shape: tuple[int, ...]) -> Rows:
+    """Rows gathered for flat ids, shaped like the ids."""
+    if len(shape) <= 1:
+        return rows
+    packed, got, episode = rows.packed, rows.large, rows.episode
+    packed = packed.reshape(*shape, -1) if packed is not None else None
+    got = {n: a.reshape(*shape, *a.shape[1:]) for n, a in got.items()}
+    episode = episode.reshape(shape) if episode is not None else None
+    return Rows(rows.ok.reshape(shape), packed, got, episode)
+
+
+def _gather_native(
+    lib: Any, block: Block, ring: Ring, flat: np.ndarray, out: dict[str, np.ndarray] | None,
+    large: tuple[str, ...] | None,
+) -> Rows | None:
+    """``gather`` as one C call (first stamps with acquire loads, the copies, an acquire fence,
+    second stamps); ``None`` when an array is not one the kernel takes (not C-contiguous, another
+    dtype), before anything is copied: the numpy path then runs."""
+    if flat.dtype != np.int64:
+        return None
+    n = flat.shape[0]
+    sources: list[np.ndarray] = []
+    outs: list[np.ndarray] = []
+    packed = block.packed
+    if packed is not None:
+        p = np.empty((n, packed.shape[1]), np.uint8) if out is None else out["_block"]
+        sources.append(packed)
+        outs.append(p)
+    got = {}
+    for name, col in block.large.items():
+        if large is None or name in large:
+            a = np.empty((n, *col.shape[1:]), col.dtype) if out is None else out[name]
+            if a.dtype != col.dtype:
+                return None
+            got[name] = a
+            sources.append(col)
+            outs.append(a)
+    episode = None
+    if block.episode is not None:
+        episode = np.empty(n, np.int64)
+        sources.append(block.episode)
+        outs.append(episode)
+    ok = np.empty(n, np.bool_)
+    try:
+        lib.gather(flat, ring.lanes, block.stamp, tuple(sources), tuple(outs), ok)
+    except (TypeError, ValueError):
+        return None
+    cleared = ring.cleared(flat)  # after the copy: a row cleared before it does not count
+    if cleared.size:
+        ok[cleared] = False
+    return Rows(ok, outs[0] if packed is not None else None, got, episode)
 
 
 def fetch(

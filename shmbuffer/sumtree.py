@@ -20,11 +20,20 @@ accumulates over millions of updates, and ``rebuild`` repairs a tree whose updat
 Readers do not lock: a draw that races an update may land on a leaf that is 0 by then (or, in a
 level being rewritten, on the wrong slot), so callers check the leaves they get (``Prioritized``
 re-draws them); ``find`` never returns a slot outside the tree.
+
+With the C extension (``native.py``) ``find`` and ``update`` are one C call each on the same
+arrays: ``find`` walks every point down in lockstep, level by level; ``update`` sets the leaves in
+order (the last value of a repeated slot wins) and recomputes their ancestors and the prefix sum.
+The layout is the same, so a tree written by either is read by the other. Sums of 16 children are
+added in order in C and by BLAS in numpy, so inner sums may differ in the last bit between the
+two; leaves, mins and the walk's rule are identical.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from . import native
 
 FANOUT = 16
 TOP = 4096
@@ -74,6 +83,10 @@ class SumTree:
         # each level below the top as (nodes of the level above, FANOUT): a node's children are a row
         self._blocks = [(s.reshape(-1, FANOUT), m.reshape(-1, FANOUT)) for s, m in zip(self._sums[:-1], self._mins[:-1], strict=True)]
         self.leaves = self._sums[0][:capacity]
+        self._plan = tuple(_plan(capacity))
+        # the C kernels take whole C-contiguous float64 arrays
+        contiguous = all(a.dtype == np.float64 and a.flags.c_contiguous for a in (self.sums, self.mins))
+        self._lib = native.lib if contiguous else None
 
     @staticmethod
     def size(capacity: int) -> int:
@@ -97,6 +110,16 @@ class SumTree:
     def update(self, slots: np.ndarray, values: np.ndarray | float) -> None:
         """Set the leaves ``slots`` to ``values`` (>= 0, finite) and recompute their ancestors."""
         slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        lib = self._lib
+        if lib is not None and (slots.size == 0 or (slots.min() >= 0 and slots.max() < self.capacity)):
+            if isinstance(values, float) or (isinstance(values, np.ndarray) and values.ndim == 0):
+                lib.tree_update(self.sums, self.mins, self._plan, self.capacity, slots, float(values))
+            else:
+                v = np.ascontiguousarray(values, dtype=np.float64)
+                if v.shape != slots.shape:
+                    v = np.ascontiguousarray(np.broadcast_to(v, slots.shape))
+                lib.tree_update(self.sums, self.mins, self._plan, self.capacity, slots, v)
+            return
         values = np.asarray(values, dtype=np.float64)
         if values.shape != slots.shape:
             values = np.full(slots.shape, values)
@@ -118,6 +141,11 @@ class SumTree:
         counts as just below it): for uniform ``mass``, slot ``i`` comes with probability
         ``leaf_i / total``. Rounding can push a point to the very
         end of a node's range, onto a child of 0 there; callers check the leaves they get."""
+        lib = self._lib
+        if lib is not None:
+            out = np.empty(np.size(mass), np.int64)
+            lib.tree_find(self.sums, self._plan, self.capacity, np.ascontiguousarray(mass, dtype=np.float64).reshape(-1), out)
+            return out
         u = np.array(mass, dtype=np.float64).reshape(-1)
         n = u.shape[0]
         cum = self._cum

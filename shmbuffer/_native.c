@@ -1,0 +1,451 @@
+/* shmbuffer's native hot path: the sum/min tree, the stamped gather and the push copy.
+ *
+ * Plain C and the CPython C API (buffer protocol only: no numpy headers, so the build needs
+ * nothing but a compiler and setuptools). Every entry point checks what it is given (buffer
+ * sizes, contiguity, slots in range) and raises rather than reading or writing out of bounds;
+ * the Python callers (sumtree.py, reader.py, buffer.py via native.py) are the reference
+ * implementation and the fallback, and tests/test_native.py checks both agree.
+ *
+ * Memory ordering (ring.py's commit protocol, a seqlock per row): a reader loads each slot's
+ * stamp with acquire semantics before it copies the row, issues an acquire fence after the
+ * copies, then loads the stamps again; a writer's commit stores the even stamp with release
+ * semantics after its copies. These are the C11/GCC __atomic builtins, so the protocol no longer
+ * relies on x86's ordering or on numpy calls being separate.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define FANOUT 16
+#define MAX_LEVELS 32
+/* copies of at least this many bytes in all run without the GIL (measured: below it, the release
+ * and re-acquire cost more than they give another thread) */
+#define NOGIL_BYTES (256 * 1024)
+
+/* -- buffers ----------------------------------------------------------------------------------- */
+static int get_buf(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, const char *what) {
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "%s: expected a C-contiguous%s buffer", what, writable ? " writable" : "");
+        return -1;
+    }
+    if (itemsize > 0 && (view->itemsize != itemsize || view->len % itemsize)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected items of %zd bytes, got %zd", what, itemsize, view->itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* -- the tree ---------------------------------------------------------------------------------- */
+typedef struct {
+    Py_ssize_t n;                 /* levels, leaves first; the last is the top */
+    Py_ssize_t len[MAX_LEVELS];   /* nodes per level */
+    Py_ssize_t at[MAX_LEVELS];    /* offset of each level in the arrays */
+    Py_ssize_t cum;               /* offset of the prefix sum of the top level */
+    Py_ssize_t size;              /* the arrays' length */
+} Plan;
+
+/* sumtree._plan as a tuple of level lengths; checked for consistency with the arrays' size */
+static int read_plan(PyObject *plan, Py_ssize_t capacity, Py_ssize_t size, Plan *p) {
+    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) < 1 || PyTuple_GET_SIZE(plan) > MAX_LEVELS) {
+        PyErr_SetString(PyExc_ValueError, "plan: expected a tuple of 1 to 32 level lengths");
+        return -1;
+    }
+    p->n = PyTuple_GET_SIZE(plan);
+    Py_ssize_t at = 0;
+    for (Py_ssize_t i = 0; i < p->n; i++) {
+        Py_ssize_t v = PyLong_AsSsize_t(PyTuple_GET_ITEM(plan, i));
+        if (v == -1 && PyErr_Occurred()) return -1;
+        if (v <= 0 || v > ((Py_ssize_t)1 << 40)) goto bad;
+        if (i < p->n - 1 && v % FANOUT) goto bad;
+        if (i > 0 && v != (p->len[i - 1] / FANOUT + FANOUT - 1) / FANOUT * FANOUT && v != p->len[i - 1] / FANOUT) goto bad;
+        p->len[i] = v;
+        p->at[i] = at;
+        at += v;
+    }
+    p->cum = at;
+    p->size = at + p->len[p->n - 1];
+    if (capacity <= 0 || capacity > p->len[0] || p->size != size) goto bad;
+    return 0;
+bad:
+    PyErr_SetString(PyExc_ValueError, "plan: level lengths do not match the tree's capacity and arrays");
+    return -1;
+}
+
+/* find(sums, plan, capacity, mass, out): sumtree.SumTree.find, all points in lockstep */
+static PyObject *tree_find(PyObject *self, PyObject *args) {
+    PyObject *sums_o, *plan_o, *mass_o, *out_o;
+    Py_ssize_t capacity;
+    if (!PyArg_ParseTuple(args, "OOnOO", &sums_o, &plan_o, &capacity, &mass_o, &out_o)) return NULL;
+    Py_buffer sb, mb, ob;
+    if (get_buf(sums_o, &sb, 0, 8, "sums") < 0) return NULL;
+    if (get_buf(mass_o, &mb, 0, 8, "mass") < 0) { PyBuffer_Release(&sb); return NULL; }
+    if (get_buf(out_o, &ob, 1, 8, "out") < 0) { PyBuffer_Release(&sb); PyBuffer_Release(&mb); return NULL; }
+    PyObject *result = NULL;
+    Plan p;
+    if (read_plan(plan_o, capacity, sb.len / 8, &p) < 0) goto done;
+    Py_ssize_t n = mb.len / 8;
+    if (ob.len / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "out: expected one slot per point");
+        goto done;
+    }
+    {
+        const double *sums = (const double *)sb.buf;
+        const double *mass = (const double *)mb.buf;
+        int64_t *node = (int64_t *)ob.buf;
+        double *u = (double *)PyMem_Malloc((size_t)(n ? n : 1) * sizeof(double));
+        if (!u) { PyErr_NoMemory(); goto done; }
+        const double *cum = sums + p.cum;
+        Py_ssize_t top = p.len[p.n - 1];
+        double total = cum[top - 1];
+        double below = nextafter(total, 0.0);
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            double x = mass[i];
+            if (x > below || isnan(below)) x = below; /* np.minimum: NaN propagates from either side */
+            if (isnan(mass[i])) x = mass[i];
+            /* searchsorted(cum, x, side="right"): the first index whose value is > x */
+            Py_ssize_t lo = 0, hi = top;
+            while (lo < hi) {
+                Py_ssize_t mid = lo + (hi - lo) / 2;
+                if (!(x < cum[mid])) lo = mid + 1; else hi = mid;
+            }
+            if (lo > top - 1) lo = top - 1;
+            if (lo > 0) x -= cum[lo - 1];
+            if (x < 0.0) x = 0.0;
+            u[i] = x;
+            node[i] = lo;
+        }
+        for (Py_ssize_t level = p.n - 2; level >= 0; level--) {
+            const double *nodes = sums + p.at[level];
+            Py_ssize_t rows = p.len[level] / FANOUT;
+            for (Py_ssize_t i = 0; i < n; i++) {
+                int64_t k = node[i];
+                if (k > rows - 1) k = rows - 1;
+                const double *c = nodes + k * FANOUT;
+                double x = u[i], before[FANOUT], acc = 0.0;
+                int count = 0;
+                for (int j = 0; j < FANOUT; j++) {
+                    before[j] = acc;
+                    count += before[j] <= x;
+                    acc += c[j];
+                }
+                count -= 1;
+                if (count < 0) count = 0;
+                u[i] = x - before[count];
+                node[i] = k * FANOUT + count;
+            }
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (node[i] > capacity - 1) node[i] = capacity - 1;
+        Py_END_ALLOW_THREADS
+        PyMem_Free(u);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&mb);
+    PyBuffer_Release(&ob);
+    return result;
+}
+
+/* update(sums, mins, plan, capacity, slots, values): sumtree.SumTree.update; values is a buffer
+ * of one float64 per slot or a float. Slots must lie in [0, capacity). */
+static PyObject *tree_update(PyObject *self, PyObject *args) {
+    PyObject *sums_o, *mins_o, *plan_o, *slots_o, *values_o;
+    Py_ssize_t capacity;
+    if (!PyArg_ParseTuple(args, "OOOnOO", &sums_o, &mins_o, &plan_o, &capacity, &slots_o, &values_o)) return NULL;
+    Py_buffer sb, nb, kb, vb;
+    int have_values = 0;
+    double scalar = 0.0;
+    if (PyFloat_Check(values_o) || PyLong_Check(values_o)) {
+        scalar = PyFloat_AsDouble(values_o);
+        if (scalar == -1.0 && PyErr_Occurred()) return NULL;
+    } else {
+        if (get_buf(values_o, &vb, 0, 8, "values") < 0) return NULL;
+        have_values = 1;
+    }
+    if (get_buf(sums_o, &sb, 1, 8, "sums") < 0) { if (have_values) PyBuffer_Release(&vb); return NULL; }
+    if (get_buf(mins_o, &nb, 1, 8, "mins") < 0) {
+        PyBuffer_Release(&sb); if (have_values) PyBuffer_Release(&vb); return NULL;
+    }
+    if (get_buf(slots_o, &kb, 0, 8, "slots") < 0) {
+        PyBuffer_Release(&sb); PyBuffer_Release(&nb); if (have_values) PyBuffer_Release(&vb); return NULL;
+    }
+    PyObject *result = NULL;
+    Plan p;
+    if (read_plan(plan_o, capacity, sb.len / 8, &p) < 0) goto done;
+    if (nb.len != sb.len) {
+        PyErr_SetString(PyExc_ValueError, "mins: expected as many floats as sums");
+        goto done;
+    }
+    Py_ssize_t n = kb.len / 8;
+    if (have_values && vb.len / 8 != n) {
+        PyErr_SetString(PyExc_ValueError, "values: expected one value per slot");
+        goto done;
+    }
+    const int64_t *slots = (const int64_t *)kb.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (slots[i] < 0 || slots[i] >= capacity) {
+            PyErr_Format(PyExc_IndexError, "slot %lld is outside the tree's %zd slots", (long long)slots[i], capacity);
+            goto done;
+        }
+    }
+    if (n) {
+        double *sums = (double *)sb.buf, *mins = (double *)nb.buf;
+        const double *values = have_values ? (const double *)vb.buf : NULL;
+        /* leaves in order: a repeated slot keeps its last value */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            double v = values ? values[i] : scalar;
+            sums[slots[i]] = v;
+            mins[slots[i]] = v > 0 ? v : INFINITY;
+        }
+        for (Py_ssize_t level = 1; level < p.n; level++) {
+            const double *cs = sums + p.at[level - 1], *cm = mins + p.at[level - 1];
+            double *ps = sums + p.at[level], *pm = mins + p.at[level];
+            int64_t last = -1;
+            for (Py_ssize_t i = 0; i < n; i++) {
+                int64_t k = slots[i];
+                for (Py_ssize_t l = 1; l <= level; l++) k /= FANOUT;
+                if (k == last) continue; /* recomputing it again would give the same */
+                last = k;
+                const double *c = cs + k * FANOUT, *m = cm + k * FANOUT;
+                double s = 0.0, lo = m[0];
+                for (int j = 0; j < FANOUT; j++) {
+                    s += c[j];
+                    if (m[j] < lo) lo = m[j];
+                }
+                ps[k] = s;
+                pm[k] = lo;
+            }
+        }
+        const double *topv = sums + p.at[p.n - 1];
+        double *cum = sums + p.cum, acc = 0.0;
+        for (Py_ssize_t j = 0; j < p.len[p.n - 1]; j++) {
+            acc += topv[j];
+            cum[j] = acc;
+        }
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&nb);
+    PyBuffer_Release(&kb);
+    if (have_values) PyBuffer_Release(&vb);
+    return result;
+}
+
+/* -- the ring's arithmetic ----------------------------------------------------------------------- */
+static inline int64_t floordiv(int64_t a, int64_t b) {
+    int64_t q = a / b;
+    if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1;
+    return q;
+}
+static inline int64_t floormod(int64_t a, int64_t b) {
+    int64_t r = a % b;
+    if (r != 0 && ((r < 0) != (b < 0))) r += b;
+    return r;
+}
+
+/* -- gather ------------------------------------------------------------------------------------- */
+#define MAX_COLS 64
+
+/* gather(ids, lanes, stamp, sources, outs, ok): for each id, its slot and expected stamp
+ * (ring.py's arithmetic); first stamps (acquire loads); each source column's row at the slot
+ * into the same row of its out (each source is (capacity, row bytes), C-contiguous); an acquire
+ * fence; second stamps; ok = both equal the expected stamp. ids of any value are safe (an id that
+ * names no row, like ring.INVALID, reads as not intact). */
+static PyObject *gather(PyObject *self, PyObject *args) {
+    PyObject *ids_o, *stamp_o, *src_o, *out_o, *ok_o;
+    Py_ssize_t lanes;
+    if (!PyArg_ParseTuple(args, "OnOO!O!O", &ids_o, &lanes, &stamp_o, &PyTuple_Type, &src_o, &PyTuple_Type, &out_o, &ok_o))
+        return NULL;
+    Py_ssize_t ncols = PyTuple_GET_SIZE(src_o);
+    if (ncols != PyTuple_GET_SIZE(out_o) || ncols > MAX_COLS) {
+        PyErr_SetString(PyExc_ValueError, "gather: expected as many outs as sources (at most 64)");
+        return NULL;
+    }
+    Py_buffer ib, stb, kb, src[MAX_COLS], dst[MAX_COLS];
+    Py_ssize_t got = 0;
+    PyObject *result = NULL;
+    int64_t *slots = NULL, *first = NULL;
+    if (get_buf(ids_o, &ib, 0, 8, "ids") < 0) return NULL;
+    if (get_buf(stamp_o, &stb, 0, 8, "stamp") < 0) { PyBuffer_Release(&ib); return NULL; }
+    if (get_buf(ok_o, &kb, 1, 1, "ok") < 0) { PyBuffer_Release(&ib); PyBuffer_Release(&stb); return NULL; }
+    Py_ssize_t n = ib.len / 8, capacity = stb.len / 8;
+    if (lanes <= 0 || capacity <= 0 || capacity % lanes) {
+        PyErr_SetString(PyExc_ValueError, "gather: lanes must divide a positive capacity");
+        goto done;
+    }
+    if (kb.len != n) {
+        PyErr_SetString(PyExc_ValueError, "gather: ok needs one bool per id");
+        goto done;
+    }
+    size_t total = 0;
+    Py_ssize_t width[MAX_COLS];
+    for (; got < ncols; got++) {
+        if (get_buf(PyTuple_GET_ITEM(src_o, got), &src[got], 0, 0, "gather source") < 0) goto done;
+        if (get_buf(PyTuple_GET_ITEM(out_o, got), &dst[got], 1, 0, "gather out") < 0) {
+            PyBuffer_Release(&src[got]);
+            goto done;
+        }
+        width[got] = src[got].len / capacity;
+        if (src[got].len % capacity || dst[got].len != width[got] * n) {
+            PyErr_Format(PyExc_ValueError, "gather: column %zd: expected a source of (capacity, w) bytes and an out of (n, w)", got);
+            PyBuffer_Release(&src[got]);
+            PyBuffer_Release(&dst[got]);
+            goto done;
+        }
+        total += (size_t)width[got] * (size_t)n;
+    }
+    slots = (int64_t *)PyMem_Malloc((size_t)(n ? n : 1) * 2 * sizeof(int64_t));
+    if (!slots) { PyErr_NoMemory(); goto done; }
+    first = slots + (n ? n : 1);
+    {
+        const int64_t *ids = (const int64_t *)ib.buf;
+        int64_t *stamp = (int64_t *)stb.buf;
+        char *ok = (char *)kb.buf;
+        int64_t lc = capacity / lanes;
+        PyThreadState *ts = NULL;
+        if (total >= NOGIL_BYTES) ts = PyEval_SaveThread();
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t id = ids[i], s;
+            if (lanes == 1) s = floormod(id, lc);
+            else s = floormod(id, lanes) * lc + floormod(floordiv(id, lanes), lc);
+            slots[i] = s;
+            first[i] = __atomic_load_n(&stamp[s], __ATOMIC_ACQUIRE);
+        }
+        for (Py_ssize_t c = 0; c < ncols; c++) {
+            const char *from = (const char *)src[c].buf;
+            char *to = (char *)dst[c].buf;
+            size_t w = (size_t)width[c];
+            if (w == 8) {
+                for (Py_ssize_t i = 0; i < n; i++) memcpy(to + i * 8, from + slots[i] * 8, 8);
+            } else {
+                for (Py_ssize_t i = 0; i < n; i++) memcpy(to + (size_t)i * w, from + (size_t)slots[i] * w, w);
+            }
+        }
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t id = ids[i];
+            /* 2 * (id // lanes) + 2, wrapping as numpy's int64 does */
+            uint64_t row = (uint64_t)(lanes == 1 ? id : floordiv(id, lanes));
+            int64_t expected = (int64_t)(row * 2u + 2u);
+            int64_t second = __atomic_load_n(&stamp[slots[i]], __ATOMIC_RELAXED);
+            ok[i] = first[i] == expected && second == expected;
+        }
+        if (ts) PyEval_RestoreThread(ts);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t c = 0; c < got; c++) {
+        PyBuffer_Release(&src[c]);
+        PyBuffer_Release(&dst[c]);
+    }
+    PyMem_Free(slots);
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&stb);
+    PyBuffer_Release(&kb);
+    return result;
+}
+
+/* -- push ---------------------------------------------------------------------------------------- */
+/* put(slots, stamp, targets, sources, commit): the rows of each source (k rows of w bytes,
+ * C-contiguous, already in the target's dtype) into the slots of its target (a (capacity, w)
+ * column); then, with commit, each slot's stamp from odd to even with a release store (the
+ * copies become visible before the commit). slots must be in range. */
+static PyObject *put(PyObject *self, PyObject *args) {
+    PyObject *slots_o, *stamp_o, *dst_o, *src_o;
+    int commit;
+    if (!PyArg_ParseTuple(args, "OOO!O!p", &slots_o, &stamp_o, &PyTuple_Type, &dst_o, &PyTuple_Type, &src_o, &commit))
+        return NULL;
+    Py_ssize_t ncols = PyTuple_GET_SIZE(src_o);
+    if (ncols != PyTuple_GET_SIZE(dst_o) || ncols > MAX_COLS) {
+        PyErr_SetString(PyExc_ValueError, "put: expected as many targets as sources (at most 64)");
+        return NULL;
+    }
+    Py_buffer kb, stb, src[MAX_COLS], dst[MAX_COLS];
+    Py_ssize_t got = 0;
+    PyObject *result = NULL;
+    if (get_buf(slots_o, &kb, 0, 8, "slots") < 0) return NULL;
+    if (get_buf(stamp_o, &stb, 1, 8, "stamp") < 0) { PyBuffer_Release(&kb); return NULL; }
+    Py_ssize_t k = kb.len / 8, capacity = stb.len / 8;
+    const int64_t *slots = (const int64_t *)kb.buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (slots[i] < 0 || slots[i] >= capacity) {
+            PyErr_Format(PyExc_IndexError, "put: slot %lld is outside the ring's %zd slots", (long long)slots[i], capacity);
+            goto done;
+        }
+    }
+    Py_ssize_t width[MAX_COLS];
+    size_t total = 0;
+    for (; got < ncols; got++) {
+        if (get_buf(PyTuple_GET_ITEM(dst_o, got), &dst[got], 1, 0, "put target") < 0) goto done;
+        if (get_buf(PyTuple_GET_ITEM(src_o, got), &src[got], 0, 0, "put source") < 0) {
+            PyBuffer_Release(&dst[got]);
+            goto done;
+        }
+        width[got] = dst[got].len / capacity;
+        if (dst[got].len % capacity || src[got].len != width[got] * k) {
+            PyErr_Format(PyExc_ValueError, "put: column %zd: expected a target of (capacity, w) bytes and a source of (k, w)", got);
+            PyBuffer_Release(&src[got]);
+            PyBuffer_Release(&dst[got]);
+            goto done;
+        }
+        total += (size_t)width[got] * (size_t)k;
+    }
+    {
+        int64_t *stamp = (int64_t *)stb.buf;
+        PyThreadState *ts = NULL;
+        if (total >= NOGIL_BYTES) ts = PyEval_SaveThread();
+        for (Py_ssize_t c = 0; c < ncols; c++) {
+            char *to = (char *)dst[c].buf;
+            const char *from = (const char *)src[c].buf;
+            size_t w = (size_t)width[c];
+            /* consecutive slots: one copy */
+            Py_ssize_t i = 0;
+            while (i < k) {
+                Py_ssize_t j = i + 1;
+                while (j < k && slots[j] == slots[j - 1] + 1) j++;
+                memcpy(to + (size_t)slots[i] * w, from + (size_t)i * w, (size_t)(j - i) * w);
+                i = j;
+            }
+        }
+        if (commit) {
+            for (Py_ssize_t i = 0; i < k; i++) {
+                int64_t s = __atomic_load_n(&stamp[slots[i]], __ATOMIC_RELAXED);
+                __atomic_store_n(&stamp[slots[i]], s + 1, __ATOMIC_RELEASE);
+            }
+        }
+        if (ts) PyEval_RestoreThread(ts);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t c = 0; c < got; c++) {
+        PyBuffer_Release(&src[c]);
+        PyBuffer_Release(&dst[c]);
+    }
+    PyBuffer_Release(&kb);
+    PyBuffer_Release(&stb);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"tree_find", tree_find, METH_VARARGS, "tree_find(sums, plan, capacity, mass, out): SumTree.find into out (int64)."},
+    {"tree_update", tree_update, METH_VARARGS, "tree_update(sums, mins, plan, capacity, slots, values): SumTree.update."},
+    {"gather", gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok): rows with the stamp check."},
+    {"put", put, METH_VARARGS, "put(slots, stamp, targets, sources, commit): a push's copies and its commit."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "shmbuffer._native", "shmbuffer's native hot path (see native.py).", -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
