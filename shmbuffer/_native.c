@@ -357,18 +357,20 @@ done:
 }
 
 /* -- push ---------------------------------------------------------------------------------------- */
-/* put(slots, stamp, targets, sources, commit): the rows of each source (k rows of w bytes,
- * C-contiguous, already in the target's dtype) into the slots of its target (a (capacity, w)
- * column); then, with commit, each slot's stamp from odd to even with a release store (the
- * copies become visible before the commit). slots must be in range. */
+/* put(slots, stamp, targets, offsets, sources, commit): source c (k rows of w bytes, C-contiguous,
+ * already in the field's dtype) into the k slots of target c (a (capacity, row bytes) column, C-
+ * contiguous) at byte offset c of each row; then, with commit, each slot's stamp from odd to
+ * even with a release store (the copies become visible before the commit). Everything is checked
+ * before the first byte is copied. */
 static PyObject *put(PyObject *self, PyObject *args) {
-    PyObject *slots_o, *stamp_o, *dst_o, *src_o;
+    PyObject *slots_o, *stamp_o, *dst_o, *off_o, *src_o;
     int commit;
-    if (!PyArg_ParseTuple(args, "OOO!O!p", &slots_o, &stamp_o, &PyTuple_Type, &dst_o, &PyTuple_Type, &src_o, &commit))
+    if (!PyArg_ParseTuple(args, "OOO!O!O!p", &slots_o, &stamp_o, &PyTuple_Type, &dst_o, &PyTuple_Type, &off_o,
+                          &PyTuple_Type, &src_o, &commit))
         return NULL;
     Py_ssize_t ncols = PyTuple_GET_SIZE(src_o);
-    if (ncols != PyTuple_GET_SIZE(dst_o) || ncols > MAX_COLS) {
-        PyErr_SetString(PyExc_ValueError, "put: expected as many targets as sources (at most 64)");
+    if (ncols != PyTuple_GET_SIZE(dst_o) || ncols != PyTuple_GET_SIZE(off_o) || ncols > MAX_COLS) {
+        PyErr_SetString(PyExc_ValueError, "put: expected as many targets and offsets as sources (at most 64)");
         return NULL;
     }
     Py_buffer kb, stb, src[MAX_COLS], dst[MAX_COLS];
@@ -384,17 +386,22 @@ static PyObject *put(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    Py_ssize_t width[MAX_COLS];
+    Py_ssize_t width[MAX_COLS], row[MAX_COLS], offset[MAX_COLS];
     size_t total = 0;
     for (; got < ncols; got++) {
+        offset[got] = PyLong_AsSsize_t(PyTuple_GET_ITEM(off_o, got));
+        if (offset[got] == -1 && PyErr_Occurred()) goto done;
         if (get_buf(PyTuple_GET_ITEM(dst_o, got), &dst[got], 1, 0, "put target") < 0) goto done;
         if (get_buf(PyTuple_GET_ITEM(src_o, got), &src[got], 0, 0, "put source") < 0) {
             PyBuffer_Release(&dst[got]);
             goto done;
         }
-        width[got] = dst[got].len / capacity;
-        if (dst[got].len % capacity || src[got].len != width[got] * k) {
-            PyErr_Format(PyExc_ValueError, "put: column %zd: expected a target of (capacity, w) bytes and a source of (k, w)", got);
+        row[got] = dst[got].len / capacity;
+        width[got] = k ? src[got].len / k : 0;
+        if (dst[got].len % capacity || (k && src[got].len % k) || (!k && src[got].len) || offset[got] < 0 ||
+            offset[got] + width[got] > row[got]) {
+            PyErr_Format(PyExc_ValueError, "put: column %zd: expected a target of (capacity, row) bytes and a source "
+                         "of (k, w) with offset + w <= row", got);
             PyBuffer_Release(&src[got]);
             PyBuffer_Release(&dst[got]);
             goto done;
@@ -406,16 +413,23 @@ static PyObject *put(PyObject *self, PyObject *args) {
         PyThreadState *ts = NULL;
         if (total >= NOGIL_BYTES) ts = PyEval_SaveThread();
         for (Py_ssize_t c = 0; c < ncols; c++) {
-            char *to = (char *)dst[c].buf;
+            char *to = (char *)dst[c].buf + offset[c];
             const char *from = (const char *)src[c].buf;
-            size_t w = (size_t)width[c];
-            /* consecutive slots: one copy */
-            Py_ssize_t i = 0;
-            while (i < k) {
-                Py_ssize_t j = i + 1;
-                while (j < k && slots[j] == slots[j - 1] + 1) j++;
-                memcpy(to + (size_t)slots[i] * w, from + (size_t)i * w, (size_t)(j - i) * w);
-                i = j;
+            size_t w = (size_t)width[c], r = (size_t)row[c];
+            if (w == r) { /* whole rows: consecutive slots are one copy */
+                Py_ssize_t i = 0;
+                while (i < k) {
+                    Py_ssize_t j = i + 1;
+                    while (j < k && slots[j] == slots[j - 1] + 1) j++;
+                    memcpy(to + (size_t)slots[i] * r, from + (size_t)i * w, (size_t)(j - i) * w);
+                    i = j;
+                }
+            } else if (w == 4) {
+                for (Py_ssize_t i = 0; i < k; i++) memcpy(to + (size_t)slots[i] * r, from + (size_t)i * 4, 4);
+            } else if (w == 8) {
+                for (Py_ssize_t i = 0; i < k; i++) memcpy(to + (size_t)slots[i] * r, from + (size_t)i * 8, 8);
+            } else {
+                for (Py_ssize_t i = 0; i < k; i++) memcpy(to + (size_t)slots[i] * r, from + (size_t)i * w, w);
             }
         }
         if (commit) {
@@ -442,7 +456,7 @@ static PyMethodDef methods[] = {
     {"tree_find", tree_find, METH_VARARGS, "tree_find(sums, plan, capacity, mass, out): SumTree.find into out (int64)."},
     {"tree_update", tree_update, METH_VARARGS, "tree_update(sums, mins, plan, capacity, slots, values): SumTree.update."},
     {"gather", gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok): rows with the stamp check."},
-    {"put", put, METH_VARARGS, "put(slots, stamp, targets, sources, commit): a push's copies and its commit."},
+    {"put", put, METH_VARARGS, "put(slots, stamp, targets, offsets, sources, commit): a push's copies and its commit."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -39,7 +39,7 @@ from .limiter import RateLimiter, counted
 from .loader import Loader
 from .lock import resume_signals
 from .priorities import Priorities
-from .ring import Ring, check_platform
+from .ring import Copier, Ring, check_platform
 from .samplers import Sampler
 from .schema import Schema
 from .segment import Segment
@@ -135,6 +135,7 @@ class ReplayBuffer:
         self.name = segment.name
         self._block = Block(schema, opts, segment.arrays)
         self._ring = Ring(segment.arrays, initialise=initialise)
+        self._copier = Copier(self._block)
         self._prios = Priorities(segment.arrays, opts.sampler, opts.max_use, initialise=initialise) if opts.tree else None
         if self._prios is not None:
             self._ring.repairs.append(self._prios.repair)
@@ -185,7 +186,7 @@ class ReplayBuffer:
         if self._segment is None:
             return
         self._ring = self._prios = None
-        self._block = None  # type: ignore[assignment]
+        self._block = self._copier = None  # type: ignore[assignment]
         self._segment.close(defer=defer)
 
     def unlink(self) -> None:
@@ -296,12 +297,16 @@ class ReplayBuffer:
                 res = ring.reserve(k, lane, also=also, deferring=True)
             # from here to the commit, signal handlers wait (lock.py): a Ctrl-C cannot leave the
             # rows odd under this live process; it is raised once they are committed
-            fields_ = self._block.fields
-            for name, a in arrays.items():
-                fields_[name][res.where] = a
-            if episodes is not None and self._block.episode is not None:
-                self._block.episode[res.where] = episodes
-            ring.commit(res)
+            copier = self._copier
+            if copier.lib is not None and copier.fields is self._block.fields:  # one C call (ring.Copier)
+                copier.put(res, arrays, episodes)
+            else:
+                fields_ = self._block.fields
+                for name, a in arrays.items():
+                    fields_[name][res.where] = a
+                if episodes is not None and self._block.episode is not None:
+                    self._block.episode[res.where] = episodes
+                ring.commit(res)
         except BaseException:
             # the copy failed after the reservation: give the rows back — they read as empty,
             # never as committed, and are never drawn; a live owner must not keep them odd

@@ -67,6 +67,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from . import native
 from .errors import (
     CapacityError,
     EmptyBufferError,
@@ -77,7 +78,7 @@ from .errors import (
     UnsupportedPlatform,
     WaitTimeout,
 )
-from .layout import WRITERS, Counter, Lane
+from .layout import WRITERS, Block, Counter, Lane
 from .lock import RobustLock, defer_signals
 from .segment import process_alive, start_time
 
@@ -136,6 +137,63 @@ class Reservation:
     def stamps(self) -> np.ndarray:
         """The stamps of these rows once committed (``2n + 2``)."""
         return 2 * self.n + 2
+
+
+def _exported(dtype: np.dtype) -> bool:
+    """Whether arrays of ``dtype`` export the buffer protocol (datetimes, for one, do not)."""
+    try:
+        memoryview(np.empty(1, dtype))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+class Copier:
+    """A push's copies and its commit as one C call (``native.py``): each field's rows into the
+    reserved slots of its column (the packed record at the field's offset, or its own column),
+    the episode ids with them, then every stamp from odd to even with a release store, so the
+    copies are visible before the commit on any CPU. ``lib`` is ``None`` without the extension
+    (or when a column is not C-contiguous): the caller copies with numpy and calls ``commit``."""
+
+    def __init__(self, block: Block) -> None:
+        targets: dict[str, tuple[np.ndarray, int, np.dtype]] = {}
+        if block.packed is not None:
+            for name, offset in block.record.offsets.items():
+                targets[name] = (block.packed, offset, block.fields[name].dtype)
+        for name, col in block.large.items():
+            targets[name] = (col, 0, col.dtype)
+        self.targets = targets
+        self.fields = block.fields
+        """The block's field views it was made for: a caller whose block names others copies with numpy."""
+        self.episode = block.episode
+        self.stamp = block.stamp
+        columns = [t for t, _, _ in targets.values()] + [self.stamp]
+        if self.episode is not None:
+            columns.append(self.episode)
+        self.lib = native.lib if all(c.flags.c_contiguous for c in columns) and all(
+            _exported(np.dtype(dtype)) for _, _, dtype in targets.values()) else None
+
+    def put(self, res: Reservation, arrays: dict[str, np.ndarray], episodes: np.ndarray | None) -> None:
+        """Copy ``arrays`` (``(k, *shape)`` each, checked by the schema; cast here as numpy's
+        assignment would) and ``episodes`` into ``res``'s slots, then commit them."""
+        lib = self.lib
+        assert lib is not None
+        where = res.where
+        slots = np.arange(where.start, where.stop) if isinstance(where, slice) else where
+        k = slots.shape[0]
+        cols, offsets, sources = [], [], []
+        for name, a in arrays.items():
+            col, offset, dtype = self.targets[name]
+            if a.dtype != dtype or not a.flags.c_contiguous:
+                a = np.ascontiguousarray(a, dtype=dtype)
+            cols.append(col)
+            offsets.append(offset)
+            sources.append(a)
+        if episodes is not None and self.episode is not None:
+            cols.append(self.episode)
+            offsets.append(0)
+            sources.append(np.ascontiguousarray(np.broadcast_to(np.asarray(episodes, dtype=np.int64), (k,))))
+        lib.put(slots, self.stamp, tuple(cols), tuple(offsets), tuple(sources), True)
 
 
 class Ring:
