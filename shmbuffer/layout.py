@@ -49,12 +49,17 @@ class Counter(IntEnum):
     SAMPLED = 0
     """rows handed out by samples counted under the lock (a rate limiter's admissions, a loaded
     buffer's count); the others are in ``_sampled`` (``Ring.sampled`` adds them up)"""
+    SAMPLE_CALLS = 1
+    """sample calls made, all processes (the annealing of ``Prioritized.beta``); counted without
+    the lock, so two processes sampling at the same instant may count once (approximate then)"""
     RECLAIMED = 8
     """rows of dead writers reclaimed or reaped"""
     LOCK_RECOVERIES = 9
     """times a locker found the lock's holder dead"""
     INSERTED = 10
     """rows ever reserved, all lanes; a clear does not move it"""
+    REMOVED = 13
+    """1 once a row was deleted or used up (``max_use``): ``len`` then leaves such rows out"""
     FROZEN = 11
     """1 once the buffer is read-only"""
 

@@ -9,6 +9,13 @@ Columns in the block (``layout.py``):
               the writer gives none), 1.0 at creation
 ``_uses``     ``(capacity,)`` uint32, times each row was drawn (only with ``max_use``)
 
+Two shared counters live in ``_stats`` (``layout.Counter``): ``SAMPLE_CALLS``, the sample calls
+made so far by every process (``beta`` is annealed over them, so a buffer attached, saved and
+loaded continues its annealing where it was), and ``REMOVED``, set once a row was deleted or used
+up (``ReplayBuffer.__len__`` then leaves such rows out). ``SAMPLE_CALLS`` is counted without the
+lock by the sampling process: one learner counts exactly; two processes sampling at the same
+instant may count one call for two (the annealing is then slightly slower, never faster).
+
 Every change of these happens under the ring's lock: a committing writer setting its rows'
 priorities, ``update_priorities``, ``claim`` (counting uses) and ``clear``. An update names rows
 by id; a row overwritten since it was sampled has another id in its slot, so the update is
@@ -34,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FieldError
+from .layout import Counter
 from .ring import lane_bounds
 from .samplers import Prioritized, Sampler
 from .sumtree import SumTree
@@ -79,6 +87,7 @@ class Priorities:
         self.uses = arrays.get("_uses")
         self._stamp = arrays["_stamp"]
         self._lanes = arrays["_lanes"]
+        self._stats = arrays["_stats"]
         if initialise:
             self.tree.reset()
             self._prio[0] = 1.0
@@ -86,6 +95,55 @@ class Priorities:
     @property
     def max_priority(self) -> float:
         return float(self._prio[0])
+
+    @property
+    def calls(self) -> int:
+        """Sample calls made so far, all processes (see the module docstring)."""
+        return int(self._stats[Counter.SAMPLE_CALLS])
+
+    def next_call(self) -> int:
+        """Count one sample call; return the number of calls before it (annealing's step)."""
+        stats = self._stats
+        calls = int(stats[Counter.SAMPLE_CALLS])
+        stats[Counter.SAMPLE_CALLS] = calls + 1
+        return calls
+
+    def mark_removed(self) -> None:
+        """A row was deleted or used up: from now on ``len`` leaves such rows out."""
+        self._stats[Counter.REMOVED] = 1
+
+    def remove(self, slots: np.ndarray) -> None:
+        """Under the lock: deleted rows leave the tree (never drawn again)."""
+        self.tree.update(slots, 0.0)
+        self.mark_removed()
+
+    def set_uses(self, slots: np.ndarray, uses: np.ndarray) -> None:
+        """Under the lock: give ``slots`` these use counts (an import); used-up rows leave the tree."""
+        if self.uses is None or self.max_use is None:
+            return
+        u = np.minimum(np.asarray(uses, dtype=np.int64), self.max_use).astype(np.uint32)
+        self.uses[slots] = u
+        done = slots[u >= self.max_use]
+        if done.size:
+            self.tree.update(done, 0.0)
+            self.mark_removed()
+
+    def used_up(self, slots: np.ndarray) -> np.ndarray:
+        """Which ``slots`` hold a row drawn ``max_use`` times (all ``False`` without ``max_use``)."""
+        if self.uses is None or self.max_use is None:
+            return np.zeros(slots.shape, bool)
+        return self.uses[slots] >= self.max_use
+
+    def priorities_of(self, leaves: np.ndarray) -> np.ndarray:
+        """The priorities whose leaves these are, ``leaf ** (1 / alpha) - eps`` (the inverse of
+        ``leaf``; 0 for a leaf of 0); a uniform buffer's are 1."""
+        s = self.sampler
+        leaves = np.asarray(leaves, dtype=np.float64)
+        if not isinstance(s, Prioritized) or s.alpha == 0:
+            return np.ones_like(leaves)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            p = np.power(leaves, 1.0 / s.alpha) - s.eps
+        return np.where(leaves > 0, np.maximum(p, 0.0), 0.0)
 
     def leaf(self, priorities: np.ndarray) -> np.ndarray:
         """The leaves of these priorities (``inf`` where one overflows)."""
@@ -147,6 +205,7 @@ class Priorities:
         done = uniq[self.uses[uniq] >= self.max_use]
         if done.size:
             self.tree.update(done, 0.0)
+            self._stats[Counter.REMOVED] = 1
         return ok
 
     def repair(self) -> None:

@@ -191,9 +191,12 @@ def sample_sequences(src: Source, n: int, length: int, *, burn_in: int = 0, time
     return _assemble(src, ids, rows, mask, time_major)
 
 
-def sample_groups(src: Source, groups: int, size: int, *, ordered: bool = True) -> Batch:
+def sample_groups(src: Source, groups: int, size: int, *, ordered: bool = True, replace: bool = True,
+                  short: bool = False) -> Batch:
     what = f"sample_groups({groups}, {size})"
     _check_windows(src, what, groups, size, 0)
+    if short or not replace:
+        return _episode_groups(src, groups, size, ordered=ordered, replace=replace, short=short, what=what)
     if ordered:
         ids, rows, _ = _windows(src, groups, np.arange(size), 0, full=True, what=what)
         return _assemble(src, ids, rows, None, False)
@@ -229,9 +232,97 @@ def _shuffled_groups(src: Source, groups: int, size: int, what: str) -> Batch:
     return _assemble(src, ids, rows, None, False)
 
 
-def sample_episodes(src: Source, n: int) -> list[Batch]:
+def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every episode's rows in the buffer now, as ``(lane, first, stop)`` row numbers (a scan of
+    the episode column, O(rows held)). With ``complete`` only episodes whose first row is in the
+    buffer (the lane's first since a clear, or after another episode's) and after whose last row
+    a committed row of another episode follows: the episode still being written in each lane is
+    left out. Without it every run counts, the open episode with the rows it has so far and the
+    oldest one with the rows not yet overwritten. Rows being written may still show the episode
+    of the row they replace: readers check every row they copy (``reader.gather``)."""
+    ring = src.ring
+    episodes = _need_episodes(src, "episode_runs")
+    start, end = ring.bounds()
+    lc = ring.lane_capacity
+    lanes_, firsts, stops = [], [], []
+    for lane in range(ring.lanes):
+        a, b = int(start[lane]), int(end[lane])
+        if b <= a:
+            continue
+        rows = np.arange(a, b)
+        ep = episodes[lane * lc + rows % lc]
+        cut = np.flatnonzero(ep[1:] != ep[:-1]) + 1
+        first = np.concatenate([[0], cut]) + a
+        stop = np.concatenate([cut, [b - a]]) + a
+        if complete:
+            ok = np.ones(first.size, bool)
+            ok[0] = a == int(ring.base(np.array([lane]))[0])
+            ok[-1] = False  # nothing follows the newest run yet
+            if ok.any():
+                ok[ok] = ring.current(stop[ok] * ring.lanes + lane)
+            first, stop = first[ok], stop[ok]
+        lanes_.append(np.full(first.size, lane, np.int64))
+        firsts.append(first)
+        stops.append(stop)
+    if not lanes_:
+        empty = np.empty(0, np.int64)
+        return empty, empty, empty
+    return np.concatenate(lanes_), np.concatenate(firsts), np.concatenate(stops)
+
+
+def _pick_runs(src: Source, lengths: np.ndarray, n: int, replace: bool) -> np.ndarray:
+    """``n`` runs drawn in proportion to their length, distinct unless ``replace``."""
+    p = lengths / lengths.sum()
+    return src.rng.choice(lengths.size, size=n, replace=replace, p=p)
+
+
+def _episode_groups(src: Source, groups: int, size: int, *, ordered: bool, replace: bool, short: bool,
+                    what: str) -> Batch:
+    """Groups drawn episode first: each group one episode (distinct ones unless ``replace``),
+    episodes in proportion to their rows, ``size`` consecutive (``ordered``) or distinct steps of
+    it; with ``short`` an episode of fewer rows gives all of them, padded (``batch.mask``)."""
+    ring = src.ring
+    deadline = time.monotonic() + GIVE_UP
+    while True:
+        lane, first, stop = episode_runs(src, complete=False)
+        length = stop - first
+        if not short:
+            fits = length >= size
+            lane, first, stop, length = lane[fits], first[fits], stop[fits], length[fits]
+        if not length.size:
+            raise EmptyBufferError(f"{what}: no episode in buffer {src.name!r} has {size} rows"
+                                   if len(ring) else f"{what}: buffer {src.name!r} is empty; push rows first")
+        if not replace and length.size < groups:
+            raise EmptyBufferError(
+                f"{what}: buffer {src.name!r} holds {length.size} episodes{'' if short else f' of {size} rows or more'}, "
+                f"fewer than the {groups} distinct ones asked for (replace=True repeats them)"
+            )
+        pick = _pick_runs(src, length.astype(np.float64), groups, replace)
+        rows = np.full((groups, size), INVALID, np.int64)
+        for g, r in enumerate(pick):
+            lo, m = int(first[r]), int(min(size, length[r]))
+            if ordered:
+                at = lo + int(src.rng.integers(0, length[r] - m + 1)) + np.arange(m)
+            else:
+                at = lo + src.rng.choice(int(length[r]), size=m, replace=False)
+            rows[g, :m] = at * ring.lanes + lane[r]
+        real = rows != INVALID
+        got = reader.gather(src.block, ring, rows)
+        assert got.episode is not None
+        valid = got.ok & (got.episode == got.episode[:, :1]) & real
+        if (valid == real).all():
+            return _assemble(src, rows, got, valid if short else None, False)
+        if time.monotonic() > deadline:
+            raise EmptyBufferError(f"{what}: rows of buffer {src.name!r} kept changing while they were read")
+        src.reap()
+
+
+def sample_episodes(src: Source, n: int, *, replace: bool = True) -> list[Batch]:
     """``n`` complete episodes (their first and last rows both in the buffer), drawn with
-    probability proportional to their length, each a batch of its rows in order."""
+    probability proportional to their length, each a batch of its rows in order; distinct ones
+    unless ``replace`` (``EmptyBufferError`` when fewer are complete)."""
+    if not replace:
+        return _distinct_episodes(src, n)
     ring = src.ring
     what = f"sample_episodes({n})"
     episodes = _need_episodes(src, what)
@@ -259,6 +350,34 @@ def sample_episodes(src: Source, n: int) -> list[Batch]:
                 out.append(reader.assemble(src.block, ids, rows))
     ring.count_sampled(sum(len(b) for b in out))
     return out
+
+
+def _distinct_episodes(src: Source, n: int) -> list[Batch]:
+    ring = src.ring
+    what = f"sample_episodes({n}, replace=False)"
+    deadline = time.monotonic() + GIVE_UP
+    while True:
+        lane, first, stop = episode_runs(src, complete=True)
+        if lane.size < n:
+            raise EmptyBufferError(
+                f"{what}: buffer {src.name!r} holds {lane.size} complete episodes, fewer than the {n} distinct "
+                "ones asked for (the episode still being written in each lane is not complete; "
+                "replace=True repeats them)"
+            )
+        out = []
+        for r in _pick_runs(src, (stop - first).astype(np.float64), n, False):
+            ids = np.arange(first[r], stop[r]) * ring.lanes + lane[r]
+            rows = reader.gather(src.block, ring, ids)
+            assert rows.episode is not None
+            if not (rows.ok.all() and (rows.episode == rows.episode[0]).all()):
+                break
+            out.append(reader.assemble(src.block, ids, rows))
+        if len(out) == n:
+            ring.count_sampled(sum(len(b) for b in out))
+            return out
+        if time.monotonic() > deadline:
+            raise EmptyBufferError(f"{what}: rows of buffer {src.name!r} kept changing while they were read")
+        src.reap()
 
 
 def add_n_step(src: Source, batch: Batch, n_step: int, gamma: float, names: dict[str, str] | None) -> None:
