@@ -149,11 +149,11 @@ def _exported(dtype: np.dtype) -> bool:
 
 
 class Copier:
-    """A push's copies and its commit as one C call (``native.py``): each field's rows into the
-    reserved slots of its column (the packed record at the field's offset, or its own column),
-    the episode ids with them, then every stamp from odd to even with a release store, so the
-    copies are visible before the commit on any CPU. ``lib`` is ``None`` without the extension
-    (or when a column is not C-contiguous): the caller copies with numpy and calls ``commit``."""
+    """A push's copies as one C call (``native.py``): each field's rows into the reserved slots of
+    its column (the packed record at the field's offset, or its own column), and the episode ids
+    with them; the caller then calls ``Ring.commit``. ``lib`` is ``None`` without the extension
+    (or when a column is not C-contiguous, or a dtype cannot be passed as a buffer): the caller
+    copies with numpy."""
 
     def __init__(self, block: Block) -> None:
         targets: dict[str, tuple[np.ndarray, int, np.dtype]] = {}
@@ -175,7 +175,7 @@ class Copier:
 
     def put(self, res: Reservation, arrays: dict[str, np.ndarray], episodes: np.ndarray | None) -> None:
         """Copy ``arrays`` (``(k, *shape)`` each, checked by the schema; cast here as numpy's
-        assignment would) and ``episodes`` into ``res``'s slots, then commit them."""
+        assignment would) and ``episodes`` into ``res``'s slots."""
         lib = self.lib
         assert lib is not None
         where = res.where
@@ -193,7 +193,7 @@ class Copier:
             cols.append(self.episode)
             offsets.append(0)
             sources.append(np.ascontiguousarray(np.broadcast_to(np.asarray(episodes, dtype=np.int64), (k,))))
-        lib.put(slots, self.stamp, tuple(cols), tuple(offsets), tuple(sources), True)
+        lib.put(slots, self.stamp, tuple(cols), tuple(offsets), tuple(sources), False)
 
 
 class Ring:
@@ -356,8 +356,16 @@ class Ring:
         return Reservation(where, n, lane, self.lanes)
 
     def commit(self, res: Reservation) -> None:
-        """Odd to even: the rows are committed (nobody else touches a live writer's odd stamps)."""
-        self.stamp[res.where] += 1
+        """Odd to even: the rows are committed (nobody else touches a live writer's odd stamps).
+        With the extension each stamp is a release store, so the copies before it are visible
+        first on any CPU."""
+        lib = native.lib
+        if lib is not None and self.stamp.flags.c_contiguous:
+            where = res.where
+            slots = np.arange(where.start, where.stop) if isinstance(where, slice) else where
+            lib.put(slots, self.stamp, (), (), (), True)
+        else:
+            self.stamp[res.where] += 1
 
     def abandon(self, res: Reservation, also: Callable[[np.ndarray], None] | None = None) -> None:
         """Give rows back unwritten (the copy failed): they read as empty, never as committed.
