@@ -50,7 +50,9 @@ included); ``lanes`` one ``{"first": F, "stop": S, "base": B}`` per lane: its sa
 are the row numbers ``[F, S)`` (``ring.py``: row ``n`` of lane ``l`` has the id ``n * lanes + l``),
 ``B <= F`` its base (first row number since its last ``clear()``); ``sampler_state``
 ``{"max_priority": P}`` (the largest priority given so far) or null without a tree; ``stats`` the
-buffer's counters (``Buffer.stats``); ``tensors`` the tensors of ``rows.safetensors`` in
+buffer's counters (``Buffer.stats``); ``counters`` ``{"sample_calls": C, "removed": R}`` (the
+sample calls ``beta`` is annealed over and whether rows were deleted or used up, ``layout.Counter``;
+older saves have none: 0); ``tensors`` the tensors of ``rows.safetensors`` in
 file order, each ``{"name", "dtype" (CODE), "shape", "numpy" (the buffer's numpy dtype)}``.
 
 A later format version adds a reader to ``READERS`` and keeps the older ones.
@@ -161,8 +163,10 @@ _SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
           "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "C64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
 """Element sizes of every safetensors dtype code (for checking a header we did not write)."""
 
-_STATS = {"sampled": Counter.SAMPLED, "reclaimed": Counter.RECLAIMED, "inserted": Counter.INSERTED}
-"""The counters a load restores (lock recoveries belong to the old lock)."""
+_STATS = {"sampled": Counter.SAMPLED, "reclaimed": Counter.RECLAIMED, "inserted": Counter.INSERTED,
+          "sample_calls": Counter.SAMPLE_CALLS, "removed": Counter.REMOVED}
+"""The counters a load restores (lock recoveries belong to the old lock): ``sample_calls`` carries
+the annealing of ``Prioritized.beta`` on, ``removed`` says rows were deleted or used up."""
 
 Buffer = Any
 """A ``Buffer`` (``buffer.py``, above this module: it is never imported here): what is saved
@@ -274,6 +278,8 @@ class _Snapshot:
         first, stop = ring.bounds()
         base = ring.base(np.arange(ring.lanes)).copy()
         self.stats = ring.stats
+        counters = _arrays(buf)["_stats"]
+        self.counters = {"sample_calls": int(counters[Counter.SAMPLE_CALLS]), "removed": int(counters[Counter.REMOVED])}
         prios = buf.priorities
         self.max_priority = prios.max_priority if prios is not None else None
         deadline = time.monotonic() + wait
@@ -665,6 +671,7 @@ def _meta(buf: Buffer, snap: _Snapshot, tensors: list[_Tensor], layout: _Layout,
         "lanes": [{"first": r.keep, "stop": r.end, "base": r.base} for r in snap.runs],
         "sampler_state": None if snap.max_priority is None else {"max_priority": snap.max_priority},
         "stats": snap.stats,
+        "counters": snap.counters,
         "tensors": [t.to_json(layout.rows) for t in tensors],
     }
 
@@ -911,6 +918,9 @@ def _read_meta_v1(meta_file: Path, meta: dict[str, Any]) -> _Saved:
                 raise m.bad("sampler_state.max_priority", max_priority, f"a priority whose leaf (p + eps) ** alpha is <= {MAX_LEAF:g}")
     stats_in = m.obj(meta, "stats")
     stats = {key: m.integer(stats_in, key, "stats.") for key in stats_in}
+    if "counters" in meta:  # saves before issue 14 have none
+        counters = m.obj(meta, "counters")
+        stats.update({key: m.integer(counters, key, "counters.") for key in counters})
     tensors = []
     for i, t in enumerate(m.array(meta, "tensors")):
         if not isinstance(t, dict) or set(t) != {"name", "dtype", "shape", "numpy"}:
@@ -1133,9 +1143,11 @@ def export(buf: Buffer) -> dict[str, np.ndarray]:
     every field, ``index`` (the row ids) and, when the buffer keeps episodes, ``episode``. Holes
     (empty rows) are left out: ``index`` says which rows are there. Consistent as ``save`` is
     while writers run (see "A save while writers run"); the arrays are views of one allocation,
-    made once."""
+    made once. A prioritized buffer adds ``priority`` (each row's, as ``update_priorities`` set
+    it; 0 once used up) and a ``max_use`` buffer ``uses``: ``from_arrays`` and ``import_rows``
+    take all of them back."""
     snap = _Snapshot(buf, 1.0)
-    keep = ("_episode", "_present")
+    keep = ("_episode", "_present", "_leaf", "_uses")
     tensors = [t for t in _tensors(buf.schema, buf.options) if t.name in buf.schema or t.name in keep]
     sink = _MemorySink()
     final, _ = _copy_rows(snap, tensors, sink, None)
@@ -1164,6 +1176,12 @@ def export(buf: Buffer) -> dict[str, np.ndarray]:
         at = final.offsets[t.name]
         raw = sink.data[at:at + rows * t.row_bytes]
         out[t.name.lstrip("_")] = raw.view(t.dtype).reshape(rows, *t.shape)
+    leaf = out.pop("leaf", None)
+    prios = buf.priorities
+    if leaf is not None and prios is not None and prios.prioritized:
+        out["priority"] = prios.priorities_of(leaf)
+    if "uses" in out:
+        out["uses"] = out["uses"].astype(np.int64)
     out["index"] = ids
     return out
 
@@ -1177,32 +1195,149 @@ def from_arrays(
 ) -> Buffer:
     """A new buffer holding the rows of ``arrays`` (a dict of ``(k, *shape)`` arrays, one per
     field, as ``export`` gives), pushed in order. ``episode`` (required when ``episodes=True``),
-    ``priority`` and ``lane`` may come along, one per row; ``index`` is ignored (the new buffer
-    numbers its rows from 0). ``capacity`` defaults to the rows (per lane, times lanes); with fewer
-    slots only the newest rows stay. ``options`` are ``Buffer``'s (lanes, sampler, max_use,
-    episodes, name, seed)."""
+    ``priority``, ``uses`` (with ``max_use``) and ``lane`` may come along, one per row.
+    ``priority`` and ``uses`` are dropped when the new buffer has no use for them (a uniform
+    sampler, no ``max_use``).
+
+    Ids: with ``index`` (as ``export`` gives) and no ``lane``, the rows keep their ids when the new
+    buffer's lanes allow it (in each lane ``id % lanes``, the row numbers ``id // lanes``
+    increase): each lane starts at its first row number, the numbers in between that have no row
+    are left empty (deleted), so ``take``, ``update_priorities`` and ``update`` with the old ids
+    go on working. Otherwise the rows are numbered from 0. ``capacity`` defaults to what the rows
+    need (per lane, times lanes); with fewer slots only the newest rows stay. ``options`` are
+    ``Buffer``'s (lanes, sampler, max_use, episodes, name, seed)."""
     data = dict(arrays)
-    data.pop("index", None)
-    extra: dict[str, Any] = {key: data.pop(key) for key in ("episode", "priority", "lane") if key in data}
+    index = data.pop("index", None)
+    extra: dict[str, Any] = {key: data.pop(key) for key in ("episode", "priority", "lane", "uses") if key in data}
     k, _ = schema.validate(data)
-    lanes = int(options.get("lanes", 1))
+    lanes = int(options.get("envs") or options.get("lanes") or 1)
     lane = np.asarray(extra["lane"], dtype=np.int64).reshape(-1) if "lane" in extra else None
     if lane is not None and lane.shape != (k,):
         raise CapacityError(f"from_arrays: lane: expected {k} lane numbers (one per row), got {lane.size}")
+    keep = _kept_rows(index, k, lanes) if lane is None else None
     if capacity is None:
-        per_lane = int(np.bincount(lane).max()) if lane is not None and k else k
+        if keep is not None:
+            per_lane = max((int(r[-1] - r[0] + 1) for r in keep.values()), default=1)
+        else:
+            per_lane = int(np.bincount(lane).max()) if lane is not None and k else k
         capacity = max(per_lane, 1) * lanes
     buf = factory(schema, capacity, **options)
     try:
+        prios = buf.priorities
+        if prios is None or not prios.prioritized:
+            extra.pop("priority", None)
+        uses = extra.pop("uses", None)
+        if keep is not None:
+            _push_keeping_ids(buf, data, extra, keep, np.asarray(index, dtype=np.int64).reshape(-1), k)
+            if uses is not None and k:
+                set_uses(buf, np.asarray(index, dtype=np.int64).reshape(-1), uses)
+            return buf
         step = buf.lane_capacity
         single = k == 1 and all(np.ndim(a) == len(schema[n].shape) for n, a in data.items())
         for i in range(0, k, step):
             part = slice(i, i + step)
             both: dict[str, Any] = {**data, **extra}
             cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
-            buf.push({n: cut[n] for n in data}, lane=0 if lane is None else lane[part],
-                     episode=cut.get("episode"), priority=cut.get("priority"))
+            ids = buf.push({n: cut[n] for n in data}, lane=0 if lane is None else lane[part],
+                           episode=cut.get("episode"), priority=cut.get("priority"))
+            if uses is not None:
+                set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
     except BaseException:
         buf.__exit__(None, None, None)
         raise
     return buf
+
+
+def _kept_rows(index: Any, k: int, lanes: int) -> dict[int, np.ndarray] | None:
+    """Per lane of a new buffer with ``lanes`` lanes, the row numbers ``index`` names, when
+    every lane's increase (the ids can be kept); else ``None``."""
+    if index is None:
+        return None
+    ids = np.asarray(index)
+    if ids.dtype.kind not in "iu" or ids.shape != (k,) or not k or ids.min() < 0:
+        return None
+    ids = ids.astype(np.int64)
+    out = {}
+    for lane in np.unique(ids % lanes):
+        rows = ids[ids % lanes == lane] // lanes
+        if (np.diff(rows) <= 0).any():
+            return None
+        out[int(lane)] = rows
+    return out
+
+
+def _push_keeping_ids(buf: Buffer, data: dict[str, Any], extra: dict[str, Any], keep: dict[int, np.ndarray],
+                      index: np.ndarray, k: int) -> None:
+    """Push each lane's rows at their own row numbers (see ``from_arrays``); the numbers between
+    them get a copy of the row before, deleted once pushed."""
+    lanes = buf.lanes
+    cursors = _arrays(buf)["_lanes"]
+    with buf.ring.lock:  # a new buffer nobody else has pushed to yet: each lane starts at its first row
+        for lane, rows in keep.items():
+            cursors[lane, Lane.BASE] = int(rows[0])
+            cursors[lane, Lane.CURSOR] = int(rows[0])
+    single = k == 1 and all(np.ndim(a) == len(buf.schema[n].shape) for n, a in data.items())
+    rows_of = {n: np.asarray(a)[np.newaxis] if single else np.asarray(a) for n, a in data.items()}
+    more = {key: np.broadcast_to(np.asarray(v), (k,)) if np.ndim(v) == 0 else np.asarray(v).reshape(k)
+            for key, v in extra.items()}
+    for lane, rows in keep.items():
+        at = np.flatnonzero(index % lanes == lane)  # this lane's rows in the arrays, in order
+        span = int(rows[-1] - rows[0] + 1)
+        pos = rows - rows[0]
+        have = np.zeros(span, bool)
+        have[pos] = True
+        # each row number's source: its own row, or for a hole the row before it
+        src = at[np.searchsorted(pos, np.arange(span), side="right") - 1]
+        step = buf.lane_capacity
+        for i in range(0, span, step):
+            part = src[i:i + step]
+            got = buf.push({n: a[part] for n, a in rows_of.items()}, lane=lane,
+                           episode=more["episode"][part] if "episode" in more else None,
+                           priority=more["priority"][part] if "priority" in more else None)
+            holes = got[~have[i:i + step]]
+            if holes.size:
+                buf.delete(holes)
+
+
+def set_uses(buf: Buffer, ids: np.ndarray, uses: Any) -> None:
+    """Give the rows ``ids`` these use counts (``max_use`` buffers; ignored otherwise); rows that
+    reach ``max_use`` leave the sampling set. Rows gone meanwhile are skipped."""
+    prios = buf.priorities
+    if prios is None or prios.uses is None:
+        return
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    u = np.broadcast_to(np.asarray(uses, dtype=np.int64).reshape(-1) if np.ndim(uses) else np.asarray(uses), ids.shape)
+    if u.size and (u < 0).any():
+        raise CapacityError(f"uses: expected counts >= 0, got {u[u < 0][:3].tolist()}")
+    ring = buf.ring
+    with ring.lock:
+        live = ring.current(ids)
+        prios.set_uses(ring.slots(ids[live]), u[live])
+
+
+def import_rows(buf: Buffer, arrays: Mapping[str, Any]) -> np.ndarray:
+    """Push the rows of ``arrays`` (as ``export`` gives them, from any buffer of the same schema)
+    into the existing buffer ``buf`` (DI-engine's ``import_data``), with their ``episode``,
+    ``priority``, ``uses`` and ``lane`` when given (``priority`` and ``uses`` dropped where ``buf``
+    has no use for them). The rows get new ids, in order (``index`` is ignored: ids never repeat
+    in a buffer); returns them."""
+    data = dict(arrays)
+    data.pop("index", None)
+    extra = {key: data.pop(key) for key in ("episode", "priority", "lane", "uses") if key in data}
+    prios = buf.priorities
+    if prios is None or not prios.prioritized:
+        extra.pop("priority", None)
+    uses = extra.pop("uses", None)
+    k, _ = buf.schema.validate(data)
+    step = buf.lane_capacity
+    single = k == 1 and all(np.ndim(a) == len(buf.schema[n].shape) for n, a in data.items())
+    out = []
+    for i in range(0, k, max(step, 1)):
+        part = slice(i, i + step)
+        cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in {**data, **extra}.items()}
+        opts = {key: cut[key] for key in ("lane", "episode", "priority") if key in cut}
+        ids = buf.push({n: cut[n] for n in data}, **opts)
+        if uses is not None:
+            set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
+        out.append(ids)
+    return np.concatenate(out) if out else np.empty(0, np.int64)
