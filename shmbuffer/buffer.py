@@ -34,10 +34,10 @@ import numpy as np
 from . import persistence, reader, sequences
 from .batch import Batch
 from .errors import ClosedError, FieldError, ReadOnlyError, SchemaError
-from .layout import UNIFORM, Block, Options, columns, read
+from .layout import UNIFORM, Block, Counter, Options, columns, read
 from .limiter import RateLimiter, counted
 from .loader import Loader
-from .lock import resume_signals
+from .lock import defer_signals, resume_signals
 from .priorities import Priorities
 from .ring import Copier, Ring, check_platform
 from .samplers import Sampler
@@ -141,7 +141,6 @@ class ReplayBuffer:
             self._ring.repairs.append(self._prios.repair)
         self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         """This process's random generator for sampling."""
-        self._calls = 0
 
     # -- identity and lifecycle ----------------------------------------------------------------
     @property
@@ -223,12 +222,41 @@ class ReplayBuffer:
         return self.ring.lane_capacity
 
     def __len__(self) -> int:
-        """Rows held now, counting rows being written (they are never sampled half-written)."""
-        return len(self.ring)
+        """Rows held now, counting rows being written (they are never sampled half-written).
+        Rows deleted (``delete``) or used up (``max_use``) are not held: once the buffer has had
+        one (``Counter.REMOVED``), ``len`` scans the held slots (O(capacity)) to leave them out,
+        and empty slots of writers that died mid-push with them."""
+        ring = self.ring
+        held = len(ring)
+        if held and self._block.arrays["_stats"][Counter.REMOVED]:
+            held -= self._removed()
+        return held
+
+    def _removed(self) -> int:
+        """Held slots (within the lanes' bounds) that are empty or hold a used-up row."""
+        ring = self.ring
+        first, stop = ring.bounds()
+        lc = ring.lane_capacity
+        gone = 0
+        prios = self._prios
+        for lane in range(ring.lanes):
+            a, b = int(first[lane]), int(stop[lane])
+            if b <= a:
+                continue
+            if b - a >= lc:
+                slots: slice | np.ndarray = slice(lane * lc, (lane + 1) * lc)
+            else:
+                slots = lane * lc + np.arange(a, b) % lc
+            stamp = ring.stamp[slots]
+            empty = stamp == 0
+            gone += int(empty.sum())
+            if prios is not None and prios.uses is not None and prios.max_use is not None:
+                gone += int(((prios.uses[slots] >= prios.max_use) & ~empty).sum())
+        return gone
 
     @property
     def size(self) -> int:
-        return len(self.ring)
+        return len(self)
 
     @property
     def full(self) -> bool:
@@ -329,9 +357,12 @@ class ReplayBuffer:
         if data is not None:
             if fields:
                 raise TypeError("push() takes a mapping or keyword fields, not both")
-            if not isinstance(data, Mapping):
-                raise TypeError(f"push() expected a mapping of fields, got {type(data).__name__}")
-            fields = data  # type: ignore[assignment]
+            fields = data if isinstance(data, Mapping) else _stack_rows(data, self.schema)  # type: ignore[assignment]
+        if "priority" in fields and "priority" not in self.schema.names:  # Ape-X: inside the row
+            if priority is not None:
+                raise TypeError("push() got a priority both in the row and as priority=; give one")
+            fields = dict(fields)
+            priority = fields.pop("priority")
         ring = self.ring
         k, arrays = self.schema.validate(fields)
         if type(lane) is not int or not 0 <= lane < ring.lanes or k > ring.lane_capacity:  # the usual case is cheap
@@ -363,6 +394,103 @@ class ReplayBuffer:
             live = ring.current(ids)
             prios.set_rows(ring.slots(ids[live]), p[live], fresh=False)
         return int(live.sum())
+
+    def update(self, rows: Batch | Any, data: Mapping[str, Any] | None = None, /, *,
+               priority: float | Any = None, **fields: Any) -> int:
+        """Overwrite fields of stored rows by id (a batch, or its ``index``), from any process;
+        fields not given keep their values. Returns how many rows were updated: rows overwritten,
+        deleted or cleared since are skipped, as ``update_priorities`` skips them.
+
+        Under the commit protocol (``ring.py``): under the lock each live row's stamp turns odd
+        again with its own row number (this process its owner) and signal handlers wait; the
+        fields are copied; the stamp turns even again. A reader that meets the row meanwhile
+        re-draws it, so nobody sees a row half-updated; a writer that comes round the ring waits
+        for it as for a row being pushed. A ``priority`` (or a ``"priority"`` key that is not a
+        field) sets the rows' priorities too. A process killed mid-update leaves its rows empty
+        (reaped, never torn). Everything is checked first: on any error nothing changed."""
+        ring = self.ring
+        ids = ring.check_ids(rows.index if isinstance(rows, Batch) else rows, "update")
+        if data is not None:
+            if fields:
+                raise TypeError("update() takes a mapping or keyword fields, not both")
+            fields = dict(data if isinstance(data, Mapping) else _stack_rows(data, self.schema))
+        if "priority" in fields and "priority" not in self.schema.names:
+            if priority is not None:
+                raise TypeError("update() got a priority both in the row and as priority=; give one")
+            priority = fields.pop("priority")
+        unknown = [n for n in fields if n not in self.schema.names]
+        if unknown:
+            raise FieldError(f"update: no field {unknown[0]!r}; the schema has {', '.join(self.schema.names)}")
+        if ring.frozen:
+            raise ReadOnlyError(f"buffer {self.name!r} is frozen (read-only): its rows cannot be updated")
+        k = int(ids.size)
+        prios = self._prios
+        if priority is not None:
+            if prios is None or not prios.prioritized:
+                raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
+            priority = prios.check(priority, k, "update: priority")
+        arrays: dict[str, np.ndarray] = {}
+        if fields:
+            full: dict[str, Any] = {}
+            for f in self.schema:
+                if f.name in fields:
+                    a = _numpy(fields[f.name])
+                    full[f.name] = np.broadcast_to(a, (k, *a.shape)) if a.shape == f.shape else a
+                else:
+                    full[f.name] = np.zeros((k, *f.shape), f.dtype)
+            got, checked = self.schema.validate(full)
+            if got != k:
+                raise FieldError(f"update: {k} ids but {got} rows of fields")
+            arrays = {n: checked[n] for n in fields}
+        if not k:
+            return 0
+        w = ring.writer_id()
+        with ring.lock:
+            live = ring.current(ids)
+            idx = ids[live]
+            slots = ring.slots(idx)
+            ring.owner[slots] = w  # the owner first: an odd stamp always names its writer
+            ring.stamp[slots] = ring.expected(idx) - 1
+            if priority is not None and prios is not None:
+                prios.set_rows(slots, priority[live], fresh=False)
+            defer_signals()  # outlasts the lock: nothing interrupts until the stamps are even again
+        try:
+            try:
+                for name, a in arrays.items():
+                    self._block.fields[name][slots] = a[live]
+            except BaseException:
+                with ring.lock:  # a half-updated row must not be read: it leaves the buffer
+                    ring.stamp[slots] = 0
+                    if prios is not None:
+                        prios.remove(slots)
+                    else:
+                        self._block.arrays["_stats"][Counter.REMOVED] = 1
+                raise
+            ring.stamp[slots] = ring.expected(idx)
+        finally:
+            resume_signals()
+        return int(live.sum())
+
+    def delete(self, rows: Batch | Any) -> int:
+        """Remove stored rows by id (a batch, or its ``index``), from any process: they are never
+        sampled, taken or got again, ``len`` no longer counts them, ``export`` and ``save`` leave
+        them out (a save keeps them as holes). Their slots stay where they are until the ring
+        comes round to them. Returns how many rows were deleted (rows already gone are skipped)."""
+        ring = self.ring
+        ids = ring.check_ids(rows.index if isinstance(rows, Batch) else rows, "delete")
+        if ring.frozen:
+            raise ReadOnlyError(f"buffer {self.name!r} is frozen (read-only): its rows cannot be deleted")
+        prios = self._prios
+        with ring.lock:
+            live = ring.current(ids)
+            slots = np.unique(ring.slots(ids[live]))
+            if not slots.size:
+                return 0
+            self._block.arrays["_stats"][Counter.REMOVED] = 1  # before the rows go: len never over-counts
+            ring.stamp[slots] = 0
+            if prios is not None:
+                prios.remove(slots)
+        return int(slots.size)
 
     def priority(self, ids: Any) -> np.ndarray:
         """The tree leaf of each row, ``(priority + eps) ** alpha`` (0 once used up or gone; 1 for
@@ -404,8 +532,9 @@ class ReplayBuffer:
             sequences.check_n_step(self, n_step, fields)
 
         def draw() -> Batch:
-            batch = reader.draw(self, n, replace=replace, out=out, calls=self._calls)
-            self._calls += 1
+            prios = self._prios
+            calls = prios.next_call() if prios is not None else 0  # shared: attach, load continue it
+            batch = reader.draw(self, n, replace=replace, out=out, calls=calls)
             if n_step > 1:
                 sequences.add_n_step(self, batch, int(n_step), float(gamma), fields)
             return batch
@@ -424,17 +553,28 @@ class ReplayBuffer:
         return self._counted(n * (length + burn_in), None, lambda: sequences.sample_sequences(
             self, n, length, burn_in=burn_in, time_major=time_major))
 
-    def sample_groups(self, groups: int, size: int, *, ordered: bool = True) -> Batch:
+    def sample_groups(self, groups: int, size: int, *, ordered: bool = True, replace: bool = True,
+                      short: bool = False) -> Batch:
         """``groups`` groups of ``size`` rows of one episode each, fields ``(groups, size, ...)``:
         consecutive steps when ``ordered``, else distinct steps in random order (DI-engine's
-        ``groupby="episode"``). Episodes are drawn in proportion to their rows."""
-        return self._counted(groups * size, None, lambda: sequences.sample_groups(self, groups, size, ordered=ordered))
+        ``groupby="episode"``). Episodes are drawn in proportion to their rows.
 
-    def sample_episodes(self, n: int) -> list[Batch]:
+        :param replace: ``False``: every group from another episode (DI-engine's default);
+            ``EmptyBufferError`` when the buffer holds fewer episodes than ``groups``.
+        :param short: also draw episodes of fewer than ``size`` rows, whole (DI-engine's
+            ``group_sample`` keeps them truncated): ``batch.mask`` marks the rows that exist.
+            The episode still being written counts with the rows it has so far, the oldest with
+            the rows not yet overwritten (``sequences.episode_runs``)."""
+        return self._counted(groups * size, None, lambda: sequences.sample_groups(
+            self, groups, size, ordered=ordered, replace=replace, short=short))
+
+    def sample_episodes(self, n: int, *, replace: bool = True) -> list[Batch]:
         """``n`` complete episodes, each a batch of its rows in order (HER relabelling,
-        imitation). An episode counts as complete once the next one has started in its lane.
-        Its rows count as sampled; a rate limiter does not hold it back."""
-        return sequences.sample_episodes(self, n)
+        imitation). An episode counts as complete once the next one has started in its lane:
+        the episode still being written is never returned. ``replace=False`` returns ``n``
+        distinct episodes (``EmptyBufferError`` when fewer are complete). Its rows count as
+        sampled; a rate limiter does not hold it back."""
+        return sequences.sample_episodes(self, n, replace=replace)
 
     def epoch(self, batch_size: int, *, shuffle: bool = True, drop_last: bool = False) -> Iterator[Batch]:
         """Every row held now, once, in batches of ``batch_size`` (epoch-style sampling without
@@ -500,6 +640,43 @@ class ReplayBuffer:
                     capacity: int | None = None, **options: Any) -> ReplayBuffer:
         """A new buffer of these rows (DI-engine's ``import_data``)."""
         return persistence.from_arrays(as_schema(schema), arrays, cls, capacity, **options)
+
+
+def _stack_rows(rows: Any, schema: Schema) -> dict[str, Any]:
+    """A list of row mappings (what collectors and pipelines hand over) as one mapping of ``k``
+    rows; every row must have the same keys. ``FieldError`` saying which row differs."""
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, (list, tuple)):
+        raise TypeError(
+            f"push() expected a mapping of fields or a list of them, got {type(rows).__name__}: "
+            f"a row is a dict of the schema's fields ({', '.join(schema.names)})"
+        )
+    if not rows:
+        raise FieldError("push() got an empty list of rows")
+    keys = None
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise TypeError(
+                f"push(): row {i} of the list is a {type(row).__name__}, expected a mapping of fields "
+                f"({', '.join(schema.names)})"
+            )
+        if keys is None:
+            keys = list(row.keys())
+        elif set(row.keys()) != set(keys):
+            raise FieldError(f"push(): row {i} has fields {sorted(row)}, row 0 has {sorted(keys)}; every row needs the same")
+    assert keys is not None
+    out: dict[str, Any] = {}
+    for key in keys:
+        try:
+            out[key] = np.stack([_numpy(row[key]) for row in rows])
+        except ValueError as exc:
+            raise FieldError(f"push(): field {key!r} differs in shape between rows ({exc})") from None
+    return out
+
+
+def _numpy(value: Any) -> np.ndarray:
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
