@@ -1334,7 +1334,8 @@ def import_rows(buf: Buffer, arrays: Mapping[str, Any]) -> np.ndarray:
     out = []
     for i in range(0, k, max(step, 1)):
         part = slice(i, i + step)
-        cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in {**data, **extra}.items()}
+        both: dict[str, Any] = {**data, **extra}
+        cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
         opts = {key: cut[key] for key in ("lane", "episode", "priority") if key in cut}
         ids = buf.push({n: cut[n] for n in data}, **opts)
         if uses is not None:
