@@ -1323,7 +1323,7 @@ def import_rows(buf: Buffer, arrays: Mapping[str, Any]) -> np.ndarray:
     in a buffer); returns them."""
     data = dict(arrays)
     data.pop("index", None)
-    extra = {key: data.pop(key) for key in ("episode", "priority", "lane", "uses") if key in data}
+    extra: dict[str, Any] = {key: data.pop(key) for key in ("episode", "priority", "lane", "uses") if key in data}
     prios = buf.priorities
     if prios is None or not prios.prioritized:
         extra.pop("priority", None)
