@@ -91,16 +91,19 @@ class Buffers(Mapping[str, ReplayBuffer]):
     def __len__(self) -> int:
         return len(self._buffers)
 
-    def push(self, data: Mapping[str, Any] | None = None, /, *, to: Sequence[str] | None = None,
+    def push(self, data: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None, /, *,
+             to: Sequence[str] | None = None,
              **options: Any) -> dict[str, np.ndarray]:
         """Push the same rows into each buffer of ``to`` (default: all), with ``push``'s options
         (``lane``, ``episode``, ``priority``) for each. Every target runs ``push``'s checks before
         any is written (schema, capacity, frozen, episode ids, priorities), so a push refused by
         one changes none; a rate limiter that blocks writers may still hold a later target back.
-        Returns the ids per buffer. Rows are copied once into each buffer's shared memory."""
+        Returns the ids per buffer. Rows are copied once into each buffer's shared memory.
+        ``data`` may be a list of row mappings (a collector's transitions, nerveX's PPG pipeline)."""
         targets = list(self._buffers) if to is None else list(to)
         keys = ("lane", "episode", "priority", "timeout")
-        rows = dict(data) if data is not None else {k: v for k, v in options.items() if k not in keys}
+        rows: Any = ({k: v for k, v in options.items() if k not in keys} if data is None
+                     else dict(data) if isinstance(data, Mapping) else data)  # a list of rows as is
         kw = {k: v for k, v in options.items() if k in keys}
         check = {k: v for k, v in kw.items() if k != "timeout"}
         for key in targets:
