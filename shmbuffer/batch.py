@@ -1,9 +1,13 @@
 """Batches: rows taken from a buffer, with fields by attribute and by key.
 
 ``batch.obs`` and ``batch["obs"]`` are the same array; ``len(batch)`` is the number of rows (as
-in TorchRL's TensorDict); ``batch.keys()`` are the field names, so ``dict(batch)`` works.
-Besides fields a batch carries *extras*: ``index`` (the rows' global ids, see ``ring.py``) and,
-depending on the sampler, ``weight``, ``mask``, ``source`` ... — readable the same two ways.
+in TorchRL's TensorDict). Besides fields a batch carries *extras*: ``index`` (the rows' global ids,
+see ``ring.py``) and, depending on the sampler, ``weight``, ``mask``, ``source`` ... — readable the
+same two ways. ``batch.keys()`` are the fields then the extras, so ``dict(batch)`` holds both.
+
+``batch[:2]``, ``batch[idx]`` and ``batch[mask]`` select rows of every field and extra (a new
+batch); ``batch["adv"] = a`` or ``batch.adv = a`` adds a learner-side extra (one value per row).
+``batch.to_tensordict()`` makes a TensorDict (with the ``tensordict`` package).
 
 When the batch was gathered from the packed record (``schema.py``), it keeps that block, and
 ``to(device)`` moves it with one copy, the small fields then being views of the device block.
@@ -94,7 +98,31 @@ class Batch:
                 f"{', '.join(self.extras) or 'none'}"
             ) from None
 
-    def __getitem__(self, name: str) -> Any:
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in Batch.__slots__:
+            object.__setattr__(self, name, value)
+        else:
+            self[name] = value
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        """Replace a field or extra, or add an extra (advantages, returns ...): one value per row."""
+        if not isinstance(name, str):
+            raise TypeError(f"batch[...] = value: expected a name (str), got {type(name).__name__}")
+        shape = getattr(value, "shape", None)
+        if shape is None:
+            value = np.asarray(value)
+            shape = value.shape
+        if not shape or shape[0] != len(self):
+            raise ValueError(f"batch[{name!r}]: expected one value per row ({len(self)}, ...), got shape {tuple(shape)}")
+        if name in self.fields:
+            self.fields[name] = value
+            self._block = None  # the field is no longer a view of the packed block
+        else:
+            self.extras[name] = value
+
+    def __getitem__(self, name: Any) -> Any:
+        if not isinstance(name, str):
+            return self._rows(name)
         try:
             return self.fields[name] if name in self.fields else self.extras[name]
         except KeyError:
@@ -106,17 +134,44 @@ class Batch:
     def __contains__(self, name: object) -> bool:
         return name in self.fields or name in self.extras
 
+    def _rows(self, index: Any) -> Batch:
+        """The rows ``index`` (an int, a slice, ints or a boolean mask) of every field and extra."""
+        if hasattr(index, "detach"):
+            index = index.detach().cpu().numpy()
+        if isinstance(index, tuple):
+            raise TypeError("batch[...]: select rows with one index (an int, a slice, ints or a mask)")
+        if not isinstance(index, (int, np.integer, slice)):
+            index = np.asarray(index)
+            if index.dtype.kind not in "iub":
+                raise TypeError(f"batch[...]: expected a name, an int, a slice, ints or a mask, got {index.dtype}")
+        n = len(self)
+
+        def pick(a: Any) -> Any:
+            if isinstance(index, np.ndarray) and hasattr(a, "detach"):
+                import torch
+
+                return a[torch.as_tensor(index, device=a.device)]
+            return a[index]
+
+        try:
+            fields = {k: pick(v) for k, v in self.fields.items()}
+            extras = {k: pick(v) if getattr(v, "shape", ())[:1] == (n,) else v for k, v in self.extras.items()}
+        except IndexError as exc:
+            raise IndexError(f"batch[{index!r}]: {exc} (the batch has {n} rows)") from None
+        return Batch(fields, extras)
+
     def keys(self) -> list[str]:
-        return list(self.fields)
+        """The fields (in schema order), then the extras (index, weight ...)."""
+        return [*self.fields, *self.extras]
 
     def values(self) -> list[Any]:
-        return list(self.fields.values())
+        return [*self.fields.values(), *self.extras.values()]
 
     def items(self) -> list[tuple[str, Any]]:
-        return list(self.fields.items())
+        return [*self.fields.items(), *self.extras.items()]
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.fields)
+        return iter(self.keys())
 
     def __len__(self) -> int:
         first = next(iter(self.fields.values()))
@@ -129,6 +184,16 @@ class Batch:
     def as_dict(self) -> dict[str, Any]:
         """Fields and extras in one plain dict (cpprb's ``sample`` returns this shape)."""
         return {**self.fields, **self.extras}
+
+    def to_tensordict(self, device: Any = None) -> Any:
+        """The fields and extras as a ``tensordict.TensorDict`` with batch size ``[len(batch)]``
+        (TorchRL's batch type), on ``device`` (CPU by default, zero-copy there)."""
+        try:
+            from tensordict import TensorDict
+        except ImportError:
+            raise ImportError("to_tensordict() needs the tensordict package: pip install 'shmbuffer[torchrl]'") from None
+        moved = self.to(device)
+        return TensorDict({**moved.fields, **moved.extras}, batch_size=[len(self)], device=device)
 
     def to(self, device: Any = None, *, non_blocking: bool = False) -> Batch:
         """The same rows as torch tensors on ``device`` (CPU by default, zero-copy there).

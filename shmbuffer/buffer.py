@@ -73,6 +73,10 @@ class ReplayBuffer:
     :param max_use: a row leaves the sampling set once drawn this many times (default: never).
     :param lanes: equal parts of the ring; a writer that pushes into its own lane keeps its
         consecutive steps consecutive (give each env a lane for sequences and n-step returns).
+        With several lanes every push names its lanes (``lane=``), unless ``envs`` is given.
+    :param envs: one lane per env of a vector env (sets ``lanes``): a push of ``k`` rows without
+        ``lane=`` is ``k / envs`` steps of every env, env-major (``k`` a multiple of ``envs``), and
+        row ``i`` goes to lane ``i % envs``.
     :param episodes: every push names the episode of its rows (``push(..., episode=id)``);
         sequences, n-step returns, groups and whole episodes need it.
     :param limiter: a ``RateLimiter`` holding samples per insert in a window, for every process.
@@ -90,14 +94,19 @@ class ReplayBuffer:
         *,
         sampler: Sampler = UNIFORM,
         max_use: int | None = None,
-        lanes: int = 1,
+        lanes: int | None = None,
         episodes: bool = False,
         limiter: RateLimiter | None = None,
         name: str | None = None,
         seed: int | np.random.Generator | None = None,
+        envs: int | None = None,
     ) -> None:
         schema = as_schema(schema)
-        opts = Options(capacity, lanes, sampler, max_use, episodes, limiter)
+        if lanes is None:
+            lanes = envs if envs is not None else 1
+        elif envs is not None and lanes != envs:
+            raise ValueError(f"lanes={lanes!r} and envs={envs!r}: envs means one lane per env; give one of them")
+        opts = Options(capacity, lanes, sampler, max_use, episodes, limiter, envs)
         check_platform()
         meta = {"schema": schema.to_json(), "options": opts.to_json(), "record": schema.record.itemsize}
         segment = Segment.create(name, meta, columns(schema, opts), schema.fingerprint)
@@ -291,14 +300,15 @@ class ReplayBuffer:
 
     # -- writing -------------------------------------------------------------------------------
     def push(
-        self, data: Mapping[str, Any] | None = None, /, *, lane: int | Any = 0, episode: int | Any = None,
+        self, data: Mapping[str, Any] | None = None, /, *, lane: int | Any = None, episode: int | Any = None,
         priority: float | Any = None, timeout: float | None = None, **fields: Any,
     ) -> np.ndarray:
         """Append one row, or ``k`` rows given with a leading dimension; return their ids.
 
         :param data: the fields as one mapping (DI-engine's ``push``), or give them as keywords
             (cpprb's ``add``).
-        :param lane: a lane number, or one per row.
+        :param lane: a lane number, or one per row; required with several lanes unless the buffer
+            was made with ``envs`` (then row ``i`` goes to lane ``i % envs``).
         :param episode: the rows' episode id (one, or one per row); required with ``episodes``.
         :param priority: the rows' priority (one, or one per row; Ape-X style), else the largest
             given so far.
@@ -307,6 +317,7 @@ class ReplayBuffer:
         Everything is checked before the buffer is touched: on any error it is exactly as it was.
         """
         ring = self.ring
+        given = lane is not None
         k, arrays, lane, episodes, priority = self.check(data, lane=lane, episode=episode, priority=priority, **fields)
         prios = self._prios
         if k == 0:
@@ -335,6 +346,8 @@ class ReplayBuffer:
                 if episodes is not None and self._block.episode is not None:
                     self._block.episode[res.where] = episodes
             ring.commit(res)
+            if not given and k > 1 and episodes is not None and episodes.ndim and self.options.envs is None:
+                self._note_interleaving(res.ids, episodes)
         except BaseException:
             # the copy failed after the reservation: give the rows back — they read as empty,
             # never as committed, and are never drawn; a live owner must not keep them odd
@@ -349,7 +362,7 @@ class ReplayBuffer:
     add = push
 
     def check(
-        self, data: Mapping[str, Any] | None = None, /, *, lane: int | Any = 0, episode: int | Any = None,
+        self, data: Mapping[str, Any] | None = None, /, *, lane: int | Any = None, episode: int | Any = None,
         priority: float | Any = None, **fields: Any,
     ) -> tuple[int, dict[str, np.ndarray], int | np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Everything ``push`` checks before it touches the buffer, without touching it: raises
@@ -365,6 +378,9 @@ class ReplayBuffer:
             priority = fields.pop("priority")
         ring = self.ring
         k, arrays = self.schema.validate(fields)
+        given = lane is not None
+        if not given:
+            lane = self._default_lane(k)
         if type(lane) is not int or not 0 <= lane < ring.lanes or k > ring.lane_capacity:  # the usual case is cheap
             lane = int(lane) if isinstance(lane, (int, np.integer)) else np.asarray(lane, dtype=np.int64)
             ring.check_push(k, lane)
@@ -376,6 +392,41 @@ class ReplayBuffer:
                 raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
             priority = self._prios.check(priority, k)
         return k, arrays, lane, episodes, priority
+
+    def _note_interleaving(self, ids: np.ndarray, episodes: np.ndarray) -> None:
+        """Mark the buffer when a push without ``lane=`` shows one episode's rows apart in the lane
+        (with the row before it): a vector env's steps pushed into one lane, whose consecutive rows
+        are not one env's steps, so windows would silently shrink to one step (``sequences.py``
+        refuses them from then on). One env's chunk of steps (``[7, 7, 8]``) is fine."""
+        block = self._block
+        if block.interleaved or block.episode is None or not (episodes != episodes[0]).any():
+            return
+        seq = episodes
+        before = ids[:1] - 1
+        if before[0] >= self.ring.bounds()[0][0]:
+            seq = np.concatenate([block.episode[self.ring.slots(before)], episodes])
+        runs = seq[np.r_[True, seq[1:] != seq[:-1]]]
+        if np.unique(runs).size < runs.size:
+            block.mark_interleaved()
+
+    def _default_lane(self, k: int) -> int | np.ndarray:
+        """The lanes of a push of ``k`` rows that names none (see ``envs`` and ``lanes``)."""
+        envs = self.options.envs
+        if envs is not None:
+            if k % envs:
+                raise FieldError(
+                    f"lane: this buffer has one lane per env (envs={envs}): a push without lane= takes "
+                    f"whole steps of every env, env-major ({envs}, {2 * envs}, ... rows), got {k} rows; "
+                    "or name the lanes with lane="
+                )
+            return 0 if envs == 1 else np.tile(np.arange(envs, dtype=np.int64), k // envs)
+        if self.ring.lanes > 1:
+            raise FieldError(
+                f"lane: this buffer has {self.ring.lanes} lanes and a push without lane= would fill only "
+                f"lane 0 (1/{self.ring.lanes} of the capacity): pass lane= (one per row or one for all), "
+                "or create the buffer with envs=N to spread a vector env's rows one lane per env"
+            )
+        return 0
 
     def update_priorities(self, rows: Batch | Any, priorities: Any) -> int:
         """Set the priorities of sampled rows (a batch, or its ``index``), from any process.

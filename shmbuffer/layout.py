@@ -62,6 +62,9 @@ class Counter(IntEnum):
     """1 once a row was deleted or used up (``max_use``): ``len`` then leaves such rows out"""
     FROZEN = 11
     """1 once the buffer is read-only"""
+    INTERLEAVED = 12
+    """1 once a push without ``lane=`` put rows of several episodes into one lane (a vector env's
+    step): windows (n-step, sequences, groups, episodes) are refused from then on"""
 
 
 class Lane(IntEnum):
@@ -81,6 +84,9 @@ class Options:
     max_use: int | None = None
     episodes: bool = False
     limiter: RateLimiter | None = None
+    envs: int | None = None
+    """one lane per env: a push without ``lane=`` of ``k`` rows (a multiple of ``envs``, env-major
+    per step) puts row ``i`` into lane ``i % envs``"""
 
     def __post_init__(self) -> None:
         cap, lanes, max_use = self.capacity, self.lanes, self.max_use
@@ -94,6 +100,8 @@ class Options:
             raise ValueError(f"sampler: expected Uniform() or Prioritized(...), got {self.sampler!r}")
         if self.limiter is not None and not isinstance(self.limiter, RateLimiter):
             raise ValueError(f"limiter: expected a RateLimiter, got {self.limiter!r}")
+        if self.envs is not None and (not _count(self.envs) or self.envs != lanes):
+            raise ValueError(f"envs: expected a positive int equal to lanes ({lanes!r}), got {self.envs!r}")
 
     @property
     def tree(self) -> bool:
@@ -117,12 +125,13 @@ class Options:
     def to_json(self) -> dict[str, Any]:
         return {"capacity": int(self.capacity), "lanes": int(self.lanes), "sampler": self.sampler.to_json(),
                 "max_use": None if self.max_use is None else int(self.max_use), "episodes": bool(self.episodes),
-                "limiter": None if self.limiter is None else self.limiter.to_json()}
+                "limiter": None if self.limiter is None else self.limiter.to_json(),
+                **({} if self.envs is None else {"envs": int(self.envs)})}
 
     @classmethod
     def from_json(cls, spec: dict[str, Any]) -> Options:
         return cls(spec["capacity"], spec["lanes"], sampler_from_json(spec["sampler"]), spec["max_use"],
-                   spec["episodes"], RateLimiter.from_json(spec.get("limiter")))
+                   spec["episodes"], RateLimiter.from_json(spec.get("limiter")), spec.get("envs"))
 
 
 def _count(value: Any) -> bool:
@@ -191,6 +200,8 @@ class Block:
         self.arrays = arrays
         self.record: Record = schema.record
         self.stamp = arrays["_stamp"]
+        self.counters = arrays["_stats"]
+        """The shared counters, ``Counter`` indexes them (the ring keeps most of them)."""
         self.episode: np.ndarray | None = arrays.get("_episode")
         self.packed: np.ndarray | None = arrays.get("_record")
         """The packed small fields, ``(capacity, itemsize)`` uint8, or ``None``."""
@@ -199,6 +210,14 @@ class Block:
         small = self.record.views(self.packed) if self.packed is not None else {}
         self.fields = {name: small[name] if name in small else self.large[name] for name in schema.names}
         """Every field as a ``(capacity, *shape)`` view, in schema order."""
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether a push without ``lane=`` put rows of several episodes into one lane."""
+        return bool(self.counters[Counter.INTERLEAVED])
+
+    def mark_interleaved(self) -> None:
+        self.counters[Counter.INTERLEAVED] = 1
 
     @classmethod
     def allocate(cls, schema: Schema, opts: Options) -> Block:

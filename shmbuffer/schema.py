@@ -247,7 +247,7 @@ class Schema:
         out: dict[str, np.ndarray] = {}
         for name, shape, ndim, dtype, cpprb in self._specs:
             value = data[name]
-            a = value if type(value) is np.ndarray else np.asarray(value)
+            a = value if type(value) is np.ndarray else _as_array(name, value)
             if cpprb and a.ndim < 2 and a.shape != (1,):
                 # cpprb's default shape (1,): a scalar is one row, (k,) is k rows
                 a = a.reshape(1) if a.ndim == 0 else a.reshape(-1, 1)
@@ -292,6 +292,29 @@ class Schema:
         )
 
 
+def _as_array(name: str, value: Any) -> np.ndarray:
+    """``value`` as an array, or a ``FieldError`` naming the field and what to do."""
+    if hasattr(value, "detach") and hasattr(value, "requires_grad"):  # a torch tensor
+        if value.requires_grad:
+            raise FieldError(
+                f"field {name!r}: got a tensor that requires grad; push value.detach() (and .cpu())"
+            )
+        if value.device.type != "cpu":
+            raise FieldError(f"field {name!r}: got a tensor on {value.device}; push value.cpu() (or .numpy())")
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
+        raise FieldError(
+            f"field {name!r}: got a tuple of an array and a dict, which looks like env.reset()'s or "
+            f"a step's (obs, info); push the observation alone: obs, info = env.reset()"
+        )
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise FieldError(
+            f"field {name!r}: cannot be made an array ({type(value).__name__}: {str(exc)[:200]}); "
+            "push a numpy array, a number or a list of equal-length rows"
+        ) from None
+
+
 def _largest(dtype: np.dtype[Any]) -> float:
     """The largest magnitude a value of ``dtype`` can have."""
     if dtype.kind in "iu":
@@ -305,7 +328,7 @@ def _check_cast(f: Field, a: np.ndarray) -> None:
     Allowed: numpy's ``safe`` casts; bools, integers and floats into any float field (float64
     observations into float32, what every peer does; finite values must fit, else they would
     silently become inf); integers to a narrower integer or to bool when every value fits (checked);
-    floats equal to 0 or 1 into bool. Refused: float to integer, complex to real, anything non-numeric.
+    ints equal to 0 or 1 into bool. Refused: float to integer or to bool, complex to real, anything non-numeric.
     """
     src, dst = a.dtype, f.dtype
     if np.can_cast(src, dst, casting="safe"):
@@ -334,7 +357,12 @@ def _check_cast(f: Field, a: np.ndarray) -> None:
             f"field {f.name!r}: expected {dst} values in [{info.min}, {info.max}], got {src} "
             f"values in [{lo}, {hi}]"
         )
-    if dst.kind == "b" and src.kind in "iuf" and a.size:
+    if dst.kind == "b" and src.kind == "f":
+        raise FieldError(
+            f"field {f.name!r}: expected bool, got {src}: a float flag is refused (is it 1 - done, or a "
+            "field pushed in the wrong place?); push a bool (terminated), or .astype(bool) if you mean it"
+        )
+    if dst.kind == "b" and src.kind in "iu" and a.size:
         if np.all((a == 0) | (a == 1)):
             return
         raise FieldError(f"field {f.name!r}: expected bool, got {src} with values other than 0 and 1")

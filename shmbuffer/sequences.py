@@ -464,6 +464,13 @@ def _need_episodes(src: Source, what: str) -> np.ndarray:
         raise FieldError(
             f"{what} needs episode ids: create the buffer with episodes=True and push(..., episode=id)"
         )
+    if src.block.interleaved:
+        raise FieldError(
+            f"{what}: buffer {src.name!r} holds rows of several episodes interleaved in one lane (a push "
+            "of several envs' rows without lane=), so a lane's consecutive rows are not one env's "
+            "steps and every window would be 1 step long; create the buffer with envs=N (one lane "
+            "per env, a vector env's step pushed as is) or push each env's rows with lane="
+        )
     return src.block.episode
 
 

@@ -37,7 +37,7 @@ def test_push_sample_round_trip(make: Make, name: str) -> None:
     assert np.array_equal(seq, batch.index)  # row i of this buffer holds sequence number i
     assert set(seq) <= set(range(10))
     assert batch.obs.dtype == np.float32 and batch.done.dtype == np.bool_
-    assert batch.keys() == list(MUJOCO.names) and dict(batch).keys() == set(MUJOCO.names)
+    assert batch.keys() == [*MUJOCO.names, "index"] and dict(batch).keys() == {*MUJOCO.names, "index"}
 
 
 def test_ring_wraps_and_keeps_the_newest(make: Make, name: str) -> None:

@@ -141,7 +141,7 @@ def test_mixed_schemas_share_their_common_fields(make: Make, name: str) -> None:
     a.push(transition(0, 5))
     b.push(obs=np.zeros((5, 17)), reward=np.ones(5), extra=np.zeros((5, 2), np.int8))
     batch = sb.Mix([(a, 1), (b, 1)]).sample(8)
-    assert batch.keys() == ["obs", "reward"]
+    assert batch.keys() == ["obs", "reward", "index", "source"] and list(batch.fields) == ["obs", "reward"]
     c = make(sb.Schema(x=((), "int8")), capacity=10, name=name + "c")
     with pytest.raises(sb.SchemaError, match="share no field"):
         sb.Mix([(a, 1), (c, 1)])

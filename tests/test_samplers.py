@@ -67,7 +67,7 @@ def test_contract(config: str, replace: bool, make: Make, name: str) -> None:
 def test_contract_skips_rows_being_written(config: str, make: Make, name: str) -> None:
     kw = SAMPLERS[config]
     buf = make(MUJOCO, capacity=16 * kw.get("lanes", 1), name=name, **kw)
-    buf.push(transition(0, 8))
+    buf.push(transition(0, 8), lane=0)
     prios = buf.priorities  # rows being written have their priority already, as in push()
     res = buf.ring.reserve(4, also=None if prios is None else lambda s: prios.set_rows(s, None, fresh=True))  # a writer in the middle of rows 8..11
     try:
@@ -83,11 +83,11 @@ def test_contract_empty_and_cleared(config: str, make: Make, name: str) -> None:
     buf = make(MUJOCO, capacity=16 * kw.get("lanes", 1), name=name, **kw)
     with pytest.raises(sb.EmptyBufferError, match="empty"):
         buf.sample(4)
-    buf.push(transition(0, 10))
+    buf.push(transition(0, 10), lane=0)
     buf.clear()
     with pytest.raises(sb.EmptyBufferError):
         buf.sample(4)
-    buf.push(transition(50, 3))
+    buf.push(transition(50, 3), lane=0)
     assert set(seq_of(buf.sample(50))) == {50, 51, 52}
 
 

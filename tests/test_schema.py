@@ -104,7 +104,8 @@ def test_validate_one_row_and_k_rows() -> None:
         (lambda d: d.update(obs=np.zeros(16, np.float32)), r"field 'obs': expected shape \(17,\) .* got \(16,\) float32"),
         (lambda d: d.update(obs=np.zeros((2, 3, 17), np.float32)), r"field 'obs': expected shape"),
         (lambda d: d.update(action=np.zeros((2, 6), np.float32)), r"ragged batch: field 'obs' has one row, field 'action' has 2 rows"),
-        (lambda d: d.update(done=np.float32(0.5)), r"field 'done': expected bool, got float32 with values other than 0 and 1"),
+        (lambda d: d.update(done=np.float32(0.5)), r"field 'done': expected bool, got float32: a float flag is refused"),
+        (lambda d: d.update(done=1.0), r"field 'done': expected bool, got float64: a float flag is refused"),
         (lambda d: d.update(reward="x"), r"field 'reward': expected float32, got <U1"),
         (lambda d: d.update(reward=1j), r"field 'reward': expected float32, got complex128"),
     ],
@@ -128,7 +129,7 @@ def test_casting_rules() -> None:
     ok = [
         {"f": np.float64(1.5), "i": 3, "b": True},            # float64 -> float32, python int -> int8
         {"f": 2, "i": np.int64(-128), "b": 1},                # int -> float, ints that fit, int 1 -> bool
-        {"f": np.float16(1), "i": np.uint8(127), "b": 0.0},   # float 0.0 -> bool
+        {"f": np.float16(1), "i": np.uint8(127), "b": np.bool_(False)},
     ]
     for data in ok:
         assert s.validate(data)[0] == 1
@@ -136,6 +137,7 @@ def test_casting_rules() -> None:
         ({"f": 1.0, "i": 300, "b": True}, r"field 'i': expected int8 values in \[-128, 127\], got int64 values in \[300, 300\]"),
         ({"f": 1.0, "i": 1.0, "b": True}, r"field 'i': expected int8, got float64, which does not cast safely"),
         ({"f": 1.0, "i": 1, "b": 2}, r"field 'b': expected bool, got int64 with values other than 0 and 1"),
+        ({"f": 1.0, "i": 1, "b": 0.0}, r"field 'b': expected bool, got float64: a float flag is refused"),
     ]:
         with pytest.raises(sb.FieldError, match=match):
             s.validate(data)

@@ -1,0 +1,296 @@
+"""Stable-Baselines3 replay buffers whose rows live in a shmbuffer (``pip install 'shmbuffer[sb3]'``).
+
+::
+
+    from stable_baselines3 import DQN
+    from shmbuffer.sb3 import ReplayBuffer
+
+    model = DQN("MlpPolicy", env, replay_buffer_class=ReplayBuffer)
+    shared = model.replay_buffer.buffer            # a shmbuffer.ReplayBuffer: attach it anywhere
+    # other processes may push into `shared` (lane=env, or whole vector steps) while learn() runs
+    model.learn(10_000)
+    model.save_replay_buffer("rb.pkl")             # the rows, not a name: loads in a fresh process
+
+``ReplayBuffer`` and ``DictReplayBuffer`` are SB3's classes (``isinstance`` checks in SB3 pass)
+with SB3's behaviour: ``add`` takes one step of ``n_envs`` envs, ``sample`` draws positions and
+env indices with ``np.random`` exactly as SB3 does, ``handle_timeout_termination`` masks dones
+of time-limit ends, a ``VecNormalize`` passed as ``env`` normalizes observations and rewards. So,
+given the same adds and the same ``np.random`` state, they return the same transitions as SB3's.
+
+The rows are a shmbuffer made with ``envs=n_envs`` (one lane per env): SB3's position ``p`` of env
+``e`` is the newest row of lane ``e`` in its slot ``p``; ``pos`` and ``full`` are read from the
+shared ring, so rows pushed by other processes count. Samples are stamped copies: a row that a
+writer elsewhere is overwriting is never returned torn (the draw is repeated).
+
+``optimize_memory_usage=True`` is refused: it maps to compressed storage (issue 11), which does
+not exist yet. Pickling (``save_replay_buffer``) stores the rows and settings; unpickling makes a
+new shared buffer holding them, owned by the loading process.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+from gymnasium import spaces
+from stable_baselines3.common import buffers as sb3_buffers
+from stable_baselines3.common.preprocessing import get_action_dim, get_obs_shape
+from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
+from stable_baselines3.common.utils import get_device
+
+from .buffer import ReplayBuffer as SharedBuffer
+from .errors import EmptyBufferError
+from .schema import Schema
+
+__all__ = ["DictReplayBuffer", "ReplayBuffer"]
+
+ATTEMPTS = 20
+"""Draws of one batch before giving up when writers elsewhere keep overwriting the drawn rows."""
+
+
+def _key(name: str) -> str:
+    """A dict observation's key as part of a field name."""
+    return re.sub(r"\W", "_", str(name)) or "key"
+
+
+class _Shared:
+    """What both buffers share: the shmbuffer, SB3's positions mapped onto its lanes, pickling."""
+
+    buffer: SharedBuffer
+    buffer_size: int
+    n_envs: int
+    handle_timeout_termination: bool
+    optimize_memory_usage: bool
+    observation_space: Any
+    action_space: spaces.Space
+    obs_shape: Any
+    action_dim: int
+    device: Any
+
+    def _init_shared(
+        self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space, device: Any,
+        n_envs: int, optimize_memory_usage: bool, handle_timeout_termination: bool, name: str | None,
+    ) -> None:
+        if optimize_memory_usage:
+            raise ValueError(
+                "optimize_memory_usage=True: shmbuffer maps it to compressed storage (issue 11), which "
+                "does not exist yet; use optimize_memory_usage=False (the default)"
+            )
+        if not isinstance(n_envs, int) or n_envs < 1:
+            raise ValueError(f"n_envs: expected a positive int, got {n_envs!r}")
+        # BaseBuffer's attributes, without its pos/full (they are read from the shared ring)
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self.obs_shape = get_obs_shape(observation_space)
+        self.action_dim = get_action_dim(action_space)
+        self.device = get_device(device)
+        self.n_envs = n_envs
+        self.buffer_size = max(buffer_size // n_envs, 1)
+        self.optimize_memory_usage = False
+        self.handle_timeout_termination = handle_timeout_termination
+        self._settings = {"buffer_size": buffer_size, "observation_space": observation_space,
+                          "action_space": action_space, "n_envs": n_envs,
+                          "handle_timeout_termination": handle_timeout_termination}
+        self.buffer = SharedBuffer(self._schema(), self.buffer_size * n_envs, envs=n_envs, name=name)
+
+    # -- the schema ------------------------------------------------------------------------------
+    def _obs_fields(self) -> dict[str, tuple[Any, ...]]:
+        raise NotImplementedError
+
+    def _schema(self) -> Schema:
+        action_dtype = sb3_buffers.ReplayBuffer._maybe_cast_dtype(self.action_space.dtype)
+        return Schema(**self._obs_fields(), action=((self.action_dim,), action_dtype),
+                      reward=((), "float32"), done=((), "float32"), timeouts=((), "float32"))
+
+    # -- SB3's positions on the shared lanes ------------------------------------------------------
+    def _rows(self) -> np.ndarray:
+        """Rows written per lane since the last clear (SB3's ``pos`` counts on past the end)."""
+        ring = self.buffer.ring
+        stop = ring.bounds()[1]
+        return np.asarray(stop - ring.base(np.arange(ring.lanes)))
+
+    @property
+    def pos(self) -> int:
+        """The next position SB3 would write (of the least filled lane)."""
+        rows = int(self._rows().min())
+        return rows % self.buffer_size if rows >= self.buffer_size else rows
+
+    @pos.setter
+    def pos(self, value: int) -> None:
+        raise AttributeError("pos is read from the shared buffer; clear it with reset()")
+
+    @property
+    def full(self) -> bool:
+        return bool(self._rows().min() >= self.buffer_size)
+
+    @full.setter
+    def full(self, value: bool) -> None:
+        raise AttributeError("full is read from the shared buffer; clear it with reset()")
+
+    def size(self) -> int:
+        return self.buffer_size if self.full else self.pos
+
+    def reset(self) -> None:
+        self.buffer.clear()
+
+    def close(self) -> None:
+        """Close this process's view; the creator also removes the shared buffer."""
+        owner = self.buffer.owner
+        self.buffer.close()
+        if owner:
+            self.buffer.unlink()
+
+    def ids(self, batch_inds: np.ndarray, env_indices: np.ndarray) -> np.ndarray:
+        """The shmbuffer row ids of SB3's positions ``batch_inds`` of envs ``env_indices``: the
+        newest row of lane ``env`` in slot ``pos``."""
+        ring = self.buffer.ring
+        stop = ring.bounds()[1]
+        lane = np.asarray(env_indices, np.int64)
+        last = stop[lane] - 1
+        row = last - (last - np.asarray(batch_inds, np.int64)) % ring.lane_capacity
+        return row * ring.lanes + lane
+
+    def _take(self, batch_inds: np.ndarray, env_indices: np.ndarray) -> Any:
+        """Stamped copies of the rows at those positions, read again while a writer elsewhere is
+        overwriting one of them."""
+        for _ in range(ATTEMPTS):
+            try:
+                return self.buffer.take(self.ids(batch_inds, env_indices))
+            except EmptyBufferError:
+                continue
+        raise EmptyBufferError(f"sample: the drawn rows kept being overwritten ({ATTEMPTS} attempts)")
+
+    def _push(self, obs: dict[str, np.ndarray], action: np.ndarray, reward: np.ndarray, done: np.ndarray,
+              infos: list[dict[str, Any]]) -> None:
+        n = self.n_envs
+        if self.handle_timeout_termination:
+            timeout = np.array([info.get("TimeLimit.truncated", False) for info in infos], np.float32)
+        else:
+            timeout = np.zeros(n, np.float32)
+        self.buffer.push({**obs, "action": np.asarray(action).reshape(n, self.action_dim),
+                          "reward": np.asarray(reward, np.float32).reshape(n),
+                          "done": np.asarray(done, np.float32).reshape(n), "timeouts": timeout})
+
+    def _tail(self, batch: Any, env: Any) -> tuple[Any, Any, Any]:
+        """Actions, dones (time-limit ends masked) and rewards as SB3 returns them."""
+        dones = (batch.done * (1 - batch.timeouts)).reshape(-1, 1)
+        rewards = self._normalize_reward(batch.reward.reshape(-1, 1), env)  # type: ignore[attr-defined]
+        return batch.action, dones, rewards
+
+    # -- pickling: the rows, not a name ----------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        rows = self.buffer.export()
+        return {"settings": self._settings, "device": str(self.device), "rows": rows,
+                "lanes": self.buffer.lanes}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        s = state["settings"]
+        self._init_shared(s["buffer_size"], s["observation_space"], s["action_space"], state["device"],
+                          s["n_envs"], False, s["handle_timeout_termination"], None)
+        rows = dict(state["rows"])
+        index = np.asarray(rows.pop("index"), np.int64)
+        rows.pop("episode", None)
+        lanes = int(state["lanes"])
+        lane = index % lanes
+        for ln in range(lanes):  # each lane's rows oldest first, as SB3's positions
+            mine = np.flatnonzero(lane == ln)
+            if mine.size:
+                self.buffer.push({k: v[mine] for k, v in rows.items()}, lane=ln)
+
+
+class ReplayBuffer(_Shared, sb3_buffers.ReplayBuffer):
+    """SB3's ``ReplayBuffer`` over a shmbuffer (see the module docstring).
+
+    :param name: the shared buffer's name in ``/dev/shm`` (default: a fresh one); pass it with
+        ``replay_buffer_kwargs={"name": ...}``.
+    """
+
+    def __init__(
+        self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space,
+        device: Any = "auto", n_envs: int = 1, optimize_memory_usage: bool = False,
+        handle_timeout_termination: bool = True, *, name: str | None = None,
+    ) -> None:
+        if isinstance(observation_space, spaces.Dict):
+            raise ValueError("a Dict observation space needs shmbuffer.sb3.DictReplayBuffer")
+        self._init_shared(buffer_size, observation_space, action_space, device, n_envs, optimize_memory_usage,
+                          handle_timeout_termination, name)
+
+    def _obs_fields(self) -> dict[str, tuple[Any, ...]]:
+        shape, dtype = tuple(self.obs_shape), self.observation_space.dtype
+        return {"obs": (shape, dtype), "next_obs": (shape, dtype)}
+
+    def add(self, obs: np.ndarray, next_obs: np.ndarray, action: np.ndarray, reward: np.ndarray,
+            done: np.ndarray, infos: list[dict[str, Any]]) -> None:
+        shape = (self.n_envs, *self.obs_shape)
+        self._push({"obs": np.asarray(obs).reshape(shape), "next_obs": np.asarray(next_obs).reshape(shape)},
+                   action, reward, done, infos)
+
+    def sample(self, batch_size: int, env: Any = None) -> ReplayBufferSamples:
+        upper_bound = self.buffer_size if self.full else self.pos
+        if upper_bound == 0:
+            raise EmptyBufferError("sample: the replay buffer is empty")
+        batch_inds = np.random.randint(0, upper_bound, size=batch_size)
+        return self._get_samples(batch_inds, env=env)
+
+    def _get_samples(self, batch_inds: np.ndarray, env: Any = None) -> ReplayBufferSamples:
+        env_indices = np.random.randint(0, high=self.n_envs, size=(len(batch_inds),))
+        batch = self._take(batch_inds, env_indices)
+        actions, dones, rewards = self._tail(batch, env)
+        data = (self._normalize_obs(batch.obs, env), actions, self._normalize_obs(batch.next_obs, env), dones, rewards)
+        return ReplayBufferSamples(*tuple(map(self.to_torch, data)))
+
+
+class DictReplayBuffer(_Shared, sb3_buffers.DictReplayBuffer):
+    """SB3's ``DictReplayBuffer`` over a shmbuffer: each key ``k`` of the observation space is
+    the fields ``obs_k`` and ``next_obs_k``."""
+
+    def __init__(
+        self, buffer_size: int, observation_space: spaces.Dict, action_space: spaces.Space,
+        device: Any = "auto", n_envs: int = 1, optimize_memory_usage: bool = False,
+        handle_timeout_termination: bool = True, *, name: str | None = None,
+    ) -> None:
+        if not isinstance(observation_space, spaces.Dict):
+            raise ValueError(f"DictReplayBuffer needs a Dict observation space, got {observation_space}")
+        self._init_shared(buffer_size, observation_space, action_space, device, n_envs, optimize_memory_usage,
+                          handle_timeout_termination, name)
+
+    def _obs_fields(self) -> dict[str, tuple[Any, ...]]:
+        out = {}
+        for key, space in self.observation_space.spaces.items():
+            spec = (tuple(self.obs_shape[key]), space.dtype)
+            out[f"obs_{_key(key)}"] = spec
+            out[f"next_obs_{_key(key)}"] = spec
+        return out
+
+    def add(self, obs: dict[str, np.ndarray], next_obs: dict[str, np.ndarray], action: np.ndarray,  # type: ignore[override]
+            reward: np.ndarray, done: np.ndarray, infos: list[dict[str, Any]]) -> None:
+        fields = {}
+        for key in self.observation_space.spaces:
+            shape = (self.n_envs, *self.obs_shape[key])
+            fields[f"obs_{_key(key)}"] = np.asarray(obs[key]).reshape(shape)
+            fields[f"next_obs_{_key(key)}"] = np.asarray(next_obs[key]).reshape(shape)
+        self._push(fields, action, reward, done, infos)
+
+    def sample(self, batch_size: int, env: Any = None) -> DictReplayBufferSamples:  # type: ignore[override]
+        upper_bound = self.buffer_size if self.full else self.pos
+        if upper_bound == 0:
+            raise EmptyBufferError("sample: the replay buffer is empty")
+        batch_inds = np.random.randint(0, upper_bound, size=batch_size)
+        return self._get_samples(batch_inds, env=env)
+
+    def _get_samples(self, batch_inds: np.ndarray, env: Any = None) -> DictReplayBufferSamples:  # type: ignore[override]
+        env_indices = np.random.randint(0, high=self.n_envs, size=(len(batch_inds),))
+        batch = self._take(batch_inds, env_indices)
+        keys = list(self.observation_space.spaces)
+        obs = self._normalize_obs({k: batch[f"obs_{_key(k)}"] for k in keys}, env)
+        next_obs = self._normalize_obs({k: batch[f"next_obs_{_key(k)}"] for k in keys}, env)
+        assert isinstance(obs, dict) and isinstance(next_obs, dict)
+        actions, dones, rewards = self._tail(batch, env)
+        return DictReplayBufferSamples(
+            observations={k: self.to_torch(v) for k, v in obs.items()},
+            actions=self.to_torch(actions),
+            next_observations={k: self.to_torch(v) for k, v in next_obs.items()},
+            dones=self.to_torch(dones),
+            rewards=self.to_torch(rewards),
+        )

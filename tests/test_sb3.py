@@ -1,0 +1,256 @@
+"""shmbuffer.sb3: SB3's replay buffers over a shmbuffer. The contract is SB3's own buffer: given the
+same adds and the same np.random state, the same transitions; and SB3's DQN learns with it as
+with its own buffer."""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+sb3 = pytest.importorskip("stable_baselines3")
+gym = pytest.importorskip("gymnasium")
+
+from gymnasium import spaces  # noqa: E402
+from stable_baselines3.common import buffers  # noqa: E402
+
+import shmbuffer as sb  # noqa: E402
+from shmbuffer import sb3 as ours  # noqa: E402
+from shmbuffer import segment  # noqa: E402
+
+
+@pytest.fixture
+def opened() -> Iterator[list[Any]]:
+    made: list[Any] = []
+    yield made
+    for rb in made:
+        rb.close()
+
+
+def adds(n_envs: int, steps: int, obs_space: spaces.Space, act_space: spaces.Space, seed: int) -> list[tuple[Any, ...]]:
+    """SB3 ``add`` arguments: random observations and actions, dones, time-limit ends."""
+    rng = np.random.default_rng(seed)
+    obs_space.seed(seed)
+    act_space.seed(seed + 1)
+    out = []
+    for t in range(steps):
+        if isinstance(obs_space, spaces.Dict):
+            obs = {k: np.stack([s.sample() for _ in range(n_envs)]) for k, s in obs_space.spaces.items()}
+            nxt = {k: np.stack([s.sample() for _ in range(n_envs)]) for k, s in obs_space.spaces.items()}
+        else:
+            obs = np.stack([obs_space.sample() for _ in range(n_envs)])
+            nxt = np.stack([obs_space.sample() for _ in range(n_envs)])
+        action = np.stack([act_space.sample() for _ in range(n_envs)])
+        reward = rng.normal(size=n_envs).astype(np.float32)
+        done = (rng.random(n_envs) < 0.3) | (np.arange(n_envs) == t % 5)  # every env ends now and then
+        infos = [{"TimeLimit.truncated": bool(d and (t + i) % 2 == 0)} for i, d in enumerate(done)]
+        out.append((obs, nxt, action, reward, done, infos))
+    return out
+
+
+def same(a: Any, b: Any) -> None:
+    for x, y in zip(a, b, strict=True):
+        if x is None:
+            assert y is None
+        elif isinstance(x, dict):
+            assert x.keys() == y.keys()
+            for k in x:
+                assert torch.equal(x[k], y[k]), k
+        else:
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(x, y)
+
+
+CASES = {
+    "box-1env": (spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3), 1, 10, 7),
+    "box-3envs-wrap": (spaces.Box(-1, 1, (4,), np.float32), spaces.Box(-2, 2, (2,), np.float32), 3, 12, 11),
+    "discrete-obs-4envs": (spaces.Discrete(5), spaces.Discrete(2), 4, 8, 13),
+    "box-2envs-not-full": (spaces.Box(0, 255, (2, 3), np.uint8), spaces.MultiDiscrete([3, 4]), 2, 40, 9),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("timeouts", [True, False])
+def test_same_transitions_as_sb3(case: str, timeouts: bool, name: str, opened: list[Any]) -> None:
+    obs_space, act_space, n_envs, size, steps = CASES[case]
+    theirs = buffers.ReplayBuffer(size, obs_space, act_space, "cpu", n_envs=n_envs, handle_timeout_termination=timeouts)
+    mine = ours.ReplayBuffer(size, obs_space, act_space, "cpu", n_envs=n_envs, handle_timeout_termination=timeouts, name=name)
+    opened.append(mine)
+    assert isinstance(mine, buffers.ReplayBuffer) and mine.buffer.lanes == n_envs
+    for step in adds(n_envs, steps, obs_space, act_space, seed=len(case)):
+        theirs.add(*step)
+        mine.add(*step)
+        assert (mine.pos, mine.full, mine.size()) == (theirs.pos, theirs.full, theirs.size())
+    for draw in range(5):
+        np.random.seed(draw)
+        a = theirs.sample(32)
+        np.random.seed(draw)
+        b = mine.sample(32)
+        same(a, b)
+    if timeouts:  # the masking mattered: some sampled done was a time-limit end
+        np.random.seed(0)
+        assert (theirs.dones.sum() > 0) and (theirs.timeouts * theirs.dones).sum() > 0
+    inds = np.arange(theirs.size())  # every position, for all envs
+    np.random.seed(1)
+    a = theirs._get_samples(inds)
+    np.random.seed(1)
+    b = mine._get_samples(inds)
+    same(a, b)
+
+
+def test_dict_buffer_same_transitions(name: str, opened: list[Any]) -> None:
+    obs_space = spaces.Dict({"image": spaces.Box(0, 255, (3, 4), np.uint8), "vec": spaces.Box(-1, 1, (2,), np.float32)})
+    act_space = spaces.Box(-1, 1, (2,), np.float32)
+    theirs = buffers.DictReplayBuffer(10, obs_space, act_space, "cpu", n_envs=2)
+    mine = ours.DictReplayBuffer(10, obs_space, act_space, "cpu", n_envs=2, name=name)
+    opened.append(mine)
+    assert isinstance(mine, buffers.DictReplayBuffer)
+    for step in adds(2, 9, obs_space, act_space, seed=3):
+        theirs.add(*step)
+        mine.add(*step)
+    for draw in range(3):
+        np.random.seed(draw)
+        a = theirs.sample(16)
+        np.random.seed(draw)
+        same(a, mine.sample(16))
+
+
+def test_vec_normalize_is_applied(name: str, opened: list[Any]) -> None:
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    venv = VecNormalize(make_vec_env("CartPole-v1", n_envs=2, seed=0))
+    venv.reset()
+    for _ in range(20):
+        venv.step(np.array([0, 1]))
+    obs_space, act_space = venv.observation_space, venv.action_space
+    theirs = buffers.ReplayBuffer(16, obs_space, act_space, "cpu", n_envs=2)
+    mine = ours.ReplayBuffer(16, obs_space, act_space, "cpu", n_envs=2, name=name)
+    opened.append(mine)
+    for step in adds(2, 8, obs_space, act_space, seed=5):
+        theirs.add(*step)
+        mine.add(*step)
+    np.random.seed(4)
+    a = theirs.sample(8, env=venv)
+    np.random.seed(4)
+    b = mine.sample(8, env=venv)
+    same(a, b)
+    np.random.seed(4)
+    raw = mine.sample(8)
+    assert not torch.equal(raw.observations, b.observations)  # normalization did something
+    venv.close()
+
+
+def test_refusals(name: str) -> None:
+    box = spaces.Box(-1, 1, (4,), np.float32)
+    with pytest.raises(ValueError, match=r"optimize_memory_usage=True: .*compressed storage \(issue 11\).*does not exist yet"):
+        ours.ReplayBuffer(10, box, spaces.Discrete(2), optimize_memory_usage=True, handle_timeout_termination=False, name=name)
+    with pytest.raises(ValueError, match="DictReplayBuffer"):
+        ours.ReplayBuffer(10, spaces.Dict({"a": box}), spaces.Discrete(2), name=name)
+
+
+def test_pickle_keeps_the_rows_not_the_name(name: str, opened: list[Any]) -> None:
+    box = spaces.Box(-1, 1, (4,), np.float32)
+    mine = ours.ReplayBuffer(12, box, spaces.Discrete(3), "cpu", n_envs=2, name=name)
+    opened.append(mine)
+    for step in adds(2, 9, box, spaces.Discrete(3), seed=2):  # 9 steps into 6 slots per env: wrapped
+        mine.add(*step)
+    data = pickle.dumps(mine)
+    mine.close()  # the original is gone: the copy must not need it
+    assert name not in segment.list_names()
+    copy = pickle.loads(data)
+    opened.append(copy)
+    assert copy.buffer.name != name and copy.full and copy.size() == 6
+    theirs = buffers.ReplayBuffer(12, box, spaces.Discrete(3), "cpu", n_envs=2)
+    for step in adds(2, 9, box, spaces.Discrete(3), seed=2):
+        theirs.add(*step)
+    # the same rows at the same positions and envs: the copy's lanes start at SB3's position 0
+    # where the original's wrapped, so compare the sets of rows held
+    def held(rb: Any) -> set[tuple[float, ...]]:
+        np.random.seed(0)
+        s = rb._get_samples(np.repeat(np.arange(6), 40))
+        return set(map(tuple, torch.cat([s.observations, s.actions, s.rewards, s.dones], 1).tolist()))
+
+    assert held(copy) == held(theirs) and len(held(theirs)) == 12
+
+
+def test_model_save_and_load_replay_buffer(name: str, opened: list[Any], tmp_path: Any) -> None:
+    from stable_baselines3 import DQN
+
+    model = DQN("MlpPolicy", "CartPole-v1", buffer_size=500, learning_starts=50, replay_buffer_class=ours.ReplayBuffer,
+                replay_buffer_kwargs={"name": name}, seed=0, device="cpu")
+    opened.append(model.replay_buffer)
+    model.learn(120)
+    assert model.replay_buffer.buffer.name == name and model.replay_buffer.size() == 120
+    model.save_replay_buffer(tmp_path / "rb.pkl")
+    rows = model.replay_buffer.buffer.export()
+    other = DQN("MlpPolicy", "CartPole-v1", buffer_size=500, replay_buffer_class=ours.ReplayBuffer,
+                replay_buffer_kwargs={"name": name + "o"}, seed=0, device="cpu")
+    opened.append(other.replay_buffer)
+    other.load_replay_buffer(tmp_path / "rb.pkl")
+    opened.append(other.replay_buffer)
+    assert isinstance(other.replay_buffer, ours.ReplayBuffer) and other.replay_buffer.buffer.name not in (name, name + "o")
+    loaded = other.replay_buffer.buffer.export()
+    for key in ("obs", "action", "reward", "next_obs", "done", "timeouts"):
+        assert np.array_equal(loaded[key], rows[key]), key
+    buf = io.BytesIO()
+    pickle.dump(other.replay_buffer, buf)
+
+
+def test_other_processes_push_while_learning(name: str, opened: list[Any], procs: list[Any]) -> None:
+    """The reason for shared memory: a collector process pushes rows into the buffer DQN learns
+    from, while learn() runs; its rows are sampled and none is torn."""
+    from stable_baselines3 import DQN
+
+    model = DQN("MlpPolicy", "CartPole-v1", buffer_size=4000, learning_starts=100, train_freq=1,
+                replay_buffer_class=ours.ReplayBuffer, replay_buffer_kwargs={"name": name}, seed=0, device="cpu")
+    rb = model.replay_buffer
+    opened.append(rb)
+    col = sb.Collector(lambda: gym.make("CartPole-v1"), rb.buffer, workers=1,
+                       transition=lambda obs, action, reward, next_obs, terminated, truncated: {
+                           "obs": obs, "action": action[:, None], "reward": reward, "next_obs": next_obs,
+                           "done": terminated.astype(np.float32), "timeouts": np.zeros(len(obs), np.float32)})
+    try:
+        col.warm(200)
+        model.learn(300)
+        col.check()
+        pushed_by_collector = rb.buffer.stats["inserted"] - 300
+        assert pushed_by_collector >= 200
+        assert rb.size() == min(rb.buffer.stats["inserted"], 4000)
+        np.random.seed(0)
+        s = rb.sample(2000)
+        # every row is whole: CartPole's next_obs follows obs by one physics step (x += 0.02 * x_dot)
+        assert torch.allclose(s.next_observations[:, 0], s.observations[:, 0] + 0.02 * s.observations[:, 1], atol=1e-5)
+    finally:
+        col.stop()
+
+
+def _dqn_eval(replay_buffer_class: Any, kwargs: dict[str, Any], seed: int) -> float:
+    from stable_baselines3 import DQN
+    from stable_baselines3.common.evaluation import evaluate_policy
+
+    model = DQN("MlpPolicy", "CartPole-v1", learning_rate=1e-3, buffer_size=10_000, learning_starts=500,
+                batch_size=64, train_freq=4, target_update_interval=250, exploration_fraction=0.3,
+                exploration_final_eps=0.05, policy_kwargs={"net_arch": [64, 64]}, seed=seed, device="cpu",
+                replay_buffer_class=replay_buffer_class, replay_buffer_kwargs=kwargs)
+    model.learn(8_000)
+    mean, _ = evaluate_policy(model, model.get_env(), n_eval_episodes=10, deterministic=True)
+    if replay_buffer_class is not None:
+        model.replay_buffer.close()
+    return float(mean)
+
+
+def test_dqn_learns_the_same_as_with_sb3s_buffer(name: str) -> None:
+    """Same seeds, same hyperparameters, SB3's buffer and ours: since sampling consumes
+    np.random identically and returns the same transitions, training is the same run, so the
+    evaluation returns agree (torch's CPU kernels are deterministic here); and it did learn."""
+    torch.set_num_threads(1)
+    theirs = _dqn_eval(None, {}, seed=1)
+    mine = _dqn_eval(ours.ReplayBuffer, {"name": name}, seed=1)
+    assert mine == pytest.approx(theirs, rel=0.02, abs=2.0)
+    assert theirs > 9.5 * 2  # above a random policy's ~20: the comparison is between learners
