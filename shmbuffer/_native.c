@@ -357,44 +357,93 @@ done:
 }
 
 /* -- push ---------------------------------------------------------------------------------------- */
-/* put(slots, stamp, targets, offsets, sources, commit): source c (k rows of w bytes, C-contiguous,
- * already in the field's dtype) into the k slots of target c (a (capacity, row bytes) column, C-
- * contiguous) at byte offset c of each row; then, with commit, each slot's stamp from odd to
- * even with a release store (the copies become visible before the commit). Everything is checked
- * before the first byte is copied. */
+/* slots from `where`: an int (the first of k consecutive slots) or a buffer of k int64 slots;
+ * all checked to lie in [0, capacity) */
+static int read_slots(PyObject *where, Py_ssize_t k, Py_ssize_t capacity, Py_buffer *kb, int *have, int64_t *first) {
+    *have = 0;
+    if (PyLong_Check(where)) {
+        long long s = PyLong_AsLongLong(where);
+        if (s == -1 && PyErr_Occurred()) return -1;
+        if (k < 0 || s < 0 || s + k > capacity) {
+            PyErr_Format(PyExc_IndexError, "slots %lld..%lld are outside the ring's %zd slots", s, s + k, capacity);
+            return -1;
+        }
+        *first = s;
+        return 0;
+    }
+    if (get_buf(where, kb, 0, 8, "slots") < 0) return -1;
+    *have = 1;
+    if (kb->len / 8 != k) {
+        PyErr_SetString(PyExc_ValueError, "slots: expected k slots");
+        PyBuffer_Release(kb);
+        *have = 0;
+        return -1;
+    }
+    const int64_t *slots = (const int64_t *)kb->buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (slots[i] < 0 || slots[i] >= capacity) {
+            PyErr_Format(PyExc_IndexError, "slot %lld is outside the ring's %zd slots", (long long)slots[i], capacity);
+            PyBuffer_Release(kb);
+            *have = 0;
+            return -1;
+        }
+    }
+    return 0;
+}
+
+#define SLOT(i) (slots ? slots[i] : first + (int64_t)(i))
+
+/* put(where, k, stamp, targets, offsets, formats, sources, commit) -> bool: source c (k rows of w
+ * bytes, C-contiguous) into the k slots (`where`: the first of consecutive slots, or k int64
+ * slots) of target c (a (capacity, row bytes) column, C-contiguous) at byte offset c of each row;
+ * then, with commit, each slot's stamp from odd to even with a release store (the copies become
+ * visible before the commit). With formats (a tuple of buffer format strings, or None) a source
+ * of another format returns False before anything is copied (the caller casts). Everything is
+ * checked before the first byte is copied; bad sizes raise. */
 static PyObject *put(PyObject *self, PyObject *args) {
-    PyObject *slots_o, *stamp_o, *dst_o, *off_o, *src_o;
+    PyObject *where_o, *stamp_o, *dst_o, *off_o, *fmt_o, *src_o;
+    Py_ssize_t k;
     int commit;
-    if (!PyArg_ParseTuple(args, "OOO!O!O!p", &slots_o, &stamp_o, &PyTuple_Type, &dst_o, &PyTuple_Type, &off_o,
-                          &PyTuple_Type, &src_o, &commit))
+    if (!PyArg_ParseTuple(args, "OnOO!O!OO!p", &where_o, &k, &stamp_o, &PyTuple_Type, &dst_o, &PyTuple_Type, &off_o,
+                          &fmt_o, &PyTuple_Type, &src_o, &commit))
         return NULL;
     Py_ssize_t ncols = PyTuple_GET_SIZE(src_o);
-    if (ncols != PyTuple_GET_SIZE(dst_o) || ncols != PyTuple_GET_SIZE(off_o) || ncols > MAX_COLS) {
-        PyErr_SetString(PyExc_ValueError, "put: expected as many targets and offsets as sources (at most 64)");
+    if (ncols != PyTuple_GET_SIZE(dst_o) || ncols != PyTuple_GET_SIZE(off_o) || ncols > MAX_COLS ||
+        (fmt_o != Py_None && (!PyTuple_Check(fmt_o) || PyTuple_GET_SIZE(fmt_o) != ncols))) {
+        PyErr_SetString(PyExc_ValueError, "put: expected as many targets, offsets (and formats) as sources (at most 64)");
         return NULL;
     }
     Py_buffer kb, stb, src[MAX_COLS], dst[MAX_COLS];
     Py_ssize_t got = 0;
     PyObject *result = NULL;
-    if (get_buf(slots_o, &kb, 0, 8, "slots") < 0) return NULL;
-    if (get_buf(stamp_o, &stb, 1, 8, "stamp") < 0) { PyBuffer_Release(&kb); return NULL; }
-    Py_ssize_t k = kb.len / 8, capacity = stb.len / 8;
-    const int64_t *slots = (const int64_t *)kb.buf;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        if (slots[i] < 0 || slots[i] >= capacity) {
-            PyErr_Format(PyExc_IndexError, "put: slot %lld is outside the ring's %zd slots", (long long)slots[i], capacity);
-            goto done;
-        }
-    }
+    int have = 0, cast = 0;
+    int64_t first = 0;
+    if (get_buf(stamp_o, &stb, 1, 8, "stamp") < 0) return NULL;
+    Py_ssize_t capacity = stb.len / 8;
+    if (read_slots(where_o, k, capacity, &kb, &have, &first) < 0) { PyBuffer_Release(&stb); return NULL; }
+    const int64_t *slots = have ? (const int64_t *)kb.buf : NULL;
     Py_ssize_t width[MAX_COLS], row[MAX_COLS], offset[MAX_COLS];
     size_t total = 0;
     for (; got < ncols; got++) {
         offset[got] = PyLong_AsSsize_t(PyTuple_GET_ITEM(off_o, got));
         if (offset[got] == -1 && PyErr_Occurred()) goto done;
         if (get_buf(PyTuple_GET_ITEM(dst_o, got), &dst[got], 1, 0, "put target") < 0) goto done;
-        if (get_buf(PyTuple_GET_ITEM(src_o, got), &src[got], 0, 0, "put source") < 0) {
+        PyObject *s = PyTuple_GET_ITEM(src_o, got);
+        if (PyObject_GetBuffer(s, &src[got], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            PyErr_Clear();
             PyBuffer_Release(&dst[got]);
-            goto done;
+            cast = 1; /* not a contiguous buffer: the caller makes one */
+            break;
+        }
+        if (fmt_o != Py_None) {
+            PyObject *want = PyTuple_GET_ITEM(fmt_o, got);
+            const char *f = src[got].format ? src[got].format : "B";
+            if (!PyBytes_Check(want) || strcmp(f, PyBytes_AS_STRING(want)) != 0) {
+                PyBuffer_Release(&src[got]);
+                PyBuffer_Release(&dst[got]);
+                cast = 1;
+                break;
+            }
         }
         row[got] = dst[got].len / capacity;
         width[got] = k ? src[got].len / k : 0;
@@ -408,6 +457,11 @@ static PyObject *put(PyObject *self, PyObject *args) {
         }
         total += (size_t)width[got] * (size_t)k;
     }
+    if (cast) {
+        result = Py_False;
+        Py_INCREF(result);
+        goto done;
+    }
     {
         int64_t *stamp = (int64_t *)stb.buf;
         PyThreadState *ts = NULL;
@@ -420,43 +474,145 @@ static PyObject *put(PyObject *self, PyObject *args) {
                 Py_ssize_t i = 0;
                 while (i < k) {
                     Py_ssize_t j = i + 1;
-                    while (j < k && slots[j] == slots[j - 1] + 1) j++;
-                    memcpy(to + (size_t)slots[i] * r, from + (size_t)i * w, (size_t)(j - i) * w);
+                    while (j < k && SLOT(j) == SLOT(j - 1) + 1) j++;
+                    memcpy(to + (size_t)SLOT(i) * r, from + (size_t)i * w, (size_t)(j - i) * w);
                     i = j;
                 }
             } else if (w == 4) {
-                for (Py_ssize_t i = 0; i < k; i++) memcpy(to + (size_t)slots[i] * r, from + (size_t)i * 4, 4);
+                for (Py_ssize_t i = 0; i < k; i++) memcpy(to + (size_t)SLOT(i) * r, from + (size_t)i * 4, 4);
             } else if (w == 8) {
-                for (Py_ssize_t i = 0; i < k; i++) memcpy(to + (size_t)slots[i] * r, from + (size_t)i * 8, 8);
+                for (Py_ssize_t i = 0; i < k; i++) memcpy(to + (size_t)SLOT(i) * r, from + (size_t)i * 8, 8);
             } else {
-                for (Py_ssize_t i = 0; i < k; i++) memcpy(to + (size_t)slots[i] * r, from + (size_t)i * w, w);
+                for (Py_ssize_t i = 0; i < k; i++) memcpy(to + (size_t)SLOT(i) * r, from + (size_t)i * w, w);
             }
         }
         if (commit) {
             for (Py_ssize_t i = 0; i < k; i++) {
-                int64_t s = __atomic_load_n(&stamp[slots[i]], __ATOMIC_RELAXED);
-                __atomic_store_n(&stamp[slots[i]], s + 1, __ATOMIC_RELEASE);
+                int64_t st = __atomic_load_n(&stamp[SLOT(i)], __ATOMIC_RELAXED);
+                __atomic_store_n(&stamp[SLOT(i)], st + 1, __ATOMIC_RELEASE);
             }
         }
         if (ts) PyEval_RestoreThread(ts);
     }
-    result = Py_None;
+    result = Py_True;
     Py_INCREF(result);
 done:
     for (Py_ssize_t c = 0; c < got; c++) {
         PyBuffer_Release(&src[c]);
         PyBuffer_Release(&dst[c]);
     }
-    PyBuffer_Release(&kb);
+    if (have) PyBuffer_Release(&kb);
     PyBuffer_Release(&stb);
     return result;
+}
+
+/* reserve(stamp, owner, first, k, n0, writer) -> bool: under the ring's lock, the k consecutive
+ * slots from `first` for rows n0.. : False (nothing written) if one of them is odd (being
+ * written: the caller's lapping rules decide); else each slot's owner, then its stamp 2n + 1. */
+static PyObject *reserve(PyObject *self, PyObject *args) {
+    PyObject *stamp_o, *owner_o;
+    Py_ssize_t k;
+    long long first, n0, writer;
+    if (!PyArg_ParseTuple(args, "OOLnLL", &stamp_o, &owner_o, &first, &k, &n0, &writer)) return NULL;
+    Py_buffer stb, ob;
+    if (get_buf(stamp_o, &stb, 1, 8, "stamp") < 0) return NULL;
+    if (get_buf(owner_o, &ob, 1, 2, "owner") < 0) { PyBuffer_Release(&stb); return NULL; }
+    PyObject *result = NULL;
+    Py_ssize_t capacity = stb.len / 8;
+    if (ob.len / 2 != capacity || k < 0 || first < 0 || first + k > capacity || n0 < 0 || n0 > (INT64_MAX / 2 - k - 1) ||
+        writer < 0 || writer > 65535) {
+        PyErr_SetString(PyExc_ValueError, "reserve: slots, rows or writer out of range");
+        goto done;
+    }
+    {
+        int64_t *stamp = (int64_t *)stb.buf + first;
+        uint16_t *owner = (uint16_t *)ob.buf + first;
+        int64_t odd = 0;
+        for (Py_ssize_t i = 0; i < k; i++) odd |= __atomic_load_n(&stamp[i], __ATOMIC_RELAXED);
+        if (odd & 1) {
+            result = Py_False;
+        } else {
+            for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&owner[i], (uint16_t)writer, __ATOMIC_RELAXED);
+            for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&stamp[i], 2 * (n0 + i) + 1, __ATOMIC_RELEASE);
+            result = Py_True;
+        }
+        Py_INCREF(result);
+    }
+done:
+    PyBuffer_Release(&stb);
+    PyBuffer_Release(&ob);
+    return result;
+}
+
+/* check(data, names, formats, shapes) -> (k, single) or None: the fast path of a push's checks.
+ * When data is a dict of exactly these names, each value a C-contiguous buffer of the field's
+ * format and of its shape (one row) or (k, *shape) (k >= 1 rows, the same k and form for all),
+ * the rows need no cast nor reshape; otherwise None (the schema's full check runs). */
+static PyObject *check(PyObject *self, PyObject *args) {
+    PyObject *data, *names, *formats, *shapes;
+    if (!PyArg_ParseTuple(args, "O!O!O!O!", &PyDict_Type, &data, &PyTuple_Type, &names, &PyTuple_Type, &formats,
+                          &PyTuple_Type, &shapes))
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(names);
+    if (PyTuple_GET_SIZE(formats) != n || PyTuple_GET_SIZE(shapes) != n) {
+        PyErr_SetString(PyExc_ValueError, "check: expected a format and a shape per name");
+        return NULL;
+    }
+    if (PyDict_GET_SIZE(data) != n) Py_RETURN_NONE;
+    Py_ssize_t k = -1;
+    int single = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyDict_GetItemWithError(data, PyTuple_GET_ITEM(names, i));
+        if (!v) {
+            if (PyErr_Occurred()) return NULL;
+            Py_RETURN_NONE;
+        }
+        PyObject *fmt = PyTuple_GET_ITEM(formats, i), *shape = PyTuple_GET_ITEM(shapes, i);
+        if (!PyBytes_Check(fmt) || !PyTuple_Check(shape)) {
+            PyErr_SetString(PyExc_TypeError, "check: formats are bytes, shapes tuples");
+            return NULL;
+        }
+        if (!PyObject_CheckBuffer(v)) Py_RETURN_NONE;
+        Py_buffer b;
+        if (PyObject_GetBuffer(v, &b, PyBUF_RECORDS_RO) < 0) {
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        int fits = PyBuffer_IsContiguous(&b, 'C') && b.format && strcmp(b.format, PyBytes_AS_STRING(fmt)) == 0;
+        Py_ssize_t m = PyTuple_GET_SIZE(shape), kk = -1;
+        int one = -1;
+        if (fits && (b.ndim == m || b.ndim == m + 1)) {
+            Py_ssize_t lead = b.ndim - m;
+            for (Py_ssize_t j = 0; j < m && fits; j++) {
+                Py_ssize_t want = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, j));
+                if (want == -1 && PyErr_Occurred()) { PyBuffer_Release(&b); return NULL; }
+                fits = b.shape[lead + j] == want;
+            }
+            one = lead == 0;
+            kk = one ? 1 : b.shape[0];
+        } else {
+            fits = 0;
+        }
+        PyBuffer_Release(&b);
+        if (!fits || kk < 1) Py_RETURN_NONE;
+        if (k < 0) {
+            k = kk;
+            single = one;
+        } else if (k != kk || single != one) {
+            Py_RETURN_NONE;
+        }
+    }
+    if (k < 1) Py_RETURN_NONE;
+    return Py_BuildValue("(nO)", k, single ? Py_True : Py_False);
 }
 
 static PyMethodDef methods[] = {
     {"tree_find", tree_find, METH_VARARGS, "tree_find(sums, plan, capacity, mass, out): SumTree.find into out (int64)."},
     {"tree_update", tree_update, METH_VARARGS, "tree_update(sums, mins, plan, capacity, slots, values): SumTree.update."},
     {"gather", gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok): rows with the stamp check."},
-    {"put", put, METH_VARARGS, "put(slots, stamp, targets, offsets, sources, commit): a push's copies and its commit."},
+    {"put", put, METH_VARARGS, "put(where, k, stamp, targets, offsets, formats, sources, commit) -> bool: a push's copies, its commit."},
+    {"reserve", reserve, METH_VARARGS, "reserve(stamp, owner, first, k, n0, writer) -> bool: mark consecutive slots odd."},
+    {"check", check, METH_VARARGS, "check(data, names, formats, shapes) -> (k, single) or None: a push's fast checks."},
     {NULL, NULL, 0, NULL},
 };
 

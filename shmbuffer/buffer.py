@@ -377,7 +377,8 @@ class ReplayBuffer:
             fields = dict(fields)
             priority = fields.pop("priority")
         ring = self.ring
-        k, arrays = self.schema.validate(fields)
+        fast = self._copier.check(fields)  # arrays of the fields' dtypes and shapes (ring.Copier)
+        k, arrays = fast if fast is not None else self.schema.validate(fields)
         given = lane is not None
         if not given:
             lane = self._default_lane(k)

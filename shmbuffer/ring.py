@@ -139,21 +139,15 @@ class Reservation:
         return 2 * self.n + 2
 
 
-def _exported(dtype: np.dtype) -> bool:
-    """Whether arrays of ``dtype`` export the buffer protocol (datetimes, for one, do not)."""
-    try:
-        memoryview(np.empty(1, dtype))  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
 class Copier:
-    """A push's copies as one C call (``native.py``): each field's rows into the reserved slots of
-    its column (the packed record at the field's offset, or its own column), and the episode ids
-    with them; the caller then calls ``Ring.commit``. ``lib`` is ``None`` without the extension
-    (or when a column is not C-contiguous, or a dtype cannot be passed as a buffer): the caller
-    copies with numpy."""
+    """A push's checks and copies as C calls (``native.py``). ``check`` is the fast path of the
+    schema's checks: a dict of exactly the fields, each a C-contiguous array of the field's dtype
+    and shape (one row) or ``(k, *shape)``, needs no cast nor reshape; anything else is left to
+    ``Schema.validate``. ``put`` copies each field's rows into the reserved slots of its column
+    (the packed record at the field's offset, or its own column) and the episode ids with them;
+    the caller then calls ``Ring.commit``. ``lib`` is ``None`` without the extension (or when a
+    column is not C-contiguous, or a dtype cannot be passed as a buffer): the caller copies with
+    numpy."""
 
     def __init__(self, block: Block) -> None:
         targets: dict[str, tuple[np.ndarray, int, np.dtype]] = {}
@@ -167,33 +161,61 @@ class Copier:
         """The block's field views it was made for: a caller whose block names others copies with numpy."""
         self.episode = block.episode
         self.stamp = block.stamp
-        columns = [t for t, _, _ in targets.values()] + [self.stamp]
+        self.names = tuple(targets)
+        self.columns = tuple(targets[n][0] for n in self.names)
+        self.offsets = tuple(targets[n][1] for n in self.names)
+        self.shapes = tuple(tuple(int(d) for d in self.fields[n].shape[1:]) for n in self.names)
+        columns = [*self.columns, self.stamp]
         if self.episode is not None:
             columns.append(self.episode)
-        self.lib = native.lib if all(c.flags.c_contiguous for c in columns) and all(
-            _exported(np.dtype(dtype)) for _, _, dtype in targets.values()) else None
+        formats = [_format(np.dtype(targets[n][2])) for n in self.names]
+        usable = all(c.flags.c_contiguous for c in columns) and all(f is not None for f in formats)
+        self.formats = tuple(f or b"" for f in formats)
+        self.lib = native.lib if usable else None
+
+    def check(self, data: object) -> tuple[int, dict[str, np.ndarray]] | None:
+        """``(k, rows)`` when ``data`` passes the fast checks (one row's arrays keep their shape,
+        without a leading dimension), else ``None``."""
+        lib = self.lib
+        if lib is None or type(data) is not dict:
+            return None
+        got = lib.check(data, self.names, self.formats, self.shapes)
+        return None if got is None else (got[0], data)
 
     def put(self, res: Reservation, arrays: dict[str, np.ndarray], episodes: np.ndarray | None) -> None:
-        """Copy ``arrays`` (``(k, *shape)`` each, checked by the schema; cast here as numpy's
-        assignment would) and ``episodes`` into ``res``'s slots."""
+        """Copy ``arrays`` (checked by the schema or by ``check``; cast here as numpy's assignment
+        would) and ``episodes`` into ``res``'s slots."""
         lib = self.lib
         assert lib is not None
         where = res.where
-        slots = np.arange(where.start, where.stop) if isinstance(where, slice) else where
-        k = slots.shape[0]
-        cols, offsets, sources = [], [], []
-        for name, a in arrays.items():
-            col, offset, dtype = self.targets[name]
-            if a.dtype != dtype or not a.flags.c_contiguous:
-                a = np.ascontiguousarray(a, dtype=dtype)
-            cols.append(col)
-            offsets.append(offset)
-            sources.append(a)
+        at, k = (where.start, where.stop - where.start) if isinstance(where, slice) else (where, where.shape[0])
+        names = self.names
+        sources = tuple([arrays[n] for n in names])
+        cols, offsets, formats = self.columns, self.offsets, self.formats
         if episodes is not None and self.episode is not None:
-            cols.append(self.episode)
-            offsets.append(0)
-            sources.append(np.ascontiguousarray(np.broadcast_to(np.asarray(episodes, dtype=np.int64), (k,))))
-        lib.put(slots, self.stamp, tuple(cols), tuple(offsets), tuple(sources), False)
+            e = np.ascontiguousarray(np.broadcast_to(np.asarray(episodes, dtype=np.int64), (k,)))
+            sources = (*sources, e)
+            cols = (*cols, self.episode)
+            offsets = (*offsets, 0)
+            formats = (*formats, _format(e.dtype) or b"")
+        if lib.put(at, k, self.stamp, cols, offsets, formats, sources, False):
+            return
+        # some source needs a cast or a contiguous copy (``Schema.validate`` casts nothing)
+        cast = []
+        for name, a in zip(names, sources, strict=False):
+            dtype = self.targets[name][2]
+            cast.append(np.ascontiguousarray(np.broadcast_to(np.asarray(a, dtype=dtype), (k, *self.fields[name].shape[1:]))))
+        sources = (*cast, *sources[len(names):])
+        if not lib.put(at, k, self.stamp, cols, offsets, formats, sources, False):
+            raise AssertionError("put: a source still differs from its column after the cast")
+
+
+def _format(dtype: np.dtype) -> bytes | None:
+    """The buffer-protocol format of ``dtype``, or ``None`` when it has none (datetimes)."""
+    try:
+        return memoryview(np.empty(0, dtype)).format.encode()  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
 
 
 class Ring:
@@ -337,6 +359,12 @@ class Ring:
             n0 = max(cur[8 * lane + _CURSOR], cur[8 * lane + _BASE])
             n = np.arange(n0, n0 + k)
             s0 = n0 % lc
+            lib = native.lib
+            if lib is not None and s0 + k <= lc and lib.reserve(self.stamp, self.owner, lane * lc + s0, k, n0, w):
+                # no slot odd: owners, then odd stamps, in one C call (the lapping rules below otherwise)
+                cur[8 * lane + _CURSOR] = n0 + k
+                self._count[_INSERTED] += k
+                return Reservation(slice(lane * lc + s0, lane * lc + s0 + k), n, lane, self.lanes)
             where = slice(lane * lc + s0, lane * lc + s0 + k) if s0 + k <= lc else lane * lc + n % lc
         stamps = self.stamp[where]
         if (stamps[0] if k == 1 else np.bitwise_or.reduce(stamps)) & 1:  # some slot is odd: being written
@@ -362,8 +390,10 @@ class Ring:
         lib = native.lib
         if lib is not None and self.stamp.flags.c_contiguous:
             where = res.where
-            slots = np.arange(where.start, where.stop) if isinstance(where, slice) else where
-            lib.put(slots, self.stamp, (), (), (), True)
+            if isinstance(where, slice):
+                lib.put(where.start, where.stop - where.start, self.stamp, (), (), None, (), True)
+            else:
+                lib.put(where, where.shape[0], self.stamp, (), (), None, (), True)
         else:
             self.stamp[res.where] += 1
 

@@ -293,25 +293,67 @@ def test_push_native_equals_python(make: Make, name: str, monkeypatch: pytest.Mo
 
 
 @needs_lib
-def test_put_refuses_bad_input(make: Make, name: str) -> None:
+def test_put_reserve_and_check_refuse_bad_input(make: Make, name: str) -> None:
     assert LIB is not None
     buf = make(MUJOCO, capacity=10, name=name)
-    packed, stamp = buf.block.packed, buf.block.stamp
+    packed, stamp, owner = buf.block.packed, buf.block.stamp, buf.ring.owner
     assert packed is not None
-    before = (packed.copy(), stamp.copy())
+    before = (packed.copy(), stamp.copy(), owner.copy())
     src = np.zeros((2, 4), np.uint8)
-    for slots, offset in (([0, 10], 0), ([-1, 0], 0), ([0, 1], packed.shape[1] - 3), ([0, 1], -1)):
+    for where, offset in (([0, 10], 0), ([-1, 0], 0), ([0, 1], packed.shape[1] - 3), ([0, 1], -1), (9, 0), (-1, 0)):
+        slots: Any = np.array(where, np.int64) if isinstance(where, list) else where
         with pytest.raises((IndexError, ValueError)):
-            LIB.put(np.array(slots, np.int64), stamp, (packed,), (offset,), (src,), True)
-    with pytest.raises(ValueError):  # a source of 3 rows for 2 slots
-        LIB.put(np.array([0, 1], np.int64), stamp, (packed,), (0,), (np.zeros((3, 3), np.uint8),), True)
+            LIB.put(slots, 2, stamp, (packed,), (offset,), None, (src,), True)
+    with pytest.raises(ValueError):  # 9 bytes are not 2 rows
+        LIB.put(0, 2, stamp, (packed,), (0,), None, (np.zeros((3, 3), np.uint8),), True)
+    with pytest.raises(ValueError):  # k slots expected
+        LIB.put(np.array([0, 1, 2], np.int64), 2, stamp, (packed,), (0,), None, (src,), True)
     with pytest.raises(ValueError):
-        LIB.put(np.array([0, 1], np.int64), stamp, (packed,), (), (src,), True)
+        LIB.put(0, 2, stamp, (packed,), (), None, (src,), True)
+    with pytest.raises(ValueError):  # a format per source
+        LIB.put(0, 2, stamp, (packed,), (0,), (), (src,), True)
     readonly = packed.copy()
     readonly.flags.writeable = False
     with pytest.raises(TypeError):
-        LIB.put(np.array([0, 1], np.int64), stamp, (readonly,), (0,), (src,), True)
-    assert np.array_equal(packed, before[0]) and np.array_equal(stamp, before[1])
+        LIB.put(0, 2, stamp, (readonly,), (0,), None, (src,), True)
+    # a source of another format, or not contiguous: False, nothing copied (the caller casts)
+    assert LIB.put(0, 2, stamp, (packed,), (0,), (b"f",), (src,), True) is False
+    assert LIB.put(0, 2, stamp, (packed,), (0,), None, (np.zeros((2, 8), np.uint8)[:, ::2],), True) is False
+    for args in ((-1, 2, 0, 0), (9, 2, 0, 0), (0, 2, -1, 0), (0, 2, 0, 70_000), (0, 2, 2 ** 62, 0)):
+        with pytest.raises(ValueError):
+            LIB.reserve(stamp, owner, *args)
+    with pytest.raises(TypeError):
+        LIB.reserve(stamp, owner.astype(np.int64), 0, 1, 0, 0)
+    assert np.array_equal(packed, before[0]) and np.array_equal(stamp, before[1]) and np.array_equal(owner, before[2])
+    stamp[3] = 7  # being written: reserve leaves everything alone
+    assert LIB.reserve(stamp, owner, 2, 3, 50, 5) is False and owner[2:5].tolist() == [0, 0, 0]
+    assert LIB.reserve(stamp, owner, 4, 2, 50, 5) is True
+    assert stamp[4:6].tolist() == [101, 103] and owner[4:6].tolist() == [5, 5]
+    stamp[:] = 0
+
+
+@needs_lib
+def test_fast_checks_take_exactly_what_validate_takes_unchanged(make: Make, name: str) -> None:
+    """``Copier.check`` accepts only rows that ``Schema.validate`` would pass through as they are
+    (the fields' dtypes and shapes, contiguous); anything else goes to ``validate``."""
+    buf = make(MUJOCO, capacity=10, name=name)
+    copier = buf._copier
+    rows = {k: np.ascontiguousarray(v) for k, v in transition(0, 3).items()}
+    assert copier.check(rows) == (3, rows)
+    one = {k: v[0] for k, v in rows.items()}
+    assert copier.check(one) == (1, one)
+    assert copier.check({**rows, "done": rows["done"][:2]}) is None  # ragged
+    assert copier.check({**rows, "done": one["done"]}) is None  # one row and 3 rows
+    assert copier.check({**rows, "obs": rows["obs"].astype(np.float64)}) is None  # a cast
+    assert copier.check({**rows, "obs": np.asfortranarray(np.zeros((3, 17), np.float32))[:, ::-1]}) is None
+    assert copier.check({**rows, "obs": rows["obs"][:, :16]}) is None  # a wrong shape
+    assert copier.check({**rows, "obs": rows["obs"].tolist()}) is None  # not an array
+    assert copier.check({k: v for k, v in rows.items() if k != "done"}) is None  # a missing field
+    assert copier.check({**rows, "extra": rows["done"]}) is None
+    assert copier.check({k: v[:0] for k, v in rows.items()}) is None  # no rows: validate's case
+    with pytest.raises(sb.FieldError):  # and validate still raises what it raised
+        buf.push({**rows, "obs": rows["obs"][:, :16]})
+    assert len(buf) == 0
 
 
 @needs_lib
@@ -320,6 +362,8 @@ def test_a_native_copy_that_fails_gives_the_rows_back(make: Make, name: str, mon
     buf.push(transition(0, 4))
 
     class Failing:
+        check = staticmethod(LIB.check)  # type: ignore[union-attr]
+
         def put(self, *args: Any) -> None:
             raise KeyboardInterrupt
 
