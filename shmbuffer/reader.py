@@ -73,7 +73,9 @@ class Source(Protocol):
 def intact(first: np.ndarray, second: np.ndarray, expected: np.ndarray) -> np.ndarray:
     """The rule: a copied row counts when the stamps read before and after it both equal the
     stamp its row must show."""
-    return (first == expected) & (second == expected)
+    ok = first == expected
+    ok &= second == expected
+    return ok
 
 
 @dataclass
@@ -121,7 +123,7 @@ def gather(
     packed = block.packed
     if packed is not None:
         packed = packed.take(slots, axis=0) if out is None else packed.take(slots, axis=0, out=out["_block"])
-    cols = {n: c for n, c in block.large.items() if large is None or n in large}
+    cols = block.large if large is None else {n: c for n, c in block.large.items() if n in large}
     if out is None:
         got = {n: c.take(slots, axis=0) for n, c in cols.items()}
     else:
@@ -191,12 +193,14 @@ def _gather_native(
 def fetch(
     block: Block, ring: Ring, ids: np.ndarray, redraw: Redraw, *, reap: Callable[[], object],
     values: np.ndarray | None = None, accept: Accept | None = None, unique: bool = False,
-    claim: Claim | None = None, out: dict[str, np.ndarray] | None = None, what: str = "sample",
+    claim: Claim | None = None, out: dict[str, np.ndarray] | None = None, what: str | Callable[[], str] = "sample",
 ) -> tuple[np.ndarray, Rows, np.ndarray | None]:
     """Read ``ids`` (``(n,)`` rows or ``(n, width)`` windows) and re-draw every unit that is not
     accepted (default: every row intact) until all are; returns the final ids, rows and values
     (``values`` are the draw's per-unit numbers, e.g. tree leaves, re-drawn along)."""
     rows = gather(block, ring, ids, out=out)
+    if accept is None and claim is None and not unique and rows.ok.all():
+        return ids, rows, values  # the usual case: every row intact at once
 
     def rejected(ids: np.ndarray, rows: Rows) -> np.ndarray:
         keep = accept(ids, rows) if accept is not None else rows.ok
@@ -215,7 +219,7 @@ def fetch(
                 reap()
             elif rounds > REDRAW_ROUNDS and time.monotonic() > deadline:
                 raise WaitTimeout(
-                    f"{what}: {bad.size} of {ids.shape[0]} could not be drawn in {GIVE_UP:.0f} s "
+                    f"{what() if callable(what) else what}: {bad.size} of {ids.shape[0]} could not be drawn in {GIVE_UP:.0f} s "
                     f"({rounds} rounds): rows are being written or used up"
                 )
             new, more = redraw(bad.size, ids, rounds > REDRAW_ROUNDS)
@@ -256,18 +260,22 @@ def assemble(block: Block, ids: np.ndarray, rows: Rows, extras: dict[str, np.nda
     """The batch of ``rows`` read for ``ids``: fields in schema order (the small ones views of the
     packed block), ``index`` and, with episodes, ``episode``; windows ``(n, T)`` keep that lead."""
     lead = ids.shape
-    packed = rows.packed.reshape(-1, rows.packed.shape[-1]) if rows.packed is not None else None
+    packed = rows.packed
+    windows = len(lead) > 1
+    if packed is not None and windows:
+        packed = packed.reshape(-1, packed.shape[-1])
     small = block.record.views(packed) if packed is not None else {}
-    fields = {}
-    for name in block.schema.names:
-        a = small[name] if name in small else rows.large[name]
-        fields[name] = a.reshape(*lead, *a.shape[1:]) if name in small and len(lead) > 1 else a
+    large = rows.large
+    if windows:
+        small = {name: a.reshape(*lead, *a.shape[1:]) for name, a in small.items()}
+    fields = {name: small[name] if name in small else large[name] for name in block.schema.names}
     more: dict[str, np.ndarray] = {"index": ids}
     if rows.episode is not None:
         more["episode"] = rows.episode
-    more.update(extras or {})
+    if extras:
+        more.update(extras)
     return Batch(fields, more, block=packed, record=block.record if packed is not None else None,
-                 lead=lead if len(lead) > 1 else None)
+                 lead=lead if windows else None)
 
 
 # -- reads a buffer serves with these ------------------------------------------------------------
@@ -295,7 +303,7 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
     counting = prios is not None and prios.uses is not None
     ids, rows, leaves = fetch(src.block, ring, first.ids, redraw, reap=src.reap, values=first.leaves,
                               unique=not replace, claim=(lambda ids, at: claim(src, ids, at)) if counting else None,
-                              out=out, what=f"sample({n}) of buffer {src.name!r}")
+                              out=out, what=lambda: f"sample({n}) of buffer {src.name!r}")
     weight = sampler.weights(tree, leaves, calls)
     return assemble(src.block, ids, rows, {"weight": weight} if weight is not None else None)
 
