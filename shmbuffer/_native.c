@@ -544,6 +544,88 @@ done:
     return result;
 }
 
+/* reserve_lanes(cursors, stamp, owner, lane, writer, n, slots) -> bool: under the ring's lock, one
+ * row in each lane of `lane` (k int64 lane numbers): row numbers from each lane's
+ * max(cursor, base) in order (into n), their slots (into slots); False (nothing written) if one
+ * of the slots is odd (being written: the caller's lapping rules decide); else owners, odd
+ * stamps 2n + 1, then every lane's cursor to max(cursor, base) + its rows (ring.py's order:
+ * stamps odd before the cursor moves). cursors is the (lanes, 8) int64 _lanes column. */
+static PyObject *reserve_lanes(PyObject *self, PyObject *args) {
+    PyObject *cur_o, *stamp_o, *owner_o, *lane_o, *n_o, *slots_o;
+    long long writer;
+    if (!PyArg_ParseTuple(args, "OOOOLOO", &cur_o, &stamp_o, &owner_o, &lane_o, &writer, &n_o, &slots_o)) return NULL;
+    Py_buffer cb, stb, ob, lb, nb, sb;
+    int held = 0;
+    PyObject *result = NULL;
+    int64_t *base = NULL;
+    if (get_buf(cur_o, &cb, 1, 8, "cursors") < 0) return NULL;
+    held++;
+    if (get_buf(stamp_o, &stb, 1, 8, "stamp") < 0) goto done;
+    held++;
+    if (get_buf(owner_o, &ob, 1, 2, "owner") < 0) goto done;
+    held++;
+    if (get_buf(lane_o, &lb, 0, 8, "lane") < 0) goto done;
+    held++;
+    if (get_buf(n_o, &nb, 1, 8, "n") < 0) goto done;
+    held++;
+    if (get_buf(slots_o, &sb, 1, 8, "slots") < 0) goto done;
+    held++;
+    {
+        Py_ssize_t lanes = cb.len / 64, capacity = stb.len / 8, k = lb.len / 8;
+        if (lanes <= 0 || cb.len % 64 || capacity % lanes || ob.len / 2 != capacity || nb.len / 8 != k ||
+            sb.len / 8 != k || writer < 0 || writer > 65535) {
+            PyErr_SetString(PyExc_ValueError, "reserve_lanes: arrays of inconsistent sizes, or a writer out of range");
+            goto done;
+        }
+        int64_t lc = capacity / lanes;
+        int64_t *cur = (int64_t *)cb.buf, *stamp = (int64_t *)stb.buf, *n = (int64_t *)nb.buf, *slots = (int64_t *)sb.buf;
+        const int64_t *lane = (const int64_t *)lb.buf;
+        uint16_t *owner = (uint16_t *)ob.buf;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            if (lane[i] < 0 || lane[i] >= lanes) {
+                PyErr_Format(PyExc_ValueError, "reserve_lanes: lane %lld is outside [0, %zd)", (long long)lane[i], lanes);
+                goto done;
+            }
+        }
+        base = (int64_t *)PyMem_Calloc((size_t)lanes * 2, sizeof(int64_t));
+        if (!base) { PyErr_NoMemory(); goto done; }
+        int64_t *count = base + lanes;
+        for (Py_ssize_t l = 0; l < lanes; l++) {
+            int64_t c = __atomic_load_n(&cur[8 * l + 0], __ATOMIC_RELAXED), b = __atomic_load_n(&cur[8 * l + 1], __ATOMIC_RELAXED);
+            base[l] = c > b ? c : b;
+            if (base[l] < 0 || base[l] > INT64_MAX / 4) {
+                PyErr_SetString(PyExc_ValueError, "reserve_lanes: a cursor out of range");
+                goto done;
+            }
+        }
+        int64_t odd = 0;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            int64_t l = lane[i], row = base[l] + count[l]++;
+            n[i] = row;
+            slots[i] = l * lc + row % lc;
+            odd |= __atomic_load_n(&stamp[slots[i]], __ATOMIC_RELAXED);
+        }
+        if (odd & 1) {
+            result = Py_False;
+        } else {
+            for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&owner[slots[i]], (uint16_t)writer, __ATOMIC_RELAXED);
+            for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&stamp[slots[i]], 2 * n[i] + 1, __ATOMIC_RELEASE);
+            for (Py_ssize_t l = 0; l < lanes; l++) __atomic_store_n(&cur[8 * l + 0], base[l] + count[l], __ATOMIC_RELEASE);
+            result = Py_True;
+        }
+        Py_INCREF(result);
+    }
+done:
+    PyMem_Free(base);
+    if (held > 5) PyBuffer_Release(&sb);
+    if (held > 4) PyBuffer_Release(&nb);
+    if (held > 3) PyBuffer_Release(&lb);
+    if (held > 2) PyBuffer_Release(&ob);
+    if (held > 1) PyBuffer_Release(&stb);
+    PyBuffer_Release(&cb);
+    return result;
+}
+
 /* check(data, names, formats, shapes) -> (k, single) or None: the fast path of a push's checks.
  * When data is a dict of exactly these names, each value a C-contiguous buffer of the field's
  * format and of its shape (one row) or (k, *shape) (k >= 1 rows, the same k and form for all),
@@ -612,6 +694,7 @@ static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok): rows with the stamp check."},
     {"put", put, METH_VARARGS, "put(where, k, stamp, targets, offsets, formats, sources, commit) -> bool: a push's copies, its commit."},
     {"reserve", reserve, METH_VARARGS, "reserve(stamp, owner, first, k, n0, writer) -> bool: mark consecutive slots odd."},
+    {"reserve_lanes", reserve_lanes, METH_VARARGS, "reserve_lanes(cursors, stamp, owner, lane, writer, n, slots) -> bool."},
     {"check", check, METH_VARARGS, "check(data, names, formats, shapes) -> (k, single) or None: a push's fast checks."},
     {NULL, NULL, 0, NULL},
 };

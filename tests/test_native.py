@@ -325,6 +325,14 @@ def test_put_reserve_and_check_refuse_bad_input(make: Make, name: str) -> None:
     with pytest.raises(TypeError):
         LIB.reserve(stamp, owner.astype(np.int64), 0, 1, 0, 0)
     assert np.array_equal(packed, before[0]) and np.array_equal(stamp, before[1]) and np.array_equal(owner, before[2])
+    cursors = buf.block.arrays["_lanes"]
+    n, at = np.empty(2, np.int64), np.empty(2, np.int64)
+    for lane, w in (([0, 1], 0), ([0, -1], 0), ([0, 0], -1)):  # one lane: lane 1 does not exist
+        with pytest.raises(ValueError):
+            LIB.reserve_lanes(cursors, stamp, owner, np.array(lane, np.int64), w, n, at)
+    with pytest.raises(ValueError):
+        LIB.reserve_lanes(cursors, stamp, owner, np.zeros(3, np.int64), 0, n, at)
+    assert np.array_equal(stamp, before[1]) and cursors[0, 0] == 0
     stamp[3] = 7  # being written: reserve leaves everything alone
     assert LIB.reserve(stamp, owner, 2, 3, 50, 5) is False and owner[2:5].tolist() == [0, 0, 0]
     assert LIB.reserve(stamp, owner, 4, 2, 50, 5) is True
