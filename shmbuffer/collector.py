@@ -63,9 +63,28 @@ class WorkerError(ShmBufferError, RuntimeError):
     """A collector worker raised or died; the message carries its traceback or exit code."""
 
 
-Policy = Callable[[Any, np.ndarray, int], np.ndarray]
+Policy = Callable[..., np.ndarray]
 """``policy(model, obs, step) -> actions``: ``obs`` has one row per env of the worker, ``step`` is
-the worker's env-step count; ``model`` is the worker's copy of the published model (or None)."""
+the worker's env-step count; ``model`` is the worker's copy of the published model (or None).
+A policy that takes ``worker`` and/or ``envs`` keywords (or ``**kwargs``) also gets the worker's
+number and its envs' global indices (``worker * envs_per_worker + i``), e.g. for Ape-X's
+per-actor epsilons: ``eps = 0.4 ** (1 + 7 * envs / (total - 1))``."""
+
+FIELDS = ("obs", "action", "reward", "next_obs", "done", "truncated")
+"""The fields ``default_transition`` gives."""
+
+
+def _extra_keywords(policy: Callable[..., Any]) -> set[str]:
+    """Which of ``worker`` and ``envs`` the policy takes as keywords."""
+    import inspect
+
+    try:
+        params = inspect.signature(policy).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return {"worker", "envs"}
+    return {p.name for p in params if p.name in ("worker", "envs") and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
 def random_policy(space: Any) -> Policy:
@@ -134,6 +153,28 @@ class Collector:
     ) -> None:
         if workers <= 0 or envs_per_worker <= 0:
             raise ValueError(f"workers and envs_per_worker must be positive, got {workers} and {envs_per_worker}")
+        total = workers * envs_per_worker
+        if buffer.lanes > total:
+            raise ValueError(
+                f"Collector: the buffer has {buffer.lanes} lanes but {total} envs push into it: "
+                f"{buffer.lanes - total} lanes would stay empty (capacity lost); make it with envs={total}"
+            )
+        if buffer.options.episodes and buffer.lanes < total:
+            raise ValueError(
+                f"Collector: {total} envs into {buffer.lanes} lane(s) of a buffer that keeps episodes: "
+                "several envs' steps would interleave in a lane and n-step returns, sequences and "
+                f"episodes would be 1 step long; make the buffer with envs={total} (one lane per env)"
+            )
+        if transition is default_transition:
+            missing = [n for n in buffer.schema.names if n not in FIELDS]
+            if missing:
+                raise ValueError(
+                    f"Collector: the buffer's field(s) {', '.join(map(repr, missing))} are not among the "
+                    f"default transition's ({', '.join(FIELDS)}); map a step to your fields with "
+                    "transition=lambda obs, action, reward, next_obs, terminated, truncated: {...} "
+                    "(cpprb's names: {'obs': obs, 'act': action, 'rew': reward, 'next_obs': next_obs, "
+                    "'done': terminated})"
+                )
         methods = multiprocess.get_all_start_methods()
         method = start_method or ("forkserver" if "forkserver" in methods else "spawn")
         self._ctx = multiprocess.get_context(method)
@@ -195,12 +236,18 @@ class Collector:
                     self.stop()
                     raise WorkerError(f"collector worker {w} (pid {p.pid}) died with exit code {p.exitcode}") from None
 
-    def stats(self) -> dict[str, Any]:
-        """Env steps, finished episodes and the mean return of recent episodes, in all and per worker."""
+    def stats(self, window: int = RECENT) -> dict[str, Any]:
+        """Env steps, finished episodes and the mean return of each worker's last ``window``
+        episodes (at most 100; fewer follow learning more closely), in all and per worker."""
         self.check()
+        if not 1 <= window <= RECENT:
+            raise ValueError(f"stats: window must be in [1, {RECENT}], got {window!r}")
         c = np.frombuffer(self._counters, np.float64).reshape(self.workers, 8)
         r = np.frombuffer(self._returns, np.float64).reshape(self.workers, RECENT)
-        recent = [r[w, : int(min(c[w, RETURNS_SEEN], RECENT))] for w in range(self.workers)]
+        recent = []
+        for w in range(self.workers):
+            seen = int(c[w, RETURNS_SEEN])
+            recent.append(r[w, np.arange(seen - min(seen, window), seen) % RECENT])
         every = np.concatenate(recent)
         return {
             "env_steps": int(c[:, STEPS].sum()),
@@ -284,6 +331,8 @@ def _run(
     envs = [env_fn() for _ in range(n_envs)]
     act = policy if policy is not None else random_policy(envs[0].action_space)
     first_env = w * n_envs
+    wants = _extra_keywords(act)
+    extra = {k: v for k, v in (("worker", w), ("envs", first_env + np.arange(n_envs))) if k in wants}
     lanes = (first_env + np.arange(n_envs)) % buf.lanes
     episode_no = np.zeros(n_envs, np.int64)
     keeps_episodes = buf.options.episodes
@@ -301,7 +350,7 @@ def _run(
             if int(ver[0]) == v:  # nobody wrote meanwhile: a consistent copy
                 unflatten(model, local)
                 seen_version = v
-        actions = np.asarray(act(model, obs, step))
+        actions = np.asarray(act(model, obs, step, **extra))
         results = [e.step(a) for e, a in zip(envs, actions, strict=True)]
         next_obs = np.stack([r[0] for r in results])
         reward = np.array([r[1] for r in results], np.float64)
