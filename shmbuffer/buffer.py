@@ -169,13 +169,15 @@ class ReplayBuffer:
     @property
     def block(self) -> Block:
         """Named views of the block's columns (``layout.py``), for readers built on ``reader.py``."""
-        self.ring  # noqa: B018 (raises when closed)
+        if self._ring is None:
+            raise ClosedError(f"buffer {self.name!r} is closed in this process")
         return self._block
 
     @property
     def priorities(self) -> Priorities | None:
-        """The priority tree and use counts (``samplers.Priorities``), or ``None`` without a tree."""
-        self.ring  # noqa: B018
+        """The priority tree and use counts (``priorities.Priorities``), or ``None`` without a tree."""
+        if self._ring is None:
+            raise ClosedError(f"buffer {self.name!r} is closed in this process")
         return self._prios
 
     @property
@@ -595,7 +597,12 @@ class ReplayBuffer:
 
     def _counted(self, rows: int, timeout: float | None, draw: Callable[[], Any]) -> Any:
         """Run a sample, counting its ``rows`` as sampled (through the rate limiter, if any)."""
-        return counted(self.options.limiter, self.ring, rows, timeout, draw)
+        limiter = self.options.limiter
+        if limiter is None:  # the usual case, without the limiter's plumbing
+            result = draw()
+            self.ring.count_sampled(rows)
+            return result
+        return counted(limiter, self.ring, rows, timeout, draw)
 
     def sample_sequences(self, n: int, length: int, *, burn_in: int = 0, time_major: bool = False) -> Batch:
         """``n`` windows of ``length`` consecutive steps of one episode (plus ``burn_in`` steps

@@ -301,11 +301,14 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
         return more.ids, more.leaves
 
     counting = prios is not None and prios.uses is not None
-    ids, rows, leaves = fetch(src.block, ring, first.ids, redraw, reap=src.reap, values=first.leaves,
+    block = src.block
+    ids, rows, leaves = fetch(block, ring, first.ids, redraw, reap=src.reap, values=first.leaves,
                               unique=not replace, claim=(lambda ids, at: claim(src, ids, at)) if counting else None,
                               out=out, what=lambda: f"sample({n}) of buffer {src.name!r}")
+    if leaves is None:  # drawn without a tree: no weights
+        return assemble(block, ids, rows)
     weight = sampler.weights(tree, leaves, calls)
-    return assemble(src.block, ids, rows, {"weight": weight} if weight is not None else None)
+    return assemble(block, ids, rows, {"weight": weight} if weight is not None else None)
 
 
 def _nothing_to_draw(src: Source, n: int, *, final: bool) -> None:
