@@ -263,3 +263,34 @@ def test_export_and_import_carry_priorities_uses_and_ids(make: Make, name: str) 
     assert new.tolist() == [1, 2, 3, 4, 5]
     assert np.allclose(sb.export(target)["priority"][1:], out["priority"])
     assert target.uses(new).tolist() == uses.tolist()
+
+
+def _updater(handle: sb.BufferHandle, rounds: int) -> None:
+    buf = sb.ReplayBuffer.attach(handle)
+    try:
+        wide = np.ones((8, 300), np.float32)
+        for v in range(1, rounds + 1):
+            assert buf.update(np.arange(8), obs=wide * v, reward=float(v)) == 8
+    finally:
+        buf.close()
+
+
+def test_updates_from_another_process_are_never_seen_torn(make: Make, name: str, procs: list[Any]) -> None:
+    """A process rewrites every row over and over (a large field, then a small one); the learner
+    samples meanwhile: every row it gets has both fields of one update."""
+    import multiprocessing as mp
+
+    schema = sb.Schema(obs=((300,), "float32"), reward=((), "float32"))
+    buf = make(schema, 8, name=name, seed=0)
+    buf.push(obs=np.zeros((8, 300)), reward=np.zeros(8))
+    p = mp.get_context("fork").Process(target=_updater, args=(buf.handle, 3000))
+    procs.append(p)
+    p.start()
+    samples = 0
+    while p.is_alive() or not samples:
+        batch = buf.sample(8)
+        assert (batch.obs == batch.reward[:, None]).all()
+        samples += 1
+    p.join(30)
+    assert p.exitcode == 0
+    assert (buf.get(slice(None)).reward == 3000).all()
