@@ -275,6 +275,8 @@ def _save(args: argparse.Namespace) -> int:
     buf = ReplayBuffer.attach(args.name)
     try:
         out = buf.save(args.path, progress=sys.stderr.isatty(), overwrite=args.force)
+    except FileExistsError as exc:
+        raise FileExistsError(f"{exc} (here: pass --force)") from None
     finally:
         buf.close()
     holes = f", {out['holes']} empty rows kept as holes" if out["holes"] else ""
@@ -384,7 +386,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         return int(args.run(args))
     try:
-        return int(args.run(args))
+        code = int(args.run(args))
+        sys.stdout.flush()  # a reader that went away (`| head`) is seen here, not at exit
+        return code
+    except BrokenPipeError:
+        # the reader of our output closed it (`shmbuffer ls --json | head`): stop quietly, as
+        # Unix tools do; point stdout at /dev/null so the interpreter's last flush does not fail
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
     except (ShmBufferError, FileNotFoundError, FileExistsError) as exc:
         print(f"shmbuffer {args.command}: {exc}", file=sys.stderr)
         return 1

@@ -291,3 +291,48 @@ def test_collector_policy_knows_its_worker_and_envs(make: Make, name: str) -> No
     rows = buf.get(slice(None))
     seen = sorted(set(zip((rows.index % 4).tolist(), rows.action.tolist(), strict=True)))
     assert {lane: action for lane, action in seen} == {0: 0, 1: 1, 2: 0, 3: 1}  # env g in lane g
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+
+def _cli(*args: str, stdout: Any = None) -> Any:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, "-m", "shmbuffer.cli", *args], stdout=stdout if stdout is not None else subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, cwd=root, timeout=120)
+
+
+def test_cli_output_into_a_closed_pipe_is_quiet(make: Make, name: str) -> None:
+    """`shmbuffer inspect NAME --json | head` ended in a BrokenPipeError traceback. The reader end
+    is closed before the command writes, so every write fails (no race with the pipe's buffer)."""
+    import os
+
+    buf = make(MUJOCO, capacity=16, name=name)
+    buf.push(transition(0, 4))
+    for args in (("inspect", name, "--json"), ("inspect", name), ("ls", "--json")):
+        r, w = os.pipe()
+        os.close(r)
+        try:
+            out = _cli(*args, stdout=w)
+        finally:
+            os.close(w)
+        assert out.returncode == 0 and out.stderr == "", (args, out.stderr)
+
+
+def test_cli_inspect_by_path_and_save_refuses_to_overwrite(make: Make, name: str, tmp_path: Any) -> None:
+    import json
+
+    from shmbuffer import segment
+
+    buf = make(MUJOCO, capacity=16, name=name)
+    buf.push(transition(0, 4))
+    info = json.loads(_cli("inspect", segment.path_of(name), "--json").stdout)
+    assert info["rows"] == 4
+    assert _cli("save", name, str(tmp_path / "s")).returncode == 0
+    again = _cli("save", name, str(tmp_path / "s"))
+    assert again.returncode == 1 and "--force" in again.stderr and "Traceback" not in again.stderr
+    assert _cli("save", name, str(tmp_path / "s"), "--force").returncode == 0
