@@ -294,3 +294,15 @@ def test_updates_from_another_process_are_never_seen_torn(make: Make, name: str,
     p.join(30)
     assert p.exitcode == 0
     assert (buf.get(slice(None)).reward == 3000).all()
+
+
+def test_compat_sits_on_top() -> None:
+    """Nothing in the package imports ``shmbuffer.compat``; the facades read no other object's
+    underscored names (the rules tests/test_layers.py holds for the package's modules)."""
+    from .test_layers import PACKAGE, imports, private_reads
+
+    below = [p.name for p in PACKAGE.glob("*.py") if "compat" in imports(p)]
+    assert not below, f"{below} import shmbuffer.compat"
+    facades = sorted((PACKAGE / "compat").glob("*.py"))
+    assert [p.stem for p in facades] == ["__init__", "ding", "mindspore", "nervex", "velora"]
+    assert not [r for p in facades for r in private_reads(p)]
