@@ -49,6 +49,9 @@ def _tensor(a: Any) -> Any:
         return torch.from_numpy(a)
 
 
+_set = object.__setattr__
+
+
 class Batch:
     """Rows of a buffer: ``fields`` (the schema's, in order) and ``extras`` (index, weight ...)."""
 
@@ -63,11 +66,12 @@ class Batch:
         record: Record | None = None,
         lead: tuple[int, ...] | None = None,
     ) -> None:
-        self.fields = fields
-        self.extras = extras if extras is not None else {}
-        self._block = block
-        self._record = record
-        self._lead = lead  # the leading dims of the fields when the block's rows are (B, T) flattened
+        # past __setattr__ (which adds learner-side fields): every batch is built here, on the hot path
+        _set(self, "fields", fields)
+        _set(self, "extras", extras if extras is not None else {})
+        _set(self, "_block", block)
+        _set(self, "_record", record)
+        _set(self, "_lead", lead)  # the leading dims of the fields when the block's rows are (B, T) flattened
 
     @property
     def block(self) -> Any:
