@@ -393,10 +393,10 @@ def get(src: Source, index: Any) -> Batch:
         expect = ring.expected(flat)
         now = ring.stamp.take(ring.slots(flat))
         if np.any(now < expect) and not np.any(now[now < expect] & 1):
-            raise EmptyBufferError(f"get({index!r}): a row is empty: it was deleted, or its writer died mid-push")
+            raise EmptyBufferError(f"get({index!r}): a row was lost: its writer died mid-push, or it was deleted")
         if time.monotonic() > deadline:
             if src.reap().size:
-                raise EmptyBufferError(f"get({index!r}): a row is empty: it was deleted, or its writer died mid-push")
+                raise EmptyBufferError(f"get({index!r}): a row was lost: its writer died mid-push, or it was deleted")
             raise WaitTimeout(f"get({index!r}): a row is still being written after 1 s")
         if np.any(now & 1):
             time.sleep(0.0005)  # being written: wait; overwritten: look the index up again
