@@ -260,7 +260,8 @@ static inline int64_t floormod(int64_t a, int64_t b) {
  * (ring.py's arithmetic); first stamps (acquire loads); each source column's row at the slot
  * into the same row of its out (each source is (capacity, row bytes), C-contiguous); an acquire
  * fence; second stamps; ok = both equal the expected stamp. ids of any value are safe (an id that
- * names no row, like ring.INVALID, reads as not intact). */
+ * names no row, like ring.INVALID, reads as not intact). Returns the smallest id (INT64_MAX for
+ * none), for the caller's check against the lanes' last clear(). */
 static PyObject *gather(PyObject *self, PyObject *args) {
     PyObject *ids_o, *stamp_o, *src_o, *out_o, *ok_o;
     Py_ssize_t lanes;
@@ -274,7 +275,7 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     Py_buffer ib, stb, kb, src[MAX_COLS], dst[MAX_COLS];
     Py_ssize_t got = 0;
     PyObject *result = NULL;
-    int64_t *slots = NULL, *first = NULL;
+    int64_t *slots = NULL, *first = NULL, lowest = INT64_MAX;
     if (get_buf(ids_o, &ib, 0, 8, "ids") < 0) return NULL;
     if (get_buf(stamp_o, &stb, 0, 8, "stamp") < 0) { PyBuffer_Release(&ib); return NULL; }
     if (get_buf(ok_o, &kb, 1, 1, "ok") < 0) { PyBuffer_Release(&ib); PyBuffer_Release(&stb); return NULL; }
@@ -312,14 +313,23 @@ static PyObject *gather(PyObject *self, PyObject *args) {
         int64_t *stamp = (int64_t *)stb.buf;
         char *ok = (char *)kb.buf;
         int64_t lc = capacity / lanes;
+        lowest = INT64_MAX;
         PyThreadState *ts = NULL;
         if (total >= NOGIL_BYTES) ts = PyEval_SaveThread();
         for (Py_ssize_t i = 0; i < n; i++) {
             int64_t id = ids[i], s;
+            if (id < lowest) lowest = id;
             if (lanes == 1) s = floormod(id, lc);
             else s = floormod(id, lanes) * lc + floormod(floordiv(id, lanes), lc);
             slots[i] = s;
             first[i] = __atomic_load_n(&stamp[s], __ATOMIC_ACQUIRE);
+            /* the rows are random: ask for their first lines now, so the misses overlap */
+            for (Py_ssize_t c = 0; c < ncols; c++) {
+                const char *row = (const char *)src[c].buf + (size_t)s * (size_t)width[c];
+                __builtin_prefetch(row);
+                if (width[c] > 64) __builtin_prefetch(row + 64);
+                if (width[c] > 128) __builtin_prefetch(row + 128);
+            }
         }
         for (Py_ssize_t c = 0; c < ncols; c++) {
             const char *from = (const char *)src[c].buf;
@@ -342,8 +352,7 @@ static PyObject *gather(PyObject *self, PyObject *args) {
         }
         if (ts) PyEval_RestoreThread(ts);
     }
-    result = Py_None;
-    Py_INCREF(result);
+    result = PyLong_FromLongLong(lowest);
 done:
     for (Py_ssize_t c = 0; c < got; c++) {
         PyBuffer_Release(&src[c]);
@@ -691,7 +700,7 @@ static PyObject *check(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"tree_find", tree_find, METH_VARARGS, "tree_find(sums, plan, capacity, mass, out): SumTree.find into out (int64)."},
     {"tree_update", tree_update, METH_VARARGS, "tree_update(sums, mins, plan, capacity, slots, values): SumTree.update."},
-    {"gather", gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok): rows with the stamp check."},
+    {"gather", gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok) -> smallest id: rows with the stamp check."},
     {"put", put, METH_VARARGS, "put(where, k, stamp, targets, offsets, formats, sources, commit) -> bool: a push's copies, its commit."},
     {"reserve", reserve, METH_VARARGS, "reserve(stamp, owner, first, k, n0, writer) -> bool: mark consecutive slots odd."},
     {"reserve_lanes", reserve_lanes, METH_VARARGS, "reserve_lanes(cursors, stamp, owner, lane, writer, n, slots) -> bool."},

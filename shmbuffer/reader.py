@@ -181,10 +181,10 @@ def _gather_native(
         outs.append(episode)
     ok = np.empty(n, np.bool_)
     try:
-        lib.gather(flat, ring.lanes, block.stamp, tuple(sources), tuple(outs), ok)
+        lowest = lib.gather(flat, ring.lanes, block.stamp, tuple(sources), tuple(outs), ok)
     except (TypeError, ValueError):
         return None
-    cleared = ring.cleared(flat)  # after the copy: a row cleared before it does not count
+    cleared = ring.cleared(flat, lowest)  # after the copy: a row cleared before it does not count
     if cleared.size:
         ok[cleared] = False
     return Rows(ok, outs[0] if packed is not None else None, got, episode)

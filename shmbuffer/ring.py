@@ -647,12 +647,13 @@ class Ring:
             ok[cleared] = False
         return ok
 
-    def cleared(self, ids: np.ndarray) -> np.ndarray:
+    def cleared(self, ids: np.ndarray, lowest: int | None = None) -> np.ndarray:
         """Positions of ``ids`` older than their lane's last ``clear()``: a cleared row keeps its
-        stamp, so this is the check that makes a clear final for readers."""
+        stamp, so this is the check that makes a clear final for readers. ``lowest``: the
+        smallest of ``ids`` when the caller knows it."""
         if self.lanes == 1:
             base = self._cur[_BASE]
-            if not ids.size or ids.min() >= base:
+            if not ids.size or (ids.min() if lowest is None else lowest) >= base:
                 return _EMPTY
             return np.flatnonzero(ids < base)
         return np.flatnonzero(ids // self.lanes < self._lanes[ids % self.lanes, _BASE])
