@@ -76,6 +76,12 @@ bad:
     return -1;
 }
 
+static inline void prefetch_block(const double *at) {
+    __builtin_prefetch(at);
+    __builtin_prefetch(at + 8);
+    __builtin_prefetch(at + FANOUT - 1);
+}
+
 /* find(sums, plan, capacity, mass, out): sumtree.SumTree.find, all points in lockstep */
 static PyObject *tree_find(PyObject *self, PyObject *args) {
     PyObject *sums_o, *plan_o, *mass_o, *out_o;
@@ -123,6 +129,12 @@ static PyObject *tree_find(PyObject *self, PyObject *args) {
         for (Py_ssize_t level = p.n - 2; level >= 0; level--) {
             const double *nodes = sums + p.at[level];
             Py_ssize_t rows = p.len[level] / FANOUT;
+            /* every point's 16 children are a random 128 bytes of a large array: ask for all of
+             * them first, so the misses overlap instead of following one another */
+            for (Py_ssize_t i = 0; i < n; i++) {
+                int64_t k = node[i] < rows - 1 ? node[i] : rows - 1;
+                prefetch_block(nodes + k * FANOUT);
+            }
             for (Py_ssize_t i = 0; i < n; i++) {
                 int64_t k = node[i];
                 if (k > rows - 1) k = rows - 1;
@@ -199,6 +211,10 @@ static PyObject *tree_update(PyObject *self, PyObject *args) {
     if (n) {
         double *sums = (double *)sb.buf, *mins = (double *)nb.buf;
         const double *values = have_values ? (const double *)vb.buf : NULL;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            __builtin_prefetch(sums + slots[i], 1);
+            __builtin_prefetch(mins + slots[i], 1);
+        }
         /* leaves in order: a repeated slot keeps its last value */
         for (Py_ssize_t i = 0; i < n; i++) {
             double v = values ? values[i] : scalar;
@@ -209,6 +225,12 @@ static PyObject *tree_update(PyObject *self, PyObject *args) {
             const double *cs = sums + p.at[level - 1], *cm = mins + p.at[level - 1];
             double *ps = sums + p.at[level], *pm = mins + p.at[level];
             int64_t last = -1;
+            for (Py_ssize_t i = 0; i < n; i++) { /* the misses overlap (see find) */
+                int64_t k = slots[i];
+                for (Py_ssize_t l = 1; l <= level; l++) k /= FANOUT;
+                prefetch_block(cs + k * FANOUT);
+                prefetch_block(cm + k * FANOUT);
+            }
             for (Py_ssize_t i = 0; i < n; i++) {
                 int64_t k = slots[i];
                 for (Py_ssize_t l = 1; l <= level; l++) k /= FANOUT;
