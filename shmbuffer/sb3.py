@@ -99,7 +99,9 @@ class _Shared:
         raise NotImplementedError
 
     def _schema(self) -> Schema:
-        action_dtype = sb3_buffers.ReplayBuffer._maybe_cast_dtype(self.action_space.dtype)
+        action_dtype = self.action_space.dtype
+        if action_dtype == np.float64:  # as SB3 stores actions: float64 becomes float32 (SB3 GH#1572)
+            action_dtype = np.dtype(np.float32)
         return Schema(**self._obs_fields(), action=((self.action_dim,), action_dtype),
                       reward=((), "float32"), done=((), "float32"), timeouts=((), "float32"))
 

@@ -70,6 +70,7 @@ CASES = {
     "box-1env": (spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3), 1, 10, 7),
     "box-3envs-wrap": (spaces.Box(-1, 1, (4,), np.float32), spaces.Box(-2, 2, (2,), np.float32), 3, 12, 11),
     "discrete-obs-4envs": (spaces.Discrete(5), spaces.Discrete(2), 4, 8, 13),
+    "float64-actions": (spaces.Box(-1, 1, (3,), np.float64), spaces.Box(-1, 1, (2,), np.float64), 2, 8, 6),
     "box-2envs-not-full": (spaces.Box(0, 255, (2, 3), np.uint8), spaces.MultiDiscrete([3, 4]), 2, 40, 9),
 }
 
