@@ -307,8 +307,9 @@ class ReplayBuffer:
     ) -> np.ndarray:
         """Append one row, or ``k`` rows given with a leading dimension; return their ids.
 
-        :param data: the fields as one mapping (DI-engine's ``push``), or give them as keywords
-            (cpprb's ``add``).
+        :param data: the fields as one mapping (DI-engine's ``push``), or a list of row mappings
+            with the same keys (a collector's transitions), or give them as keywords (cpprb's
+            ``add``). A ``"priority"`` key that is not a field is the rows' priority (Ape-X).
         :param lane: a lane number, or one per row; required with several lanes unless the buffer
             was made with ``envs`` (then row ``i`` goes to lane ``i % envs``).
         :param episode: the rows' episode id (one, or one per row); required with ``episodes``.
