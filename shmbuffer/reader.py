@@ -112,11 +112,11 @@ def gather(
     check. ``out`` gathers into given arrays (``"_block"`` for the packed record, one per large
     field); ``large`` limits the large fields copied (all by default)."""
     shape = ids.shape
-    flat = ids.reshape(-1)
+    flat = ids if len(shape) == 1 else ids.reshape(-1)
     if native.lib is not None:
         rows = _gather_native(native.lib, block, ring, flat, out, large)
         if rows is not None:
-            return _shaped(rows, shape)
+            return rows if len(shape) == 1 else _shaped(rows, shape)
     slots = ring.slots(flat)
     stamp = block.stamp
     first = stamp.take(slots)
@@ -134,7 +134,8 @@ def gather(
     cleared = ring.cleared(flat)  # after the copy: a row cleared before it does not count
     if cleared.size:
         ok[cleared] = False
-    return _shaped(Rows(ok, packed, got, episode), shape)
+    rows = Rows(ok, packed, got, episode)
+    return rows if len(shape) == 1 else _shaped(rows, shape)
 
 
 def _shaped(rows: Rows, shape: tuple[int, ...]) -> Rows:
@@ -146,6 +147,10 @@ def _shaped(rows: Rows, shape: tuple[int, ...]) -> Rows:
     got = {n: a.reshape(*shape, *a.shape[1:]) for n, a in got.items()}
     episode = episode.reshape(shape) if episode is not None else None
     return Rows(rows.ok.reshape(shape), packed, got, episode)
+
+
+_ARENA_BYTES = 1 << 20
+"""Large fields' outputs of at least this many bytes in all share one allocation."""
 
 
 def _gather_native(
@@ -166,14 +171,26 @@ def _gather_native(
         sources.append(packed)
         outs.append(p)
     got = {}
-    for name, col in block.large.items():
-        if large is None or name in large:
+    cols = [(name, col) for name, col in block.large.items() if large is None or name in large]
+    arena, at = None, 0
+    if out is None and len(cols) > 1:
+        # one allocation for every large field: big blocks freed and allocated again each sample
+        # stay in the heap (malloc keeps one block this size), where separate ones are handed
+        # back to the kernel and fault their pages in again on every sample
+        sizes = [-(-n * col[0].nbytes // 64) * 64 for _, col in cols]
+        if sum(sizes) >= _ARENA_BYTES:
+            arena = np.empty(sum(sizes), np.uint8)
+    for name, col in cols:
+        if arena is not None:
+            a = arena[at:at + n * col[0].nbytes].view(col.dtype).reshape(n, *col.shape[1:])
+            at += -(-n * col[0].nbytes // 64) * 64
+        else:
             a = np.empty((n, *col.shape[1:]), col.dtype) if out is None else out[name]
-            if a.dtype != col.dtype:
-                return None
-            got[name] = a
-            sources.append(col)
-            outs.append(a)
+        if a.dtype != col.dtype:
+            return None
+        got[name] = a
+        sources.append(col)
+        outs.append(a)
     episode = None
     if block.episode is not None:
         episode = np.empty(n, np.int64)

@@ -427,3 +427,21 @@ def test_a_writer_process_and_a_sampler_never_tear_rows(path: str, make: Make, n
     p.join(30)
     assert p.exitcode == 0 and buf.stats["inserted"] == 40_008
     assert batches >= 5
+
+
+@needs_lib
+def test_large_outputs_share_one_allocation_and_equal_python(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    schema = sb.Schema(obs=((4, 32, 32), "uint8"), next_obs=((4, 32, 32), "uint8"), feat=((300,), "float64"),
+                       reward=((), "float32"))
+    buf = make(schema, capacity=64, name=name)
+    rng = np.random.default_rng(5)
+    buf.push({f.name: rng.integers(0, 250, (64, *f.shape)).astype(f.dtype) for f in schema})
+    ids = rng.integers(0, 64, 600)  # 600 * 8 KiB: above the 1 MiB of one allocation
+    a = gathered(buf.block, buf.ring, ids, True, monkeypatch)
+    b = gathered(buf.block, buf.ring, ids, False, monkeypatch)
+    same_rows(a, b)
+    assert a.ok.all() and a.large["obs"].base is not None and a.large["obs"].base is a.large["next_obs"].base
+    batch = buf.sample(600)
+    assert np.array_equal(batch.obs, buf.block.large["obs"][batch.index])
+    assert np.array_equal(batch.next_obs, buf.block.large["next_obs"][batch.index])
+    assert np.array_equal(batch.feat, buf.block.large["feat"][batch.index])
