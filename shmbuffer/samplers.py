@@ -76,7 +76,8 @@ class Uniform:
             start, stop = ring.span()
             if stop <= start:
                 return Draw(_NONE)
-            return Draw(start + (rng.random(k) * (stop - start)).astype(np.int64))
+            ids = start + (rng.random(k) * (stop - start)).astype(np.int64)
+            return tuple.__new__(Draw, (ids, None))  # Draw(ids) without its Python-level __new__
         first, last = ring.bounds()
         return Draw(uniform_ids(rng, k, first, last, replace=replace, taken=taken))
 
