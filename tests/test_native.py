@@ -445,3 +445,38 @@ def test_large_outputs_share_one_allocation_and_equal_python(make: Make, name: s
     assert np.array_equal(batch.obs, buf.block.large["obs"][batch.index])
     assert np.array_equal(batch.next_obs, buf.block.large["next_obs"][batch.index])
     assert np.array_equal(batch.feat, buf.block.large["feat"][batch.index])
+
+
+def test_dead_writers_rows_are_never_read_and_are_reclaimed(path: str, make: Make, name: str) -> None:
+    """A writer that reserves rows and dies: readers skip them, and a reservation that comes round
+    takes them over (the C reservation leaves odd slots to ring.py's lapping rules)."""
+    buf = make(MUJOCO, capacity=8, name=name, seed=3)
+    buf.push(transition(0, 4))
+    code = f"import os, shmbuffer as sb; sb.ReplayBuffer.attach({name!r}).ring.reserve(2); os._exit(0)"
+    env = {**os.environ, "SHMBUFFER_PURE": "1" if path == "python" else "0"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
+    assert buf.ring.stamp[:6].tolist() == [2, 4, 6, 8, 9, 11]
+    assert set(seq_of(buf.sample(64))) <= {0, 1, 2, 3}
+    buf.push(transition(6, 2))  # slots 6, 7
+    buf.push(transition(8, 4))  # slots 0-3: wraps, nothing odd there
+    assert buf.stats["reclaimed"] == 0
+    buf.push(transition(12, 2))  # slots 4, 5: odd rows of a dead writer, reclaimed
+    assert buf.stats["reclaimed"] == 2 and not (buf.ring.stamp & 1).any()
+    assert sorted(seq_of(buf.get(slice(None))).tolist()) == [6, 7, 8, 9, 10, 11, 12, 13]
+
+
+def test_lanes_clear_and_limits_on_both_paths(path: str, make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=12, lanes=3, name=name, seed=4)
+    ids = buf.push(transition(0, 6), lane=np.array([0, 1, 2, 0, 1, 2]))
+    assert ids.tolist() == [0, 1, 2, 3, 4, 5]
+    assert buf.push(transition(6, 2), lane=1).tolist() == [7, 10]
+    assert set(seq_of(buf.sample(200))) == set(range(8))
+    buf.clear()
+    assert len(buf) == 0
+    with pytest.raises(sb.EmptyBufferError):
+        buf.sample(4)
+    buf.push(transition(20, 3), lane=np.array([2, 2, 0]))
+    assert set(seq_of(buf.sample(100))) == {20, 21, 22}
+    with pytest.raises(sb.CapacityError):  # more rows than a lane holds: refused before anything changes
+        buf.push(transition(30, 5), lane=np.zeros(5, np.int64))
+    assert len(buf) == 3 and buf.stats["inserted"] == 11
