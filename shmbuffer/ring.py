@@ -51,10 +51,19 @@ the cursor (reservations start at ``max(cursor, base)``).
 Memory ordering
 ---------------
 The protocol needs a writer's data stores to become visible before its commit stamp, and a reader's
-first stamp load to happen before its data loads and those before its second stamp load. x86-64
-guarantees both (stores are not reordered with stores, loads not with loads), and each step is a
-separate numpy call, so no compiler reorders them. Weakly ordered CPUs (ARM, POWER) need fences
-that pure Python cannot issue, so ``check_platform`` refuses them with a clear error.
+first stamp load to happen before its data loads and those before its second stamp load. With the
+C extension (``native.py``) these are real atomics: ``commit`` stores each stamp with release
+semantics after the copies (``Copier.put``), the reservation's odd stamps are release stores after
+the owners, and the reader (``reader.gather``) loads the first stamps with acquire semantics and
+issues an acquire fence before the second loads. On the Python path x86-64 guarantees both
+(stores are not reordered with stores, loads not with loads), and each step is a separate numpy
+call, so no compiler reorders them. Weakly ordered CPUs (ARM, POWER) would need those fences on
+every path, and the Python fallback (and the rest of the protocol's numpy stores: ``abandon``,
+``reap``, ``clear``) has none, so ``check_platform`` still refuses them with a clear error.
+
+The C path (``Copier``, ``_try_reserve``'s fast cases, ``commit``) keeps the lock-based
+reservation: the C reservation marks slots only when none of them is odd, and leaves lapping,
+dead writers, ``clear`` and the rate limiter to the code below, under the same lock.
 """
 
 from __future__ import annotations
