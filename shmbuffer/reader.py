@@ -28,7 +28,7 @@ import numpy as np
 from . import native
 from .batch import Batch
 from .errors import EmptyBufferError, WaitTimeout
-from .layout import Block, Options
+from .layout import Block, Counter, Options
 from .priorities import Priorities
 from .ring import Ring
 
@@ -113,9 +113,11 @@ def gather(
     field); ``large`` limits the large fields copied (all by default)."""
     shape = ids.shape
     flat = ids if len(shape) == 1 else ids.reshape(-1)
+    updates = int(block.counters[_UPDATES])  # before the first stamps (see _unless_updated)
     if native.lib is not None:
         rows = _gather_native(native.lib, block, ring, flat, out, large)
         if rows is not None:
+            _unless_updated(block, updates, rows)
             return rows if len(shape) == 1 else _shaped(rows, shape)
     slots = ring.slots(flat)
     stamp = block.stamp
@@ -135,7 +137,20 @@ def gather(
     if cleared.size:
         ok[cleared] = False
     rows = Rows(ok, packed, got, episode)
+    _unless_updated(block, updates, rows)
     return rows if len(shape) == 1 else _shaped(rows, shape)
+
+
+_UPDATES = Counter.UPDATES
+
+
+def _unless_updated(block: Block, before: int, rows: Rows) -> None:
+    """After the second stamps: an update (``ReplayBuffer.update``) turns a row odd and then
+    back to the *same* committed stamp, so a copy that spans a whole update would pass the stamp
+    check half old, half new. Every update first counts itself (after its rows turned odd), so
+    when the count moved during this gather no row of it counts: the caller re-draws them."""
+    if int(block.counters[_UPDATES]) != before:
+        rows.ok[...] = False
 
 
 def _shaped(rows: Rows, shape: tuple[int, ...]) -> Rows:
@@ -211,13 +226,14 @@ def fetch(
     block: Block, ring: Ring, ids: np.ndarray, redraw: Redraw, *, reap: Callable[[], object],
     values: np.ndarray | None = None, accept: Accept | None = None, unique: bool = False,
     claim: Claim | None = None, out: dict[str, np.ndarray] | None = None, what: str | Callable[[], str] = "sample",
+    rows: Rows | None = None,
 ) -> tuple[np.ndarray, Rows, np.ndarray | None]:
     """Read ``ids`` (``(n,)`` rows or ``(n, width)`` windows) and re-draw every unit that is not
     accepted (default: every row intact) until all are; returns the final ids, rows and values
-    (``values`` are the draw's per-unit numbers, e.g. tree leaves, re-drawn along)."""
-    rows = gather(block, ring, ids, out=out)
-    if accept is None and claim is None and not unique and rows.ok.all():
-        return ids, rows, values  # the usual case: every row intact at once
+    (``values`` are the draw's per-unit numbers, e.g. tree leaves, re-drawn along). ``rows``: what
+    a gather of ``ids`` already read."""
+    if rows is None:
+        rows = gather(block, ring, ids, out=out)
 
     def rejected(ids: np.ndarray, rows: Rows) -> np.ndarray:
         keep = accept(ids, rows) if accept is not None else rows.ok
@@ -319,9 +335,12 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
 
     counting = prios is not None and prios.uses is not None
     block = src.block
-    ids, rows, leaves = fetch(block, ring, first.ids, redraw, reap=src.reap, values=first.leaves,
-                              unique=not replace, claim=(lambda ids, at: claim(src, ids, at)) if counting else None,
-                              out=out, what=lambda: f"sample({n}) of buffer {src.name!r}")
+    ids, leaves = first
+    rows = gather(block, ring, ids, out=out)
+    if counting or not replace or not rows.ok.all():  # else the usual case: every row intact at once
+        ids, rows, leaves = fetch(block, ring, ids, redraw, reap=src.reap, values=leaves, unique=not replace,
+                                  claim=(lambda ids, at: claim(src, ids, at)) if counting else None, out=out,
+                                  what=lambda: f"sample({n}) of buffer {src.name!r}", rows=rows)
     if leaves is None:  # drawn without a tree: no weights
         return assemble(block, ids, rows)
     weight = sampler.weights(tree, leaves, calls)
