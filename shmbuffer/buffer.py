@@ -460,7 +460,10 @@ class ReplayBuffer:
         again with its own row number (this process its owner) and signal handlers wait; the
         fields are copied; the stamp turns even again. A reader that meets the row meanwhile
         re-draws it, so nobody sees a row half-updated; a writer that comes round the ring waits
-        for it as for a row being pushed. A ``priority`` (or a ``"priority"`` key that is not a
+        for it as for a row being pushed. The stamp ends as it was, so a reader whose copy spans
+        the whole update would pass the stamp check: every update counts itself
+        (``Counter.UPDATES``) once its rows are odd, and a gather across which the count moved
+        is discarded (``reader.gather``). A ``priority`` (or a ``"priority"`` key that is not a
         field) sets the rows' priorities too. A process killed mid-update leaves its rows empty
         (reaped, never torn). Everything is checked first: on any error nothing changed."""
         ring = self.ring
@@ -506,6 +509,7 @@ class ReplayBuffer:
             slots = ring.slots(idx)
             ring.owner[slots] = w  # the owner first: an odd stamp always names its writer
             ring.stamp[slots] = ring.expected(idx) - 1
+            self._block.counters[Counter.UPDATES] += 1  # after the odd stamps (reader._unless_updated)
             if priority is not None and prios is not None:
                 prios.set_rows(slots, priority[live], fresh=False)
             defer_signals()  # outlasts the lock: nothing interrupts until the stamps are even again

@@ -52,6 +52,9 @@ class Counter(IntEnum):
     SAMPLE_CALLS = 1
     """sample calls made, all processes (the annealing of ``Prioritized.beta``); counted without
     the lock, so two processes sampling at the same instant may count once (approximate then)"""
+    UPDATES = 2
+    """updates of stored rows begun (``ReplayBuffer.update``, under the lock, after their rows
+    turned odd): a reader whose copy this count moved across discards it (``reader.gather``)"""
     RECLAIMED = 8
     """rows of dead writers reclaimed or reaped"""
     LOCK_RECOVERIES = 9

@@ -152,6 +152,8 @@ MAX_HEADER = 100 << 20
 MAX_ROW = 2**61
 """Every saved lane's ``stop * lanes`` is at most this: ids (``n * lanes + l``) and stamps
 (``2n + 2``) of its rows, and of the rows pushed after a load for ages to come, fit an int64."""
+_UPDATE_TRIES = 2000
+"""Times a save copies a piece again while rows of it are being updated (about a second)."""
 MAX_BLOCK = 2**48
 """A save whose buffer would need more bytes of rows than this (256 TiB) is damaged."""
 _CREATE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR | os.O_CLOEXEC
@@ -337,19 +339,36 @@ class _Snapshot:
         hole = run.hole_mask(n0, n1)
         expect = 2 * np.arange(n0, n1, dtype=np.int64) + 2
         expect[hole] = 0  # a hole must still be empty: a stamp there means a writer lapped it
-        before = ring.stamp[sl].copy()
-        packed = buf.block.packed
-        block = packed[sl].copy() if packed is not None else None
-        out = {name: col[sl].copy() for name, col in buf.block.large.items()}
-        if "_episode" in self.arrays:
-            out["_episode"] = self.arrays["_episode"][sl].copy()
-        prios = buf.priorities
-        if prios is not None:
-            with ring.lock:
-                out["_leaf"] = prios.tree.leaves[sl].copy()
-                if prios.uses is not None:
-                    out["_uses"] = prios.uses[sl].copy()
-        bad = ~reader.intact(before, ring.stamp[sl], expect)
+        counters = buf.block.counters
+        for _ in range(_UPDATE_TRIES):
+            # rows being updated (buffer.update: odd with their own row number) are copied again
+            # once done, and so is a piece that an update spanned (it ends with the stamp it had)
+            updates = int(counters[Counter.UPDATES])
+            before = ring.stamp[sl].copy()
+            packed = buf.block.packed
+            block = packed[sl].copy() if packed is not None else None
+            out = {name: col[sl].copy() for name, col in buf.block.large.items()}
+            if "_episode" in self.arrays:
+                out["_episode"] = self.arrays["_episode"][sl].copy()
+            prios = buf.priorities
+            if prios is not None:
+                with ring.lock:
+                    out["_leaf"] = prios.tree.leaves[sl].copy()
+                    if prios.uses is not None:
+                        out["_uses"] = prios.uses[sl].copy()
+            after = ring.stamp[sl].copy()
+            moved = int(counters[Counter.UPDATES]) != updates
+            if not moved and not ((before == expect - 1) | (after == expect - 1)).any():
+                break
+            time.sleep(0.0005)
+        bad = ~reader.intact(before, after, expect)
+        # a row deleted (or reaped) since the scan is a hole, not a sign of lapping writers
+        gone = (after == 0) & ((before == expect) | (before == 0)) & ~hole
+        if gone.any():
+            hole = hole | gone
+            bad &= ~gone
+        if moved:
+            bad[:] = True
         run.at = n1
         if bad.any():
             run.keep = max(run.keep, n0 + int(np.flatnonzero(bad)[-1]) + 1)
