@@ -187,3 +187,18 @@ def test_update_delete_export_import() -> None:
             buffer.push({"obs": np.zeros(2)}, {"note": "text"})
         with pytest.raises(ValueError, match="before the first push"):
             buffer.use(ding.use_time_check(buffer, max_use=2))
+
+
+def test_groupby_env_with_unroll_len() -> None:
+    """R2D2's ``sample(n, groupby="env", unroll_len=T)``: ``T`` consecutive steps of one env's group."""
+    with DequeBuffer(size=40, envs=3) as buffer:
+        for step in range(10):
+            for env in range(3):
+                buffer.push({"step": np.int64(step), "env_id": np.int64(env)}, {"env": env})
+        for _ in range(10):
+            got = buffer.sample(3, groupby="env", unroll_len=4)
+            assert len(got) == 3 and sorted(int(g[0].data["env_id"]) for g in got) == [0, 1, 2]
+            for group in got:
+                steps = [int(d.data["step"]) for d in group]
+                assert len(steps) == 4 and np.all(np.diff(steps) == 1)
+                assert len({int(d.data["env_id"]) for d in group}) == 1

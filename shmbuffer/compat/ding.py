@@ -20,6 +20,9 @@ What differs from DI-engine:
 * ``index`` is the row's id (an int that never repeats), not a string.
 * Middleware that shapes the storage (``PriorityExperienceReplay``, ``use_time_check``) must be
   used before the first push. ``clone_object`` does nothing: every sample is a copy.
+* ``groupby`` groups consecutive rows with the same key (``meta["episode"]``, else
+  ``meta["env"]``). Envs that push in turns need ``DequeBuffer(size, envs=N)``: one lane per
+  env, so each env's steps stay consecutive (R2D2's ``groupby="env", unroll_len=T``).
 * ``sample(n, groupby="episode")`` draws ``n`` distinct groups (as DI-engine), each its rows in
   order, the group still being pushed with the rows it has so far; with ``group_sample`` a group is
   at most ``size_in_group`` rows (fewer when the episode is shorter, as DI-engine keeps it).
@@ -92,8 +95,12 @@ def group_sample(size_in_group: int, ordered_in_group: bool = True, max_use_in_g
 class DequeBuffer:
     """DI-engine's ``DequeBuffer(size)`` (see the module docstring)."""
 
-    def __init__(self, size: int, *, name: str | None = None, seed: int | None = None) -> None:
+    def __init__(self, size: int, *, envs: int | None = None, name: str | None = None, seed: int | None = None) -> None:
         self.size = size
+        self.envs = envs
+        """With ``envs=N``, one lane per env (``size`` rounded up to a multiple of ``N``): a row
+        pushed with ``meta={"env": e}`` goes to lane ``e % N``, so ``sample(n, groupby="env",
+        unroll_len=T)`` finds each env's consecutive steps even when envs push in turns."""
         self._name, self._seed = name, seed
         self._sampler: Sampler = Uniform()
         self._max_use: int | None = None
@@ -124,8 +131,10 @@ class DequeBuffer:
     # -- writing -----------------------------------------------------------------------------------
     def _make(self, row: dict[str, np.ndarray]) -> ReplayBuffer:
         if self.buffer is None:
-            self.buffer = ReplayBuffer(schema_of_row(row), self.size, sampler=self._sampler, max_use=self._max_use,
-                                       episodes=True, name=self._name, seed=self._seed)
+            lanes = self.envs or 1
+            self.buffer = ReplayBuffer(schema_of_row(row), -(-self.size // lanes) * lanes, sampler=self._sampler,
+                                       max_use=self._max_use, lanes=lanes, episodes=True, name=self._name,
+                                       seed=self._seed)
         return self.buffer
 
     def _key(self, meta: dict[str, Any]) -> int:
@@ -147,7 +156,8 @@ class DequeBuffer:
         priority = meta.get("priority")
         if priority is not None and not isinstance(buf.options.sampler, Prioritized):
             priority = None  # DI-engine ignores it without the PER middleware
-        ids = buf.push(row, episode=self._key(meta), priority=priority)
+        lane = int(meta.get("env", 0)) % buf.lanes if buf.lanes > 1 else 0
+        ids = buf.push(row, episode=self._key(meta), priority=priority, lane=lane)
         return BufferedData(data, int(ids[0]), meta)
 
     # -- reading -----------------------------------------------------------------------------------
@@ -282,6 +292,8 @@ class DequeBuffer:
             arrays["priority"] = np.array([float(m["priority"]) for m in metas])
         if all("use_count" in m for m in metas):
             arrays["uses"] = np.array([int(m["use_count"]) for m in metas])
+        if buf.lanes > 1:
+            arrays["lane"] = np.array([int(m.get("env", 0)) % buf.lanes for m in metas], np.int64)
         persistence.import_rows(buf, arrays)
 
     # -- lifecycle ---------------------------------------------------------------------------------
