@@ -231,7 +231,7 @@ def test_other_processes_push_while_learning(name: str, opened: list[Any], procs
         col.stop()
 
 
-def _dqn_eval(replay_buffer_class: Any, kwargs: dict[str, Any], seed: int) -> float:
+def _dqn_eval(replay_buffer_class: Any, kwargs: dict[str, Any], seed: int, steps: int = 8_000) -> float:
     from stable_baselines3 import DQN
     from stable_baselines3.common.evaluation import evaluate_policy
 
@@ -239,7 +239,8 @@ def _dqn_eval(replay_buffer_class: Any, kwargs: dict[str, Any], seed: int) -> fl
                 batch_size=64, train_freq=4, target_update_interval=250, exploration_fraction=0.3,
                 exploration_final_eps=0.05, policy_kwargs={"net_arch": [64, 64]}, seed=seed, device="cpu",
                 replay_buffer_class=replay_buffer_class, replay_buffer_kwargs=kwargs)
-    model.learn(8_000)
+    if steps:
+        model.learn(steps)
     mean, _ = evaluate_policy(model, model.get_env(), n_eval_episodes=10, deterministic=True)
     if replay_buffer_class is not None:
         model.replay_buffer.close()
@@ -249,9 +250,11 @@ def _dqn_eval(replay_buffer_class: Any, kwargs: dict[str, Any], seed: int) -> fl
 def test_dqn_learns_the_same_as_with_sb3s_buffer(name: str) -> None:
     """Same seeds, same hyperparameters, SB3's buffer and ours: since sampling consumes
     np.random identically and returns the same transitions, training is the same run, so the
-    evaluation returns agree (torch's CPU kernels are deterministic here); and it did learn."""
+    evaluation returns are equal (one process, one thread: torch's CPU kernels are deterministic);
+    and it did learn: better than the same network untrained."""
     torch.set_num_threads(1)
     theirs = _dqn_eval(None, {}, seed=1)
     mine = _dqn_eval(ours.ReplayBuffer, {"name": name}, seed=1)
-    assert mine == pytest.approx(theirs, rel=0.02, abs=2.0)
-    assert theirs > 9.5 * 2  # above a random policy's ~20: the comparison is between learners
+    untrained = _dqn_eval(None, {}, seed=1, steps=0)
+    assert mine == theirs
+    assert theirs > 2 * untrained
