@@ -40,7 +40,7 @@ PACK_LIMIT = 1024
 
 RESERVED = frozenset(
     {"index", "weight", "mask", "source", "steps", "lane", "keys", "values", "items", "to",
-     "numpy", "size", "fields", "extras", "get", "as_dict", "episode", "priority", "timeout"}
+     "numpy", "size", "fields", "extras", "get", "as_dict", "episode", "priority", "timeout", "to_tensordict"}
 )
 """Names a field cannot take: ``Batch`` uses them for its attributes and methods, ``push`` for
 its keyword options."""

@@ -21,7 +21,9 @@ overwrite each other's rows. ``get(index)`` reads the rows in slots ``index`` as
 TorchRL has no default collate function for a storage it does not know: pass
 ``collate_fn=identity`` (``get`` already returns a stacked TensorDict).
 
-Keys may be nested (``("next", "obs")``); a field is named by joining them with ``__``.
+Keys may be nested (``("next", "obs")``); a field is named by joining them with ``__``. TorchRL's
+``index`` key is not stored (samplers set it again); other names a ``Batch`` keeps for itself
+(``weight``, ``mask`` ...) are stored with a trailing ``_`` and read back under their own key.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torchrl.data.replay_buffers.storages import Storage
 
 from .buffer import ReplayBuffer as SharedBuffer
 from .errors import EmptyBufferError
-from .schema import Schema
+from .schema import RESERVED, Schema
 
 __all__ = ["ShmStorage", "identity"]
 
@@ -51,11 +53,19 @@ def identity(batch: Any) -> Any:
     return batch
 
 
+def _field(key: str | tuple[str, ...]) -> str:
+    """The field name of a TensorDict key: nested keys joined by ``__``; a name a Batch keeps for
+    itself (``weight``, ``mask`` ...) gets a trailing ``_``."""
+    name = SEP.join(key) if isinstance(key, tuple) else key
+    return name + "_" if name in RESERVED else name
+
+
 def _flat(data: TensorDictBase) -> dict[str, np.ndarray]:
     out = {}
     for key, value in data.items(include_nested=True, leaves_only=True):
-        name = SEP.join(key) if isinstance(key, tuple) else key
-        out[name] = value.detach().cpu().numpy()
+        if key == "index":  # TorchRL's own: the slots a sample came from, set again at sampling
+            continue
+        out[_field(key)] = value.detach().cpu().numpy()
     return out
 
 
@@ -83,7 +93,12 @@ class ShmStorage(Storage):
             self._keys(buffer.schema)
 
     def _keys(self, schema: Schema) -> None:
-        self.nested = {n: tuple(n.split(SEP)) if SEP in n else (n,) for n in schema.names}
+        def key(name: str) -> tuple[str, ...]:
+            if name.endswith("_") and name[:-1] in RESERVED:
+                name = name[:-1]
+            return tuple(name.split(SEP))
+
+        self.nested = {n: key(n) for n in schema.names}
 
     def _buffer_for(self, rows: Mapping[str, np.ndarray], single: bool) -> SharedBuffer:
         if self.buffer is None:

@@ -118,3 +118,21 @@ def test_writers_in_other_processes_lose_and_tear_nothing(name: str, storages: l
     seq = check(storage.get(slice(None)))
     assert len(storage) == 1 + 2 * 150 * 8
     assert sorted(seq.tolist()) == [*range(1200), *range(10_000, 11_200), 100_000]
+
+
+def test_dumps_and_loads_and_tensordict_replay_buffer(name: str, storages: list[ShmStorage], tmp_path: Any) -> None:
+    from torchrl.data import TensorDictReplayBuffer
+
+    storage = ShmStorage(16, name=name)
+    storages.append(storage)
+    rb = TensorDictReplayBuffer(storage=storage, collate_fn=identity, batch_size=4)
+    rb.extend(rows(0, 10))
+    batch = rb.sample()
+    assert torch.equal(storage.get(batch["index"])["action"], batch["action"])  # the sampled slots' rows
+    check(batch)
+    storage.dumps(tmp_path / "s")
+    other = ShmStorage(16, name=name + "o")
+    storages.append(other)
+    other.loads(tmp_path / "s")
+    assert check(other.get(slice(None))).tolist() == list(range(10))
+    assert other.get(slice(None))["next", "obs"].shape == (10, 1)
