@@ -16,9 +16,9 @@ PACKAGE = ROOT / "shmbuffer"
 def stated_order() -> list[str]:
     """The layers as docs/design.md lists them, lowest first, from its line ``Layers, lowest first:``."""
     text = (ROOT / "docs" / "design.md").read_text()
-    match = re.search(r"Layers, lowest first:\s*((?:`[a-z_]+`(?:\s*←\s*)?)+)", text)
+    match = re.search(r"Layers, lowest first:\s*((?:`[a-z0-9_]+`(?:\s*←\s*)?)+)", text)
     assert match, "docs/design.md must state the layers on a line 'Layers, lowest first: `a` ← `b` ...'"
-    return re.findall(r"`([a-z_]+)`", match.group(1))
+    return re.findall(r"`([a-z0-9_]+)`", match.group(1))
 
 
 def imports(path: Path) -> set[str]:
