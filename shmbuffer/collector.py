@@ -126,7 +126,9 @@ class Collector:
 
     :param env_fn: makes one Gymnasium env (a lambda is fine: workers use ``multiprocess``).
     :param buffer: the buffer the workers attach to and push into, one lane per env when it has
-        ``workers * envs_per_worker`` lanes.
+        ``workers * envs_per_worker`` lanes. A buffer that keeps episodes needs at least one lane
+        per env; a plain ``lanes=N`` buffer with more lanes than envs is refused (lanes would stay
+        empty), one made with ``envs=N`` is not (other writers may fill the other lanes).
     :param workers: worker processes.
     :param envs_per_worker: envs each worker steps as a vector.
     :param policy: ``policy(model, obs, step) -> actions`` (default: random actions).
@@ -154,7 +156,9 @@ class Collector:
         if workers <= 0 or envs_per_worker <= 0:
             raise ValueError(f"workers and envs_per_worker must be positive, got {workers} and {envs_per_worker}")
         total = workers * envs_per_worker
-        if buffer.lanes > total:
+        if buffer.lanes > total and buffer.options.envs is None:
+            # a buffer made with envs=N says its lanes have other writers too (an SB3 learner's
+            # envs, other collectors): only a plain lanes=N buffer is surely left partly empty
             raise ValueError(
                 f"Collector: the buffer has {buffer.lanes} lanes but {total} envs push into it: "
                 f"{buffer.lanes - total} lanes would stay empty (capacity lost); make it with envs={total}"
