@@ -670,6 +670,30 @@ done:
     return result;
 }
 
+/* lanes_worst(lane, lanes) -> the most rows any lane gets, or -1 when a lane is outside [0, lanes) */
+static PyObject *lanes_worst(PyObject *self, PyObject *args) {
+    PyObject *lane_o;
+    Py_ssize_t lanes;
+    if (!PyArg_ParseTuple(args, "On", &lane_o, &lanes)) return NULL;
+    if (lanes <= 0) {
+        PyErr_SetString(PyExc_ValueError, "lanes_worst: lanes must be positive");
+        return NULL;
+    }
+    Py_buffer lb;
+    if (get_buf(lane_o, &lb, 0, 8, "lane") < 0) return NULL;
+    Py_ssize_t k = lb.len / 8, worst = 0;
+    const int64_t *lane = (const int64_t *)lb.buf;
+    Py_ssize_t *count = (Py_ssize_t *)PyMem_Calloc((size_t)lanes, sizeof(Py_ssize_t));
+    if (!count) { PyBuffer_Release(&lb); return PyErr_NoMemory(); }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (lane[i] < 0 || lane[i] >= lanes) { worst = -1; break; }
+        if (++count[lane[i]] > worst) worst = count[lane[i]];
+    }
+    PyMem_Free(count);
+    PyBuffer_Release(&lb);
+    return PyLong_FromSsize_t(worst);
+}
+
 /* check(data, names, formats, shapes) -> (k, single) or None: the fast path of a push's checks.
  * When data is a dict of exactly these names, each value a C-contiguous buffer of the field's
  * format and of its shape (one row) or (k, *shape) (k >= 1 rows, the same k and form for all),
@@ -739,6 +763,7 @@ static PyMethodDef methods[] = {
     {"put", put, METH_VARARGS, "put(where, k, stamp, targets, offsets, formats, sources, commit) -> bool: a push's copies, its commit."},
     {"reserve", reserve, METH_VARARGS, "reserve(stamp, owner, first, k, n0, writer) -> bool: mark consecutive slots odd."},
     {"reserve_lanes", reserve_lanes, METH_VARARGS, "reserve_lanes(cursors, stamp, owner, lane, writer, n, slots) -> bool."},
+    {"lanes_worst", lanes_worst, METH_VARARGS, "lanes_worst(lane, lanes) -> most rows in one lane, or -1."},
     {"check", check, METH_VARARGS, "check(data, names, formats, shapes) -> (k, single) or None: a push's fast checks."},
     {NULL, NULL, 0, NULL},
 };

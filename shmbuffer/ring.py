@@ -671,6 +671,10 @@ class Ring:
         """Refuse, before touching anything, a push the ring can never hold."""
         lc = self.lane_capacity
         if isinstance(lane, np.ndarray):
+            lib = native.lib
+            if lib is not None and lane.shape == (k,) and lane.dtype == np.int64 and lane.flags.c_contiguous:
+                if 0 <= lib.lanes_worst(lane, self.lanes) <= lc:
+                    return  # the usual case, in one C call; the checks below say what is wrong
             if lane.shape != (k,):
                 raise CapacityError(f"lane: expected one lane per row ({k}), got shape {lane.shape}")
             if lane.size and (lane.min() < 0 or lane.max() >= self.lanes):

@@ -333,6 +333,10 @@ def test_put_reserve_and_check_refuse_bad_input(make: Make, name: str) -> None:
     with pytest.raises(ValueError):
         LIB.reserve_lanes(cursors, stamp, owner, np.zeros(3, np.int64), 0, n, at)
     assert np.array_equal(stamp, before[1]) and cursors[0, 0] == 0
+    assert LIB.lanes_worst(np.array([0, 1, 1, 0, 1], np.int64), 2) == 3
+    assert LIB.lanes_worst(np.array([0, 2], np.int64), 2) == -1 and LIB.lanes_worst(np.array([-1], np.int64), 2) == -1
+    with pytest.raises(ValueError):
+        LIB.lanes_worst(np.zeros(2, np.int64), 0)
     stamp[3] = 7  # being written: reserve leaves everything alone
     assert LIB.reserve(stamp, owner, 2, 3, 50, 5) is False and owner[2:5].tolist() == [0, 0, 0]
     assert LIB.reserve(stamp, owner, 4, 2, 50, 5) is True
@@ -479,4 +483,6 @@ def test_lanes_clear_and_limits_on_both_paths(path: str, make: Make, name: str) 
     assert set(seq_of(buf.sample(100))) == {20, 21, 22}
     with pytest.raises(sb.CapacityError):  # more rows than a lane holds: refused before anything changes
         buf.push(transition(30, 5), lane=np.zeros(5, np.int64))
+    with pytest.raises(sb.CapacityError, match="lane numbers"):
+        buf.push(transition(30, 2), lane=np.array([0, 3]))
     assert len(buf) == 3 and buf.stats["inserted"] == 11
