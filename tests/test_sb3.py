@@ -260,3 +260,25 @@ def test_dqn_learns_the_same_as_with_sb3s_buffer(name: str) -> None:
     untrained = _dqn_eval(None, {}, seed=1, steps=0)
     assert mine == theirs
     assert theirs > 2 * untrained
+
+
+@pytest.mark.parametrize("algo", ["SAC", "TD3"])
+def test_sac_and_td3_train_on_it(algo: str, name: str) -> None:
+    """Continuous actions through SB3's own training loop; the rows are the env's transitions."""
+    import stable_baselines3
+
+    cls = getattr(stable_baselines3, algo)
+    model = cls("MlpPolicy", "Pendulum-v1", buffer_size=1_000, learning_starts=50, batch_size=32, seed=0,
+                device="cpu", policy_kwargs={"net_arch": [16]}, replay_buffer_class=ours.ReplayBuffer,
+                replay_buffer_kwargs={"name": name})
+    try:
+        model.learn(120)
+        assert model.replay_buffer.size() == 120 and model.logger.name_to_value["train/actor_loss"] != 0
+        rows = model.replay_buffer.buffer.get(slice(None))
+        assert rows.action.shape == (120, 1) and rows.obs.shape == (120, 3)
+        # Pendulum's obs is (cos, sin, theta_dot): every row's obs and next_obs lie on the circle
+        assert np.allclose(rows.obs[:, 0] ** 2 + rows.obs[:, 1] ** 2, 1, atol=1e-5)
+        assert np.allclose(rows.next_obs[:, 0] ** 2 + rows.next_obs[:, 1] ** 2, 1, atol=1e-5)
+        assert (rows.obs[1:] == rows.next_obs[:-1])[~rows.done[:-1].astype(bool) & ~rows.timeouts[:-1].astype(bool)].all()
+    finally:
+        model.replay_buffer.close()
