@@ -632,12 +632,12 @@ class ReplayBuffer:
         return self._counted(groups * size, None, lambda: sequences.sample_groups(
             self, groups, size, ordered=ordered, replace=replace, short=short))
 
-    def sample_episodes(self, n: int, *, replace: bool = True) -> list[Batch]:
-        """``n`` complete episodes, each a batch of its rows in order (HER relabelling,
-        imitation). An episode counts as complete once the next one has started in its lane:
-        the episode still being written is never returned. ``replace=False`` returns ``n``
-        distinct episodes (``EmptyBufferError`` when fewer are complete). Its rows count as
-        sampled; a rate limiter does not hold it back."""
+    def sample_episodes(self, n: int, *, replace: bool = False) -> list[Batch]:
+        """``n`` distinct complete episodes, each a batch of its rows in order (HER relabelling,
+        imitation; ``EmptyBufferError`` when fewer are complete), or with ``replace=True`` drawn
+        in proportion to their length, with repeats. An episode counts as complete once the next
+        one has started in its lane: the episode still being written is never returned. Its rows
+        count as sampled; a rate limiter does not hold it back."""
         return sequences.sample_episodes(self, n, replace=replace)
 
     def epoch(self, batch_size: int, *, shuffle: bool = True, drop_last: bool = False) -> Iterator[Batch]:

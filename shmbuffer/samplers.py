@@ -103,8 +103,8 @@ class Prioritized:
                 raise ValueError(f"Prioritized: {name} must be a finite number >= {lo}, got {value!r}")
         if self.beta > 1:
             raise ValueError(f"Prioritized: beta must be in [0, 1], got {self.beta}")
-        if self.beta_steps is not None and self.beta_steps <= 0:
-            raise ValueError(f"Prioritized: beta_steps must be positive, got {self.beta_steps}")
+        if self.beta_steps is not None and (not isinstance(self.beta_steps, (int, np.integer)) or self.beta_steps < 0):
+            raise ValueError(f"Prioritized: beta_steps must be an int >= 0 (0 or None: no annealing), got {self.beta_steps!r}")
 
     def beta_at(self, calls: int) -> float:
         """``beta`` after ``calls`` sample calls: linear from ``beta`` to 1 over ``beta_steps``."""

@@ -317,7 +317,7 @@ def _episode_groups(src: Source, groups: int, size: int, *, ordered: bool, repla
         src.reap()
 
 
-def sample_episodes(src: Source, n: int, *, replace: bool = True) -> list[Batch]:
+def sample_episodes(src: Source, n: int, *, replace: bool = False) -> list[Batch]:
     """``n`` complete episodes (their first and last rows both in the buffer), drawn with
     probability proportional to their length, each a batch of its rows in order; distinct ones
     unless ``replace`` (``EmptyBufferError`` when fewer are complete)."""

@@ -203,8 +203,12 @@ def test_bad_sampler_options() -> None:
         sb.Prioritized(alpha=-1)
     with pytest.raises(ValueError, match=r"beta must be in \[0, 1\]"):
         sb.Prioritized(beta=2)
-    with pytest.raises(ValueError, match="beta_steps must be positive"):
-        sb.Prioritized(beta_steps=0)
+    with pytest.raises(ValueError, match=r"beta_steps must be an int >= 0"):
+        sb.Prioritized(beta_steps=-1)
+    with pytest.raises(ValueError, match=r"beta_steps must be an int >= 0"):
+        sb.Prioritized(beta_steps=2.5)  # type: ignore[arg-type]
+    # nerveX's anneal_step=0: no annealing, as beta_steps=None
+    assert sb.Prioritized(beta=0.4, beta_steps=0).beta_at(10**6) == 0.4
     with pytest.raises(ValueError, match="max_use: expected a positive int"):
         sb.ReplayBuffer(MUJOCO, 8, max_use=0)
     with pytest.raises(ValueError, match="sampler: expected Uniform"):

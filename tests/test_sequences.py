@@ -282,7 +282,7 @@ def test_whole_episodes(make: Make, name: str) -> None:
         last_ep = rows[-1][1]
         complete.pop(last_ep)  # still running: no later episode has started in its lane
     complete = {ep: seqs for ep, seqs in complete.items() if set(seqs) <= held}
-    got = buf.sample_episodes(30)
+    got = buf.sample_episodes(30, replace=True)  # with repeats: more than there are
     assert len(got) == 30
     for episode in got:
         seq = seq_of(episode).tolist()
