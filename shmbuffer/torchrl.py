@@ -147,8 +147,14 @@ class ShmStorage(Storage):
                 raise EmptyBufferError(f"ShmStorage.get: slots {slots[ids < 0][:5].tolist()} are being written")
             time.sleep(0.0005)
         tensors = batch.to(self.device)
-        out = TensorDict({self.nested[k]: v for k, v in tensors.fields.items()}, batch_size=[slots.size],
-                         device=self.device)
+        tree: dict[str, Any] = {}
+        for k, v in tensors.fields.items():
+            *outer, last = self.nested[k]
+            node = tree
+            for part in outer:
+                node = node.setdefault(part, {})
+            node[last] = v
+        out = TensorDict(tree, batch_size=[slots.size], device=self.device)
         return out[0] if single else out
 
     def __len__(self) -> int:
