@@ -131,7 +131,11 @@ class _Shared:
         raise AttributeError("full is read from the shared buffer; clear it with reset()")
 
     def size(self) -> int:
-        return self.buffer_size if self.full else self.pos
+        return self._upper_bound()
+
+    def _upper_bound(self) -> int:
+        """SB3's ``buffer_size if full else pos``, from one read of the lanes."""
+        return min(int(self._rows().min()), self.buffer_size)
 
     def reset(self) -> None:
         self.buffer.clear()
@@ -229,7 +233,7 @@ class ReplayBuffer(_Shared, sb3_buffers.ReplayBuffer):
                    action, reward, done, infos)
 
     def sample(self, batch_size: int, env: Any = None) -> ReplayBufferSamples:
-        upper_bound = self.buffer_size if self.full else self.pos
+        upper_bound = self._upper_bound()
         if upper_bound == 0:
             raise EmptyBufferError("sample: the replay buffer is empty")
         batch_inds = np.random.randint(0, upper_bound, size=batch_size)
@@ -275,7 +279,7 @@ class DictReplayBuffer(_Shared, sb3_buffers.DictReplayBuffer):
         self._push(fields, action, reward, done, infos)
 
     def sample(self, batch_size: int, env: Any = None) -> DictReplayBufferSamples:  # type: ignore[override]
-        upper_bound = self.buffer_size if self.full else self.pos
+        upper_bound = self._upper_bound()
         if upper_bound == 0:
             raise EmptyBufferError("sample: the replay buffer is empty")
         batch_inds = np.random.randint(0, upper_bound, size=batch_size)
