@@ -51,7 +51,7 @@ def _churn(handle: sb.BufferHandle, seed: int, ready: Any, stop: Any, idle: Any,
             armed[0] = True
             op = rng.integers(100)
             if op < 40:
-                buf.push(transition(seq))
+                buf.push(transition(seq), lane=int(rng.integers(buf.lanes)))
                 seq += 1
             elif op < 60:
                 k = int(rng.integers(2, 40))
