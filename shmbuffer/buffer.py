@@ -31,17 +31,17 @@ from typing import Any
 
 import numpy as np
 
-from . import persistence, reader, sequences
+from . import edits, persistence, reader, sequences
 from .batch import Batch
 from .errors import ClosedError, FieldError, ReadOnlyError, SchemaError
 from .layout import UNIFORM, Block, Counter, Options, columns, read
 from .limiter import RateLimiter, counted
 from .loader import Loader
-from .lock import defer_signals, resume_signals
+from .lock import resume_signals
 from .priorities import Priorities
 from .ring import Copier, Ring, check_platform
 from .samplers import Sampler
-from .schema import Schema
+from .schema import Schema, stack_rows
 from .segment import Segment
 
 __all__ = ["BufferHandle", "Options", "ReplayBuffer"]
@@ -240,30 +240,8 @@ class ReplayBuffer:
         ring = self.ring
         held = len(ring)
         if held and self._block.arrays["_stats"][Counter.REMOVED]:
-            held -= self._removed()
+            held -= edits.removed(self)
         return held
-
-    def _removed(self) -> int:
-        """Held slots (within the lanes' bounds) that are empty or hold a used-up row."""
-        ring = self.ring
-        first, stop = ring.bounds()
-        lc = ring.lane_capacity
-        gone = 0
-        prios = self._prios
-        for lane in range(ring.lanes):
-            a, b = int(first[lane]), int(stop[lane])
-            if b <= a:
-                continue
-            if b - a >= lc:
-                slots: slice | np.ndarray = slice(lane * lc, (lane + 1) * lc)
-            else:
-                slots = lane * lc + np.arange(a, b) % lc
-            stamp = ring.stamp[slots]
-            empty = stamp == 0
-            gone += int(empty.sum())
-            if prios is not None and prios.uses is not None and prios.max_use is not None:
-                gone += int(((prios.uses[slots] >= prios.max_use) & ~empty).sum())
-        return gone
 
     @property
     def size(self) -> int:
@@ -350,7 +328,7 @@ class ReplayBuffer:
                     self._block.episode[res.where] = episodes
             ring.commit(res)
             if not given and k > 1 and episodes is not None and episodes.ndim and self.options.envs is None:
-                self._note_interleaving(res.ids, episodes)
+                sequences.note_interleaving(self, res.ids, episodes)
         except BaseException:
             # the copy failed after the reservation: give the rows back — they read as empty,
             # never as committed, and are never drawn; a live owner must not keep them odd
@@ -373,7 +351,7 @@ class ReplayBuffer:
         if data is not None:
             if fields:
                 raise TypeError("push() takes a mapping or keyword fields, not both")
-            fields = data if isinstance(data, Mapping) else _stack_rows(data, self.schema)  # type: ignore[assignment]
+            fields = data if isinstance(data, Mapping) else stack_rows(data, self.schema)  # type: ignore[assignment]
         if "priority" in fields and "priority" not in self.schema.names:  # Ape-X: inside the row
             if priority is not None:
                 raise TypeError("push() got a priority both in the row and as priority=; give one")
@@ -384,7 +362,7 @@ class ReplayBuffer:
         k, arrays = fast if fast is not None else self.schema.validate(fields)
         given = lane is not None
         if not given:
-            lane = self._default_lane(k)
+            lane = self.options.default_lane(k)
         if type(lane) is not int or not 0 <= lane < ring.lanes or k > ring.lane_capacity:  # the usual case is cheap
             lane = int(lane) if isinstance(lane, (int, np.integer)) else np.asarray(lane, dtype=np.int64)
             ring.check_push(k, lane)
@@ -396,41 +374,6 @@ class ReplayBuffer:
                 raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
             priority = self._prios.check(priority, k)
         return k, arrays, lane, episodes, priority
-
-    def _note_interleaving(self, ids: np.ndarray, episodes: np.ndarray) -> None:
-        """Mark the buffer when a push without ``lane=`` shows one episode's rows apart in the lane
-        (with the row before it): a vector env's steps pushed into one lane, whose consecutive rows
-        are not one env's steps, so windows would silently shrink to one step (``sequences.py``
-        refuses them from then on). One env's chunk of steps (``[7, 7, 8]``) is fine."""
-        block = self._block
-        if block.interleaved or block.episode is None or not (episodes != episodes[0]).any():
-            return
-        seq = episodes
-        before = ids[:1] - 1
-        if before[0] >= self.ring.bounds()[0][0]:
-            seq = np.concatenate([block.episode[self.ring.slots(before)], episodes])
-        runs = seq[np.r_[True, seq[1:] != seq[:-1]]]
-        if np.unique(runs).size < runs.size:
-            block.mark_interleaved()
-
-    def _default_lane(self, k: int) -> int | np.ndarray:
-        """The lanes of a push of ``k`` rows that names none (see ``envs`` and ``lanes``)."""
-        envs = self.options.envs
-        if envs is not None:
-            if k % envs:
-                raise FieldError(
-                    f"lane: this buffer has one lane per env (envs={envs}): a push without lane= takes "
-                    f"whole steps of every env, env-major ({envs}, {2 * envs}, ... rows), got {k} rows; "
-                    "or name the lanes with lane="
-                )
-            return 0 if envs == 1 else np.tile(np.arange(envs, dtype=np.int64), k // envs)
-        if self.ring.lanes > 1:
-            raise FieldError(
-                f"lane: this buffer has {self.ring.lanes} lanes and a push without lane= would fill only "
-                f"lane 0 (1/{self.ring.lanes} of the capacity): pass lane= (one per row or one for all), "
-                "or create the buffer with envs=N to spread a vector env's rows one lane per env"
-            )
-        return 0
 
     def update_priorities(self, rows: Batch | Any, priorities: Any) -> int:
         """Set the priorities of sampled rows (a batch, or its ``index``), from any process.
@@ -466,90 +409,19 @@ class ReplayBuffer:
         is discarded (``reader.gather``). A ``priority`` (or a ``"priority"`` key that is not a
         field) sets the rows' priorities too. A process killed mid-update leaves its rows empty
         (reaped, never torn). Everything is checked first: on any error nothing changed."""
-        ring = self.ring
-        ids = ring.check_ids(rows.index if isinstance(rows, Batch) else rows, "update")
+        ids = self.ring.check_ids(rows.index if isinstance(rows, Batch) else rows, "update")
         if data is not None:
             if fields:
                 raise TypeError("update() takes a mapping or keyword fields, not both")
-            fields = dict(data if isinstance(data, Mapping) else _stack_rows(data, self.schema))
-        if "priority" in fields and "priority" not in self.schema.names:
-            if priority is not None:
-                raise TypeError("update() got a priority both in the row and as priority=; give one")
-            priority = fields.pop("priority")
-        unknown = [n for n in fields if n not in self.schema.names]
-        if unknown:
-            raise FieldError(f"update: no field {unknown[0]!r}; the schema has {', '.join(self.schema.names)}")
-        if ring.frozen:
-            raise ReadOnlyError(f"buffer {self.name!r} is frozen (read-only): its rows cannot be updated")
-        k = int(ids.size)
-        prios = self._prios
-        if priority is not None:
-            if prios is None or not prios.prioritized:
-                raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
-            priority = prios.check(priority, k, "update: priority")
-        arrays: dict[str, np.ndarray] = {}
-        if fields:
-            full: dict[str, Any] = {}
-            for f in self.schema:
-                if f.name in fields:
-                    a = _numpy(fields[f.name])
-                    full[f.name] = np.broadcast_to(a, (k, *a.shape)) if a.shape == f.shape else a
-                else:
-                    full[f.name] = np.zeros((k, *f.shape), f.dtype)
-            got, checked = self.schema.validate(full)
-            if got != k:
-                raise FieldError(f"update: {k} ids but {got} rows of fields")
-            arrays = {n: checked[n] for n in fields}
-        if not k:
-            return 0
-        w = ring.writer_id()
-        with ring.lock:
-            live = ring.current(ids)
-            idx = ids[live]
-            slots = ring.slots(idx)
-            ring.owner[slots] = w  # the owner first: an odd stamp always names its writer
-            ring.stamp[slots] = ring.expected(idx) - 1
-            self._block.counters[Counter.UPDATES] += 1  # after the odd stamps (reader._unless_updated)
-            if priority is not None and prios is not None:
-                prios.set_rows(slots, priority[live], fresh=False)
-            defer_signals()  # outlasts the lock: nothing interrupts until the stamps are even again
-        try:
-            try:
-                for name, a in arrays.items():
-                    self._block.fields[name][slots] = a[live]
-            except BaseException:
-                with ring.lock:  # a half-updated row must not be read: it leaves the buffer
-                    ring.stamp[slots] = 0
-                    if prios is not None:
-                        prios.remove(slots)
-                    else:
-                        self._block.arrays["_stats"][Counter.REMOVED] = 1
-                raise
-            ring.stamp[slots] = ring.expected(idx)
-        finally:
-            resume_signals()
-        return int(live.sum())
+            fields = dict(data if isinstance(data, Mapping) else stack_rows(data, self.schema))
+        return edits.update(self, ids, fields, priority)
 
     def delete(self, rows: Batch | Any) -> int:
         """Remove stored rows by id (a batch, or its ``index``), from any process: they are never
         sampled, taken or got again, ``len`` no longer counts them, ``export`` and ``save`` leave
         them out (a save keeps them as holes). Their slots stay where they are until the ring
         comes round to them. Returns how many rows were deleted (rows already gone are skipped)."""
-        ring = self.ring
-        ids = ring.check_ids(rows.index if isinstance(rows, Batch) else rows, "delete")
-        if ring.frozen:
-            raise ReadOnlyError(f"buffer {self.name!r} is frozen (read-only): its rows cannot be deleted")
-        prios = self._prios
-        with ring.lock:
-            live = ring.current(ids)
-            slots = np.unique(ring.slots(ids[live]))
-            if not slots.size:
-                return 0
-            self._block.arrays["_stats"][Counter.REMOVED] = 1  # before the rows go: len never over-counts
-            ring.stamp[slots] = 0
-            if prios is not None:
-                prios.remove(slots)
-        return int(slots.size)
+        return edits.delete(self, self.ring.check_ids(rows.index if isinstance(rows, Batch) else rows, "delete"))
 
     def priority(self, ids: Any) -> np.ndarray:
         """The tree leaf of each row, ``(priority + eps) ** alpha`` (0 once used up or gone; 1 for
@@ -704,43 +576,6 @@ class ReplayBuffer:
                     capacity: int | None = None, **options: Any) -> ReplayBuffer:
         """A new buffer of these rows (DI-engine's ``import_data``)."""
         return persistence.from_arrays(as_schema(schema), arrays, cls, capacity, **options)
-
-
-def _stack_rows(rows: Any, schema: Schema) -> dict[str, Any]:
-    """A list of row mappings (what collectors and pipelines hand over) as one mapping of ``k``
-    rows; every row must have the same keys. ``FieldError`` saying which row differs."""
-    if isinstance(rows, (str, bytes)) or not isinstance(rows, (list, tuple)):
-        raise TypeError(
-            f"push() expected a mapping of fields or a list of them, got {type(rows).__name__}: "
-            f"a row is a dict of the schema's fields ({', '.join(schema.names)})"
-        )
-    if not rows:
-        raise FieldError("push() got an empty list of rows")
-    keys = None
-    for i, row in enumerate(rows):
-        if not isinstance(row, Mapping):
-            raise TypeError(
-                f"push(): row {i} of the list is a {type(row).__name__}, expected a mapping of fields "
-                f"({', '.join(schema.names)})"
-            )
-        if keys is None:
-            keys = list(row.keys())
-        elif set(row.keys()) != set(keys):
-            raise FieldError(f"push(): row {i} has fields {sorted(row)}, row 0 has {sorted(keys)}; every row needs the same")
-    assert keys is not None
-    out: dict[str, Any] = {}
-    for key in keys:
-        try:
-            out[key] = np.stack([_numpy(row[key]) for row in rows])
-        except ValueError as exc:
-            raise FieldError(f"push(): field {key!r} differs in shape between rows ({exc})") from None
-    return out
-
-
-def _numpy(value: Any) -> np.ndarray:
-    if hasattr(value, "detach"):
-        value = value.detach().cpu().numpy()
-    return np.asarray(value)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:

@@ -111,6 +111,25 @@ class Options:
         """Whether draws go through the priority tree (prioritized, or any sampler with max_use)."""
         return isinstance(self.sampler, Prioritized) or self.max_use is not None
 
+    def default_lane(self, k: int) -> int | np.ndarray:
+        """The lanes of a push of ``k`` rows that names none (see ``envs`` and ``lanes``)."""
+        envs = self.envs
+        if envs is not None:
+            if k % envs:
+                raise FieldError(
+                    f"lane: this buffer has one lane per env (envs={envs}): a push without lane= takes "
+                    f"whole steps of every env, env-major ({envs}, {2 * envs}, ... rows), got {k} rows; "
+                    "or name the lanes with lane="
+                )
+            return 0 if envs == 1 else np.tile(np.arange(envs, dtype=np.int64), k // envs)
+        if self.lanes > 1:
+            raise FieldError(
+                f"lane: this buffer has {self.lanes} lanes and a push without lane= would fill only "
+                f"lane 0 (1/{self.lanes} of the capacity): pass lane= (one per row or one for all), "
+                "or create the buffer with envs=N to spread a vector env's rows one lane per env"
+            )
+        return 0
+
     def check_episode(self, episode: Any, k: int) -> np.ndarray | None:
         """The episode ids of a push of ``k`` rows as int64 (one, or one per row), ``None`` for a
         buffer that keeps none; ``FieldError`` when they are missing, unwanted or malformed."""

@@ -372,3 +372,41 @@ def _check_cast(f: Field, a: np.ndarray) -> None:
         f"field {f.name!r}: expected {dst}, got {src}, which does not cast safely; "
         f"convert it first (e.g. .astype({str(dst)!r}))"
     )
+
+
+def stack_rows(rows: Any, schema: Schema) -> dict[str, Any]:
+    """A list of row mappings (what collectors and pipelines hand over) as one mapping of ``k``
+    rows; every row must have the same keys. ``FieldError`` saying which row differs."""
+    if isinstance(rows, (str, bytes)) or not isinstance(rows, (list, tuple)):
+        raise TypeError(
+            f"push() expected a mapping of fields or a list of them, got {type(rows).__name__}: "
+            f"a row is a dict of the schema's fields ({', '.join(schema.names)})"
+        )
+    if not rows:
+        raise FieldError("push() got an empty list of rows")
+    keys = None
+    for i, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise TypeError(
+                f"push(): row {i} of the list is a {type(row).__name__}, expected a mapping of fields "
+                f"({', '.join(schema.names)})"
+            )
+        if keys is None:
+            keys = list(row.keys())
+        elif set(row.keys()) != set(keys):
+            raise FieldError(f"push(): row {i} has fields {sorted(row)}, row 0 has {sorted(keys)}; every row needs the same")
+    assert keys is not None
+    out: dict[str, Any] = {}
+    for key in keys:
+        try:
+            out[key] = np.stack([as_numpy(row[key]) for row in rows])
+        except ValueError as exc:
+            raise FieldError(f"push(): field {key!r} differs in shape between rows ({exc})") from None
+    return out
+
+
+def as_numpy(value: Any) -> np.ndarray:
+    """A numpy array of ``value`` (a torch tensor is moved to the host first)."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().numpy()
+    return np.asarray(value)
