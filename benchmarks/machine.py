@@ -74,4 +74,14 @@ def info() -> dict[str, Any]:
         "torch_threads_main": threads,
         "gpu": gpu(),
         "shmbuffer_commit": git_commit(),
+        "shmbuffer_path": _path(),
     }
+
+
+def _path() -> str:
+    """Which implementation ran shmbuffer's hot path: "native" (the C extension) or "python"."""
+    try:
+        from shmbuffer import native
+    except ImportError:  # a shmbuffer from before the native path
+        return "python"
+    return f"{native.ACTIVE} ({native.REASON})"

@@ -161,7 +161,7 @@ def machine_line(m: dict[str, Any]) -> str:
     return (f"{m['date']}: {m['cpu']}, {m['usable_cores']} usable cores ({m['logical_cores']} logical), "
             f"{m['memory_gib']} GiB RAM, {m['os']}, Python {m['python']}, numpy {p['numpy']}, torch {p['torch']}, "
             f"cpprb {p['cpprb']}, torchrl {p['torchrl']}, stable-baselines3 {p['stable-baselines3']}; GPU: {m['gpu']}; "
-            f"load average at start {m['load_average']}; shmbuffer {m.get('shmbuffer_commit')}")
+            f"load average at start {m['load_average']}; shmbuffer {m.get('shmbuffer_commit')}, hot path {m.get('shmbuffer_path', 'python')}")
 
 
 def details(name: str, case: dict[str, Any]) -> str:

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from . import segment
+from . import native, segment
 from .buffer import ReplayBuffer
 from .errors import ForeignBlock, LayoutError, SegmentNotFound, ShmBufferError
 from .persistence import pieces
@@ -335,7 +335,7 @@ def _bench(args: argparse.Namespace) -> int:
         sample = _rate(lambda: buf.sample(256), args.seconds)
     out = {"memcpy_gb_s": round(memcpy, 2), "push_rows_s_one_at_a_time": round(push_one),
            "push_rows_s_batches_of_256": round(push_batch), "sample_batches_s_of_256": round(sample),
-           "row_bytes": schema.row_bytes, "cpus": os.cpu_count()}
+           "row_bytes": schema.row_bytes, "cpus": os.cpu_count(), "path": native.ACTIVE}
     if args.json:
         print(json.dumps(out, indent=1))
     else:
@@ -343,6 +343,7 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"push, one row a call    {out['push_rows_s_one_at_a_time']:>10} rows/s  ({schema.row_bytes}-byte MuJoCo-like rows)")
         print(f"push, 256 rows a call   {out['push_rows_s_batches_of_256']:>10} rows/s")
         print(f"sample(256)             {out['sample_batches_s_of_256']:>10} batches/s")
+        print(f"hot path                {out['path']:>10}  (native: the C extension; python: SHMBUFFER_PURE=1 or not built)")
     return 0
 
 
