@@ -153,6 +153,19 @@ def _unless_updated(block: Block, before: int, rows: Rows) -> None:
         rows.ok[...] = False
 
 
+def settle(block: Block, ring: Ring, ids: np.ndarray, rows: Rows) -> None:
+    """Gather again (a few rounds) the rows of ``ids`` (flat) that did not count but are still
+    current: an update of *other* rows during the gather (``_unless_updated``) discards every
+    row of it, and a read that cannot re-draw (``take``, ``epoch``) must not lose them for that."""
+    for _ in range(REDRAW_ROUNDS):
+        bad = np.flatnonzero(~rows.ok)
+        if bad.size:
+            bad = bad[ring.current(ids[bad])]
+        if not bad.size:
+            return
+        rows.put(bad, gather(block, ring, ids[bad]))
+
+
 def _shaped(rows: Rows, shape: tuple[int, ...]) -> Rows:
     """Rows gathered for flat ids, shaped like the ids."""
     if len(shape) <= 1:
@@ -390,6 +403,8 @@ def epoch(src: Source, batch_size: int, *, shuffle: bool, drop_last: bool) -> It
     for at in range(0, stop, batch_size):
         chunk = ids[at:at + batch_size].copy()
         rows = gather(src.block, ring, chunk)
+        if not rows.ok.all():
+            settle(src.block, ring, chunk, rows)
         keep = np.flatnonzero(rows.ok)
         if counting:
             keep = np.setdiff1d(keep, claim(src, chunk, keep), assume_unique=True)
@@ -407,6 +422,8 @@ def take(src: Source, ids: Any) -> Batch:
     if not ids.size:
         raise ValueError("take: expected at least one id")
     rows = gather(src.block, ring, ids)
+    if not rows.ok.all():
+        settle(src.block, ring, ids, rows)
     if not rows.ok.all():
         gone = ids[~rows.ok]
         raise EmptyBufferError(

@@ -140,6 +140,36 @@ def test_a_reader_never_sees_a_row_half_updated(make: Make, name: str) -> None:
     assert buf.take([3]).reward.tolist() == [7.0]                     # committed again afterwards
 
 
+@pytest.mark.parametrize("pure", [False, True])
+def test_an_update_of_other_rows_loses_no_row_of_take_or_epoch(
+    make: Make, name: str, pure: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an update anywhere moves Counter.UPDATES, which discards the whole gather it spans; take
+    # and epoch cannot re-draw, so they must gather the untouched rows again, not drop them
+    from shmbuffer import native
+    from shmbuffer.ring import Ring
+
+    if pure:
+        monkeypatch.setattr(native, "lib", None)
+    buf = make(SMALL, 64, name=name)
+    buf.push(obs=np.zeros((64, 3)), reward=np.arange(64.0))
+    cleared = Ring.cleared
+    pending: list[int] = []
+
+    def spy(self: Ring, ids: np.ndarray, lowest: int | None = None) -> np.ndarray:
+        if pending:  # called by gather after its copies: another process updates row 63 now
+            pending.pop()
+            buf.update([63], reward=1000.0)
+        return cleared(self, ids, lowest)
+
+    monkeypatch.setattr(Ring, "cleared", spy)
+    pending.append(1)
+    got = np.concatenate([b.reward for b in buf.epoch(16, shuffle=False)])
+    assert not pending and got[:63].tolist() == list(range(63))
+    pending.append(1)
+    assert buf.take([0, 1]).reward.tolist() == [0.0, 1.0] and not pending
+
+
 def test_delete_rows(make: Make, name: str, tmp_path: Path) -> None:
     buf = make(SMALL, 10, sampler=sb.Prioritized(), name=name, seed=1)
     buf.push(obs=np.arange(6.0)[:, None] * np.ones(3), reward=np.arange(6.0))
