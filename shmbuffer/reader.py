@@ -341,6 +341,13 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
             raise EmptyBufferError(
                 f"sample({n}, replace=False): only {np.count_nonzero(tree.leaves)} rows of buffer "
                 f"{src.name!r} can be drawn; the others are used up (max_use={src.options.max_use}) or empty")
+        if slow and tree is None and not replace:
+            held = ring.held_ids()  # deleted rows (stamp 0) still count in len(ring): n may exceed the rest
+            left = np.count_nonzero(ring.stamp.take(ring.slots(held)))
+            if left < n:
+                raise EmptyBufferError(
+                    f"sample({n}, replace=False): only {left} rows of buffer {src.name!r} can be drawn; "
+                    "the others were deleted or are empty")
         more = sampler.draw(ring, tree, src.rng, k, replace=replace, taken=taken, again=True, slow=slow)
         if more.ids.size < k:
             _nothing_to_draw(src, n, final=False)

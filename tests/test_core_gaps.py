@@ -170,6 +170,17 @@ def test_an_update_of_other_rows_loses_no_row_of_take_or_epoch(
     assert buf.take([0, 1]).reward.tolist() == [0.0, 1.0] and not pending
 
 
+def test_distinct_rows_beyond_those_left_after_deletes(make: Make, name: str) -> None:
+    # len(buf) leaves deleted rows out; sample(replace=False) must say so, not spin for a second
+    # and raise WaitTimeout as if rows were being written
+    buf = make(sb.Schema(x=((), "int64")), 10, name=name, seed=0)
+    buf.push(x=np.arange(10))
+    assert buf.delete([0, 1, 2, 3, 4]) == 5 and len(buf) == 5
+    with pytest.raises(sb.EmptyBufferError, match="only 5 rows"):
+        buf.sample(8, replace=False)
+    assert sorted(buf.sample(5, replace=False).x.tolist()) == [5, 6, 7, 8, 9]
+
+
 def test_delete_rows(make: Make, name: str, tmp_path: Path) -> None:
     buf = make(SMALL, 10, sampler=sb.Prioritized(), name=name, seed=1)
     buf.push(obs=np.arange(6.0)[:, None] * np.ones(3), reward=np.arange(6.0))
