@@ -1348,7 +1348,18 @@ def import_rows(buf: Buffer, arrays: Mapping[str, Any]) -> np.ndarray:
         extra.pop("priority", None)
     uses = extra.pop("uses", None)
     k, _ = buf.schema.validate(data)
+    # the pushes go in pieces: check what a later piece could refuse first, so an error changes nothing
+    buf.options.check_episode(extra.get("episode"), k)
+    if extra.get("priority") is not None and prios is not None:
+        prios.check(extra["priority"], k, "import_rows: priority")
+    if uses is not None and prios is not None and prios.uses is not None and (np.asarray(uses) < 0).any():
+        raise CapacityError(f"uses: expected counts >= 0, got {np.asarray(uses)[np.asarray(uses) < 0][:3].tolist()}")
+    lane = np.asarray(extra.get("lane", 0))
+    if lane.size and lane.dtype.kind in "iuf" and (lane.min() < 0 or lane.max() >= buf.lanes):
+        raise CapacityError(f"lane: expected lane numbers in [0, {buf.lanes}), got {lane.min()}..{lane.max()}")
     step = buf.lane_capacity
+    if "lane" not in extra and buf.options.envs:
+        step *= buf.options.envs  # env-major steps of every env: lane_capacity rows in each lane
     single = k == 1 and all(np.ndim(a) == len(buf.schema[n].shape) for n, a in data.items())
     out = []
     for i in range(0, k, max(step, 1)):

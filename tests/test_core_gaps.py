@@ -275,6 +275,21 @@ def test_annealing_continues_after_attach_and_load(make: Make, name: str, tmp_pa
 # -- export and import ------------------------------------------------------------------------------------------
 
 
+def test_import_rows_in_pieces_changes_nothing_on_error_and_fills_env_lanes(make: Make, name: str) -> None:
+    # import_rows pushes a lane's capacity at a time: a bad value in a later piece must be refused
+    # before the first piece goes in, and a buffer with envs= takes whole env steps per piece
+    x = sb.Schema(x=((), "int64"))
+    buf = make(x, 4, sampler=sb.Prioritized(), max_use=3, name=name)
+    with pytest.raises(sb.FieldError, match="nothing was changed"):
+        persistence.import_rows(buf, {"x": np.arange(6), "priority": [1.0] * 5 + [-1.0]})
+    with pytest.raises(sb.CapacityError, match="uses"):
+        persistence.import_rows(buf, {"x": np.arange(6), "uses": [0] * 5 + [-1]})
+    assert len(buf) == 0 and buf.stats["inserted"] == 0
+    envs = make(x, 6, envs=2, name=name + "e")
+    assert persistence.import_rows(envs, {"x": np.arange(4)}).tolist() == [0, 1, 2, 3]
+    assert envs.get(slice(None)).x.tolist() == [0, 2, 1, 3]                # lane 0, then lane 1
+
+
 def test_export_and_import_carry_priorities_uses_and_ids(make: Make, name: str) -> None:
     s = sb.Prioritized(alpha=0.5, eps=0.0)
     buf = make(SMALL, 6, sampler=s, max_use=3, name=name, seed=0)
