@@ -88,6 +88,11 @@ class Priorities:
         self._stamp = arrays["_stamp"]
         self._lanes = arrays["_lanes"]
         self._stats = arrays["_stats"]
+        self._safe = np.inf
+        """Priorities up to this have a leaf of at most ``MAX_LEAF``: no overflow to guard against."""
+        if isinstance(sampler, Prioritized) and sampler.alpha > 0:
+            with np.errstate(over="ignore"):
+                self._safe = float(np.power(MAX_LEAF, 1.0 / sampler.alpha)) - sampler.eps
         if initialise:
             self.tree.reset()
             self._prio[0] = 1.0
@@ -149,6 +154,8 @@ class Priorities:
         """The leaves of these priorities (``inf`` where one overflows)."""
         if isinstance(self.sampler, Prioritized):
             s = self.sampler
+            if not priorities.size or priorities.max() <= self._safe:  # the usual case: nothing overflows
+                return (priorities + s.eps) ** s.alpha
             with np.errstate(over="ignore"):
                 return (priorities + s.eps) ** s.alpha
         return np.ones_like(priorities)

@@ -127,6 +127,8 @@ class Prioritized:
         low = tree.min
         if not np.isfinite(low) or low <= 0:
             return np.ones(leaves.shape[0], np.float32)
+        if low >= 1e-27:  # leaves are at most MAX_LEAF (1e280): no ratio can overflow
+            return np.power(np.maximum(leaves, low) / low, -self.beta_at(calls)).astype(np.float32)
         with np.errstate(over="ignore"):  # a ratio past float64's range: its weight is 0 (or 1 at beta 0)
             return np.power(np.maximum(leaves, low) / low, -self.beta_at(calls)).astype(np.float32)
 
