@@ -153,7 +153,10 @@ MAX_ROW = 2**61
 """Every saved lane's ``stop * lanes`` is at most this: ids (``n * lanes + l``) and stamps
 (``2n + 2``) of its rows, and of the rows pushed after a load for ages to come, fit an int64."""
 _UPDATE_TRIES = 2000
-"""Times a save copies a piece again while rows of it are being updated (about a second)."""
+"""At most this many copies of a piece while rows of it are being updated (see ``_UNLOCKED_TRIES``)."""
+_UNLOCKED_TRIES = 8
+"""Copies of a piece without the lock; the next one holds it, so that no update can begin (it
+waits up to a second for the updates under way, whose copies need no lock, to end)."""
 MAX_BLOCK = 2**48
 """A save whose buffer would need more bytes of rows than this (256 TiB) is damaged."""
 _CREATE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR | os.O_CLOEXEC
@@ -340,25 +343,38 @@ class _Snapshot:
         expect = 2 * np.arange(n0, n1, dtype=np.int64) + 2
         expect[hole] = 0  # a hole must still be empty: a stamp there means a writer lapped it
         counters = buf.block.counters
-        for _ in range(_UPDATE_TRIES):
+        for attempt in range(_UPDATE_TRIES):
             # rows being updated (buffer.update: odd with their own row number) are copied again
-            # once done, and so is a piece that an update spanned (it ends with the stamp it had)
-            updates = int(counters[Counter.UPDATES])
-            before = ring.stamp[sl].copy()
-            packed = buf.block.packed
-            block = packed[sl].copy() if packed is not None else None
-            out = {name: col[sl].copy() for name, col in buf.block.large.items()}
-            if "_episode" in self.arrays:
-                out["_episode"] = self.arrays["_episode"][sl].copy()
-            prios = buf.priorities
-            if prios is not None:
-                with ring.lock:
-                    out["_leaf"] = prios.tree.leaves[sl].copy()
-                    if prios.uses is not None:
-                        out["_uses"] = prios.uses[sl].copy()
-            after = ring.stamp[sl].copy()
-            moved = int(counters[Counter.UPDATES]) != updates
-            if not moved and not ((before == expect - 1) | (after == expect - 1)).any():
+            # once done, and so is a piece that an update spanned (it ends with the stamp it had);
+            # an update anywhere moves the count, so after a few tries the copy holds the lock (no
+            # update can begin) once the updates under way have ended (their copies need no lock)
+            locked = attempt >= _UNLOCKED_TRIES
+            if locked:
+                ring.lock.acquire()
+            try:
+                if locked:
+                    until = time.monotonic() + 1.0
+                    while (ring.stamp[sl] == expect - 1).any() and time.monotonic() < until:
+                        time.sleep(0.0001)
+                updates = int(counters[Counter.UPDATES])
+                before = ring.stamp[sl].copy()
+                packed = buf.block.packed
+                block = packed[sl].copy() if packed is not None else None
+                out = {name: col[sl].copy() for name, col in buf.block.large.items()}
+                if "_episode" in self.arrays:
+                    out["_episode"] = self.arrays["_episode"][sl].copy()
+                prios = buf.priorities
+                if prios is not None:
+                    with contextlib.nullcontext() if locked else ring.lock:
+                        out["_leaf"] = prios.tree.leaves[sl].copy()
+                        if prios.uses is not None:
+                            out["_uses"] = prios.uses[sl].copy()
+                after = ring.stamp[sl].copy()
+                moved = int(counters[Counter.UPDATES]) != updates
+            finally:
+                if locked:
+                    ring.lock.release()
+            if locked or (not moved and not ((before == expect - 1) | (after == expect - 1)).any()):
                 break
             time.sleep(0.0005)
         bad = ~reader.intact(before, after, expect)

@@ -1009,3 +1009,47 @@ def test_save_refuses_a_directory_of_another_user(make: Make, name: str, tmp_pat
         closed.close()
         sb.save(closed, tmp_path / "new")
     assert not (tmp_path / "new").exists()
+
+
+def test_a_save_while_other_rows_are_updated_all_the_time_keeps_every_row(
+    make: Make, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # another process updating some row without pause moves Counter.UPDATES across every copy of
+    # a piece; the save must still copy the piece (holding the lock, so no update can begin),
+    # not give up after its tries and drop every row up to the piece's end
+    from shmbuffer.layout import Counter
+    from shmbuffer.lock import RobustLock
+
+    buf = make(sb.Schema(x=((), "int64")), 64, sampler=sb.Prioritized(), name=name)
+    buf.push(x=np.arange(64))
+    held: list[int] = []
+    acquire, release = RobustLock.acquire, RobustLock.release
+
+    def locked(self: RobustLock, timeout: float | None = None) -> None:
+        acquire(self, timeout)
+        held.append(1)
+
+    def unlocked(self: RobustLock) -> None:
+        held.pop()
+        release(self)
+
+    monkeypatch.setattr(RobustLock, "acquire", locked)
+    monkeypatch.setattr(RobustLock, "release", unlocked)
+    real = buf.block.counters
+
+    class Moving:
+        def __getitem__(self, i: int) -> Any:
+            if i == Counter.UPDATES and not held:  # an update begins whenever the lock is free
+                real[i] += 1
+            return real[i]
+
+        def __setitem__(self, i: int, value: Any) -> None:
+            real[i] = value
+
+    monkeypatch.setattr(buf.block, "counters", Moving())
+    t = time.monotonic()
+    out = sb.export(buf)
+    assert out["x"].tolist() == list(range(64)) and time.monotonic() - t < 0.5
+    buf.save(tmp_path / "s")
+    monkeypatch.undo()
+    assert load_file(str(tmp_path / "s" / "rows.safetensors"))["x"].tolist() == list(range(64))
