@@ -88,7 +88,7 @@ class Rows:
     large: dict[str, np.ndarray]
     episode: np.ndarray | None
 
-    def put(self, at: np.ndarray, other: Rows) -> None:
+    def put(self, at: np.ndarray | slice, other: Rows) -> None:
         """Overwrite positions ``at`` (of the leading dimension) with ``other``'s rows."""
         self.ok[at] = other.ok
         if self.packed is not None and other.packed is not None:
@@ -117,7 +117,7 @@ def gather(
     if native.lib is not None:
         rows = _gather_native(native.lib, block, ring, flat, out, large)
         if rows is not None:
-            _unless_updated(block, updates, rows)
+            _unless_updated(block, ring, flat, updates, rows, large)
             return rows if len(shape) == 1 else _shaped(rows, shape)
     slots = ring.slots(flat)
     stamp = block.stamp
@@ -137,20 +137,35 @@ def gather(
     if cleared.size:
         ok[cleared] = False
     rows = Rows(ok, packed, got, episode)
-    _unless_updated(block, updates, rows)
+    _unless_updated(block, ring, flat, updates, rows, large)
     return rows if len(shape) == 1 else _shaped(rows, shape)
 
 
 _UPDATES = Counter.UPDATES
+_PIECE_BYTES = 256 * 1024
+"""Bytes of rows gathered again at a time after an update began during a gather."""
 
 
-def _unless_updated(block: Block, before: int, rows: Rows) -> None:
+def _unless_updated(
+    block: Block, ring: Ring, flat: np.ndarray, before: int, rows: Rows, large: tuple[str, ...] | None,
+) -> None:
     """After the second stamps: an update (``ReplayBuffer.update``) turns a row odd and then
     back to the *same* committed stamp, so a copy that spans a whole update would pass the stamp
     check half old, half new. Every update first counts itself (after its rows turned odd), so
-    when the count moved during this gather no row of it counts: the caller re-draws them."""
-    if int(block.counters[_UPDATES]) != before:
+    when the count moved during this gather no row of it counts as read. They are gathered again
+    in pieces, each under its own count: an update anywhere begins during most gathers of many
+    large rows (a process updating rows without pause), seldom during a small piece's. A piece
+    across which the count moved again does not count: the caller re-draws its rows."""
+    if int(block.counters[_UPDATES]) == before:
+        return
+    n = flat.shape[0]
+    step = max(1, _PIECE_BYTES // max(1, block.schema.row_bytes))
+    if step >= n:
         rows.ok[...] = False
+        return
+    for a in range(0, n, step):
+        at = slice(a, min(a + step, n))
+        rows.put(at, gather(block, ring, flat[at], large=large))  # step rows or fewer: never split again
 
 
 def settle(block: Block, ring: Ring, ids: np.ndarray, rows: Rows) -> None:
@@ -448,6 +463,8 @@ def get(src: Source, index: Any) -> Batch:
         ids = ring.ids_at(index)
         flat = ids.reshape(-1)
         rows = gather(src.block, ring, flat)
+        if not rows.ok.all():
+            settle(src.block, ring, flat, rows)
         if rows.ok.all():
             break
         expect = ring.expected(flat)

@@ -170,6 +170,37 @@ def test_an_update_of_other_rows_loses_no_row_of_take_or_epoch(
     assert buf.take([0, 1]).reward.tolist() == [0.0, 1.0] and not pending
 
 
+@pytest.mark.parametrize("pure", [False, True])
+def test_updates_beginning_during_every_large_gather_do_not_starve_reads(
+    make: Make, name: str, pure: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a process updating some row without pause begins an update during nearly every gather of
+    # many large rows (a sample of 2048 Atari frames failed every time with WaitTimeout); the
+    # gather reads such rows again in small pieces, each under its own count
+    from shmbuffer import native, reader
+    from shmbuffer.layout import Counter
+    from shmbuffer.ring import Ring
+
+    if pure:
+        monkeypatch.setattr(native, "lib", None)
+    buf = make(sb.Schema(obs=((16384,), "float32"), x=((), "int64")), 32, name=name, seed=0)
+    buf.push(obs=np.zeros((32, 16384), np.float32), x=np.arange(32))
+    assert reader._PIECE_BYTES // buf.schema.row_bytes < 16
+    cleared = Ring.cleared
+
+    def spy(self: Ring, ids: np.ndarray, lowest: int | None = None) -> np.ndarray:
+        if ids.size > reader._PIECE_BYTES // buf.schema.row_bytes:  # after a large gather's copies
+            buf.block.counters[Counter.UPDATES] += 1                  # an update began meanwhile
+        return cleared(self, ids, lowest)
+
+    monkeypatch.setattr(Ring, "cleared", spy)
+    batch = buf.sample(16)
+    assert (batch.x == batch.index).all()
+    assert buf.get(slice(None)).x.tolist() == list(range(32))
+    assert buf.take(np.arange(16)).x.tolist() == list(range(16))
+    assert [len(b) for b in buf.epoch(32, shuffle=False)] == [32]
+
+
 def test_distinct_rows_beyond_those_left_after_deletes(make: Make, name: str) -> None:
     # len(buf) leaves deleted rows out; sample(replace=False) must say so, not spin for a second
     # and raise WaitTimeout as if rows were being written
