@@ -405,8 +405,8 @@ class ReplayBuffer:
         re-draws it, so nobody sees a row half-updated; a writer that comes round the ring waits
         for it as for a row being pushed. The stamp ends as it was, so a reader whose copy spans
         the whole update would pass the stamp check: every update counts itself
-        (``Counter.UPDATES``) once its rows are odd, and a gather across which the count moved
-        is discarded (``reader.gather``). A ``priority`` (or a ``"priority"`` key that is not a
+        (``Counter.UPDATES``) once its rows are odd, and rows gathered while the count moved
+        are read again (``reader.gather``). A ``priority`` (or a ``"priority"`` key that is not a
         field) sets the rows' priorities too. A process killed mid-update leaves its rows empty
         (reaped, never torn). Everything is checked first: on any error nothing changed."""
         ids = self.ring.check_ids(rows.index if isinstance(rows, Batch) else rows, "update")
