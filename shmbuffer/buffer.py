@@ -33,11 +33,10 @@ import numpy as np
 
 from . import edits, persistence, reader, sequences
 from .batch import Batch
-from .errors import ClosedError, FieldError, ReadOnlyError, SchemaError
+from .errors import ClosedError, FieldError, SchemaError
 from .layout import UNIFORM, Block, Counter, Options, columns, read
 from .limiter import RateLimiter, counted
 from .loader import Loader
-from .lock import resume_signals
 from .priorities import Priorities
 from .ring import Copier, Ring, check_platform
 from .samplers import Sampler
@@ -297,48 +296,8 @@ class ReplayBuffer:
 
         Everything is checked before the buffer is touched: on any error it is exactly as it was.
         """
-        ring = self.ring
-        given = lane is not None
-        k, arrays, lane, episodes, priority = self.check(data, lane=lane, episode=episode, priority=priority, **fields)
-        prios = self._prios
-        if k == 0:
-            return np.empty(0, np.int64)
-        # new rows take their priority (and no uses) inside the reservation's critical section:
-        # while they are being written a draw that lands on them sees an odd stamp and re-draws
-        also = None if prios is None else (lambda slots: prios.set_rows(slots, priority, fresh=True))
-        limiter = self.options.limiter
-        res = None
-        try:
-            if limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None:
-                res = ring.reserve(k, lane, gate=lambda i, s, size: limiter.can_insert(i, s, size, k),
-                                   why=lambda: limiter.state(ring), also=also, deferring=True,
-                                   timeout=limiter.timeout if timeout is None else timeout)
-            else:
-                res = ring.reserve(k, lane, also=also, deferring=True)
-            # from here to the commit, signal handlers wait (lock.py): a Ctrl-C cannot leave the
-            # rows odd under this live process; it is raised once they are committed
-            copier = self._copier
-            if copier.lib is not None and copier.fields is self._block.fields:  # one C call (ring.Copier)
-                copier.put(res, arrays, episodes)
-            else:
-                fields_ = self._block.fields
-                for name, a in arrays.items():
-                    fields_[name][res.where] = a
-                if episodes is not None and self._block.episode is not None:
-                    self._block.episode[res.where] = episodes
-            ring.commit(res)
-            if not given and k > 1 and episodes is not None and episodes.ndim and self.options.envs is None:
-                sequences.note_interleaving(self, res.ids, episodes)
-        except BaseException:
-            # the copy failed after the reservation: give the rows back — they read as empty,
-            # never as committed, and are never drawn; a live owner must not keep them odd
-            if res is not None and not ring.current(res.ids).all():
-                ring.abandon(res, None if prios is None else (lambda slots: prios.tree.update(slots, 0.0)))
-            raise
-        finally:
-            if res is not None:
-                resume_signals()  # a signal that came meanwhile is raised here
-        return res.ids
+        return edits.push(self, self._copier, data, lane=lane, episode=episode, priority=priority,
+                          timeout=timeout, fields=fields)
 
     add = push
 
@@ -348,32 +307,7 @@ class ReplayBuffer:
     ) -> tuple[int, dict[str, np.ndarray], int | np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Everything ``push`` checks before it touches the buffer, without touching it: raises
         what ``push`` would; returns the row count and the checked rows and options."""
-        if data is not None:
-            if fields:
-                raise TypeError("push() takes a mapping or keyword fields, not both")
-            fields = data if isinstance(data, Mapping) else stack_rows(data, self.schema)  # type: ignore[assignment]
-        if "priority" in fields and "priority" not in self.schema.names:  # Ape-X: inside the row
-            if priority is not None:
-                raise TypeError("push() got a priority both in the row and as priority=; give one")
-            fields = dict(fields)
-            priority = fields.pop("priority")
-        ring = self.ring
-        fast = self._copier.check(fields)  # arrays of the fields' dtypes and shapes (ring.Copier)
-        k, arrays = fast if fast is not None else self.schema.validate(fields)
-        given = lane is not None
-        if not given:
-            lane = self.options.default_lane(k)
-        if type(lane) is not int or not 0 <= lane < ring.lanes or k > ring.lane_capacity:  # the usual case is cheap
-            lane = int(lane) if isinstance(lane, (int, np.integer)) else np.asarray(lane, dtype=np.int64)
-            ring.check_push(k, lane)
-        if ring.frozen:
-            raise ReadOnlyError(f"buffer {self.name!r} is frozen (read-only): it takes no more rows")
-        episodes = self.options.check_episode(episode, k)
-        if priority is not None:
-            if self._prios is None or not self._prios.prioritized:
-                raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
-            priority = self._prios.check(priority, k)
-        return k, arrays, lane, episodes, priority
+        return edits.check(self, self._copier, data, lane=lane, episode=episode, priority=priority, fields=fields)
 
     def update_priorities(self, rows: Batch | Any, priorities: Any) -> int:
         """Set the priorities of sampled rows (a batch, or its ``index``), from any process.

@@ -1,4 +1,11 @@
-"""Changing rows that are already committed: update and delete, under the commit protocol.
+"""Writing rows: a push (checks, reserve, copy, commit), and update and delete of committed rows.
+
+A push checks everything before it touches the buffer, reserves its rows under the lock (``ring.py``:
+marked odd, priorities set, signals deferred until the commit), copies every field (one C call
+through ``ring.Copier``, else numpy), and commits; a push without ``lane=`` that shows one
+episode's rows apart in a lane marks the buffer interleaved (``note_interleaving``; windows refuse
+it from then on).
+
 
 ``update`` rewrites fields of current rows in place: under the lock each row's stamp turns odd
 again with its own row number (this process its owner), ``Counter.UPDATES`` counts the update,
@@ -13,6 +20,7 @@ scans the held slots (``removed``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -21,7 +29,8 @@ from .errors import FieldError, ReadOnlyError
 from .layout import Counter
 from .lock import defer_signals, resume_signals
 from .reader import Source
-from .schema import as_numpy
+from .ring import Copier
+from .schema import as_numpy, stack_rows
 
 
 def update(src: Source, ids: np.ndarray, fields: dict[str, Any], priority: Any = None) -> int:
@@ -129,3 +138,103 @@ def removed(src: Source) -> int:
         if prios is not None and prios.uses is not None and prios.max_use is not None:
             gone += int(((prios.uses[slots] >= prios.max_use) & ~empty).sum())
     return gone
+
+
+def push(
+    src: Source, copier: Copier, data: Any, *, lane: Any, episode: Any, priority: Any, timeout: float | None,
+    fields: dict[str, Any],
+) -> np.ndarray:
+    """``ReplayBuffer.push``: check everything (``check``), reserve (marking the rows odd, their
+    priorities set, under the lock; signals deferred until the commit), copy (one C call through
+    ``copier``, else numpy), commit; a copy that fails gives the rows back as empty."""
+    ring = src.ring
+    given = lane is not None
+    k, arrays, lane, episodes, priority = check(src, copier, data, lane=lane, episode=episode, priority=priority, fields=fields)
+    prios = src.priorities
+    if k == 0:
+        return np.empty(0, np.int64)
+    # new rows take their priority (and no uses) inside the reservation's critical section:
+    # while they are being written a draw that lands on them sees an odd stamp and re-draws
+    also = None if prios is None else (lambda slots: prios.set_rows(slots, priority, fresh=True))
+    limiter = src.options.limiter
+    res = None
+    try:
+        if limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None:
+            res = ring.reserve(k, lane, gate=lambda i, s, size: limiter.can_insert(i, s, size, k),
+                               why=lambda: limiter.state(ring), also=also, deferring=True,
+                               timeout=limiter.timeout if timeout is None else timeout)
+        else:
+            res = ring.reserve(k, lane, also=also, deferring=True)
+        # from here to the commit, signal handlers wait (lock.py): a Ctrl-C cannot leave the
+        # rows odd under this live process; it is raised once they are committed
+        if copier.lib is not None and copier.fields is src.block.fields:  # one C call (ring.Copier)
+            copier.put(res, arrays, episodes)
+        else:
+            fields_ = src.block.fields
+            for name, a in arrays.items():
+                fields_[name][res.where] = a
+            if episodes is not None and src.block.episode is not None:
+                src.block.episode[res.where] = episodes
+        ring.commit(res)
+        if not given and k > 1 and episodes is not None and episodes.ndim and src.options.envs is None:
+            note_interleaving(src, res.ids, episodes)
+    except BaseException:
+        # the copy failed after the reservation: give the rows back — they read as empty,
+        # never as committed, and are never drawn; a live owner must not keep them odd
+        if res is not None and not ring.current(res.ids).all():
+            ring.abandon(res, None if prios is None else (lambda slots: prios.tree.update(slots, 0.0)))
+        raise
+    finally:
+        if res is not None:
+            resume_signals()  # a signal that came meanwhile is raised here
+    return res.ids
+
+
+def check(
+    src: Source, copier: Copier, data: Any, *, lane: Any, episode: Any, priority: Any, fields: dict[str, Any],
+) -> tuple[int, dict[str, np.ndarray], int | np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """``ReplayBuffer.check``: everything a push checks, without touching the buffer."""
+    schema = src.block.schema
+    if data is not None:
+        if fields:
+            raise TypeError("push() takes a mapping or keyword fields, not both")
+        fields = data if isinstance(data, Mapping) else stack_rows(data, schema)  # type: ignore[assignment]
+    if "priority" in fields and "priority" not in schema.names:  # Ape-X: inside the row
+        if priority is not None:
+            raise TypeError("push() got a priority both in the row and as priority=; give one")
+        fields = dict(fields)
+        priority = fields.pop("priority")
+    ring = src.ring
+    fast = copier.check(fields)  # arrays of the fields' dtypes and shapes (ring.Copier)
+    k, arrays = fast if fast is not None else schema.validate(fields)
+    given = lane is not None
+    if not given:
+        lane = src.options.default_lane(k)
+    if type(lane) is not int or not 0 <= lane < ring.lanes or k > ring.lane_capacity:  # the usual case is cheap
+        lane = int(lane) if isinstance(lane, (int, np.integer)) else np.asarray(lane, dtype=np.int64)
+        ring.check_push(k, lane)
+    if ring.frozen:
+        raise ReadOnlyError(f"buffer {src.name!r} is frozen (read-only): it takes no more rows")
+    episodes = src.options.check_episode(episode, k)
+    if priority is not None:
+        if src.priorities is None or not src.priorities.prioritized:
+            raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
+        priority = src.priorities.check(priority, k)
+    return k, arrays, lane, episodes, priority
+
+
+def note_interleaving(src: Source, ids: np.ndarray, episodes: np.ndarray) -> None:
+    """Mark the buffer when a push without ``lane=`` shows one episode's rows apart in the lane
+    (with the row before it): a vector env's steps pushed into one lane, whose consecutive rows
+    are not one env's steps, so windows would silently shrink to one step (``sequences.py``
+    refuses them from then on). One env's chunk of steps (``[7, 7, 8]``) is fine."""
+    block = src.block
+    if block.interleaved or block.episode is None or not (episodes != episodes[0]).any():
+        return
+    seq = episodes
+    before = ids[:1] - 1
+    if before[0] >= src.ring.bounds()[0][0]:
+        seq = np.concatenate([block.episode[src.ring.slots(before)], episodes])
+    runs = seq[np.r_[True, seq[1:] != seq[:-1]]]
+    if np.unique(runs).size < runs.size:
+        block.mark_interleaved()

@@ -483,20 +483,3 @@ def _check_windows(src: Source, what: str, n: int, length: int, burn_in: int) ->
         raise CapacityError(
             f"{what}: windows of {length + burn_in} rows are longer than a lane ({src.ring.lane_capacity} rows)"
         )
-
-
-def note_interleaving(src: Source, ids: np.ndarray, episodes: np.ndarray) -> None:
-    """Mark the buffer when a push without ``lane=`` shows one episode's rows apart in the lane
-    (with the row before it): a vector env's steps pushed into one lane, whose consecutive rows
-    are not one env's steps, so windows would silently shrink to one step (``sequences.py``
-    refuses them from then on). One env's chunk of steps (``[7, 7, 8]``) is fine."""
-    block = src.block
-    if block.interleaved or block.episode is None or not (episodes != episodes[0]).any():
-        return
-    seq = episodes
-    before = ids[:1] - 1
-    if before[0] >= src.ring.bounds()[0][0]:
-        seq = np.concatenate([block.episode[src.ring.slots(before)], episodes])
-    runs = seq[np.r_[True, seq[1:] != seq[:-1]]]
-    if np.unique(runs).size < runs.size:
-        block.mark_interleaved()
