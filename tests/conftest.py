@@ -105,3 +105,15 @@ def seq_of(batch: Any, *, done: bool = True) -> np.ndarray:
 
 
 START_METHODS = [m for m in ("spawn", "forkserver", "fork") if m in mp.get_all_start_methods()]
+
+
+def run_seed(code: str, ns: dict[str, Any], imports: dict[str, str], label: str) -> dict[str, Any]:
+    """Run a code block of a seed document in ``ns``, its import lines replaced by ``imports``
+    (theirs -> ours), and nothing else changed."""
+    import textwrap
+
+    code = textwrap.dedent(code)
+    for theirs, ours in imports.items():
+        code = code.replace(theirs, ours)
+    exec(compile(code, label, "exec"), ns)
+    return ns

@@ -4,7 +4,6 @@ with only their import lines changed (and, where DI-engine stores an arbitrary o
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +13,8 @@ import pytest
 from shmbuffer.compat import ding
 from shmbuffer.compat.ding import BufferedData, DequeBuffer
 
+from .conftest import run_seed
+
 IMPORTS = {
     "from ding.data import DequeBuffer": "from shmbuffer.compat.ding import DequeBuffer",
     "from ding.data.buffer.middleware import": "from shmbuffer.compat.ding import",
@@ -21,11 +22,7 @@ IMPORTS = {
 
 
 def run(code: str, ns: dict[str, Any]) -> dict[str, Any]:
-    code = textwrap.dedent(code)
-    for theirs, ours in IMPORTS.items():
-        code = code.replace(theirs, ours)
-    exec(compile(code, "<seed 001>", "exec"), ns)
-    return ns
+    return run_seed(code, ns, IMPORTS, "<seed 001>")
 
 
 @pytest.fixture

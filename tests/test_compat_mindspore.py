@@ -3,7 +3,6 @@ code blocks with only their import lines changed, and the FIFO behaviour it desc
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,6 +12,8 @@ import pytest
 import shmbuffer as sb
 from shmbuffer.compat.mindspore import ReplayBuffer
 
+from .conftest import run_seed
+
 IMPORTS = {
     "from mindspore_rl.core.replay_buffer import ReplayBuffer": "from shmbuffer.compat.mindspore import ReplayBuffer",
     "import mindspore as ms": "from shmbuffer.compat import mindspore as ms",
@@ -20,11 +21,7 @@ IMPORTS = {
 
 
 def run(code: str, ns: dict[str, Any]) -> dict[str, Any]:
-    code = textwrap.dedent(code)
-    for theirs, ours in IMPORTS.items():
-        code = code.replace(theirs, ours)
-    exec(compile(code, "<seed 004>", "exec"), ns)
-    return ns
+    return run_seed(code, ns, IMPORTS, "<seed 004>")
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ only their import lines changed, checked against what the guide says they do."""
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,8 @@ import torch
 
 from shmbuffer.compat.velora import BatchExperience, ReplayBuffer
 
+from .conftest import run_seed
+
 IMPORTS = {
     "from velora.buffer import ReplayBuffer": "from shmbuffer.compat.velora import ReplayBuffer",
     "from velora.utils import set_device": "from shmbuffer.compat.velora import set_device",
@@ -22,11 +23,7 @@ IMPORTS = {
 
 
 def run(code: str, ns: dict[str, Any]) -> dict[str, Any]:
-    code = textwrap.dedent(code)
-    for theirs, ours in IMPORTS.items():
-        code = code.replace(theirs, ours)
-    exec(compile(code, "<seed 002>", "exec"), ns)
-    return ns
+    return run_seed(code, ns, IMPORTS, "<seed 002>")
 
 
 @pytest.fixture
