@@ -21,20 +21,36 @@ This package imports the root package; nothing below it imports this package.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
+from ..buffer import ReplayBuffer
 from ..schema import Schema
+from ..schema import as_numpy as numpy_of
 
-__all__ = ["as_row", "numpy_of", "schema_of_row"]
+__all__ = ["Facade", "as_row", "numpy_of", "schema_of_row"]
+
+_F = TypeVar("_F", bound="Facade")
 
 
-def numpy_of(value: Any) -> np.ndarray:
-    """A numpy array of a torch tensor (any device), a numpy array, a number or a list of numbers."""
-    if hasattr(value, "detach"):
-        value = value.detach().cpu().numpy()
-    return np.asarray(value)
+class Facade:
+    """What every facade shares: its ``buffer`` (a ``ReplayBuffer``, or ``None`` until the first
+    push gives the schema) and the lifecycle: ``close()`` and ``with`` close it and, in the creating
+    process, remove it."""
+
+    buffer: ReplayBuffer | None = None
+
+    def close(self) -> None:
+        """Close the shared-memory buffer (and remove it in the creating process)."""
+        if self.buffer is not None:
+            self.buffer.__exit__(None, None, None)
+
+    def __enter__(self: _F) -> _F:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _refuse(what: str, key: str | None, value: Any, hint: str) -> TypeError:

@@ -42,7 +42,7 @@ from .. import persistence, sequences
 from ..batch import Batch
 from ..buffer import ReplayBuffer
 from ..samplers import Prioritized, Sampler, Uniform
-from . import as_row, numpy_of, schema_of_row
+from . import Facade, as_row, numpy_of, schema_of_row
 
 __all__ = [
     "BufferedData", "DequeBuffer", "PriorityExperienceReplay", "clone_object", "group_sample", "use_time_check",
@@ -92,7 +92,7 @@ def group_sample(size_in_group: int, ordered_in_group: bool = True, max_use_in_g
     return _Middleware("group", {"size": size_in_group, "ordered": ordered_in_group})
 
 
-class DequeBuffer:
+class DequeBuffer(Facade):
     """DI-engine's ``DequeBuffer(size)`` (see the module docstring)."""
 
     def __init__(self, size: int, *, envs: int | None = None, name: str | None = None, seed: int | None = None) -> None:
@@ -296,17 +296,6 @@ class DequeBuffer:
             arrays["lane"] = np.array([int(m.get("env", 0)) % buf.lanes for m in metas], np.int64)
         persistence.import_rows(buf, arrays)
 
-    # -- lifecycle ---------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Close the shared-memory buffer (and remove it in the creating process)."""
-        if self.buffer is not None:
-            self.buffer.__exit__(None, None, None)
-
-    def __enter__(self) -> DequeBuffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __iter__(self) -> Iterator[BufferedData]:
         return iter(self.export_data())

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..buffer import ReplayBuffer as _Core
 from ..schema import Schema
-from . import numpy_of
+from . import Facade, numpy_of
 
 __all__ = ["ReplayBuffer", "Tensor", "bool_", "float16", "float32", "float64", "int8", "int16", "int32", "int64",
            "uint8"]
@@ -44,8 +44,10 @@ def Tensor(input_data: Any, dtype: Any = None) -> np.ndarray:
     return np.asarray(numpy_of(input_data), dtype=None if dtype is None else np.dtype(dtype))
 
 
-class ReplayBuffer:
+class ReplayBuffer(Facade):
     """MindSpore RL's FIFO replay buffer (see the module docstring)."""
+
+    buffer: _Core
 
     def __init__(self, batch_size: int, capacity: int, shapes: Sequence[Sequence[int]], types: Sequence[Any], *,
                  name: str | None = None, seed: int | None = None) -> None:
@@ -88,12 +90,3 @@ class ReplayBuffer:
     def destroy(self) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Close the shared-memory buffer (and remove it in the creating process)."""
-        self.buffer.__exit__(None, None, None)
-
-    def __enter__(self) -> ReplayBuffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -28,7 +28,7 @@ import numpy as np
 
 from ..buffer import ReplayBuffer
 from ..samplers import Prioritized, Uniform
-from . import as_row, numpy_of, schema_of_row
+from . import Facade, as_row, numpy_of, schema_of_row
 
 __all__ = ["AdvancedReplayBuffer", "NaiveReplayBuffer"]
 
@@ -48,7 +48,7 @@ def _config(cfg: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-class AdvancedReplayBuffer:
+class AdvancedReplayBuffer(Facade):
     """nerveX's prioritized buffer with ``max_use`` (see the module docstring)."""
 
     prioritized = True
@@ -145,16 +145,6 @@ class AdvancedReplayBuffer:
         if self.buffer is not None:
             self.buffer.clear()
 
-    def close(self) -> None:
-        """Close the shared-memory buffer (and remove it in the creating process)."""
-        if self.buffer is not None:
-            self.buffer.__exit__(None, None, None)
-
-    def __enter__(self) -> AdvancedReplayBuffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class NaiveReplayBuffer(AdvancedReplayBuffer):

@@ -36,7 +36,7 @@ import numpy as np
 from .. import persistence
 from ..buffer import ReplayBuffer as _Core
 from ..schema import Schema
-from . import numpy_of
+from . import Facade, numpy_of
 
 __all__ = ["BatchExperience", "ReplayBuffer", "set_device"]
 
@@ -64,8 +64,10 @@ class BatchExperience:
     hiddens: Any
 
 
-class ReplayBuffer:
+class ReplayBuffer(Facade):
     """Velora's replay buffer (see the module docstring)."""
+
+    buffer: _Core
 
     def __init__(self, capacity: int, state_dim: int, action_dim: int, hidden_dim: int, device: Any = None, *,
                  name: str | None = None, seed: int | None = None, _core: _Core | None = None) -> None:
@@ -176,12 +178,3 @@ class ReplayBuffer:
             core.__exit__(None, None, None)
             raise
 
-    def close(self) -> None:
-        """Close the shared-memory buffer (and remove it in the creating process)."""
-        self.buffer.__exit__(None, None, None)
-
-    def __enter__(self) -> ReplayBuffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
