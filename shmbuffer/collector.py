@@ -128,7 +128,9 @@ class Collector:
     :param buffer: the buffer the workers attach to and push into, one lane per env when it has
         ``workers * envs_per_worker`` lanes. A buffer that keeps episodes needs at least one lane
         per env; a plain ``lanes=N`` buffer with more lanes than envs is refused (lanes would stay
-        empty), one made with ``envs=N`` is not (other writers may fill the other lanes).
+        empty), one made with ``envs=N`` is not (other writers may fill the other lanes). A
+        ``shmbuffer.ray.WriterTarget`` works too: each worker opens it (the shard on its node
+        through shared memory, else a remote writer through Ray).
     :param workers: worker processes.
     :param envs_per_worker: envs each worker steps as a vector.
     :param policy: ``policy(model, obs, step) -> actions`` (default: random actions).
@@ -326,7 +328,9 @@ def _run(
     transition: Callable[..., dict[str, np.ndarray]], seed: int, learner: tuple[int, float],
     weights: Any, version: Any, counters: Any, returns: Any, stop: Any,
 ) -> None:
-    buf = ReplayBuffer.attach(handle, seed=seed + w)
+    # a writer target (shmbuffer.ray.WriterTarget) opens itself: the shard on this node, or a remote writer
+    opener = getattr(handle, "open", None)
+    buf = opener(seed=seed + w) if opener is not None else ReplayBuffer.attach(handle, seed=seed + w)
     flags = np.frombuffer(stop, np.int64)
     count = np.frombuffer(counters, np.float64).reshape(-1, 8)[w]
     recent = np.frombuffer(returns, np.float64).reshape(-1, RECENT)[w]
