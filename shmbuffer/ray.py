@@ -649,6 +649,27 @@ class ShardedBuffer:
                 rem.chunks.popleft()
         return out
 
+    def _poll(self) -> None:
+        """Take in the prefetched replies that have come (their states are newer); a remote shard
+        that looked empty is asked now (its reply waited for), so rows pushed since are seen."""
+        for i in list(self._remote):
+            rem = self._remote[i]
+            try:
+                if self._mass(self._state[i]) <= 0:
+                    if rem.inflight:
+                        self._receive(i, ray.get(rem.inflight.popleft()))
+                        self._ask(i, self._chunk)
+                    else:
+                        self.remote_calls += 1
+                        self._state[i] = ray.get(rem.actor.state.remote())
+                if rem.inflight:
+                    ready, _ = ray.wait(list(rem.inflight), num_returns=len(rem.inflight), timeout=0)
+                    while rem.inflight and rem.inflight[0] in ready:
+                        self._receive(i, ray.get(rem.inflight.popleft()))
+                        self._ask(i, self._chunk)
+            except RayError as e:
+                self._drop(i, e)
+
     def sample(self, n: int, *, timeout: float | None = None) -> Batch:
         """``n`` rows drawn as one buffer of every shard's rows would draw them (the module
         docstring). ``batch.index`` are global ids (``shard_of``), ``batch.shard`` the shards;
@@ -662,6 +683,7 @@ class ShardedBuffer:
             for i, rem in self._remote.items():
                 while len(rem.inflight) < self.prefetch:
                     self._ask(i, n)
+        self._poll()
         parts: list[tuple[int, dict[str, Any]]] = []
         want = n
         rounds = 0
