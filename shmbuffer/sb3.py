@@ -30,6 +30,7 @@ new shared buffer holding them, owned by the loading process.
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import numpy as np
@@ -45,8 +46,9 @@ from .schema import Schema
 
 __all__ = ["DictReplayBuffer", "ReplayBuffer"]
 
-ATTEMPTS = 20
-"""Draws of one batch before giving up when writers elsewhere keep overwriting the drawn rows."""
+WAIT = 1.0
+"""Seconds ``sample`` waits for drawn rows that writers elsewhere are writing (a writer can be
+descheduled between reserving a row and committing it) or keep overwriting."""
 
 
 def _key(name: str) -> str:
@@ -141,11 +143,14 @@ class _Shared:
         self.buffer.clear()
 
     def close(self) -> None:
-        """Close this process's view; the creator also removes the shared buffer."""
+        """Close this process's view; the creator also removes the shared buffer (even when the
+        close raises ``BufferError`` because arrays of it are still alive)."""
         owner = self.buffer.owner
-        self.buffer.close()
-        if owner:
-            self.buffer.unlink()
+        try:
+            self.buffer.close()
+        finally:
+            if owner:
+                self.buffer.unlink()
 
     def ids(self, batch_inds: np.ndarray, env_indices: np.ndarray) -> np.ndarray:
         """The shmbuffer row ids of SB3's positions ``batch_inds`` of envs ``env_indices``: the
@@ -158,14 +163,21 @@ class _Shared:
         return row * ring.lanes + lane
 
     def _take(self, batch_inds: np.ndarray, env_indices: np.ndarray) -> Any:
-        """Stamped copies of the rows at those positions, read again while a writer elsewhere is
-        overwriting one of them."""
-        for _ in range(ATTEMPTS):
+        """Stamped copies of the rows at those positions, read again (up to ``WAIT`` seconds)
+        while a writer elsewhere is writing or overwriting one of them. SB3's ``pos`` counts the
+        rows being written, so the newest position can be one whose writer is between reserving
+        and committing it: a tight retry loop gave up on a writer descheduled there."""
+        deadline = time.monotonic() + WAIT
+        while True:
             try:
                 return self.buffer.take(self.ids(batch_inds, env_indices))
             except EmptyBufferError:
-                continue
-        raise EmptyBufferError(f"sample: the drawn rows kept being overwritten ({ATTEMPTS} attempts)")
+                if time.monotonic() > deadline:
+                    raise EmptyBufferError(
+                        f"sample: rows at the drawn positions were still being written after {WAIT:g} s (a writer "
+                        "elsewhere stopped or died mid-push); sample again"
+                    ) from None
+                time.sleep(0.0005)
 
     def _push(self, obs: dict[str, np.ndarray], action: np.ndarray, reward: np.ndarray, done: np.ndarray,
               infos: list[dict[str, Any]]) -> None:

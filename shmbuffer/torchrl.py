@@ -206,12 +206,15 @@ class ShmStorage(Storage):
             self.load_state_dict({"rows": rows, "schema": saved.schema.to_json()})
 
     def close(self) -> None:
-        """Close this process's view; the creator also removes the shared buffer."""
+        """Close this process's view; the creator also removes the shared buffer (even when the
+        close raises ``BufferError`` because arrays of it are still alive)."""
         if self.buffer is not None:
             owner = self.buffer.owner
-            self.buffer.close()
-            if owner:
-                self.buffer.unlink()
+            try:
+                self.buffer.close()
+            finally:
+                if owner:
+                    self.buffer.unlink()
 
     def __repr__(self) -> str:
         return f"ShmStorage({self.buffer!r})"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import pickle
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -231,6 +233,31 @@ def test_other_processes_push_while_learning(name: str, opened: list[Any], procs
     start, stop = rb.buffer.ring.bounds()
     assert stop[1] - start[1] == 150 and stop[0] - start[0] >= 150 + 200
     assert rb.size() == 150 and rb.buffer.stats["inserted"] == stop.sum()
+
+
+def test_sample_waits_for_a_row_being_written(name: str, opened: list[Any]) -> None:
+    """SB3's pos counts a row that a writer elsewhere has reserved and not yet committed (a
+    writer descheduled there holds it for milliseconds): sample waits for the commit and returns
+    that row, instead of giving up after a few tight retries."""
+    box = spaces.Box(-1, 1, (4,), np.float32)
+    mine = ours.ReplayBuffer(16, box, spaces.Discrete(2), "cpu", name=name)
+    opened.append(mine)
+    for step in adds(1, 5, box, spaces.Discrete(2), seed=0):
+        mine.add(*step)
+    ring = mine.buffer.ring
+    res = ring.reserve(1)  # row 5, odd: a writer between reserving and committing it
+    assert mine.pos == 6
+    timer = threading.Timer(0.2, ring.commit, args=(res,))
+    timer.start()
+    try:
+        t0 = time.monotonic()
+        s = mine._get_samples(np.array([5, 0]))
+        waited = time.monotonic() - t0
+    finally:
+        timer.join()
+    assert waited >= 0.15  # returned only once the row was committed
+    assert torch.equal(s.observations[0], torch.zeros(4))  # that row: never written, so zeros
+    assert not torch.equal(s.observations[1], torch.zeros(4))
 
 
 def _dqn_eval(replay_buffer_class: Any, kwargs: dict[str, Any], seed: int, steps: int = 8_000) -> float:
