@@ -82,6 +82,69 @@ static inline void prefetch_block(const double *at) {
     __builtin_prefetch(at + FANOUT - 1);
 }
 
+/* The walk of sumtree.SumTree.find for n points: x holds the masses on entry (clobbered), node the
+ * slots on return. Runs without the GIL (touches nothing but these arrays). */
+static void find_core(const double *sums, const Plan *p, Py_ssize_t capacity, double *x, int64_t *node, Py_ssize_t n) {
+    const double *cum = sums + p->cum;
+    Py_ssize_t top = p->len[p->n - 1];
+    double total = cum[top - 1];
+    double below = nextafter(total, 0.0);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double m = x[i];
+        if (m > below || isnan(below)) m = below; /* np.minimum: NaN propagates from either side */
+        if (isnan(x[i])) m = x[i];
+        x[i] = m;
+        node[i] = 0;
+    }
+    /* searchsorted(cum, x, side="right"): the first index whose value is > x (NaN: the end, as
+     * numpy sorts it), without branches, every point in lockstep: the halving is the same for
+     * all of them, so each step's loads are independent and overlap (one point after another,
+     * each step waited for the load before it: measured ~2x slower for 256 points) */
+    Py_ssize_t len = top;
+    while (len > 1) {
+        Py_ssize_t half = len / 2;
+        for (Py_ssize_t i = 0; i < n; i++) node[i] += (int64_t)(!(x[i] < cum[node[i] + half])) * half;
+        len -= half;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t lo = node[i] + (Py_ssize_t)(!(x[i] < cum[node[i]]));
+        if (lo > top - 1) lo = top - 1;
+        double m = x[i];
+        if (lo > 0) m -= cum[lo - 1];
+        if (m < 0.0) m = 0.0;
+        x[i] = m;
+        node[i] = lo;
+    }
+    for (Py_ssize_t level = p->n - 2; level >= 0; level--) {
+        const double *nodes = sums + p->at[level];
+        Py_ssize_t rows = p->len[level] / FANOUT;
+        /* every point's 16 children are a random 128 bytes of a large array: ask for all of
+         * them first, so the misses overlap instead of following one another */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t k = node[i] < rows - 1 ? node[i] : rows - 1;
+            prefetch_block(nodes + k * FANOUT);
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t k = node[i];
+            if (k > rows - 1) k = rows - 1;
+            const double *c = nodes + k * FANOUT;
+            double u = x[i], before[FANOUT], acc = 0.0;
+            int count = 0;
+            for (int j = 0; j < FANOUT; j++) {
+                before[j] = acc;
+                count += before[j] <= u;
+                acc += c[j];
+            }
+            count -= 1;
+            if (count < 0) count = 0;
+            x[i] = u - before[count];
+            node[i] = k * FANOUT + count;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (node[i] > capacity - 1) node[i] = capacity - 1;
+}
+
 /* find(sums, plan, capacity, mass, out): sumtree.SumTree.find, all points in lockstep */
 static PyObject *tree_find(PyObject *self, PyObject *args) {
     PyObject *sums_o, *plan_o, *mass_o, *out_o;
@@ -100,65 +163,11 @@ static PyObject *tree_find(PyObject *self, PyObject *args) {
         goto done;
     }
     {
-        const double *sums = (const double *)sb.buf;
-        const double *mass = (const double *)mb.buf;
-        int64_t *node = (int64_t *)ob.buf;
         double *u = (double *)PyMem_Malloc((size_t)(n ? n : 1) * sizeof(double));
         if (!u) { PyErr_NoMemory(); goto done; }
-        const double *cum = sums + p.cum;
-        Py_ssize_t top = p.len[p.n - 1];
-        double total = cum[top - 1];
-        double below = nextafter(total, 0.0);
+        if (n) memcpy(u, mb.buf, (size_t)n * sizeof(double));
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
-            double x = mass[i];
-            if (x > below || isnan(below)) x = below; /* np.minimum: NaN propagates from either side */
-            if (isnan(mass[i])) x = mass[i];
-            /* searchsorted(cum, x, side="right"): the first index whose value is > x (NaN: the
-             * end, as numpy sorts it), without branches: a mispredicted branch per step cost
-             * more than the rest of the walk */
-            const double *b = cum;
-            Py_ssize_t len = top;
-            while (len > 1) {
-                Py_ssize_t half = len / 2;
-                b += (Py_ssize_t)(!(x < b[half])) * half;
-                len -= half;
-            }
-            Py_ssize_t lo = (b - cum) + (Py_ssize_t)(!(x < *b));
-            if (lo > top - 1) lo = top - 1;
-            if (lo > 0) x -= cum[lo - 1];
-            if (x < 0.0) x = 0.0;
-            u[i] = x;
-            node[i] = lo;
-        }
-        for (Py_ssize_t level = p.n - 2; level >= 0; level--) {
-            const double *nodes = sums + p.at[level];
-            Py_ssize_t rows = p.len[level] / FANOUT;
-            /* every point's 16 children are a random 128 bytes of a large array: ask for all of
-             * them first, so the misses overlap instead of following one another */
-            for (Py_ssize_t i = 0; i < n; i++) {
-                int64_t k = node[i] < rows - 1 ? node[i] : rows - 1;
-                prefetch_block(nodes + k * FANOUT);
-            }
-            for (Py_ssize_t i = 0; i < n; i++) {
-                int64_t k = node[i];
-                if (k > rows - 1) k = rows - 1;
-                const double *c = nodes + k * FANOUT;
-                double x = u[i], before[FANOUT], acc = 0.0;
-                int count = 0;
-                for (int j = 0; j < FANOUT; j++) {
-                    before[j] = acc;
-                    count += before[j] <= x;
-                    acc += c[j];
-                }
-                count -= 1;
-                if (count < 0) count = 0;
-                u[i] = x - before[count];
-                node[i] = k * FANOUT + count;
-            }
-        }
-        for (Py_ssize_t i = 0; i < n; i++)
-            if (node[i] > capacity - 1) node[i] = capacity - 1;
+        find_core((const double *)sb.buf, &p, capacity, u, (int64_t *)ob.buf, n);
         Py_END_ALLOW_THREADS
         PyMem_Free(u);
     }
@@ -396,6 +405,243 @@ done:
     PyMem_Free(slots);
     PyBuffer_Release(&ib);
     PyBuffer_Release(&stb);
+    PyBuffer_Release(&kb);
+    return result;
+}
+
+/* -- prioritized replay: a draw, its weights, an update's checks ---------------------------------- */
+#define LANE_WORDS 8 /* layout._lanes: (lanes, 8) int64, [l, 0] the cursor, [l, 1] the base */
+#define INVALID_ID (-((int64_t)1 << 62)) /* ring.INVALID */
+
+/* lane_start(cursors, l, lc): ring.lane_bounds's first row of lane l: min(max(base, cur - lc), cur) */
+static inline int64_t lane_start(const int64_t *cur, Py_ssize_t l, int64_t lc) {
+    int64_t c = __atomic_load_n(&cur[LANE_WORDS * l + 0], __ATOMIC_ACQUIRE);
+    int64_t b = __atomic_load_n(&cur[LANE_WORDS * l + 1], __ATOMIC_ACQUIRE);
+    int64_t s = (int64_t)((uint64_t)c - (uint64_t)lc); /* numpy's int64 arithmetic wraps */
+    if (b > s) s = b;
+    return s < c ? s : c;
+}
+
+/* cursors: the (lanes, 8) int64 _lanes column, lanes >= 1 dividing capacity (0: error set) */
+static Py_ssize_t lanes_of(const Py_buffer *cb, Py_ssize_t capacity, const char *what) {
+    Py_ssize_t lanes = cb->len / (LANE_WORDS * 8);
+    if (lanes <= 0 || cb->len % (LANE_WORDS * 8) || capacity <= 0 || capacity % lanes) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a (lanes, 8) int64 cursor array with lanes dividing the capacity", what);
+        return 0;
+    }
+    return lanes;
+}
+
+/* tree_draw(sums, plan, capacity, total, u, stratified, stamp, cursors, slots, leaves, ids):
+ * samplers.tree_draw after its rng.random(k) (u, k uniform floats in [0, 1); total, the tree's
+ * total the caller read, > 0): the masses (stratified: (u_i + i) * (total / k), else
+ * u_i * total, numpy's operations in numpy's order), find's slots, their leaves and
+ * Ring.ids_of_slots(slots, leaves > 0): the id each slot's stamp names, INVALID where the slot is
+ * empty, being written, older than its lane's bounds or on a leaf of 0. The tree and the stamps
+ * are read without a lock, as the Python path reads them. */
+static PyObject *tree_draw(PyObject *self, PyObject *args) {
+    PyObject *sums_o, *plan_o, *u_o, *stamp_o, *cur_o, *slots_o, *leaves_o, *ids_o;
+    Py_ssize_t capacity;
+    int stratified;
+    double total;
+    if (!PyArg_ParseTuple(args, "OOndOpOOOOO", &sums_o, &plan_o, &capacity, &total, &u_o, &stratified, &stamp_o, &cur_o,
+                          &slots_o, &leaves_o, &ids_o))
+        return NULL;
+    Py_buffer b[7];
+    PyObject *objs[7] = {sums_o, u_o, stamp_o, cur_o, slots_o, leaves_o, ids_o};
+    const char *names[7] = {"sums", "u", "stamp", "cursors", "slots", "leaves", "ids"};
+    const int writable[7] = {0, 0, 0, 0, 1, 1, 1};
+    int held = 0;
+    PyObject *result = NULL;
+    double *x = NULL;
+    for (; held < 7; held++)
+        if (get_buf(objs[held], &b[held], writable[held], 8, names[held]) < 0) goto done;
+    {
+        Plan p;
+        if (read_plan(plan_o, capacity, b[0].len / 8, &p) < 0) goto done;
+        Py_ssize_t n = b[1].len / 8, ring = b[2].len / 8;
+        if (b[4].len / 8 != n || b[5].len / 8 != n || b[6].len / 8 != n) {
+            PyErr_SetString(PyExc_ValueError, "tree_draw: expected one slot, leaf and id per point");
+            goto done;
+        }
+        if (ring != capacity) {
+            PyErr_SetString(PyExc_ValueError, "tree_draw: expected one stamp per slot of the tree");
+            goto done;
+        }
+        Py_ssize_t lanes = lanes_of(&b[3], ring, "tree_draw");
+        if (!lanes) goto done;
+        const double *sums = (const double *)b[0].buf, *u = (const double *)b[1].buf;
+        x = (double *)PyMem_Malloc((size_t)(n ? n : 1) * sizeof(double));
+        if (!x) { PyErr_NoMemory(); goto done; }
+        if (stratified) {
+            double step = total / (double)n; /* Python's total / k */
+            for (Py_ssize_t i = 0; i < n; i++) x[i] = (u[i] + (double)i) * step;
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) x[i] = u[i] * total;
+        }
+        int64_t *slots = (int64_t *)b[4].buf, *ids = (int64_t *)b[6].buf;
+        double *leaves = (double *)b[5].buf;
+        const int64_t *stamp = (const int64_t *)b[2].buf, *cur = (const int64_t *)b[3].buf;
+        int64_t lc = ring / lanes;
+        find_core(sums, &p, capacity, x, slots, n);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            leaves[i] = sums[slots[i]];
+            ids[i] = __atomic_load_n(&stamp[slots[i]], __ATOMIC_ACQUIRE); /* the stamps first, then the bounds */
+        }
+        int64_t start0 = lanes == 1 ? lane_start(cur, 0, lc) : 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t s = ids[i], row = floordiv(s, 2) - 1, lane = lanes == 1 ? 0 : slots[i] / lc;
+            int64_t start = lanes == 1 ? start0 : lane_start(cur, lane, lc);
+            int bad = s <= 0 || (s & 1) || row < start || !(leaves[i] > 0);
+            ids[i] = bad ? INVALID_ID : (int64_t)((uint64_t)row * (uint64_t)lanes + (uint64_t)lane);
+        }
+        result = Py_None;
+        Py_INCREF(result);
+    }
+done:
+    PyMem_Free(x);
+    for (int i = 0; i < held; i++) PyBuffer_Release(&b[i]);
+    return result;
+}
+
+/* weights(mins, plan, capacity, leaves, beta, out): Prioritized.weights into out (float32):
+ * (max(leaf, low) / low) ** -beta with low the tree's min (SumTree.min), or 1 where the tree
+ * has no positive leaf. pow here is the C library's, numpy's may be a vectorized one: float64
+ * results can differ in the last bit, so the float32 weights agree to 1 ulp (tests/test_native.py). */
+static PyObject *weights(PyObject *self, PyObject *args) {
+    PyObject *mins_o, *plan_o, *leaves_o, *out_o;
+    Py_ssize_t capacity;
+    double beta;
+    if (!PyArg_ParseTuple(args, "OOnOdO", &mins_o, &plan_o, &capacity, &leaves_o, &beta, &out_o)) return NULL;
+    Py_buffer mb, lb, ob;
+    if (get_buf(mins_o, &mb, 0, 8, "mins") < 0) return NULL;
+    if (get_buf(leaves_o, &lb, 0, 8, "leaves") < 0) { PyBuffer_Release(&mb); return NULL; }
+    if (get_buf(out_o, &ob, 1, 4, "out") < 0) { PyBuffer_Release(&mb); PyBuffer_Release(&lb); return NULL; }
+    PyObject *result = NULL;
+    Plan p;
+    if (read_plan(plan_o, capacity, mb.len / 8, &p) < 0) goto done;
+    Py_ssize_t n = lb.len / 8;
+    if (ob.len / 4 != n) {
+        PyErr_SetString(PyExc_ValueError, "weights: expected one float32 out per leaf");
+        goto done;
+    }
+    {
+        const double *top = (const double *)mb.buf + p.at[p.n - 1], *leaves = (const double *)lb.buf;
+        float *out = (float *)ob.buf;
+        double low = top[0];
+        int nan = 0;
+        for (Py_ssize_t j = 0; j < p.len[p.n - 1]; j++) { /* numpy's min: NaN wins */
+            if (isnan(top[j])) nan = 1;
+            if (top[j] < low) low = top[j];
+        }
+        if (nan || !isfinite(low) || low <= 0) {
+            for (Py_ssize_t i = 0; i < n; i++) out[i] = 1.0f;
+        } else {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                double l = leaves[i];
+                if (!(l >= low) && !isnan(l)) l = low; /* np.maximum: NaN propagates */
+                out[i] = (float)pow(l / low, -beta);
+            }
+        }
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&mb);
+    PyBuffer_Release(&lb);
+    PyBuffer_Release(&ob);
+    return result;
+}
+
+/* scan(values) -> float: the largest of values (float64) when every one is finite and >= 0
+ * (0.0 for none), else -1.0 (the caller's checks say which are not). */
+static PyObject *scan(PyObject *self, PyObject *arg) {
+    Py_buffer vb;
+    if (get_buf(arg, &vb, 0, 8, "values") < 0) return NULL;
+    const double *v = (const double *)vb.buf;
+    Py_ssize_t n = vb.len / 8;
+    double most = 0.0;
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ok &= isfinite(v[i]) && v[i] >= 0;
+        if (v[i] > most) most = v[i];
+    }
+    PyBuffer_Release(&vb);
+    return PyFloat_FromDouble(ok ? most : -1.0);
+}
+
+/* known(ids, cursors) -> bool: Ring.check_ids's test, every id >= 0 and its row number
+ * id // lanes below its lane's cursor (False: the caller finds which and raises). */
+static PyObject *known(PyObject *self, PyObject *args) {
+    PyObject *ids_o, *cur_o;
+    if (!PyArg_ParseTuple(args, "OO", &ids_o, &cur_o)) return NULL;
+    Py_buffer ib, cb;
+    if (get_buf(ids_o, &ib, 0, 8, "ids") < 0) return NULL;
+    if (get_buf(cur_o, &cb, 0, 8, "cursors") < 0) { PyBuffer_Release(&ib); return NULL; }
+    PyObject *result = NULL;
+    Py_ssize_t lanes = cb.len / (LANE_WORDS * 8);
+    if (lanes <= 0 || cb.len % (LANE_WORDS * 8)) {
+        PyErr_SetString(PyExc_ValueError, "known: expected a (lanes, 8) int64 cursor array");
+        goto done;
+    }
+    {
+        const int64_t *ids = (const int64_t *)ib.buf, *cur = (const int64_t *)cb.buf;
+        Py_ssize_t n = ib.len / 8;
+        int ok = 1;
+        for (Py_ssize_t i = 0; i < n && ok; i++) {
+            int64_t id = ids[i];
+            if (id < 0) { ok = 0; break; }
+            int64_t lane = lanes == 1 ? 0 : id % lanes, row = lanes == 1 ? id : id / lanes;
+            ok = row < __atomic_load_n(&cur[LANE_WORDS * lane], __ATOMIC_ACQUIRE);
+        }
+        result = ok ? Py_True : Py_False;
+        Py_INCREF(result);
+    }
+done:
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&cb);
+    return result;
+}
+
+/* current(ids, stamp, cursors, ok): Ring.current into ok (bool): each id's slot holds its
+ * committed stamp 2 (id // lanes) + 2 and the row is not older than its lane's base (clear()).
+ * Ids of any value are safe (as in gather). */
+static PyObject *current(PyObject *self, PyObject *args) {
+    PyObject *ids_o, *stamp_o, *cur_o, *ok_o;
+    if (!PyArg_ParseTuple(args, "OOOO", &ids_o, &stamp_o, &cur_o, &ok_o)) return NULL;
+    Py_buffer ib, sb, cb, kb;
+    if (get_buf(ids_o, &ib, 0, 8, "ids") < 0) return NULL;
+    if (get_buf(stamp_o, &sb, 0, 8, "stamp") < 0) { PyBuffer_Release(&ib); return NULL; }
+    if (get_buf(cur_o, &cb, 0, 8, "cursors") < 0) { PyBuffer_Release(&ib); PyBuffer_Release(&sb); return NULL; }
+    if (get_buf(ok_o, &kb, 1, 1, "ok") < 0) {
+        PyBuffer_Release(&ib); PyBuffer_Release(&sb); PyBuffer_Release(&cb); return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = ib.len / 8, capacity = sb.len / 8;
+    Py_ssize_t lanes = lanes_of(&cb, capacity, "current");
+    if (!lanes) goto done;
+    if (kb.len != n) {
+        PyErr_SetString(PyExc_ValueError, "current: ok needs one bool per id");
+        goto done;
+    }
+    {
+        const int64_t *ids = (const int64_t *)ib.buf, *stamp = (const int64_t *)sb.buf, *cur = (const int64_t *)cb.buf;
+        char *ok = (char *)kb.buf;
+        int64_t lc = capacity / lanes;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t id = ids[i], lane = lanes == 1 ? 0 : floormod(id, lanes), row = lanes == 1 ? id : floordiv(id, lanes);
+            int64_t s = lane * lc + floormod(row, lc);
+            int64_t expected = (int64_t)((uint64_t)row * 2u + 2u);
+            ok[i] = __atomic_load_n(&stamp[s], __ATOMIC_ACQUIRE) == expected &&
+                    row >= __atomic_load_n(&cur[LANE_WORDS * lane + 1], __ATOMIC_ACQUIRE);
+        }
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&ib);
+    PyBuffer_Release(&sb);
+    PyBuffer_Release(&cb);
     PyBuffer_Release(&kb);
     return result;
 }
@@ -759,6 +1005,11 @@ static PyObject *check(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"tree_find", tree_find, METH_VARARGS, "tree_find(sums, plan, capacity, mass, out): SumTree.find into out (int64)."},
     {"tree_update", tree_update, METH_VARARGS, "tree_update(sums, mins, plan, capacity, slots, values): SumTree.update."},
+    {"tree_draw", tree_draw, METH_VARARGS, "tree_draw(sums, plan, capacity, total, u, stratified, stamp, cursors, slots, leaves, ids): a tree draw's ids."},
+    {"weights", weights, METH_VARARGS, "weights(mins, plan, capacity, leaves, beta, out): importance weights (float32)."},
+    {"scan", scan, METH_O, "scan(values) -> largest value, or -1.0 when one is not finite and >= 0."},
+    {"known", known, METH_VARARGS, "known(ids, cursors) -> bool: every id >= 0 and below its lane's cursor."},
+    {"current", current, METH_VARARGS, "current(ids, stamp, cursors, ok): Ring.current into ok."},
     {"gather", gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok) -> smallest id: rows with the stamp check."},
     {"put", put, METH_VARARGS, "put(where, k, stamp, targets, offsets, formats, sources, commit) -> bool: a push's copies, its commit."},
     {"reserve", reserve, METH_VARARGS, "reserve(stamp, owner, first, k, n0, writer) -> bool: mark consecutive slots odd."},

@@ -93,6 +93,16 @@ class Priorities:
         if isinstance(sampler, Prioritized) and sampler.alpha > 0:
             with np.errstate(over="ignore"):
                 self._safe = float(np.power(MAX_LEAF, 1.0 / sampler.alpha)) - sampler.eps
+        self._sure = self._safe * (1 - 1e-9)
+        """Priorities up to this certainly have a leaf of at most ``MAX_LEAF`` whatever the rounding
+        of the power: the bound check is skipped (it would pass); above it the leaves are checked.
+        Verified here with a margin (else -1: the checks always run)."""
+        if isinstance(sampler, Prioritized) and np.isfinite(self._sure):
+            with np.errstate(over="ignore"):
+                top = float(((np.array([self._sure]) + sampler.eps) ** sampler.alpha)[0])
+            if not (self._sure >= 0 and top <= MAX_LEAF * (1 - 1e-12)):
+                self._sure = -1.0
+        self._lib = self.tree._lib
         if initialise:
             self.tree.reset()
             self._prio[0] = 1.0
@@ -160,8 +170,18 @@ class Priorities:
                 return (priorities + s.eps) ** s.alpha
         return np.ones_like(priorities)
 
+    def _scan(self, p: np.ndarray) -> float:
+        """The largest of ``p`` (float64) when all are finite and >= 0, in one C call; -1.0 when
+        one is not, or when there is no C path for ``p``: the numpy checks then run."""
+        lib = self._lib
+        if lib is None or type(p) is not np.ndarray or p.dtype != np.float64 or not p.flags.c_contiguous:
+            return -1.0
+        return float(lib.scan(p))
+
     def check(self, values: Any, k: int, what: str = "priority") -> np.ndarray:
         """``check_priorities``, and every leaf at most ``MAX_LEAF``, or ``FieldError``."""
+        if type(values) is np.ndarray and values.shape == (k,) and 0 <= self._scan(values) <= self._sure:
+            return values  # finite, >= 0, every leaf below MAX_LEAF: what the checks below would return
         p = check_priorities(values, k, what)
         self._bound(p, self.leaf(p), what)
         return p
@@ -186,6 +206,11 @@ class Priorities:
         ``FieldError`` before anything changes (callers check them first with ``check``)."""
         if priorities is None:
             leaves = self.leaf(np.full(slots.shape[0], self._prio[0]))
+        elif priorities.size and 0 <= (most := self._scan(priorities)) <= self._sure:
+            # one C pass gave the largest and showed every leaf is below MAX_LEAF (no bound check)
+            s = self.sampler
+            leaves = (priorities + s.eps) ** s.alpha if isinstance(s, Prioritized) else np.ones_like(priorities)
+            self._prio[0] = max(float(self._prio[0]), most)
         else:
             leaves = self.leaf(priorities)
             self._bound(priorities, leaves, "priority")

@@ -161,7 +161,7 @@ class Copier:
     def __init__(self, block: Block) -> None:
         targets: dict[str, tuple[np.ndarray, int, np.dtype]] = {}
         if block.packed is not None:
-            for name, offset in block.record.offsets.items():
+            for name, offset in block.stored_record.offsets.items():
                 targets[name] = (block.packed, offset, block.fields[name].dtype)
         for name, col in block.large.items():
             targets[name] = (col, 0, col.dtype)
@@ -249,6 +249,11 @@ class Ring:
         self.lanes = int(self._lanes.shape[0])
         self.capacity = int(self.stamp.shape[0])
         self.lane_capacity = self.capacity // self.lanes
+        contiguous = all(a.dtype == np.int64 and a.flags.c_contiguous for a in (self.stamp, self._lanes))
+        self._lib = native.lib if contiguous else None
+        self.native_view = (self.stamp, self._lanes) if self._lib is not None else None
+        """``(stamp, cursors)`` for the C kernels that read ids, stamps and bounds (a tree draw,
+        ``current``, ``check_ids``), or ``None``: the numpy code below runs."""
         stats = self._stats
         self.repairs: list[Callable[[], None]] = []
         repairs = self.repairs
@@ -580,6 +585,9 @@ class Ring:
         if a.dtype.kind not in "iu":
             raise FieldError(f"{what}: expected integer row ids (batch.index), got dtype {a.dtype}; pass batch.index as it came")
         a = a.reshape(-1)
+        lib = self._lib
+        if lib is not None and a.dtype == np.int64 and a.flags.c_contiguous and lib.known(a, self._lanes):
+            return a  # every id known, in one C call; the code below finds the ones that are not
         stop = self._lanes[:, _CURSOR]
         lanes = self.lanes
         if a.dtype.kind == "u" and a.max() > _INT64_MAX:
@@ -650,6 +658,11 @@ class Ring:
     def current(self, ids: np.ndarray) -> np.ndarray:
         """Which ids still name the committed row in their slot and count (not overwritten, not
         being written, not cleared)."""
+        lib = self._lib
+        if lib is not None and ids.dtype == np.int64 and ids.flags.c_contiguous:
+            ok = np.empty(ids.shape, np.bool_)
+            lib.current(ids, self.stamp, self._lanes, ok)
+            return ok
         ok = self.stamp.take(self.slots(ids)) == self.expected(ids)
         cleared = self.cleared(ids)
         if cleared.size:

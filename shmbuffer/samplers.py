@@ -50,6 +50,9 @@ class RingView(Protocol):
 
     def committed_ids(self) -> np.ndarray: ...
 
+    # optional: ``native_view``, ``(stamp, cursors)`` arrays the C draw reads ids from (``ring.Ring``);
+    # without it (or without the extension) ``tree_draw`` runs the numpy code and ``ids_of_slots``
+
 
 @dataclass(frozen=True)
 class Uniform:
@@ -124,6 +127,11 @@ class Prioritized:
     def weights(self, tree: SumTree | None, leaves: np.ndarray | None, calls: int) -> np.ndarray | None:
         """Importance weights ``(leaf / min leaf) ** -beta`` with ``beta`` after ``calls`` samples."""
         assert tree is not None and leaves is not None
+        lib = tree._lib
+        if lib is not None and leaves.dtype == np.float64 and leaves.flags.c_contiguous and leaves.ndim == 1:
+            out = np.empty(leaves.shape[0], np.float32)  # one C call; its pow agrees to 1 ulp of float32
+            lib.weights(tree.mins, tree._plan, tree.capacity, leaves, self.beta_at(calls), out)
+            return out
         low = tree.min
         if not np.isfinite(low) or low <= 0:
             return np.ones(leaves.shape[0], np.float32)
@@ -179,10 +187,20 @@ def uniform_ids(
 
 def tree_draw(ring: RingView, tree: SumTree, rng: np.random.Generator, k: int, *, stratified: bool) -> Draw:
     """``k`` rows in proportion to their leaves; stratified: one point in each of ``k`` equal
-    segments of the total mass. A draw that raced an update onto a leaf of 0 gets an invalid id."""
+    segments of the total mass. A draw that raced an update onto a leaf of 0 gets an invalid id.
+    With the extension and a ring that has a ``native_view`` the masses, the walk, the leaves and
+    the ids are one C call (``_native.tree_draw``) on the same random numbers: the same ids as
+    below (``tests/test_native.py``)."""
     total = tree.total
     if total <= 0:
         return Draw(_NONE, np.empty(0))
+    lib, view = tree._lib, getattr(ring, "native_view", None)
+    if lib is not None and view is not None and k > 0:
+        # the same numbers in one C call: the masses, the walk, the leaves, the ids
+        u = rng.random(k)
+        slots, leaves, ids = np.empty(k, np.int64), np.empty(k), np.empty(k, np.int64)
+        lib.tree_draw(tree.sums, tree._plan, tree.capacity, total, u, stratified, view[0], view[1], slots, leaves, ids)
+        return tuple.__new__(Draw, (ids, leaves))  # Draw(ids, leaves) without its Python-level __new__
     u = rng.random(k)
     if stratified:
         u += np.arange(k)

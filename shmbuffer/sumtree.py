@@ -109,17 +109,22 @@ class SumTree:
 
     def update(self, slots: np.ndarray, values: np.ndarray | float) -> None:
         """Set the leaves ``slots`` to ``values`` (>= 0, finite) and recompute their ancestors."""
-        slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+        slots = np.ascontiguousarray(slots, dtype=np.int64).reshape(-1)
         lib = self._lib
-        if lib is not None and (slots.size == 0 or (slots.min() >= 0 and slots.max() < self.capacity)):
-            if isinstance(values, float) or (isinstance(values, np.ndarray) and values.ndim == 0):
-                lib.tree_update(self.sums, self.mins, self._plan, self.capacity, slots, float(values))
-            else:
-                v = np.ascontiguousarray(values, dtype=np.float64)
-                if v.shape != slots.shape:
-                    v = np.ascontiguousarray(np.broadcast_to(v, slots.shape))
-                lib.tree_update(self.sums, self.mins, self._plan, self.capacity, slots, v)
-            return
+        if lib is not None:
+            # the kernel checks every slot before it writes anything: one outside [0, capacity)
+            # (numpy wraps a negative one) leaves the tree as it was, for the numpy code below
+            try:
+                if isinstance(values, float) or (isinstance(values, np.ndarray) and values.ndim == 0):
+                    lib.tree_update(self.sums, self.mins, self._plan, self.capacity, slots, float(values))
+                else:
+                    v = np.ascontiguousarray(values, dtype=np.float64)
+                    if v.shape != slots.shape:
+                        v = np.ascontiguousarray(np.broadcast_to(v, slots.shape))
+                    lib.tree_update(self.sums, self.mins, self._plan, self.capacity, slots, v)
+                return
+            except IndexError:
+                pass
         values = np.asarray(values, dtype=np.float64)
         if values.shape != slots.shape:
             values = np.full(slots.shape, values)

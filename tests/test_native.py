@@ -486,3 +486,249 @@ def test_lanes_clear_and_limits_on_both_paths(path: str, make: Make, name: str) 
     with pytest.raises(sb.CapacityError, match="lane numbers"):
         buf.push(transition(30, 2), lane=np.array([0, 3]))
     assert len(buf) == 3 and buf.stats["inserted"] == 11
+
+
+# -- prioritized replay: the draw, the weights, the update -----------------------------------------
+def python_ring(rg: Any) -> Any:
+    """The same ring, read by the numpy code (no C view of its stamps and cursors)."""
+    clone = ring.Ring.__new__(ring.Ring)
+    clone.__dict__.update(rg.__dict__)
+    clone.native_view, clone._lib = None, None
+    return clone
+
+
+def messy_prioritized(make: Make, name: str, lanes: int, dyadic: bool) -> sb.ReplayBuffer:
+    """A prioritized buffer whose lanes lapped and whose slots hold every case a draw must tell
+    apart: committed rows, rows being written, empty slots with a leaf, leaves of 0."""
+    rng = np.random.default_rng(lanes)
+    buf = make(MUJOCO, capacity=600, lanes=lanes, name=name, seed=0, sampler=sb.Prioritized(alpha=0.6, beta=0.4))
+    for j in range(4):  # 800 rows into 600 slots: every lane laps
+        k = 200
+        p = np.floor(rng.random(k) * 4096) / 64 if dyadic else rng.random(k) ** 2 * 10
+        p[rng.random(k) < 0.1] = 0.0
+        lane = rng.integers(0, lanes, k) if lanes > 1 else 0
+        buf.push(transition(200 * j, k), lane=lane, priority=p)
+    st = buf.ring.stamp
+    odd = rng.choice(600, 30, replace=False)
+    st[odd[:15]] += 1  # being written
+    st[odd[15:]] = 0  # empty, yet their leaves stay
+    return buf
+
+
+@needs_lib
+@pytest.mark.parametrize("lanes", [1, 3])
+@pytest.mark.parametrize("dyadic", [True, False])
+def test_prioritized_draw_native_equals_python(make: Make, name: str, lanes: int, dyadic: bool) -> None:
+    """The same RNG state gives the same ids, leaves and INVALID marks, stratified or not; with
+    dyadic priorities every sum is exact (the same walk to the bit), with random floats the inner
+    sums may differ in the last bit (C adds in order, numpy by BLAS) and so may a draw on a boundary."""
+    from shmbuffer.samplers import Draw, tree_draw
+
+    buf = messy_prioritized(make, name, lanes, dyadic)
+    tree, rg = buf.priorities.tree, buf.ring  # type: ignore[union-attr]
+    assert rg.native_view is not None and tree._lib is not None
+    ref_tree, ref_ring = python_tree(tree.capacity, tree.sums, tree.mins), python_ring(rg)
+    same = total = invalid = 0
+    for seed, k, stratified in [(1, 1, True), (2, 256, True), (3, 256, False), (4, 3000, True), (5, 7, False)]:
+        a = tree_draw(rg, tree, np.random.default_rng(seed), k, stratified=stratified)
+        b = tree_draw(ref_ring, ref_tree, np.random.default_rng(seed), k, stratified=stratified)
+        assert type(a) is Draw and a.ids.dtype == np.int64 and a.leaves is not None and b.leaves is not None
+        assert a.ids.shape == b.ids.shape == (k,)
+        if dyadic:
+            assert np.array_equal(a.ids, b.ids) and np.array_equal(a.leaves, b.leaves)
+        same += int((a.ids == b.ids).sum())
+        total += k
+        # what the ids say is what the ring holds: invalid exactly where the Python rules say
+        valid = a.ids != ring.INVALID
+        assert np.array_equal(rg.current(a.ids[valid]), np.ones(int(valid.sum()), bool))
+        invalid += int((~valid).sum())
+    assert same >= total * 0.999
+    assert 0 < invalid < total  # the messy ring exercised both
+    # the generators were advanced alike: the next draws agree too
+    ga, gb = np.random.default_rng(9), np.random.default_rng(9)
+    tree_draw(rg, tree, ga, 5, stratified=True)
+    tree_draw(ref_ring, ref_tree, gb, 5, stratified=True)
+    assert ga.random() == gb.random()
+
+
+@needs_lib
+def test_prioritized_draw_of_an_empty_tree_draws_nothing(make: Make, name: str) -> None:
+    from shmbuffer.samplers import tree_draw
+
+    buf = make(MUJOCO, capacity=64, name=name, sampler=sb.Prioritized())
+    g = np.random.default_rng(0)
+    got = tree_draw(buf.ring, buf.priorities.tree, g, 16, stratified=True)  # type: ignore[union-attr]
+    assert got.ids.size == 0 and got.leaves is not None and got.leaves.size == 0
+    assert g.random() == np.random.default_rng(0).random()  # no number was used
+
+
+@needs_lib
+@pytest.mark.parametrize("low", [1.0, 1e-3, 1e-300, 0.0])
+def test_prioritized_weights_native_equal_python(low: float) -> None:
+    """Weights agree to 1 float32 ulp (the C library's pow against numpy's, which may be a
+    vectorized one that differs in float64's last bit); a tree without positive leaves gives ones;
+    ratios past float64's range give 0."""
+    rng = np.random.default_rng(11)
+    capacity = 70_001
+    fast = SumTree(capacity)
+    leaves = np.exp(rng.standard_normal(capacity) * 3) * (rng.random(capacity) < 0.7)
+    if low > 0:
+        leaves[5] = low
+        leaves = np.where(leaves > 0, np.maximum(leaves, low), 0.0)
+    else:
+        leaves[:] = 0.0
+    fast.update(np.arange(capacity), leaves)
+    ref = python_tree(capacity, fast.sums, fast.mins)
+    drawn = np.concatenate([fast.leaves[rng.integers(0, capacity, 4000)], [0.0, 1e280, low]])
+    for beta, calls, steps in [(0.4, 0, None), (0.0, 10, None), (1.0, 3, None), (0.4, 50, 100), (0.7, 500, 100)]:
+        s = sb.Prioritized(alpha=0.6, beta=beta, beta_steps=steps)
+        got = s.weights(fast, drawn, calls)
+        want = s.weights(ref, drawn, calls)
+        assert got is not None and want is not None and got.dtype == want.dtype == np.float32
+        np.testing.assert_array_max_ulp(got, want, maxulp=1)
+        if low == 0.0:
+            assert (got == 1).all()
+        elif low == 1e-300 and beta > 0:
+            assert got[-2] == 0.0  # 1e280 / 1e-300 overflows: weight 0, as numpy gives
+
+
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_priority_updates_give_the_same_tree_on_both_paths(make: Make, name: str, monkeypatch: pytest.MonkeyPatch,
+                                                           lanes: int) -> None:
+    """The same pushes and updates (stale, cleared and repeated ids among them: the last value of
+    a repeated id wins) leave the same leaves, mins, largest priority and counts on the C path and
+    on the Python path; inner sums agree to rounding (bit-equal for dyadic priorities)."""
+    if LIB is None:
+        pytest.skip(f"the C extension is not loaded: {native.REASON}")
+    bufs = []
+    for which in ("native", "python"):
+        with monkeypatch.context() as m:
+            if which == "python":
+                m.setattr(native, "lib", None)
+            bufs.append(make(MUJOCO, capacity=300, lanes=lanes, name=f"{name}{which[0]}", seed=2,
+                             sampler=sb.Prioritized(alpha=0.6, beta=0.4)))
+    fast, ref = bufs
+    assert fast.ring.native_view is not None and ref.ring.native_view is None
+    rng = np.random.default_rng(lanes)
+    for step in range(12):
+        k = int(rng.integers(1, 120))
+        lane = rng.integers(0, lanes, k) if lanes > 1 else 0
+        p = rng.random(k) * 5 if step % 2 else np.floor(rng.random(k) * 512) / 8
+        for b in bufs:
+            if step == 6:
+                b.clear()  # every id before is stale from now on
+            b.push(transition(k * step, k), lane=lane, priority=p)
+        held = fast.ring.held_ids()
+        # rows held (some twice), and ids of rows overwritten or cleared since (stale: skipped)
+        ids = np.concatenate([rng.choice(held, 200), held[:20], np.arange(10, dtype=np.int64)])
+        q = rng.random(ids.size) * 3 if step % 3 else np.floor(rng.random(ids.size) * 512) / 8
+        assert fast.update_priorities(ids, q) == ref.update_priorities(ids, q)
+        ft, rt = fast.priorities.tree, ref.priorities.tree  # type: ignore[union-attr]
+        assert np.array_equal(ft.leaves, rt.leaves) and np.array_equal(ft.mins, rt.mins)
+        np.testing.assert_allclose(ft.sums, rt.sums, rtol=1e-12, atol=0)
+        assert fast.priorities.max_priority == ref.priorities.max_priority  # type: ignore[union-attr]
+        assert np.array_equal(fast.ring.stamp, ref.ring.stamp)
+    for bad in ([np.nan], [-1.0], [np.inf]):
+        for b in bufs:
+            with pytest.raises(sb.FieldError, match="finite values"):
+                b.update_priorities(b.ring.held_ids()[:1], np.array(bad))
+    for b in bufs:
+        with pytest.raises(sb.UnknownIdError, match="never named a row"):
+            b.update_priorities(np.array([-1, 0], np.int64), np.ones(2))
+        with pytest.raises(sb.UnknownIdError, match="never named a row"):
+            b.update_priorities(np.array([10**12], np.int64), np.ones(1))
+
+
+def test_priorities_at_the_leaf_bound_on_both_paths(path: str, make: Make, name: str) -> None:
+    """With alpha 2 the largest priority is 1e140 (leaf 1e280): just below it is taken, just above
+    refused with nothing changed, however the C path skips the bound check for smaller ones."""
+    buf = make(MUJOCO, capacity=8, name=name, sampler=sb.Prioritized(alpha=2.0, eps=0.0))
+    ids = buf.push(transition(0, 4), priority=[1.0, 2.0, 3.0, 4.0])
+    assert buf.update_priorities(ids[:2], np.array([1e140 * (1 - 1e-12), 5.0])) == 2
+    assert buf.priorities.max_priority == 1e140 * (1 - 1e-12)  # type: ignore[union-attr]
+    before = buf.priorities.tree.sums.copy()  # type: ignore[union-attr]
+    with pytest.raises(sb.FieldError, match="exceed 1e"):
+        buf.update_priorities(ids[2:], np.array([1.0, 1e140 * (1 + 1e-12)]))
+    with pytest.raises(sb.FieldError, match="exceed 1e"):
+        buf.push(transition(4, 1), priority=np.array([1e141]))
+    assert np.array_equal(buf.priorities.tree.sums, before)  # type: ignore[union-attr]
+    assert buf.priority(ids).tolist()[1:] == [25.0, 9.0, 16.0]
+
+
+@needs_lib
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_current_and_known_ids_equal_python(make: Make, name: str, lanes: int) -> None:
+    buf = make(MUJOCO, capacity=60, lanes=lanes, name=name)
+    rg = buf.ring
+    rng = np.random.default_rng(4)
+    for j in range(5):
+        buf.push(transition(30 * j, 30), lane=rng.integers(0, lanes, 30) if lanes > 1 else 0)
+        if j == 3:
+            buf.clear()
+    rg.stamp[rng.choice(60, 6, replace=False)] += 1  # some rows being written
+    ref = python_ring(rg)
+    ids = np.concatenate([rng.integers(-5, 200, 500), [ring.INVALID, 2**62, -(2**63), 2**63 - 1]]).astype(np.int64)
+    assert np.array_equal(rg.current(ids), ref.current(ids))
+    held = rg.held_ids()
+    assert held.size and rg.current(held).any() and not rg.current(held).all()
+    assert np.array_equal(rg.check_ids(held, "x"), ref.check_ids(held, "x"))
+    for bad in ([-1], [int(held.max()) + lanes * 100], [2**63 - 1], [-(2**63)]):
+        with pytest.raises(sb.UnknownIdError) as a:
+            rg.check_ids(np.array(bad, np.int64), "x")
+        with pytest.raises(sb.UnknownIdError) as b:
+            ref.check_ids(np.array(bad, np.int64), "x")
+        assert str(a.value) == str(b.value)
+
+
+@needs_lib
+def test_prioritized_kernels_refuse_bad_input(make: Make, name: str) -> None:
+    assert LIB is not None
+    buf = make(MUJOCO, capacity=64, lanes=2, name=name, sampler=sb.Prioritized())
+    buf.push(transition(0, 8), lane=0)
+    tree, rg = buf.priorities.tree, buf.ring  # type: ignore[union-attr]
+    stamp, cur = rg.native_view  # type: ignore[misc]
+    plan, cap = tree._plan, tree.capacity
+    u, out_i, out_f = np.zeros(4), np.empty(4, np.int64), np.empty(4)
+
+    def draw(**kw: Any) -> Any:
+        a = dict(sums=tree.sums, plan=plan, cap=cap, total=1.0, u=u, strat=True, stamp=stamp, cur=cur,
+                 slots=out_i.copy(), leaves=out_f.copy(), ids=out_i.copy())
+        a.update(kw)
+        return LIB.tree_draw(*a.values())
+
+    draw()  # fine as given
+    cases: list[tuple[dict[str, Any], type[Exception]]] = [
+        (dict(ids=np.empty(3, np.int64)), ValueError), (dict(leaves=np.empty(4, np.float32)), TypeError),
+        (dict(stamp=stamp[:-1]), ValueError), (dict(cur=cur[:, :3].copy()), ValueError),
+        (dict(cur=np.zeros((3, 8), np.int64)), ValueError), (dict(sums=tree.sums[:-1]), ValueError),
+        (dict(cap=65), ValueError), (dict(u=np.zeros(4, np.float32)), TypeError),
+        (dict(slots=np.empty(8, np.int64)[::2]), TypeError),
+    ]
+    for kw, exc in cases:
+        with pytest.raises(exc):
+            draw(**kw)
+    leaves = np.ones(4)
+    with pytest.raises(TypeError):
+        LIB.weights(tree.mins, plan, cap, leaves, 0.4, np.empty(4))  # float64 out
+    with pytest.raises(ValueError):
+        LIB.weights(tree.mins, plan, cap, leaves, 0.4, np.empty(3, np.float32))
+    with pytest.raises(ValueError, match="plan"):
+        LIB.weights(tree.mins[:-1], plan, cap, leaves, 0.4, np.empty(4, np.float32))
+    assert LIB.scan(np.array([1.0, 3.0])) == 3.0 and LIB.scan(np.empty(0)) == 0.0
+    for bad in ([1.0, np.nan], [-0.5], [np.inf]):
+        assert LIB.scan(np.array(bad)) == -1.0
+    with pytest.raises(TypeError):
+        LIB.scan(np.ones(2, np.float32))
+    ids = np.array([0, 2], np.int64)
+    with pytest.raises(ValueError):
+        LIB.known(ids, np.zeros(12, np.int64))
+    with pytest.raises(TypeError):
+        LIB.known(ids.astype(np.int32), cur)
+    with pytest.raises(ValueError):
+        LIB.current(ids, stamp, cur, np.empty(3, np.bool_))
+    with pytest.raises(ValueError):
+        LIB.current(ids, stamp[:63], cur, np.empty(2, np.bool_))  # 2 lanes do not divide 63 slots
+    ro = np.empty(2, np.bool_)
+    ro.flags.writeable = False
+    with pytest.raises(TypeError):
+        LIB.current(ids, stamp, cur, ro)
