@@ -34,6 +34,7 @@ import numpy as np
 from . import edits, persistence, reader, sequences
 from .batch import Batch
 from .errors import ClosedError, FieldError, SchemaError
+from .frames import Frames, Pusher
 from .layout import UNIFORM, Block, Counter, Options, columns, read
 from .limiter import RateLimiter, counted
 from .loader import Loader
@@ -79,6 +80,14 @@ class ReplayBuffer:
     :param episodes: every push names the episode of its rows (``push(..., episode=id)``);
         sequences, n-step returns, groups and whole episodes need it.
     :param limiter: a ``RateLimiter`` holding samples per insert in a window, for every process.
+    :param next_of: store a next observation once (cpprb's ``next_of``, SB3's
+        ``optimize_memory_usage``): ``"obs"`` reads ``next_obs`` of a row from ``obs`` of the next
+        row of its lane (``{"next_obs": "obs"}`` names both); an episode's last step keeps its final
+        observation in a row of its own (``frames.py``). Each env pushes its steps in order into
+        its own lane, the last one marked by ``done``/``terminated``/``truncated``.
+    :param stack: store one frame of a stacked observation a row (cpprb's ``stack_compress``):
+        ``"obs"`` (its first axis holds the frames), ``{"obs": k}`` or ``{"obs": (k, axis)}``;
+        reads rebuild the stacks, padded at an episode's start as the env padded them.
     :param name: the block's name in ``/dev/shm`` (default: the pid and a random token).
     :param seed: seeds this process's sampling (an int or a ``numpy.random.Generator``).
     """
@@ -99,15 +108,18 @@ class ReplayBuffer:
         name: str | None = None,
         seed: int | np.random.Generator | None = None,
         envs: int | None = None,
+        next_of: str | Mapping[str, str] | None = None,
+        stack: str | Mapping[str, Any] | None = None,
     ) -> None:
         schema = as_schema(schema)
         if lanes is None:
             lanes = envs if envs is not None else 1
         elif envs is not None and lanes != envs:
             raise ValueError(f"lanes={lanes!r} and envs={envs!r}: envs means one lane per env; give one of them")
-        opts = Options(capacity, lanes, sampler, max_use, episodes, limiter, envs)
+        opts = Options(capacity, lanes, sampler, max_use, episodes, limiter, envs, Frames.make(schema, next_of, stack))
         check_platform()
-        meta = {"schema": schema.to_json(), "options": opts.to_json(), "record": schema.record.itemsize}
+        stored = schema if opts.frames is None else opts.frames.stored(schema)
+        meta = {"schema": schema.to_json(), "options": opts.to_json(), "record": stored.record.itemsize}
         segment = Segment.create(name, meta, columns(schema, opts), schema.fingerprint)
         try:
             self._setup(segment, schema, opts, seed, initialise=True)
@@ -144,6 +156,7 @@ class ReplayBuffer:
         self._block = Block(schema, opts, segment.arrays)
         self._ring = Ring(segment.arrays, initialise=initialise)
         self._copier = Copier(self._block)
+        self._pusher = None if opts.frames is None else Pusher(opts.frames, schema, self._block.stored)
         self._prios = Priorities(segment.arrays, opts.sampler, opts.max_use, initialise=initialise) if opts.tree else None
         if self._prios is not None:
             self._ring.repairs.append(self._prios.repair)
@@ -240,6 +253,8 @@ class ReplayBuffer:
         held = len(ring)
         if held and self._block.arrays["_stats"][Counter.REMOVED]:
             held -= edits.removed(self)
+        if held and self._pusher is not None and self.options.frames and self.options.frames.next_of:
+            held -= edits.end_rows(self)  # an episode's final observation is not a transition
         return held
 
     @property
@@ -297,7 +312,7 @@ class ReplayBuffer:
         Everything is checked before the buffer is touched: on any error it is exactly as it was.
         """
         return edits.push(self, self._copier, data, lane=lane, episode=episode, priority=priority,
-                          timeout=timeout, fields=fields)
+                          timeout=timeout, fields=fields, pusher=self._pusher)
 
     add = push
 
@@ -473,6 +488,7 @@ class ReplayBuffer:
         skipped (use ``get`` for stamped copies). Raises ``ValueError`` when the rows wrap past
         the lane's end (two pieces cannot be one view).
         """
+        self._whole("view")
         where, ids = self.ring.contiguous(start, stop, lane)
         fields = {name: _readonly(col[where]) for name, col in self._block.fields.items()}
         return Batch(fields, {"index": ids})
@@ -480,7 +496,17 @@ class ReplayBuffer:
     def column(self, name: str) -> np.ndarray:
         """A zero-copy, read-only view of a whole field, ``(capacity, *shape)``, in slot order."""
         self.schema[name]
+        frames = self.options.frames
+        if frames is not None and name in frames.rebuilt:
+            raise FieldError(f"column({name!r}): the buffer stores {name!r} once for several rows (next_of/stack), "
+                             "so it has no column of whole rows; read rows with sample, take or get")
         return _readonly(self.block.fields[name])
+
+    def _whole(self, what: str) -> None:
+        frames = self.options.frames
+        if frames is not None:
+            raise FieldError(f"{what}: the buffer stores {', '.join(frames.rebuilt)} once for several rows "
+                             "(next_of/stack), so its rows are not whole in memory; read with sample, take or get")
 
     def loader(self, batch_size: int = 256, **kwargs: Any) -> Loader:
         """A ``Loader`` over this buffer: batches on a device, sampled ahead (``loader.py``)."""

@@ -34,6 +34,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,7 @@ import numpy as np
 from . import native, segment
 from .buffer import ReplayBuffer
 from .errors import ForeignBlock, LayoutError, SegmentNotFound, ShmBufferError
+from .layout import columns
 from .persistence import pieces
 from .ring import lane_bounds
 from .schema import Schema
@@ -229,8 +231,9 @@ def _inspect(args: argparse.Namespace) -> int:
     try:
         lc = buf.lane_capacity
         acc: dict[str, list[float]] = {}
+        stored = buf.block.stored  # with next_of/stack: the frames as stored (``frames.py``)
         for piece in pieces(buf):
-            for f in buf.schema:
+            for f in stored:
                 a = piece[f.name]
                 if f.dtype.kind == "c" or not a.size:
                     continue
@@ -243,14 +246,17 @@ def _inspect(args: argparse.Namespace) -> int:
             {"name": f.name, "shape": list(f.shape), "dtype": str(f.dtype),
              **({"min": acc[f.name][0], "mean": acc[f.name][2] / acc[f.name][3], "max": acc[f.name][1]}
                 if f.name in acc else {})}
-            for f in buf.schema
+            for f in stored
         ]
+        plain = sum(c.nbytes for c in columns(buf.schema, replace(buf.options, frames=None)))
         info: dict[str, Any] = {
             "name": h.name, "path": segment.path_of(h.name), "layout_version": h.version, "bytes": h.size,
             "creator_pid": h.creator_pid, "creator_alive": h.creator_alive, "fingerprint": h.fingerprint,
             "options": buf.options.to_json(), "stats": buf.stats, "rows": len(buf), "capacity": capacity,
             "lanes": [{"lane": i, "first": a, "stop": b, "rows": b - a, "capacity": lc} for i, (a, b) in enumerate(bounds)],
             "fields": fields,
+            "bytes_per_row": h.size / capacity,
+            "bytes_per_row_without_frames": plain / capacity,
         }
     finally:
         buf.close()
@@ -262,6 +268,9 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"creator pid {info['creator_pid']} ({alive})  fingerprint {info['fingerprint']}")
     print(f"rows {info['rows']}/{capacity}  options {json.dumps(info['options'])}")
     print("stats " + "  ".join(f"{k} {v}" for k, v in info["stats"].items()))
+    per, plain = info["bytes_per_row"], info["bytes_per_row_without_frames"]
+    saving = f" ({plain / per:.1f}x less than the {segment.human(int(plain))} without next_of/stack)" if plain > per * 1.01 else ""
+    print(f"bytes per row {segment.human(int(per))}{saving}")
     for ln in info["lanes"]:
         print(f"lane {ln['lane']}: rows [{ln['first']}, {ln['stop']})  {ln['rows']}/{lc} ({100 * ln['rows'] / lc:.0f}%)")
     print(f"{'FIELD':<16} {'SHAPE':<14} {'DTYPE':<10} {'MIN':>12} {'MEAN':>12} {'MAX':>12}")

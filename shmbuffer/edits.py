@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FieldError, ReadOnlyError
+from .frames import END, KIND, Pusher
 from .layout import Counter
 from .lock import defer_signals, resume_signals
 from .reader import Source
@@ -46,6 +47,11 @@ def update(src: Source, ids: np.ndarray, fields: dict[str, Any], priority: Any =
     unknown = [n for n in fields if n not in schema.names]
     if unknown:
         raise FieldError(f"update: no field {unknown[0]!r}; the schema has {', '.join(schema.names)}")
+    spec = src.block.frames
+    shared = [n for n in fields if spec is not None and n in spec.rebuilt + tuple(s for _, s in spec.next_of)]
+    if shared:
+        raise FieldError(f"update: field {shared[0]!r} is stored once for several rows (next_of/stack): "
+                         "it cannot be rewritten in place; update the other fields")
     if ring.frozen:
         raise ReadOnlyError(f"buffer {src.name!r} is frozen (read-only): its rows cannot be updated")
     k = int(ids.size)
@@ -117,6 +123,22 @@ def delete(src: Source, ids: np.ndarray) -> int:
     return int(slots.size)
 
 
+def end_rows(src: Source) -> int:
+    """Held slots that hold an episode's final observation (``next_of``), not a transition."""
+    kind = src.block.arrays[KIND]
+    ring = src.ring
+    first, stop = ring.bounds()
+    lc = ring.lane_capacity
+    count = 0
+    for lane in range(ring.lanes):
+        a, b = int(first[lane]), int(stop[lane])
+        if b - a >= lc:
+            count += int(np.count_nonzero(kind[lane * lc:(lane + 1) * lc] & END))
+        elif b > a:
+            count += int(np.count_nonzero(kind[lane * lc + np.arange(a, b) % lc] & END))
+    return count
+
+
 def removed(src: Source) -> int:
     """Held slots (within the lanes' bounds) that are empty or hold a used-up row."""
     ring = src.ring
@@ -142,20 +164,39 @@ def removed(src: Source) -> int:
 
 def push(
     src: Source, copier: Copier, data: Any, *, lane: Any, episode: Any, priority: Any, timeout: float | None,
-    fields: dict[str, Any],
+    fields: dict[str, Any], pusher: Pusher | None = None,
 ) -> np.ndarray:
     """``ReplayBuffer.push``: check everything (``check``), reserve (marking the rows odd, their
     priorities set, under the lock; signals deferred until the commit), copy (one C call through
-    ``copier``, else numpy), commit; a copy that fails gives the rows back as empty."""
+    ``copier``, else numpy), commit; a copy that fails gives the rows back as empty. With
+    ``next_of``/``stack`` the ``pusher`` (``frames.py``) checks the rows against this process's
+    previous ones in each lane and lays them out as stored, end rows included."""
     ring = src.ring
     given = lane is not None
     k, arrays, lane, episodes, priority = check(src, copier, data, lane=lane, episode=episode, priority=priority, fields=fields)
     prios = src.priorities
     if k == 0:
         return np.empty(0, np.int64)
+    ex = None
+    if pusher is not None:
+        ex = pusher.expand(arrays, k, lane, episodes, ring.bounds())
+        arrays, episodes = ex.arrays, ex.episodes
+        k = ex.lanes.shape[0]
+        lane = int(ex.lanes[0]) if (ex.lanes == ex.lanes[0]).all() else ex.lanes
+        ring.check_push(k, lane)
     # new rows take their priority (and no uses) inside the reservation's critical section:
     # while they are being written a draw that lands on them sees an odd stamp and re-draws
     also = None if prios is None else (lambda slots: prios.set_rows(slots, priority, fresh=True))
+    if prios is not None and ex is not None and ex.rows.size < k:
+        ends = np.setdiff1d(np.arange(k), ex.rows)
+        if priority is not None:
+            given_ = np.zeros(k)
+            given_[ex.rows] = np.broadcast_to(priority, (ex.rows.size,))
+            priority = given_
+
+        def also(slots: np.ndarray) -> None:  # an end row is never drawn
+            prios.set_rows(slots, priority, fresh=True)
+            prios.tree.update(slots[ends], 0.0)
     limiter = src.options.limiter
     res = None
     try:
@@ -165,6 +206,10 @@ def push(
                                timeout=limiter.timeout if timeout is None else timeout)
         else:
             res = ring.reserve(k, lane, also=also, deferring=True)
+        if pusher is not None and ex is not None:
+            why = pusher.confirm(ex, res.n)
+            if why is not None:
+                raise FieldError(why)  # the rows are given back below
         # from here to the commit, signal handlers wait (lock.py): a Ctrl-C cannot leave the
         # rows odd under this live process; it is raised once they are committed
         if copier.lib is not None and copier.fields is src.block.fields:  # one C call (ring.Copier)
@@ -176,6 +221,9 @@ def push(
             if episodes is not None and src.block.episode is not None:
                 src.block.episode[res.where] = episodes
         ring.commit(res)
+        if pusher is not None and ex is not None:
+            pusher.done(ex, res.n)
+            return res.ids[ex.rows]
         if not given and k > 1 and episodes is not None and episodes.ndim and src.options.envs is None:
             note_interleaving(src, res.ids, episodes)
     except BaseException:

@@ -18,8 +18,14 @@ Columns, in block order
                   use counts (``priorities.py``); only with a ``Prioritized`` sampler or ``max_use``
                   (``_uses`` only with ``max_use``)
 ``_episode``      ``(capacity,)`` int64, each row's episode id; only with ``episodes=True``
+``_kind``         ``(capacity,)`` uint8, what each row is (``frames.py``: an episode's start or end
+                  row); only with ``next_of`` or ``stack``
 ``_record``       ``(capacity, itemsize)`` uint8, the packed small fields (``schema.Record``)
 one column per large field, named as the field, ``(capacity, *shape)`` in its dtype
+
+With ``next_of`` or ``stack`` (``Options.frames``) the record and the large columns are those of the
+*stored* schema (``frames.Frames.stored``: stacked fields one frame wide, next fields gone); the
+block's ``schema`` stays the user's.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FieldError, LayoutError
+from .frames import KIND, Frames
 from .limiter import RateLimiter
 from .lock import SIZE as MUTEX_SIZE
 from .samplers import Prioritized, Sampler, Uniform, sampler_from_json
@@ -90,6 +97,8 @@ class Options:
     envs: int | None = None
     """one lane per env: a push without ``lane=`` of ``k`` rows (a multiple of ``envs``, env-major
     per step) puts row ``i`` into lane ``i % envs``"""
+    frames: Frames | None = None
+    """fields stored once and read from the lane (``frames.py``: ``next_of``, ``stack``)"""
 
     def __post_init__(self) -> None:
         cap, lanes, max_use = self.capacity, self.lanes, self.max_use
@@ -148,12 +157,14 @@ class Options:
         return {"capacity": int(self.capacity), "lanes": int(self.lanes), "sampler": self.sampler.to_json(),
                 "max_use": None if self.max_use is None else int(self.max_use), "episodes": bool(self.episodes),
                 "limiter": None if self.limiter is None else self.limiter.to_json(),
-                **({} if self.envs is None else {"envs": int(self.envs)})}
+                **({} if self.envs is None else {"envs": int(self.envs)}),
+                **({} if self.frames is None else {"frames": self.frames.to_json()})}
 
     @classmethod
     def from_json(cls, spec: dict[str, Any]) -> Options:
         return cls(spec["capacity"], spec["lanes"], sampler_from_json(spec["sampler"]), spec["max_use"],
-                   spec["episodes"], RateLimiter.from_json(spec.get("limiter")), spec.get("envs"))
+                   spec["episodes"], RateLimiter.from_json(spec.get("limiter")), spec.get("envs"),
+                   Frames.from_json(spec.get("frames")))
 
 
 def _count(value: Any) -> bool:
@@ -183,6 +194,9 @@ def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
             cols.append(ColumnSpec("_uses", (capacity,), np.dtype(np.uint32)))
     if opts.episodes:
         cols.append(ColumnSpec("_episode", (capacity,), i8))
+    if opts.frames is not None:
+        schema = opts.frames.stored(schema)
+        cols.append(ColumnSpec(KIND, (capacity,), u1))
     if schema.record.itemsize:
         cols.append(ColumnSpec("_record", (capacity, schema.record.itemsize), u1))
     cols += [ColumnSpec(f.name, (capacity, *f.shape), f.dtype) for f in schema.columns]
@@ -196,6 +210,8 @@ def read(name: str, meta: dict[str, Any], fingerprint: str) -> tuple[Schema, Opt
     try:
         schema = Schema.from_json(meta["schema"])
         opts = Options.from_json(meta["options"])
+        if opts.frames is not None:
+            opts.frames.check(schema)
         expected = [(c.name, list(c.shape), c.dtype.str) for c in columns(schema, opts)]
         stored = [(c["name"], list(c["shape"]), c["dtype"]) for c in meta["columns"]]
     except MALFORMED as exc:
@@ -218,20 +234,29 @@ class Block:
 
     def __init__(self, schema: Schema, opts: Options, arrays: dict[str, np.ndarray]) -> None:
         self.schema = schema
+        """The user's fields (what is pushed and read)."""
         self.options = opts
         self.arrays = arrays
-        self.record: Record = schema.record
+        self.frames = opts.frames
+        self.stored = schema if self.frames is None else self.frames.stored(schema)
+        """What a row stores (``frames.py``); the user's schema without ``next_of``/``stack``."""
+        self.stored_record: Record = self.stored.record
+        """Where pushes write the small stored fields."""
+        self.record: Record = self.stored_record if self.frames is None else self.frames.served(self.stored_record)
+        """The small fields a read takes from a row's own record (not the stacked ones)."""
         self.stamp = arrays["_stamp"]
         self.counters = arrays["_stats"]
         """The shared counters, ``Counter`` indexes them (the ring keeps most of them)."""
         self.episode: np.ndarray | None = arrays.get("_episode")
         self.packed: np.ndarray | None = arrays.get("_record")
         """The packed small fields, ``(capacity, itemsize)`` uint8, or ``None``."""
-        self.large = {f.name: arrays[f.name] for f in schema.columns}
-        """The fields that have a column of their own."""
-        small = self.record.views(self.packed) if self.packed is not None else {}
-        self.fields = {name: small[name] if name in small else self.large[name] for name in schema.names}
-        """Every field as a ``(capacity, *shape)`` view, in schema order."""
+        self.large = {f.name: arrays[f.name] for f in self.stored.columns}
+        """The stored fields that have a column of their own (and ``_kind`` with ``frames``)."""
+        small = self.stored_record.views(self.packed) if self.packed is not None else {}
+        self.fields = {name: small[name] if name in small else self.large[name] for name in self.stored.names}
+        """Every stored field as a ``(capacity, *shape)`` view, in schema order (and ``_kind``)."""
+        if self.frames is not None:
+            self.large[KIND] = self.fields[KIND] = arrays[KIND]
 
     @property
     def interleaved(self) -> bool:

@@ -134,6 +134,7 @@ import numpy as np
 
 from . import reader
 from .errors import CapacityError, ClosedError, LayoutError
+from .frames import KIND
 from .layout import Counter, Lane, Options
 from .priorities import MAX_LEAF
 from .samplers import Prioritized
@@ -214,8 +215,13 @@ def _tensor(name: str, shape: tuple[int, ...], dtype: np.dtype[Any]) -> _Tensor:
 
 
 def _tensors(schema: Schema, opts: Options) -> list[_Tensor]:
-    """The file's tensors in file order (larger itemsizes first, then fields, then internals)."""
-    out = [_tensor(f.name, f.shape, f.dtype) for f in schema]
+    """The file's tensors in file order (larger itemsizes first, then fields, then internals).
+    With ``next_of``/``stack`` (format version 2) the fields are the stored ones and ``_kind``
+    comes along (``frames.py``)."""
+    frames = opts.frames
+    out = [_tensor(f.name, f.shape, f.dtype) for f in (schema if frames is None else frames.stored(schema))]
+    if frames is not None:
+        out.append(_tensor(KIND, (), np.dtype(np.uint8)))
     if opts.episodes:
         out.append(_tensor("_episode", (), np.dtype(np.int64)))
     if opts.tree:
@@ -397,7 +403,7 @@ class _Snapshot:
             if block is not None:
                 block[hole] = 0
         if block is not None:
-            for name, view in buf.block.record.views(block).items():
+            for name, view in buf.block.stored_record.views(block).items():
                 out[name] = np.ascontiguousarray(view)
         out["_present"] = ~hole
         return _Piece(run.lane, n0 + lo, {name: a[lo:] for name, a in out.items()})
@@ -427,7 +433,8 @@ class _Layout:
         return self.offsets[t.name] + (self.lane_at[lane] + n - self.keep[lane]) * t.row_bytes
 
     def header(self, tensors: list[_Tensor], save_id: str) -> bytes:
-        head: dict[str, Any] = {"__metadata__": {"format": FORMAT, "format_version": str(VERSION), "save_id": save_id}}
+        version = 2 if any(t.name == KIND for t in tensors) else VERSION
+        head: dict[str, Any] = {"__metadata__": {"format": FORMAT, "format_version": str(version), "save_id": save_id}}
         for t in tensors:
             begin = self.offsets[t.name]
             head[t.name] = {"dtype": t.code, "shape": t.file_shape(self.rows),
@@ -696,7 +703,7 @@ def _meta(buf: Buffer, snap: _Snapshot, tensors: list[_Tensor], layout: _Layout,
 
     return {
         "format": FORMAT,
-        "format_version": VERSION,
+        "format_version": VERSION if buf.options.frames is None else 2,
         "shmbuffer_version": _version(),
         "save_id": save_id,
         "name": buf.name,
@@ -911,9 +918,13 @@ def _read_meta_v1(meta_file: Path, meta: dict[str, Any]) -> _Saved:
         m.integer(limiter, "min_size", "options.limiter.", 1)
         if type(limiter["block_writers"]) is not bool:
             raise m.bad("options.limiter.block_writers", limiter["block_writers"], "true or false")
+    if (o.get("frames") is not None) != (meta.get("format_version") == 2):
+        raise m.bad("options.frames", o.get("frames"), "frames in a version-2 save only")
     try:
         schema = Schema(**spec) if len(spec) == len(fields) else None
         opts = Options.from_json(o)
+        if schema is not None and opts.frames is not None:
+            opts.frames.check(schema)
     except (KeyError, TypeError, ValueError) as exc:  # SchemaError is a ValueError
         raise LayoutError(f"{meta_file}: schema or options malformed ({type(exc).__name__}: {_clip(str(exc))})") from None
     if schema is None:
@@ -1064,13 +1075,16 @@ def _v1(folder: Path, meta: dict[str, Any], factory: Callable[..., Buffer], *, n
                 f"{rows_file} and {meta_file} come from different saves (save_id "
                 f"{_show(head_meta.get('save_id'))} vs {saved.save_id!r})"
             )
-        if head_meta.get("format_version") != str(VERSION):
-            raise LayoutError(f"{rows_file}: __metadata__ format_version {_show(head_meta.get('format_version'))}, expected '{VERSION}'")
+        if head_meta.get("format_version") != str(meta["format_version"]):
+            raise LayoutError(f"{rows_file}: __metadata__ format_version {_show(head_meta.get('format_version'))}, "
+                              f"expected '{meta['format_version']}'")
         found = {n: (e.code, e.shape) for n, e in entries.items()}
         want = {n: (c, list(s)) for n, c, s, _ in expected}
         if found != want:
             raise LayoutError(f"{rows_file} holds tensors {_clip(str(found), 1000)}; {meta_file} says {want}")
-        kwargs = {f.name: getattr(opts, f.name) for f in fields(opts) if f.name != "capacity"}
+        kwargs = {f.name: getattr(opts, f.name) for f in fields(opts) if f.name not in ("capacity", "frames")}
+        if opts.frames is not None:
+            kwargs.update(opts.frames.arguments())
         buf = factory(schema, cap, **kwargs, name=name, seed=seed)
         try:
             _fill(buf, fd, rows_file, data_start, entries, tensors, lanes)
@@ -1148,7 +1162,8 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
         pos += stop - first
 
 
-READERS: dict[int, Callable[..., Buffer]] = {1: _v1}
+READERS: dict[int, Callable[..., Buffer]] = {1: _v1, 2: _v1}
+"""Version 2 is version 1 with ``options.frames`` (``frames.py``): the stored fields and ``_kind``."""
 """Format version -> reader. A later version adds its reader here and keeps the older ones."""
 
 
@@ -1180,7 +1195,11 @@ def export(buf: Buffer) -> dict[str, np.ndarray]:
     while writers run (see "A save while writers run"); the arrays are views of one allocation,
     made once. A prioritized buffer adds ``priority`` (each row's, as ``update_priorities`` set
     it; 0 once used up) and a ``max_use`` buffer ``uses``: ``from_arrays`` and ``import_rows``
-    take all of them back."""
+    take all of them back. With ``next_of``/``stack``: the transitions that can be read now
+    (``reader.gather``; not an episode's end row, not a lane's newest row still waiting for its
+    next observation), rebuilt."""
+    if buf.options.frames is not None:
+        return _export_transitions(buf)
     snap = _Snapshot(buf, 1.0)
     keep = ("_episode", "_present", "_leaf", "_uses")
     tensors = [t for t in _tensors(buf.schema, buf.options) if t.name in buf.schema or t.name in keep]
@@ -1219,6 +1238,33 @@ def export(buf: Buffer) -> dict[str, np.ndarray]:
         out["uses"] = out["uses"].astype(np.int64)
     out["index"] = ids
     return out
+
+
+def _export_transitions(buf: Buffer) -> dict[str, np.ndarray]:
+    """``export`` of a buffer with ``next_of``/``stack``: its readable transitions, rebuilt."""
+    ring = buf.ring
+    held = ring.held_ids()
+    parts: list[dict[str, np.ndarray]] = []
+    step = max(1, CHUNK_BYTES // max(1, buf.schema.row_bytes))
+    for at in range(0, held.size, step):
+        ids = held[at:at + step]
+        rows = reader.gather(buf.block, ring, ids)
+        reader.settle(buf.block, ring, ids, rows)
+        keep = np.flatnonzero(rows.ok)
+        batch = reader.assemble(buf.block, ids[keep], rows.subset(keep))
+        part = {n: np.ascontiguousarray(batch.fields[n]) for n in buf.schema.names}
+        part["index"] = batch.index
+        if "episode" in batch.extras:
+            part["episode"] = batch.extras["episode"]
+        prios = buf.priorities
+        if prios is not None and prios.prioritized:
+            part["priority"] = prios.priorities_of(prios.tree.leaves[ring.slots(batch.index)])
+        parts.append(part)
+    if not parts:
+        out = {f.name: np.empty((0, *f.shape), f.dtype) for f in buf.schema}
+        out["index"] = np.empty(0, np.int64)
+        return out
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
 def from_arrays(

@@ -25,12 +25,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import native
+from . import frames, native
 from .batch import Batch
 from .errors import EmptyBufferError, WaitTimeout
 from .layout import Block, Counter, Options
 from .priorities import Priorities
-from .ring import Ring
+from .ring import INVALID, Ring
 
 NONE = np.empty(0, np.int64)
 REDRAW_ROUNDS = 8
@@ -110,7 +110,18 @@ def gather(
 ) -> Rows:
     """Copy the rows ``ids`` (any shape; ``ring.INVALID`` reads as not intact) with the stamp
     check. ``out`` gathers into given arrays (``"_block"`` for the packed record, one per large
-    field); ``large`` limits the large fields copied (all by default)."""
+    field); ``large`` limits the large fields copied (all by default). A buffer with ``next_of``
+    or ``stack`` reads each transition from its rows in the lane (``_transitions``)."""
+    if block.frames is not None:
+        return _transitions(block, ring, ids, out, large)
+    return _gather(block, ring, ids, out=out, large=large)
+
+
+def _gather(
+    block: Block, ring: Ring, ids: np.ndarray, *, out: dict[str, np.ndarray] | None = None,
+    large: tuple[str, ...] | None = None,
+) -> Rows:
+    """``gather`` of the rows as stored."""
     shape = ids.shape
     flat = ids if len(shape) == 1 else ids.reshape(-1)
     updates = int(block.counters[_UPDATES])  # before the first stamps (see _unless_updated)
@@ -165,7 +176,7 @@ def _unless_updated(
         return
     for a in range(0, n, step):
         at = slice(a, min(a + step, n))
-        rows.put(at, gather(block, ring, flat[at], large=large))  # step rows or fewer: never split again
+        rows.put(at, _gather(block, ring, flat[at], large=large))  # step rows or fewer: never split again
 
 
 def settle(block: Block, ring: Ring, ids: np.ndarray, rows: Rows) -> None:
@@ -179,6 +190,74 @@ def settle(block: Block, ring: Ring, ids: np.ndarray, rows: Rows) -> None:
         if not bad.size:
             return
         rows.put(bad, gather(block, ring, ids[bad]))
+
+
+def _transitions(
+    block: Block, ring: Ring, ids: np.ndarray, out: dict[str, np.ndarray] | None, large: tuple[str, ...] | None,
+) -> Rows:
+    """``gather`` for a buffer with ``next_of``/``stack`` (``frames.py``): the rows of each
+    transition's window are read with their kinds (each under its own stamp check), ``frames.plan``
+    says which transitions hold and which row gives each frame, and those are read (under their
+    own checks again) into the user's fields. ``large`` names user fields."""
+    spec = block.frames
+    assert spec is not None
+    shape = ids.shape
+    flat = ids.reshape(-1)
+    m = flat.shape[0]
+    start, stop = ring.bounds()
+    win = frames.window(spec, flat, ring.lanes, start, stop, INVALID)
+    width = win.shape[1]
+    c = spec.depth
+    w = _gather(block, ring, win.reshape(-1), large=(frames.KIND,))
+    ok = w.ok.reshape(m, width)
+    plan = frames.plan(spec, ok, w.large[frames.KIND].reshape(m, width))
+    valid = plan.ok
+    packed = None
+    if w.packed is not None:
+        packed = _into(out, "_block", w.packed.reshape(m, width, -1)[:, c])
+    episode = w.episode.reshape(m, width)[:, c].copy() if w.episode is not None else None
+    want = set(block.schema.names) if large is None else set(large)
+    got: dict[str, np.ndarray] = {}
+    small = block.stored_record.views(w.packed) if w.packed is not None else {}
+    rows_at = np.arange(m)[:, None]
+
+    def frames_at(name: str, chosen: np.ndarray) -> np.ndarray:
+        """The stored ``name`` of the window rows ``chosen`` (``(m, j)`` columns), checked again."""
+        nonlocal valid
+        if name in small:
+            return small[name].reshape(m, width, *small[name].shape[1:])[rows_at, chosen]
+        g = _gather(block, ring, win[rows_at, chosen].reshape(-1), large=(name,))
+        valid = valid & g.ok.reshape(chosen.shape).all(axis=1)
+        return g.large[name].reshape(*chosen.shape, *g.large[name].shape[1:])
+
+    nexts = dict(spec.next_of)
+    for user in want & set(spec.rebuilt):
+        src = nexts.get(user, user)
+        s = spec.stacked(src)
+        target = out.get(user) if out is not None else None
+        if s is None:  # a next field whose source is stored whole: the next row's
+            got[user] = _into(out, user, frames_at(src, np.full((m, 1), c + 1))[:, 0])
+            continue
+        cols, zero = plan.frames[src if user == src else "next:" + src]
+        fr = frames_at(src, cols)
+        if zero.any():
+            fr[zero] = 0
+        got[user] = frames.assemble(s, fr, target)
+    rest = tuple(n for n in block.large if n != frames.KIND and spec.stacked(n) is None and n in want)
+    if rest:
+        g = _gather(block, ring, flat, large=rest)
+        valid = valid & g.ok
+        got.update({n: _into(out, n, a) for n, a in g.large.items()})
+    rows = Rows(valid, packed, got, episode)
+    return rows if len(shape) <= 1 else _shaped(rows, shape)
+
+
+def _into(out: dict[str, np.ndarray] | None, name: str, a: np.ndarray) -> np.ndarray:
+    """``a`` copied into ``out[name]`` when given, else ``a`` (contiguous)."""
+    if out is None or name not in out:
+        return np.ascontiguousarray(a)
+    np.copyto(out[name], a)
+    return out[name]
 
 
 def _shaped(rows: Rows, shape: tuple[int, ...]) -> Rows:
@@ -329,7 +408,7 @@ def assemble(block: Block, ids: np.ndarray, rows: Rows, extras: dict[str, np.nda
     large = rows.large
     if windows:
         small = {name: a.reshape(*lead, *a.shape[1:]) for name, a in small.items()}
-    fields = {name: small[name] if name in small else large[name] for name in block.schema.names}
+    fields = {name: large[name] if name in large else small[name] for name in block.schema.names}
     more: dict[str, np.ndarray] = {"index": ids}
     if rows.episode is not None:
         more["episode"] = rows.episode

@@ -1,0 +1,471 @@
+"""Observations stored once: next observations and frame stacks read from the lane.
+
+Each env writes its own lane, in order (``ring.py``), so the observation after row ``n`` is the
+observation of row ``n + 1`` of the same lane, and the older frames of a stacked observation are
+the newest frames of the rows before it. A buffer made with ``next_of`` and/or ``stack``
+(``ReplayBuffer(..., next_of="obs", stack="obs")``; cpprb's ``next_of`` and ``stack_compress``,
+Stable-Baselines3's ``optimize_memory_usage``) stores them once. The user pushes and samples the
+same fields, shapes and dtypes as without it; only the storage changes.
+
+Storage (``Frames.stored``, ``layout.columns``)
+-----------------------------------------------
+* a ``next_of`` field (``next_obs``) has no storage: ``next_obs`` of row ``n`` is read from the
+  source field (``obs``) of row ``n + 1``. An episode's last step (any of the ``ends`` fields —
+  ``done``, ``terminated``, ``truncated``, ... — nonzero) is followed in its lane by an **end
+  row** (kind ``END``) that holds its final observation (terminated or truncated alike, so
+  timeouts bootstrap correctly). An end row takes a slot but is not a transition: it is never
+  drawn (priority 0, and readers refuse it), ``len`` leaves it out, push returns no id for it.
+* a ``stack`` field of ``k`` frames along ``axis`` stores one frame per row (its newest). A read
+  rebuilds the stack from the rows before it in the lane back to the episode's first row (kind
+  ``START``); older positions are padded as the env padded them, found from the pushed stack at
+  the episode's first row: copies of the first frame (Gymnasium's ``FrameStackObservation``,
+  ``padding_type="reset"``) or zeros (kind ``ZERO``; Stable-Baselines3's ``VecFrameStack``).
+* ``_kind`` (``(capacity,)`` uint8) holds those bits, read with the row under its stamp check.
+
+Pushes (``Pusher``)
+-------------------
+A pushed row either continues its lane (this process wrote the lane's previous row and it did not
+end its episode) or starts an episode. A continuing row's source must equal the previous row's
+pushed next observation, and its stack's older frames the previous stack's newer ones; a starting
+row's stack must be padding plus its newest frame. Anything else is refused before the buffer is
+touched (``FieldError``). After the reservation the pusher checks that the rows really follow its
+previous row (no other writer took the lane meanwhile), else it gives the rows back and raises.
+
+Reads (``window``, ``plan``)
+----------------------------
+A transition read for row ``n`` uses the rows ``n - k + 1 .. n + 1`` of its lane, each under its
+own stamp check (``reader.gather``): row ``n`` intact and not an end row; row ``n + 1`` intact
+and not the start of another episode; every row a stack uses intact, inside the lane's rows and
+of the episode (no end row before the episode's start). A row that fails any of these is not
+intact for the reader, which re-draws it — a transition is never assembled from mixed rows. The
+newest row of a lane is not a transition yet (its next observation has not been pushed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import FieldError, SchemaError
+from .schema import Record, Schema
+
+KIND = "_kind"
+END = 1
+"""the row holds an episode's final observation (``next_of``), not a transition"""
+START = 2
+"""the row is its episode's first"""
+ZERO = 4
+"""with ``START``: the episode's stacks are padded with zeros, not with its first frame"""
+
+ENDS = ("done", "dones", "terminated", "terminal", "terminals", "truncated", "truncation", "timeout", "timeouts")
+"""Fields that mark an episode's last step when nonzero."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    name: str
+    k: int
+    axis: int
+    """axis of the field's shape (not counting the row dimension), normalised to >= 0"""
+    width: int
+    """one frame's extent along ``axis``"""
+
+
+@dataclass(frozen=True)
+class Frames:
+    """Which fields are stored once (see the module docstring)."""
+
+    next_of: tuple[tuple[str, str], ...] = ()
+    """``(next field, source field)`` pairs"""
+    stack: tuple[Stack, ...] = ()
+    ends: tuple[str, ...] = ()
+
+    @classmethod
+    def make(cls, schema: Schema, next_of: Any, stack: Any) -> Frames | None:
+        """Check ``next_of`` (``"obs"`` for ``next_obs``, or ``{"next_obs": "obs"}``) and ``stack``
+        (``"obs"``: its first axis holds the frames, or ``{"obs": k}``, ``{"obs": (k, axis)}``)
+        against ``schema``; ``None`` when neither is given."""
+        if next_of is None and stack is None:
+            return None
+        pairs: list[tuple[str, str]] = []
+        if next_of is not None:
+            items = [(f"next_{next_of}", next_of)] if isinstance(next_of, str) else (
+                list(next_of.items()) if isinstance(next_of, Mapping) else None)
+            if not items:
+                raise SchemaError(f"next_of: expected a field name or {{next field: field}}, got {next_of!r}")
+            for nxt, src in items:
+                for name in (nxt, src):
+                    if name not in schema:
+                        raise SchemaError(f"next_of: no field {name!r}; the schema has {', '.join(schema.names)}")
+                if schema[nxt].shape != schema[src].shape or schema[nxt].dtype != schema[src].dtype:
+                    raise SchemaError(
+                        f"next_of: field {nxt!r} is {schema[nxt].describe()} but {src!r} is {schema[src].describe()}; "
+                        "the next observation must have the observation's shape and dtype")
+                pairs.append((nxt, src))
+            if len({n for n, _ in pairs} | {s for _, s in pairs}) < 2 * len(pairs):
+                raise SchemaError(f"next_of: each field may appear once, got {next_of!r}")
+        stacks: list[Stack] = []
+        if stack is not None:
+            spec = {stack: None} if isinstance(stack, str) else dict(stack) if isinstance(stack, Mapping) else None
+            if not spec:
+                raise SchemaError(f"stack: expected a field name or {{field: frames}}, got {stack!r}")
+            for name, how in spec.items():
+                stacks.append(_stack(schema, name, how))
+            for nxt, _ in pairs:
+                if any(s.name == nxt for s in stacks):
+                    raise SchemaError(f"stack: {nxt!r} is read from the lane (next_of); stack its source instead")
+        ends = tuple(n for n in ENDS if n in schema)
+        if not ends:
+            raise SchemaError(
+                f"next_of/stack need a field that marks an episode's last step ({', '.join(ENDS[:6])}, ...); "
+                f"the schema has {', '.join(schema.names)}")
+        for name in ends:
+            f = schema[name]
+            if f.shape not in ((), (1,)):
+                raise SchemaError(f"field {name!r} marks episode ends: expected shape () or (1,), got {f.shape}")
+        return cls(tuple(pairs), tuple(stacks), ends)
+
+    @property
+    def depth(self) -> int:
+        """Rows before a transition's own that a read may use."""
+        return max([s.k for s in self.stack] + [1]) - 1
+
+    @property
+    def ahead(self) -> int:
+        return 1 if self.next_of else 0
+
+    def stacked(self, name: str) -> Stack | None:
+        return next((s for s in self.stack if s.name == name), None)
+
+    @property
+    def rebuilt(self) -> tuple[str, ...]:
+        """The user's fields a read builds from several rows."""
+        return tuple(s.name for s in self.stack) + tuple(n for n, _ in self.next_of)
+
+    def stored(self, schema: Schema) -> Schema:
+        """The schema of what a row stores: stacked fields one frame wide, next fields gone."""
+        gone = {n for n, _ in self.next_of}
+        out: dict[str, tuple[tuple[int, ...], Any]] = {}
+        for f in schema:
+            if f.name in gone:
+                continue
+            s = self.stacked(f.name)
+            shape = f.shape if s is None else (*f.shape[:s.axis], s.width, *f.shape[s.axis + 1:])
+            out[f.name] = (shape, f.dtype)
+        return Schema(**out)
+
+    def served(self, record: Record) -> Record:
+        """``record`` without the stacked fields: what a read takes from the row's own record."""
+        names = [n for n in record.offsets if self.stacked(n) is None]
+        fields: dict[str, Any] = dict(record.dtype.fields or {})
+        dtype = np.dtype({"names": names, "formats": [fields[n][0] for n in names],
+                          "offsets": [record.offsets[n] for n in names], "itemsize": record.dtype.itemsize})
+        return Record(record.itemsize, {n: record.offsets[n] for n in names}, dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"next_of": [list(p) for p in self.next_of],
+                "stack": [[s.name, s.k, s.axis, s.width] for s in self.stack], "ends": list(self.ends)}
+
+    def arguments(self) -> dict[str, Any]:
+        """The ``ReplayBuffer`` arguments that make this."""
+        return {"next_of": dict(self.next_of) or None,
+                "stack": {s.name: (s.k, s.axis) for s in self.stack} or None}
+
+    def check(self, schema: Schema) -> None:
+        """Refuse (``SchemaError``) a spec read back from a block or a save that ``schema`` would not give."""
+        if Frames.make(schema, **self.arguments()) != self:
+            raise SchemaError(f"frames {self.to_json()} do not fit the schema {schema}")
+
+    @classmethod
+    def from_json(cls, spec: dict[str, Any] | None) -> Frames | None:
+        if not spec:
+            return None
+        return cls(tuple((str(a), str(b)) for a, b in spec["next_of"]),
+                   tuple(Stack(str(n), int(k), int(ax), int(w)) for n, k, ax, w in spec["stack"]),
+                   tuple(str(e) for e in spec["ends"]))
+
+
+def _stack(schema: Schema, name: str, how: Any) -> Stack:
+    if name not in schema:
+        raise SchemaError(f"stack: no field {name!r}; the schema has {', '.join(schema.names)}")
+    shape = schema[name].shape
+    if not shape:
+        raise SchemaError(f"stack: field {name!r} is a scalar; a stack needs an axis of frames")
+    if how is None:
+        k, axis = shape[0], 0
+    elif isinstance(how, (int, np.integer)) and not isinstance(how, bool):
+        k, axis = int(how), 0
+    elif isinstance(how, tuple) and len(how) == 2:
+        k, axis = int(how[0]), int(how[1])
+    else:
+        raise SchemaError(f"stack: field {name!r}: expected frames k or (k, axis), got {how!r}")
+    if not -len(shape) <= axis < len(shape):
+        raise SchemaError(f"stack: field {name!r} has shape {shape}: no axis {axis}")
+    axis %= len(shape)
+    if k < 2 or shape[axis] % k:
+        raise SchemaError(
+            f"stack: field {name!r} has {shape[axis]} along axis {axis}: expected 2 or more frames that divide it, got {k}")
+    return Stack(name, k, axis, shape[axis] // k)
+
+
+# -- reads ----------------------------------------------------------------------------------------
+def window(spec: Frames, anchors: np.ndarray, lanes: int, start: np.ndarray, stop: np.ndarray,
+           invalid: int) -> np.ndarray:
+    """Ids of the rows ``anchor - depth .. anchor + ahead`` of each anchor's lane, ``(m, W)``;
+    ``invalid`` where a row is outside its lane's rows now (or the anchor is ``invalid``)."""
+    offsets = np.arange(-spec.depth, spec.ahead + 1)
+    bad = anchors == invalid
+    anchors = np.where(bad, 0, anchors)
+    lane = anchors % lanes
+    rows = (anchors // lanes)[:, None] + offsets[None, :]
+    inside = (rows >= start[lane][:, None]) & (rows < stop[lane][:, None])
+    ids = rows * lanes + lane[:, None]
+    ids[~inside | bad[:, None]] = invalid
+    return ids
+
+
+@dataclass
+class Plan:
+    """What a read takes from which row: ``ok`` per transition, and per stacked field the window
+    column of each of its frames (chronological) for the observation and the next observation,
+    with ``zero`` marking padding frames that are zeros."""
+
+    ok: np.ndarray
+    frames: dict[str, tuple[np.ndarray, np.ndarray]]
+    """``name -> (columns (m, k), zero (m, k))`` for the observation; ``"next:" + name`` for the next"""
+
+
+def plan(spec: Frames, ok: np.ndarray, kind: np.ndarray) -> Plan:
+    """Decide from the window rows' stamp checks ``ok`` and kinds ``kind`` (both ``(m, W)``) which
+    transitions can be read and from which rows (the module docstring's rules)."""
+    c = spec.depth
+    valid = ok[:, c] & (kind[:, c] & END == 0)
+    if spec.ahead:
+        valid &= ok[:, c + 1] & (kind[:, c + 1] & START == 0)
+    frames: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    sources = {src for _, src in spec.next_of}
+    for s in spec.stack:
+        ends = [(s.name, c)] + ([("next:" + s.name, c + 1)] if s.name in sources else [])
+        for key, last in ends:
+            cols, zero, fine = _frames(ok, kind, last, s.k)
+            valid &= fine
+            frames[key] = (cols, zero)
+    return Plan(valid, frames)
+
+
+def _frames(ok: np.ndarray, kind: np.ndarray, last: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The window columns of the ``k`` frames of a stack whose newest frame is column ``last``."""
+    m = ok.shape[0]
+    cols = np.empty((m, k), np.int64)
+    zero = np.zeros((m, k), bool)
+    fine = np.ones(m, bool)
+    started = np.zeros(m, bool)
+    first = np.full(m, last, np.int64)  # the episode's first row's column, once found
+    for j in range(k):  # j frames back from the newest
+        col = last - j
+        real = ~started
+        if j:
+            # a frame before its episode's start is padding; a real one must be intact, of the episode
+            fine &= ~real | (ok[:, col] & (kind[:, col] & END == 0))
+        cols[:, k - 1 - j] = np.where(real, col, first)
+        zero[:, k - 1 - j] = ~real & (kind[np.arange(m), first] & ZERO != 0)
+        begins = real & (kind[:, col] & START != 0)
+        first = np.where(begins, col, first)
+        started |= begins
+    return cols, zero, fine
+
+
+def assemble(s: Stack, frames: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Stacks from frames ``(m, k, *frame)`` (chronological), in the field's layout."""
+    m = frames.shape[0]
+    moved = np.moveaxis(frames, 1, 1 + s.axis)  # (m, ..., k, width, ...)
+    shape = moved.shape
+    full = (*shape[:1 + s.axis], s.k * s.width, *shape[3 + s.axis:])
+    if out is None:
+        return moved.reshape(full) if s.axis == 0 else np.ascontiguousarray(moved).reshape(full)
+    out.reshape(m, *full[1:])[...] = moved.reshape(full)
+    return out
+
+
+def frames_of(s: Stack, stacks: np.ndarray) -> np.ndarray:
+    """The frames ``(m, k, *frame)`` of stacks in the field's layout (the inverse of ``assemble``)."""
+    m = stacks.shape[0]
+    shape = stacks.shape[1:]
+    split = (*shape[:s.axis], s.k, s.width, *shape[s.axis + 1:])
+    return np.moveaxis(stacks.reshape(m, *split), 1 + s.axis, 1)
+
+
+# -- pushes ---------------------------------------------------------------------------------------
+@dataclass
+class Last:
+    """What this process pushed last into a lane."""
+
+    row: int
+    final: bool
+    episode: int | None
+    values: dict[str, np.ndarray]
+    """the last row's pushed stacks and next observations, to check the row that follows"""
+
+
+@dataclass
+class Expanded:
+    """A push as stored: ``arrays`` of the stored schema plus ``_kind``, ``lanes`` one per stored
+    row, ``episodes`` (or ``None``), ``rows`` the positions of the pushed transitions among them,
+    and per lane the first stored position and whether it continues this process's last row."""
+
+    arrays: dict[str, np.ndarray]
+    lanes: np.ndarray
+    episodes: np.ndarray | None
+    rows: np.ndarray
+    firsts: dict[int, tuple[int, bool]]
+    lasts: dict[int, Last]
+
+
+class Pusher:
+    """One process's memory of the rows it pushed last into each lane (the module docstring)."""
+
+    def __init__(self, spec: Frames, schema: Schema, stored: Schema) -> None:
+        self.spec, self.schema, self.stored = spec, schema, stored
+        self.last: dict[int, Last] = {}
+
+    def expand(self, arrays: dict[str, np.ndarray], k: int, lane: int | np.ndarray, episodes: np.ndarray | None,
+               bounds: tuple[np.ndarray, np.ndarray]) -> Expanded:
+        """Check a push of ``k`` checked rows and lay it out as stored rows (nothing is touched)."""
+        spec = self.spec
+        lanes = np.full(k, lane, np.int64) if not isinstance(lane, np.ndarray) else lane
+        eps = None if episodes is None else np.broadcast_to(episodes, (k,))
+        full = {n: np.broadcast_to(a, (k, *self.schema[n].shape)) for n, a in arrays.items()}
+        final = np.zeros(k, bool)
+        for name in spec.ends:
+            final |= full[name].reshape(k) != 0
+        nexts = dict(spec.next_of)
+        sources = {src: nxt for nxt, src in spec.next_of}
+        start_, stop_ = bounds
+        kinds = np.zeros(k, np.uint8)
+        firsts: dict[int, tuple[int, bool]] = {}
+        lasts: dict[int, Last] = {}
+        order: list[int] = []  # stored rows: i >= 0 a pushed row, -1 - i the end row after row i
+        prev_of: dict[int, int] = {}
+        for i in range(k):
+            ln = int(lanes[i])
+            p = prev_of.get(ln)
+            if p is None:
+                last = self.last.get(ln)
+                cont = (last is not None and not last.final and start_[ln] <= last.row < stop_[ln]
+                        and last.row == stop_[ln] - 1 and (eps is None or last.episode == int(eps[i])))
+                prev_vals = last.values if cont and last is not None else None
+            else:
+                cont = not final[p] and (eps is None or eps[p] == eps[i])
+                prev_vals = self._values(full, p) if cont else None
+            if prev_vals is not None:
+                self._continues(full, i, ln, prev_vals, sources)
+            else:
+                kinds[i] = START | self._padding(full, i, ln)
+            if ln not in firsts:
+                firsts[ln] = (len(order), prev_vals is not None)
+            order.append(i)
+            if final[i]:
+                if nexts:
+                    self._final(full, i, ln)
+                    order.append(-1 - i)
+            prev_of[ln] = i
+            lasts[ln] = Last(-1, bool(final[i]), None if eps is None else int(eps[i]), self._values(full, i))
+        pos = np.asarray(order, np.int64)
+        src_row = np.where(pos >= 0, pos, -1 - pos)
+        is_end = pos < 0
+        out: dict[str, np.ndarray] = {}
+        for f in self.stored:
+            a = full[f.name]
+            s = spec.stacked(f.name)
+            if s is not None:
+                a = frames_of(s, a)[:, -1]  # the newest frame
+            col = np.ascontiguousarray(a[src_row])
+            if is_end.any():
+                if f.name in sources:
+                    b = full[sources[f.name]][src_row[is_end]]
+                    col[is_end] = frames_of(s, b)[:, -1] if s is not None else b
+                else:
+                    col[is_end] = 0
+            out[f.name] = col
+        kind = kinds[src_row]
+        kind[is_end] = END
+        out[KIND] = kind
+        return Expanded(out, lanes[src_row], None if eps is None else np.ascontiguousarray(eps[src_row]),
+                        np.flatnonzero(~is_end), firsts, lasts)
+
+    def _values(self, full: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
+        keep = {s.name for s in self.spec.stack} | {n for n, _ in self.spec.next_of}
+        return {n: full[n][i] for n in keep}
+
+    def _continues(self, full: dict[str, np.ndarray], i: int, lane: int, prev: dict[str, np.ndarray],
+                   sources: dict[str, str]) -> None:
+        """Refuse row ``i`` unless it continues the row whose pushed values are ``prev``."""
+        for src, nxt in sources.items():
+            if not np.array_equal(full[src][i], prev[nxt]):
+                raise FieldError(
+                    f"field {src!r}: row {i} (lane {lane}) does not continue the lane's previous row: its {src} "
+                    f"differs from that row's {nxt} (next_of={src!r} stores it once). Push each env's steps "
+                    "in order into its own lane, and mark an episode's last step with done/terminated/truncated")
+        for s in self.spec.stack:
+            if s.name in sources:
+                continue  # checked whole above
+            now, before = frames_of(s, full[s.name][i][None])[0], frames_of(s, prev[s.name][None])[0]
+            if not np.array_equal(now[:-1], before[1:]):
+                raise FieldError(
+                    f"field {s.name!r}: row {i} (lane {lane}): its older {s.k - 1} frames differ from the lane's "
+                    "previous rows (stack= stores one frame a row). Push each env's steps in order into its own "
+                    "lane, and mark an episode's last step with done/terminated/truncated")
+
+    def _padding(self, full: dict[str, np.ndarray], i: int, lane: int) -> int:
+        """``ZERO`` or 0 for a row that starts an episode, from how its stacks are padded."""
+        zero = None
+        for s in self.spec.stack:
+            fr = frames_of(s, full[s.name][i][None])[0]
+            older, newest = fr[:-1], fr[-1]
+            if all(np.array_equal(o, newest) for o in older):
+                got = False
+            elif not older.any():
+                got = True
+            else:
+                raise FieldError(
+                    f"field {s.name!r}: row {i} starts an episode in lane {lane} (this process has no earlier row "
+                    "of it there, or the previous one ended its episode), but its older frames are neither copies "
+                    "of its newest frame (Gymnasium's FrameStackObservation) nor zeros (SB3's VecFrameStack). "
+                    "Push an episode's steps in order from its first, each env into its own lane")
+            if zero is not None and got != zero and newest.any():
+                raise FieldError(f"field {s.name!r}: row {i}: stacked fields are padded differently")
+            zero = got if zero is None else zero
+        return ZERO if zero else 0
+
+    def _final(self, full: dict[str, np.ndarray], i: int, lane: int) -> None:
+        """An episode's last row: its stacked next observation must continue its observation."""
+        for nxt, src in self.spec.next_of:
+            s = self.spec.stacked(src)
+            if s is None:
+                continue
+            now, nx = frames_of(s, full[src][i][None])[0], frames_of(s, full[nxt][i][None])[0]
+            if not np.array_equal(nx[:-1], now[1:]):
+                raise FieldError(
+                    f"field {nxt!r}: row {i} (lane {lane}) ends its episode but its older frames differ from "
+                    f"the newer frames of its {src}; the final observation must be the stack after the last step")
+
+    def confirm(self, ex: Expanded, n: np.ndarray) -> str | None:
+        """After the reservation (``n``: the stored rows' row numbers): ``None`` when every lane's
+        first row continues what this process expected, else why not (the caller gives the rows
+        back and raises)."""
+        for ln, (at, cont) in ex.firsts.items():
+            last = self.last.get(ln)
+            if cont and (last is None or int(n[at]) != last.row + 1):
+                return (f"lane {ln}: another writer pushed into it between this process's rows; with next_of/stack "
+                        "each lane must be written by one process at a time")
+        return None
+
+    def done(self, ex: Expanded, n: np.ndarray) -> None:
+        """After the commit: remember each lane's last row."""
+        for ln, last in ex.lasts.items():
+            at = np.flatnonzero(ex.lanes == ln)
+            last.row = int(n[at[-1]])
+            self.last[ln] = last

@@ -1,0 +1,268 @@
+"""Observations stored once (``frames.py``): next observations and frame stacks read from the lane.
+
+The reference is a buffer storing full ``obs`` and ``next_obs``: given the same pushes, every
+transition the compressed buffer returns is bit-identical to the reference's, over random episode
+lengths, terminations and truncations, several lanes, wrap-around, both paddings and stack axes;
+and under writer processes that are killed mid-run, every sampled transition is exactly the one
+its writer pushed."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmbuffer as sb
+from shmbuffer.errors import FieldError, SchemaError
+
+Make = Callable[..., sb.ReplayBuffer]
+
+
+def schema(frame: tuple[int, ...], k: int, axis: int) -> sb.Schema:
+    shape = list(frame)
+    shape[axis] *= k
+    return sb.Schema(obs=(tuple(shape), "uint8"), action=((), "int64"), reward=((), "float32"),
+                     next_obs=(tuple(shape), "uint8"), done=((), "bool"), truncated=((), "bool"),
+                     tag=((3,), "int64"))
+
+
+def frame_of(lane: int, ep: int, t: int, frame: tuple[int, ...]) -> np.ndarray:
+    """A frame that names its lane, episode and step in every byte pattern."""
+    base = (lane * 101 + ep * 37 + t * 11) % 251
+    return ((np.arange(int(np.prod(frame))) + base) % 256).astype(np.uint8).reshape(frame)
+
+
+def episode(lane: int, ep: int, length: int, end: str, frame: tuple[int, ...], k: int, axis: int,
+            pad: str) -> list[dict[str, Any]]:
+    """One env's transitions as Gymnasium's FrameStackObservation (``pad="reset"``) or SB3's
+    VecFrameStack (``pad="zero"``) hands them over; the last one ends by ``end``."""
+    frames = [frame_of(lane, ep, t, frame) for t in range(length + 1)]
+    first = frames[0] if pad == "reset" else np.zeros_like(frames[0])
+    history = [first] * (k - 1) + [frames[0]]
+    out = []
+    for t in range(length):
+        obs = np.concatenate(history[-k:], axis=axis)
+        history.append(frames[t + 1])
+        nxt = np.concatenate(history[-k:], axis=axis)
+        last = t == length - 1
+        out.append(dict(obs=obs, action=t, reward=float(t + 1), next_obs=nxt,
+                        done=last and end == "terminated", truncated=last and end == "truncated",
+                        tag=np.array([lane, ep, t])))
+    return out
+
+
+def stepper(rng: np.random.Generator, lanes: int, frame: tuple[int, ...], k: int, axis: int, pad: str):
+    """Per lane, an endless stream of transitions of random episodes."""
+    def lane_stream(lane: int):
+        ep = 0
+        while True:
+            length = int(rng.integers(1, 9))
+            end = str(rng.choice(["terminated", "truncated"]))
+            yield from episode(lane, ep, length, end, frame, k, axis, pad)
+            ep += 1
+    return [lane_stream(lane) for lane in range(lanes)]
+
+
+def same(a: sb.Batch, b: sb.Batch, names: tuple[str, ...]) -> bool:
+    return all(np.array_equal(a[n], b[n]) and a[n].dtype == b[n].dtype for n in names)
+
+
+CASES = [  # frame, k, axis, pad, next_of, stack, lanes
+    ((1, 12, 12), 4, 0, "reset", "obs", "obs", 1),
+    ((1, 40, 40), 4, 0, "zero", "obs", "obs", 3),      # a frame with a column of its own
+    ((12, 12, 1), 4, 2, "zero", "obs", {"obs": (4, -1)}, 2),  # SB3's channels-last stacks
+    ((2, 10, 10), 3, 0, "reset", "obs", {"obs": 3}, 2),  # frames of 2 channels
+    ((1, 40, 40), 4, 0, "reset", None, "obs", 2),       # stacks only: next_obs stored whole
+    ((1, 40, 40), 2, 0, "reset", "obs", None, 2),       # next only: obs stored whole
+]
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rebuilt_transitions_are_bit_identical(case: int, seed: int, make: Make, name: str) -> None:
+    frame, k, axis, pad, next_of, stack, lanes = CASES[case]
+    sch = schema(frame, k, axis)
+    rng = np.random.default_rng(seed)
+    full = make(sch, 240 * lanes, lanes=lanes, name=name + "f")
+    comp = make(sch, 40 * lanes, lanes=lanes, next_of=next_of, stack=stack, name=name + "c", seed=seed)
+    streams = stepper(rng, lanes, frame, k, axis, pad)
+    to_full: dict[int, int] = {}
+    for _ in range(60):  # wraps the compressed buffer's lanes several times
+        lane = int(rng.integers(lanes))
+        chunk = [next(streams[lane]) for _ in range(int(rng.integers(1, 5)))]
+        rows = {n: np.stack([np.asarray(r[n]) for r in chunk]) for n in sch.names}
+        a = full.push(rows, lane=lane)
+        b = comp.push(rows, lane=lane)
+        assert b.shape == a.shape
+        to_full.update(zip(b.tolist(), a.tolist(), strict=True))
+        # every transition still readable is the reference's; the recent ones are readable
+        readable = 0
+        held = [i for i in to_full if comp.ring.current(np.array([i]))[0]]
+        for i in held:
+            try:
+                got = comp.take([i])
+            except sb.EmptyBufferError:
+                continue
+            readable += 1
+            assert same(got, full.take([to_full[i]]), sch.names), i
+        assert readable >= len(held) - lanes * (k + 1)
+    assert len(comp) == len([i for i in to_full if comp.ring.current(np.array([i]))[0]])
+    batch = comp.sample(128)
+    ref = full.take([to_full[i] for i in batch.index.tolist()])
+    assert same(batch, ref, sch.names)
+
+
+def test_prioritized_never_draws_an_end_row_and_updates(make: Make, name: str) -> None:
+    sch = schema((1, 40, 40), 4, 0)
+    full = make(sch, 400, name=name + "f")
+    comp = make(sch, 400, next_of="obs", stack="obs", sampler=sb.Prioritized(), name=name + "c", seed=3)
+    to_full = {}
+    for ep in range(30):
+        for row in episode(0, ep, 3, "terminated" if ep % 2 else "truncated", (1, 40, 40), 4, 0, "reset"):
+            to_full[int(comp.push(**row)[0])] = int(full.push(**row)[0])
+    for _ in range(20):
+        batch = comp.sample(64)
+        assert set(batch.index.tolist()) <= set(to_full)
+        assert same(batch, full.take([to_full[i] for i in batch.index.tolist()]), sch.names)
+        assert np.all(batch.weight > 0)
+        comp.update_priorities(batch.index, np.full(64, 2.0))
+
+
+def test_n_step_over_rebuilt_rows(make: Make, name: str) -> None:
+    """n-step returns read the next observation after the last step used from the lane."""
+    sch = schema((1, 40, 40), 4, 0)
+    comp = make(sch, 200, lanes=2, episodes=True, next_of="obs", stack="obs", name=name, seed=1)
+    rows: dict[int, dict[str, Any]] = {}
+    order: dict[int, list[int]] = {0: [], 1: []}
+    for ep in range(12):
+        lane = ep % 2
+        for row in episode(lane, ep, 5, "terminated" if ep % 3 else "truncated", (1, 40, 40), 4, 0, "reset"):
+            i = int(comp.push(**row, lane=lane, episode=ep)[0])
+            rows[i] = row
+            order[lane].append(i)
+    batch = comp.sample(128, n_step=3, gamma=0.5)
+    for j, i in enumerate(batch.index.tolist()):
+        lane = i % 2
+        at = order[lane].index(i)
+        ep = rows[i]["tag"][1]
+        used = [rows[i]]
+        for nxt in order[lane][at + 1:at + 3]:
+            if used[-1]["done"] or used[-1]["truncated"] or rows[nxt]["tag"][1] != ep:
+                break
+            used.append(rows[nxt])
+        assert batch.steps[j] == len(used)
+        assert np.isclose(batch.reward[j], sum(0.5 ** s * r["reward"] for s, r in enumerate(used)))
+        assert np.array_equal(batch.next_obs[j], used[-1]["next_obs"])
+        assert np.array_equal(batch.obs[j], rows[i]["obs"])
+
+
+def test_memory_is_one_frame_a_transition(make: Make, name: str) -> None:
+    sch = sb.Schema(obs=((4, 84, 84), "uint8"), action=((), "int64"), reward=((), "float32"),
+                    next_obs=((4, 84, 84), "uint8"), done=((), "bool"))
+    full = make(sch, 1000, name=name + "f")
+    comp = make(sch, 1000, next_of="obs", stack="obs", name=name + "c")
+    size = {b: os.path.getsize(f"/dev/shm/shmbuffer-{b.name}") for b in (full, comp)}
+    per = (size[comp] - 1000 * 8 - 1000 * 2) / 1000  # less the stamps and owners
+    assert per <= 1.15 * (84 * 84 + 16)
+    assert size[full] / size[comp] > 7
+
+
+def test_bad_pushes_are_refused_and_leave_the_buffer_as_it_was(make: Make, name: str) -> None:
+    sch = schema((1, 12, 12), 4, 0)
+    buf = make(sch, 64, next_of="obs", stack="obs", name=name)
+    rows = episode(0, 0, 4, "terminated", (1, 12, 12), 4, 0, "reset")
+    buf.push(**rows[0])
+    before = (len(buf), buf.stats["inserted"])
+    with pytest.raises(FieldError, match=r"'obs'.*does not continue"):
+        buf.push(**rows[2])  # a step skipped
+    bad = dict(rows[0], obs=rows[0]["obs"].copy())
+    bad["obs"][0] = 7
+    with pytest.raises(FieldError, match="starts an episode"):
+        sb.ReplayBuffer.attach(buf.handle).push(**bad)  # another process's first row: not padding
+    assert (len(buf), buf.stats["inserted"]) == before
+    buf.push(**rows[1])
+    with pytest.raises(FieldError, match="stored once"):
+        buf.update([0], obs=rows[0]["obs"])
+    with pytest.raises(FieldError, match="view"):
+        buf.view(0, 1)
+    with pytest.raises(SchemaError, match="marks an episode's last step"):
+        make(sb.Schema(obs=((2, 4), "uint8"), next_obs=((2, 4), "uint8")), 8, next_of="obs", name=name + "x")
+    with pytest.raises(SchemaError, match="divide"):
+        make(sch, 8, stack={"obs": 3}, name=name + "y")
+
+
+def test_a_pending_row_is_not_drawn(make: Make, name: str) -> None:
+    """The newest row of a lane has no next observation yet: it is never sampled."""
+    sch = schema((1, 12, 12), 4, 0)
+    buf = make(sch, 64, next_of="obs", stack="obs", name=name, seed=0)
+    rows = episode(0, 0, 6, "terminated", (1, 12, 12), 4, 0, "reset")
+    ids = [int(buf.push(**r)[0]) for r in rows[:3]]
+    drawn = set(buf.sample(200).index.tolist())
+    assert drawn == set(ids[:2])
+
+
+# -- writers in other processes, killed mid-run ------------------------------------------------------
+FRAME = (1, 40, 40)
+
+
+def _writer(handle: sb.BufferHandle, lane: int, first_ep: int, seconds: float) -> None:
+    buf = sb.ReplayBuffer.attach(handle)
+    rng = np.random.default_rng(lane * 1000 + first_ep)
+    ep, stop = first_ep, time.monotonic() + seconds
+    while time.monotonic() < stop:
+        rows = episode(lane, ep, int(rng.integers(1, 12)), str(rng.choice(["terminated", "truncated"])),
+                       FRAME, 4, 0, "reset")
+        for at in range(0, len(rows), 3):
+            chunk = rows[at:at + 3]
+            buf.push({n: np.stack([np.asarray(r[n]) for r in chunk]) for n in chunk[0]}, lane=lane)
+        ep += 1
+    buf.close()
+
+
+def _expected(lane: int, ep: int, t: int, k: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    frames = [frame_of(lane, ep, max(u, 0), FRAME) for u in range(t - k + 1, t + 2)]
+    return np.concatenate(frames[:k]), np.concatenate(frames[1:])
+
+
+@pytest.mark.slow
+def test_writers_killed_mid_run_never_yield_mixed_transitions(make: Make, name: str, procs: list) -> None:
+    buf = make(schema(FRAME, 4, 0), 2 * 48, lanes=2, next_of="obs", stack="obs",
+               sampler=sb.Prioritized(), name=name, seed=5)
+    ctx = mp.get_context("spawn")
+    for lane in (0, 1):
+        p = ctx.Process(target=_writer, args=(buf.handle, lane, 0, 4.0))
+        p.start()
+        procs.append(p)
+    deadline = time.monotonic() + 60
+    while len(buf) < 40 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    checked = kills = 0
+    start = time.monotonic()
+    while any(p.is_alive() for p in procs) or time.monotonic() - start < 2:
+        if kills < 3 and time.monotonic() - start > 0.6 * (kills + 1):
+            victim = procs[-2] if procs[-2].is_alive() else procs[-1]
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join(5)
+            lane = 0 if victim is procs[-2] else 1
+            p = ctx.Process(target=_writer, args=(buf.handle, lane, 10_000 * (kills + 1), 2.0))
+            p.start()
+            procs.append(p)
+            kills += 1
+        try:
+            batch = buf.sample(32)
+        except (sb.WaitTimeout, sb.EmptyBufferError):
+            continue
+        for j in range(32):
+            lane, ep, t = batch.tag[j].tolist()
+            obs, nxt = _expected(lane, ep, t)
+            assert np.array_equal(batch.obs[j], obs), (lane, ep, t)
+            assert np.array_equal(batch.next_obs[j], nxt), (lane, ep, t)
+            assert batch.action[j] == t and batch.reward[j] == t + 1
+        checked += 32
+    assert kills == 3 and checked > 500
