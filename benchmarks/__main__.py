@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "results.json"
-GROUPS = ["floor", "push", "sample", "prioritized", "sequence", "loader", "multiproc", "gpu"]
+GROUPS = ["floor", "push", "sample", "prioritized", "sequence", "loader", "multiproc", "frameworks", "distributed", "gpu"]
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -47,11 +47,13 @@ def select(names: list[str], only: list[str] | None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from . import cases, features, machine, multiproc, peers, report
+    from . import cases, distributed, features, frameworks, machine, multiproc, peers, report
     from .data import SPECS
 
     features.register(cases.CASES)
     multiproc.register(cases.CASES)
+    frameworks.register(cases.CASES)
+    distributed.register(cases.CASES)
     order = sorted(cases.CASES, key=lambda n: GROUPS.index(cases.CASES[n].group))
     if args.list:
         for n in order:
