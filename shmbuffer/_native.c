@@ -528,12 +528,24 @@ static PyObject *weights(PyObject *self, PyObject *args) {
     {
         const double *top = (const double *)mb.buf + p.at[p.n - 1], *leaves = (const double *)lb.buf;
         float *out = (float *)ob.buf;
-        double low = top[0];
+        /* numpy's min (NaN wins) of the top level, in 4 independent chains: one chain of 3907
+         * dependent compares cost ~10 us, about all of a weights call for 256 leaves */
+        Py_ssize_t m = p.len[p.n - 1], j = 0;
+        double lo[4] = {top[0], top[0], top[0], top[0]};
         int nan = 0;
-        for (Py_ssize_t j = 0; j < p.len[p.n - 1]; j++) { /* numpy's min: NaN wins */
-            if (isnan(top[j])) nan = 1;
-            if (top[j] < low) low = top[j];
+        for (; j + 4 <= m; j += 4) {
+            for (int q = 0; q < 4; q++) {
+                double v = top[j + q];
+                nan |= v != v;
+                lo[q] = v < lo[q] ? v : lo[q];
+            }
         }
+        for (; j < m; j++) {
+            nan |= top[j] != top[j];
+            lo[0] = top[j] < lo[0] ? top[j] : lo[0];
+        }
+        double low = lo[0];
+        for (int q = 1; q < 4; q++) low = lo[q] < low ? lo[q] : low;
         if (nan || !isfinite(low) || low <= 0) {
             for (Py_ssize_t i = 0; i < n; i++) out[i] = 1.0f;
         } else {
