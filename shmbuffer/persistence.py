@@ -133,7 +133,7 @@ from typing import Any
 import numpy as np
 
 from . import reader
-from .errors import CapacityError, ClosedError, LayoutError
+from .errors import CapacityError, ClosedError, FieldError, LayoutError
 from .frames import KIND
 from .layout import Counter, Lane, Options
 from .priorities import MAX_LEAF
@@ -1284,9 +1284,11 @@ def from_arrays(
     buffer's lanes allow it (in each lane ``id % lanes``, the row numbers ``id // lanes``
     increase): each lane starts at its first row number, the numbers in between that have no row
     are left empty (deleted), so ``take``, ``update_priorities`` and ``update`` with the old ids
-    go on working. Otherwise the rows are numbered from 0. ``capacity`` defaults to what the rows
-    need (per lane, times lanes); with fewer slots only the newest rows stay. ``options`` are
-    ``Buffer``'s (lanes, sampler, max_use, episodes, name, seed)."""
+    go on working. Otherwise the rows are numbered from 0: with ``envs=N`` they are whole steps of
+    the N envs, env-major (row ``i`` into lane ``i % N``, as a push without ``lane=``; a row count
+    that is not a multiple of N is refused), else they go into lane 0. ``capacity`` defaults to
+    what the rows need (per lane, times lanes); with fewer slots only the newest rows stay.
+    ``options`` are ``Buffer``'s (lanes, envs, sampler, max_use, episodes, name, seed)."""
     data = dict(arrays)
     index = data.pop("index", None)
     extra: dict[str, Any] = {key: data.pop(key) for key in ("episode", "priority", "lane", "uses") if key in data}
@@ -1296,11 +1298,18 @@ def from_arrays(
     if lane is not None and lane.shape != (k,):
         raise CapacityError(f"from_arrays: lane: expected {k} lane numbers (one per row), got {lane.size}")
     keep = _kept_rows(index, k, lanes) if lane is None else None
+    envs = options.get("envs")
+    spread = lane is None and keep is None and isinstance(envs, int) and envs > 1  # as a push without lane=
+    if spread and k % envs:
+        raise FieldError(
+            f"from_arrays: envs={envs} spreads rows as whole steps of every env, env-major (row i into lane "
+            f"i % {envs}), so it needs a multiple of {envs} rows, got {k}; pass lane= (one lane number per row)"
+        )
     if capacity is None:
         if keep is not None:
             per_lane = max((int(r[-1] - r[0] + 1) for r in keep.values()), default=1)
         else:
-            per_lane = int(np.bincount(lane).max()) if lane is not None and k else k
+            per_lane = int(np.bincount(lane).max()) if lane is not None and k else k // envs if spread else k
         capacity = max(per_lane, 1) * lanes
     buf = factory(schema, capacity, **options)
     try:
@@ -1313,13 +1322,13 @@ def from_arrays(
             if uses is not None and k:
                 set_uses(buf, np.asarray(index, dtype=np.int64).reshape(-1), uses)
             return buf
-        step = buf.lane_capacity
+        step = buf.lane_capacity * (envs if spread else 1)  # with envs: whole steps, a lane's capacity each
         single = k == 1 and all(np.ndim(a) == len(schema[n].shape) for n, a in data.items())
         for i in range(0, k, step):
             part = slice(i, i + step)
             both: dict[str, Any] = {**data, **extra}
             cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
-            ids = buf.push({n: cut[n] for n in data}, lane=0 if lane is None else lane[part],
+            ids = buf.push({n: cut[n] for n in data}, lane=None if spread else 0 if lane is None else lane[part],
                            episode=cut.get("episode"), priority=cut.get("priority"))
             if uses is not None:
                 set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)

@@ -801,6 +801,23 @@ def test_from_arrays_refuses_bad_input_and_leaves_nothing(name: str) -> None:
     assert not os.path.exists(segment.path_of(name))
 
 
+def test_from_arrays_spreads_rows_over_env_lanes(loaded: list, name: str) -> None:
+    """With envs=N and no lane= (nor ids to keep), rows are whole env steps, env-major, as a push
+    without lane= takes them: row i goes to lane i % N (they all went to lane 0 before)."""
+    fields = transition(0, 12)  # row i has the value i
+    buf = sb.from_arrays(MUJOCO, fields, envs=3, name=name)
+    loaded.append(buf)
+    assert buf.lanes == 3 and buf.capacity == 12 and len(buf) == 12
+    assert seq_of(buf.get(slice(None))).tolist() == [0, 3, 6, 9, 1, 4, 7, 10, 2, 5, 8, 11]  # lane by lane
+    assert (buf.get(slice(None)).index % 3).tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    small = sb.from_arrays(MUJOCO, fields, envs=3, capacity=6)  # 2 steps of each env: the newest stay
+    loaded.append(small)
+    assert seq_of(small.get(slice(None))).tolist() == [6, 9, 7, 10, 8, 11]
+    with pytest.raises(sb.FieldError, match=r"envs=3 .*needs a multiple of 3 rows, got 10; pass lane="):
+        sb.from_arrays(MUJOCO, transition(0, 10), envs=3, name=name + "x")
+    assert not os.path.exists(segment.path_of(name + "x"))
+
+
 def test_export_drops_rows_overwritten_meanwhile(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     buf = make(MUJOCO, capacity=200, lanes=2, name=name)
     for ln in (0, 1):
