@@ -261,6 +261,9 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
             if ok.any():
                 ok[ok] = ring.current(stop[ok] * ring.lanes + lane)
             first, stop = first[ok], stop[ok]
+        if _ends_in_own_row(src):  # an episode's last row is its end row, or has no next row yet
+            stop = stop - 1
+            first, stop = first[stop > first], stop[stop > first]
         lanes_.append(np.full(first.size, lane, np.int64))
         firsts.append(first)
         stops.append(stop)
@@ -268,6 +271,13 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
         empty = np.empty(0, np.int64)
         return empty, empty, empty
     return np.concatenate(lanes_), np.concatenate(firsts), np.concatenate(stops)
+
+
+def _ends_in_own_row(src: Source) -> bool:
+    """Whether the last row of each episode run is not a transition (``frames.py``, ``next_of``):
+    an end row holding the final observation, or a row whose next observation is not pushed yet."""
+    frames = src.block.frames
+    return frames is not None and bool(frames.next_of)
 
 
 def _pick_runs(src: Source, lengths: np.ndarray, n: int, replace: bool) -> np.ndarray:
@@ -342,6 +352,9 @@ def sample_episodes(src: Source, n: int, *, replace: bool = False) -> list[Batch
         before = (first > start[lanes]) | (start[lanes] == ring.base(lanes))
         after = stop < end[lanes]
         after[after] = ring.current(stop[after] * ring.lanes + lanes[after])
+        if _ends_in_own_row(src):  # the row after the last transition is the episode's end row
+            stop = stop - 1
+            after &= stop > first
         for lo, hi, lane in zip(first[before & after], stop[before & after], lanes[before & after], strict=True):
             ids = np.arange(lo, hi) * ring.lanes + lane
             rows = reader.gather(src.block, ring, ids)

@@ -266,3 +266,58 @@ def test_writers_killed_mid_run_never_yield_mixed_transitions(make: Make, name: 
             assert batch.action[j] == t and batch.reward[j] == t + 1
         checked += 32
     assert kills == 3 and checked > 500
+
+
+def test_it_composes_with_the_rest(make: Make, name: str, tmp_path: Any) -> None:
+    """Loader (pinned staging), sequences with burn-in, whole episodes, mixing, epochs, export,
+    save/load (format 2) and inspect all see the same transitions as the reference buffer."""
+    import json
+    import subprocess
+    import sys
+
+    sch = schema((1, 40, 40), 4, 0)
+    full = make(sch, 400, lanes=2, episodes=True, name=name + "f")
+    comp = make(sch, 400, lanes=2, episodes=True, next_of="obs", stack="obs", name=name + "c", seed=0)
+    m = {}
+    for ep in range(20):
+        for row in episode(ep % 2, ep, 7, "terminated" if ep % 3 else "truncated", (1, 40, 40), 4, 0, "reset"):
+            a = full.push(**row, lane=ep % 2, episode=ep)
+            m[int(comp.push(**row, lane=ep % 2, episode=ep)[0])] = int(a[0])
+
+    def ref(ids: Any) -> sb.Batch:
+        return full.take([m[int(i)] for i in np.asarray(ids).reshape(-1)])
+
+    loader = comp.loader(64, device="cpu", prefetch=2)
+    try:
+        got = next(iter(loader))
+        want = ref(got.index.numpy() if hasattr(got.index, "numpy") else got.index)
+        assert all(np.array_equal(np.asarray(got[n]), want[n]) for n in sch.names)
+    finally:
+        loader.close()
+    seq = comp.sample_sequences(8, 5, burn_in=2)
+    for j, t in zip(*np.nonzero(seq.mask), strict=True):
+        r = ref([seq.index[j, t]])
+        assert np.array_equal(seq.obs[j, t], r.obs[0]) and np.array_equal(seq.next_obs[j, t], r.next_obs[0])
+    for replace in (False, True):
+        for b in comp.sample_episodes(3, replace=replace):
+            assert len(b) == 7 and same(b, ref(b.index), sch.names) and (b.done[-1] or b.truncated[-1])
+    mixed = sb.Mix([(comp, 0.5), (full, 0.5)]).sample(32)
+    assert mixed.obs.shape == (32, 4, 40, 40) and mixed.next_obs.shape == (32, 4, 40, 40)
+    assert sum(len(b) for b in comp.epoch(50, shuffle=False)) == len(comp) == 140  # every episode ended
+    exported = comp.export()
+    assert same(exported, ref(exported["index"]), sch.names) and exported["index"].size == 140
+    comp.save(tmp_path / "s")
+    assert json.loads((tmp_path / "s" / "meta.json").read_text())["format_version"] == 2
+    loaded = sb.ReplayBuffer.load(tmp_path / "s", name=name + "l")
+    try:
+        assert loaded.options.frames == comp.options.frames
+        assert same(loaded.take(exported["index"]), ref(exported["index"]), sch.names)
+        row = episode(0, 99, 1, "terminated", (1, 40, 40), 4, 0, "reset")[0]
+        loaded.push(**row, lane=0, episode=99)  # goes on taking episodes
+    finally:
+        loaded.close()
+        loaded.unlink()
+    out = subprocess.run([sys.executable, "-m", "shmbuffer.cli", "inspect", comp.name, "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    info = json.loads(out)
+    assert info["bytes_per_row_without_frames"] / info["bytes_per_row"] > 4
