@@ -1299,7 +1299,8 @@ def from_arrays(
         raise CapacityError(f"from_arrays: lane: expected {k} lane numbers (one per row), got {lane.size}")
     keep = _kept_rows(index, k, lanes) if lane is None else None
     envs = options.get("envs")
-    spread = lane is None and keep is None and isinstance(envs, int) and envs > 1  # as a push without lane=
+    envs = envs if isinstance(envs, int) else 1  # a bad envs= is the factory's to refuse
+    spread = lane is None and keep is None and envs > 1  # as a push without lane=
     if spread and k % envs:
         raise FieldError(
             f"from_arrays: envs={envs} spreads rows as whole steps of every env, env-major (row i into lane "
