@@ -292,6 +292,13 @@ class Ring:
             if not process_alive(int(self._wpid[w]), float(self._wstart[w])):
                 lost = (self.owner == w) & (self.stamp & 1).astype(bool)
                 self.stamp[lost] = 0
+                if lost.any():
+                    # their tree leaves were set inside the reservation: zero them as reap() does,
+                    # or draws keep landing on empty slots (and a tree of nothing else never
+                    # reads as empty); the repairs scan every slot, which this rare path can afford
+                    self._stats[_RECLAIMED] += int(lost.sum())
+                    for repair in self.repairs:
+                        repair()
                 self._wpid[w] = 0
                 return w
         raise ShmBufferError(f"{WRITERS} live processes have pushed to or sampled from this buffer; no writer entry is free")

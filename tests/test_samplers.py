@@ -378,7 +378,7 @@ def test_update_priorities_refuses_ids_that_never_existed(make: Make, name: str)
     for ids, shown in [([-1, 12345], r"\[-1, 12345\]"), ([0, 7], r"\[7\]"), ([2**63 - 1], r"\[9223372036854775807\]"),
                        ([-(2**63)], r"\[-9223372036854775808\]"), (np.array([2**64 - 1], np.uint64), r"\[18446744073709551615\]")]:
         with pytest.raises(sb.FieldError, match=rf"update_priorities: ids {shown} never named a row .* nothing was changed"):
-            buf.update_priorities(ids, np.full(len(ids), 5.0))
+            buf.update_priorities(ids, np.full(np.size(ids), 5.0))
     for ids in (np.array([0.0, 2.0]), [True, False], ["0", "2"]):
         with pytest.raises(sb.FieldError, match="update_priorities: expected integer row ids"):
             buf.update_priorities(ids, [5.0, 5.0])
@@ -480,3 +480,39 @@ def test_priority_and_uses_are_public(make: Make, name: str) -> None:
         plain.priority([0])
     with pytest.raises(sb.FieldError, match="counts no uses"):
         plain.uses([0])
+
+
+def test_rows_of_a_reclaimed_writer_entry_leave_the_tree(make: Make, name: str) -> None:
+    """A writer that died holding reserved rows (their leaves already set, as a push sets them
+    inside the reservation), whose entry is later reclaimed because the writer table is full: its
+    rows turn empty and their leaves 0, so draws no longer land on them and the tree's total is
+    that of the rows that count."""
+    import os
+    import subprocess
+    import sys
+
+    from shmbuffer.layout import WRITERS
+    from shmbuffer.segment import start_time
+
+    buf = make(MUJOCO, capacity=8, name=name, seed=0, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
+    buf.push(transition(0, 4), priority=np.ones(4))
+    code = (f"import os, shmbuffer as sb; b = sb.ReplayBuffer.attach({name!r}); "
+            "b.ring.reserve(2, also=lambda s: b.priorities.set_rows(s, None, fresh=True)); os._exit(0)")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    rg, tree = buf.ring, buf.priorities.tree  # type: ignore[union-attr]
+    assert rg.stamp[4:6].tolist() == [9, 11] and tree.leaves[4:6].tolist() == [1.0, 1.0]
+    mine = rg.writer_id()
+    dead = int(rg.owner[4])
+    table = rg._wpid
+    free = [w for w in range(WRITERS) if w not in (mine, dead)]
+    table[free] = os.getpid()  # every other entry held by a live process: the table is full
+    rg._wstart[free] = start_time()
+    try:
+        with rg.lock:
+            assert rg._reclaim_writer() == dead
+        assert rg.stamp[4:6].tolist() == [0, 0]
+        assert tree.leaves[4:6].tolist() == [0.0, 0.0] and tree.total == 4.0
+        assert buf.stats["reclaimed"] == 2  # counted as reap() and lapping count theirs
+        assert set(seq_of(buf.sample(64))) <= {0, 1, 2, 3}
+    finally:
+        table[free] = 0
