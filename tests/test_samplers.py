@@ -375,10 +375,13 @@ def test_update_priorities_refuses_ids_that_never_existed(make: Make, name: str)
     buf.push(transition(5, 3), lane=1)  # ids 1 3 5
     tree = buf.priorities.tree.sums.copy()  # type: ignore[union-attr]
     top = buf.priorities.max_priority  # type: ignore[union-attr]
-    for ids, shown in [([-1, 12345], r"\[-1, 12345\]"), ([0, 7], r"\[7\]"), ([2**63 - 1], r"\[9223372036854775807\]"),
-                       ([-(2**63)], r"\[-9223372036854775808\]"), (np.array([2**64 - 1], np.uint64), r"\[18446744073709551615\]")]:
+    unknown: list[tuple[Any, str]] = [
+        ([-1, 12345], r"\[-1, 12345\]"), ([0, 7], r"\[7\]"), ([2**63 - 1], r"\[9223372036854775807\]"),
+        ([-(2**63)], r"\[-9223372036854775808\]"), (np.array([2**64 - 1], np.uint64), r"\[18446744073709551615\]"),
+    ]
+    for ids, shown in unknown:
         with pytest.raises(sb.FieldError, match=rf"update_priorities: ids {shown} never named a row .* nothing was changed"):
-            buf.update_priorities(ids, np.full(np.size(ids), 5.0))
+            buf.update_priorities(ids, np.full(len(ids), 5.0))
     for ids in (np.array([0.0, 2.0]), [True, False], ["0", "2"]):
         with pytest.raises(sb.FieldError, match="update_priorities: expected integer row ids"):
             buf.update_priorities(ids, [5.0, 5.0])
