@@ -151,11 +151,14 @@ class _Shard:
         return {"node": ray.get_runtime_context().get_node_id(), "name": self.buf.name, "pid": os.getpid(),
                 "options": self.buf.options}
 
-    def push(self, fields: dict[str, np.ndarray], lane: Any, episode: Any, priority: Any) -> tuple[str, Any]:
-        """Push rows; a refusal comes back as the exception (raised again by the writer as is)."""
+    def push(self, call: dict[str, Any]) -> tuple[str, Any]:
+        """Push rows (``call``: the fields and, under ``_lane``, ``_episode``, ``_priority``, push's
+        options); a refusal comes back as the exception (raised again by the writer as is)."""
         self.pushes += 1
+        fields = {k: v for k, v in call.items() if k[0] != "_"}
         try:
-            return "ok", int(self.buf.push(fields, lane=lane, episode=episode, priority=priority).size)
+            return "ok", int(self.buf.push(fields, lane=call.get("_lane"), episode=call.get("_episode"),
+                                           priority=call.get("_priority")).size)
         except (ShmBufferError, ValueError, TypeError) as e:
             return "error", e
 
@@ -314,7 +317,7 @@ class RemoteWriter:
         if priority is None and "priority" in fields and "priority" not in self.schema:
             priority = fields.pop("priority")
         k, arrays = self.schema.validate(fields)
-        arrays = {name: np.array(a, dtype=self.schema[name].dtype) for name, a in arrays.items()}
+        arrays = {name: np.asarray(a, dtype=self.schema[name].dtype) for name, a in arrays.items()}
         lanes = self._lanes(k, lane)
         episodes = None
         if self.options.episodes:
@@ -327,7 +330,9 @@ class RemoteWriter:
         self._pending.append((arrays, lanes, episodes, prios))
         self._rows += k
         if self._rows >= self.target.batch_rows:
-            self.flush(wait=False)
+            self.flush(wait=False)  # sent now: Ray copies the arrays into its object store
+        else:  # kept: the caller may reuse its arrays
+            self._pending[-1] = ({name: a.copy() for name, a in arrays.items()}, lanes, episodes, prios)
         return k
 
     def _lanes(self, k: int, lane: Any) -> np.ndarray:
@@ -350,19 +355,27 @@ class RemoteWriter:
         """Send the pending rows (after the previous call came back); ``wait``: and wait for them."""
         if self._pending:
             parts = self._pending
-            fields = {name: np.concatenate([p[0][name] for p in parts]) for name in self.schema.names}
+            fields = (parts[0][0] if len(parts) == 1
+                      else {name: np.concatenate([p[0][name] for p in parts]) for name in self.schema.names})
             lanes = np.concatenate([p[1] for p in parts])
             episodes = None if parts[0][2] is None else np.concatenate([p[2] for p in parts])
             prios = None if parts[0][3] is None else np.concatenate([p[3] for p in parts])
             self._settle()
             self._pending, self._rows = [], 0
-            self._send((fields, lanes, episodes, prios))
+            call: dict[str, Any] = dict(fields)  # one argument: Ray serializes each argument apart
+            if self.lanes > 1:
+                call["_lane"] = lanes
+            if episodes is not None:
+                call["_episode"] = episodes
+            if prios is not None:
+                call["_priority"] = prios
+            self._send(call)
         if wait:
             self._settle()
 
-    def _send(self, call: tuple[Any, ...]) -> None:
+    def _send(self, call: dict[str, Any]) -> None:
         self.calls += 1
-        self._inflight = (self._actor.push.remote(*call), call)
+        self._inflight = (self._actor.push.remote(call), call)
 
     def _settle(self) -> None:
         """Wait for the call in flight; on a dead shard fail over (resend it) or raise."""
