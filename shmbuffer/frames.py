@@ -343,7 +343,7 @@ class Pusher:
             final |= full[name].reshape(k) != 0
         nexts = dict(spec.next_of)
         sources = {src: nxt for nxt, src in spec.next_of}
-        start_, stop_ = bounds
+        stop_ = bounds[1]
         kinds = np.zeros(k, np.uint8)
         firsts: dict[int, tuple[int, bool]] = {}
         lasts: dict[int, Last] = {}
@@ -354,8 +354,10 @@ class Pusher:
             p = prev_of.get(ln)
             if p is None:
                 last = self.last.get(ln)
-                cont = (last is not None and not last.final and start_[ln] <= last.row < stop_[ln]
-                        and last.row == stop_[ln] - 1 and (eps is None or last.episode == int(eps[i])))
+                # the lane's newest row is this process's last (after a clear() too: reads of the
+                # rows whose stacks reach before it find them outside the lane and re-draw)
+                cont = (last is not None and not last.final and last.row == stop_[ln] - 1
+                        and (eps is None or last.episode == int(eps[i])))
                 prev_vals = last.values if cont and last is not None else None
             else:
                 cont = not final[p] and (eps is None or eps[p] == eps[i])

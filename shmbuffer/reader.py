@@ -516,6 +516,11 @@ def epoch(src: Source, batch_size: int, *, shuffle: bool, drop_last: bool) -> It
             yield assemble(src.block, chunk, rows)
 
 
+_NOT_A_TRANSITION = ("the row is not a whole transition now (next_of/stack, frames.py): it holds an episode's "
+                     "final observation, waits for the next row of its lane, or its stack reaches rows "
+                     "overwritten or cleared")
+
+
 def take(src: Source, ids: Any) -> Batch:
     """The rows ``ids``, all intact, or an error naming those that are not (``ReplayBuffer.take``)."""
     ring = src.ring
@@ -527,9 +532,12 @@ def take(src: Source, ids: Any) -> Batch:
         settle(src.block, ring, ids, rows)
     if not rows.ok.all():
         gone = ids[~rows.ok]
+        why = "overwritten, cleared or being written"
+        if src.block.frames is not None:
+            why += f"; or {_NOT_A_TRANSITION}"
         raise EmptyBufferError(
             f"take: {gone.size} of {ids.size} rows are no longer in buffer {src.name!r} "
-            f"(ids {gone[:5].tolist()}{' ...' if gone.size > 5 else ''}: overwritten, cleared or being written)"
+            f"(ids {gone[:5].tolist()}{' ...' if gone.size > 5 else ''}: {why})"
         )
     return assemble(src.block, ids, rows)
 
@@ -548,6 +556,8 @@ def get(src: Source, index: Any) -> Batch:
             break
         expect = ring.expected(flat)
         now = ring.stamp.take(ring.slots(flat))
+        if src.block.frames is not None and (now == expect).all():
+            raise EmptyBufferError(f"get({index!r}): {_NOT_A_TRANSITION}")
         if np.any(now < expect) and not np.any(now[now < expect] & 1):
             raise EmptyBufferError(f"get({index!r}): a row was lost: its writer died mid-push, or it was deleted")
         if time.monotonic() > deadline:

@@ -231,7 +231,7 @@ def _expected(lane: int, ep: int, t: int, k: int = 4) -> tuple[np.ndarray, np.nd
 
 
 @pytest.mark.slow
-def test_writers_killed_mid_run_never_yield_mixed_transitions(make: Make, name: str, procs: list) -> None:
+def test_writers_killed_mid_run_and_clears_never_yield_mixed_transitions(make: Make, name: str, procs: list) -> None:
     buf = make(schema(FRAME, 4, 0), 2 * 48, lanes=2, next_of="obs", stack="obs",
                sampler=sb.Prioritized(), name=name, seed=5)
     ctx = mp.get_context("spawn")
@@ -242,9 +242,12 @@ def test_writers_killed_mid_run_never_yield_mixed_transitions(make: Make, name: 
     deadline = time.monotonic() + 60
     while len(buf) < 40 and time.monotonic() < deadline:
         time.sleep(0.01)
-    checked = kills = 0
+    checked = kills = clears = 0
     start = time.monotonic()
     while any(p.is_alive() for p in procs) or time.monotonic() - start < 2:
+        if clears < 2 and time.monotonic() - start > 1.0 + clears:
+            buf.clear()  # writers mid-episode go on; stacks reaching before the clear are not read
+            clears += 1
         if kills < 3 and time.monotonic() - start > 0.6 * (kills + 1):
             victim = procs[-2] if procs[-2].is_alive() else procs[-1]
             os.kill(victim.pid, signal.SIGKILL)
@@ -265,7 +268,7 @@ def test_writers_killed_mid_run_never_yield_mixed_transitions(make: Make, name: 
             assert np.array_equal(batch.next_obs[j], nxt), (lane, ep, t)
             assert batch.action[j] == t and batch.reward[j] == t + 1
         checked += 32
-    assert kills == 3 and checked > 500
+    assert kills == 3 and clears == 2 and checked > 500
 
 
 def test_it_composes_with_the_rest(make: Make, name: str, tmp_path: Any) -> None:
@@ -321,3 +324,15 @@ def test_it_composes_with_the_rest(make: Make, name: str, tmp_path: Any) -> None
                          capture_output=True, text=True, check=True).stdout
     info = json.loads(out)
     assert info["bytes_per_row_without_frames"] / info["bytes_per_row"] > 4
+
+
+def test_get_and_take_say_why_a_row_is_not_a_transition(make: Make, name: str) -> None:
+    sch = schema((1, 12, 12), 4, 0)
+    buf = make(sch, 64, next_of="obs", stack="obs", name=name)
+    rows = episode(0, 0, 3, "terminated", (1, 12, 12), 4, 0, "reset")
+    ids = [int(buf.push(**r)[0]) for r in rows[:2]]
+    with pytest.raises(sb.EmptyBufferError, match="waits for the next row"):
+        buf.get(-1)  # the newest row: no next observation yet
+    with pytest.raises(sb.EmptyBufferError, match="waits for the next row"):
+        buf.take([ids[1]])
+    assert np.array_equal(buf.get(0).obs, rows[0]["obs"])
