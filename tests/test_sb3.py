@@ -106,6 +106,71 @@ def test_same_transitions_as_sb3(case: str, timeouts: bool, name: str, opened: l
     same(a, b)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("timeouts", [True, False])
+def test_n_step_same_transitions_as_sb3(case: str, timeouts: bool, name: str, opened: list[Any]) -> None:
+    """SB3's NStepReplayBuffer and ours, the same adds and np.random state: the same n-step
+    returns, discounts, last next_obs and dones, for random draws and for every position
+    (windows cut by dones, time-limit ends, the newest row, and the wrap of a full buffer)."""
+    obs_space, act_space, n_envs, size, steps = CASES[case]
+    n_steps = min(4, size // n_envs)  # SB3 reads a window longer than an env's rows round and round
+    kw = {"n_envs": n_envs, "handle_timeout_termination": timeouts, "n_steps": n_steps, "gamma": 0.9}
+    theirs = buffers.NStepReplayBuffer(size, obs_space, act_space, "cpu", **kw)
+    mine = ours.NStepReplayBuffer(size, obs_space, act_space, "cpu", name=name, **kw)
+    opened.append(mine)
+    assert isinstance(mine, buffers.NStepReplayBuffer) and isinstance(mine, ours.ReplayBuffer)
+    for step in adds(n_envs, steps, obs_space, act_space, seed=len(case)):
+        theirs.add(*step)
+        mine.add(*step)
+    for draw in range(5):
+        np.random.seed(draw)
+        a = theirs.sample(32)
+        np.random.seed(draw)
+        same(a, mine.sample(32))
+    np.random.seed(1)
+    a = theirs._get_samples(np.arange(theirs.size()))
+    np.random.seed(1)
+    b = mine._get_samples(np.arange(theirs.size()))
+    same(a, b)
+    assert a.discounts is not None and len(set(a.discounts.flatten().tolist())) > 1  # some windows were cut
+    # the copy keeps n_steps and gamma
+    copy = pickle.loads(pickle.dumps(mine))
+    opened.append(copy)
+    assert (copy.n_steps, copy.gamma) == (n_steps, 0.9)
+
+
+def test_n_step_refusals(name: str) -> None:
+    box = spaces.Box(-1, 1, (4,), np.float32)
+    with pytest.raises(ValueError, match=r"n_steps: 6 is more than the 5 steps each env's rows hold"):
+        ours.NStepReplayBuffer(10, box, spaces.Discrete(2), n_envs=2, n_steps=6, name=name)
+    with pytest.raises(ValueError, match=r"n_steps: expected a positive int, got 0"):
+        ours.NStepReplayBuffer(10, box, spaces.Discrete(2), n_steps=0, name=name)
+    with pytest.raises(ValueError, match=r"gamma: expected a float in \[0, 1\], got 1.5"):
+        ours.NStepReplayBuffer(10, box, spaces.Discrete(2), gamma=1.5, name=name)
+    assert name not in segment.list_names()
+
+
+def test_dqn_n_step_trains_as_with_sb3s_buffer(name: str) -> None:
+    """DQN with 3-step returns: SB3's NStepReplayBuffer and ours give the same training run (the
+    same parameters after it), so SB3 uses our discounts as its own."""
+    from stable_baselines3 import DQN
+
+    torch.set_num_threads(1)
+    params = []
+    for cls, kwargs in ((buffers.NStepReplayBuffer, {}), (ours.NStepReplayBuffer, {"name": name})):
+        model = DQN("MlpPolicy", "CartPole-v1", buffer_size=2_000, learning_starts=100, train_freq=1, seed=3,
+                    device="cpu", policy_kwargs={"net_arch": [32]}, replay_buffer_class=cls,
+                    replay_buffer_kwargs={"n_steps": 3, "gamma": 0.95, **kwargs})
+        try:
+            model.learn(600)
+        finally:
+            if kwargs:
+                model.replay_buffer.close()
+        params.append(model.policy.state_dict())
+    assert params[0].keys() == params[1].keys()
+    assert all(torch.equal(params[0][k], params[1][k]) for k in params[0])
+
+
 def test_dict_buffer_same_transitions(name: str, opened: list[Any]) -> None:
     obs_space = spaces.Dict({"image": spaces.Box(0, 255, (3, 4), np.uint8), "vec": spaces.Box(-1, 1, (2,), np.float32)})
     act_space = spaces.Box(-1, 1, (2,), np.float32)
