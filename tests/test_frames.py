@@ -336,3 +336,29 @@ def test_get_and_take_say_why_a_row_is_not_a_transition(make: Make, name: str) -
     with pytest.raises(sb.EmptyBufferError, match="waits for the next row"):
         buf.take([ids[1]])
     assert np.array_equal(buf.get(0).obs, rows[0]["obs"])
+
+
+@pytest.mark.slow
+def test_a_collector_feeds_a_next_of_buffer(make: Make, name: str) -> None:
+    """Collector processes (one lane per env) into ``next_of``: every sampled next observation is
+    the env's (CountingEnv's obs name its env, episode and step), final ones included."""
+    from shmbuffer.collector import Collector
+
+    from .envs import CountingEnv
+
+    sch = sb.Schema(obs=((3,), "float32"), action=((), "int64"), reward=((), "float32"),
+                    next_obs=((3,), "float32"), done=((), "bool"), truncated=((), "bool"))
+    with pytest.raises(ValueError, match="one lane per env"):
+        Collector(CountingEnv, make(sch, 64, next_of="obs", name=name + "x"), workers=2)
+    buf = make(sch, 4 * 5000, envs=4, next_of="obs", name=name, seed=2)  # no lapping: len is exact below
+    with Collector(CountingEnv, buf, workers=2, envs_per_worker=2, seed=1) as col:
+        col.warm(300)
+        col.stop()
+    batch = buf.sample(512)
+    assert np.array_equal(batch.next_obs[:, :2], batch.obs[:, :2])  # same env, same episode
+    assert np.array_equal(batch.next_obs[:, 2], batch.obs[:, 2] + 1)  # the next step
+    assert np.array_equal(batch.reward, batch.next_obs[:, 2])
+    assert (batch.done | batch.truncated).any()
+    exported = buf.export()
+    ends = int((exported["done"] | exported["truncated"]).sum())  # each took an end row
+    assert buf.stats["inserted"] < buf.capacity and len(buf) == buf.stats["inserted"] - ends
