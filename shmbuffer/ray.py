@@ -569,11 +569,10 @@ class ShardedBuffer:
 
     @property
     def stats(self) -> dict[str, Any]:
-        """Counters summed over the live shards, per shard, the learner's own, and ``lost``."""
+        """Counters summed over the live shards, per shard (with ``pushes``, the push calls its
+        actor served), the learner's own, and ``lost``. A round trip to every shard."""
         per: dict[int, dict[str, Any]] = {}
-        if self._local is not None:
-            per[self._local_index] = {**self._local.stats, "rows": len(self._local)}
-        refs = {i: rem.actor.stats.remote() for i, rem in self._remote.items()}
+        refs = {i: self._actors[i].stats.remote() for i in self.alive}  # the local one too: its push calls
         self.remote_calls += len(refs)
         for i, ref in refs.items():
             try:
@@ -775,8 +774,10 @@ class ShardedBuffer:
 
     def update_priorities(self, rows: Batch | Any, priorities: Any) -> int:
         """Send each row's priority to its shard; returns how many rows were updated. Rows
-        overwritten since, and rows of lost shards, are skipped; ids that name no shard raise
-        ``UnknownIdError``, ids a shard never had raise it from that shard."""
+        overwritten since, and rows of lost shards, are skipped. Priorities, and ids that name no
+        shard, are checked before any shard is touched (``FieldError``, ``UnknownIdError``); ids a
+        shard never had raise ``UnknownIdError`` from that shard, which then changed nothing, but
+        the other shards of the call may have been updated (a check would cost a round trip)."""
         ids = rows.index if isinstance(rows, Batch) else rows
         if hasattr(ids, "detach"):
             ids = ids.detach().cpu().numpy()

@@ -277,6 +277,28 @@ class TestOneCluster:
             assert np.all(batch.shard == second.index)
             assert np.all(np.abs(batch.obs).max(axis=1) < 5) and set(np.unique(batch.action)) <= {0, 1}
 
+    def test_a_collector_pushes_through_ray_where_there_is_no_shard(self, cluster) -> None:
+        """The same ``Collector`` with a target forced remote: its worker connects to the cluster
+        and pushes batches to the shard actor (counted)."""
+        pytest.importorskip("gymnasium")
+        import gymnasium as gym
+
+        from shmbuffer.collector import Collector
+
+        schema = sb.Schema(obs=((4,), "float32"), action=((), "int64"), reward=((), "float32"),
+                           next_obs=((4,), "float32"), done=((), "bool"))
+        with ShardedBuffer(schema, 5_000, seed=10) as buf:
+            home = buf.shards[0].index if buf.shards[0].node == ray.get_runtime_context().get_node_id() else None
+            target = buf.writer(force_remote=True, batch_rows=64)
+            with Collector(lambda: gym.make("CartPole-v1"), target, workers=1, envs_per_worker=2, seed=11) as col:
+                col.warm(300, timeout=240)
+            stats = buf.stats["shards"]
+            shard = target.handle.home().index
+            assert home is None or shard == home
+            assert stats[shard]["inserted"] >= 300 and stats[shard]["pushes"] >= 300 // 64
+            batch = buf.sample(32)
+            assert np.all(batch.shard == shard) and set(np.unique(batch.action)) <= {0, 1}
+
 
 def test_killing_a_node_leaves_the_learner_running(tmp_path) -> None:
     cluster = start(2)
