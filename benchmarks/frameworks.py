@@ -2,10 +2,11 @@
 and TorchRL's ``ReplayBuffer`` on ``shmbuffer.torchrl.ShmStorage``.
 
 * ``sb3.dqn``, ``sb3.sac``: env steps/s and gradient updates/s of ``model.learn(N)`` (DQN on
-  CartPole-v1, SAC on Pendulum-v1; SB3's default hyperparameters except a 64-64 network and
-  ``learning_starts``; ``N`` fixed, smaller with ``--quick``) with SB3's own ``ReplayBuffer``, with
-  ``shmbuffer.sb3.ReplayBuffer`` (same seeds: the same training run, which is checked: the trained
-  policies' parameters must be equal), and with ours while 2 extra collector processes
+  CartPole-v1, SAC on Pendulum-v1; SB3's default hyperparameters except a 64-64 network,
+  ``buffer_size`` 50,000 and ``learning_starts``; ``N`` fixed, smaller with ``--quick``) with SB3's
+  own ``ReplayBuffer``, with ``shmbuffer.sb3.ReplayBuffer`` (same seeds: the same training run;
+  whether the trained policies' parameters came out equal is recorded per round as
+  ``same_training``), and with ours while 2 extra collector processes
   (``shmbuffer.Collector``, random actions) push their own env steps into the same buffer for the
   whole ``learn()``; for those, the env steps/s the extra processes collected meanwhile. One
   learn() per subject per round, the subjects' order rotating; a fresh model every time (its
@@ -14,7 +15,9 @@ and TorchRL's ``ReplayBuffer`` on ``shmbuffer.torchrl.ShmStorage``.
 * ``torchrl.extend_sample``: TorchRL's ``ReplayBuffer`` on our ``ShmStorage``, on its
   ``LazyTensorStorage`` and on its ``LazyMemmapStorage``, full of MuJoCo-like rows
   (``data.MUJOCO``): ``extend`` of 64 rows (a TensorDict) and ``sample(256)`` (TorchRL's
-  ``RandomSampler``), timed by ``cases.measure``.
+  ``RandomSampler``), timed by ``cases.measure`` with torch on 1 thread (on this shared 2-core VM,
+  torch's default 2 threads made TorchRL's gather 10-50x slower whenever the other core was busy:
+  66-102 instead of thousands of batches/s in one run).
 * ``torchrl.multiproc``: 2 writer processes ``extend`` 8 self-verifying rows at a time
   (``data.Stamper``: every value of a row derives from (writer, sequence number)) into one
   TorchRL ``ReplayBuffer`` while the learner samples 256 and checks every sampled row (torn rows);
@@ -63,8 +66,8 @@ class Algo:
 
 
 ALGOS = {
-    "dqn": Algo("DQN", "CartPole-v1", 5_000, 1_000, {"learning_starts": 200}),
-    "sac": Algo("SAC", "Pendulum-v1", 1_000, 300, {"learning_starts": 100}),
+    "dqn": Algo("DQN", "CartPole-v1", 4_000, 1_000, {"learning_starts": 200}),
+    "sac": Algo("SAC", "Pendulum-v1", 600, 300, {"learning_starts": 100}),
 }
 
 
@@ -268,8 +271,10 @@ def extend_sample_case(cfg: Config) -> dict[str, Any]:
     metrics = {"extend": Metric(f"extend {EXTEND} rows (a TensorDict)", "rows/s", EXTEND, spec.row_bytes),
                "sample": Metric(f"sample {BATCH} (RandomSampler)", "batches/s", 1, BATCH * spec.row_bytes)}
     subjects = [rb_subject(s, cap) for s in ONE_PROCESS]
+    with torch_threads(1):  # TorchRL gathers with torch indexing: 2 threads crawl when the other core is busy
+        res = measure(subjects, metrics, cfg)
     return case_result(f"{spec.title}: TorchRL ReplayBuffer.extend({EXTEND}) and sample({BATCH}) on each storage, "
-                       f"full at {cap:,}", spec, cfg, metrics, measure(subjects, metrics, cfg))
+                       f"full at {cap:,}", spec, cfg, metrics, res)
 
 
 # -- TorchRL: 2 writer processes and a reader -------------------------------------------------------------
