@@ -41,7 +41,7 @@ import os
 import time
 import tracemalloc
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,8 @@ class Streams:
     action: np.ndarray  # (ENVS, CYCLE)
     reward: np.ndarray
     done: np.ndarray
+    seen: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("transitions", "episode ends", "episode starts"), 0))
+    """what ``check`` has checked: transitions, of them episodes' last and first steps"""
 
     @classmethod
     def make(cls) -> Streams:
@@ -127,6 +129,9 @@ class Streams:
         if not ((0 <= e) & (e < ENVS) & (0 <= t) & (t < CYCLE)).all():
             raise Unavailable("wrong data", "sampled actions that were never pushed")
         allowed = 0
+        self.seen["transitions"] += len(action)
+        self.seen["episode ends"] += int(self.done[e, t].sum())
+        self.seen["episode starts"] += int((self.obs[e, t][:, 0] == self.obs[e, t][:, -1]).all(axis=(1, 2)).sum())
         for name in ("obs", "next_obs"):
             a = np.asarray(got[name])
             if channels_last:
@@ -357,16 +362,19 @@ def sanity(cls: type[Subjectish], _done: dict[str, Unavailable | None] = {}) -> 
     if cls.name not in _done:
         _done[cls.name] = None
         try:
-            store = cls(ENVS * 96)
+            store = cls(ENVS * 160)
             try:
-                fill(store, ENVS * 96)
-                allowed = 0
+                # wrapped round, and the rows held (steps 32-191 of the cycle) have episode ends and starts
+                for _ in range(CYCLE // STEPS + 6):
+                    store.push()
+                allowed, before = 0, dict(streams().seen)
                 for _ in range(4):
                     allowed += streams().check(to_numpy(store.sample_torch(BATCH)), channels_last=cls.channels_last,
                                                final_may_differ=cls.final_may_differ)
                     if cls.numpy_sample:
                         streams().check(to_numpy(store.sample(BATCH)), channels_last=cls.channels_last)
-                _SANITY[cls.name] = allowed
+                seen = {k: v - before[k] for k, v in streams().seen.items()}
+                _SANITY[cls.name] = {"checked": seen, "final_next_obs_lost": allowed}
             finally:
                 store.close()
         except Unavailable as e:
@@ -377,7 +385,7 @@ def sanity(cls: type[Subjectish], _done: dict[str, Unavailable | None] = {}) -> 
         raise _done[cls.name]  # type: ignore[misc]
 
 
-_SANITY: dict[str, int] = {}
+_SANITY: dict[str, dict[str, Any]] = {}
 
 
 def subject(cls: type[Subjectish], capacity: int, memory: dict[str, dict[str, Any]]) -> Subject:
@@ -509,10 +517,14 @@ def compressed_case(cfg: Config) -> dict[str, Any]:
     res = measure(subjects, metrics, cfg)
     for name, m in memory.items():
         res[name]["memory"] = m
-    if SB3.name in _SANITY:
+    for name, checked in _SANITY.items():
+        if name in res:
+            res[name]["sanity"] = checked
+    if res.get(SB3.name, {}).get("sanity"):
+        lost, seen = res[SB3.name]["sanity"]["final_next_obs_lost"], res[SB3.name]["sanity"]["checked"]
         res[SB3.name]["final_next_obs_lost"] = (
-            f"{_SANITY[SB3.name]} of {4 * BATCH} sampled transitions (each an episode's last) returned the next "
-            "episode's first observation as next_obs")
+            f"{lost} of the {seen['episode ends']} episode ends among {seen['transitions']} sampled transitions "
+            "returned the next episode's first observation as next_obs")
     out = case_result(f"Atari, frames stored once: push {STEPS * ENVS} and sample {BATCH} stacked transitions "
                       f"from {ENVS} envs", None, cfg, metrics, res, capacity=cap,
                       row_bytes=2 * K * FRAME_BYTES + SMALL, memory=memory, computed=computed(BIG), real=real(cfg))
