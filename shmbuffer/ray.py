@@ -44,7 +44,9 @@ remote writers cannot see the learner's count without a round trip per push).
 
 Faults. A shard whose actor or node dies is dropped: the learner is told once (a ``ShardLost``
 warning, and ``lost`` lists it), its prefetched rows are discarded, later batches come from the
-rest, and priority updates for its ids are dropped like updates of overwritten rows. A
+rest, and priority updates for its ids are dropped like updates of overwritten rows; where only
+the actor died, a task on its node removes its block (Ray kills a dead worker's children, the
+creator's watchdog among them; ``close`` waits for it). A
 ``RemoteWriter`` whose shard is gone raises ``ShardLostError`` naming it, or with
 ``failover=True`` writes to the next live shard (the rows of the call in flight when the shard
 died are lost with it).
@@ -81,6 +83,7 @@ from .limiter import RateLimiter
 from .priorities import check_priorities
 from .samplers import Prioritized, Sampler
 from .schema import Schema, stack_rows
+from .segment import read_header, remove
 
 __all__ = [
     "RemoteWriter", "ShardActor", "ShardLost", "ShardLostError", "ShardedBuffer", "WriterTarget",
@@ -187,6 +190,24 @@ class _Shard:
 ShardActor: Any = ray.remote(num_cpus=0)(_Shard)
 """The shard actor (``num_cpus=0``): create it with ``ShardActor.options(...).remote(schema,
 capacity, options)``; ``ShardedBuffer`` does, one per node."""
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _sweep(name: str, wait: float = 30.0) -> bool:
+    """On a lost shard's node, remove the shard's block once its creator is dead. The creator's
+    watchdog (``_tracker.py``) would, but Ray kills a dead worker's child processes, the watchdog
+    among them. True if this removed it."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            header = read_header(name)
+        except (ShmBufferError, OSError):
+            return False  # gone already (or not ours)
+        if header.creator_state == "dead":
+            return remove(name, header.ident)
+        if header.creator_state != "alive" or time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
 
 
 def _ok(reply: tuple[str, Any]) -> Any:
@@ -297,11 +318,14 @@ class RemoteWriter:
         self.options = target.options
         self.lanes = target.options.lanes
         self.calls = 0
-        self._actor = ray.get_actor(shard.actor, namespace=target.namespace)
         self._pending: list[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray | None, np.ndarray | None]] = []
         self._rows = 0
         self._inflight: Any = None
         self._closed = False
+        try:
+            self._actor = ray.get_actor(shard.actor, namespace=target.namespace)
+        except ValueError as e:  # Ray's answer for a named actor that died
+            self._lost(e)
 
     def push(self, data: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None, /, *, lane: Any = None,
              episode: Any = None, priority: Any = None, timeout: float | None = None, **fields: Any) -> int:
@@ -494,6 +518,7 @@ class ShardedBuffer:
         self._local_index = -1
         self._remote: dict[int, _Remote] = {}
         self._state: dict[int, dict[str, Any]] = {}
+        self._sweeps: list[Any] = []
         opts = {"sampler": sampler, **options}
         try:
             for i, node in enumerate(nodes):
@@ -541,6 +566,9 @@ class ShardedBuffer:
         shard = self.shards[i]
         warnings.warn(ShardLost(f"shard {i} ({shard.name!r} on node {shard.node[:12]}) is gone "
                                 f"({type(error).__name__}); sampling goes on from shards {self.alive}"), stacklevel=3)
+        if any(n["NodeID"] == shard.node and n["Alive"] for n in ray.nodes()):  # only the actor died
+            self._sweeps.append(_sweep.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(shard.node, soft=False)).remote(shard.name))
 
     def _states(self) -> dict[int, dict[str, Any]]:
         """The latest known state of each live shard (the local one read now)."""
@@ -852,7 +880,7 @@ class ShardedBuffer:
             except BufferError:
                 pass
             self._local = None
-        refs = []
+        refs = list(getattr(self, "_sweeps", []))  # lost shards' blocks, removed on their nodes
         for i, actor in enumerate(self._actors):
             if i not in self.lost:
                 try:

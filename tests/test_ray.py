@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -298,6 +299,31 @@ class TestOneCluster:
             assert stats[shard]["inserted"] >= 300 and stats[shard]["pushes"] >= 300 // 64
             batch = buf.sample(32)
             assert np.all(batch.shard == shard) and set(np.unique(batch.action)) <= {0, 1}
+
+    def test_a_killed_shard_actor_is_reported_once_and_its_block_removed(self, cluster) -> None:
+        with ShardedBuffer(SCHEMA, 500, sampler=sb.Prioritized(), seed=12) as buf:
+            target = buf.writer(batch_rows=50)
+            ray.get([on(s.node).remote(target, 100 * s.index, 100 * s.index + 100, 50) for s in buf.shards])
+            here = ray.get_runtime_context().get_node_id()
+            victim = next(s for s in buf.shards if s.node != here)
+            buf.sample(64)
+            ray.kill(ray.get_actor(victim.actor, namespace=buf.namespace))
+            with pytest.warns(ShardLost, match=f"shard {victim.index}") as told:
+                for _ in range(30):
+                    batch = buf.sample(64)
+                    assert intact(batch)
+            assert len([w for w in told if issubclass(w.category, ShardLost)]) == 1
+            assert buf.lost == [victim.index] and victim.index not in batch.shard
+            assert len(buf) == 200 and buf.stats["rows"] == 200
+            with pytest.raises(ShardLostError, match=f"shard {victim.index}"):
+                writer = buf.writer(force_remote=True, node=victim.node).open()
+                writer.push(rows(900, 901))
+                writer.flush()
+            block = Path("/dev/shm") / f"shmbuffer-{victim.name}"
+            deadline = time.monotonic() + 60  # the creator's watchdog removes it (not a timing claim: a bound)
+            while block.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not block.exists(), f"{block} outlived its shard actor"
 
 
 def test_killing_a_node_leaves_the_learner_running(tmp_path) -> None:
