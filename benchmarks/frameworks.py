@@ -421,7 +421,7 @@ def multiproc_case(cfg: Config) -> dict[str, Any]:
                "learner": Metric(f"learner sample {BATCH}, meanwhile", "batches/s", 1, BATCH * spec.row_bytes)}
     return case_result(f"{spec.title}: {multiproc.WRITERS} writer processes extend one TorchRL ReplayBuffer 8 rows "
                        f"at a time while the learner samples {BATCH}, {seconds:g} s, capacity {cap:,}", spec, cfg,
-                       metrics, out, seconds=seconds, writers=multiproc.WRITERS)
+                       metrics, out, seconds=seconds, writers=multiproc.WRITERS, capacity=cap)
 
 
 def register(cases: dict[str, Case]) -> None:
