@@ -502,16 +502,22 @@ def messy_prioritized(make: Make, name: str, lanes: int, dyadic: bool) -> sb.Rep
     apart: committed rows, rows being written, empty slots with a leaf, leaves of 0."""
     rng = np.random.default_rng(lanes)
     buf = make(MUJOCO, capacity=600, lanes=lanes, name=name, seed=0, sampler=sb.Prioritized(alpha=0.6, beta=0.4))
-    for j in range(4):  # 800 rows into 600 slots: every lane laps
-        k = 200
+    for j in range(5):  # 950 rows into 600 slots: every lane laps, lane 0 most (cursors differ)
+        k = 200 if j < 4 else 150
         p = np.floor(rng.random(k) * 4096) / 64 if dyadic else rng.random(k) ** 2 * 10
         p[rng.random(k) < 0.1] = 0.0
-        lane = rng.integers(0, lanes, k) if lanes > 1 else 0
+        lane = (rng.integers(0, lanes, k) if j < 4 else np.zeros(k, np.int64)) if lanes > 1 else 0
         buf.push(transition(200 * j, k), lane=lane, priority=p)
     st = buf.ring.stamp
     odd = rng.choice(600, 30, replace=False)
     st[odd[:15]] += 1  # being written
     st[odd[15:]] = 0  # empty, yet their leaves stay
+    # a clear() that died before it reset the tree (priorities.py's repair case): rows before the
+    # new base keep their leaves; then a few rows pushed after it
+    leaves = buf.priorities.tree.leaves.copy()  # type: ignore[union-attr]
+    buf.clear()
+    buf.priorities.tree.update(np.arange(600), leaves)  # type: ignore[union-attr]
+    buf.push(transition(900, 60), lane=rng.integers(0, lanes, 60) if lanes > 1 else 0, priority=np.ones(60))
     return buf
 
 
@@ -590,6 +596,10 @@ def test_prioritized_weights_native_equal_python(low: float) -> None:
             assert (got == 1).all()
         elif low == 1e-300 and beta > 0:
             assert got[-2] == 0.0  # 1e280 / 1e-300 overflows: weight 0, as numpy gives
+    if low == 1.0:  # a min tree holding NaN (never made by the checked paths): ones, as numpy's min gives
+        fast._mins[-1][3] = np.nan  # a node of the top level
+        s = sb.Prioritized(alpha=0.6, beta=0.4)
+        assert (s.weights(fast, drawn, 0) == 1).all() and (s.weights(ref, drawn, 0) == 1).all()
 
 
 @pytest.mark.parametrize("lanes", [1, 3])
@@ -672,7 +682,10 @@ def test_current_and_known_ids_equal_python(make: Make, name: str, lanes: int) -
     held = rg.held_ids()
     assert held.size and rg.current(held).any() and not rg.current(held).all()
     assert np.array_equal(rg.check_ids(held, "x"), ref.check_ids(held, "x"))
-    for bad in ([-1], [int(held.max()) + lanes * 100], [2**63 - 1], [-(2**63)]):
+    cursors = rg._lanes[:, 0]
+    first_unborn = [int(cursors[lane]) * lanes + lane for lane in range(lanes)]  # the next id of each lane
+    assert np.array_equal(rg.check_ids(np.array(first_unborn) - lanes, "x"), np.array(first_unborn) - lanes)
+    for bad in ([-1], first_unborn[-1:], first_unborn[:1], [2**63 - 1], [-(2**63)]):
         with pytest.raises(sb.UnknownIdError) as a:
             rg.check_ids(np.array(bad, np.int64), "x")
         with pytest.raises(sb.UnknownIdError) as b:
