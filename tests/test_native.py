@@ -599,7 +599,7 @@ def test_prioritized_weights_native_equal_python(low: float) -> None:
     if low == 1.0:  # a min tree holding NaN (never made by the checked paths): ones, as numpy's min gives
         fast._mins[-1][3] = np.nan  # a node of the top level
         s = sb.Prioritized(alpha=0.6, beta=0.4)
-        assert (s.weights(fast, drawn, 0) == 1).all() and (s.weights(ref, drawn, 0) == 1).all()
+        assert np.all(s.weights(fast, drawn, 0) == 1) and np.all(s.weights(ref, drawn, 0) == 1)
 
 
 @pytest.mark.parametrize("lanes", [1, 3])
