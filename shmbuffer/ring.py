@@ -63,7 +63,9 @@ every path, and the Python fallback (and the rest of the protocol's numpy stores
 
 The C path (``Copier``, ``_try_reserve``'s fast cases, ``commit``) keeps the lock-based
 reservation: the C reservation marks slots only when none of them is odd, and leaves lapping,
-dead writers, ``clear`` and the rate limiter to the code below, under the same lock.
+dead writers, ``clear`` and the rate limiter to the code below, under the same lock. Reads of ids
+against stamps and cursors (``current``, ``check_ids``, a prioritized draw's ``ids_of_slots``)
+are C loops over the same rules when the extension is loaded (``native_view``).
 """
 
 from __future__ import annotations
