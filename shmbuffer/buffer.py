@@ -33,7 +33,7 @@ import numpy as np
 
 from . import edits, persistence, reader, sequences
 from .batch import Batch
-from .errors import ClosedError, FieldError, SchemaError
+from .errors import ClosedError, EmptyBufferError, FieldError, SchemaError
 from .frames import Frames, Pusher
 from .layout import UNIFORM, Block, Counter, Options, columns, read
 from .limiter import RateLimiter, counted
@@ -410,6 +410,13 @@ class ReplayBuffer:
             if not 0 <= gamma <= 1:
                 raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
             sequences.check_n_step(self, n_step, fields)
+        if self._pusher is not None and self.options.frames is not None and self.options.frames.next_of:
+            held = len(self)  # rows that are whole transitions (frames.py)
+            if held == 0 or (not replace and n > held):
+                raise EmptyBufferError(
+                    f"sample({n}{'' if replace else ', replace=False'}): buffer {self.name!r} holds {held} whole "
+                    "transitions (an episode's final observation and each lane's newest row, which waits for "
+                    "its next, are not)")
 
         def draw() -> Batch:
             prios = self._prios

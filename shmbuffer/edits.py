@@ -110,6 +110,11 @@ def delete(src: Source, ids: np.ndarray) -> int:
     ring = src.ring
     if ring.frozen:
         raise ReadOnlyError(f"buffer {src.name!r} is frozen (read-only): its rows cannot be deleted")
+    if src.block.frames is not None:
+        raise FieldError(
+            f"delete: buffer {src.name!r} stores observations once for several rows (next_of/stack): a deleted "
+            "row would take its neighbours' next observations and frames with it; lower the rows' priorities "
+            "(update_priorities) or use max_use instead")
     prios = src.priorities
     with ring.lock:
         live = ring.current(ids)
@@ -124,7 +129,8 @@ def delete(src: Source, ids: np.ndarray) -> int:
 
 
 def end_rows(src: Source) -> int:
-    """Held slots that hold an episode's final observation (``next_of``), not a transition."""
+    """Held slots that are not transitions (``next_of``): end rows holding an episode's final
+    observation, and each lane's newest row while it waits for its next one."""
     kind = src.block.arrays[KIND]
     ring = src.ring
     first, stop = ring.bounds()
@@ -136,6 +142,8 @@ def end_rows(src: Source) -> int:
             count += int(np.count_nonzero(kind[lane * lc:(lane + 1) * lc] & END))
         elif b > a:
             count += int(np.count_nonzero(kind[lane * lc + np.arange(a, b) % lc] & END))
+        if b > a and not kind[lane * lc + (b - 1) % lc] & END:
+            count += 1  # the newest row: its next observation is not pushed yet
     return count
 
 
@@ -187,27 +195,31 @@ def push(
     # new rows take their priority (and no uses) inside the reservation's critical section:
     # while they are being written a draw that lands on them sees an odd stamp and re-draws
     also = None if prios is None else (lambda slots: prios.set_rows(slots, priority, fresh=True))
-    if prios is not None and ex is not None and ex.rows.size < k:
+    rows = k  # the transitions this push inserts (a rate limiter's and stats' "inserted")
+    if ex is not None and ex.rows.size < k:
+        rows = int(ex.rows.size)
         ends = np.setdiff1d(np.arange(k), ex.rows)
-        if priority is not None:
+        if prios is not None and priority is not None:
             given_ = np.zeros(k)
             given_[ex.rows] = np.broadcast_to(priority, (ex.rows.size,))
             priority = given_
 
-        def also(slots: np.ndarray) -> None:  # an end row is never drawn
-            prios.set_rows(slots, priority, fresh=True)
-            prios.tree.update(slots[ends], 0.0)
+        def also(slots: np.ndarray) -> None:  # under the reservation's lock
+            if prios is not None:  # an end row is never drawn
+                prios.set_rows(slots, priority, fresh=True)
+                prios.tree.update(slots[ends], 0.0)
+            src.block.counters[Counter.INSERTED] -= k - rows  # an end row is not an insert
     limiter = src.options.limiter
     res = None
     try:
         if limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None:
-            res = ring.reserve(k, lane, gate=lambda i, s, size: limiter.can_insert(i, s, size, k),
+            res = ring.reserve(k, lane, gate=lambda i, s, size: limiter.can_insert(i, s, size, rows),
                                why=lambda: limiter.state(ring), also=also, deferring=True,
                                timeout=limiter.timeout if timeout is None else timeout)
         else:
             res = ring.reserve(k, lane, also=also, deferring=True)
         if pusher is not None and ex is not None:
-            why = pusher.confirm(ex, res.n)
+            why = pusher.confirm(ex, res.n, ring.base(np.arange(ring.lanes)))
             if why is not None:
                 raise FieldError(why)  # the rows are given back below
         # from here to the commit, signal handlers wait (lock.py): a Ctrl-C cannot leave the

@@ -43,6 +43,7 @@ newest row of a lane is not a transition yet (its next observation has not been 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -330,11 +331,14 @@ class Pusher:
     def __init__(self, spec: Frames, schema: Schema, stored: Schema) -> None:
         self.spec, self.schema, self.stored = spec, schema, stored
         self.last: dict[int, Last] = {}
+        self.pid = os.getpid()
 
     def expand(self, arrays: dict[str, np.ndarray], k: int, lane: int | np.ndarray, episodes: np.ndarray | None,
                bounds: tuple[np.ndarray, np.ndarray]) -> Expanded:
         """Check a push of ``k`` checked rows and lay it out as stored rows (nothing is touched)."""
         spec = self.spec
+        if self.pid != os.getpid():  # a forked child: the parent's rows are not this process's
+            self.last, self.pid = {}, os.getpid()
         lanes = np.full(k, lane, np.int64) if not isinstance(lane, np.ndarray) else lane
         eps = None if episodes is None else np.broadcast_to(episodes, (k,))
         full = {n: np.broadcast_to(a, (k, *self.schema[n].shape)) for n, a in arrays.items()}
@@ -343,7 +347,7 @@ class Pusher:
             final |= full[name].reshape(k) != 0
         nexts = dict(spec.next_of)
         sources = {src: nxt for nxt, src in spec.next_of}
-        stop_ = bounds[1]
+        start_, stop_ = bounds
         kinds = np.zeros(k, np.uint8)
         firsts: dict[int, tuple[int, bool]] = {}
         lasts: dict[int, Last] = {}
@@ -356,7 +360,10 @@ class Pusher:
                 last = self.last.get(ln)
                 # the lane's newest row is this process's last (after a clear() too: reads of the
                 # rows whose stacks reach before it find them outside the lane and re-draw)
-                cont = (last is not None and not last.final and last.row == stop_[ln] - 1
+                # a clear() since then moves the lane's cursor up to a lane boundary, and the
+                # lane reads as empty (start == stop) until someone pushes again
+                cont = (last is not None and not last.final
+                        and (last.row == stop_[ln] - 1 or (start_[ln] == stop_[ln] and last.row < stop_[ln]))
                         and (eps is None or last.episode == int(eps[i])))
                 prev_vals = last.values if cont and last is not None else None
             else:
@@ -369,12 +376,14 @@ class Pusher:
             if ln not in firsts:
                 firsts[ln] = (len(order), prev_vals is not None)
             order.append(i)
-            if final[i]:
-                if nexts:
-                    self._final(full, i, ln)
-                    order.append(-1 - i)
+            if nexts:
+                self._final(full, i, ln)  # every row: its next stack is read from the rows it continues
+            if final[i] and nexts:
+                order.append(-1 - i)
             prev_of[ln] = i
-            lasts[ln] = Last(-1, bool(final[i]), None if eps is None else int(eps[i]), self._values(full, i))
+        for ln, i in prev_of.items():  # copies: the caller may reuse its arrays before the next push
+            lasts[ln] = Last(-1, bool(final[i]), None if eps is None else int(eps[i]),
+                             {n: a.copy() for n, a in self._values(full, i).items()})
         pos = np.asarray(order, np.int64)
         src_row = np.where(pos >= 0, pos, -1 - pos)
         is_end = pos < 0
@@ -427,6 +436,8 @@ class Pusher:
         for s in self.spec.stack:
             fr = frames_of(s, full[s.name][i][None])[0]
             older, newest = fr[:-1], fr[-1]
+            if not newest.any() and not older.any():
+                continue  # zeros padded with zeros or with copies of itself: either reads the same
             if all(np.array_equal(o, newest) for o in older):
                 got = False
             elif not older.any():
@@ -437,7 +448,7 @@ class Pusher:
                     "of it there, or the previous one ended its episode), but its older frames are neither copies "
                     "of its newest frame (Gymnasium's FrameStackObservation) nor zeros (SB3's VecFrameStack). "
                     "Push an episode's steps in order from its first, each env into its own lane")
-            if zero is not None and got != zero and newest.any():
+            if zero is not None and got != zero:
                 raise FieldError(f"field {s.name!r}: row {i}: stacked fields are padded differently")
             zero = got if zero is None else zero
         return ZERO if zero else 0
@@ -451,16 +462,19 @@ class Pusher:
             now, nx = frames_of(s, full[src][i][None])[0], frames_of(s, full[nxt][i][None])[0]
             if not np.array_equal(nx[:-1], now[1:]):
                 raise FieldError(
-                    f"field {nxt!r}: row {i} (lane {lane}) ends its episode but its older frames differ from "
-                    f"the newer frames of its {src}; the final observation must be the stack after the last step")
+                    f"field {nxt!r}: row {i} (lane {lane}): its older frames differ from the newer frames of its "
+                    f"{src}; the next observation must be the stack after the step")
 
-    def confirm(self, ex: Expanded, n: np.ndarray) -> str | None:
+    def confirm(self, ex: Expanded, n: np.ndarray, base: np.ndarray) -> str | None:
         """After the reservation (``n``: the stored rows' row numbers): ``None`` when every lane's
         first row continues what this process expected, else why not (the caller gives the rows
         back and raises)."""
         for ln, (at, cont) in ex.firsts.items():
             last = self.last.get(ln)
-            if cont and (last is None or int(n[at]) != last.row + 1):
+            # the row after this process's last, or the lane's first after a clear() that came since
+            follows = last is not None and (int(n[at]) == last.row + 1
+                                            or (int(n[at]) == int(base[ln]) and last.row < int(n[at])))
+            if cont and not follows:
                 return (f"lane {ln}: another writer pushed into it between this process's rows; with next_of/stack "
                         "each lane must be written by one process at a time")
         return None

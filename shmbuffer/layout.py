@@ -114,6 +114,10 @@ class Options:
             raise ValueError(f"limiter: expected a RateLimiter, got {self.limiter!r}")
         if self.envs is not None and (not _count(self.envs) or self.envs != lanes):
             raise ValueError(f"envs: expected a positive int equal to lanes ({lanes!r}), got {self.envs!r}")
+        if self.frames is not None and cap // lanes < 2 * (self.frames.depth + self.frames.ahead + 1):
+            need = 2 * (self.frames.depth + self.frames.ahead + 1)
+            raise ValueError(f"capacity: a transition of this buffer reads {need // 2} rows of its lane (next_of/stack): "
+                             f"expected lanes of {need} rows or more, got {cap // lanes}; raise capacity")
 
     @property
     def tree(self) -> bool:

@@ -134,7 +134,7 @@ import numpy as np
 
 from . import reader
 from .errors import CapacityError, ClosedError, FieldError, LayoutError
-from .frames import KIND
+from .frames import ENDS, KIND
 from .layout import Counter, Lane, Options
 from .priorities import MAX_LEAF
 from .samplers import Prioritized
@@ -1297,7 +1297,10 @@ def from_arrays(
     lane = np.asarray(extra["lane"], dtype=np.int64).reshape(-1) if "lane" in extra else None
     if lane is not None and lane.shape != (k,):
         raise CapacityError(f"from_arrays: lane: expected {k} lane numbers (one per row), got {lane.size}")
-    keep = _kept_rows(index, k, lanes) if lane is None else None
+    # next_of/stack: an episode's last row is followed by an end row, so ids cannot be kept and a
+    # push of c rows stores up to 2 c
+    stored_once = options.get("next_of") is not None or options.get("stack") is not None
+    keep = _kept_rows(index, k, lanes) if lane is None and not stored_once else None
     envs = options.get("envs")
     envs = envs if isinstance(envs, int) else 1  # a bad envs= is the factory's to refuse
     spread = lane is None and keep is None and envs > 1  # as a push without lane=
@@ -1311,6 +1314,8 @@ def from_arrays(
             per_lane = max((int(r[-1] - r[0] + 1) for r in keep.values()), default=1)
         else:
             per_lane = int(np.bincount(lane).max()) if lane is not None and k else k // envs if spread else k
+        if stored_once:
+            per_lane += _episode_ends(schema, data)  # at most one end row each (all in one lane at worst)
         capacity = max(per_lane, 1) * lanes
     buf = factory(schema, capacity, **options)
     try:
@@ -1323,7 +1328,8 @@ def from_arrays(
             if uses is not None and k:
                 set_uses(buf, np.asarray(index, dtype=np.int64).reshape(-1), uses)
             return buf
-        step = buf.lane_capacity * (envs if spread else 1)  # with envs: whole steps, a lane's capacity each
+        per = buf.lane_capacity if buf.options.frames is None else max(1, buf.lane_capacity // 2)
+        step = per * (envs if spread else 1)  # with envs: whole steps, a lane's capacity each
         single = k == 1 and all(np.ndim(a) == len(schema[n].shape) for n, a in data.items())
         for i in range(0, k, step):
             part = slice(i, i + step)
@@ -1337,6 +1343,16 @@ def from_arrays(
         buf.__exit__(None, None, None)
         raise
     return buf
+
+
+def _episode_ends(schema: Schema, data: dict[str, Any]) -> int:
+    """Rows of ``data`` that end an episode (``frames.ENDS``): each takes an end row with next_of."""
+    final = None
+    for name in ENDS:
+        if name in data:
+            f = np.asarray(data[name]).reshape(-1) != 0
+            final = f if final is None else final | f
+    return 0 if final is None else int(final.sum())
 
 
 def _kept_rows(index: Any, k: int, lanes: int) -> dict[int, np.ndarray] | None:
@@ -1429,7 +1445,7 @@ def import_rows(buf: Buffer, arrays: Mapping[str, Any]) -> np.ndarray:
     lane = np.asarray(extra.get("lane", 0))
     if lane.size and lane.dtype.kind in "iuf" and (lane.min() < 0 or lane.max() >= buf.lanes):
         raise CapacityError(f"lane: expected lane numbers in [0, {buf.lanes}), got {lane.min()}..{lane.max()}")
-    step = buf.lane_capacity
+    step = buf.lane_capacity if buf.options.frames is None else max(1, buf.lane_capacity // 2)  # + end rows
     if "lane" not in extra and buf.options.envs:
         step *= buf.options.envs  # env-major steps of every env: lane_capacity rows in each lane
     single = k == 1 and all(np.ndim(a) == len(buf.schema[n].shape) for n, a in data.items())

@@ -204,6 +204,7 @@ def _transitions(
     shape = ids.shape
     flat = ids.reshape(-1)
     m = flat.shape[0]
+    updates = int(block.counters[_UPDATES])  # the reads below are several gathers (see the end)
     start, stop = ring.bounds()
     win = frames.window(spec, flat, ring.lanes, start, stop, INVALID)
     width = win.shape[1]
@@ -248,6 +249,10 @@ def _transitions(
         g = _gather(block, ring, flat, large=rest)
         valid = valid & g.ok
         got.update({n: _into(out, n, a) for n, a in g.large.items()})
+    if int(block.counters[_UPDATES]) != updates:
+        # an update may have come and gone between two of the gathers (the stamps end where they
+        # began): the record and the large fields of one row could be from either side of it
+        valid = np.zeros_like(valid)
     rows = Rows(valid, packed, got, episode)
     return rows if len(shape) <= 1 else _shaped(rows, shape)
 
@@ -348,9 +353,19 @@ def fetch(
 
     bad = np.flatnonzero(rejected(ids, rows))
     unclaimed = np.arange(ids.shape[0]) if claim is not None else NONE
-    rounds, deadline = 0, 0.0
+    rounds, deadline, calm = 0, 0.0, 0.0
+    frames_ = block.frames is not None and ids.ndim == 1
     while True:
         while bad.size:
+            if frames_ and ring.current(ids[bad]).all():
+                # committed rows that are not whole transitions (frames.py: end rows, a lane's newest
+                # row): nothing to wait for or reap, so no slow path; bounded by time alone
+                calm = calm or time.monotonic() + GIVE_UP
+                if time.monotonic() > calm:
+                    raise WaitTimeout(
+                        f"{what() if callable(what) else what}: {bad.size} of {ids.shape[0]} could not be drawn in "
+                        f"{GIVE_UP:.0f} s: the rows drawn are not whole transitions ({_NOT_A_TRANSITION})")
+                rounds = min(rounds, REDRAW_ROUNDS - 1)
             rounds += 1
             if rounds == REDRAW_ROUNDS + 1:
                 deadline = time.monotonic() + GIVE_UP

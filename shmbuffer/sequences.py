@@ -21,6 +21,7 @@ import numpy as np
 from . import reader
 from .batch import Batch
 from .errors import CapacityError, EmptyBufferError, FieldError
+from .frames import KIND, START
 from .reader import GIVE_UP, Rows, Source
 from .ring import INVALID, Ring
 from .samplers import uniform_ids
@@ -242,6 +243,7 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
     of the row they replace: readers check every row they copy (``reader.gather``)."""
     ring = src.ring
     episodes = _need_episodes(src, "episode_runs")
+    kinds = src.block.arrays.get(KIND)
     start, end = ring.bounds()
     lc = ring.lane_capacity
     lanes_, firsts, stops = [], [], []
@@ -261,9 +263,12 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
             if ok.any():
                 ok[ok] = ring.current(stop[ok] * ring.lanes + lane)
             first, stop = first[ok], stop[ok]
+        frames = src.block.frames
+        if frames is not None and kinds is not None and frames.stack and first.size and not kinds[lane * lc + first[0] % lc] & START:
+            first[0] += frames.depth  # a run cut by lapping or a clear(): its first stacks reach outside
         if _ends_in_own_row(src):  # an episode's last row is its end row, or has no next row yet
             stop = stop - 1
-            first, stop = first[stop > first], stop[stop > first]
+        first, stop = first[stop > first], stop[stop > first]
         lanes_.append(np.full(first.size, lane, np.int64))
         firsts.append(first)
         stops.append(stop)
