@@ -411,7 +411,7 @@ def test_every_next_stack_must_continue_its_stack(make: Make, name: str) -> None
     row = dict(episode(0, 0, 3, "terminated", (1, 4, 4), 4, 0, "reset")[0])
     row["next_obs"] = row["next_obs"].copy()
     row["next_obs"][0] += 1
-    with pytest.raises(FieldError, match="'next_obs'.*older frames"):
+    with pytest.raises(FieldError, match=r"'next_obs'.*older frames"):
         buf.push(**row)
     assert len(buf) == 0 and buf.stats["inserted"] == 0
 
