@@ -102,7 +102,7 @@ class Priorities:
                 top = float(((np.array([self._sure]) + sampler.eps) ** sampler.alpha)[0])
             if not (self._sure >= 0 and top <= MAX_LEAF * (1 - 1e-12)):
                 self._sure = -1.0
-        self._lib = self.tree._lib
+        self._lib = self.tree.lib
         if initialise:
             self.tree.reset()
             self._prio[0] = 1.0

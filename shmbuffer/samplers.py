@@ -127,10 +127,10 @@ class Prioritized:
     def weights(self, tree: SumTree | None, leaves: np.ndarray | None, calls: int) -> np.ndarray | None:
         """Importance weights ``(leaf / min leaf) ** -beta`` with ``beta`` after ``calls`` samples."""
         assert tree is not None and leaves is not None
-        lib = tree._lib
+        lib = tree.lib
         if lib is not None and leaves.dtype == np.float64 and leaves.flags.c_contiguous and leaves.ndim == 1:
             out = np.empty(leaves.shape[0], np.float32)  # one C call; its pow agrees to 1 ulp of float32
-            lib.weights(tree.mins, tree._plan, tree.capacity, leaves, self.beta_at(calls), out)
+            lib.weights(tree.mins, tree.plan, tree.capacity, leaves, self.beta_at(calls), out)
             return out
         low = tree.min
         if not np.isfinite(low) or low <= 0:
@@ -194,12 +194,12 @@ def tree_draw(ring: RingView, tree: SumTree, rng: np.random.Generator, k: int, *
     total = tree.total
     if total <= 0:
         return Draw(_NONE, np.empty(0))
-    lib, view = tree._lib, getattr(ring, "native_view", None)
+    lib, view = tree.lib, getattr(ring, "native_view", None)
     if lib is not None and view is not None and k > 0:
         # the same numbers in one C call: the masses, the walk, the leaves, the ids
         u = rng.random(k)
         slots, leaves, ids = np.empty(k, np.int64), np.empty(k), np.empty(k, np.int64)
-        lib.tree_draw(tree.sums, tree._plan, tree.capacity, total, u, stratified, view[0], view[1], slots, leaves, ids)
+        lib.tree_draw(tree.sums, tree.plan, tree.capacity, total, u, stratified, view[0], view[1], slots, leaves, ids)
         return tuple.__new__(Draw, (ids, leaves))  # Draw(ids, leaves) without its Python-level __new__
     u = rng.random(k)
     if stratified:

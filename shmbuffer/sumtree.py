@@ -83,10 +83,12 @@ class SumTree:
         # each level below the top as (nodes of the level above, FANOUT): a node's children are a row
         self._blocks = [(s.reshape(-1, FANOUT), m.reshape(-1, FANOUT)) for s, m in zip(self._sums[:-1], self._mins[:-1], strict=True)]
         self.leaves = self._sums[0][:capacity]
-        self._plan = tuple(_plan(capacity))
+        self.plan = tuple(_plan(capacity))
+        """The level lengths, leaves first (the C kernels take them)."""
         # the C kernels take whole C-contiguous float64 arrays
         contiguous = all(a.dtype == np.float64 and a.flags.c_contiguous for a in (self.sums, self.mins))
-        self._lib = native.lib if contiguous else None
+        self.lib = native.lib if contiguous else None
+        """The C extension when the arrays suit its kernels, else ``None`` (numpy)."""
 
     @staticmethod
     def size(capacity: int) -> int:
@@ -110,18 +112,18 @@ class SumTree:
     def update(self, slots: np.ndarray, values: np.ndarray | float) -> None:
         """Set the leaves ``slots`` to ``values`` (>= 0, finite) and recompute their ancestors."""
         slots = np.ascontiguousarray(slots, dtype=np.int64).reshape(-1)
-        lib = self._lib
+        lib = self.lib
         if lib is not None:
             # the kernel checks every slot before it writes anything: one outside [0, capacity)
             # (numpy wraps a negative one) leaves the tree as it was, for the numpy code below
             try:
                 if isinstance(values, float) or (isinstance(values, np.ndarray) and values.ndim == 0):
-                    lib.tree_update(self.sums, self.mins, self._plan, self.capacity, slots, float(values))
+                    lib.tree_update(self.sums, self.mins, self.plan, self.capacity, slots, float(values))
                 else:
                     v = np.ascontiguousarray(values, dtype=np.float64)
                     if v.shape != slots.shape:
                         v = np.ascontiguousarray(np.broadcast_to(v, slots.shape))
-                    lib.tree_update(self.sums, self.mins, self._plan, self.capacity, slots, v)
+                    lib.tree_update(self.sums, self.mins, self.plan, self.capacity, slots, v)
                 return
             except IndexError:
                 pass
@@ -146,10 +148,10 @@ class SumTree:
         counts as just below it): for uniform ``mass``, slot ``i`` comes with probability
         ``leaf_i / total``. Rounding can push a point to the very
         end of a node's range, onto a child of 0 there; callers check the leaves they get."""
-        lib = self._lib
+        lib = self.lib
         if lib is not None:
             out = np.empty(np.size(mass), np.int64)
-            lib.tree_find(self.sums, self._plan, self.capacity, np.ascontiguousarray(mass, dtype=np.float64).reshape(-1), out)
+            lib.tree_find(self.sums, self.plan, self.capacity, np.ascontiguousarray(mass, dtype=np.float64).reshape(-1), out)
             return out
         u = np.array(mass, dtype=np.float64).reshape(-1)
         n = u.shape[0]

@@ -532,7 +532,7 @@ def test_prioritized_draw_native_equals_python(make: Make, name: str, lanes: int
 
     buf = messy_prioritized(make, name, lanes, dyadic)
     tree, rg = buf.priorities.tree, buf.ring  # type: ignore[union-attr]
-    assert rg.native_view is not None and tree._lib is not None
+    assert rg.native_view is not None and tree.lib is not None
     ref_tree, ref_ring = python_tree(tree.capacity, tree.sums, tree.mins), python_ring(rg)
     same = total = invalid = 0
     for seed, k, stratified in [(1, 1, True), (2, 256, True), (3, 256, False), (4, 3000, True), (5, 7, False)]:
@@ -700,7 +700,7 @@ def test_prioritized_kernels_refuse_bad_input(make: Make, name: str) -> None:
     buf.push(transition(0, 8), lane=0)
     tree, rg = buf.priorities.tree, buf.ring  # type: ignore[union-attr]
     stamp, cur = rg.native_view  # type: ignore[misc]
-    plan, cap = tree._plan, tree.capacity
+    plan, cap = tree.plan, tree.capacity
     u, out_i, out_f = np.zeros(4), np.empty(4, np.int64), np.empty(4)
 
     def draw(**kw: Any) -> Any:
