@@ -44,9 +44,11 @@ remote writers cannot see the learner's count without a round trip per push).
 
 Faults. A shard whose actor or node dies is dropped: the learner is told once (a ``ShardLost``
 warning, and ``lost`` lists it), its prefetched rows are discarded, later batches come from the
-rest, and priority updates for its ids are dropped like updates of overwritten rows; where only
-the actor died, a task on its node removes its block (Ray kills a dead worker's children, the
-creator's watchdog among them; ``close`` waits for it). A
+rest, and priority updates for its ids are dropped like updates of overwritten rows. Ray kills
+an actor's child processes with it (the creator's watchdog of ``_tracker.py`` among them), so
+each shard starts a janitor outside Ray's process tree (``setsid -f``) that removes the shard's
+block once the actor's process is gone: a killed actor, or a learner that died or exited without
+``close`` (Ray then kills the actors it owned), leaves nothing in ``/dev/shm``. A
 ``RemoteWriter`` whose shard is gone raises ``ShardLostError`` naming it, or with
 ``failover=True`` writes to the next live shard (the rows of the call in flight when the shard
 died are lost with it).
@@ -62,6 +64,9 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
+import subprocess
+import sys
 import time
 import warnings
 from collections import deque
@@ -83,7 +88,6 @@ from .limiter import RateLimiter
 from .priorities import check_priorities
 from .samplers import Prioritized, Sampler
 from .schema import Schema, stack_rows
-from .segment import read_header, remove
 
 __all__ = [
     "RemoteWriter", "ShardActor", "ShardLost", "ShardLostError", "ShardedBuffer", "WriterTarget",
@@ -143,12 +147,49 @@ def _draw(buf: ReplayBuffer, k: int) -> dict[str, Any]:
     return {"fields": dict(batch.fields), "index": np.asarray(batch.index), "leaves": leaves, **state}
 
 
+_JANITOR = """
+import os, sys, time
+from shmbuffer.segment import read_header, remove
+name, pid = sys.argv[1], int(sys.argv[2])
+while True:
+    time.sleep(0.5)
+    try:
+        os.kill(pid, 0)
+        continue
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        continue
+    try:
+        header = read_header(name)
+    except Exception:
+        break
+    if header.creator_state == "dead":
+        remove(name, header.ident)
+    break
+"""
+"""The shard's janitor (``python -c``, outside Ray's process tree): once the actor's process is
+gone, it removes the shard's block if its creator is dead. Ray kills an actor's child processes
+with it (the creator's watchdog, ``_tracker.py``, among them) when the learner that owns the
+actor dies or the actor is killed; the janitor is started through ``setsid -f``, so its parent
+has exited and nobody's child is killed with the actor."""
+
+
 class _Shard:
     """The body of ``ShardActor``: one ``ReplayBuffer`` in this node's shared memory."""
 
     def __init__(self, schema: Schema, capacity: int, options: dict[str, Any]) -> None:
         self.buf = ReplayBuffer(schema, capacity, **options)
         self.pushes = 0
+        if shutil.which("setsid") is None:  # util-linux; without it `shmbuffer gc` cleans up after a crash
+            return
+        try:
+            subprocess.run(["setsid", "-f", sys.executable, "-c", _JANITOR, self.buf.name, str(os.getpid())],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           check=True, timeout=30)
+        except BaseException:
+            self.buf.__exit__(None, None, None)
+            raise
 
     def info(self) -> dict[str, Any]:
         return {"node": ray.get_runtime_context().get_node_id(), "name": self.buf.name, "pid": os.getpid(),
@@ -190,24 +231,6 @@ class _Shard:
 ShardActor: Any = ray.remote(num_cpus=0)(_Shard)
 """The shard actor (``num_cpus=0``): create it with ``ShardActor.options(...).remote(schema,
 capacity, options)``; ``ShardedBuffer`` does, one per node."""
-
-
-@ray.remote(num_cpus=0, max_retries=0)
-def _sweep(name: str, wait: float = 30.0) -> bool:
-    """On a lost shard's node, remove the shard's block once its creator is dead. The creator's
-    watchdog (``_tracker.py``) would, but Ray kills a dead worker's child processes, the watchdog
-    among them. True if this removed it."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            header = read_header(name)
-        except (ShmBufferError, OSError):
-            return False  # gone already (or not ours)
-        if header.creator_state == "dead":
-            return remove(name, header.ident)
-        if header.creator_state != "alive" or time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
 
 
 def _ok(reply: tuple[str, Any]) -> Any:
@@ -518,7 +541,6 @@ class ShardedBuffer:
         self._local_index = -1
         self._remote: dict[int, _Remote] = {}
         self._state: dict[int, dict[str, Any]] = {}
-        self._sweeps: list[Any] = []
         opts = {"sampler": sampler, **options}
         try:
             for i, node in enumerate(nodes):
@@ -566,9 +588,6 @@ class ShardedBuffer:
         shard = self.shards[i]
         warnings.warn(ShardLost(f"shard {i} ({shard.name!r} on node {shard.node[:12]}) is gone "
                                 f"({type(error).__name__}); sampling goes on from shards {self.alive}"), stacklevel=3)
-        if any(n["NodeID"] == shard.node and n["Alive"] for n in ray.nodes()):  # only the actor died
-            self._sweeps.append(_sweep.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(shard.node, soft=False)).remote(shard.name))
 
     def _states(self) -> dict[int, dict[str, Any]]:
         """The latest known state of each live shard (the local one read now)."""
@@ -880,7 +899,7 @@ class ShardedBuffer:
             except BufferError:
                 pass
             self._local = None
-        refs = list(getattr(self, "_sweeps", []))  # lost shards' blocks, removed on their nodes
+        refs = []
         for i, actor in enumerate(self._actors):
             if i not in self.lost:
                 try:

@@ -95,6 +95,15 @@ def on(node: str):
     return write.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
 
 
+def gone(name: str, within: float = 60.0) -> bool:
+    """Whether the block ``name`` is removed within ``within`` seconds (a bound, not a timing claim)."""
+    block = Path("/dev/shm") / f"shmbuffer-{name}"
+    deadline = time.monotonic() + within
+    while block.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not block.exists()
+
+
 def wilson_hilferty(chi2: float, dof: int) -> float:
     """The upper tail probability of a chi-square statistic (Wilson-Hilferty's approximation)."""
     z = ((chi2 / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
@@ -319,11 +328,25 @@ class TestOneCluster:
                 writer = buf.writer(force_remote=True, node=victim.node).open()
                 writer.push(rows(900, 901))
                 writer.flush()
-            block = Path("/dev/shm") / f"shmbuffer-{victim.name}"
-            deadline = time.monotonic() + 60  # the creator's watchdog removes it (not a timing claim: a bound)
-            while block.exists() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            assert not block.exists(), f"{block} outlived its shard actor"
+            assert gone(victim.name), f"{victim.name} outlived its shard actor"
+
+    def test_a_learner_killed_without_close_leaves_no_block(self, cluster) -> None:
+        """Ray kills the actors a dead learner owned, and their children with them: each shard's
+        janitor, outside that tree, removes the shard's block."""
+        child = (
+            "import os, signal, sys, ray\n"
+            "import shmbuffer as sb\n"
+            "from shmbuffer.ray import ShardedBuffer\n"
+            "ray.init(address=sys.argv[1], include_dashboard=False, log_to_driver=False)\n"
+            "buf = ShardedBuffer(sb.Schema(x=((3,), 'float32')), 100)\n"
+            "print(' '.join(s.name for s in buf.shards), flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n"
+        )
+        out = subprocess.run([sys.executable, "-c", child, cluster.address], capture_output=True, text=True,
+                             timeout=240)
+        names = out.stdout.split()
+        assert len(names) == 3 and out.returncode == -9, out.stderr[-2000:]
+        assert all(gone(n) for n in names), f"left in /dev/shm: {[n for n in names if not gone(n, 0)]}"
 
 
 def test_killing_a_node_leaves_the_learner_running(tmp_path) -> None:
@@ -339,8 +362,6 @@ def test_killing_a_node_leaves_the_learner_running(tmp_path) -> None:
             ray.get(on(other.node).remote(replace(target, force_remote=True), 100, 200, 50))
             first = buf.sample(100)
             assert set(np.unique(first.shard)) == {0, 1}
-            keep = sb.ReplayBuffer.attach(other.name)  # the dead node's block, removed below (shared /dev/shm here)
-            keep.close()
             writer = buf.writer(force_remote=True, node=other.node).open()
             failover = buf.writer(force_remote=True, node=other.node, failover=True).open()
             cluster.remove_node(node)
@@ -349,6 +370,7 @@ def test_killing_a_node_leaves_the_learner_running(tmp_path) -> None:
                     batch = buf.sample(32)
             assert len([w for w in told if issubclass(w.category, ShardLost)]) == 1  # told once
             assert buf.lost == [other.index] and np.all(batch.shard == head.index) and intact(batch)
+            assert gone(other.name)  # the dead node's block (nodes share /dev/shm here): its janitor removed it
             assert buf.stats["rows"] == 100  # the other shard's rows are all still there
             # rows of the dead shard are dropped as overwritten ones are; the others are updated
             assert buf.update_priorities(first, np.ones(100)) == int((first.shard == head.index).sum())
@@ -361,9 +383,6 @@ def test_killing_a_node_leaves_the_learner_running(tmp_path) -> None:
     finally:
         ray.shutdown()
         cluster.shutdown()
-        for leftover in Path("/dev/shm").glob("shmbuffer-sb*"):  # a killed node's shard (nodes share /dev/shm here)
-            if leftover.name.startswith(f"shmbuffer-sb{os.getpid()}-"):
-                leftover.unlink()
 
 
 def test_the_example_runs(tmp_path) -> None:
