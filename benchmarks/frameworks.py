@@ -38,7 +38,8 @@ import itertools
 import multiprocessing as mp
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -320,6 +321,22 @@ def _mp_writer(rb: Any, w: int, ready: Any, go: Any, deadline: Any, results: Any
         results.put(("error", w, msg))
 
 
+@contextmanager
+def default_start_method(method: str) -> Iterator[None]:
+    """multiprocessing's default start method set to ``method`` inside the block, as it was after.
+    TorchRL makes its shared cursor and length (``mp.Value``) and its lock with the default
+    context, which importing torchrl sets to spawn, unless something used the default context
+    first (an earlier case in this run): then it is fork, and pickling those into the spawn
+    writers raises "A SemLock created in a fork context is being shared with a process in a spawn
+    context"."""
+    before = mp.get_start_method(allow_none=True)
+    mp.set_start_method(method, force=True)
+    try:
+        yield
+    finally:
+        mp.set_start_method(before, force=True)
+
+
 def _mp_run_once(spec: RB, capacity: int, cfg: Config, seconds: float) -> dict[str, Any]:
     """One run: this process is the learner (it has torch and torchrl loaded already, which a
     fresh learner process would spend seconds importing), under an alarm that ends a run stuck
@@ -327,7 +344,7 @@ def _mp_run_once(spec: RB, capacity: int, cfg: Config, seconds: float) -> dict[s
     name = peers.buffer_name(peers.Ours.prefix)
     limit = cfg.timeout + 3 * seconds
     try:
-        with torch_threads(1), time_limit(limit, f"{spec.name} run"):
+        with torch_threads(1), default_start_method("spawn"), time_limit(limit, f"{spec.name} run"):
             return _mp_learn(spec, capacity, seconds, name)
     except Unavailable as e:
         return {"status": e.status, "reason": e.reason}
@@ -375,6 +392,8 @@ def _mp_learn(spec: RB, capacity: int, seconds: float, name: str) -> dict[str, A
                 "window_s": window, "pushed": {str(k): v for k, v in pushed.items()}, **integrity}
     finally:
         for p in procs:
+            if p.pid is None:  # never started (an earlier one failed to)
+                continue
             if p.is_alive():
                 p.kill()
             p.join(5)
