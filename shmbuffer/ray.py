@@ -77,7 +77,7 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .batch import Batch
@@ -605,8 +605,6 @@ class ShardedBuffer:
                 self._state[i] = ray.get(ref, timeout=timeout)
             except GetTimeoutError:
                 continue
-            except RayActorError as e:
-                self._drop(i, e)
             except RayError as e:
                 self._drop(i, e)
         return self._states()
@@ -680,9 +678,6 @@ class ShardedBuffer:
         rem.chunks.append({"fields": {k: v[order] for k, v in reply["fields"].items()},
                            "index": reply["index"][order],
                            "leaves": None if reply["leaves"] is None else reply["leaves"][order], "at": 0})
-
-    def _pooled(self, i: int) -> int:
-        return sum(len(c["index"]) - c["at"] for c in self._remote[i].chunks)
 
     def _take(self, i: int, k: int) -> list[dict[str, Any]]:
         """Up to ``k`` prefetched rows of remote shard ``i`` (fewer when it has none to give)."""
