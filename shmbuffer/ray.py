@@ -54,7 +54,7 @@ block once the actor's process is gone: a killed actor, or a learner that died o
 died are lost with it).
 
 ``save(path)`` writes one directory per shard (``shard-<i>``, on that shard's node, via its
-actor) and ``manifest.json``; ``stats`` and ``len`` add up the shards; ``shards()`` lists them as
+actor) and ``manifest.json``, and ``ShardedBuffer.load(path)`` makes the shards again; ``stats`` and ``len`` add up the shards; ``shards()`` lists them as
 ``shmbuffer ls`` lists a node's buffers (each shard shows in its own node's ``shmbuffer ls`` under
 the name ``<token>-s<i>``).
 """
@@ -86,7 +86,7 @@ from .errors import EmptyBufferError, FieldError, ShmBufferError, UnknownIdError
 from .layout import UNIFORM, Options
 from .limiter import RateLimiter
 from .priorities import check_priorities
-from .samplers import Prioritized, Sampler
+from .samplers import Prioritized, Sampler, sampler_from_json
 from .schema import Schema, stack_rows
 
 __all__ = [
@@ -178,8 +178,11 @@ has exited and nobody's child is killed with the actor."""
 class _Shard:
     """The body of ``ShardActor``: one ``ReplayBuffer`` in this node's shared memory."""
 
-    def __init__(self, schema: Schema, capacity: int, options: dict[str, Any]) -> None:
-        self.buf = ReplayBuffer(schema, capacity, **options)
+    def __init__(self, schema: Schema, capacity: int, options: dict[str, Any], source: str | None = None) -> None:
+        if source is None:
+            self.buf = ReplayBuffer(schema, capacity, **options)
+        else:  # a saved shard (ShardedBuffer.load): its rows, ids and priorities
+            self.buf = ReplayBuffer.load(source, name=options["name"])
         self.pushes = 0
         if shutil.which("setsid") is None:  # util-linux; without it `shmbuffer gc` cleans up after a crash
             return
@@ -499,6 +502,8 @@ class ShardedBuffer:
         benchmarking: nodes on one machine share ``/dev/shm``).
     :param seed: seeds the split over shards and the shuffling of prefetched rows.
     :param timeout: seconds to wait for the shards to start.
+    :param sources: a saved shard's directory per node (``load`` gives them): the shards hold its
+        rows, ids and priorities instead of starting empty.
     :param options: more ``ReplayBuffer`` options for each shard (``lanes``, ``envs``,
         ``episodes``, ``max_use``).
     """
@@ -509,7 +514,8 @@ class ShardedBuffer:
     def __init__(
         self, schema: Schema | Mapping[str, Any], capacity: int, *, nodes: Sequence[str] | None = None,
         sampler: Sampler = UNIFORM, prefetch: int = 2, limiter: RateLimiter | None = None,
-        force_remote: bool = False, seed: int | None = None, timeout: float = 120.0, **options: Any,
+        force_remote: bool = False, seed: int | None = None, timeout: float = 120.0,
+        sources: Sequence[str] | None = None, **options: Any,
     ) -> None:
         if not ray.is_initialized():
             raise RuntimeError("ShardedBuffer: connect to a Ray cluster first (ray.init(address=...))")
@@ -517,6 +523,8 @@ class ShardedBuffer:
         if nodes is None:
             nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         nodes = list(nodes)
+        if sources is not None and len(sources) != len(nodes):
+            raise ValueError(f"ShardedBuffer: {len(sources)} sources for {len(nodes)} nodes; give one per node")
         if not 1 <= len(nodes) <= MAX_SHARDS:
             raise ValueError(f"ShardedBuffer: expected 1 to {MAX_SHARDS} nodes, got {len(nodes)}")
         if limiter is not None and limiter.block_writers:
@@ -548,7 +556,7 @@ class ShardedBuffer:
                 self._actors.append(ShardActor.options(
                     name=name, namespace=self.namespace, num_cpus=0, max_restarts=0,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-                ).remote(schema, capacity, {**opts, "name": name}))
+                ).remote(schema, capacity, {**opts, "name": name}, None if sources is None else str(sources[i])))
             infos = ray.get([a.info.remote() for a in self._actors], timeout=timeout)
             self.shards = tuple(ShardInfo(i, info["node"], info["name"], f"{self.token}-s{i}")
                                 for i, info in enumerate(infos))
@@ -878,6 +886,32 @@ class ShardedBuffer:
                     "sampler": self.sampler.to_json(), "shards": saved, "lost": list(self.lost)}
         (root / "manifest.json").write_text(json.dumps(manifest, indent=1))
         return manifest
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], *, nodes: Sequence[str] | None = None, **kwargs: Any) -> ShardedBuffer:
+        """Shards holding a ``save``: shard ``i`` is loaded on the node that saved it (or on
+        ``nodes[i]``) from ``<path>/shard-<i>``, which must be on that node's filesystem; ids keep
+        their shard. ``kwargs``: the constructor's (``prefetch``, ``limiter``, ``seed`` ...)."""
+        root = Path(path)
+        manifest = json.loads((root / "manifest.json").read_text())
+        if manifest.get("format") != "shmbuffer-shards" or manifest.get("version") != 1:
+            raise ValueError(f"{root / 'manifest.json'}: expected format 'shmbuffer-shards' version 1, got "
+                             f"{manifest.get('format')!r} version {manifest.get('version')!r}")
+        saved = sorted(manifest["shards"], key=lambda m: m["shard"])
+        if [m["shard"] for m in saved] != list(range(len(saved))):
+            raise ValueError(f"{root}: the save holds shards {[m['shard'] for m in saved]} (shard(s) "
+                             f"{manifest.get('lost')} were lost before it); ids name their shard by number, "
+                             "so load needs every shard from 0")
+        if nodes is None:
+            alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            gone = [m["shard"] for m in saved if m["node"] not in alive]
+            if gone:
+                raise ValueError(f"load: the nodes that saved shard(s) {gone} are not in the cluster; "
+                                 "give nodes=[...], one per shard, each holding its shard-<i> directory")
+            nodes = [m["node"] for m in saved]
+        return cls(Schema.from_json(manifest["schema"]), 1, nodes=nodes,
+                   sampler=sampler_from_json(manifest["sampler"]),
+                   sources=[str(root / m["dir"]) for m in saved], **kwargs)
 
     @property
     def closed(self) -> bool:

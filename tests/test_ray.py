@@ -257,6 +257,11 @@ class TestOneCluster:
                     got = back.export()
                     i = m["shard"]
                     assert np.array_equal(np.sort(got["i"]), np.arange(100 * i, 100 * i + 10 * (i + 1)))
+        with ShardedBuffer.load(tmp_path / "saved", seed=7) as again:  # each shard on the node that saved it
+            assert [s.node for s in again.shards] == [s.node for s in buf.shards] and len(again) == 60
+            batch = again.sample(200)
+            assert intact(batch) and np.array_equal(batch.shard, batch.i // 100)
+            assert np.array_equal(row_of(batch.index), batch.i % 100)  # ids kept: shard and row number
 
 
     def test_a_collector_on_a_second_node_feeds_the_learner(self, cluster) -> None:
