@@ -334,7 +334,9 @@ def _connect(address: str, namespace: str) -> None:
 class RemoteWriter:
     """Pushes to a shard on another node through Ray, in calls of ``batch_rows`` rows (see the
     module docstring). ``flush()`` sends what is pending and waits; ``close()`` flushes.
-    ``calls`` counts the push calls sent."""
+    ``calls`` counts the push calls sent. Every check a push makes on its rows runs here, before
+    anything is queued; what only the shard can refuse (a frozen shard: ``ReadOnlyError``) comes
+    back as the shard raised it, from the next push or flush, and that call's rows are not written."""
 
     def __init__(self, target: WriterTarget, shard: ShardInfo) -> None:
         _connect(target.address, target.namespace)
@@ -374,6 +376,8 @@ class RemoteWriter:
             if episode is None:
                 raise FieldError("push: this buffer keeps episodes (episodes=True): give episode= (one id, or one per row)")
             episodes = np.broadcast_to(np.asarray(episode, np.int64), (k,)).copy()
+        if priority is not None and not isinstance(self.options.sampler, Prioritized):
+            raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
         prios = None if priority is None else check_priorities(priority, k, "push: priority")
         if self._pending and (prios is None) != (self._pending[-1][3] is None):
             self.flush(wait=False)

@@ -219,9 +219,24 @@ class TestOneCluster:
             with sb.ReplayBuffer.attach(s.name) as local, pytest.raises(FieldError) as here:
                 local.push(bad)
             assert str(remote.value) == str(here.value) and "field 'x'" in str(remote.value)
+            with pytest.raises(FieldError) as remote:
+                writer.push(rows(0, 2), priority=1.0)
+            with sb.ReplayBuffer.attach(s.name) as local, pytest.raises(FieldError) as here:
+                local.push(rows(0, 2), priority=1.0)
+            assert str(remote.value) == str(here.value)
             writer.push(rows(0, 3))
             writer.close()
-            assert writer.calls == 1 and buf.stats["shards"][s.index]["inserted"] == 3  # nothing of the bad push
+            assert writer.calls == 1 and buf.stats["shards"][s.index]["inserted"] == 3  # nothing of the bad pushes
+            # what only the shard can refuse comes back as the shard raised it
+            with sb.ReplayBuffer.attach(s.name) as local:
+                local.freeze()
+                with pytest.raises(sb.ReadOnlyError) as here:
+                    local.push(rows(3, 4))
+            writer = target.open()
+            writer.push(rows(3, 4))
+            with pytest.raises(sb.ReadOnlyError) as remote:
+                writer.flush()
+            assert str(remote.value) == str(here.value) and buf.stats["shards"][s.index]["inserted"] == 3
 
 
     def test_the_rate_limiter_counts_every_shard(self, cluster) -> None:
