@@ -23,8 +23,9 @@ and TorchRL's ``ReplayBuffer`` on ``shmbuffer.torchrl.ShmStorage``.
   TorchRL ``ReplayBuffer`` while the learner samples 256 and checks every sampled row (torn rows);
   afterwards every row left is read and each writer's rows must be exactly its newest ones (rows
   lost, corrupt), as in ``multiproc.py``. The buffer is made and filled (rows of "writer 0") by the
-  learner and handed to the writers by pickling it into ``spawn`` processes, as TorchRL's docs on
-  sharing replay buffers show. Subjects: our ``ShmStorage`` (no lock: the shared ring gives every
+  learner and handed to the writers by pickling it into new processes, as TorchRL's docs on
+  sharing replay buffers show (``forkserver`` with torchrl preloaded: pickled exactly as for
+  ``spawn``, without each writer spending seconds importing torchrl). Subjects: our ``ShmStorage`` (no lock: the shared ring gives every
   extend its own slots); ``LazyMemmapStorage`` with ``shared=True`` (TorchRL's documented way: one
   ``multiprocessing.Lock`` around every ``extend`` and ``sample``); and ``LazyMemmapStorage`` and
   ``LazyTensorStorage`` without it (``shared=False``: the storage's memory and the writer's cursor
@@ -52,6 +53,9 @@ from .features import torch_threads
 from .peers import Unavailable, need, tensordict
 
 COLLECTORS = 2
+START = "forkserver"
+"""How the TorchRL writers start: the buffer is pickled into them as for spawn, and the fork
+server imports torchrl once for all of them."""
 EXTEND = 64
 FILL = 8192
 
@@ -326,8 +330,8 @@ def default_start_method(method: str) -> Iterator[None]:
     """multiprocessing's default start method set to ``method`` inside the block, as it was after.
     TorchRL makes its shared cursor and length (``mp.Value``) and its lock with the default
     context, which importing torchrl sets to spawn, unless something used the default context
-    first (an earlier case in this run): then it is fork, and pickling those into the spawn
-    writers raises "A SemLock created in a fork context is being shared with a process in a spawn
+    first (an earlier case in this run): then it is fork, and pickling those into the writers
+    raises "A SemLock created in a fork context is being shared with a process in a spawn
     context"."""
     before = mp.get_start_method(allow_none=True)
     mp.set_start_method(method, force=True)
@@ -344,7 +348,7 @@ def _mp_run_once(spec: RB, capacity: int, cfg: Config, seconds: float) -> dict[s
     name = peers.buffer_name(peers.Ours.prefix)
     limit = cfg.timeout + 3 * seconds
     try:
-        with torch_threads(1), default_start_method("spawn"), time_limit(limit, f"{spec.name} run"):
+        with torch_threads(1), default_start_method(START), time_limit(limit, f"{spec.name} run"):
             return _mp_learn(spec, capacity, seconds, name)
     except Unavailable as e:
         return {"status": e.status, "reason": e.reason}
@@ -355,7 +359,8 @@ def _mp_run_once(spec: RB, capacity: int, cfg: Config, seconds: float) -> dict[s
 
 
 def _mp_learn(spec: RB, capacity: int, seconds: float, name: str) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(START)
+    ctx.set_forkserver_preload(["torchrl.data", "shmbuffer.torchrl", __name__])
     rb = spec.make(capacity, name)
     procs: list[Any] = []
     try:
