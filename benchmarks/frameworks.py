@@ -359,7 +359,7 @@ def _mp_run_once(spec: RB, capacity: int, cfg: Config, seconds: float) -> dict[s
 
 
 def _mp_learn(spec: RB, capacity: int, seconds: float, name: str) -> dict[str, Any]:
-    ctx = mp.get_context(START)
+    ctx: Any = mp.get_context(START)
     ctx.set_forkserver_preload(["torchrl.data", "shmbuffer.torchrl", __name__])
     rb = spec.make(capacity, name)
     procs: list[Any] = []
