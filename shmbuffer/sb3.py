@@ -11,8 +11,8 @@
     model.learn(10_000)
     model.save_replay_buffer("rb.pkl")             # the rows, not a name: loads in a fresh process
 
-``ReplayBuffer`` and ``DictReplayBuffer`` are SB3's classes (``isinstance`` checks in SB3 pass)
-with SB3's behaviour: ``add`` takes one step of ``n_envs`` envs, ``sample`` draws positions and
+``ReplayBuffer``, ``DictReplayBuffer`` and ``NStepReplayBuffer`` (``replay_buffer_kwargs={"n_steps":
+3, "gamma": 0.99}``) are SB3's classes (``isinstance`` checks in SB3 pass) with SB3's behaviour: ``add`` takes one step of ``n_envs`` envs, ``sample`` draws positions and
 env indices with ``np.random`` exactly as SB3 does, ``handle_timeout_termination`` masks dones
 of time-limit ends, a ``VecNormalize`` passed as ``env`` normalizes observations and rewards. So,
 given the same adds and the same ``np.random`` state, they return the same transitions as SB3's.
@@ -20,7 +20,8 @@ given the same adds and the same ``np.random`` state, they return the same trans
 The rows are a shmbuffer made with ``envs=n_envs`` (one lane per env): SB3's position ``p`` of env
 ``e`` is the newest row of lane ``e`` in its slot ``p``; ``pos`` and ``full`` are read from the
 shared ring, so rows pushed by other processes count. Samples are stamped copies: a row that a
-writer elsewhere is overwriting is never returned torn (the draw is repeated).
+writer elsewhere is writing or overwriting is never returned torn (the rows at the drawn positions
+are read again, for up to ``WAIT`` seconds).
 
 ``optimize_memory_usage=True`` is refused: it maps to compressed storage (issue 11), which does
 not exist yet. Pickling (``save_replay_buffer``) stores the rows and settings; unpickling makes a
