@@ -155,14 +155,14 @@ _CACHE: dict[str, Any] = {}
 def streams() -> Streams:
     if "streams" not in _CACHE:
         _CACHE["streams"] = Streams.make()
-    return _CACHE["streams"]  # type: ignore[no-any-return]
+    return _CACHE["streams"]
 
 
 def pushes() -> list[dict[str, np.ndarray]]:
     """``streams().pushes()``, made once (the subjects only read them)."""
     if "pushes" not in _CACHE:
         _CACHE["pushes"] = streams().pushes()
-    return _CACHE["pushes"]  # type: ignore[no-any-return]
+    return _CACHE["pushes"]
 
 
 def schema() -> Any:
@@ -224,9 +224,9 @@ class Ours(Subjectish):
         super().__init__(capacity)
         import shmbuffer as sb
 
-        extra = {"next_of": "obs", "stack": "obs"} if self.compressed else {}
+        stored_once = "obs" if self.compressed else None
         self.buf: Any = sb.ReplayBuffer(schema(), capacity, envs=ENVS, name=peers.buffer_name(peers.Ours.prefix),
-                                        seed=0, **extra)
+                                        seed=0, next_of=stored_once, stack=stored_once)
         self._pushes = pushes()
         self._next = 0
 

@@ -102,9 +102,9 @@ class EpsilonGreedy:
 
     def __call__(self, model: Any, obs: np.ndarray, step: int) -> np.ndarray:
         eps = max(0.05, 1.0 - 0.95 * step / self.steps)
-        explore = self.rng.random(obs.shape[0]) < eps
+        explore = np.asarray(self.rng.random(obs.shape[0]) < eps)
         if explore.all():
-            return self.rng.integers(self.actions, size=obs.shape[0])
+            return np.asarray(self.rng.integers(self.actions, size=obs.shape[0]))
         with torch.no_grad():
             greedy = model(scaled(obs)).argmax(dim=1).numpy()
         return np.where(explore, self.rng.integers(self.actions, size=obs.shape[0]), greedy)

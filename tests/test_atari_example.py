@@ -68,8 +68,8 @@ def real_env(game: str, *, truncate_after: int | None = None, life_loss: bool = 
     from gymnasium.wrappers import AtariPreprocessing, FrameStackObservation
 
     gym.register_envs(ale_py)
-    kwargs = {} if truncate_after is None else {"max_episode_steps": 4 * truncate_after}  # raw frames: 4 a step
-    env = gym.make(game, frameskip=1, **kwargs)
+    limit = None if truncate_after is None else 4 * truncate_after  # TimeLimit counts raw frames: 4 a step
+    env = gym.make(game, frameskip=1, max_episode_steps=limit)
     env = AtariPreprocessing(env, frame_skip=4, screen_size=84, grayscale_obs=True, terminal_on_life_loss=life_loss)
     return FrameStackObservation(env, 4)
 
