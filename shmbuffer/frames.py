@@ -300,6 +300,52 @@ def frames_of(s: Stack, stacks: np.ndarray) -> np.ndarray:
 
 
 # -- pushes ---------------------------------------------------------------------------------------
+def _at(a: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``a[rows]``, a view when ``rows`` are consecutive (the usual push: one env's steps)."""
+    if rows.size and rows[-1] - rows[0] == rows.size - 1 and (rows.size < 3 or (np.diff(rows) == 1).all()):
+        return a[int(rows[0]):int(rows[-1]) + 1]
+    return a[rows]
+
+
+def _older(s: Stack, stacks: np.ndarray) -> np.ndarray:
+    """The older ``k - 1`` frames of each stack, in the field's layout (a view)."""
+    at = [slice(None)] * stacks.ndim
+    at[1 + s.axis] = slice(0, (s.k - 1) * s.width)
+    return stacks[tuple(at)]
+
+
+def _newer(s: Stack, stacks: np.ndarray) -> np.ndarray:
+    """The newer ``k - 1`` frames of each stack, in the field's layout (a view)."""
+    at = [slice(None)] * stacks.ndim
+    at[1 + s.axis] = slice(s.width, None)
+    return stacks[tuple(at)]
+
+
+def _first_unequal(a: np.ndarray, b: np.ndarray, rows: np.ndarray) -> int | None:
+    """The first of ``rows`` whose ``a`` and ``b`` rows differ (bit for bit), or ``None``."""
+    if not rows.size:
+        return None
+    same = (_bits(a) == _bits(b)).reshape(rows.size, -1).all(axis=1)
+    if same.all():
+        return None
+    return int(rows[np.flatnonzero(~same)[0]])
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """Floats as unsigned ints of their size: compared bit for bit (what a read gives back), so
+    ``-0.0`` is not ``0.0`` and a NaN equals itself."""
+    if a.dtype.kind == "f" and a.dtype.itemsize in (2, 4, 8):
+        return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+    return a
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool(np.array_equal(_bits(a), _bits(b)))
+
+
+def _lane(lanes: dict[int, int], row: int) -> str:
+    return f" (lane {lanes[row]})" if row in lanes else ""
+
 @dataclass
 class Last:
     """What this process pushed last into a lane."""
@@ -335,7 +381,9 @@ class Pusher:
 
     def expand(self, arrays: dict[str, np.ndarray], k: int, lane: int | np.ndarray, episodes: np.ndarray | None,
                bounds: tuple[np.ndarray, np.ndarray]) -> Expanded:
-        """Check a push of ``k`` checked rows and lay it out as stored rows (nothing is touched)."""
+        """Check a push of ``k`` checked rows and lay it out as stored rows (nothing is touched).
+        The walk over the rows decides which continue which; the data checks then run on all the
+        rows at once."""
         spec = self.spec
         if self.pid != os.getpid():  # a forked child: the parent's rows are not this process's
             self.last, self.pid = {}, os.getpid()
@@ -345,48 +393,53 @@ class Pusher:
         final = np.zeros(k, bool)
         for name in spec.ends:
             final |= full[name].reshape(k) != 0
-        nexts = dict(spec.next_of)
-        sources = {src: nxt for nxt, src in spec.next_of}
+        nexts = bool(spec.next_of)
         start_, stop_ = bounds
         kinds = np.zeros(k, np.uint8)
         firsts: dict[int, tuple[int, bool]] = {}
-        lasts: dict[int, Last] = {}
-        order: list[int] = []  # stored rows: i >= 0 a pushed row, -1 - i the end row after row i
         prev_of: dict[int, int] = {}
+        inside: list[tuple[int, int]] = []  # (row, the row of this push it continues)
+        remembered: list[tuple[int, int, Last]] = []  # (row, lane, this process's last row it continues)
+        starts: list[tuple[int, int]] = []  # (row, lane) that start an episode
+        lane_list, final_list = lanes.tolist(), final.tolist()
+        eps_list = None if eps is None else eps.tolist()
         for i in range(k):
-            ln = int(lanes[i])
+            ln = lane_list[i]
             p = prev_of.get(ln)
             if p is None:
                 last = self.last.get(ln)
-                # the lane's newest row is this process's last (after a clear() too: reads of the
-                # rows whose stacks reach before it find them outside the lane and re-draw)
-                # a clear() since then moves the lane's cursor up to a lane boundary, and the
-                # lane reads as empty (start == stop) until someone pushes again
+                # the lane's newest row is this process's last; a clear() since then moves the
+                # lane's cursor up to a lane boundary and the lane reads as empty until the next
+                # push (reads of the rows whose stacks reach before the clear re-draw them)
                 cont = (last is not None and not last.final
                         and (last.row == stop_[ln] - 1 or (start_[ln] == stop_[ln] and last.row < stop_[ln]))
-                        and (eps is None or last.episode == int(eps[i])))
-                prev_vals = last.values if cont and last is not None else None
+                        and (eps_list is None or last.episode == eps_list[i]))
+                if cont and last is not None:
+                    remembered.append((i, ln, last))
+                firsts[ln] = (i, cont)
             else:
-                cont = not final[p] and (eps is None or eps[p] == eps[i])
-                prev_vals = self._values(full, p) if cont else None
-            if prev_vals is not None:
-                self._continues(full, i, ln, prev_vals, sources)
-            else:
-                kinds[i] = START | self._padding(full, i, ln)
-            if ln not in firsts:
-                firsts[ln] = (len(order), prev_vals is not None)
-            order.append(i)
-            if nexts:
-                self._final(full, i, ln)  # every row: its next stack is read from the rows it continues
-            if final[i] and nexts:
-                order.append(-1 - i)
+                cont = not final_list[p] and (eps_list is None or eps_list[p] == eps_list[i])
+                if cont:
+                    inside.append((i, p))
+            if not cont:
+                starts.append((i, ln))
             prev_of[ln] = i
-        for ln, i in prev_of.items():  # copies: the caller may reuse its arrays before the next push
-            lasts[ln] = Last(-1, bool(final[i]), None if eps is None else int(eps[i]),
-                             {n: a.copy() for n, a in self._values(full, i).items()})
-        pos = np.asarray(order, np.int64)
+        self._check(full, inside, remembered)
+        for i, ln in starts:
+            kinds[i] = START | self._padding(full, i, ln)
+        # stored rows: i >= 0 a pushed row, -1 - i the end row after row i (next_of)
+        ends_after = final & nexts
+        pos = np.empty(k + int(ends_after.sum()), np.int64)
+        at = np.arange(k) + np.concatenate([[0], np.cumsum(ends_after)[:-1]])
+        pos[at] = np.arange(k)
+        pos[at[ends_after] + 1] = -1 - np.flatnonzero(ends_after)
+        firsts = {ln: (int(at[i]), cont) for ln, (i, cont) in firsts.items()}
+        lasts = {ln: Last(-1, final_list[i], None if eps_list is None else eps_list[i],  # copies: the caller
+                          {n: a.copy() for n, a in self._values(full, i).items()})  # may reuse its arrays
+                 for ln, i in prev_of.items()}
         src_row = np.where(pos >= 0, pos, -1 - pos)
         is_end = pos < 0
+        sources = {src: nxt for nxt, src in spec.next_of}
         out: dict[str, np.ndarray] = {}
         for f in self.stored:
             a = full[f.name]
@@ -411,24 +464,45 @@ class Pusher:
         keep = {s.name for s in self.spec.stack} | {n for n, _ in self.spec.next_of}
         return {n: full[n][i] for n in keep}
 
-    def _continues(self, full: dict[str, np.ndarray], i: int, lane: int, prev: dict[str, np.ndarray],
-                   sources: dict[str, str]) -> None:
-        """Refuse row ``i`` unless it continues the row whose pushed values are ``prev``."""
+    def _check(self, full: dict[str, np.ndarray], inside: list[tuple[int, int]],
+               remembered: list[tuple[int, int, Last]]) -> None:
+        """Refuse the push unless each continuing row continues its previous row (a row of this
+        push, ``inside``, or this process's last row of the lane, ``remembered``), and, with a
+        stacked next observation, unless every row's next stack is its stack a frame on."""
+        spec = self.spec
+        sources = {src: nxt for nxt, src in spec.next_of}
+        rows = np.array([i for i, _ in inside], np.int64)
+        prevs = np.array([p for _, p in inside], np.int64)
+        lanes = {i: ln for i, ln, _ in remembered}
         for src, nxt in sources.items():
-            if not np.array_equal(full[src][i], prev[nxt]):
+            bad = _first_unequal(_at(full[src], rows), _at(full[nxt], prevs), rows)
+            for i, _, last in remembered:
+                if not _same(full[src][i], last.values[nxt]):
+                    bad = i if bad is None else min(bad, i)
+            if bad is not None:
                 raise FieldError(
-                    f"field {src!r}: row {i} (lane {lane}) does not continue the lane's previous row: its {src} "
-                    f"differs from that row's {nxt} (next_of={src!r} stores it once). Push each env's steps "
-                    "in order into its own lane, and mark an episode's last step with done/terminated/truncated")
-        for s in self.spec.stack:
+                    f"field {src!r}: row {bad}{_lane(lanes, bad)} does not continue the lane's previous row: its "
+                    f"{src} differs from that row's {nxt} (next_of={src!r} stores it once). Push each env's "
+                    "steps in order into its own lane, and mark an episode's last step with done/terminated/truncated")
+        for s in spec.stack:
             if s.name in sources:
-                continue  # checked whole above
-            now, before = frames_of(s, full[s.name][i][None])[0], frames_of(s, prev[s.name][None])[0]
-            if not np.array_equal(now[:-1], before[1:]):
+                nxt = sources[s.name]
+                every = np.arange(full[s.name].shape[0])
+                bad = _first_unequal(_older(s, full[nxt]), _newer(s, full[s.name]), every)
+                if bad is not None:
+                    raise FieldError(
+                        f"field {nxt!r}: row {bad}: its older frames differ from the newer frames of its "
+                        f"{s.name}; the next observation must be the stack after the step")
+                continue  # the stacks themselves were checked whole above
+            bad = _first_unequal(_older(s, _at(full[s.name], rows)), _newer(s, _at(full[s.name], prevs)), rows)
+            for i, _, last in remembered:
+                if not _same(_older(s, full[s.name][i][None]), _newer(s, last.values[s.name][None])):
+                    bad = i if bad is None else min(bad, i)
+            if bad is not None:
                 raise FieldError(
-                    f"field {s.name!r}: row {i} (lane {lane}): its older {s.k - 1} frames differ from the lane's "
-                    "previous rows (stack= stores one frame a row). Push each env's steps in order into its own "
-                    "lane, and mark an episode's last step with done/terminated/truncated")
+                    f"field {s.name!r}: row {bad}{_lane(lanes, bad)}: its older {s.k - 1} frames differ from the "
+                    "lane's previous rows (stack= stores one frame a row). Push each env's steps in order into its "
+                    "own lane, and mark an episode's last step with done/terminated/truncated")
 
     def _padding(self, full: dict[str, np.ndarray], i: int, lane: int) -> int:
         """``ZERO`` or 0 for a row that starts an episode, from how its stacks are padded."""
@@ -452,18 +526,6 @@ class Pusher:
                 raise FieldError(f"field {s.name!r}: row {i}: stacked fields are padded differently")
             zero = got if zero is None else zero
         return ZERO if zero else 0
-
-    def _final(self, full: dict[str, np.ndarray], i: int, lane: int) -> None:
-        """An episode's last row: its stacked next observation must continue its observation."""
-        for nxt, src in self.spec.next_of:
-            s = self.spec.stacked(src)
-            if s is None:
-                continue
-            now, nx = frames_of(s, full[src][i][None])[0], frames_of(s, full[nxt][i][None])[0]
-            if not np.array_equal(nx[:-1], now[1:]):
-                raise FieldError(
-                    f"field {nxt!r}: row {i} (lane {lane}): its older frames differ from the newer frames of its "
-                    f"{src}; the next observation must be the stack after the step")
 
     def confirm(self, ex: Expanded, n: np.ndarray, base: np.ndarray) -> str | None:
         """After the reservation (``n``: the stored rows' row numbers): ``None`` when every lane's

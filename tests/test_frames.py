@@ -487,3 +487,17 @@ def test_groups_of_an_episode_cut_by_lapping(make: Make, name: str) -> None:
     batch = comp.sample_groups(2, 6, short=True)
     for i in batch.index[batch.mask]:
         assert same(comp.take([i]), full.take([m[int(i)]]), sch.names)
+
+
+@pytest.mark.parametrize("next_of", ["obs", None])
+def test_rows_of_one_push_must_continue_each_other(next_of: str | None, make: Make, name: str) -> None:
+    sch = schema((1, 4, 4), 4, 0)
+    buf = make(sch, 32, lanes=2, next_of=next_of, stack="obs", name=name)
+    rows = episode(0, 0, 6, "terminated", (1, 4, 4), 4, 0, "reset")
+    other = episode(1, 0, 6, "terminated", (1, 4, 4), 4, 0, "reset")
+    ok = [rows[0], other[0], rows[1], other[1]]  # two envs, env-major steps
+    buf.push({n: np.stack([np.asarray(r[n]) for r in ok]) for n in sch.names}, lane=np.array([0, 1, 0, 1]))
+    bad = [rows[2], other[2], rows[4], other[3]]  # lane 0 skips a step inside the push
+    with pytest.raises(FieldError, match=r"row 2"):
+        buf.push({n: np.stack([np.asarray(r[n]) for r in bad]) for n in sch.names}, lane=np.array([0, 1, 0, 1]))
+    assert buf.stats["inserted"] == 4
