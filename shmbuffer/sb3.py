@@ -23,9 +23,18 @@ shared ring, so rows pushed by other processes count. Samples are stamped copies
 writer elsewhere is writing or overwriting is never returned torn (the rows at the drawn positions
 are read again, for up to ``WAIT`` seconds).
 
-``optimize_memory_usage=True`` is refused: it maps to compressed storage (issue 11), which does
-not exist yet. Pickling (``save_replay_buffer``) stores the rows and settings; unpickling makes a
-new shared buffer holding them, owned by the loading process.
+``optimize_memory_usage=True`` (``ReplayBuffer`` only, as in SB3) stores each observation once:
+the shared buffer is made with ``next_of="obs"`` (``frames.py``), so ``next_obs`` of a step is read
+from ``obs`` of the env's next step, and an episode's last step keeps its real final observation (a
+row of its own). Unlike SB3's flag this keeps timeouts exact: SB3 returns the next episode's first
+observation as the final one (``handle_timeout_termination`` cannot be combined with it there).
+``replay_buffer_kwargs={"stack": "obs"}`` also stores one frame of a stacked observation a row
+(``VecFrameStack``: ``{"obs": (4, -1)}`` for channels last). Sampling then draws uniformly over the
+whole transitions held (``buffer.sample``, seeded from ``np.random`` when the buffer is made), not
+by SB3's positions; ``size()`` counts whole transitions per env.
+
+Pickling (``save_replay_buffer``) stores the rows and settings; unpickling makes a new shared
+buffer holding them, owned by the loading process.
 """
 
 from __future__ import annotations
@@ -74,12 +83,10 @@ class _Shared:
     def _init_shared(
         self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space, device: Any,
         n_envs: int, optimize_memory_usage: bool, handle_timeout_termination: bool, name: str | None,
+        stack: Any = None,
     ) -> None:
-        if optimize_memory_usage:
-            raise ValueError(
-                "optimize_memory_usage=True: shmbuffer maps it to compressed storage (issue 11), which "
-                "does not exist yet; use optimize_memory_usage=False (the default)"
-            )
+        if stack is not None and not optimize_memory_usage:
+            raise ValueError("stack: frames are stored once only with optimize_memory_usage=True")
         if not isinstance(n_envs, int) or n_envs < 1:
             raise ValueError(f"n_envs: expected a positive int, got {n_envs!r}")
         # BaseBuffer's attributes, without its pos/full (they are read from the shared ring)
@@ -90,12 +97,16 @@ class _Shared:
         self.device = get_device(device)
         self.n_envs = n_envs
         self.buffer_size = max(buffer_size // n_envs, 1)
-        self.optimize_memory_usage = False
+        self.optimize_memory_usage = bool(optimize_memory_usage)
         self.handle_timeout_termination = handle_timeout_termination
         self._settings = {"buffer_size": buffer_size, "observation_space": observation_space,
                           "action_space": action_space, "n_envs": n_envs,
-                          "handle_timeout_termination": handle_timeout_termination}
-        self.buffer = SharedBuffer(self._schema(), self.buffer_size * n_envs, envs=n_envs, name=name)
+                          "handle_timeout_termination": handle_timeout_termination,
+                          "optimize_memory_usage": self.optimize_memory_usage, "stack": stack}
+        once: dict[str, Any] = {}
+        if self.optimize_memory_usage:  # SB3 seeds np.random before it makes the buffer: runs repeat
+            once = {"next_of": "obs", "stack": stack, "seed": int(np.random.randint(2**31 - 1))}
+        self.buffer = SharedBuffer(self._schema(), self.buffer_size * n_envs, envs=n_envs, name=name, **once)
 
     # -- the schema ------------------------------------------------------------------------------
     def _obs_fields(self) -> dict[str, tuple[Any, ...]]:
@@ -137,7 +148,10 @@ class _Shared:
         return self._upper_bound()
 
     def _upper_bound(self) -> int:
-        """SB3's ``buffer_size if full else pos``, from one read of the lanes."""
+        """SB3's ``buffer_size if full else pos``, from one read of the lanes (with
+        ``optimize_memory_usage``: the whole transitions held, per env)."""
+        if self.optimize_memory_usage:
+            return min(len(self.buffer) // self.n_envs, self.buffer_size)
         return min(int(self._rows().min()), self.buffer_size)
 
     def reset(self) -> None:
@@ -205,8 +219,9 @@ class _Shared:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         s = state["settings"]
+        once = bool(s.get("optimize_memory_usage", False))
         self._init_shared(s["buffer_size"], s["observation_space"], s["action_space"], state["device"],
-                          s["n_envs"], False, s["handle_timeout_termination"], None)
+                          s["n_envs"], once, s["handle_timeout_termination"], None, s.get("stack"))
         rows = dict(state["rows"])
         index = np.asarray(rows.pop("index"), np.int64)
         rows.pop("episode", None)
@@ -214,8 +229,30 @@ class _Shared:
         lane = index % lanes
         for ln in range(lanes):  # each lane's rows oldest first, as SB3's positions
             mine = np.flatnonzero(lane == ln)
-            if mine.size:
-                self.buffer.push({k: v[mine] for k, v in rows.items()}, lane=ln)
+            for run in (_runs(rows, mine) if once else [mine]):
+                if not run.size:
+                    continue
+                # with next_of a run that does not continue the one before starts an episode: a
+                # new handle has no memory of the lane, so its first row does (frames.Pusher)
+                writer = SharedBuffer.attach(self.buffer.handle) if once else self.buffer
+                try:
+                    writer.push({k: v[run] for k, v in rows.items()}, lane=ln)
+                finally:
+                    if writer is not self.buffer:
+                        writer.close()
+
+
+def _runs(rows: dict[str, np.ndarray], mine: np.ndarray) -> list[np.ndarray]:
+    """``mine`` (one lane's exported transitions, oldest first) cut where a transition does not
+    continue the one before: not after an episode's end, and its ``obs`` not that one's ``next_obs``
+    (a transition between them could not be read when saved)."""
+    if mine.size < 2:
+        return [mine]
+    obs, nxt = rows["obs"][mine], rows["next_obs"][mine]
+    ended = (rows["done"][mine] != 0) | (rows["timeouts"][mine] != 0)
+    same = (obs[1:] == nxt[:-1]).reshape(mine.size - 1, -1).all(axis=1)
+    cut = np.flatnonzero(~ended[:-1] & ~same) + 1
+    return np.split(mine, cut)
 
 
 class ReplayBuffer(_Shared, sb3_buffers.ReplayBuffer):
@@ -228,12 +265,12 @@ class ReplayBuffer(_Shared, sb3_buffers.ReplayBuffer):
     def __init__(
         self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space,
         device: Any = "auto", n_envs: int = 1, optimize_memory_usage: bool = False,
-        handle_timeout_termination: bool = True, *, name: str | None = None,
+        handle_timeout_termination: bool = True, *, name: str | None = None, stack: Any = None,
     ) -> None:
         if isinstance(observation_space, spaces.Dict):
             raise ValueError("a Dict observation space needs shmbuffer.sb3.DictReplayBuffer")
         self._init_shared(buffer_size, observation_space, action_space, device, n_envs, optimize_memory_usage,
-                          handle_timeout_termination, name)
+                          handle_timeout_termination, name, stack)
 
     def _obs_fields(self) -> dict[str, tuple[Any, ...]]:
         shape, dtype = tuple(self.obs_shape), self.observation_space.dtype
@@ -249,15 +286,22 @@ class ReplayBuffer(_Shared, sb3_buffers.ReplayBuffer):
         upper_bound = self._upper_bound()
         if upper_bound == 0:
             raise EmptyBufferError("sample: the replay buffer is empty")
+        if self.optimize_memory_usage:  # uniform over whole transitions (the module docstring)
+            return self._samples(self.buffer.sample(batch_size), env)
         batch_inds = np.random.randint(0, upper_bound, size=batch_size)
         return self._get_samples(batch_inds, env=env)
 
-    def _get_samples(self, batch_inds: np.ndarray, env: Any = None) -> ReplayBufferSamples:
-        env_indices = np.random.randint(0, high=self.n_envs, size=(len(batch_inds),))
-        batch = self._take(batch_inds, env_indices)
+    def _samples(self, batch: Any, env: Any) -> ReplayBufferSamples:
         actions, dones, rewards = self._tail(batch, env)
         data = (self._normalize_obs(batch.obs, env), actions, self._normalize_obs(batch.next_obs, env), dones, rewards)
         return ReplayBufferSamples(*tuple(map(self.to_torch, data)))
+
+    def _get_samples(self, batch_inds: np.ndarray, env: Any = None) -> ReplayBufferSamples:
+        if self.optimize_memory_usage:
+            raise ValueError("_get_samples: with optimize_memory_usage=True transitions are drawn by sample(), "
+                             "not by SB3's positions (rows there also hold episodes' final observations)")
+        env_indices = np.random.randint(0, high=self.n_envs, size=(len(batch_inds),))
+        return self._samples(self._take(batch_inds, env_indices), env)
 
 
 class NStepReplayBuffer(ReplayBuffer, sb3_buffers.NStepReplayBuffer):
@@ -290,6 +334,9 @@ class NStepReplayBuffer(ReplayBuffer, sb3_buffers.NStepReplayBuffer):
                 f"n_steps: {n_steps} is more than the {steps} steps each env's rows hold (buffer_size "
                 f"{buffer_size} // n_envs {n_envs}); use a larger buffer_size or fewer n_steps"
             )
+        if optimize_memory_usage:
+            raise ValueError("NStepReplayBuffer: optimize_memory_usage=True is not supported (its windows are read "
+                             "by SB3's positions); use shmbuffer.sb3.ReplayBuffer with it, or leave it False")
         super().__init__(buffer_size, observation_space, action_space, device, n_envs, optimize_memory_usage,
                          handle_timeout_termination, name=name)
         self.n_steps = int(n_steps)
@@ -363,6 +410,8 @@ class DictReplayBuffer(_Shared, sb3_buffers.DictReplayBuffer):
     ) -> None:
         if not isinstance(observation_space, spaces.Dict):
             raise ValueError(f"DictReplayBuffer needs a Dict observation space, got {observation_space}")
+        if optimize_memory_usage:  # as SB3's DictReplayBuffer
+            raise ValueError("DictReplayBuffer does not support optimize_memory_usage=True (neither does SB3's)")
         self._init_shared(buffer_size, observation_space, action_space, device, n_envs, optimize_memory_usage,
                           handle_timeout_termination, name)
 

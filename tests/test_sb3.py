@@ -216,10 +216,64 @@ def test_vec_normalize_is_applied(name: str, opened: list[Any]) -> None:
 
 def test_refusals(name: str) -> None:
     box = spaces.Box(-1, 1, (4,), np.float32)
-    with pytest.raises(ValueError, match=r"optimize_memory_usage=True: .*compressed storage \(issue 11\).*does not exist yet"):
-        ours.ReplayBuffer(10, box, spaces.Discrete(2), optimize_memory_usage=True, handle_timeout_termination=False, name=name)
     with pytest.raises(ValueError, match="DictReplayBuffer"):
         ours.ReplayBuffer(10, spaces.Dict({"a": box}), spaces.Discrete(2), name=name)
+    with pytest.raises(ValueError, match="optimize_memory_usage"):
+        ours.DictReplayBuffer(10, spaces.Dict({"a": box}), spaces.Discrete(2), optimize_memory_usage=True, name=name)
+    with pytest.raises(ValueError, match="optimize_memory_usage"):
+        ours.NStepReplayBuffer(10, box, spaces.Discrete(2), optimize_memory_usage=True, name=name)
+    with pytest.raises(ValueError, match="stack"):
+        ours.ReplayBuffer(10, box, spaces.Discrete(2), stack="obs", name=name)
+
+
+def test_optimize_memory_usage_stores_observations_once_and_keeps_final_ones(name: str, opened: list[Any]) -> None:
+    """With optimize_memory_usage each sampled transition is one that was added, final observations
+    included (SB3's own flag returns the next episode's first observation there), in a buffer of
+    about half the bytes; pickling keeps them."""
+    import os
+
+    box = spaces.Box(-10, 10, (32,), np.float32)
+    mine = ours.ReplayBuffer(64, box, spaces.Discrete(2), "cpu", n_envs=2, optimize_memory_usage=True, name=name)
+    opened.append(mine)
+    assert mine.optimize_memory_usage
+    rng = np.random.default_rng(0)
+    obs, added = rng.normal(size=(2, 32)).astype(np.float32), {}
+    for t in range(20):  # each env's episodes end by termination or by a time limit
+        nxt = rng.normal(size=(2, 32)).astype(np.float32)
+        done = np.array([t % 5 == 4, t % 7 == 6])
+        infos = [{"TimeLimit.truncated": bool(d and e == 1)} for e, d in enumerate(done)]
+        mine.add(obs, nxt, np.array([t, t]), np.array([t, -t], np.float32), done, infos)
+        for e in range(2):
+            added[(e, t)] = (obs[e].copy(), nxt[e].copy(), float(done[e] and e == 0))
+        obs = np.where(done[:, None], rng.normal(size=(2, 32)).astype(np.float32), nxt)
+    assert mine.size() == 19  # per env: the newest step waits for its next observation (unless it ended)
+    by_obs = {o.tobytes(): (n, d) for o, n, d in added.values()}
+    for m in (mine, pickle.loads(pickle.dumps(mine))):
+        if m is not mine:
+            opened.append(m)
+        got = m.sample(256)
+        for o, n, d in zip(got.observations.numpy(), got.next_observations.numpy(), got.dones.numpy(), strict=True):
+            want_next, want_done = by_obs[o.tobytes()]
+            assert np.array_equal(n, want_next) and d[0] == want_done
+    big = spaces.Box(0, 255, (84, 84), np.uint8)
+    large = [ours.ReplayBuffer(2_000, big, spaces.Discrete(2), "cpu", optimize_memory_usage=flag, name=name + f"b{flag}")
+             for flag in (False, True)]
+    opened += large
+    size = [os.path.getsize(f"/dev/shm/shmbuffer-{b.buffer.name}") for b in large]
+    assert size[1] < 0.55 * size[0]  # one 84x84 frame a row instead of two
+
+
+def test_dqn_learns_with_optimize_memory_usage(name: str) -> None:
+    from stable_baselines3 import DQN
+
+    model = DQN("MlpPolicy", "CartPole-v1", buffer_size=2_000, learning_starts=100, train_freq=1, seed=3,
+                replay_buffer_class=ours.ReplayBuffer, optimize_memory_usage=True,
+                replay_buffer_kwargs={"handle_timeout_termination": True, "name": name})
+    try:
+        model.learn(400)
+        assert model.replay_buffer.size() > 300 and model.replay_buffer.optimize_memory_usage
+    finally:
+        model.replay_buffer.close()
 
 
 def test_pickle_keeps_the_rows_not_the_name(name: str, opened: list[Any]) -> None:
