@@ -5,6 +5,7 @@ not the peers (the ``bench`` extra) are installed: a peer is either measured, "n
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import signal
@@ -23,11 +24,34 @@ def left_by(pid: int) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(prefix)] if os.path.isdir("/dev/shm") else []
 
 
+GROUPS = {
+    "shmbuffer and peers": ["floor.*", "mujoco.*", "atari.*", "gpu.*"],
+    "frameworks": ["sb3.*", "torchrl.*", "ray.*"],
+}
+"""The quick run in two halves (each within its time limit, in parallel under ``pytest -n``); every
+case is in one of them (``test_the_halves_cover_every_case``)."""
+
+
+def listed() -> list[str]:
+    listing = subprocess.run([sys.executable, "-m", "benchmarks", "--list"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=60, check=True).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.strip()]
+
+
+def test_the_halves_cover_every_case() -> None:
+    names = listed()
+    for name in names:
+        assert sum(any(fnmatch.fnmatch(name, g) for g in globs) for globs in GROUPS.values()) == 1, name
+
+
 @pytest.mark.slow
-def test_quick_benchmark_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_quick_benchmark_runs(group: str, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    proc = subprocess.Popen([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    globs = GROUPS[group]
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks", "--quick", "--only", *globs, "--out", str(out)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         log, _ = proc.communicate(timeout=240)
     finally:
@@ -43,9 +67,7 @@ def test_quick_benchmark_runs(tmp_path: Path) -> None:
         assert machine.get(key), key
     assert {"numpy", "torch", "cpprb", "torchrl", "stable-baselines3"} <= set(machine["packages"])
 
-    listing = subprocess.run([sys.executable, "-m", "benchmarks", "--list"], cwd=ROOT, capture_output=True,
-                             text=True, timeout=60, check=True).stdout
-    names = [line.split()[0] for line in listing.splitlines() if line.strip()]
+    names = [n for n in listed() if any(fnmatch.fnmatch(n, g) for g in globs)]
     assert set(names) == set(results["cases"]), (names, list(results["cases"]))
     for name, case in results["cases"].items():
         assert case["status"] in {"ok", "not available yet", "skipped"}, (name, case.get("reason"))

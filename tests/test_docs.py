@@ -61,8 +61,14 @@ def test_example_runs(example: str) -> None:
     assert out.stdout.strip()
 
 
+ELSEWHERE = {"atari.py": "test_atari_example.py", "ray_cluster.py": "test_ray.py"}
+"""Examples that need an extra (ale-py, Ray), smoke-tested by the tests of that extra."""
+
+
 def test_every_example_is_smoke_tested() -> None:
-    assert sorted(p.name for p in (ROOT / "examples").glob("*.py")) == sorted(EXAMPLES)
+    assert sorted(p.name for p in (ROOT / "examples").glob("*.py")) == sorted([*EXAMPLES, *ELSEWHERE])
+    for example, test in ELSEWHERE.items():
+        assert f'"{example}"' in (ROOT / "tests" / test).read_text(), (example, test)
 
 
 def test_the_demo_command_runs() -> None:
