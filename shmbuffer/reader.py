@@ -98,8 +98,8 @@ class Rows:
         for name, col in other.large.items():
             self.large[name][at] = col
 
-    def subset(self, keep: np.ndarray) -> Rows:
-        """The rows at positions ``keep``."""
+    def subset(self, keep: np.ndarray | slice) -> Rows:
+        """The rows at positions ``keep`` (a slice gives views)."""
         return Rows(self.ok[keep], self.packed[keep] if self.packed is not None else None,
                     {k: v[keep] for k, v in self.large.items()}, self.episode[keep] if self.episode is not None else None)
 
@@ -474,7 +474,25 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
     counting = prios is not None and prios.uses is not None
     block = src.block
     ids, leaves = first
-    rows = gather(block, ring, ids, out=out)
+    if block.frames is not None and replace and out is None and not counting:
+        # a few rows of such a buffer are not transitions (end rows, a lane's newest): draw a few
+        # more and keep the first n that are, instead of a second round for the rest. Keeping the
+        # first n valid of independent draws is rejection sampling: the same distribution
+        more = sampler.draw(ring, tree, src.rng, max(8, n // 32), replace=True, taken=ids, again=True)
+        ids = np.concatenate([ids, more.ids])
+        leaves = None if leaves is None or more.leaves is None else np.concatenate([leaves, more.leaves])
+        rows = gather(block, ring, ids)
+        bad = np.flatnonzero(~rows.ok[:n])
+        spare = n + np.flatnonzero(rows.ok[n:])[:bad.size]
+        if bad.size and spare.size == bad.size:  # the first n positions' failures take spare rows' places
+            rows.put(bad, rows.subset(spare))
+            ids[bad] = ids[spare]
+            if leaves is not None:
+                leaves[bad] = leaves[spare]
+        ids, rows = ids[:n], rows.subset(slice(0, n))  # views; too few spares: re-drawn below
+        leaves = leaves[:n] if leaves is not None else None
+    else:
+        rows = gather(block, ring, ids, out=out)
     if counting or not replace or not rows.ok.all():  # else the usual case: every row intact at once
         ids, rows, leaves = fetch(block, ring, ids, redraw, reap=src.reap, values=leaves, unique=not replace,
                                   claim=(lambda ids, at: claim(src, ids, at)) if counting else None, out=out,
