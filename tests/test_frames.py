@@ -505,3 +505,20 @@ def test_rows_of_one_push_must_continue_each_other(next_of: str | None, make: Ma
     with pytest.raises(FieldError, match=r"row 2"):
         buf.push({n: np.stack([np.asarray(r[n]) for r in bad]) for n in sch.names}, lane=np.array([0, 1, 0, 1]))
     assert buf.stats["inserted"] == 4
+
+
+def test_draws_are_uniform_over_transitions(make: Make, name: str) -> None:
+    """Rows that are not transitions (episodes' end rows) drawn with the others are replaced by
+    spare draws: every transition is still drawn equally often."""
+    sch = sb.Schema(obs=((2,), "float32"), next_obs=((2,), "float32"), done=((), "bool"))
+    buf = make(sch, 256, next_of="obs", name=name, seed=11)
+    for t in range(200):  # episodes of 100 steps: one row in 101 is an end row (a few a sample)
+        buf.push(obs=np.full(2, t, np.float32), next_obs=np.full(2, t + 1, np.float32), done=t % 100 == 99)
+    counts = np.zeros(200)
+    for _ in range(400):
+        batch = buf.sample(256)
+        assert np.array_equal(batch.next_obs, batch.obs + 1)
+        assert np.array_equal(buf.take(batch.index).obs, batch.obs)  # ids and rows moved together
+        counts += np.bincount(batch.obs[:, 0].astype(int), minlength=200)
+    expected = 400 * 256 / 200
+    assert np.abs(counts - expected).max() < 6 * np.sqrt(expected)  # about 5 standard deviations
