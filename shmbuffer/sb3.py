@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 from gymnasium import spaces
@@ -56,9 +57,26 @@ from .schema import Schema
 
 __all__ = ["DictReplayBuffer", "NStepReplayBuffer", "ReplayBuffer"]
 
+T = TypeVar("T")
+
 WAIT = 1.0
 """Seconds ``sample`` waits for drawn rows that writers elsewhere are writing (a writer can be
 descheduled between reserving a row and committing it) or keep overwriting."""
+
+
+def _waiting(read: Callable[[], T], what: str) -> T:
+    """``read()``, called again for up to ``WAIT`` seconds while it finds rows being written."""
+    deadline = time.monotonic() + WAIT
+    while True:
+        try:
+            return read()
+        except EmptyBufferError:
+            if time.monotonic() > deadline:
+                raise EmptyBufferError(
+                    f"sample: {what} were still being written after {WAIT:g} s (a writer elsewhere stopped or "
+                    "died mid-push); sample again"
+                ) from None
+            time.sleep(0.0005)
 
 
 def _key(name: str) -> str:
@@ -182,17 +200,7 @@ class _Shared:
         while a writer elsewhere is writing or overwriting one of them. SB3's ``pos`` counts the
         rows being written, so the newest position can be one whose writer is between reserving
         and committing it: a tight retry loop gave up on a writer descheduled there."""
-        deadline = time.monotonic() + WAIT
-        while True:
-            try:
-                return self.buffer.take(self.ids(batch_inds, env_indices))
-            except EmptyBufferError:
-                if time.monotonic() > deadline:
-                    raise EmptyBufferError(
-                        f"sample: rows at the drawn positions were still being written after {WAIT:g} s (a writer "
-                        "elsewhere stopped or died mid-push); sample again"
-                    ) from None
-                time.sleep(0.0005)
+        return _waiting(lambda: self.buffer.take(self.ids(batch_inds, env_indices)), "rows at the drawn positions")
 
     def _push(self, obs: dict[str, np.ndarray], action: np.ndarray, reward: np.ndarray, done: np.ndarray,
               infos: list[dict[str, Any]]) -> None:
@@ -347,21 +355,14 @@ class NStepReplayBuffer(ReplayBuffer, sb3_buffers.NStepReplayBuffer):
         b, n = len(batch_inds), self.n_steps
         ring = self.buffer.ring
         lane = np.asarray(env_indices, np.int64)
-        deadline = time.monotonic() + WAIT
-        while True:  # as _take: one stamped copy of every window's rows
+
+        def read() -> tuple[Any, np.ndarray, np.ndarray]:  # as _take: one stamped copy of every window's rows
             last = ring.bounds()[1][lane] - 1  # each lane's newest row: SB3's pos - 1
             row = last - (last - np.asarray(batch_inds, np.int64)) % ring.lane_capacity
             rows = np.minimum(row[:, None] + np.arange(n), last[:, None])  # past the newest: masked below
-            try:
-                batch = self.buffer.take((rows * ring.lanes + lane[:, None]).reshape(-1))
-                break
-            except EmptyBufferError:
-                if time.monotonic() > deadline:
-                    raise EmptyBufferError(
-                        f"sample: rows of the drawn windows were still being written after {WAIT:g} s (a writer "
-                        "elsewhere stopped or died mid-push); sample again"
-                    ) from None
-                time.sleep(0.0005)
+            return self.buffer.take((rows * ring.lanes + lane[:, None]).reshape(-1)), rows, last
+
+        batch, rows, last = _waiting(read, "rows of the drawn windows")
         # from here on SB3's NStepReplayBuffer._get_samples, step for step (float32 included)
         dones_seq = batch.done.reshape(b, n)
         truncated_seq = batch.timeouts.reshape(b, n).copy()
