@@ -410,7 +410,9 @@ class ReplayBuffer:
             if not 0 <= gamma <= 1:
                 raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
             sequences.check_n_step(self, n_step, fields)
-        if self._pusher is not None and self.options.frames is not None and self.options.frames.next_of:
+        frames = self.options.frames
+        if frames is not None and frames.next_of and (not replace or len(self.ring) <= 2 * self.lanes):
+            # len scans the lanes (O(capacity)): only where it can say no (few rows, or distinct ones)
             held = len(self)  # rows that are whole transitions (frames.py)
             if held == 0 or (not replace and n > held):
                 raise EmptyBufferError(

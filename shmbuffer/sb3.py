@@ -291,11 +291,11 @@ class ReplayBuffer(_Shared, sb3_buffers.ReplayBuffer):
                    action, reward, done, infos)
 
     def sample(self, batch_size: int, env: Any = None) -> ReplayBufferSamples:
+        if self.optimize_memory_usage:  # uniform over whole transitions (the module docstring)
+            return self._samples(self.buffer.sample(batch_size), env)  # EmptyBufferError when none
         upper_bound = self._upper_bound()
         if upper_bound == 0:
             raise EmptyBufferError("sample: the replay buffer is empty")
-        if self.optimize_memory_usage:  # uniform over whole transitions (the module docstring)
-            return self._samples(self.buffer.sample(batch_size), env)
         batch_inds = np.random.randint(0, upper_bound, size=batch_size)
         return self._get_samples(batch_inds, env=env)
 

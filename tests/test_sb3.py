@@ -428,3 +428,18 @@ def test_sac_and_td3_train_on_it(algo: str, name: str) -> None:
         assert (rows.obs[1:] == rows.next_obs[:-1])[~rows.done[:-1].astype(bool) & ~rows.timeouts[:-1].astype(bool)].all()
     finally:
         model.replay_buffer.close()
+
+
+def test_optimize_memory_usage_says_when_nothing_can_be_sampled(name: str, opened: list[Any]) -> None:
+    box = spaces.Box(-1, 1, (3,), np.float32)
+    mine = ours.ReplayBuffer(32, box, spaces.Discrete(2), "cpu", optimize_memory_usage=True, name=name)
+    opened.append(mine)
+    with pytest.raises(sb.EmptyBufferError, match="0 whole transitions"):
+        mine.sample(4)
+    mine.add(np.zeros((1, 3), np.float32), np.ones((1, 3), np.float32), np.array([0]), np.array([1.0]),
+             np.array([False]), [{}])
+    with pytest.raises(sb.EmptyBufferError, match="0 whole transitions"):  # its next observation is not in yet
+        mine.sample(4)
+    mine.add(np.ones((1, 3), np.float32), np.full((1, 3), 2, np.float32), np.array([1]), np.array([1.0]),
+             np.array([True]), [{}])
+    assert mine.size() == 2 and mine.sample(4).observations.shape == (4, 3)
