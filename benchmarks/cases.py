@@ -491,6 +491,15 @@ def memcpy_case(cfg: Config) -> dict[str, Any]:
 
 @case("gpu.sample256", "sample 256 to the GPU", "gpu")
 def gpu_case(cfg: Config) -> dict[str, Any]:
+    return _gpu(cfg, MUJOCO)
+
+
+@case("gpu.atari.sample256", "sample 256 Atari rows to the GPU", "gpu")
+def gpu_atari_case(cfg: Config) -> dict[str, Any]:
+    return _gpu(cfg, ATARI)
+
+
+def _gpu(cfg: Config, spec: Spec) -> dict[str, Any]:
     try:
         import torch
     except ImportError:
@@ -498,7 +507,6 @@ def gpu_case(cfg: Config) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"status": "skipped", "reason": "no GPU (torch.cuda.is_available() is False)"}
     dev = torch.device("cuda")
-    spec = MUJOCO
     cap = cfg.capacity(spec)
     metrics = {"cuda": Metric(f"sample {BATCH} to cuda", "batches/s", 1, BATCH * spec.row_bytes)}
 
@@ -522,6 +530,30 @@ def gpu_case(cfg: Config) -> dict[str, Any]:
 
         return Subject(cls.name, cls.kind, setup, cap * spec.row_bytes)
 
+    def loader(background: bool) -> Subject:
+        def setup() -> tuple[dict[str, Op], Callable[[], None]]:
+            from shmbuffer import Loader
+
+            s = peers.Ours(spec, cap, 64)
+            fill(s, spec, cap)
+            load = Loader(s.buf, BATCH, device=dev, prefetch=2, background=background)
+            it = iter(load)
+
+            def op() -> Any:
+                out = next(it)
+                torch.cuda.synchronize()
+                return out
+
+            def close() -> None:
+                load.close()
+                s.close()
+
+            return {"cuda": op}, close
+
+        how = "prefetched in a thread" if background else "in the caller's thread"
+        return Subject(f"shmbuffer Loader ({how})", "ours", setup, cap * spec.row_bytes,
+                       "gathered into reused pinned staging memory, copied on a side stream")
+
     def floor() -> tuple[dict[str, Op], Callable[[], None]]:
         host = torch.ones((BATCH, spec.row_bytes), dtype=torch.uint8).pin_memory()
 
@@ -533,6 +565,7 @@ def gpu_case(cfg: Config) -> dict[str, Any]:
         return {"cuda": op}, lambda: None
 
     subjects = [store(c) for c in (peers.Ours, peers.Cpprb, peers.TorchRLTensor, peers.NumpyRing)]
+    subjects += [loader(True), loader(False)]
     subjects.append(Subject("floor pinned copy to GPU", "floor", floor, 0, "one pinned 256-row block .to('cuda')"))
     return case_result(f"{spec.title}: sample {BATCH} and move it to {torch.cuda.get_device_name()}", spec, cfg,
                        metrics, measure(subjects, metrics, cfg))

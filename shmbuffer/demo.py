@@ -90,6 +90,7 @@ def evaluate(model: Any, episodes: int, seed: int) -> np.ndarray:
     """Returns of ``episodes`` greedy episodes on fresh envs."""
     import torch
 
+    device = next(model.parameters()).device  # the learner's model: on the GPU with --device cuda
     env = make_env()
     returns = []
     for i in range(episodes):
@@ -97,7 +98,7 @@ def evaluate(model: Any, episodes: int, seed: int) -> np.ndarray:
         total, done = 0.0, False
         while not done:
             with torch.no_grad():
-                action = int(model(torch.from_numpy(obs[None])).argmax())
+                action = int(model(torch.from_numpy(obs[None]).to(device)).argmax())
             obs, reward, terminated, truncated, _ = env.step(action)
             total += float(reward)
             done = terminated or truncated
