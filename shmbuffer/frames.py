@@ -258,25 +258,22 @@ def plan(spec: Frames, ok: np.ndarray, kind: np.ndarray) -> Plan:
 
 
 def _frames(ok: np.ndarray, kind: np.ndarray, last: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The window columns of the ``k`` frames of a stack whose newest frame is column ``last``."""
-    m = ok.shape[0]
-    cols = np.empty((m, k), np.int64)
-    zero = np.zeros((m, k), bool)
-    fine = np.ones(m, bool)
-    started = np.zeros(m, bool)
-    first = np.full(m, last, np.int64)  # the episode's first row's column, once found
-    for j in range(k):  # j frames back from the newest
-        col = last - j
-        real = ~started
-        if j:
-            # a frame before its episode's start is padding; a real one must be intact, of the episode
-            fine &= ~real | (ok[:, col] & (kind[:, col] & END == 0))
-        cols[:, k - 1 - j] = np.where(real, col, first)
-        zero[:, k - 1 - j] = ~real & (kind[np.arange(m), first] & ZERO != 0)
-        begins = real & (kind[:, col] & START != 0)
-        first = np.where(begins, col, first)
-        started |= begins
-    return cols, zero, fine
+    """The window columns of the ``k`` frames of a stack whose newest frame is column ``last``
+    (chronological), which of them are zeros, and whether the real ones can be read. Going back
+    from ``last``, frames are real up to and including the first row that starts an episode;
+    older ones are padding, copies of that first row's frame (or zeros where it says so)."""
+    back = np.arange(last, last - k, -1)  # column of the frame j back from the newest
+    kinds = kind[:, back]
+    begins = kinds & START != 0
+    started = np.zeros_like(begins)  # an episode began at a newer frame than j
+    np.logical_or.accumulate(begins[:, :-1], axis=1, out=started[:, 1:])
+    real = ~started
+    first = back[np.argmax(begins, axis=1)]  # the episode's first row (used only where one began)
+    fine = (started | (ok[:, back] & (kinds & END == 0)))[:, 1:].all(axis=1)
+    cols = np.where(real, back, first[:, None])[:, ::-1]
+    firsts_zero = kind[np.arange(kind.shape[0]), first] & ZERO != 0
+    zero = (started & firsts_zero[:, None])[:, ::-1]
+    return np.ascontiguousarray(cols), np.ascontiguousarray(zero), fine
 
 
 def assemble(s: Stack, frames: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -222,37 +222,42 @@ def _transitions(
     small = block.stored_record.views(w.packed) if w.packed is not None else {}
     rows_at = np.arange(m)[:, None]
 
-    def frames_at(name: str, chosen: np.ndarray) -> np.ndarray:
-        """The stored ``name`` of the window rows ``chosen`` (``(m, j)`` columns), checked again."""
+    def frames_at(name: str, *chosen: np.ndarray) -> list[np.ndarray]:
+        """The stored ``name`` of the window rows ``chosen`` (each ``(m, j)`` columns), checked
+        again: one gather for all of them."""
         nonlocal valid
         if name in small:
-            return small[name].reshape(m, width, *small[name].shape[1:])[rows_at, chosen]
-        g = _gather(block, ring, win[rows_at, chosen].reshape(-1), large=(name,))
-        valid = valid & g.ok.reshape(chosen.shape).all(axis=1)
-        return g.large[name].reshape(*chosen.shape, *g.large[name].shape[1:])
+            col = small[name].reshape(m, width, *small[name].shape[1:])
+            return [col[rows_at, c] for c in chosen]
+        ids = np.concatenate([win[rows_at, c].reshape(-1) for c in chosen])
+        g = _gather(block, ring, ids, large=(name,))
+        parts, at = [], 0
+        for c in chosen:
+            valid = valid & g.ok[at:at + c.size].reshape(c.shape).all(axis=1)
+            a = g.large[name][at:at + c.size]
+            parts.append(a.reshape(*c.shape, *a.shape[1:]))
+            at += c.size
+        return parts
 
     after = np.full((m, 1), c + 1)
     for nxt, src in spec.next_of:  # a source stored whole: the next row's
         if nxt in want and spec.stacked(src) is None:
-            got[nxt] = _into(out, nxt, frames_at(src, after)[:, 0])
+            got[nxt] = _into(out, nxt, frames_at(src, after)[0][:, 0])
     for s in spec.stack:
         then = next((n for n, src in spec.next_of if src == s.name), None)
-        if s.name not in want and (then is None or then not in want):
+        keys = ([s.name] if s.name in want else []) + (["next:" + s.name] if then is not None and then in want else [])
+        if not keys:
             continue
-        cols, zero = plan.frames[s.name]
-        fr = frames_at(s.name, cols)
-        if zero.any():
-            fr[zero] = 0
-        if then is not None and then in want:
-            # read from the rows straight into the stack: measured faster than copying three frames
-            # of ``fr`` and reading only the next row's (0.68x vs 0.62x the uncompressed sample)
-            ncols, nzero = plan.frames["next:" + s.name]
-            nfr = frames_at(s.name, ncols)
-            if nzero.any():
-                nfr[nzero] = 0
-            got[then] = frames.assemble(s, nfr, out.get(then) if out is not None else None)
-        if s.name in want:
-            got[s.name] = frames.assemble(s, fr, out.get(s.name) if out is not None else None)
+        # the next stack's frames are read from the rows too, in the same gather: measured faster
+        # than copying three frames of the stack (0.68x vs 0.62x the uncompressed sample)
+        read = frames_at(s.name, *(plan.frames[key][0] for key in keys))
+        for key, fr in zip(keys, read, strict=True):
+            zero = plan.frames[key][1]
+            if zero.any():
+                fr[zero] = 0
+            name = s.name if key == s.name else then
+            assert name is not None
+            got[name] = frames.assemble(s, fr, out.get(name) if out is not None else None)
     rest = tuple(n for n in block.large if n != frames.KIND and spec.stacked(n) is None and n in want)
     if rest:
         g = _gather(block, ring, flat, large=rest)
