@@ -419,6 +419,142 @@ done:
     return result;
 }
 
+/* -- frame stacks (frames.py) ------------------------------------------------------------------- */
+#define KIND_END 1   /* frames.END */
+#define KIND_START 2 /* frames.START */
+#define KIND_ZERO 4  /* frames.ZERO */
+
+/* stacks(win, ok, kind, lanes, stamp, column, k, lasts, outs, valid): frames.stack_plan and the
+ * frames' gather in one pass, per transition still valid: for each newest-frame column `last` (one
+ * per out), the k frames back from it (chronological in the out, (m, k, frame bytes)): real up to
+ * and including the first row that starts an episode, older ones padding (that row's frame, or
+ * zeros where it is marked ZERO). A real frame other than the newest must come from an intact
+ * window row (ok) that is not an end row, else the transition is not valid. Every frame copied has
+ * the stamp check (first stamps acquire, copies, acquire fence, second stamps); a failed one makes
+ * its transition not valid. win/ok/kind are (m, W); ids of any value are safe. */
+static PyObject *stacks(PyObject *self, PyObject *args) {
+    PyObject *win_o, *ok_o, *kind_o, *stamp_o, *col_o, *lasts_o, *outs_o, *valid_o;
+    Py_ssize_t lanes, k;
+    if (!PyArg_ParseTuple(args, "OOOnOOnO!O!O", &win_o, &ok_o, &kind_o, &lanes, &stamp_o, &col_o, &k,
+                          &PyTuple_Type, &lasts_o, &PyTuple_Type, &outs_o, &valid_o))
+        return NULL;
+    Py_ssize_t nst = PyTuple_GET_SIZE(lasts_o);
+    if (nst != PyTuple_GET_SIZE(outs_o) || nst < 1 || nst > 8) {
+        PyErr_SetString(PyExc_ValueError, "stacks: expected 1 to 8 lasts and as many outs");
+        return NULL;
+    }
+    Py_buffer wb, ob, kb, stb, cb, vb, dst[8];
+    Py_ssize_t nbuf = 0, got = 0;
+    PyObject *result = NULL;
+    int64_t *slots = NULL, *firsts = NULL, *rowids = NULL;
+    Py_ssize_t last[8];
+    Py_buffer *bufs[6] = {&wb, &ob, &kb, &stb, &cb, &vb};
+    if (get_buf(win_o, &wb, 0, 8, "win") < 0) goto done;
+    nbuf++;
+    if (get_buf(ok_o, &ob, 0, 1, "ok") < 0) goto done;
+    nbuf++;
+    if (get_buf(kind_o, &kb, 0, 1, "kind") < 0) goto done;
+    nbuf++;
+    if (get_buf(stamp_o, &stb, 0, 8, "stamp") < 0) goto done;
+    nbuf++;
+    if (get_buf(col_o, &cb, 0, 0, "column") < 0) goto done;
+    nbuf++;
+    if (get_buf(valid_o, &vb, 1, 1, "valid") < 0) goto done;
+    nbuf++;
+    Py_ssize_t m = vb.len, capacity = stb.len / 8;
+    if (lanes <= 0 || capacity <= 0 || capacity % lanes || cb.len % capacity || k < 1) {
+        PyErr_SetString(PyExc_ValueError, "stacks: lanes must divide a positive capacity, the column be (capacity, w), k >= 1");
+        goto done;
+    }
+    Py_ssize_t w = cb.len / capacity;
+    Py_ssize_t width = m ? wb.len / 8 / m : 0;
+    if (wb.len != m * width * 8 || ob.len != m * width || kb.len != m * width || (m && width < 1)) {
+        PyErr_SetString(PyExc_ValueError, "stacks: win, ok and kind must be (m, W) with m = len(valid)");
+        goto done;
+    }
+    for (Py_ssize_t t = 0; t < nst; t++) {
+        last[t] = PyLong_AsSsize_t(PyTuple_GET_ITEM(lasts_o, t));
+        if (last[t] == -1 && PyErr_Occurred()) goto done;
+        if (last[t] < k - 1 || last[t] >= width) {
+            PyErr_Format(PyExc_ValueError, "stacks: last %zd: expected a window column in [k - 1, W)", last[t]);
+            goto done;
+        }
+    }
+    for (; got < nst; got++) {
+        if (get_buf(PyTuple_GET_ITEM(outs_o, got), &dst[got], 1, 0, "stacks out") < 0) goto done;
+        if (dst[got].len != m * k * w) {
+            PyErr_Format(PyExc_ValueError, "stacks: out %zd: expected (m, k, w) bytes", got);
+            PyBuffer_Release(&dst[got]);
+            goto done;
+        }
+    }
+    size_t most = (size_t)(m ? m : 1) * (size_t)k * (size_t)nst;
+    slots = (int64_t *)PyMem_Malloc(most * 3 * sizeof(int64_t));
+    if (!slots) { PyErr_NoMemory(); goto done; }
+    firsts = slots + most;
+    rowids = firsts + most;
+    {
+        const int64_t *win = (const int64_t *)wb.buf;
+        const char *ok = (const char *)ob.buf;
+        const uint8_t *kind = (const uint8_t *)kb.buf;
+        int64_t *stamp = (int64_t *)stb.buf;
+        const char *from = (const char *)cb.buf;
+        char *valid = (char *)vb.buf;
+        int64_t lc = capacity / lanes;
+        Py_ssize_t copied = 0;
+        int64_t *owner = (int64_t *)PyMem_Malloc(most * sizeof(int64_t)); /* the transition of each copy */
+        if (!owner) { PyErr_NoMemory(); goto done; }
+        PyThreadState *ts = NULL;
+        if ((size_t)m * (size_t)k * (size_t)nst * (size_t)w >= NOGIL_BYTES) ts = PyEval_SaveThread();
+        for (Py_ssize_t i = 0; i < m; i++) {
+            if (!valid[i]) continue;
+            const int64_t *wi = win + i * width;
+            const char *oki = ok + i * width;
+            const uint8_t *ki = kind + i * width;
+            for (Py_ssize_t t = 0; t < nst && valid[i]; t++) {
+                char *to = (char *)dst[t].buf + (size_t)i * (size_t)k * (size_t)w;
+                Py_ssize_t first = last[t];
+                int started = 0;
+                for (Py_ssize_t j = 0; j < k; j++) { /* j frames back from the newest */
+                    Py_ssize_t col = last[t] - j;
+                    char *at = to + (size_t)(k - 1 - j) * (size_t)w;
+                    if (!started && j && (!oki[col] || (ki[col] & KIND_END))) { valid[i] = 0; break; }
+                    Py_ssize_t use = started ? first : col;
+                    if (started && (ki[first] & KIND_ZERO)) { memset(at, 0, (size_t)w); }
+                    else {
+                        int64_t id = wi[use], sl;
+                        if (lanes == 1) sl = floormod(id, lc);
+                        else sl = floormod(id, lanes) * lc + floormod(floordiv(id, lanes), lc);
+                        firsts[copied] = __atomic_load_n(&stamp[sl], __ATOMIC_ACQUIRE);
+                        memcpy(at, from + (size_t)sl * (size_t)w, (size_t)w);
+                        slots[copied] = sl;
+                        rowids[copied] = id;
+                        owner[copied] = i;
+                        copied++;
+                    }
+                    if (!started && (ki[col] & KIND_START)) { started = 1; first = col; }
+                }
+            }
+        }
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        for (Py_ssize_t c = 0; c < copied; c++) {
+            uint64_t row = (uint64_t)(lanes == 1 ? rowids[c] : floordiv(rowids[c], lanes));
+            int64_t expected = (int64_t)(row * 2u + 2u);
+            int64_t second = __atomic_load_n(&stamp[slots[c]], __ATOMIC_RELAXED);
+            if (firsts[c] != expected || second != expected) valid[owner[c]] = 0;
+        }
+        if (ts) PyEval_RestoreThread(ts);
+        PyMem_Free(owner);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t c = 0; c < got; c++) PyBuffer_Release(&dst[c]);
+    for (Py_ssize_t b = 0; b < nbuf; b++) PyBuffer_Release(bufs[b]);
+    PyMem_Free(slots);
+    return result;
+}
+
 /* -- prioritized replay: a draw, its weights, an update's checks ---------------------------------- */
 #define LANE_WORDS 8 /* layout._lanes: (lanes, 8) int64, [l, 0] the cursor, [l, 1] the base */
 #define INVALID_ID (-((int64_t)1 << 62)) /* ring.INVALID */
@@ -1037,6 +1173,7 @@ static PyMethodDef methods[] = {
     {"reserve", reserve, METH_VARARGS, "reserve(stamp, owner, first, k, n0, writer) -> bool: mark consecutive slots odd."},
     {"reserve_lanes", reserve_lanes, METH_VARARGS, "reserve_lanes(cursors, stamp, owner, lane, writer, n, slots) -> bool."},
     {"lanes_worst", lanes_worst, METH_VARARGS, "lanes_worst(lane, lanes) -> most rows in one lane, or -1."},
+    {"stacks", stacks, METH_VARARGS, "stacks(win, ok, kind, lanes, stamp, column, k, lasts, outs, valid): frame stacks read with their plan."},
     {"check", check, METH_VARARGS, "check(data, names, formats, shapes) -> (k, single) or None: a push's fast checks."},
     {NULL, NULL, 0, NULL},
 };

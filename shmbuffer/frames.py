@@ -31,7 +31,7 @@ row's stack must be padding plus its newest frame. Anything else is refused befo
 touched (``FieldError``). After the reservation the pusher checks that the rows really follow its
 previous row (no other writer took the lane meanwhile), else it gives the rows back and raises.
 
-Reads (``window``, ``plan``)
+Reads (``window``, ``center``, ``stack_plan``)
 ----------------------------
 A transition read for row ``n`` uses the rows ``n - k + 1 .. n + 1`` of its lane, each under its
 own stamp check (``reader.gather``): row ``n`` intact and not an end row; row ``n + 1`` intact
@@ -228,36 +228,27 @@ def window(spec: Frames, anchors: np.ndarray, lanes: int, start: np.ndarray, sto
     return ids
 
 
-@dataclass
-class Plan:
-    """What a read takes from which row: ``ok`` per transition, and per stacked field the window
-    column of each of its frames (chronological) for the observation and the next observation,
-    with ``zero`` marking padding frames that are zeros."""
-
-    ok: np.ndarray
-    frames: dict[str, tuple[np.ndarray, np.ndarray]]
-    """``name -> (columns (m, k), zero (m, k))`` for the observation; ``"next:" + name`` for the next"""
-
-
-def plan(spec: Frames, ok: np.ndarray, kind: np.ndarray) -> Plan:
-    """Decide from the window rows' stamp checks ``ok`` and kinds ``kind`` (both ``(m, W)``) which
-    transitions can be read and from which rows (the module docstring's rules)."""
+def center(spec: Frames, ok: np.ndarray, kind: np.ndarray) -> np.ndarray:
+    """Which transitions can be read as far as their own rows go, from the window rows' stamp
+    checks ``ok`` and kinds ``kind`` (both ``(m, W)``): row ``n`` intact and not an end row, row
+    ``n + 1`` (with ``next_of``) intact and not another episode's start. Each stack adds its own
+    conditions (``stack_plan``)."""
     c = spec.depth
     valid = ok[:, c] & (kind[:, c] & END == 0)
     if spec.ahead:
         valid &= ok[:, c + 1] & (kind[:, c + 1] & START == 0)
-    frames: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    return valid
+
+
+def stack_columns(spec: Frames, s: Stack) -> dict[str, int]:
+    """The window column of the newest frame of each stack a read of ``s`` builds: ``s.name``
+    for the observation, ``"next:" + s.name`` for the next one (with ``next_of``)."""
+    c = spec.depth
     sources = {src for _, src in spec.next_of}
-    for s in spec.stack:
-        ends = [(s.name, c)] + ([("next:" + s.name, c + 1)] if s.name in sources else [])
-        for key, last in ends:
-            cols, zero, fine = _frames(ok, kind, last, s.k)
-            valid &= fine
-            frames[key] = (cols, zero)
-    return Plan(valid, frames)
+    return {s.name: c, **({"next:" + s.name: c + 1} if s.name in sources else {})}
 
 
-def _frames(ok: np.ndarray, kind: np.ndarray, last: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def stack_plan(ok: np.ndarray, kind: np.ndarray, last: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The window columns of the ``k`` frames of a stack whose newest frame is column ``last``
     (chronological), which of them are zeros, and whether the real ones can be read. Going back
     from ``last``, frames are real up to and including the first row that starts an episode;
@@ -279,6 +270,12 @@ def _frames(ok: np.ndarray, kind: np.ndarray, last: int, k: int) -> tuple[np.nda
 def assemble(s: Stack, frames: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Stacks from frames ``(m, k, *frame)`` (chronological), in the field's layout."""
     m = frames.shape[0]
+    if s.axis == 0:  # the frames are the stack's rows already: a view
+        stacked = frames.reshape(m, s.k * s.width, *frames.shape[3:])
+        if out is None:
+            return stacked
+        out.reshape(stacked.shape)[...] = stacked
+        return out
     moved = np.moveaxis(frames, 1, 1 + s.axis)  # (m, ..., k, width, ...)
     shape = moved.shape
     full = (*shape[:1 + s.axis], s.k * s.width, *shape[3 + s.axis:])
