@@ -473,9 +473,22 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
     tree = prios.tree if prios is not None else None
     if not replace and n > len(ring):
         raise EmptyBufferError(f"sample({n}, replace=False): buffer {src.name!r} holds only {len(ring)} rows")
-    first = sampler.draw(ring, tree, src.rng, n, replace=replace)
+    counting = prios is not None and prios.uses is not None
+    block = src.block
+    # a few rows of a frames buffer are not transitions (end rows, a lane's newest): draw a few
+    # spares with the rest and keep the first n that are, instead of a second round for those.
+    # Keeping the first n valid of independent draws is rejection sampling: the same distribution
+    spares = max(8, n // 32) if block.frames is not None and replace and out is None and not counting else 0
+    # uniform draws are independent: the spares come in the same call; a prioritized draw is
+    # stratified over its n, so its spares are drawn apart (``again``: unstratified)
+    first = sampler.draw(ring, tree, src.rng, n + (spares if tree is None else 0), replace=replace)
     if first.ids.size < n:
         _nothing_to_draw(src, n, final=True)
+    ids, leaves = first
+    if spares and tree is not None:
+        more = sampler.draw(ring, tree, src.rng, spares, replace=True, taken=ids, again=True)
+        ids = np.concatenate([ids, more.ids])
+        leaves = None if leaves is None or more.leaves is None else np.concatenate([leaves, more.leaves])
 
     def redraw(k: int, taken: np.ndarray, slow: bool) -> tuple[np.ndarray, np.ndarray | None]:
         if slow and tree is not None and not replace and np.count_nonzero(tree.leaves) < n:
@@ -494,16 +507,7 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
             _nothing_to_draw(src, n, final=False)
         return more.ids, more.leaves
 
-    counting = prios is not None and prios.uses is not None
-    block = src.block
-    ids, leaves = first
-    if block.frames is not None and replace and out is None and not counting:
-        # a few rows of such a buffer are not transitions (end rows, a lane's newest): draw a few
-        # more and keep the first n that are, instead of a second round for the rest. Keeping the
-        # first n valid of independent draws is rejection sampling: the same distribution
-        more = sampler.draw(ring, tree, src.rng, max(8, n // 32), replace=True, taken=ids, again=True)
-        ids = np.concatenate([ids, more.ids])
-        leaves = None if leaves is None or more.leaves is None else np.concatenate([leaves, more.leaves])
+    if spares:
         rows = gather(block, ring, ids)
         bad = np.flatnonzero(~rows.ok[:n])
         spare = n + np.flatnonzero(rows.ok[n:])[:bad.size]
