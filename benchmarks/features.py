@@ -9,9 +9,12 @@ steps, and the prefetching loader (all MuJoCo-like rows, capacity 1,000,000; ``-
   (``data.Lanes``: episodes of 1,000 steps), in batches/s.
 * ``mujoco.loader``: training iterations/s, each one a batch of 256 plus a small fixed training step
   (a 17-256-256-6 MLP, forward, MSE loss against the action, backward, Adam step), with batches from
-  shmbuffer's ``loader(prefetch=2)`` (a thread samples ahead), from ``sample(256).to("cpu")`` in the
-  loop, and from TorchRL's ``ReplayBuffer(prefetch=2)`` and without prefetch. The floor is the
-  training step alone on a fixed batch: the rate an ideal loader (free batches) would give.
+  shmbuffer's ``loader(prefetch=2)`` (on the CPU it samples in the caller's thread by default), from
+  ``loader(prefetch=2, background=True)`` (a thread samples ahead), from ``sample(256).to("cpu")`` in
+  the loop, and from TorchRL's ``ReplayBuffer(prefetch=2)`` and without prefetch. The floor is the
+  training step alone on a fixed batch: the rate an ideal loader (free batches) would give. The added
+  ``train_small`` measure does the same with a 17-64-64-6 MLP (shmbuffer's subjects and the floor only),
+  where sampling is a larger share of an iteration.
 
 Torch runs with 1 thread in the sequence and loader cases (set for the case, restored after; see
 ``torch_threads``): on this shared 2-core VM its default 2 threads made TorchRL's slice sampling 4-20x
@@ -261,16 +264,22 @@ def sequence_case(cfg: Config) -> dict[str, Any]:
 
 
 # -- the loader -----------------------------------------------------------------------------------------
-class Trainer:
-    """The fixed fake training step: a 17-256-256-6 MLP, MSE of its output against the action,
-    backward, Adam step."""
+SMALL = 64
+"""The hidden width of the added ``train_small`` variant: a 17-64-64-6 MLP, whose step is about a third
+of the 17-256-256-6 one's, so that sampling is a larger share of each iteration."""
 
-    def __init__(self) -> None:
+
+class Trainer:
+    """The fixed fake training step: a 17-``hidden``-``hidden``-6 MLP (256 unless told), MSE of its
+    output against the action, backward, Adam step."""
+
+    def __init__(self, hidden: int = 256) -> None:
         import torch
 
         torch.manual_seed(0)
         nn = torch.nn
-        self.net = nn.Sequential(nn.Linear(17, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 6))
+        self.net = nn.Sequential(nn.Linear(17, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, 6))
         self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-4)
         self.loss = nn.functional.mse_loss
 
@@ -286,36 +295,48 @@ def _check_batch(spec: Spec, raw: dict[str, Any], who: str) -> None:
         raise Unavailable("wrong data", f"{who}: {(~ok).sum()} of {ok.size} rows differ from the rows pushed")
 
 
+def _train_ops(nxt: Callable[[], Any]) -> dict[str, Op]:
+    """The two measures on batches from ``nxt``: with the 17-256-256-6 MLP and with the small one."""
+
+    def op(trainer: Trainer) -> Op:
+        def one() -> Any:
+            b = nxt()
+            trainer.step(b.obs, b.action)
+            return b
+
+        return one
+
+    return {"train": op(Trainer()), "train_small": op(Trainer(SMALL))}
+
+
 def loader_subjects(spec: Spec, capacity: int) -> list[Subject]:
-    def ours(prefetch: bool) -> Callable[[], tuple[dict[str, Op], Callable[[], None]]]:
+    def ours(how: str) -> Callable[[], tuple[dict[str, Op], Callable[[], None]]]:
+        """``how``: "loader" (the default: on the CPU, sampled in the caller's thread), "thread"
+        (``background=True``) or "loop" (``sample().to("cpu")`` in the loop, no loader)."""
+
         def setup() -> tuple[dict[str, Op], Callable[[], None]]:
             store = peers.Ours(spec, capacity, 64)
             loader: Any = None
             try:
                 fill(store, spec, capacity)
-                trainer = Trainer()
-                if prefetch:
-                    loader = store.buf.loader(BATCH, device="cpu", prefetch=2)
-                    nxt = iter(loader).__next__
-                else:
+                if how == "loop":
                     buf = store.buf
 
                     def nxt() -> Any:
                         return buf.sample(BATCH).to("cpu")
+                else:
+                    background = True if how == "thread" else None
+                    loader = store.buf.loader(BATCH, device="cpu", prefetch=2, background=background)
+                    nxt = iter(loader).__next__
                 first = nxt()
                 _check_batch(spec, first.fields, "shmbuffer")
-
-                def op() -> Any:
-                    b = nxt()
-                    trainer.step(b.obs, b.action)
-                    return b
 
                 def close() -> None:
                     if loader is not None:
                         loader.close()
                     store.close()
 
-                return {"train": op}, close
+                return _train_ops(nxt), close
             except BaseException:
                 if loader is not None:
                     loader.close()
@@ -351,10 +372,10 @@ def loader_subjects(spec: Spec, capacity: int) -> list[Subject]:
     def step_only() -> tuple[dict[str, Op], Callable[[], None]]:
         import torch
 
-        trainer = Trainer()
+        trainer, small = Trainer(), Trainer(SMALL)
         rows = spec.make(0, np.arange(BATCH))
         obs, action = torch.from_numpy(rows["obs"]), torch.from_numpy(rows["action"])
-        return {"train": lambda: trainer.step(obs, action)}, lambda: None
+        return {"train": lambda: trainer.step(obs, action), "train_small": lambda: small.step(obs, action)}, lambda: None
 
     def needs(*modules: str) -> Callable[[], None]:
         def check() -> None:
@@ -365,10 +386,14 @@ def loader_subjects(spec: Spec, capacity: int) -> list[Subject]:
 
     nbytes = capacity * spec.row_bytes
     return [
-        Subject("shmbuffer", "ours", ours(True), nbytes,
-                "`buf.loader(256, device='cpu', prefetch=2)`: a thread samples ahead; each iteration takes the next "
-                "batch (CPU tensors) and runs the training step", needs("torch", "shmbuffer")),
-        Subject("shmbuffer sample().to('cpu'), no prefetch", "baseline", ours(False), nbytes,
+        Subject("shmbuffer", "ours", ours("loader"), nbytes,
+                "`buf.loader(256, device='cpu', prefetch=2)`: on the CPU the loader samples in the caller's thread "
+                "by default; each iteration takes the next batch (CPU tensors) and runs the training step",
+                needs("torch", "shmbuffer")),
+        Subject("shmbuffer loader(background=True)", "ours", ours("thread"), nbytes,
+                "`buf.loader(256, device='cpu', prefetch=2, background=True)`: a thread samples ahead; each "
+                "iteration takes the next batch and runs the training step", needs("torch", "shmbuffer")),
+        Subject("shmbuffer sample().to('cpu'), no prefetch", "baseline", ours("loop"), nbytes,
                 "`buf.sample(256).to('cpu')` in the loop, then the training step", needs("torch", "shmbuffer")),
         Subject("torchrl ReplayBuffer(prefetch=2)", "peer", torchrl(2), nbytes,
                 "`ReplayBuffer(storage=LazyTensorStorage(capacity), batch_size=256, prefetch=2)` (a thread pool "
@@ -389,7 +414,9 @@ def loader_case(cfg: Config) -> dict[str, Any]:
     except ImportError:
         return {"status": "skipped", "reason": "torch is not installed"}
     metrics = {"train": Metric(f"batch of {BATCH} + training step (17-256-256-6 MLP, Adam)", "iterations/s", 1,
-                               BATCH * spec.row_bytes)}
+                               BATCH * spec.row_bytes),
+               "train_small": Metric(f"batch of {BATCH} + small training step (17-{SMALL}-{SMALL}-6 MLP, Adam; added "
+                                     "variant: sampling a larger share)", "iterations/s", 1, BATCH * spec.row_bytes)}
     subjects = loader_subjects(spec, cap)
     with torch_threads(1):
         res = measure(subjects, metrics, cfg)

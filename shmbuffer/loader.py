@@ -19,12 +19,20 @@ tensors are fresh for each batch, so a batch stays valid as long as it is refere
 Without CUDA the same API yields CPU tensors (zero-copy views of the sampled arrays), sampled in
 the learner's own thread by default: under the GIL a background thread cannot overlap the
 learner's Python work (``benchmarks/README.md``, the loader case, measures it against sampling
-in the loop). ``background=True``
-asks for the thread anyway (e.g. when the training step mostly runs GIL-free torch kernels).
+in the loop). Sampling a small batch is Python run with the GIL held (the gather gives the GIL up
+only for large copies), so the thread hides only what falls into the learner's GIL-free kernels:
+it takes the GIL at the learner's first release after a batch is taken, and the learner, back
+from a short kernel, waits for the rest of that sample. ``background=True`` asks for the thread
+anyway (e.g. when the training step mostly runs long GIL-free torch kernels, or the batches are
+large).
+
+The thread hands its batches over through ``_Handoff``: a deque and two wake tokens, so that the
+learner takes a ready batch without waiting for a lock the thread may hold (waiting for one gives
+the thread the GIL for a whole sample).
 
 NOTE (shutdown): ``close()`` (or leaving the ``with`` block, or the end of iteration) stops the
-thread: it sets a flag, drains the queue so the thread is never blocked on a full one, and joins
-it. A rate limiter can hold a sample for its whole timeout, so on the default path
+thread: it sets a flag, empties the hand-off and wakes both sides (the thread waiting for room, a
+learner waiting for a batch), and joins the thread. A rate limiter can hold a sample for its whole timeout, so on the default path
 (``buffer.sample``) the thread samples in slices of ``SLICE`` seconds (``sample(...,
 timeout=SLICE)``, again after each ``WaitTimeout``) and looks at the flag between them: ``close()``
 returns within about a slice, and once it has returned no sample is admitted. The slices add up to the
@@ -41,9 +49,9 @@ naming what differs.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -57,6 +65,8 @@ SLICE = 0.1
 """Seconds a default-path sample may wait for a rate limiter before the thread looks at ``close()``."""
 JOIN = 10.0
 """Seconds ``close()`` waits for a custom sampler to return."""
+POLL = 0.1
+"""Seconds a side waits for the other's token before it looks at ``close()`` and the thread again."""
 _DONE = object()  # the thread gave every batch it was asked for
 _CLOSED = object()  # close() ended the loader
 
@@ -74,6 +84,63 @@ def _what(key: str) -> str:
     if key == "_block":
         return "the packed record"
     return f"extra {key[6:]!r}" if key.startswith("extra:") else f"field {key!r}"
+
+
+def _wake(token: threading.Lock) -> None:
+    """Give ``token`` (a lock used as a binary semaphore) to whoever waits on it; never blocks."""
+    try:
+        token.release()
+    except RuntimeError:  # already given, not yet taken
+        pass
+
+
+class _Handoff:
+    """The bounded FIFO between the thread and the learner (``size`` items at most).
+
+    Neither side ever waits for a lock the other side may hold: the items go through a ``deque``
+    (``append``/``popleft`` are atomic under the GIL), and each side wakes the other by giving it a
+    token (a lock released by the one and acquired by the other), only ever waited on when there is
+    nothing to take or no room. A ``queue.Queue`` guards its items with one mutex: a learner that
+    found it held by the thread waited for it, and so gave the GIL to the thread for a whole sample
+    (``benchmarks/README.md``, the loader case). A stale token only makes a waiter look again.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.items: deque[Any] = deque()
+        self._item = threading.Lock()  # given by put: there may be an item to take
+        self._space = threading.Lock()  # given by get and clear: there may be room
+        self._item.acquire()
+        self._space.acquire()
+
+    def put(self, item: Any, stop: threading.Event) -> bool:
+        """Append ``item`` once there is room; ``False`` (not appended) once ``stop`` is set."""
+        while len(self.items) >= self.size:
+            if stop.is_set():
+                return False
+            self._space.acquire(timeout=POLL)
+        if stop.is_set():
+            return False
+        self.items.append(item)
+        _wake(self._item)
+        return True
+
+    def get(self, timeout: float) -> tuple[bool, Any]:
+        """``(True, item)``, the oldest item, or ``(False, None)`` if none came within about ``timeout``."""
+        if not self.items:
+            self._item.acquire(timeout=timeout)
+        try:
+            item = self.items.popleft()
+        except IndexError:
+            return False, None
+        _wake(self._space)
+        return True, item
+
+    def clear(self) -> None:
+        """Drop every item and wake both sides (``close()``)."""
+        self.items.clear()
+        _wake(self._space)
+        _wake(self._item)
 
 
 class _Staging:
@@ -132,7 +199,8 @@ class Loader:
         self._sample = sample or (lambda b: b.sample(batch_size, **sample_kwargs))
         self._collector = collector
         self._limit = batches
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
+        self._prefetch = prefetch
+        self._queue = _Handoff(prefetch)
         self._stop = threading.Event()
         self._ended: object = None  # _DONE, _CLOSED or the error re-raised, once the loader has ended
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -150,27 +218,13 @@ class Loader:
         try:
             while not self._stop.is_set() and (self._limit is None or made < self._limit):
                 item = self._to_device(made) if self.cuda else self._to_cpu()
-                if item is None:  # close() came while a rate limiter held the sample
+                if item is None or not self._queue.put(item, self._stop):  # close() came
                     return
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
                 made += 1
         except BaseException as exc:  # handed to the learner at its next batch
-            self._put_final(exc)
+            self._queue.put(exc, self._stop)
             return
-        self._put_final(_DONE)
-
-    def _put_final(self, item: Any) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
+        self._queue.put(_DONE, self._stop)
 
     def _draw(self, out: dict[str, np.ndarray] | None = None) -> Batch | None:
         """One batch; ``None`` when ``close()`` came while a rate limiter held it (see the NOTE)."""
@@ -222,7 +276,7 @@ class Loader:
 
     def _to_device(self, made: int) -> tuple[Batch, Any] | None:
         torch = self._torch
-        slots = self._queue.maxsize + 2  # in the queue, with the learner, being filled
+        slots = self._prefetch + 2  # in the queue, with the learner, being filled
         stage = self._staging[made % slots] if len(self._staging) == slots else None
         if stage is not None and stage.event is not None:
             stage.event.synchronize()  # its previous copy to the device has finished
@@ -268,18 +322,15 @@ class Loader:
         if not self._background:
             return self._next_here()
         while True:
-            try:
-                item = self._queue.get(timeout=0.1)
+            got, item = self._queue.get(timeout=POLL)
+            if got:
                 break
-            except queue.Empty:
-                if self._thread.is_alive() and not self._stop.is_set():
-                    continue
-                try:  # it may have put its last item just before it ended
-                    item = self._queue.get_nowait()
-                    break
-                except queue.Empty:
-                    item = _CLOSED
-                    break
+            if self._thread.is_alive() and not self._stop.is_set():
+                continue
+            got, item = self._queue.get(timeout=0.0)  # it may have put its last item just before it ended
+            if not got:
+                item = _CLOSED
+            break
         if item is _DONE or item is _CLOSED or isinstance(item, BaseException):
             self._ended = item
             self.close()
@@ -337,11 +388,7 @@ class Loader:
             self._ended = _CLOSED
 
     def _drain(self) -> None:
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                return
+        self._queue.clear()
 
     def __enter__(self) -> Loader:
         return self

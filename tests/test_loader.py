@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import shmbuffer as sb
+import shmbuffer.loader as loader_module
 from shmbuffer.loader import SLICE, Loader
 
 from .conftest import MUJOCO, seq_of, transition
@@ -161,6 +162,69 @@ def test_next_after_the_end_does_not_hang(background: bool, make: Make, name: st
             within(3, lambda: next(failing))
         assert again.value is first.value
         failing.close()
+
+
+@pytest.mark.parametrize("prefetch", [1, 3])
+def test_the_thread_hands_over_every_batch_once_in_order(prefetch: int, make: Make, name: str) -> None:
+    """The hand-off between the thread and the learner (a deque and two wake tokens) loses,
+    repeats and reorders nothing, whichever side waits for the other."""
+    buf = make(MUJOCO, capacity=600, name=name)
+    buf.push(transition(0, 600))
+    made = itertools.count()
+
+    def sample(b: sb.ReplayBuffer) -> sb.Batch:
+        i = next(made)
+        if i % 7 == 0:
+            time.sleep(0.002)  # the learner waits for the thread now and then
+        return b.get(np.array([i]))
+
+    seen = []
+    with Loader(buf, 1, prefetch=prefetch, sample=sample, batches=600, background=True) as loader:
+        for k, batch in enumerate(loader):
+            seen.extend(seq_of(batch.numpy()).tolist())
+            if k % 5 == 0:
+                time.sleep(0.001)  # and the thread waits for the learner
+    assert seen == list(range(600))
+
+
+def test_close_wakes_the_thread_and_a_waiting_learner(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() wakes both sides of the hand-off at once, not at their next look (``POLL``): the
+    thread waiting for room, and a learner waiting in ``next()`` for a batch."""
+    monkeypatch.setattr(loader_module, "POLL", 60.0)
+    buf = make(MUJOCO, capacity=100, name=name)
+    buf.push(transition(0, 100))
+    full = Loader(buf, 4, prefetch=1, background=True)
+    within(10, lambda: next(full))
+    assert within(10, lambda: _until(lambda: len(full._queue.items) == 1))  # the thread waits for room
+    within(5, full.close)  # without the wake, close() would wait JOIN seconds for the thread
+    assert not full._thread.is_alive()
+
+    go = threading.Event()
+
+    def slow(b: sb.ReplayBuffer) -> sb.Batch:
+        go.wait(10)
+        return b.sample(4)
+
+    stuck = Loader(buf, sample=slow, background=True)
+    waiting = threading.Thread(target=lambda: list(stuck), daemon=True)
+    waiting.start()
+    time.sleep(0.2)  # the learner waits in next() for the first batch
+    closer = threading.Thread(target=stuck.close, daemon=True)
+    closer.start()
+    time.sleep(0.2)
+    go.set()  # the thread's sample returns; close() can join it
+    waiting.join(8)  # without the wake, the learner would wait POLL seconds for a batch that never comes
+    assert not waiting.is_alive() and not stuck._thread.is_alive()
+    closer.join(5)
+
+
+def _until(cond: Callable[[], bool], seconds: float = 5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_close_while_a_rate_limiter_holds_the_sample(make: Make, name: str) -> None:
