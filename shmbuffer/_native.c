@@ -14,7 +14,9 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -841,13 +843,106 @@ static int read_slots(PyObject *where, Py_ssize_t k, Py_ssize_t capacity, Py_buf
 
 #define SLOT(i) (slots ? slots[i] : first + (int64_t)(i))
 
-/* put(where, k, stamp, targets, offsets, formats, sources, commit) -> bool: source c (k rows of w
- * bytes, C-contiguous) into the k slots (`where`: the first of consecutive slots, or k int64
- * slots) of target c (a (capacity, row bytes) column, C-contiguous) at byte offset c of each row;
- * then, with commit, each slot's stamp from odd to even with a release store (the copies become
- * visible before the commit). With formats (a tuple of buffer format strings, or None) a source
- * of another format returns False before anything is copied (the caller casts). Everything is
- * checked before the first byte is copied; bad sizes raise. */
+/* A push's copies: source c (k rows of w bytes, C-contiguous) into target c (a (capacity, row
+ * bytes) column, C-contiguous) at byte offset c of each row. copies_open checks everything before
+ * anything is copied: 1 ready, 0 a source needs a cast or a contiguous copy (formats: a tuple of
+ * buffer format strings, or None; the caller casts), -1 an error raised. */
+typedef struct {
+    Py_ssize_t n;
+    Py_buffer src[MAX_COLS], dst[MAX_COLS];
+    Py_ssize_t width[MAX_COLS], row[MAX_COLS], offset[MAX_COLS];
+    size_t total;
+} Copies;
+
+static void copies_close(Copies *c) {
+    for (Py_ssize_t i = 0; i < c->n; i++) {
+        PyBuffer_Release(&c->src[i]);
+        PyBuffer_Release(&c->dst[i]);
+    }
+    c->n = 0;
+}
+
+static int copies_open(Copies *c, PyObject *dst_o, PyObject *off_o, PyObject *fmt_o, PyObject *src_o, Py_ssize_t k,
+                       Py_ssize_t capacity) {
+    c->n = 0;
+    c->total = 0;
+    Py_ssize_t ncols = PyTuple_GET_SIZE(src_o);
+    if (ncols != PyTuple_GET_SIZE(dst_o) || ncols != PyTuple_GET_SIZE(off_o) || ncols > MAX_COLS ||
+        (fmt_o != Py_None && (!PyTuple_Check(fmt_o) || PyTuple_GET_SIZE(fmt_o) != ncols))) {
+        PyErr_SetString(PyExc_ValueError, "put: expected as many targets, offsets (and formats) as sources (at most 64)");
+        return -1;
+    }
+    for (Py_ssize_t g = 0; g < ncols; g++) {
+        c->offset[g] = PyLong_AsSsize_t(PyTuple_GET_ITEM(off_o, g));
+        if (c->offset[g] == -1 && PyErr_Occurred()) { copies_close(c); return -1; }
+        if (get_buf(PyTuple_GET_ITEM(dst_o, g), &c->dst[g], 1, 0, "put target") < 0) { copies_close(c); return -1; }
+        PyObject *s = PyTuple_GET_ITEM(src_o, g);
+        if (PyObject_GetBuffer(s, &c->src[g], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            PyErr_Clear();
+            PyBuffer_Release(&c->dst[g]);
+            copies_close(c);
+            return 0; /* not a contiguous buffer: the caller makes one */
+        }
+        if (fmt_o != Py_None) {
+            PyObject *want = PyTuple_GET_ITEM(fmt_o, g);
+            const char *f = c->src[g].format ? c->src[g].format : "B";
+            if (!PyBytes_Check(want) || strcmp(f, PyBytes_AS_STRING(want)) != 0) {
+                PyBuffer_Release(&c->src[g]);
+                PyBuffer_Release(&c->dst[g]);
+                copies_close(c);
+                return 0;
+            }
+        }
+        c->n = g + 1;
+        c->row[g] = c->dst[g].len / capacity;
+        c->width[g] = k ? c->src[g].len / k : 0;
+        if (c->dst[g].len % capacity || (k && c->src[g].len % k) || (!k && c->src[g].len) || c->offset[g] < 0 ||
+            c->offset[g] + c->width[g] > c->row[g]) {
+            PyErr_Format(PyExc_ValueError, "put: column %zd: expected a target of (capacity, row) bytes and a source "
+                         "of (k, w) with offset + w <= row", g);
+            copies_close(c);
+            return -1;
+        }
+        c->total += (size_t)c->width[g] * (size_t)k;
+    }
+    return 1;
+}
+
+/* the copies into the k slots (`slots`, or `first` and the k - 1 after it); no Python calls */
+static void copies_run(const Copies *c, Py_ssize_t k, const int64_t *slots, int64_t first) {
+    for (Py_ssize_t g = 0; g < c->n; g++) {
+        char *to = (char *)c->dst[g].buf + c->offset[g];
+        const char *from = (const char *)c->src[g].buf;
+        size_t w = (size_t)c->width[g], r = (size_t)c->row[g];
+        if (w == r) { /* whole rows: consecutive slots are one copy */
+            Py_ssize_t i = 0;
+            while (i < k) {
+                Py_ssize_t j = i + 1;
+                while (j < k && SLOT(j) == SLOT(j - 1) + 1) j++;
+                memcpy(to + (size_t)SLOT(i) * r, from + (size_t)i * w, (size_t)(j - i) * w);
+                i = j;
+            }
+        } else if (w == 4) {
+            for (Py_ssize_t i = 0; i < k; i++) memcpy(to + (size_t)SLOT(i) * r, from + (size_t)i * 4, 4);
+        } else if (w == 8) {
+            for (Py_ssize_t i = 0; i < k; i++) memcpy(to + (size_t)SLOT(i) * r, from + (size_t)i * 8, 8);
+        } else {
+            for (Py_ssize_t i = 0; i < k; i++) memcpy(to + (size_t)SLOT(i) * r, from + (size_t)i * w, w);
+        }
+    }
+}
+
+/* each slot's stamp from odd to even with a release store: the copies become visible first */
+static void commit_slots(int64_t *stamp, Py_ssize_t k, const int64_t *slots, int64_t first) {
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int64_t st = __atomic_load_n(&stamp[SLOT(i)], __ATOMIC_RELAXED);
+        __atomic_store_n(&stamp[SLOT(i)], st + 1, __ATOMIC_RELEASE);
+    }
+}
+
+/* put(where, k, stamp, targets, offsets, formats, sources, commit) -> bool: the copies (Copies)
+ * into the k slots of `where` (the first of consecutive slots, or k int64 slots); then, with
+ * commit, commit_slots. False (nothing copied) when a source needs a cast; bad sizes raise. */
 static PyObject *put(PyObject *self, PyObject *args) {
     PyObject *where_o, *stamp_o, *dst_o, *off_o, *fmt_o, *src_o;
     Py_ssize_t k;
@@ -855,102 +950,122 @@ static PyObject *put(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OnOO!O!OO!p", &where_o, &k, &stamp_o, &PyTuple_Type, &dst_o, &PyTuple_Type, &off_o,
                           &fmt_o, &PyTuple_Type, &src_o, &commit))
         return NULL;
-    Py_ssize_t ncols = PyTuple_GET_SIZE(src_o);
-    if (ncols != PyTuple_GET_SIZE(dst_o) || ncols != PyTuple_GET_SIZE(off_o) || ncols > MAX_COLS ||
-        (fmt_o != Py_None && (!PyTuple_Check(fmt_o) || PyTuple_GET_SIZE(fmt_o) != ncols))) {
-        PyErr_SetString(PyExc_ValueError, "put: expected as many targets, offsets (and formats) as sources (at most 64)");
-        return NULL;
-    }
-    Py_buffer kb, stb, src[MAX_COLS], dst[MAX_COLS];
-    Py_ssize_t got = 0;
-    PyObject *result = NULL;
-    int have = 0, cast = 0;
+    Py_buffer kb, stb;
+    Copies c;
+    int have = 0;
     int64_t first = 0;
     if (get_buf(stamp_o, &stb, 1, 8, "stamp") < 0) return NULL;
     Py_ssize_t capacity = stb.len / 8;
     if (read_slots(where_o, k, capacity, &kb, &have, &first) < 0) { PyBuffer_Release(&stb); return NULL; }
     const int64_t *slots = have ? (const int64_t *)kb.buf : NULL;
-    Py_ssize_t width[MAX_COLS], row[MAX_COLS], offset[MAX_COLS];
-    size_t total = 0;
-    for (; got < ncols; got++) {
-        offset[got] = PyLong_AsSsize_t(PyTuple_GET_ITEM(off_o, got));
-        if (offset[got] == -1 && PyErr_Occurred()) goto done;
-        if (get_buf(PyTuple_GET_ITEM(dst_o, got), &dst[got], 1, 0, "put target") < 0) goto done;
-        PyObject *s = PyTuple_GET_ITEM(src_o, got);
-        if (PyObject_GetBuffer(s, &src[got], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-            PyErr_Clear();
-            PyBuffer_Release(&dst[got]);
-            cast = 1; /* not a contiguous buffer: the caller makes one */
-            break;
-        }
-        if (fmt_o != Py_None) {
-            PyObject *want = PyTuple_GET_ITEM(fmt_o, got);
-            const char *f = src[got].format ? src[got].format : "B";
-            if (!PyBytes_Check(want) || strcmp(f, PyBytes_AS_STRING(want)) != 0) {
-                PyBuffer_Release(&src[got]);
-                PyBuffer_Release(&dst[got]);
-                cast = 1;
-                break;
-            }
-        }
-        row[got] = dst[got].len / capacity;
-        width[got] = k ? src[got].len / k : 0;
-        if (dst[got].len % capacity || (k && src[got].len % k) || (!k && src[got].len) || offset[got] < 0 ||
-            offset[got] + width[got] > row[got]) {
-            PyErr_Format(PyExc_ValueError, "put: column %zd: expected a target of (capacity, row) bytes and a source "
-                         "of (k, w) with offset + w <= row", got);
-            PyBuffer_Release(&src[got]);
-            PyBuffer_Release(&dst[got]);
-            goto done;
-        }
-        total += (size_t)width[got] * (size_t)k;
-    }
-    if (cast) {
-        result = Py_False;
-        Py_INCREF(result);
-        goto done;
-    }
-    {
-        int64_t *stamp = (int64_t *)stb.buf;
-        PyThreadState *ts = NULL;
-        if (total >= NOGIL_BYTES) ts = PyEval_SaveThread();
-        for (Py_ssize_t c = 0; c < ncols; c++) {
-            char *to = (char *)dst[c].buf + offset[c];
-            const char *from = (const char *)src[c].buf;
-            size_t w = (size_t)width[c], r = (size_t)row[c];
-            if (w == r) { /* whole rows: consecutive slots are one copy */
-                Py_ssize_t i = 0;
-                while (i < k) {
-                    Py_ssize_t j = i + 1;
-                    while (j < k && SLOT(j) == SLOT(j - 1) + 1) j++;
-                    memcpy(to + (size_t)SLOT(i) * r, from + (size_t)i * w, (size_t)(j - i) * w);
-                    i = j;
-                }
-            } else if (w == 4) {
-                for (Py_ssize_t i = 0; i < k; i++) memcpy(to + (size_t)SLOT(i) * r, from + (size_t)i * 4, 4);
-            } else if (w == 8) {
-                for (Py_ssize_t i = 0; i < k; i++) memcpy(to + (size_t)SLOT(i) * r, from + (size_t)i * 8, 8);
-            } else {
-                for (Py_ssize_t i = 0; i < k; i++) memcpy(to + (size_t)SLOT(i) * r, from + (size_t)i * w, w);
-            }
-        }
-        if (commit) {
-            for (Py_ssize_t i = 0; i < k; i++) {
-                int64_t st = __atomic_load_n(&stamp[SLOT(i)], __ATOMIC_RELAXED);
-                __atomic_store_n(&stamp[SLOT(i)], st + 1, __ATOMIC_RELEASE);
-            }
-        }
+    PyObject *result = NULL;
+    int ready = copies_open(&c, dst_o, off_o, fmt_o, src_o, k, capacity);
+    if (ready == 1) {
+        PyThreadState *ts = c.total >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
+        copies_run(&c, k, slots, first);
+        if (commit) commit_slots((int64_t *)stb.buf, k, slots, first);
         if (ts) PyEval_RestoreThread(ts);
+        copies_close(&c);
     }
-    result = Py_True;
-    Py_INCREF(result);
-done:
-    for (Py_ssize_t c = 0; c < got; c++) {
-        PyBuffer_Release(&src[c]);
-        PyBuffer_Release(&dst[c]);
+    if (ready >= 0) {
+        result = ready ? Py_True : Py_False;
+        Py_INCREF(result);
     }
     if (have) PyBuffer_Release(&kb);
     PyBuffer_Release(&stb);
+    return result;
+}
+
+/* push(lock, cursors, stats, stamp, owner, lane, k, writer, frozen, inserted, targets, offsets,
+ * formats, sources) -> int | None: a whole push of k rows into one lane as one call, for the
+ * usual case (ring.py's reserve, the copies, the commit): the lock is tried (lock.py's robust
+ * mutex, its word at LOCK_REPAIR naming a repair still owed); under it, the lane's next k slots
+ * from max(cursor, base) when they do not wrap and none is odd, their owners, odd stamps, the
+ * cursor, the inserted count; the lock is released; then the copies and the commit. No Python
+ * code runs from the rows turning odd to their commit, so no signal handler can come between.
+ * Returns the first row number, or None with nothing changed where the Python path must decide
+ * (lock busy, a repair owed, frozen, the slots wrap or one is odd, a source needs a cast). */
+#define LOCK_REPAIR 56 /* byte offset of the repair word in lock.py's 64-byte mutex column */
+static PyObject *push(PyObject *self, PyObject *args) {
+    PyObject *lock_o, *cur_o, *stats_o, *stamp_o, *owner_o, *dst_o, *off_o, *fmt_o, *src_o;
+    Py_ssize_t lane, k, frozen_at, inserted_at;
+    long long writer;
+    if (!PyArg_ParseTuple(args, "OOOOOnnLnnO!O!OO!", &lock_o, &cur_o, &stats_o, &stamp_o, &owner_o, &lane, &k, &writer,
+                          &frozen_at, &inserted_at, &PyTuple_Type, &dst_o, &PyTuple_Type, &off_o, &fmt_o, &PyTuple_Type, &src_o))
+        return NULL;
+    Py_buffer lb, cb, sb, stb, ob;
+    Py_buffer *bufs[5] = {&lb, &cb, &sb, &stb, &ob};
+    Py_ssize_t nbuf = 0;
+    PyObject *result = NULL;
+    Copies c;
+    c.n = 0;
+    if (get_buf(lock_o, &lb, 1, 0, "lock") < 0) goto done;
+    nbuf++;
+    if (get_buf(cur_o, &cb, 1, 8, "cursors") < 0) goto done;
+    nbuf++;
+    if (get_buf(stats_o, &sb, 1, 8, "stats") < 0) goto done;
+    nbuf++;
+    if (get_buf(stamp_o, &stb, 1, 8, "stamp") < 0) goto done;
+    nbuf++;
+    if (get_buf(owner_o, &ob, 1, 2, "owner") < 0) goto done;
+    nbuf++;
+    Py_ssize_t capacity = stb.len / 8;
+    Py_ssize_t lanes = lanes_of(&cb, capacity, "push");
+    if (!lanes) goto done;
+    if (lb.len < 64 || ((uintptr_t)lb.buf & 7) || ob.len / 2 != capacity || lane < 0 || lane >= lanes || k < 1 ||
+        k > capacity / lanes || writer < 0 || writer > 65535 || frozen_at < 0 || inserted_at < 0 ||
+        frozen_at >= sb.len / 8 || inserted_at >= sb.len / 8) {
+        PyErr_SetString(PyExc_ValueError, "push: lock, lane, rows, writer or counters out of range");
+        goto done;
+    }
+    int ready = copies_open(&c, dst_o, off_o, fmt_o, src_o, k, capacity);
+    if (ready < 0) goto done;
+    if (!ready) { result = Py_None; Py_INCREF(result); goto done; }
+    {
+        pthread_mutex_t *mutex = (pthread_mutex_t *)lb.buf;
+        int64_t *repair = (int64_t *)((char *)lb.buf + LOCK_REPAIR);
+        int64_t *cur = (int64_t *)cb.buf + LANE_WORDS * lane, *stats = (int64_t *)sb.buf, *stamp = (int64_t *)stb.buf;
+        uint16_t *owner = (uint16_t *)ob.buf;
+        int64_t lc = capacity / lanes, n0 = -1, first = 0;
+        int rc = pthread_mutex_trylock(mutex);
+        if (rc == EOWNERDEAD) {
+            /* the holder died inside its critical section: its repairs are Python's (ring.py);
+             * owe them to the next locker, which lock.py makes run them first */
+            __atomic_store_n(repair, 1, __ATOMIC_RELEASE);
+            pthread_mutex_consistent(mutex);
+            pthread_mutex_unlock(mutex);
+        } else if (rc == 0) {
+            if (!__atomic_load_n(repair, __ATOMIC_ACQUIRE) && !stats[frozen_at]) {
+                int64_t at = cur[0] > cur[1] ? cur[0] : cur[1];
+                first = lane * lc + at % lc;
+                if (at % lc + k <= lc && at <= INT64_MAX / 2 - k - 1) {
+                    int64_t odd = 0;
+                    for (Py_ssize_t i = 0; i < k; i++) odd |= __atomic_load_n(&stamp[first + i], __ATOMIC_RELAXED);
+                    if (!(odd & 1)) { /* ring.py's order: owners, odd stamps, the cursor, the count */
+                        for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&owner[first + i], (uint16_t)writer, __ATOMIC_RELAXED);
+                        for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&stamp[first + i], 2 * (at + i) + 1, __ATOMIC_RELEASE);
+                        __atomic_store_n(&cur[0], at + k, __ATOMIC_RELEASE);
+                        stats[inserted_at] += k;
+                        n0 = at;
+                    }
+                }
+            }
+            pthread_mutex_unlock(mutex);
+        }
+        if (n0 >= 0) {
+            PyThreadState *ts = c.total >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
+            copies_run(&c, k, NULL, first);
+            commit_slots(stamp, k, NULL, first);
+            if (ts) PyEval_RestoreThread(ts);
+            result = PyLong_FromLongLong(n0);
+        } else {
+            result = Py_None;
+            Py_INCREF(result);
+        }
+    }
+done:
+    copies_close(&c);
+    for (Py_ssize_t i = 0; i < nbuf; i++) PyBuffer_Release(bufs[i]);
     return result;
 }
 
@@ -1170,6 +1285,7 @@ static PyMethodDef methods[] = {
     {"current", current, METH_VARARGS, "current(ids, stamp, cursors, ok): Ring.current into ok."},
     {"gather", gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok) -> smallest id: rows with the stamp check."},
     {"put", put, METH_VARARGS, "put(where, k, stamp, targets, offsets, formats, sources, commit) -> bool: a push's copies, its commit."},
+    {"push", push, METH_VARARGS, "push(lock, cursors, stats, stamp, owner, lane, k, writer, frozen, inserted, targets, offsets, formats, sources) -> first row or None."},
     {"reserve", reserve, METH_VARARGS, "reserve(stamp, owner, first, k, n0, writer) -> bool: mark consecutive slots odd."},
     {"reserve_lanes", reserve_lanes, METH_VARARGS, "reserve_lanes(cursors, stamp, owner, lane, writer, n, slots) -> bool."},
     {"lanes_worst", lanes_worst, METH_VARARGS, "lanes_worst(lane, lanes) -> most rows in one lane, or -1."},

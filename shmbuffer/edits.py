@@ -210,9 +210,18 @@ def push(
                 prios.tree.update(slots[ends], 0.0)
             src.block.counters[Counter.INSERTED] -= k - rows  # an end row is not an insert
     limiter = src.options.limiter
+    gated = limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None
+    if (ex is None and prios is None and not gated and type(lane) is int and copier.lib is not None
+            and copier.fields is src.block.fields):
+        ids = ring.push(k, lane, copier.copies(arrays, episodes, k))  # the usual case: one C call
+        if ids is not None:
+            if not given and k > 1 and episodes is not None and episodes.ndim and src.options.envs is None:
+                note_interleaving(src, ids, episodes)
+            return ids
     res = None
     try:
-        if limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None:
+        if gated:
+            assert limiter is not None
             res = ring.reserve(k, lane, gate=lambda i, s, size: limiter.can_insert(i, s, size, rows),
                                why=lambda: limiter.state(ring), also=also, deferring=True,
                                timeout=limiter.timeout if timeout is None else timeout)

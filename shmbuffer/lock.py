@@ -9,7 +9,11 @@ next locker gets ``EOWNERDEAD``; it marks the mutex consistent and carries on, a
 also serialises the threads of one process, which ``flock`` on a shared descriptor would not.
 
 The data a dead holder was changing may be half-updated: every critical section in shmbuffer is
-written so that each prefix of it leaves a state the others can repair (see ``ring.py``).
+written so that each prefix of it leaves a state the others can repair (see ``ring.py``). A
+locker in C (``_native.push``, which runs no Python code under the lock) that finds the holder
+dead cannot run those repairs: it marks the mutex consistent, sets the repair word (``REPAIR``)
+and releases it; the next ``acquire`` here runs the repairs first, as if it had found the holder
+dead itself, and clears the word once they are done.
 
 Signals. A live holder must not stop half-way either: a ``KeyboardInterrupt`` raised inside a
 critical section (or as ``__exit__`` starts) would leave the mutex held, or the state half-updated,
@@ -46,6 +50,9 @@ from .errors import UnsupportedPlatform, WaitTimeout
 
 SIZE = 64
 """Bytes reserved for one mutex (glibc's pthread_mutex_t is 40 bytes on x86-64, 48 on aarch64)."""
+REPAIR = 56
+"""Byte offset of the repair word in those bytes: nonzero when a locker in C (``_native.push``)
+found the holder dead and left its repairs to the next locker (``RobustLock``)."""
 
 _PROCESS_SHARED = 1
 _ROBUST = 1
@@ -187,7 +194,9 @@ class RobustLock:
     ) -> None:
         if memory.nbytes < SIZE or memory.ctypes.data % 8:
             raise ValueError(f"a RobustLock needs {SIZE} aligned bytes, got {memory.nbytes}")
-        self._memory = memory  # keeps the mapping (and so the address) alive
+        self.memory = memory
+        """The mutex's bytes (and the repair word): for the C lockers (``_native.push``)."""
+        self._repair = memory[REPAIR:REPAIR + 8].view(np.int64)
         self._ptr = ctypes.c_void_p(memory.ctypes.data)
         lib = _lib()
         self._trylock = lib.pthread_mutex_trylock
@@ -218,6 +227,8 @@ class RobustLock:
                 resume_signals()
                 raise
             if not rc:
+                if self._repair[0]:  # a C locker found the holder dead (module docstring)
+                    self._recover(consistent=True)
                 return
             if rc == errno.EOWNERDEAD:
                 self._recover()
@@ -243,24 +254,28 @@ class RobustLock:
         ts = _Timespec(int(until), int((until % 1) * 1e9))
         return int(self._timedlock(self._ptr, ctypes.byref(ts)))
 
-    def _recover(self) -> None:
+    def _recover(self, *, consistent: bool = False) -> None:
         # the previous holder died inside its critical section; the state it guarded is
         # repairable by construction (module docstring), so mark the mutex usable again
-        self._consistent(self._ptr)
+        if not consistent:
+            self._consistent(self._ptr)
         self.recovered += 1
         if self._on_recover is not None:
             try:
                 self._on_recover()
             except BaseException:
+                self._repair[0] = 1  # still owed: the next locker tries again
                 self.release()
                 raise
+        self._repair[0] = 0
 
     def _drop(self) -> None:
         """Give the mutex back if the call that was interrupted had taken it."""
         again = self._trylock(self._ptr)
         if again in (0, errno.EDEADLK, errno.EOWNERDEAD):
-            if again == errno.EOWNERDEAD:
+            if again == errno.EOWNERDEAD:  # its repairs are owed to the next locker
                 self._consistent(self._ptr)
+                self._repair[0] = 1
             self._unlock(self._ptr)
 
     def release(self) -> None:

@@ -150,6 +150,9 @@ class Reservation:
         return 2 * self.n + 2
 
 
+Copies = tuple[tuple[np.ndarray, ...], tuple[int, ...], tuple[bytes, ...], tuple[np.ndarray, ...]]
+
+
 class Copier:
     """A push's checks and copies as C calls (``native.py``). ``check`` is the fast path of the
     schema's checks: a dict of exactly the fields, each a C-contiguous array of the field's dtype
@@ -193,6 +196,18 @@ class Copier:
         got = lib.check(data, self.names, self.formats, self.shapes)
         return None if got is None else (got[0], data)
 
+    def copies(self, arrays: dict[str, np.ndarray], episodes: np.ndarray | None, k: int) -> Copies:
+        """What the C calls copy: ``(columns, offsets, formats, sources)``, episode ids included."""
+        sources = tuple([arrays[n] for n in self.names])
+        cols, offsets, formats = self.columns, self.offsets, self.formats
+        if episodes is not None and self.episode is not None:
+            e = np.ascontiguousarray(np.broadcast_to(np.asarray(episodes, dtype=np.int64), (k,)))
+            sources = (*sources, e)
+            cols = (*cols, self.episode)
+            offsets = (*offsets, 0)
+            formats = (*formats, _format(e.dtype) or b"")
+        return cols, offsets, formats, sources
+
     def put(self, res: Reservation, arrays: dict[str, np.ndarray], episodes: np.ndarray | None) -> None:
         """Copy ``arrays`` (checked by the schema or by ``check``; cast here as numpy's assignment
         would) and ``episodes`` into ``res``'s slots."""
@@ -201,14 +216,7 @@ class Copier:
         where = res.where
         at, k = (where.start, where.stop - where.start) if isinstance(where, slice) else (where, where.shape[0])
         names = self.names
-        sources = tuple([arrays[n] for n in names])
-        cols, offsets, formats = self.columns, self.offsets, self.formats
-        if episodes is not None and self.episode is not None:
-            e = np.ascontiguousarray(np.broadcast_to(np.asarray(episodes, dtype=np.int64), (k,)))
-            sources = (*sources, e)
-            cols = (*cols, self.episode)
-            offsets = (*offsets, 0)
-            formats = (*formats, _format(e.dtype) or b"")
+        cols, offsets, formats, sources = self.copies(arrays, episodes, k)
         if lib.put(at, k, self.stamp, cols, offsets, formats, sources, False):
             return
         # some source needs a cast or a contiguous copy (``Schema.validate`` casts nothing)
@@ -412,6 +420,24 @@ class Ring:
             self._cur[8 * lane + _CURSOR] = n0 + k
         self._count[_INSERTED] += k
         return Reservation(where, n, lane, self.lanes)
+
+    def push(self, k: int, lane: int, copies: Copies) -> np.ndarray | None:
+        """``reserve`` (without a gate or ``also``), the copies (``Copier.copies``) and ``commit``
+        as one C call, for the usual case: the lane's next ``k`` slots do not wrap and none is
+        being written, the lock is free at once, no repair is owed, not frozen. Returns the rows'
+        ids; ``None`` when the C call left the push to the steps above (nothing was changed), or
+        without the extension. No Python code runs between the rows turning odd and their
+        commit, so no signal handler can come between (``lock.py``)."""
+        lib = self._lib
+        if lib is None:
+            return None
+        cols, offsets, formats, sources = copies
+        n0 = lib.push(self.lock.memory, self._lanes, self._stats, self.stamp, self.owner, lane, k, self.writer_id(),
+                      _FROZEN, _INSERTED, cols, offsets, formats, sources)
+        if n0 is None:
+            return None
+        n = np.arange(n0, n0 + k)
+        return n * self.lanes + lane if self.lanes > 1 else n
 
     def commit(self, res: Reservation) -> None:
         """Odd to even: the rows are committed (nobody else touches a live writer's odd stamps).

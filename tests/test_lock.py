@@ -128,6 +128,35 @@ def test_a_recovered_lock_repairs_the_priority_tree(make: Make, name: str, procs
     assert tree.total == pytest.approx(100.0) and len(buf.sample(10)) == 10
 
 
+def test_a_push_that_finds_the_holder_dead_runs_its_repairs(make: Make, name: str, procs: list) -> None:
+    """A uniform push takes the lock in C (``_native.push``), which cannot run the repairs a dead
+    holder left owed: it leaves them to the next locker, which runs them before anything else
+    (and again, if one raises, at the next lock); the push itself goes on."""
+    from .conftest import transition
+
+    buf = make(MUJOCO, capacity=100, name=name)
+    buf.push(transition(0, 10))
+    runs: list[int] = []
+
+    def repair() -> None:  # stands for ring.py's repairs of what a dead holder left half-done
+        runs.append(len(buf))
+        if len(runs) == 1:
+            raise OSError("a repair that fails once")
+
+    buf.ring.repairs.append(repair)
+    p = holding(buf, -1, procs)
+    p.join(30)
+    with pytest.raises(OSError, match="fails once"):
+        buf.push(transition(10, 1))
+    assert len(buf) == 10 and runs == [10]  # nothing pushed before the repairs ran
+    ids = buf.push(transition(10, 1))  # the repairs are still owed: they run first, then the push
+    assert runs == [10, 10] and ids.tolist() == [10] and len(buf) == 11
+    assert buf.stats["lock_recoveries"] == 2
+    assert int(buf.ring.lock.memory[56:64].view(np.int64)[0]) == 0  # nothing owed now
+    buf.push(transition(11, 1))
+    assert runs == [10, 10]
+
+
 def test_a_signal_inside_the_lock_is_raised_at_release(make: Make, name: str) -> None:
     """A Ctrl-C that arrives while this process holds the lock waits for the release, even when
     the kernel hands it to another thread (the main thread blocks it here, as it would if the
