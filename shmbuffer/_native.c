@@ -977,26 +977,29 @@ static PyObject *put(PyObject *self, PyObject *args) {
 }
 
 /* push(lock, cursors, stats, stamp, owner, lane, k, writer, frozen, inserted, targets, offsets,
- * formats, sources) -> int | None: a whole push of k rows into one lane as one call, for the
- * usual case (ring.py's reserve, the copies, the commit): the lock is tried (lock.py's robust
- * mutex, its word at LOCK_REPAIR naming a repair still owed); under it, the lane's next k slots
- * from max(cursor, base) when they do not wrap and none is odd, their owners, odd stamps, the
- * cursor, the inserted count; the lock is released; then the copies and the commit. No Python
- * code runs from the rows turning odd to their commit, so no signal handler can come between.
- * Returns the first row number, or None with nothing changed where the Python path must decide
- * (lock busy, a repair owed, frozen, the slots wrap or one is odd, a source needs a cast). */
+ * formats, sources, ids) -> bool | None: a whole push of k rows as one call, for the usual case
+ * (ring.py's reserve, the copies, the commit). `lane` is one lane (an int) or k int64 lanes, one
+ * per row. The lock is tried (lock.py's robust mutex, its word at LOCK_REPAIR naming a repair
+ * still owed); under it each lane's next slots from max(cursor, base), when none is odd: their
+ * owners, odd stamps, the cursors, the inserted count; the lock is
+ * released; then the copies and the commit, and the rows' ids into `ids`. No Python code runs
+ * from the rows turning odd to their commit, so no signal handler can come between. True when
+ * pushed; None with nothing changed where the Python path must decide (lock busy, a repair owed,
+ * frozen, a slot is odd, a source needs a cast). */
 #define LOCK_REPAIR 56 /* byte offset of the repair word in lock.py's 64-byte mutex column */
 static PyObject *push(PyObject *self, PyObject *args) {
-    PyObject *lock_o, *cur_o, *stats_o, *stamp_o, *owner_o, *dst_o, *off_o, *fmt_o, *src_o;
-    Py_ssize_t lane, k, frozen_at, inserted_at;
+    PyObject *lock_o, *cur_o, *stats_o, *stamp_o, *owner_o, *lane_o, *dst_o, *off_o, *fmt_o, *src_o, *ids_o;
+    Py_ssize_t k, frozen_at, inserted_at;
     long long writer;
-    if (!PyArg_ParseTuple(args, "OOOOOnnLnnO!O!OO!", &lock_o, &cur_o, &stats_o, &stamp_o, &owner_o, &lane, &k, &writer,
-                          &frozen_at, &inserted_at, &PyTuple_Type, &dst_o, &PyTuple_Type, &off_o, &fmt_o, &PyTuple_Type, &src_o))
+    if (!PyArg_ParseTuple(args, "OOOOOOnLnnO!O!OO!O", &lock_o, &cur_o, &stats_o, &stamp_o, &owner_o, &lane_o, &k, &writer,
+                          &frozen_at, &inserted_at, &PyTuple_Type, &dst_o, &PyTuple_Type, &off_o, &fmt_o, &PyTuple_Type,
+                          &src_o, &ids_o))
         return NULL;
-    Py_buffer lb, cb, sb, stb, ob;
-    Py_buffer *bufs[5] = {&lb, &cb, &sb, &stb, &ob};
+    Py_buffer lb, cb, sb, stb, ob, ib, nb;
+    Py_buffer *bufs[7] = {&lb, &cb, &sb, &stb, &ob, &ib, &nb};
     Py_ssize_t nbuf = 0;
     PyObject *result = NULL;
+    int64_t *slots = NULL;
     Copies c;
     c.n = 0;
     if (get_buf(lock_o, &lb, 1, 0, "lock") < 0) goto done;
@@ -1009,14 +1012,42 @@ static PyObject *push(PyObject *self, PyObject *args) {
     nbuf++;
     if (get_buf(owner_o, &ob, 1, 2, "owner") < 0) goto done;
     nbuf++;
+    if (get_buf(ids_o, &ib, 1, 8, "ids") < 0) goto done;
+    nbuf++;
     Py_ssize_t capacity = stb.len / 8;
     Py_ssize_t lanes = lanes_of(&cb, capacity, "push");
     if (!lanes) goto done;
-    if (lb.len < 64 || ((uintptr_t)lb.buf & 7) || ob.len / 2 != capacity || lane < 0 || lane >= lanes || k < 1 ||
-        k > capacity / lanes || writer < 0 || writer > 65535 || frozen_at < 0 || inserted_at < 0 ||
-        frozen_at >= sb.len / 8 || inserted_at >= sb.len / 8) {
-        PyErr_SetString(PyExc_ValueError, "push: lock, lane, rows, writer or counters out of range");
+    int64_t lc = capacity / lanes, one = -1;
+    const int64_t *lane = NULL;
+    if (PyLong_Check(lane_o)) {
+        one = PyLong_AsLongLong(lane_o);
+        if (one == -1 && PyErr_Occurred()) goto done;
+    } else {
+        if (get_buf(lane_o, &nb, 0, 8, "lane") < 0) goto done;
+        nbuf++;
+        lane = (const int64_t *)nb.buf;
+        if (nb.len / 8 != k) {
+            PyErr_SetString(PyExc_ValueError, "push: expected one lane per row");
+            goto done;
+        }
+    }
+    if (lb.len < 64 || ((uintptr_t)lb.buf & 7) || ob.len / 2 != capacity || k < 1 || ib.len / 8 != k ||
+        (!lane && (one < 0 || one >= lanes || k > lc)) || writer < 0 || writer > 65535 || frozen_at < 0 ||
+        inserted_at < 0 || frozen_at >= sb.len / 8 || inserted_at >= sb.len / 8) {
+        PyErr_SetString(PyExc_ValueError, "push: lock, lane, rows, ids, writer or counters out of range");
         goto done;
+    }
+    slots = (int64_t *)PyMem_Malloc((size_t)(k + 2 * lanes) * sizeof(int64_t));
+    if (!slots) { PyErr_NoMemory(); goto done; }
+    int64_t *at = slots + k, *count = at + lanes; /* per lane: its next row, rows taken */
+    for (Py_ssize_t l = 0; l < lanes; l++) count[l] = 0;
+    if (lane) {
+        for (Py_ssize_t i = 0; i < k; i++) {
+            if (lane[i] < 0 || lane[i] >= lanes || ++count[lane[i]] > lc) {
+                PyErr_SetString(PyExc_ValueError, "push: a lane out of range, or more rows for one lane than it holds");
+                goto done;
+            }
+        }
     }
     int ready = copies_open(&c, dst_o, off_o, fmt_o, src_o, k, capacity);
     if (ready < 0) goto done;
@@ -1024,9 +1055,9 @@ static PyObject *push(PyObject *self, PyObject *args) {
     {
         pthread_mutex_t *mutex = (pthread_mutex_t *)lb.buf;
         int64_t *repair = (int64_t *)((char *)lb.buf + LOCK_REPAIR);
-        int64_t *cur = (int64_t *)cb.buf + LANE_WORDS * lane, *stats = (int64_t *)sb.buf, *stamp = (int64_t *)stb.buf;
+        int64_t *cur = (int64_t *)cb.buf, *stats = (int64_t *)sb.buf, *stamp = (int64_t *)stb.buf, *ids = (int64_t *)ib.buf;
         uint16_t *owner = (uint16_t *)ob.buf;
-        int64_t lc = capacity / lanes, n0 = -1, first = 0;
+        int pushed = 0;
         int rc = pthread_mutex_trylock(mutex);
         if (rc == EOWNERDEAD) {
             /* the holder died inside its critical section: its repairs are Python's (ring.py);
@@ -1036,35 +1067,45 @@ static PyObject *push(PyObject *self, PyObject *args) {
             pthread_mutex_unlock(mutex);
         } else if (rc == 0) {
             if (!__atomic_load_n(repair, __ATOMIC_ACQUIRE) && !stats[frozen_at]) {
-                int64_t at = cur[0] > cur[1] ? cur[0] : cur[1];
-                first = lane * lc + at % lc;
-                if (at % lc + k <= lc && at <= INT64_MAX / 2 - k - 1) {
-                    int64_t odd = 0;
-                    for (Py_ssize_t i = 0; i < k; i++) odd |= __atomic_load_n(&stamp[first + i], __ATOMIC_RELAXED);
-                    if (!(odd & 1)) { /* ring.py's order: owners, odd stamps, the cursor, the count */
-                        for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&owner[first + i], (uint16_t)writer, __ATOMIC_RELAXED);
-                        for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&stamp[first + i], 2 * (at + i) + 1, __ATOMIC_RELEASE);
-                        __atomic_store_n(&cur[0], at + k, __ATOMIC_RELEASE);
-                        stats[inserted_at] += k;
-                        n0 = at;
-                    }
+                int fits = 1;
+                for (Py_ssize_t l = 0; l < lanes; l++) {
+                    int64_t cu = cur[LANE_WORDS * l], b = cur[LANE_WORDS * l + 1];
+                    at[l] = cu > b ? cu : b;
+                    fits &= at[l] >= 0 && at[l] <= INT64_MAX / 4;
+                    count[l] = 0;
+                }
+                int64_t odd = 0;
+                for (Py_ssize_t i = 0; i < k && fits; i++) {
+                    int64_t l = lane ? lane[i] : one, row = at[l] + count[l]++;
+                    ids[i] = row; /* the row number for now */
+                    slots[i] = l * lc + row % lc;
+                    odd |= __atomic_load_n(&stamp[slots[i]], __ATOMIC_RELAXED);
+                }
+                if (fits && !(odd & 1)) { /* ring.py's order: owners, odd stamps, the cursors, the count */
+                    for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&owner[slots[i]], (uint16_t)writer, __ATOMIC_RELAXED);
+                    for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&stamp[slots[i]], 2 * ids[i] + 1, __ATOMIC_RELEASE);
+                    for (Py_ssize_t l = 0; l < lanes; l++)
+                        if (count[l]) __atomic_store_n(&cur[LANE_WORDS * l], at[l] + count[l], __ATOMIC_RELEASE);
+                    stats[inserted_at] += k;
+                    pushed = 1;
                 }
             }
             pthread_mutex_unlock(mutex);
         }
-        if (n0 >= 0) {
+        if (pushed) {
             PyThreadState *ts = c.total >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
-            copies_run(&c, k, NULL, first);
-            commit_slots(stamp, k, NULL, first);
+            copies_run(&c, k, slots, 0);
+            commit_slots(stamp, k, slots, 0);
             if (ts) PyEval_RestoreThread(ts);
-            result = PyLong_FromLongLong(n0);
-        } else {
-            result = Py_None;
-            Py_INCREF(result);
+            if (lanes > 1)
+                for (Py_ssize_t i = 0; i < k; i++) ids[i] = ids[i] * lanes + (lane ? lane[i] : one);
         }
+        result = pushed ? Py_True : Py_None;
+        Py_INCREF(result);
     }
 done:
     copies_close(&c);
+    PyMem_Free(slots);
     for (Py_ssize_t i = 0; i < nbuf; i++) PyBuffer_Release(bufs[i]);
     return result;
 }
@@ -1285,7 +1326,7 @@ static PyMethodDef methods[] = {
     {"current", current, METH_VARARGS, "current(ids, stamp, cursors, ok): Ring.current into ok."},
     {"gather", gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok) -> smallest id: rows with the stamp check."},
     {"put", put, METH_VARARGS, "put(where, k, stamp, targets, offsets, formats, sources, commit) -> bool: a push's copies, its commit."},
-    {"push", push, METH_VARARGS, "push(lock, cursors, stats, stamp, owner, lane, k, writer, frozen, inserted, targets, offsets, formats, sources) -> first row or None."},
+    {"push", push, METH_VARARGS, "push(lock, cursors, stats, stamp, owner, lane, k, writer, frozen, inserted, targets, offsets, formats, sources, ids) -> True or None."},
     {"reserve", reserve, METH_VARARGS, "reserve(stamp, owner, first, k, n0, writer) -> bool: mark consecutive slots odd."},
     {"reserve_lanes", reserve_lanes, METH_VARARGS, "reserve_lanes(cursors, stamp, owner, lane, writer, n, slots) -> bool."},
     {"lanes_worst", lanes_worst, METH_VARARGS, "lanes_worst(lane, lanes) -> most rows in one lane, or -1."},

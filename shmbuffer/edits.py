@@ -211,8 +211,7 @@ def push(
             src.block.counters[Counter.INSERTED] -= k - rows  # an end row is not an insert
     limiter = src.options.limiter
     gated = limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None
-    if (ex is None and prios is None and not gated and type(lane) is int and copier.lib is not None
-            and copier.fields is src.block.fields):
+    if ex is None and prios is None and not gated and copier.lib is not None and copier.fields is src.block.fields:
         ids = ring.push(k, lane, copier.copies(arrays, episodes, k))  # the usual case: one C call
         if ids is not None:
             if not given and k > 1 and episodes is not None and episodes.ndim and src.options.envs is None:

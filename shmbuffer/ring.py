@@ -421,23 +421,23 @@ class Ring:
         self._count[_INSERTED] += k
         return Reservation(where, n, lane, self.lanes)
 
-    def push(self, k: int, lane: int, copies: Copies) -> np.ndarray | None:
+    def push(self, k: int, lane: int | np.ndarray, copies: Copies) -> np.ndarray | None:
         """``reserve`` (without a gate or ``also``), the copies (``Copier.copies``) and ``commit``
-        as one C call, for the usual case: the lane's next ``k`` slots do not wrap and none is
-        being written, the lock is free at once, no repair is owed, not frozen. Returns the rows'
-        ids; ``None`` when the C call left the push to the steps above (nothing was changed), or
-        without the extension. No Python code runs between the rows turning odd and their
-        commit, so no signal handler can come between (``lock.py``)."""
+        as one C call, for the usual case: the lock is free at once, no repair is owed, not
+        frozen, none of the slots is being written. ``lane``:
+        one lane, or one per row (int64). Returns the rows' ids; ``None`` when the C call left
+        the push to the steps above (nothing was changed), or without the extension. No Python
+        code runs between the rows turning odd and their commit, so no signal handler can come
+        between (``lock.py``)."""
         lib = self._lib
-        if lib is None:
+        if lib is None or (isinstance(lane, np.ndarray) and not (lane.dtype == np.int64 and lane.flags.c_contiguous)):
             return None
         cols, offsets, formats, sources = copies
-        n0 = lib.push(self.lock.memory, self._lanes, self._stats, self.stamp, self.owner, lane, k, self.writer_id(),
-                      _FROZEN, _INSERTED, cols, offsets, formats, sources)
-        if n0 is None:
+        ids = np.empty(k, np.int64)
+        if lib.push(self.lock.memory, self._lanes, self._stats, self.stamp, self.owner, lane, k, self.writer_id(),
+                    _FROZEN, _INSERTED, cols, offsets, formats, sources, ids) is None:
             return None
-        n = np.arange(n0, n0 + k)
-        return n * self.lanes + lane if self.lanes > 1 else n
+        return ids
 
     def commit(self, res: Reservation) -> None:
         """Odd to even: the rows are committed (nobody else touches a live writer's odd stamps).

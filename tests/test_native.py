@@ -421,6 +421,100 @@ def test_push_native_equals_python(make: Make, name: str, monkeypatch: pytest.Mo
 
 
 @needs_lib
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_one_call_push_equals_python(make: Make, name: str, monkeypatch: pytest.MonkeyPatch, lanes: int) -> None:
+    """Uniform pushes of rows that need no cast take one C call (``_native.push``): one lane or a
+    lane per row, episodes, wrapping lanes, a frozen buffer; the same
+    bytes, ids and counts as the Python path."""
+    assert LIB is not None
+    schema = sb.Schema(obs=((3, 5), "float32"), img=((2, 32, 32), "uint8"), action=((), "int64"), flag=((2,), "bool"))
+    calls: list[bool] = []
+
+    class Counting:  # the extension, counting the pushes its one call took
+        def __getattr__(self, key: str) -> Any:
+            return getattr(LIB, key)
+
+        def push(self, *args: Any) -> Any:
+            got = LIB.push(*args)
+            calls.append(got is True)
+            return got
+
+    monkeypatch.setattr(native, "lib", Counting())
+    fast = make(schema, capacity=24, lanes=lanes, episodes=True, name=name + "n")
+    with monkeypatch.context() as m:
+        m.setattr(native, "lib", None)
+        ref = make(schema, capacity=24, lanes=lanes, episodes=True, name=name + "p")
+    rng = np.random.default_rng(lanes)
+    for _ in range(40):
+        k = int(rng.integers(1, 6))
+        rows: dict[str, Any] = {"obs": rng.random((k, 3, 5)).astype(np.float32),
+                                "img": rng.integers(0, 255, (k, 2, 32, 32)).astype(np.uint8),
+                                "action": rng.integers(-5, 5, k), "flag": rng.random((k, 2)) < 0.5}
+        lane: Any = int(rng.integers(0, lanes)) if rng.random() < 0.5 else rng.integers(0, lanes, k)
+        episode = int(rng.integers(0, 9)) if rng.random() < 0.5 else rng.integers(0, 9, k)
+        got = fast.push(rows, lane=lane, episode=episode)
+        with monkeypatch.context() as m:
+            m.setattr(native, "lib", None)
+            want = ref.push(rows, lane=lane, episode=episode)
+        assert np.array_equal(got, want)
+    assert len(calls) == 40 and all(calls)  # each in one call, wrapping lanes too
+    a, b = block_bytes(fast), block_bytes(ref)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key] == b[key], key
+    assert fast.stats["inserted"] == ref.stats["inserted"]
+    fast.freeze()
+    with pytest.raises(sb.ReadOnlyError):
+        fast.push({n: v[:1] for n, v in rows.items()}, lane=0, episode=0)
+
+
+@needs_lib
+def test_one_call_push_refuses_bad_input_and_leaves_a_busy_ring_alone(make: Make, name: str) -> None:
+    assert LIB is not None
+    buf = make(MUJOCO, capacity=12, lanes=2, name=name)
+    ring_, block = buf.ring, buf.block
+    packed, stamp, owner, cursors, stats = block.packed, block.stamp, ring_.owner, block.arrays["_lanes"], block.arrays["_stats"]
+    assert packed is not None
+    lock = ring_.lock.memory
+    src = (np.zeros((2, packed.shape[1]), np.uint8),)
+    cols, offs, ids = (packed,), (0,), np.zeros(2, np.int64)
+    frozen, inserted = int(sb.layout.Counter.FROZEN), int(sb.layout.Counter.INSERTED)
+
+    def call(lane: Any = 0, k: int = 2, writer: int = 1, lock_: Any = lock, ids_: Any = ids, **kw: Any) -> Any:
+        a = dict(cursors=cursors, stats=stats, stamp=stamp, owner=owner, frozen=frozen, inserted=inserted,
+                 cols=cols, offs=offs, fmts=None, src=src)
+        a.update(kw)
+        return LIB.push(lock_, a["cursors"], a["stats"], a["stamp"], a["owner"], lane, k, writer, a["frozen"],
+                        a["inserted"], a["cols"], a["offs"], a["fmts"], a["src"], ids_)
+
+    before = {n: a.copy() for n, a in block.arrays.items() if n != "_mutex"}
+    for bad in (dict(lane=2), dict(lane=-1), dict(k=0), dict(k=7), dict(writer=70_000), dict(frozen=10 ** 6),
+                dict(lane=np.array([0, 2], np.int64)), dict(lane=np.array([0], np.int64)),
+                dict(ids_=np.zeros(3, np.int64)), dict(lock_=lock[:32]), dict(offs=(packed.shape[1],)),
+                dict(cursors=cursors.reshape(-1)[:12])):
+        with pytest.raises((ValueError, TypeError)):
+            call(**bad)
+    with pytest.raises(ValueError):  # 7 rows for one lane of 6 slots
+        call(lane=np.zeros(7, np.int64), k=7, ids_=np.zeros(7, np.int64), src=(np.zeros((7, packed.shape[1]), np.uint8),))
+    assert call(fmts=(b"f",)) is None  # a source needs a cast: the Python steps
+    stamp[1] = 3  # lane 0's slot 1 is being written
+    assert call() is None
+    stamp[1] = 0
+    stats[frozen] = 1
+    assert call() is None
+    stats[frozen] = 0
+    ring_.lock.acquire()  # busy: the Python steps wait for it
+    try:
+        assert call() is None
+    finally:
+        ring_.lock.release()
+    for n, a in before.items():
+        assert np.array_equal(block.arrays[n], a), n
+    assert call(lane=np.array([1, 0], np.int64)) is True and ids.tolist() == [1, 0]
+    assert stamp[[0, 6]].tolist() == [2, 2] and stats[inserted] == 2
+
+
+@needs_lib
 def test_put_reserve_and_check_refuse_bad_input(make: Make, name: str) -> None:
     assert LIB is not None
     buf = make(MUJOCO, capacity=10, name=name)
