@@ -27,8 +27,9 @@ anyway (e.g. when the training step mostly runs long GIL-free torch kernels, or 
 large).
 
 The thread hands its batches over through ``_Handoff``: a deque and two wake tokens, so that the
-learner takes a ready batch without waiting for a lock the thread may hold (waiting for one gives
-the thread the GIL for a whole sample).
+learner takes a ready batch without waiting for a lock the thread may hold, and ``close()`` wakes a
+learner waiting for a batch at once. On the CPU this measured within noise of a ``queue.Queue``:
+the cost of the thread is the GIL, not the hand-off.
 
 NOTE (shutdown): ``close()`` (or leaving the ``with`` block, or the end of iteration) stops the
 thread: it sets a flag, empties the hand-off and wakes both sides (the thread waiting for room, a
@@ -100,9 +101,8 @@ class _Handoff:
     Neither side ever waits for a lock the other side may hold: the items go through a ``deque``
     (``append``/``popleft`` are atomic under the GIL), and each side wakes the other by giving it a
     token (a lock released by the one and acquired by the other), only ever waited on when there is
-    nothing to take or no room. A ``queue.Queue`` guards its items with one mutex: a learner that
-    found it held by the thread waited for it, and so gave the GIL to the thread for a whole sample
-    (``benchmarks/README.md``, the loader case). A stale token only makes a waiter look again.
+    nothing to take or no room (a ``queue.Queue`` guards its items with one mutex, and a learner
+    that finds it held waits for it, giving up the GIL). A stale token only makes a waiter look again.
     """
 
     def __init__(self, size: int) -> None:
