@@ -295,7 +295,7 @@ class ReplayBuffer:
     # -- writing -------------------------------------------------------------------------------
     def push(
         self, data: Mapping[str, Any] | None = None, /, *, lane: int | Any = None, episode: int | Any = None,
-        priority: float | Any = None, timeout: float | None = None, **fields: Any,
+        priority: float | Any = None, timeout: float | None = None, resume: bool = False, **fields: Any,
     ) -> np.ndarray:
         """Append one row, or ``k`` rows given with a leading dimension; return their ids.
 
@@ -308,11 +308,16 @@ class ReplayBuffer:
         :param priority: the rows' priority (one, or one per row; Ape-X style), else the largest
             given so far.
         :param timeout: how long a rate limiter that blocks writers may hold this push.
+        :param resume: with ``stack``, a row that starts a lane's episode may hold real older
+            frames instead of padding: an episode whose earlier steps this buffer does not hold
+            (imported from a buffer that lapped them, a collector restarted mid-episode). They are
+            stored in lead rows before it, never drawn (``frames.py``). Without it such a row is
+            refused, as a sign of steps pushed out of order.
 
         Everything is checked before the buffer is touched: on any error it is exactly as it was.
         """
         return edits.push(self, self._copier, data, lane=lane, episode=episode, priority=priority,
-                          timeout=timeout, fields=fields, pusher=self._pusher)
+                          timeout=timeout, fields=fields, pusher=self._pusher, resume=resume)
 
     add = push
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .errors import FieldError, ReadOnlyError
-from .frames import END, KIND, Pusher
+from .frames import END, KIND, LEAD, Pusher
 from .layout import Counter
 from .lock import defer_signals, resume_signals
 from .reader import Source
@@ -129,8 +129,9 @@ def delete(src: Source, ids: np.ndarray) -> int:
 
 
 def end_rows(src: Source) -> int:
-    """Held slots that are not transitions (``next_of``): end rows holding an episode's final
-    observation, and each lane's newest row while it waits for its next one."""
+    """Held slots that are not transitions (``next_of``, ``stack``): end rows holding an episode's
+    final observation, lead rows (``push(resume=True)``), and each lane's newest row while it
+    waits for its next one."""
     kind = src.block.arrays[KIND]
     ring = src.ring
     first, stop = ring.bounds()
@@ -139,10 +140,10 @@ def end_rows(src: Source) -> int:
     for lane in range(ring.lanes):
         a, b = int(first[lane]), int(stop[lane])
         if b - a >= lc:
-            count += int(np.count_nonzero(kind[lane * lc:(lane + 1) * lc] & END))
+            count += int(np.count_nonzero(kind[lane * lc:(lane + 1) * lc] & (END | LEAD)))
         elif b > a:
-            count += int(np.count_nonzero(kind[lane * lc + np.arange(a, b) % lc] & END))
-        if b > a and not kind[lane * lc + (b - 1) % lc] & END:
+            count += int(np.count_nonzero(kind[lane * lc + np.arange(a, b) % lc] & (END | LEAD)))
+        if b > a and not kind[lane * lc + (b - 1) % lc] & (END | LEAD):
             count += 1  # the newest row: its next observation is not pushed yet
     return count
 
@@ -172,7 +173,7 @@ def removed(src: Source) -> int:
 
 def push(
     src: Source, copier: Copier, data: Any, *, lane: Any, episode: Any, priority: Any, timeout: float | None,
-    fields: dict[str, Any], pusher: Pusher | None = None,
+    fields: dict[str, Any], pusher: Pusher | None = None, resume: bool = False,
 ) -> np.ndarray:
     """``ReplayBuffer.push``: check everything (``check``), reserve (marking the rows odd, their
     priorities set, under the lock; signals deferred until the commit), copy (one C call through
@@ -187,7 +188,7 @@ def push(
         return np.empty(0, np.int64)
     ex = None
     if pusher is not None:
-        ex = pusher.expand(arrays, k, lane, episodes, ring.bounds())
+        ex = pusher.expand(arrays, k, lane, episodes, ring.bounds(), resume)
         arrays, episodes = ex.arrays, ex.episodes
         k = ex.lanes.shape[0]
         lane = int(ex.lanes[0]) if (ex.lanes == ex.lanes[0]).all() else ex.lanes

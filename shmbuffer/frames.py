@@ -21,6 +21,11 @@ Storage (``Frames.stored``, ``layout.columns``)
   the episode's first row: copies of the first frame (Gymnasium's ``FrameStackObservation``,
   ``padding_type="reset"``) or zeros (kind ``ZERO``; Stable-Baselines3's ``VecFrameStack``).
 * ``_kind`` (``(capacity,)`` uint8) holds those bits, read with the row under its stamp check.
+* a push with ``resume=True`` (``import_rows`` and ``from_arrays`` use it) may start a lane with a
+  row whose stacks hold real older frames, not padding: an episode whose earlier steps this buffer
+  does not hold (cut by lapping in the buffer it was exported from, or a collector restarted
+  mid-episode). The older frames go into **lead rows** (kind ``LEAD``, the first also ``START``)
+  before it: like end rows they take slots, are never drawn and are not counted.
 
 Pushes (``Pusher``)
 -------------------
@@ -60,6 +65,9 @@ START = 2
 """the row is its episode's first"""
 ZERO = 4
 """with ``START``: the episode's stacks are padded with zeros, not with its first frame"""
+LEAD = 8
+"""the row holds an older frame of a resumed episode's first pushed stack (``push(resume=True)``),
+not a transition"""
 
 ENDS = ("done", "dones", "terminated", "terminal", "terminals", "truncated", "truncation", "timeout", "timeouts")
 """Fields that mark an episode's last step when nonzero."""
@@ -230,11 +238,11 @@ def window(spec: Frames, anchors: np.ndarray, lanes: int, start: np.ndarray, sto
 
 def center(spec: Frames, ok: np.ndarray, kind: np.ndarray) -> np.ndarray:
     """Which transitions can be read as far as their own rows go, from the window rows' stamp
-    checks ``ok`` and kinds ``kind`` (both ``(m, W)``): row ``n`` intact and not an end row, row
+    checks ``ok`` and kinds ``kind`` (both ``(m, W)``): row ``n`` intact and not an end or lead row, row
     ``n + 1`` (with ``next_of``) intact and not another episode's start. Each stack adds its own
     conditions (``stack_plan``)."""
     c = spec.depth
-    valid = ok[:, c] & (kind[:, c] & END == 0)
+    valid = ok[:, c] & (kind[:, c] & (END | LEAD) == 0)
     if spec.ahead:
         valid &= ok[:, c + 1] & (kind[:, c + 1] & START == 0)
     return valid
@@ -374,10 +382,11 @@ class Pusher:
         self.pid = os.getpid()
 
     def expand(self, arrays: dict[str, np.ndarray], k: int, lane: int | np.ndarray, episodes: np.ndarray | None,
-               bounds: tuple[np.ndarray, np.ndarray]) -> Expanded:
+               bounds: tuple[np.ndarray, np.ndarray], resume: bool = False) -> Expanded:
         """Check a push of ``k`` checked rows and lay it out as stored rows (nothing is touched).
         The walk over the rows decides which continue which; the data checks then run on all the
-        rows at once."""
+        rows at once. With ``resume`` a row that starts an episode may hold real older frames:
+        they go into lead rows before it (the module docstring)."""
         spec = self.spec
         if self.pid != os.getpid():  # a forked child: the parent's rows are not this process's
             self.last, self.pid = {}, os.getpid()
@@ -419,20 +428,28 @@ class Pusher:
                 starts.append((i, ln))
             prev_of[ln] = i
         self._check(full, inside, remembered)
+        depth = max((st.k for st in spec.stack), default=1) - 1
+        lead = np.zeros(k, np.int64)  # lead rows before each row (resume)
         for i, ln in starts:
-            kinds[i] = START | self._padding(full, i, ln)
-        # stored rows: i >= 0 a pushed row, -1 - i the end row after row i (next_of)
+            try:
+                kinds[i] = START | self._padding(full, i, ln)
+            except FieldError:
+                if not resume:
+                    raise
+                lead[i] = depth  # an episode resumed: its older frames go into lead rows
+        # stored rows per pushed row i: its lead rows, the row, the end row after it (next_of)
         ends_after = final & nexts
-        pos = np.empty(k + int(ends_after.sum()), np.int64)
-        at = np.arange(k) + np.concatenate([[0], np.cumsum(ends_after)[:-1]])
-        pos[at] = np.arange(k)
-        pos[at[ends_after] + 1] = -1 - np.flatnonzero(ends_after)
-        firsts = {ln: (int(at[i]), cont) for ln, (i, cont) in firsts.items()}
+        count = lead + 1 + ends_after
+        begin = np.concatenate([[0], np.cumsum(count)[:-1]])
+        src_row = np.repeat(np.arange(k), count)
+        offset = np.arange(int(count.sum())) - begin[src_row]  # position in the row's group
+        is_lead = offset < lead[src_row]
+        is_end = offset > lead[src_row]
+        at = begin + lead  # the pushed rows' stored positions
+        firsts = {ln: (int(begin[i]), cont) for ln, (i, cont) in firsts.items()}
         lasts = {ln: Last(-1, final_list[i], None if eps_list is None else eps_list[i],  # copies: the caller
                           {n: a.copy() for n, a in self._values(full, i).items()})  # may reuse its arrays
                  for ln, i in prev_of.items()}
-        src_row = np.where(pos >= 0, pos, -1 - pos)
-        is_end = pos < 0
         sources = {src: nxt for nxt, src in spec.next_of}
         out: dict[str, np.ndarray] = {}
         for f in self.stored:
@@ -447,12 +464,20 @@ class Pusher:
                     col[is_end] = frames_of(s, b)[:, -1] if s is not None else b
                 else:
                     col[is_end] = 0
+            if is_lead.any():
+                if s is not None:  # lead row j of a group holds frame j - (depth - (k - 1)), the oldest at least
+                    pick = np.maximum(offset[is_lead] - (depth - (s.k - 1)), 0)
+                    col[is_lead] = frames_of(s, full[f.name][src_row[is_lead]])[np.arange(pick.size), pick]
+                else:
+                    col[is_lead] = 0
             out[f.name] = col
         kind = kinds[src_row]
         kind[is_end] = END
+        kind[is_lead] = LEAD
+        kind[begin[lead > 0]] |= START
         out[KIND] = kind
         return Expanded(out, lanes[src_row], None if eps is None else np.ascontiguousarray(eps[src_row]),
-                        np.flatnonzero(~is_end), firsts, lasts)
+                        at, firsts, lasts)
 
     def _values(self, full: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
         keep = {s.name for s in self.spec.stack} | {n for n, _ in self.spec.next_of}

@@ -134,7 +134,7 @@ import numpy as np
 
 from . import reader
 from .errors import CapacityError, ClosedError, FieldError, LayoutError
-from .frames import ENDS, KIND
+from .frames import ENDS, KIND, Frames, frames_of
 from .layout import Counter, Lane, Options
 from .priorities import MAX_LEAF
 from .samplers import Prioritized
@@ -1316,6 +1316,10 @@ def from_arrays(
             per_lane = int(np.bincount(lane).max()) if lane is not None and k else k // envs if spread else k
         if stored_once:
             per_lane += _episode_ends(schema, data)  # at most one end row each (all in one lane at worst)
+            per_lane += _lead_rows(schema, data, options.get("next_of"), options.get("stack"), lane)
+            spec = Frames.make(schema, options.get("next_of"), options.get("stack"))
+            if spec is not None:  # the least a lane of such a buffer may hold (layout.Options)
+                per_lane = max(per_lane, 2 * (spec.depth + spec.ahead + 1))
         capacity = max(per_lane, 1) * lanes
     buf = factory(schema, capacity, **options)
     try:
@@ -1335,8 +1339,9 @@ def from_arrays(
             part = slice(i, i + step)
             both: dict[str, Any] = {**data, **extra}
             cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
+            # resume: rows exported from a buffer that lapped an episode's first steps (lead rows)
             ids = buf.push({n: cut[n] for n in data}, lane=None if spread else 0 if lane is None else lane[part],
-                           episode=cut.get("episode"), priority=cut.get("priority"))
+                           episode=cut.get("episode"), priority=cut.get("priority"), resume=True)
             if uses is not None:
                 set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
     except BaseException:
@@ -1353,6 +1358,32 @@ def _episode_ends(schema: Schema, data: dict[str, Any]) -> int:
             f = np.asarray(data[name]).reshape(-1) != 0
             final = f if final is None else final | f
     return 0 if final is None else int(final.sum())
+
+
+def _lead_rows(schema: Schema, data: dict[str, Any], next_of: Any, stack: Any, lane: np.ndarray | None) -> int:
+    """At most how many lead rows the rows of ``data`` take with ``stack`` (``frames.py``): an
+    episode start (the first row, one after an episode's last, a lane's first) whose stacks are
+    not padding resumes an episode cut before it, and its older frames take ``k - 1`` rows."""
+    spec = Frames.make(schema, next_of, stack)
+    if spec is None or not spec.stack:
+        return 0
+    k = int(np.asarray(data[spec.stack[0].name]).shape[0])
+    final = np.zeros(k, bool)
+    for name in spec.ends:
+        if name in data:
+            final |= np.broadcast_to(np.asarray(data[name]).reshape(-1) != 0, (k,))
+    starts = np.concatenate([[True], final[:-1]]) if k else final
+    if lane is not None and k:
+        order = np.argsort(lane, kind="stable")  # a lane's first row starts too
+        firsts = order[np.concatenate([[True], lane[order][1:] != lane[order][:-1]])]
+        starts[firsts] = True
+    at = np.flatnonzero(starts)
+    cut = np.zeros(at.size, bool)
+    for st in spec.stack:
+        fr = frames_of(st, np.asarray(data[st.name])[at])
+        older, newest = fr[:, :-1].reshape(at.size, st.k - 1, -1), fr[:, -1:].reshape(at.size, 1, -1)
+        cut |= ~((older == newest).all(axis=(1, 2)) | (older == 0).all(axis=(1, 2)))
+    return int(cut.sum()) * (max(st.k for st in spec.stack) - 1)
 
 
 def _kept_rows(index: Any, k: int, lanes: int) -> dict[int, np.ndarray] | None:
@@ -1455,7 +1486,8 @@ def import_rows(buf: Buffer, arrays: Mapping[str, Any]) -> np.ndarray:
         both: dict[str, Any] = {**data, **extra}
         cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
         opts = {key: cut[key] for key in ("lane", "episode", "priority") if key in cut}
-        ids = buf.push({n: cut[n] for n in data}, **opts)
+        # rows exported from a buffer that lapped an episode's first steps resume it (lead rows)
+        ids = buf.push({n: cut[n] for n in data}, resume=True, **opts)
         if uses is not None:
             set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
         out.append(ids)

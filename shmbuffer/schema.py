@@ -40,7 +40,8 @@ PACK_LIMIT = 1024
 
 RESERVED = frozenset(
     {"index", "weight", "mask", "source", "steps", "lane", "keys", "values", "items", "to",
-     "numpy", "size", "fields", "extras", "get", "as_dict", "episode", "priority", "timeout", "to_tensordict"}
+     "numpy", "size", "fields", "extras", "get", "as_dict", "episode", "priority", "timeout", "resume",
+     "to_tensordict"}
 )
 """Names a field cannot take: ``Batch`` uses them for its attributes and methods, ``push`` for
 its keyword options."""

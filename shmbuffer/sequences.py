@@ -21,7 +21,7 @@ import numpy as np
 from . import reader
 from .batch import Batch
 from .errors import CapacityError, EmptyBufferError, FieldError
-from .frames import KIND, START
+from .frames import KIND, LEAD, START
 from .reader import GIVE_UP, Rows, Source
 from .ring import INVALID, Ring
 from .samplers import uniform_ids
@@ -266,6 +266,9 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
         frames = src.block.frames
         if frames is not None and kinds is not None and frames.stack and first.size and not kinds[lane * lc + first[0] % lc] & START:
             first[0] += frames.depth  # a run cut by lapping or a clear(): its first stacks reach outside
+        if frames is not None and kinds is not None and first.size:
+            for _ in range(frames.depth):  # a resumed episode's lead rows (push(resume=True)) are not steps
+                first += (kinds[lane * lc + np.minimum(first, stop - 1) % lc] & LEAD != 0) & (first < stop)
         if _ends_in_own_row(src):  # an episode's last row is its end row, or has no next row yet
             stop = stop - 1
         first, stop = first[stop > first], stop[stop > first]

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
+from shmbuffer import persistence
 from shmbuffer.errors import FieldError, SchemaError
 
 Make = Callable[..., sb.ReplayBuffer]
@@ -522,3 +523,86 @@ def test_draws_are_uniform_over_transitions(make: Make, name: str) -> None:
         counts += np.bincount(batch.obs[:, 0].astype(int), minlength=200)
     expected = 400 * 256 / 200
     assert np.abs(counts - expected).max() < 6 * np.sqrt(expected)  # about 5 standard deviations
+
+
+# -- episodes resumed: lead rows ------------------------------------------------------------------------
+@pytest.mark.parametrize("frame", [(1, 12, 12), (1, 40, 40)], ids=["packed", "column"])
+@pytest.mark.parametrize("seed", range(3))
+def test_an_export_of_a_lapped_buffer_loads_into_one_that_stores_frames_once(frame: tuple[int, ...], seed: int,
+                                                                             make: Make, name: str) -> None:
+    """The oldest episodes of a full buffer lost their first steps to lapping: their first
+    readable stacks hold real older frames, not padding. Their export loads into a next_of/stack
+    buffer (``from_arrays``, ``import_rows``): those frames go into lead rows, every transition reads
+    back bit for bit, none is lost, and no lead row is drawn or counted."""
+    k, lanes = 4, 2
+    sch = schema(frame, k, 0)
+    rng = np.random.default_rng(seed)
+    src = make(sch, 16 * lanes, lanes=lanes, episodes=True, next_of="obs", stack="obs", name=name + "s")
+    eps = 0
+    # per lane 12 steps, then 6 more: 20 rows with the end rows, in lanes of 16, so the first
+    # episode loses its first 4 rows to lapping and its steps from the 8th on stay readable
+    for i, length in enumerate([12, 12, 6 + int(rng.integers(0, 2)), 6]):
+        lane = i % lanes
+        rows = episode(lane, eps, length, str(rng.choice(["terminated", "truncated"])), frame, k, 0,
+                       str(rng.choice(["reset", "zero"])))
+        src.push({n: np.stack([np.asarray(r[n]) for r in rows]) for n in sch.names}, lane=lane, episode=eps)
+        eps += 1
+    out = src.export()
+    assert out["index"].size
+    # each lane's first exported transition resumes a cut episode: a plain push refuses it
+    lane_of = out["index"] % lanes
+    firsts = [int(np.flatnonzero(lane_of == ln)[0]) for ln in range(lanes) if (lane_of == ln).any()]
+    probe = make(sch, 20 * len(firsts), lanes=len(firsts), next_of="obs", stack="obs", name=name + "p")
+    refused = 0
+    for ln, i in enumerate(firsts):
+        try:
+            probe.push({n: out[n][i:i + 1] for n in sch.names}, lane=ln)
+        except FieldError as e:
+            assert "starts an episode" in str(e)
+            refused += 1
+    assert refused == lanes, "a lane's export begins with no cut episode: nothing there needs lead rows"
+    for target in ("from_arrays", "import_rows"):
+        if target == "from_arrays":
+            new = sb.ReplayBuffer.from_arrays(sch, out, name=name + "f", next_of="obs", stack="obs", episodes=True)
+        else:
+            new = make(sch, 200, episodes=True, next_of="obs", stack="obs", name=name + "i")
+            persistence.import_rows(new, out)  # DI-engine's import_data (compat.ding)
+        try:
+            back = new.export()
+            assert len(new) == out["index"].size
+            for n in sch.names:
+                assert np.array_equal(back[n], out[n]), n
+            drawn = new.sample(300)
+            tags = {tuple(t) for t in out["tag"].tolist()}
+            assert {tuple(t) for t in drawn.tag.tolist()} <= tags  # transitions only, never a lead row
+            whole = {tuple(t): i for i, t in enumerate(out["tag"].tolist())}
+            for j, t in enumerate(drawn.tag.tolist()):
+                i = whole[tuple(t)]
+                assert np.array_equal(drawn.obs[j], out["obs"][i]) and np.array_equal(drawn.next_obs[j], out["next_obs"][i])
+            runs = new.sample_sequences(16, 3)  # windows of steps: never a lead row among them
+            assert {tuple(t) for t in runs.tag[runs.mask].tolist()} <= tags
+        finally:
+            if target == "from_arrays":
+                new.close()
+                new.unlink()
+
+
+def test_a_resumed_episode_never_lends_its_frames_to_the_row_before(make: Make, name: str) -> None:
+    """``push(resume=True)`` of a row whose stack holds real older frames: they are read back as
+    pushed, and a transition left open before it in the lane (its next row never came) is not
+    completed with a lead row's frame: it is never drawn."""
+    frame, k = (1, 12, 12), 4
+    sch = schema(frame, k, 0)
+    buf = make(sch, 64, episodes=True, next_of="obs", stack="obs", name=name, seed=0)
+    open_ = episode(0, 0, 6, "terminated", frame, k, 0, "reset")[:3]  # three steps, then the env went away
+    buf.push({n: np.stack([np.asarray(r[n]) for r in open_]) for n in sch.names}, episode=0)
+    later = episode(0, 1, 9, "truncated", frame, k, 0, "zero")[5:]  # an episode resumed at its 6th step
+    rows = {n: np.stack([np.asarray(r[n]) for r in later]) for n in sch.names}
+    with pytest.raises(FieldError, match="starts an episode"):
+        buf.push(rows, episode=1)
+    ids = buf.push(rows, episode=1, resume=True)
+    assert ids.size == len(later)
+    got = buf.take(ids)
+    assert np.array_equal(got.obs, rows["obs"]) and np.array_equal(got.next_obs, rows["next_obs"])
+    drawn = {tuple(t) for t in buf.sample(400).tag.tolist()}
+    assert drawn == {tuple(r["tag"]) for r in open_[:2] + later}  # not the open step, no lead row
