@@ -152,6 +152,26 @@ def _torchrl_rb(capacity: int, node: str, batch: int) -> Any:
                            transport="ray")
 
 
+def _torchrl_shutdown(rb: Any) -> None:
+    """End a TorchRL ``RayReplayBuffer``'s actor gracefully, then ``rb.shutdown()``.
+
+    ``shutdown`` alone is ``ray.kill`` (SIGKILL), and the actor holds named POSIX semaphores: its
+    storage's and writer's ``mp.Value`` locks (importing torchrl makes ``spawn`` multiprocessing's
+    default start method, so a ``SemLock`` has a name, ``/dev/shm/sem.mp-*``, unlinked by a
+    finalizer at exit or by the resource tracker). A killed actor runs neither, and Ray kills its
+    resource tracker with it (a worker's children die with it): 5 files left per buffer.
+    ``__ray_terminate__`` exits the actor as ``ray.actor.exit_actor`` does, running its ``atexit``
+    handlers, multiprocessing's finalizers among them."""
+    ray = _ray()
+    actor = getattr(rb, "_rb", None)
+    if actor is not None:
+        try:
+            ray.get(actor.__ray_terminate__.remote(), timeout=60)
+        except ray.exceptions.RayError:  # the actor has exited (or was already gone)
+            pass
+    rb.shutdown()
+
+
 def _td(spec: Spec, rows: dict[str, np.ndarray]) -> Any:
     import torch
     from tensordict import TensorDict
@@ -169,10 +189,10 @@ def _torchrl_writer(spec: Spec, k: int, capacity: int) -> Subject:
             rb.extend(tds[0])
             _check_rows(spec, dict(rb.sample().items()), "TorchRL RayReplayBuffer")
         except BaseException:
-            rb.shutdown()
+            _torchrl_shutdown(rb)
             raise
         it = itertools.cycle(tds)
-        return {"push": lambda: rb.extend(next(it))}, rb.shutdown
+        return {"push": lambda: rb.extend(next(it))}, partial(_torchrl_shutdown, rb)
 
     return Subject("torchrl RayReplayBuffer", "peer", setup, note="the whole buffer in one actor on node 2")
 
@@ -264,9 +284,9 @@ def _torchrl_learner() -> Subject:
                     rb.extend(_td(MUJOCO, MUJOCO.make(w, np.arange(j, min(j + 8192, FILL)))))
             _check_rows(MUJOCO, dict(rb.sample().items()), "TorchRL RayReplayBuffer")
         except BaseException:
-            rb.shutdown()
+            _torchrl_shutdown(rb)
             raise
-        return {"prefetch": rb.sample, "noprefetch": rb.sample}, rb.shutdown
+        return {"prefetch": rb.sample, "noprefetch": rb.sample}, partial(_torchrl_shutdown, rb)
 
     return Subject("torchrl RayReplayBuffer", "peer", setup, note="one actor holding all rows, a call per batch")
 

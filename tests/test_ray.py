@@ -8,9 +8,12 @@ import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -68,14 +71,153 @@ def start(nodes: int) -> Cluster:
     return cluster
 
 
+SHM = Path("/dev/shm")
+_MAPPED = re.compile(r"^\S+ \S+ \S+ \S+ (\d+) +/dev/shm/sem\.", re.M)
+
+
+def semaphores() -> set[str]:
+    """The named POSIX semaphores of ``multiprocessing`` (``SemLock``) in ``/dev/shm`` now."""
+    return {n for n in os.listdir(SHM) if n.startswith("sem.mp-")}
+
+
+def _pids() -> dict[int, int]:
+    """Every live process and its parent."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+            except OSError:
+                continue
+            out[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return out
+
+
+def _held(pids: Iterable[int]) -> set[int]:
+    """The inodes of the semaphores these processes map (a ``SemLock`` maps its semaphore for
+    life; its creator's map names the file glibc made it under, ``sem.XXXXXX``, since linked to
+    the ``sem.mp-*`` name: hence the inode)."""
+    inodes: set[int] = set()
+    for pid in pids:
+        try:
+            inodes.update(map(int, _MAPPED.findall(Path(f"/proc/{pid}/maps").read_text())))
+        except OSError:
+            pass
+    return inodes
+
+
+def _inodes(names: Iterable[str]) -> dict[str, int]:
+    out = {}
+    for n in names:
+        try:
+            out[n] = os.stat(SHM / n).st_ino
+        except FileNotFoundError:
+            pass
+    return out
+
+
+class Semaphores:
+    """Which new ``sem.mp-*`` files this pytest process's tree made: a thread looks twice a second
+    at the files that appeared since it started and records those held (mapped) by this process or
+    a descendant (Ray's raylets, its workers, their children; a Ray worker's processes are
+    reparented away when their raylet dies, so the record is made while they live). Files of
+    parallel xdist workers are never mapped by our tree and are never counted."""
+
+    def __init__(self) -> None:
+        self.known = semaphores()
+        self.ours: set[str] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="sem-watch", daemon=True).start()
+
+    def tree(self) -> set[int]:
+        parents = _pids()
+        children: dict[int, list[int]] = {}
+        for pid, ppid in parents.items():
+            children.setdefault(ppid, []).append(pid)
+        out, todo = set(), [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            out.add(pid)
+            todo.extend(children.get(pid, ()))
+        return out
+
+    def scan(self) -> None:
+        with self._lock:
+            new = _inodes(semaphores() - self.known - self.ours)
+            if new:
+                held = _held(self.tree())
+                mine = {n for n, ino in new.items() if ino in held}
+                self.ours |= mine
+                self.known |= set(new) - mine  # a creator maps its semaphore before naming it
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.5)
+            try:
+                self.scan()
+            except Exception:  # a process gone while read: next round
+                pass
+
+    def left(self, before: set[str], settle: float) -> list[str]:
+        """Files of ours made since ``before`` that are still there and held by no live process:
+        waits 2 s (the resource tracker of a process that exited unlinks its semaphores then) and
+        up to ``settle`` s while a live process holds one (a Ray worker still dying after its
+        cluster's shutdown). Those left are removed, and returned."""
+        self.scan()
+        now = time.monotonic()
+        grace, deadline = now + 2.0, now + settle
+        while True:
+            with self._lock:
+                new = _inodes((self.ours - before) & semaphores())
+            if not new:
+                return []
+            inodes = _held(_pids())
+            held = {n for n, ino in new.items() if ino in inodes}
+            now = time.monotonic()
+            if now > grace and (not held or now > deadline):
+                break
+            time.sleep(0.2)
+        orphans = sorted(set(new) - held)
+        for n in orphans:
+            try:
+                os.unlink(SHM / n)
+            except FileNotFoundError:
+                pass
+        return orphans
+
+
+_WATCH: list[Semaphores] = []
+
+
+@pytest.fixture(autouse=True)
+def no_semaphores_left(request: pytest.FixtureRequest) -> Iterator[Semaphores]:
+    """Fail a test after which a ``multiprocessing`` semaphore (``/dev/shm/sem.mp-*``) made by a
+    process of this test's tree is left with nobody holding it (a process killed with its resource
+    tracker: Ray kills a worker's children with it). The leftovers are removed."""
+    if not _WATCH:
+        _WATCH.append(Semaphores())
+    watch = _WATCH[0]
+    before = semaphores()
+    yield watch
+    # a test on the class's cluster: its workers live on (the cluster's own check follows its
+    # shutdown); any other test has shut its cluster down: wait for its processes to let go
+    left = watch.left(before, settle=0.0 if "cluster" in request.fixturenames else 15.0)
+    assert not left, f"named semaphores left in /dev/shm (removed now): {left}"
+
+
 @pytest.fixture(scope="class")
 def cluster():
+    if not _WATCH:
+        _WATCH.append(Semaphores())
+    before = semaphores()
     cluster = start(3)
     try:
         yield cluster
     finally:
         ray.shutdown()
         cluster.shutdown()
+    left = _WATCH[0].left(before, settle=15.0)  # the actors killed at shutdown
+    assert not left, f"named semaphores left in /dev/shm at the cluster's shutdown (removed now): {left}"
 
 
 @ray.remote(num_cpus=0)
