@@ -606,3 +606,27 @@ def test_a_resumed_episode_never_lends_its_frames_to_the_row_before(make: Make, 
     assert np.array_equal(got.obs, rows["obs"]) and np.array_equal(got.next_obs, rows["next_obs"])
     drawn = {tuple(t) for t in buf.sample(400).tag.tolist()}
     assert drawn == {tuple(r["tag"]) for r in open_[:2] + later}  # not the open step, no lead row
+
+
+def _push_fresh_episode(buf: sb.ReplayBuffer, frame: tuple[int, ...]) -> None:
+    """In a forked child: a new episode's first steps into lane 0, where the parent left one open."""
+    rows = episode(0, 7, 3, "terminated", frame, 4, 0, "reset")
+    buf.push({n: np.stack([np.asarray(r[n]) for r in rows]) for n in buf.schema.names})
+    os._exit(0)
+
+
+def test_a_forked_child_starts_its_own_rows(make: Make, name: str, procs: list) -> None:
+    """A forked child inherits the parent's pusher but not its rows: the parent's open episode
+    in a lane is not the child's to continue, so the child's new episode there is a start (not
+    refused as a step that fails to follow the parent's)."""
+    frame = (1, 12, 12)
+    sch = schema(frame, 4, 0)
+    buf = make(sch, 64, next_of="obs", stack="obs", name=name)
+    open_ = episode(0, 0, 6, "terminated", frame, 4, 0, "reset")[:2]
+    buf.push({n: np.stack([np.asarray(r[n]) for r in open_]) for n in sch.names})
+    p = mp.get_context("fork").Process(target=_push_fresh_episode, args=(buf, frame))
+    p.start()
+    procs.append(p)
+    p.join(60)
+    assert p.exitcode == 0
+    assert {tuple(t) for t in buf.sample(200).tag.tolist()} == {(0, 0, 0), (0, 7, 0), (0, 7, 1), (0, 7, 2)}
