@@ -160,6 +160,11 @@ def main(args: Args) -> dict[str, Any]:
                           shards_seen=sorted(set(batch.shard.tolist())))
             ray.get([h.stop.remote() for h in hosts])
     finally:
+        # a host's Collector holds multiprocessing semaphores (/dev/shm/sem.mp-*), unlinked when
+        # its process exits; an actor left to ray.shutdown is killed, its resource tracker with it
+        ends = [h.__ray_terminate__.remote() for h in hosts]
+        if ends:
+            ray.wait(ends, num_returns=len(ends), timeout=60)
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
