@@ -504,8 +504,9 @@ static PyObject *stacks(PyObject *self, PyObject *args) {
         char *valid = (char *)vb.buf;
         int64_t lc = capacity / lanes;
         Py_ssize_t copied = 0;
-        int64_t *owner = (int64_t *)PyMem_Malloc(most * sizeof(int64_t)); /* the transition of each copy */
+        int64_t *owner = (int64_t *)PyMem_Malloc((most + 2 * (size_t)k) * sizeof(int64_t)); /* the transition of each copy */
         if (!owner) { PyErr_NoMemory(); goto done; }
+        int64_t *psl = owner + most, *pid = psl + k; /* one stack's plan: slots and ids by position */
         PyThreadState *ts = NULL;
         if ((size_t)m * (size_t)k * (size_t)nst * (size_t)w >= NOGIL_BYTES) ts = PyEval_SaveThread();
         for (Py_ssize_t i = 0; i < m; i++) {
@@ -517,24 +518,37 @@ static PyObject *stacks(PyObject *self, PyObject *args) {
                 char *to = (char *)dst[t].buf + (size_t)i * (size_t)k * (size_t)w;
                 Py_ssize_t first = last[t];
                 int started = 0;
+                /* the plan, newest frame first: each chronological position's slot (-1: zeros) */
                 for (Py_ssize_t j = 0; j < k; j++) { /* j frames back from the newest */
-                    Py_ssize_t col = last[t] - j;
-                    char *at = to + (size_t)(k - 1 - j) * (size_t)w;
+                    Py_ssize_t col = last[t] - j, p = k - 1 - j;
                     if (!started && j && (!oki[col] || (ki[col] & KIND_END))) { valid[i] = 0; break; }
                     Py_ssize_t use = started ? first : col;
-                    if (started && (ki[first] & KIND_ZERO)) { memset(at, 0, (size_t)w); }
+                    if (started && (ki[first] & KIND_ZERO)) { psl[p] = -1; }
                     else {
-                        int64_t id = wi[use], sl;
-                        if (lanes == 1) sl = floormod(id, lc);
-                        else sl = floormod(id, lanes) * lc + floormod(floordiv(id, lanes), lc);
-                        firsts[copied] = __atomic_load_n(&stamp[sl], __ATOMIC_ACQUIRE);
-                        memcpy(at, from + (size_t)sl * (size_t)w, (size_t)w);
-                        slots[copied] = sl;
-                        rowids[copied] = id;
+                        int64_t id = wi[use];
+                        pid[p] = id;
+                        if (lanes == 1) psl[p] = floormod(id, lc);
+                        else psl[p] = floormod(id, lanes) * lc + floormod(floordiv(id, lanes), lc);
+                    }
+                    if (!started && (ki[col] & KIND_START)) { started = 1; first = col; }
+                }
+                if (!valid[i]) break;
+                /* the copies, oldest first: frames of consecutive slots (a stack within its lane)
+                 * are one copy, read forward as a whole row is (measured: faster than frame by
+                 * frame, newest first) */
+                for (Py_ssize_t p = 0; p < k;) {
+                    if (psl[p] < 0) { memset(to + (size_t)p * (size_t)w, 0, (size_t)w); p++; continue; }
+                    Py_ssize_t q = p + 1;
+                    while (q < k && psl[q] == psl[q - 1] + 1) q++;
+                    for (Py_ssize_t r = p; r < q; r++) {
+                        firsts[copied] = __atomic_load_n(&stamp[psl[r]], __ATOMIC_ACQUIRE);
+                        slots[copied] = psl[r];
+                        rowids[copied] = pid[r];
                         owner[copied] = i;
                         copied++;
                     }
-                    if (!started && (ki[col] & KIND_START)) { started = 1; first = col; }
+                    memcpy(to + (size_t)p * (size_t)w, from + (size_t)psl[p] * (size_t)w, (size_t)(q - p) * (size_t)w);
+                    p = q;
                 }
             }
         }
