@@ -175,9 +175,10 @@ def push(
     src: Source, copier: Copier, data: Any, *, lane: Any, episode: Any, priority: Any, timeout: float | None,
     fields: dict[str, Any], pusher: Pusher | None = None, resume: bool = False,
 ) -> np.ndarray:
-    """``ReplayBuffer.push``: check everything (``check``), reserve (marking the rows odd, their
-    priorities set, under the lock; signals deferred until the commit), copy (one C call through
-    ``copier``, else numpy), commit; a copy that fails gives the rows back as empty. With
+    """``ReplayBuffer.push``: check everything (``check``); the usual push (uniform, no blocking
+    rate limiter, no frames) is then one C call (``Ring.push``); else reserve (marking the rows
+    odd, their priorities set, under the lock; signals deferred until the commit), copy (one C
+    call through ``copier``, else numpy), commit; a copy that fails gives the rows back as empty. With
     ``next_of``/``stack`` the ``pusher`` (``frames.py``) checks the rows against this process's
     previous ones in each lane and lays them out as stored, end rows included."""
     ring = src.ring
@@ -215,8 +216,7 @@ def push(
     if ex is None and prios is None and not gated and copier.lib is not None and copier.fields is src.block.fields:
         ids = ring.push(k, lane, copier.copies(arrays, episodes, k))  # the usual case: one C call
         if ids is not None:
-            if not given and k > 1 and episodes is not None and episodes.ndim and src.options.envs is None:
-                note_interleaving(src, ids, episodes)
+            note_interleaving(src, ids, episodes, given)
             return ids
     res = None
     try:
@@ -245,8 +245,7 @@ def push(
         if pusher is not None and ex is not None:
             pusher.done(ex, res.n)
             return res.ids[ex.rows]
-        if not given and k > 1 and episodes is not None and episodes.ndim and src.options.envs is None:
-            note_interleaving(src, res.ids, episodes)
+        note_interleaving(src, res.ids, episodes, given)
     except BaseException:
         # the copy failed after the reservation: give the rows back — they read as empty,
         # never as committed, and are never drawn; a live owner must not keep them odd
@@ -292,12 +291,14 @@ def check(
     return k, arrays, lane, episodes, priority
 
 
-def note_interleaving(src: Source, ids: np.ndarray, episodes: np.ndarray) -> None:
-    """Mark the buffer when a push without ``lane=`` shows one episode's rows apart in the lane
-    (with the row before it): a vector env's steps pushed into one lane, whose consecutive rows
-    are not one env's steps, so windows would silently shrink to one step (``sequences.py``
+def note_interleaving(src: Source, ids: np.ndarray, episodes: np.ndarray | None, given: bool) -> None:
+    """Mark the buffer when a push without ``lane=`` (``given``) shows one episode's rows apart in
+    the lane (with the row before it): a vector env's steps pushed into one lane, whose consecutive
+    rows are not one env's steps, so windows would silently shrink to one step (``sequences.py``
     refuses them from then on). One env's chunk of steps (``[7, 7, 8]``) is fine."""
     block = src.block
+    if given or ids.size < 2 or episodes is None or not episodes.ndim or src.options.envs is not None:
+        return
     if block.interleaved or block.episode is None or not (episodes != episodes[0]).any():
         return
     seq = episodes

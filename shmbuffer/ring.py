@@ -424,11 +424,10 @@ class Ring:
     def push(self, k: int, lane: int | np.ndarray, copies: Copies) -> np.ndarray | None:
         """``reserve`` (without a gate or ``also``), the copies (``Copier.copies``) and ``commit``
         as one C call, for the usual case: the lock is free at once, no repair is owed, not
-        frozen, none of the slots is being written. ``lane``:
-        one lane, or one per row (int64). Returns the rows' ids; ``None`` when the C call left
-        the push to the steps above (nothing was changed), or without the extension. No Python
-        code runs between the rows turning odd and their commit, so no signal handler can come
-        between (``lock.py``)."""
+        frozen, none of the slots is being written. ``lane``: one lane, or one per row (int64).
+        Returns the rows' ids; ``None`` when the C call left the push to the steps above
+        (nothing was changed), or without the extension. No Python code runs between the rows
+        turning odd and their commit, so no signal handler can come between (``lock.py``)."""
         lib = self._lib
         if lib is None or (isinstance(lane, np.ndarray) and not (lane.dtype == np.int64 and lane.flags.c_contiguous)):
             return None
