@@ -15,10 +15,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #define FANOUT 16
 #define MAX_LEVELS 32
@@ -863,9 +865,11 @@ static int read_slots(PyObject *where, Py_ssize_t k, Py_ssize_t capacity, Py_buf
  * buffer format strings, or None; the caller casts), -1 an error raised. */
 typedef struct {
     Py_ssize_t n;
-    Py_buffer src[MAX_COLS], dst[MAX_COLS];
-    Py_ssize_t width[MAX_COLS], row[MAX_COLS], offset[MAX_COLS];
+    char *to[MAX_COLS];         /* each target's first row, at the field's offset */
+    const char *from[MAX_COLS]; /* each source's k rows */
+    Py_ssize_t width[MAX_COLS], row[MAX_COLS];
     size_t total;
+    Py_buffer src[MAX_COLS], dst[MAX_COLS]; /* copies_open's views, released by copies_close */
 } Copies;
 
 static void copies_close(Copies *c) {
@@ -887,8 +891,8 @@ static int copies_open(Copies *c, PyObject *dst_o, PyObject *off_o, PyObject *fm
         return -1;
     }
     for (Py_ssize_t g = 0; g < ncols; g++) {
-        c->offset[g] = PyLong_AsSsize_t(PyTuple_GET_ITEM(off_o, g));
-        if (c->offset[g] == -1 && PyErr_Occurred()) { copies_close(c); return -1; }
+        Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(off_o, g));
+        if (offset == -1 && PyErr_Occurred()) { copies_close(c); return -1; }
         if (get_buf(PyTuple_GET_ITEM(dst_o, g), &c->dst[g], 1, 0, "put target") < 0) { copies_close(c); return -1; }
         PyObject *s = PyTuple_GET_ITEM(src_o, g);
         if (PyObject_GetBuffer(s, &c->src[g], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
@@ -910,13 +914,15 @@ static int copies_open(Copies *c, PyObject *dst_o, PyObject *off_o, PyObject *fm
         c->n = g + 1;
         c->row[g] = c->dst[g].len / capacity;
         c->width[g] = k ? c->src[g].len / k : 0;
-        if (c->dst[g].len % capacity || (k && c->src[g].len % k) || (!k && c->src[g].len) || c->offset[g] < 0 ||
-            c->offset[g] + c->width[g] > c->row[g]) {
+        if (c->dst[g].len % capacity || (k && c->src[g].len % k) || (!k && c->src[g].len) || offset < 0 ||
+            offset + c->width[g] > c->row[g]) {
             PyErr_Format(PyExc_ValueError, "put: column %zd: expected a target of (capacity, row) bytes and a source "
                          "of (k, w) with offset + w <= row", g);
             copies_close(c);
             return -1;
         }
+        c->to[g] = (char *)c->dst[g].buf + offset;
+        c->from[g] = (const char *)c->src[g].buf;
         c->total += (size_t)c->width[g] * (size_t)k;
     }
     return 1;
@@ -925,8 +931,8 @@ static int copies_open(Copies *c, PyObject *dst_o, PyObject *off_o, PyObject *fm
 /* the copies into the k slots (`slots`, or `first` and the k - 1 after it); no Python calls */
 static void copies_run(const Copies *c, Py_ssize_t k, const int64_t *slots, int64_t first) {
     for (Py_ssize_t g = 0; g < c->n; g++) {
-        char *to = (char *)c->dst[g].buf + c->offset[g];
-        const char *from = (const char *)c->src[g].buf;
+        char *to = c->to[g];
+        const char *from = c->from[g];
         size_t w = (size_t)c->width[g], r = (size_t)c->row[g];
         if (w == r) { /* whole rows: consecutive slots are one copy */
             Py_ssize_t i = 0;
@@ -990,87 +996,423 @@ static PyObject *put(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* push(lock, cursors, stats, stamp, owner, lane, k, writer, frozen, inserted, targets, offsets,
- * formats, sources, ids) -> bool | None: a whole push of k rows as one call, for the usual case
- * (ring.py's reserve, the copies, the commit). `lane` is one lane (an int) or k int64 lanes, one
- * per row. The lock is tried (lock.py's robust mutex, its word at LOCK_REPAIR naming a repair
- * still owed); under it each lane's next slots from max(cursor, base), when none is odd: their
- * owners, odd stamps, the cursors, the inserted count; the lock is
- * released; then the copies and the commit, and the rows' ids into `ids`. No Python code runs
- * from the rows turning odd to their commit, so no signal handler can come between. True when
- * pushed; None with nothing changed where the Python path must decide (lock busy, a repair owed,
- * frozen, a slot is odd, a source needs a cast). */
+/* -- the one-call push ----------------------------------------------------------------------------
+ * plan(...) -> capsule: what a push writes, once per buffer (ring.Copier): the ring's lock,
+ * cursors, counters, stamps, owners and writer table, this process's writer entry (`me`, int64
+ * [pid, entry], kept by Ring.writer_id), each field's name, format, shape, target column and
+ * offset, the episode column, envs. Its views stay held until the capsule goes (buffer.close
+ * drops it first).
+ *
+ * push(plan, data, lane, episode) -> ids or None: a whole push as one call, for the usual case:
+ * the fast checks (check below), the lanes, the reservation under the tried lock (lock.py's
+ * robust mutex; its word at LOCK_REPAIR names a repair still owed), the copies (casting float64
+ * to float32 and Python numbers where Schema.validate would, with the same bytes), the commit.
+ * No Python code runs from the rows turning odd to their commit, so no signal handler can come
+ * between. None, with nothing changed, wherever Python must decide or explain: anything the fast
+ * checks do not take (validate raises or casts), a lane out of range or a lane too full, a missing
+ * or unwanted episode, a push whose episode ids could show a vector env pushed into one lane
+ * (edits.note_interleaving), this process not registered as a writer, the lock busy, a repair
+ * owed, frozen, a slot odd. */
 #define LOCK_REPAIR 56 /* byte offset of the repair word in lock.py's 64-byte mutex column */
-static PyObject *push(PyObject *self, PyObject *args) {
-    PyObject *lock_o, *cur_o, *stats_o, *stamp_o, *owner_o, *lane_o, *dst_o, *off_o, *fmt_o, *src_o, *ids_o;
-    Py_ssize_t k, frozen_at, inserted_at;
-    long long writer;
-    if (!PyArg_ParseTuple(args, "OOOOOOnLnnO!O!OO!O", &lock_o, &cur_o, &stats_o, &stamp_o, &owner_o, &lane_o, &k, &writer,
-                          &frozen_at, &inserted_at, &PyTuple_Type, &dst_o, &PyTuple_Type, &off_o, &fmt_o, &PyTuple_Type,
-                          &src_o, &ids_o))
+#define MAX_DIMS 16
+static pid_t my_pid; /* this process's pid, renewed in a forked child: no system call per push */
+static void after_fork(void) { my_pid = getpid(); }
+
+typedef struct {
+    Py_buffer lock, cur, stats, stamp, owner, writers, me, episode;
+    int has_episode, held;
+    Py_ssize_t n, lanes, capacity, lc, envs, frozen_at, inserted_at;
+    PyObject *names[MAX_COLS];
+    char *format[MAX_COLS];
+    Py_buffer dst[MAX_COLS];
+    Py_ssize_t offset[MAX_COLS], width[MAX_COLS], row[MAX_COLS], ndim[MAX_COLS], shape[MAX_COLS][MAX_DIMS];
+    PyObject *empty, *int64;
+} PushPlan;
+
+static void plan_free(PushPlan *p) {
+    Py_buffer *views[8] = {&p->lock, &p->cur, &p->stats, &p->stamp, &p->owner, &p->writers, &p->me, &p->episode};
+    for (int i = 0; i < p->held && i < 8; i++) PyBuffer_Release(views[i]);
+    for (Py_ssize_t g = 0; g < p->n; g++) {
+        PyBuffer_Release(&p->dst[g]);
+        Py_XDECREF(p->names[g]);
+        PyMem_Free(p->format[g]);
+    }
+    Py_XDECREF(p->empty);
+    Py_XDECREF(p->int64);
+    PyMem_Free(p);
+}
+
+static void plan_capsule_free(PyObject *capsule) { plan_free((PushPlan *)PyCapsule_GetPointer(capsule, "shmbuffer.plan")); }
+
+/* plan(lock, cursors, stats, stamp, owner, writers, me, frozen, inserted, names, formats, shapes,
+ *      widths, targets, offsets, episode, envs, empty, int64) -> capsule */
+static PyObject *plan(PyObject *self, PyObject *args) {
+    PyObject *lock_o, *cur_o, *stats_o, *stamp_o, *owner_o, *writers_o, *me_o, *names_o, *fmts_o, *shapes_o, *widths_o,
+        *dst_o, *off_o, *episode_o, *empty_o, *int64_o;
+    Py_ssize_t frozen_at, inserted_at, envs;
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnO!O!O!O!O!O!OnOO", &lock_o, &cur_o, &stats_o, &stamp_o, &owner_o, &writers_o,
+                          &me_o, &frozen_at, &inserted_at, &PyTuple_Type, &names_o, &PyTuple_Type, &fmts_o, &PyTuple_Type,
+                          &shapes_o, &PyTuple_Type, &widths_o, &PyTuple_Type, &dst_o, &PyTuple_Type, &off_o, &episode_o,
+                          &envs, &empty_o, &int64_o))
         return NULL;
-    Py_buffer lb, cb, sb, stb, ob, ib, nb;
-    Py_buffer *bufs[7] = {&lb, &cb, &sb, &stb, &ob, &ib, &nb};
-    Py_ssize_t nbuf = 0;
-    PyObject *result = NULL;
-    int64_t *slots = NULL;
-    Copies c;
-    c.n = 0;
-    if (get_buf(lock_o, &lb, 1, 0, "lock") < 0) goto done;
-    nbuf++;
-    if (get_buf(cur_o, &cb, 1, 8, "cursors") < 0) goto done;
-    nbuf++;
-    if (get_buf(stats_o, &sb, 1, 8, "stats") < 0) goto done;
-    nbuf++;
-    if (get_buf(stamp_o, &stb, 1, 8, "stamp") < 0) goto done;
-    nbuf++;
-    if (get_buf(owner_o, &ob, 1, 2, "owner") < 0) goto done;
-    nbuf++;
-    if (get_buf(ids_o, &ib, 1, 8, "ids") < 0) goto done;
-    nbuf++;
-    Py_ssize_t capacity = stb.len / 8;
-    Py_ssize_t lanes = lanes_of(&cb, capacity, "push");
-    if (!lanes) goto done;
-    int64_t lc = capacity / lanes, one = -1;
-    const int64_t *lane = NULL;
-    if (PyLong_Check(lane_o)) {
-        one = PyLong_AsLongLong(lane_o);
-        if (one == -1 && PyErr_Occurred()) goto done;
-    } else {
-        if (get_buf(lane_o, &nb, 0, 8, "lane") < 0) goto done;
-        nbuf++;
-        lane = (const int64_t *)nb.buf;
-        if (nb.len / 8 != k) {
-            PyErr_SetString(PyExc_ValueError, "push: expected one lane per row");
-            goto done;
+    Py_ssize_t n = PyTuple_GET_SIZE(names_o);
+    if (n < 1 || n > MAX_COLS || PyTuple_GET_SIZE(fmts_o) != n || PyTuple_GET_SIZE(shapes_o) != n ||
+        PyTuple_GET_SIZE(widths_o) != n || PyTuple_GET_SIZE(dst_o) != n || PyTuple_GET_SIZE(off_o) != n) {
+        PyErr_SetString(PyExc_ValueError, "plan: expected 1 to 64 fields, each with a format, shape, width, target and offset");
+        return NULL;
+    }
+    PushPlan *p = (PushPlan *)PyMem_Calloc(1, sizeof(PushPlan));
+    if (!p) return PyErr_NoMemory();
+    struct { PyObject *o; Py_buffer *v; Py_ssize_t item; const char *what; } views[8] = {
+        {lock_o, &p->lock, 0, "lock"}, {cur_o, &p->cur, 8, "cursors"}, {stats_o, &p->stats, 8, "stats"},
+        {stamp_o, &p->stamp, 8, "stamp"}, {owner_o, &p->owner, 2, "owner"}, {writers_o, &p->writers, 8, "writers"},
+        {me_o, &p->me, 8, "me"}, {episode_o, &p->episode, 8, "episode"}};
+    p->has_episode = episode_o != Py_None;
+    for (int i = 0; i < (p->has_episode ? 8 : 7); i++) {
+        if (get_buf(views[i].o, views[i].v, 1, views[i].item, views[i].what) < 0) goto fail;
+        p->held = i + 1;
+    }
+    p->capacity = p->stamp.len / 8;
+    p->lanes = lanes_of(&p->cur, p->capacity, "plan");
+    if (!p->lanes) goto fail;
+    p->lc = p->capacity / p->lanes;
+    if (p->lock.len < 64 || ((uintptr_t)p->lock.buf & 7) || p->owner.len / 2 != p->capacity || p->me.len != 16 ||
+        p->writers.len < 8 || p->writers.len / 8 > 65536 || (p->has_episode && p->episode.len / 8 != p->capacity) ||
+        frozen_at < 0 || inserted_at < 0 || frozen_at >= p->stats.len / 8 || inserted_at >= p->stats.len / 8 || envs < 0 ||
+        (envs && p->lanes != envs)) {
+        PyErr_SetString(PyExc_ValueError, "plan: lock, owners, writers, me, episodes, counters or envs do not fit the ring");
+        goto fail;
+    }
+    p->frozen_at = frozen_at;
+    p->inserted_at = inserted_at;
+    p->envs = envs;
+    for (Py_ssize_t g = 0; g < n; g++) {
+        PyObject *name = PyTuple_GET_ITEM(names_o, g), *fmt = PyTuple_GET_ITEM(fmts_o, g), *shape = PyTuple_GET_ITEM(shapes_o, g);
+        if (!PyUnicode_Check(name) || !PyBytes_Check(fmt) || !PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) > MAX_DIMS) {
+            PyErr_SetString(PyExc_TypeError, "plan: names are str, formats bytes, shapes tuples of at most 16 ints");
+            goto fail;
+        }
+        if (get_buf(PyTuple_GET_ITEM(dst_o, g), &p->dst[g], 1, 0, "plan target") < 0) goto fail;
+        p->n = g + 1;
+        Py_INCREF(name);
+        p->names[g] = name;
+        Py_ssize_t flen = PyBytes_GET_SIZE(fmt);
+        p->format[g] = (char *)PyMem_Malloc((size_t)flen + 1);
+        if (!p->format[g]) { PyErr_NoMemory(); goto fail; }
+        memcpy(p->format[g], PyBytes_AS_STRING(fmt), (size_t)flen + 1);
+        p->ndim[g] = PyTuple_GET_SIZE(shape);
+        for (Py_ssize_t j = 0; j < p->ndim[g]; j++) {
+            p->shape[g][j] = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, j));
+            if (p->shape[g][j] < 0) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "plan: a negative dimension");
+                goto fail;
+            }
+        }
+        p->offset[g] = PyLong_AsSsize_t(PyTuple_GET_ITEM(off_o, g));
+        p->width[g] = PyLong_AsSsize_t(PyTuple_GET_ITEM(widths_o, g));
+        if (PyErr_Occurred()) goto fail;
+        p->row[g] = p->dst[g].len / p->capacity;
+        if (p->dst[g].len % p->capacity || p->offset[g] < 0 || p->width[g] < 0 || p->offset[g] + p->width[g] > p->row[g]) {
+            PyErr_Format(PyExc_ValueError, "plan: field %zd: expected a target of (capacity, row) bytes with offset + width <= row", g);
+            goto fail;
         }
     }
-    if (lb.len < 64 || ((uintptr_t)lb.buf & 7) || ob.len / 2 != capacity || k < 1 || ib.len / 8 != k ||
-        (!lane && (one < 0 || one >= lanes || k > lc)) || writer < 0 || writer > 65535 || frozen_at < 0 ||
-        inserted_at < 0 || frozen_at >= sb.len / 8 || inserted_at >= sb.len / 8) {
-        PyErr_SetString(PyExc_ValueError, "push: lock, lane, rows, ids, writer or counters out of range");
-        goto done;
+    Py_INCREF(empty_o);
+    p->empty = empty_o;
+    Py_INCREF(int64_o);
+    p->int64 = int64_o;
+    PyObject *capsule = PyCapsule_New(p, "shmbuffer.plan", plan_capsule_free);
+    if (!capsule) goto fail;
+    return capsule;
+fail:
+    plan_free(p);
+    return NULL;
+}
+
+/* one field's value as rows, checked against the plan without touching anything */
+typedef struct {
+    Py_buffer view;
+    int held, convert; /* convert: 0 none, 1 float64 -> float32, 2 float32 -> float64 */
+    union { double d; float f; int64_t q; uint64_t u; char c[8]; } scalar;
+} Source;
+
+/* a Python number into a scalar field of format f (one char): 1 ok, 0 not taken here
+ * (Schema.validate casts it or explains) */
+static int number(PyObject *v, const char *f, Source *s) {
+    if (f[0] == 0 || f[1] != 0) return 0;
+    char c = f[0];
+    if (PyFloat_CheckExact(v)) {
+        double d = PyFloat_AS_DOUBLE(v);
+        if (c == 'd') { s->scalar.d = d; return 1; }
+        if (c == 'f') {
+            if (isfinite(d) && fabs(d) > (double)FLT_MAX) return 0; /* would become inf: validate refuses */
+            s->scalar.f = (float)d;
+            return 1;
+        }
+        return 0;
     }
-    slots = (int64_t *)PyMem_Malloc((size_t)(k + 2 * lanes) * sizeof(int64_t));
-    if (!slots) { PyErr_NoMemory(); goto done; }
-    int64_t *at = slots + k, *count = at + lanes; /* per lane: its next row, rows taken */
-    for (Py_ssize_t l = 0; l < lanes; l++) count[l] = 0;
-    if (lane) {
-        for (Py_ssize_t i = 0; i < k; i++) {
-            if (lane[i] < 0 || lane[i] >= lanes || ++count[lane[i]] > lc) {
-                PyErr_SetString(PyExc_ValueError, "push: a lane out of range, or more rows for one lane than it holds");
+    int overflow = 0;
+    long long x;
+    if (PyBool_Check(v)) {
+        x = v == Py_True;
+    } else if (PyLong_CheckExact(v)) {
+        x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (overflow || (x == -1 && PyErr_Occurred())) { PyErr_Clear(); return 0; }
+    } else {
+        return 0;
+    }
+    switch (c) {
+    case 'd': s->scalar.d = (double)x; return 1;
+    case 'f': s->scalar.f = (float)x; return 1;
+    case '?': if (x != 0 && x != 1) return 0; s->scalar.c[0] = (char)x; return 1;
+    case 'b': if (x < INT8_MIN || x > INT8_MAX) return 0; { int8_t y = (int8_t)x; memcpy(s->scalar.c, &y, 1); } return 1;
+    case 'B': if (x < 0 || x > UINT8_MAX) return 0; { uint8_t y = (uint8_t)x; memcpy(s->scalar.c, &y, 1); } return 1;
+    case 'h': if (x < INT16_MIN || x > INT16_MAX) return 0; { int16_t y = (int16_t)x; memcpy(s->scalar.c, &y, 2); } return 1;
+    case 'H': if (x < 0 || x > UINT16_MAX) return 0; { uint16_t y = (uint16_t)x; memcpy(s->scalar.c, &y, 2); } return 1;
+    case 'i': if (x < INT32_MIN || x > INT32_MAX) return 0; { int32_t y = (int32_t)x; memcpy(s->scalar.c, &y, 4); } return 1;
+    case 'I': if (x < 0 || x > UINT32_MAX) return 0; { uint32_t y = (uint32_t)x; memcpy(s->scalar.c, &y, 4); } return 1;
+    case 'l': case 'q': if (sizeof(long) != 8 && c == 'l') return 0; s->scalar.q = (int64_t)x; return 1;
+    case 'L': case 'Q': if (x < 0 || (sizeof(long) != 8 && c == 'L')) return 0; s->scalar.u = (uint64_t)x; return 1;
+    default: return 0;
+    }
+}
+
+/* field g's value: 1 with s filled (*one: a single row without a leading dimension, *k rows),
+ * 0 not taken here, -1 an error raised */
+static int source(const PushPlan *p, Py_ssize_t g, PyObject *v, Source *s, int *one, Py_ssize_t *k) {
+    s->held = s->convert = 0;
+    Py_ssize_t m = p->ndim[g];
+    int cpprb = m == 1 && p->shape[g][0] == 1; /* cpprb's default shape (1,): a scalar is one row, (k,) k rows */
+    if (!PyObject_CheckBuffer(v)) {
+        if ((m != 0 && !cpprb) || !number(v, p->format[g], s)) return 0;
+        *one = 1;
+        *k = 1;
+        return 1;
+    }
+    if (PyObject_GetBuffer(v, &s->view, PyBUF_RECORDS_RO) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    s->held = 1;
+    Py_buffer *b = &s->view;
+    const char *f = b->format ? b->format : "B", *want = p->format[g];
+    if (strcmp(f, want) != 0) {
+        if (strcmp(f, "d") == 0 && strcmp(want, "f") == 0) s->convert = 1;
+        else if (strcmp(f, "f") == 0 && strcmp(want, "d") == 0) s->convert = 2;
+        else return 0;
+    }
+    if (!PyBuffer_IsContiguous(b, 'C')) return 0;
+    Py_ssize_t lead;
+    if (cpprb && b->ndim <= 1) {
+        *one = b->ndim == 0 || b->shape[0] == 1;
+        *k = b->ndim == 0 ? 1 : b->shape[0];
+    } else if (b->ndim == m || b->ndim == m + 1) {
+        lead = b->ndim - m;
+        for (Py_ssize_t j = 0; j < m; j++)
+            if (b->shape[lead + j] != p->shape[g][j]) return 0;
+        *one = lead == 0;
+        *k = lead ? b->shape[0] : 1;
+    } else {
+        return 0;
+    }
+    Py_ssize_t item = s->convert == 1 ? 8 : s->convert == 2 ? 4 : 0;
+    Py_ssize_t bytes = item ? b->len / item * (s->convert == 1 ? 4 : 8) : b->len;
+    if (*k < 1 || bytes != *k * p->width[g]) return 0;
+    if (s->convert == 1) { /* finite values too large for float32 would become inf: validate refuses them */
+        const double *d = (const double *)b->buf;
+        for (Py_ssize_t i = 0, e = b->len / 8; i < e; i++)
+            if (isfinite(d[i]) && fabs(d[i]) > (double)FLT_MAX) return 0;
+    }
+    return 1;
+}
+
+static void sources_close(Source *s, Py_ssize_t n) {
+    for (Py_ssize_t g = 0; g < n; g++)
+        if (s[g].held) PyBuffer_Release(&s[g].view);
+}
+
+/* the fields of `data` (a dict of exactly the plan's names) as sources: k >= 1, or 0 when not
+ * taken here, -1 on an error */
+static Py_ssize_t sources_open(const PushPlan *p, PyObject *data, Source *src, Py_ssize_t *opened, int *single) {
+    *opened = 0;
+    if (!PyDict_CheckExact(data) || PyDict_GET_SIZE(data) != p->n) return 0;
+    Py_ssize_t k = -1;
+    *single = -1;
+    for (Py_ssize_t g = 0; g < p->n; g++) {
+        PyObject *v = PyDict_GetItemWithError(data, p->names[g]);
+        if (!v) return PyErr_Occurred() ? -1 : 0;
+        int one = 0;
+        Py_ssize_t kk = 0;
+        int got = source(p, g, v, &src[g], &one, &kk);
+        *opened = g + 1;
+        if (got <= 0) return got;
+        if (k < 0) {
+            k = kk;
+            *single = one;
+        } else if (k != kk || *single != one) {
+            return 0; /* ragged: validate names the fields */
+        }
+    }
+    return k;
+}
+
+/* check(plan, data) -> (k, single) or None: push's checks of the fields without any cast, for
+ * the steps in edits.py (a prioritized push, a rate-limited one) */
+static PyObject *check(PyObject *self, PyObject *args) {
+    PyObject *capsule, *data;
+    if (!PyArg_ParseTuple(args, "OO", &capsule, &data)) return NULL;
+    PushPlan *p = (PushPlan *)PyCapsule_GetPointer(capsule, "shmbuffer.plan");
+    if (!p) return NULL;
+    Source src[MAX_COLS];
+    int single = 0;
+    Py_ssize_t opened = 0, k = sources_open(p, data, src, &opened, &single);
+    int exact = 1;
+    for (Py_ssize_t g = 0; g < opened && k > 0; g++) exact &= src[g].held && !src[g].convert;
+    sources_close(src, opened);
+    if (k < 0) return NULL;
+    if (k == 0 || !exact) Py_RETURN_NONE;
+    return Py_BuildValue("(nO)", k, single ? Py_True : Py_False);
+}
+
+static PyObject *push(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "push(plan, data, lane, episode)");
+        return NULL;
+    }
+    PushPlan *p = (PushPlan *)PyCapsule_GetPointer(args[0], "shmbuffer.plan");
+    if (!p) return NULL;
+    PyObject *data = args[1], *lane_o = args[2], *episode_o = args[3];
+    const int64_t *me = (const int64_t *)p->me.buf, *writers = (const int64_t *)p->writers.buf;
+    if (me[0] != (int64_t)my_pid || me[1] < 0 || me[1] >= p->writers.len / 8 ||
+        __atomic_load_n(&writers[me[1]], __ATOMIC_RELAXED) != me[0])
+        Py_RETURN_NONE; /* not registered (or a forked child): Ring.writer_id first */
+    Source src[MAX_COLS];
+    Py_buffer lb, eb;
+    int lane_held = 0, ep_held = 0, single = 0;
+    int64_t *slots = NULL, *scratch = NULL;
+    PyObject *ids_o = NULL, *result = NULL;
+    Py_ssize_t opened = 0, k = sources_open(p, data, src, &opened, &single);
+    if (k <= 0) goto done;
+    Py_ssize_t lanes = p->lanes, lc = p->lc;
+    int64_t one = -1;
+    const int64_t *lane = NULL;
+    /* the lanes: as given (an int, or k int64), else envs' lane per env (edits.check's rules) */
+    if (lane_o == Py_None) {
+        if (p->envs > 1) {
+            if (k % p->envs) goto done;
+        } else if (lanes > 1) {
+            goto done;
+        } else {
+            one = 0;
+        }
+    } else if (PyLong_CheckExact(lane_o)) {
+        int overflow = 0;
+        one = PyLong_AsLongLongAndOverflow(lane_o, &overflow);
+        if (overflow || one < 0 || one >= lanes) { PyErr_Clear(); goto done; }
+    } else {
+        if (PyObject_GetBuffer(lane_o, &lb, PyBUF_RECORDS_RO) < 0) { PyErr_Clear(); goto done; }
+        lane_held = 1;
+        if (!lb.format || lb.itemsize != 8 || (strcmp(lb.format, "l") && strcmp(lb.format, "q")) || lb.ndim != 1 ||
+            lb.shape[0] != k || !PyBuffer_IsContiguous(&lb, 'C'))
+            goto done;
+        lane = (const int64_t *)lb.buf;
+    }
+    if (!lane && k > lc) goto done; /* more rows than a lane holds: check_push explains */
+    /* the episode ids: one for all rows, or k int64 */
+    int64_t ep_one = 0;
+    const int64_t *ep = NULL;
+    if (p->has_episode != (episode_o != Py_None)) goto done; /* missing or unwanted: edits.check says so */
+    if (p->has_episode) {
+        if (PyLong_CheckExact(episode_o)) {
+            int overflow = 0;
+            ep_one = PyLong_AsLongLongAndOverflow(episode_o, &overflow);
+            if (overflow || (ep_one == -1 && PyErr_Occurred())) { PyErr_Clear(); goto done; }
+        } else {
+            if (PyObject_GetBuffer(episode_o, &eb, PyBUF_RECORDS_RO) < 0) { PyErr_Clear(); goto done; }
+            ep_held = 1;
+            if (!eb.format || eb.itemsize != 8 || (strcmp(eb.format, "l") && strcmp(eb.format, "q")) || eb.ndim > 1 ||
+                (eb.ndim == 1 && eb.shape[0] != k))
                 goto done;
+            if (eb.ndim == 0) {
+                ep_one = *(const int64_t *)eb.buf;
+            } else {
+                if (k > 1 && lane_o == Py_None && p->envs == 0) goto done; /* edits.note_interleaving's case */
+                ep = (const int64_t *)eb.buf;
             }
         }
     }
-    int ready = copies_open(&c, dst_o, off_o, fmt_o, src_o, k, capacity);
-    if (ready < 0) goto done;
-    if (!ready) { result = Py_None; Py_INCREF(result); goto done; }
+    /* per-row lanes: as given or envs' (row i to lane i % envs); each lane must hold its rows */
+    slots = (int64_t *)PyMem_Malloc((size_t)(2 * k + 2 * lanes) * sizeof(int64_t));
+    if (!slots) { PyErr_NoMemory(); goto done; }
+    int64_t *rows = slots + k, *at = rows + k, *count = at + lanes;
+    for (Py_ssize_t l = 0; l < lanes; l++) count[l] = 0;
+    if (lane_o == Py_None && p->envs > 1) {
+        for (Py_ssize_t i = 0; i < k; i++) rows[i] = i % p->envs;
+        lane = rows; /* rows is free until the reservation below: lanes go to `slots` first */
+    }
+    if (lane) {
+        for (Py_ssize_t i = 0; i < k; i++)
+            if (lane[i] < 0 || lane[i] >= lanes || ++count[lane[i]] > lc) goto done; /* check_push explains */
+        memcpy(slots, lane, (size_t)k * sizeof(int64_t));
+        lane = slots; /* the lanes, then (after the reservation) the slots */
+    }
+    /* the copies: casts into scratch first, so nothing can fail once rows are odd */
+    Copies c;
+    c.n = p->n;
+    c.total = 0;
+    size_t need = 0;
+    for (Py_ssize_t g = 0; g < p->n; g++)
+        if (src[g].convert || !src[g].held) need += (size_t)(k * p->width[g] + 7) / 8;
+    if (need) {
+        scratch = (int64_t *)PyMem_Malloc(need * 8);
+        if (!scratch) { PyErr_NoMemory(); goto done; }
+    }
+    int64_t *free_at = scratch;
+    for (Py_ssize_t g = 0; g < p->n; g++) {
+        Source *s = &src[g];
+        c.to[g] = (char *)p->dst[g].buf + p->offset[g];
+        c.width[g] = p->width[g];
+        c.row[g] = p->row[g];
+        c.total += (size_t)(k * p->width[g]);
+        if (s->held && !s->convert) {
+            c.from[g] = (const char *)s->view.buf;
+            continue;
+        }
+        char *to = (char *)free_at;
+        free_at += (k * p->width[g] + 7) / 8;
+        c.from[g] = to;
+        if (!s->held) {
+            memcpy(to, s->scalar.c, (size_t)p->width[g]); /* one row: a Python number */
+        } else if (s->convert == 1) {
+            const double *d = (const double *)s->view.buf;
+            float *f = (float *)to;
+            for (Py_ssize_t i = 0, e = s->view.len / 8; i < e; i++) f[i] = (float)d[i];
+        } else {
+            const float *f = (const float *)s->view.buf;
+            double *d = (double *)to;
+            for (Py_ssize_t i = 0, e = s->view.len / 4; i < e; i++) d[i] = (double)f[i];
+        }
+    }
+    PyObject *kobj = PyLong_FromSsize_t(k);
+    if (!kobj) goto done;
+    PyObject *call[2] = {kobj, p->int64};
+    ids_o = PyObject_Vectorcall(p->empty, call, 2, NULL);
+    Py_DECREF(kobj);
+    if (!ids_o) goto done;
+    Py_buffer ib;
+    if (get_buf(ids_o, &ib, 1, 8, "ids") < 0) goto done;
+    int64_t *ids = (int64_t *)ib.buf;
+    if (ib.len != k * 8) {
+        PyBuffer_Release(&ib);
+        PyErr_SetString(PyExc_ValueError, "push: empty() gave the wrong size");
+        goto done;
+    }
     {
-        pthread_mutex_t *mutex = (pthread_mutex_t *)lb.buf;
-        int64_t *repair = (int64_t *)((char *)lb.buf + LOCK_REPAIR);
-        int64_t *cur = (int64_t *)cb.buf, *stats = (int64_t *)sb.buf, *stamp = (int64_t *)stb.buf, *ids = (int64_t *)ib.buf;
-        uint16_t *owner = (uint16_t *)ob.buf;
+        pthread_mutex_t *mutex = (pthread_mutex_t *)p->lock.buf;
+        int64_t *repair = (int64_t *)((char *)p->lock.buf + LOCK_REPAIR);
+        int64_t *cur = (int64_t *)p->cur.buf, *stats = (int64_t *)p->stats.buf, *stamp = (int64_t *)p->stamp.buf;
+        uint16_t *owner = (uint16_t *)p->owner.buf;
+        uint16_t writer = (uint16_t)me[1];
         int pushed = 0;
         int rc = pthread_mutex_trylock(mutex);
         if (rc == EOWNERDEAD) {
@@ -1080,7 +1422,7 @@ static PyObject *push(PyObject *self, PyObject *args) {
             pthread_mutex_consistent(mutex);
             pthread_mutex_unlock(mutex);
         } else if (rc == 0) {
-            if (!__atomic_load_n(repair, __ATOMIC_ACQUIRE) && !stats[frozen_at]) {
+            if (!__atomic_load_n(repair, __ATOMIC_ACQUIRE) && !stats[p->frozen_at]) {
                 int fits = 1;
                 for (Py_ssize_t l = 0; l < lanes; l++) {
                     int64_t cu = cur[LANE_WORDS * l], b = cur[LANE_WORDS * l + 1];
@@ -1091,16 +1433,17 @@ static PyObject *push(PyObject *self, PyObject *args) {
                 int64_t odd = 0;
                 for (Py_ssize_t i = 0; i < k && fits; i++) {
                     int64_t l = lane ? lane[i] : one, row = at[l] + count[l]++;
-                    ids[i] = row; /* the row number for now */
-                    slots[i] = l * lc + row % lc;
+                    rows[i] = row;
+                    slots[i] = l * lc + row % lc; /* lane[i] read before slots[i] is written */
+                    ids[i] = lanes > 1 ? row * lanes + l : row;
                     odd |= __atomic_load_n(&stamp[slots[i]], __ATOMIC_RELAXED);
                 }
                 if (fits && !(odd & 1)) { /* ring.py's order: owners, odd stamps, the cursors, the count */
-                    for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&owner[slots[i]], (uint16_t)writer, __ATOMIC_RELAXED);
-                    for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&stamp[slots[i]], 2 * ids[i] + 1, __ATOMIC_RELEASE);
+                    for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&owner[slots[i]], writer, __ATOMIC_RELAXED);
+                    for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&stamp[slots[i]], 2 * rows[i] + 1, __ATOMIC_RELEASE);
                     for (Py_ssize_t l = 0; l < lanes; l++)
                         if (count[l]) __atomic_store_n(&cur[LANE_WORDS * l], at[l] + count[l], __ATOMIC_RELEASE);
-                    stats[inserted_at] += k;
+                    stats[p->inserted_at] += k;
                     pushed = 1;
                 }
             }
@@ -1109,18 +1452,28 @@ static PyObject *push(PyObject *self, PyObject *args) {
         if (pushed) {
             PyThreadState *ts = c.total >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
             copies_run(&c, k, slots, 0);
+            if (p->has_episode) {
+                int64_t *e = (int64_t *)p->episode.buf;
+                for (Py_ssize_t i = 0; i < k; i++) e[slots[i]] = ep ? ep[i] : ep_one;
+            }
             commit_slots(stamp, k, slots, 0);
             if (ts) PyEval_RestoreThread(ts);
-            if (lanes > 1)
-                for (Py_ssize_t i = 0; i < k; i++) ids[i] = ids[i] * lanes + (lane ? lane[i] : one);
+            result = ids_o;
+            ids_o = NULL;
         }
-        result = pushed ? Py_True : Py_None;
+    }
+    PyBuffer_Release(&ib);
+done:
+    if (!result && !PyErr_Occurred()) {
+        result = Py_None;
         Py_INCREF(result);
     }
-done:
-    copies_close(&c);
+    Py_XDECREF(ids_o);
+    PyMem_Free(scratch);
     PyMem_Free(slots);
-    for (Py_ssize_t i = 0; i < nbuf; i++) PyBuffer_Release(bufs[i]);
+    if (lane_held) PyBuffer_Release(&lb);
+    if (ep_held) PyBuffer_Release(&eb);
+    sources_close(src, opened);
     return result;
 }
 
@@ -1268,68 +1621,6 @@ static PyObject *lanes_worst(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(worst);
 }
 
-/* check(data, names, formats, shapes) -> (k, single) or None: the fast path of a push's checks.
- * When data is a dict of exactly these names, each value a C-contiguous buffer of the field's
- * format and of its shape (one row) or (k, *shape) (k >= 1 rows, the same k and form for all),
- * the rows need no cast nor reshape; otherwise None (the schema's full check runs). */
-static PyObject *check(PyObject *self, PyObject *args) {
-    PyObject *data, *names, *formats, *shapes;
-    if (!PyArg_ParseTuple(args, "O!O!O!O!", &PyDict_Type, &data, &PyTuple_Type, &names, &PyTuple_Type, &formats,
-                          &PyTuple_Type, &shapes))
-        return NULL;
-    Py_ssize_t n = PyTuple_GET_SIZE(names);
-    if (PyTuple_GET_SIZE(formats) != n || PyTuple_GET_SIZE(shapes) != n) {
-        PyErr_SetString(PyExc_ValueError, "check: expected a format and a shape per name");
-        return NULL;
-    }
-    if (PyDict_GET_SIZE(data) != n) Py_RETURN_NONE;
-    Py_ssize_t k = -1;
-    int single = -1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *v = PyDict_GetItemWithError(data, PyTuple_GET_ITEM(names, i));
-        if (!v) {
-            if (PyErr_Occurred()) return NULL;
-            Py_RETURN_NONE;
-        }
-        PyObject *fmt = PyTuple_GET_ITEM(formats, i), *shape = PyTuple_GET_ITEM(shapes, i);
-        if (!PyBytes_Check(fmt) || !PyTuple_Check(shape)) {
-            PyErr_SetString(PyExc_TypeError, "check: formats are bytes, shapes tuples");
-            return NULL;
-        }
-        if (!PyObject_CheckBuffer(v)) Py_RETURN_NONE;
-        Py_buffer b;
-        if (PyObject_GetBuffer(v, &b, PyBUF_RECORDS_RO) < 0) {
-            PyErr_Clear();
-            Py_RETURN_NONE;
-        }
-        int fits = PyBuffer_IsContiguous(&b, 'C') && b.format && strcmp(b.format, PyBytes_AS_STRING(fmt)) == 0;
-        Py_ssize_t m = PyTuple_GET_SIZE(shape), kk = -1;
-        int one = -1;
-        if (fits && (b.ndim == m || b.ndim == m + 1)) {
-            Py_ssize_t lead = b.ndim - m;
-            for (Py_ssize_t j = 0; j < m && fits; j++) {
-                Py_ssize_t want = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, j));
-                if (want == -1 && PyErr_Occurred()) { PyBuffer_Release(&b); return NULL; }
-                fits = b.shape[lead + j] == want;
-            }
-            one = lead == 0;
-            kk = one ? 1 : b.shape[0];
-        } else {
-            fits = 0;
-        }
-        PyBuffer_Release(&b);
-        if (!fits || kk < 1) Py_RETURN_NONE;
-        if (k < 0) {
-            k = kk;
-            single = one;
-        } else if (k != kk || single != one) {
-            Py_RETURN_NONE;
-        }
-    }
-    if (k < 1) Py_RETURN_NONE;
-    return Py_BuildValue("(nO)", k, single ? Py_True : Py_False);
-}
-
 static PyMethodDef methods[] = {
     {"tree_find", tree_find, METH_VARARGS, "tree_find(sums, plan, capacity, mass, out): SumTree.find into out (int64)."},
     {"tree_update", tree_update, METH_VARARGS, "tree_update(sums, mins, plan, capacity, slots, values): SumTree.update."},
@@ -1340,15 +1631,23 @@ static PyMethodDef methods[] = {
     {"current", current, METH_VARARGS, "current(ids, stamp, cursors, ok): Ring.current into ok."},
     {"gather", gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok) -> smallest id: rows with the stamp check."},
     {"put", put, METH_VARARGS, "put(where, k, stamp, targets, offsets, formats, sources, commit) -> bool: a push's copies, its commit."},
-    {"push", push, METH_VARARGS, "push(lock, cursors, stats, stamp, owner, lane, k, writer, frozen, inserted, targets, offsets, formats, sources, ids) -> True or None."},
+    {"plan", plan, METH_VARARGS, "plan(lock, cursors, stats, stamp, owner, writers, me, frozen, inserted, names, formats, shapes, widths, targets, offsets, episode, envs, empty, int64) -> a push's plan."},
+    {"push", (PyCFunction)(void (*)(void))push, METH_FASTCALL, "push(plan, data, lane, episode) -> ids, or None where Python decides."},
     {"reserve", reserve, METH_VARARGS, "reserve(stamp, owner, first, k, n0, writer) -> bool: mark consecutive slots odd."},
     {"reserve_lanes", reserve_lanes, METH_VARARGS, "reserve_lanes(cursors, stamp, owner, lane, writer, n, slots) -> bool."},
     {"lanes_worst", lanes_worst, METH_VARARGS, "lanes_worst(lane, lanes) -> most rows in one lane, or -1."},
     {"stacks", stacks, METH_VARARGS, "stacks(win, ok, kind, lanes, stamp, column, k, lasts, outs, valid): frame stacks read with their plan."},
-    {"check", check, METH_VARARGS, "check(data, names, formats, shapes) -> (k, single) or None: a push's fast checks."},
+    {"check", check, METH_VARARGS, "check(plan, data) -> (k, single) or None: a push's fast checks, no casts."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "shmbuffer._native", "shmbuffer's native hot path (see native.py).", -1, methods};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    my_pid = getpid();
+    if (pthread_atfork(NULL, NULL, after_fork)) {
+        PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
+        return NULL;
+    }
+    return PyModule_Create(&module);
+}

@@ -155,11 +155,12 @@ class ReplayBuffer:
         self.name = segment.name
         self._block = Block(schema, opts, segment.arrays)
         self._ring = Ring(segment.arrays, initialise=initialise)
-        self._copier = Copier(self._block)
+        self._copier = Copier(self._block, self._ring, opts.envs)
         self._pusher = None if opts.frames is None else Pusher(opts.frames, schema, self._block.stored)
         self._prios = Priorities(segment.arrays, opts.sampler, opts.max_use, initialise=initialise) if opts.tree else None
         if self._prios is not None:
             self._ring.repairs.append(self._prios.repair)
+        self._one_call = edits.one_call(self, self._copier, self._pusher)
         self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         """This process's random generator for sampling."""
 
@@ -207,7 +208,7 @@ class ReplayBuffer:
     def _close(self, *, defer: bool) -> None:
         if self._segment is None:
             return
-        self._ring = self._prios = None
+        self._ring = self._prios = self._one_call = None  # the one-call push holds views of the block
         self._block = self._copier = None  # type: ignore[assignment]
         self._segment.close(defer=defer)
 
@@ -316,8 +317,15 @@ class ReplayBuffer:
 
         Everything is checked before the buffer is touched: on any error it is exactly as it was.
         """
+        one = self._one_call  # the usual push as one C call (edits.one_call); None: the steps decide
+        if one is not None and self._block.fields is not self._copier.fields:
+            one = None  # a block whose field table was replaced (a test stopping a copy midway): numpy copies
+        if one is not None and priority is None and not resume and (data is None or not fields):
+            ids = one(fields if data is None else data, lane, episode)
+            if ids is not None:
+                return ids
         return edits.push(self, self._copier, data, lane=lane, episode=episode, priority=priority,
-                          timeout=timeout, fields=fields, pusher=self._pusher, resume=resume)
+                          timeout=timeout, fields=fields, pusher=self._pusher, resume=resume, one_call=one)
 
     add = push
 

@@ -20,7 +20,7 @@ scans the held slots (``removed``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,8 @@ from .lock import defer_signals, resume_signals
 from .reader import Source
 from .ring import Copier
 from .schema import as_numpy, stack_rows
+
+OneCall = Callable[[Any, Any, Any], "np.ndarray | None"]
 
 
 def update(src: Source, ids: np.ndarray, fields: dict[str, Any], priority: Any = None) -> int:
@@ -171,12 +173,23 @@ def removed(src: Source) -> int:
     return gone
 
 
+def one_call(src: Source, copier: Copier, pusher: Pusher | None) -> OneCall | None:
+    """The whole push as one C call (``ring.Copier.one_call``), where a push needs nothing but the
+    ring and the columns: uniform (no priorities to set), no rate limiter that blocks writers, no
+    frames (``pusher``). ``None`` elsewhere, or without the extension."""
+    limiter = src.options.limiter
+    gated = limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None
+    if pusher is not None or src.priorities is not None or gated:
+        return None
+    return copier.one_call()
+
+
 def push(
     src: Source, copier: Copier, data: Any, *, lane: Any, episode: Any, priority: Any, timeout: float | None,
-    fields: dict[str, Any], pusher: Pusher | None = None, resume: bool = False,
+    fields: dict[str, Any], pusher: Pusher | None = None, resume: bool = False, one_call: OneCall | None = None,
 ) -> np.ndarray:
-    """``ReplayBuffer.push``: check everything (``check``); the usual push (uniform, no blocking
-    rate limiter, no frames) is then one C call (``Ring.push``); else reserve (marking the rows
+    """``ReplayBuffer.push``, whose usual case ``one_call`` took first where it could: check
+    everything (``check``); with ``one_call`` the checked rows (cast, reshaped) take it; else reserve (marking the rows
     odd, their priorities set, under the lock; signals deferred until the commit), copy (one C
     call through ``copier``, else numpy), commit; a copy that fails gives the rows back as empty. With
     ``next_of``/``stack`` the ``pusher`` (``frames.py``) checks the rows against this process's
@@ -213,8 +226,9 @@ def push(
             src.block.counters[Counter.INSERTED] -= k - rows  # an end row is not an insert
     limiter = src.options.limiter
     gated = limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None
-    if ex is None and prios is None and not gated and copier.lib is not None and copier.fields is src.block.fields:
-        ids = ring.push(k, lane, copier.copies(arrays, episodes, k))  # the usual case: one C call
+    if one_call is not None:
+        ring.writer_id()  # registers this process (the one call refuses one it does not name)
+        ids = one_call(arrays, lane, episodes)
         if ids is not None:
             note_interleaving(src, ids, episodes, given)
             return ids

@@ -70,11 +70,14 @@ are C loops over the same rules when the extension is loaded (``native_view``).
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -150,20 +153,20 @@ class Reservation:
         return 2 * self.n + 2
 
 
-Copies = tuple[tuple[np.ndarray, ...], tuple[int, ...], tuple[bytes, ...], tuple[np.ndarray, ...]]
-
-
 class Copier:
-    """A push's checks and copies as C calls (``native.py``). ``check`` is the fast path of the
-    schema's checks: a dict of exactly the fields, each a C-contiguous array of the field's dtype
-    and shape (one row) or ``(k, *shape)``, needs no cast nor reshape; anything else is left to
+    """A push as C calls (``native.py``), planned once per buffer: ``one_call`` is
+    ``_native.push(plan, data, lane, episode)``, a whole push (checks, lanes, reservation, copies,
+    commit) in one call for the usual case, returning the ids, or ``None`` where the Python steps
+    must decide or explain (``edits.push``). ``check`` is the fast path of the schema's checks for
+    those steps: a dict of exactly the fields, each a C-contiguous array of the field's dtype and
+    shape (one row) or ``(k, *shape)``, needs no cast nor reshape; anything else is left to
     ``Schema.validate``. ``put`` copies each field's rows into the reserved slots of its column
     (the packed record at the field's offset, or its own column) and the episode ids with them;
     the caller then calls ``Ring.commit``. ``lib`` is ``None`` without the extension (or when a
     column is not C-contiguous, or a dtype cannot be passed as a buffer): the caller copies with
     numpy."""
 
-    def __init__(self, block: Block) -> None:
+    def __init__(self, block: Block, ring: Ring, envs: int | None) -> None:
         targets: dict[str, tuple[np.ndarray, int, np.dtype]] = {}
         if block.packed is not None:
             for name, offset in block.stored_record.offsets.items():
@@ -186,27 +189,26 @@ class Copier:
         usable = all(c.flags.c_contiguous for c in columns) and all(f is not None for f in formats)
         self.formats = tuple(f or b"" for f in formats)
         self.lib = native.lib if usable else None
+        self.plan = None
+        if self.lib is not None and ring.native_view is not None and 0 < len(self.names) <= 64 and all(len(s) <= 16 for s in self.shapes):
+            widths = tuple(int(np.dtype(targets[n][2]).itemsize * math.prod(s)) for n, s in zip(self.names, self.shapes, strict=True))
+            self.plan = self.lib.plan(
+                ring.lock.memory, ring.cursors, ring.stats_array, ring.stamp, ring.owner, ring.writers, ring.me,
+                _FROZEN, _INSERTED, self.names, self.formats, self.shapes, widths, self.columns, self.offsets,
+                self.episode, envs or 0, np.empty, np.dtype(np.int64))
+
+    def one_call(self) -> Callable[[Any, Any, Any], np.ndarray | None] | None:
+        """``push(data, lane, episode) -> ids | None``: the whole push as one C call (see the class),
+        or ``None`` without the extension."""
+        return None if self.plan is None else partial(self.lib.push, self.plan)  # type: ignore[union-attr]
 
     def check(self, data: object) -> tuple[int, dict[str, np.ndarray]] | None:
         """``(k, rows)`` when ``data`` passes the fast checks (one row's arrays keep their shape,
         without a leading dimension), else ``None``."""
-        lib = self.lib
-        if lib is None or type(data) is not dict:
+        if self.plan is None or type(data) is not dict:
             return None
-        got = lib.check(data, self.names, self.formats, self.shapes)
+        got = self.lib.check(self.plan, data)  # type: ignore[union-attr]
         return None if got is None else (got[0], data)
-
-    def copies(self, arrays: dict[str, np.ndarray], episodes: np.ndarray | None, k: int) -> Copies:
-        """What the C calls copy: ``(columns, offsets, formats, sources)``, episode ids included."""
-        sources = tuple([arrays[n] for n in self.names])
-        cols, offsets, formats = self.columns, self.offsets, self.formats
-        if episodes is not None and self.episode is not None:
-            e = np.ascontiguousarray(np.broadcast_to(np.asarray(episodes, dtype=np.int64), (k,)))
-            sources = (*sources, e)
-            cols = (*cols, self.episode)
-            offsets = (*offsets, 0)
-            formats = (*formats, _format(e.dtype) or b"")
-        return cols, offsets, formats, sources
 
     def put(self, res: Reservation, arrays: dict[str, np.ndarray], episodes: np.ndarray | None) -> None:
         """Copy ``arrays`` (checked by the schema or by ``check``; cast here as numpy's assignment
@@ -216,7 +218,11 @@ class Copier:
         where = res.where
         at, k = (where.start, where.stop - where.start) if isinstance(where, slice) else (where, where.shape[0])
         names = self.names
-        cols, offsets, formats, sources = self.copies(arrays, episodes, k)
+        sources = tuple([arrays[n] for n in names])
+        cols, offsets, formats = self.columns, self.offsets, self.formats
+        if episodes is not None and self.episode is not None:
+            e = np.ascontiguousarray(np.broadcast_to(np.asarray(episodes, dtype=np.int64), (k,)))
+            sources, cols, offsets, formats = (*sources, e), (*cols, self.episode), (*offsets, 0), (*formats, _format(e.dtype) or b"")
         if lib.put(at, k, self.stamp, cols, offsets, formats, sources, False):
             return
         # some source needs a cast or a contiguous copy (``Schema.validate`` casts nothing)
@@ -277,6 +283,12 @@ class Ring:
         self.lock = RobustLock(arrays["_mutex"], initialise=initialise, on_recover=recovered)
         self._wid = -1
         self._wid_pid = -1
+        self.cursors, self.stats_array, self.writers = self._lanes, self._stats, self._wpid
+        """The columns of the lanes' cursors, the counters and the writer table (for ``Copier``'s plan)."""
+        self.me = np.array([-1, -1], np.int64)
+        """This process's ``[pid, writer entry]`` once ``writer_id`` registered it: the one-call
+        push (``Copier``) reads it, and leaves a process it does not name (a forked child) to the
+        Python steps, which register it."""
 
     # -- writers -------------------------------------------------------------------------------
     def writer_id(self) -> int:
@@ -295,6 +307,7 @@ class Ring:
                 self._wstart[w] = started
                 self._wpid[w] = pid
         self._wid, self._wid_pid = w, pid
+        self.me[:] = (pid, w)
         return w
 
     def _reclaim_writer(self) -> int:
@@ -420,23 +433,6 @@ class Ring:
             self._cur[8 * lane + _CURSOR] = n0 + k
         self._count[_INSERTED] += k
         return Reservation(where, n, lane, self.lanes)
-
-    def push(self, k: int, lane: int | np.ndarray, copies: Copies) -> np.ndarray | None:
-        """``reserve`` (without a gate or ``also``), the copies (``Copier.copies``) and ``commit``
-        as one C call, for the usual case: the lock is free at once, no repair is owed, not
-        frozen, none of the slots is being written. ``lane``: one lane, or one per row (int64).
-        Returns the rows' ids; ``None`` when the C call left the push to the steps above
-        (nothing was changed), or without the extension. No Python code runs between the rows
-        turning odd and their commit, so no signal handler can come between (``lock.py``)."""
-        lib = self._lib
-        if lib is None or (isinstance(lane, np.ndarray) and not (lane.dtype == np.int64 and lane.flags.c_contiguous)):
-            return None
-        cols, offsets, formats, sources = copies
-        ids = np.empty(k, np.int64)
-        if lib.push(self.lock.memory, self._lanes, self._stats, self.stamp, self.owner, lane, k, self.writer_id(),
-                    _FROZEN, _INSERTED, cols, offsets, formats, sources, ids) is None:
-            return None
-        return ids
 
     def commit(self, res: Reservation) -> None:
         """Odd to even: the rows are committed (nobody else touches a live writer's odd stamps).

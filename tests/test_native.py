@@ -423,11 +423,12 @@ def test_push_native_equals_python(make: Make, name: str, monkeypatch: pytest.Mo
 @needs_lib
 @pytest.mark.parametrize("lanes", [1, 4])
 def test_one_call_push_equals_python(make: Make, name: str, monkeypatch: pytest.MonkeyPatch, lanes: int) -> None:
-    """Uniform pushes of rows that need no cast take one C call (``_native.push``): one lane or a
-    lane per row, episodes, wrapping lanes, a frozen buffer; the same
-    bytes, ids and counts as the Python path."""
+    """Uniform pushes take one C call (``_native.push``): one lane or a lane per row, episodes,
+    wrapping lanes, float64 into float32 and Python numbers cast as ``Schema.validate`` casts; the
+    same bytes, ids and counts as the Python path; a frozen buffer still refuses."""
     assert LIB is not None
-    schema = sb.Schema(obs=((3, 5), "float32"), img=((2, 32, 32), "uint8"), action=((), "int64"), flag=((2,), "bool"))
+    schema = sb.Schema(obs=((3, 5), "float32"), img=((2, 32, 32), "uint8"), action=((), "int64"), flag=((2,), "bool"),
+                       reward=((), "float32"), gain=((), "float64"), done=((), "bool"), small=((), "int16"), old=((1,), "float32"))
     calls: list[bool] = []
 
     class Counting:  # the extension, counting the pushes its one call took
@@ -436,7 +437,7 @@ def test_one_call_push_equals_python(make: Make, name: str, monkeypatch: pytest.
 
         def push(self, *args: Any) -> Any:
             got = LIB.push(*args)
-            calls.append(got is True)
+            calls.append(got is not None)
             return got
 
     monkeypatch.setattr(native, "lib", Counting())
@@ -444,12 +445,23 @@ def test_one_call_push_equals_python(make: Make, name: str, monkeypatch: pytest.
     with monkeypatch.context() as m:
         m.setattr(native, "lib", None)
         ref = make(schema, capacity=24, lanes=lanes, episodes=True, name=name + "p")
+    fast.ring.writer_id()  # this process registered (as its first push through the steps does)
     rng = np.random.default_rng(lanes)
-    for _ in range(40):
+    for i in range(60):
         k = int(rng.integers(1, 6))
-        rows: dict[str, Any] = {"obs": rng.random((k, 3, 5)).astype(np.float32),
+        rows: dict[str, Any] = {"obs": rng.normal(size=(k, 3, 5)).astype(np.float32 if i % 2 else np.float64),
                                 "img": rng.integers(0, 255, (k, 2, 32, 32)).astype(np.uint8),
-                                "action": rng.integers(-5, 5, k), "flag": rng.random((k, 2)) < 0.5}
+                                "action": rng.integers(-5, 5, k), "flag": rng.random((k, 2)) < 0.5,
+                                "reward": rng.normal(size=k) * 1e30, "gain": rng.normal(size=k).astype(np.float32),
+                                "done": rng.random(k) < 0.5, "small": rng.integers(-300, 300, k).astype(np.int16),
+                                "old": rng.normal(size=(k, 1)).astype(np.float32)}
+        if i % 3 == 0:  # one row, fields as Python numbers and numpy scalars
+            k = 1
+            rows = {n: v[0] for n, v in rows.items()}
+            rows.update(reward=float(rows["reward"]), gain=float(rows["gain"]), done=bool(rows["done"]),
+                        small=int(rows["small"]), old=float(rows["old"][0]) if i % 2 else rows["old"][0])
+            if i % 6 == 0:
+                rows.update(reward=int(rng.integers(-9, 9)), gain=True, done=int(rng.integers(0, 2)))
         lane: Any = int(rng.integers(0, lanes)) if rng.random() < 0.5 else rng.integers(0, lanes, k)
         episode = int(rng.integers(0, 9)) if rng.random() < 0.5 else rng.integers(0, 9, k)
         got = fast.push(rows, lane=lane, episode=episode)
@@ -457,7 +469,8 @@ def test_one_call_push_equals_python(make: Make, name: str, monkeypatch: pytest.
             m.setattr(native, "lib", None)
             want = ref.push(rows, lane=lane, episode=episode)
         assert np.array_equal(got, want)
-    assert len(calls) == 40 and all(calls)  # each in one call, wrapping lanes too
+    # each push in one call, wrapping lanes too
+    assert calls == [True] * 60
     a, b = block_bytes(fast), block_bytes(ref)
     assert a.keys() == b.keys()
     for key in a:
@@ -469,49 +482,102 @@ def test_one_call_push_equals_python(make: Make, name: str, monkeypatch: pytest.
 
 
 @needs_lib
-def test_one_call_push_refuses_bad_input_and_leaves_a_busy_ring_alone(make: Make, name: str) -> None:
+def test_one_call_push_leaves_what_python_must_decide_alone(make: Make, name: str) -> None:
+    """Anything the one call does not take returns ``None`` with the buffer unchanged, and the
+    Python steps then push it or raise their clear error: values it would have to cast otherwise,
+    a lane out of range or too full, episodes missing or unwanted, a push that may interleave
+    envs, a process it does not name, a busy lock, an odd slot, a frozen buffer."""
     assert LIB is not None
-    buf = make(MUJOCO, capacity=12, lanes=2, name=name)
-    ring_, block = buf.ring, buf.block
-    packed, stamp, owner, cursors, stats = block.packed, block.stamp, ring_.owner, block.arrays["_lanes"], block.arrays["_stats"]
-    assert packed is not None
-    lock = ring_.lock.memory
-    src = (np.zeros((2, packed.shape[1]), np.uint8),)
-    cols, offs, ids = (packed,), (0,), np.zeros(2, np.int64)
-    frozen, inserted = int(sb.layout.Counter.FROZEN), int(sb.layout.Counter.INSERTED)
-
-    def call(lane: Any = 0, k: int = 2, writer: int = 1, lock_: Any = lock, ids_: Any = ids, **kw: Any) -> Any:
-        a = dict(cursors=cursors, stats=stats, stamp=stamp, owner=owner, frozen=frozen, inserted=inserted,
-                 cols=cols, offs=offs, fmts=None, src=src)
-        a.update(kw)
-        return LIB.push(lock_, a["cursors"], a["stats"], a["stamp"], a["owner"], lane, k, writer, a["frozen"],
-                        a["inserted"], a["cols"], a["offs"], a["fmts"], a["src"], ids_)
-
+    buf = make(MUJOCO, capacity=12, lanes=2, episodes=True, name=name)
+    plan = buf._copier.plan
+    block, ring_ = buf.block, buf.ring
+    stats, stamp = block.arrays["_stats"], block.stamp
+    rows = {k: np.ascontiguousarray(v) for k, v in transition(0, 2).items()}
+    e2 = np.array([4, 5], np.int64)
+    ring_.writer_id()
     before = {n: a.copy() for n, a in block.arrays.items() if n != "_mutex"}
-    for bad in (dict(lane=2), dict(lane=-1), dict(k=0), dict(k=7), dict(writer=70_000), dict(frozen=10 ** 6),
-                dict(lane=np.array([0, 2], np.int64)), dict(lane=np.array([0], np.int64)),
-                dict(ids_=np.zeros(3, np.int64)), dict(lock_=lock[:32]), dict(offs=(packed.shape[1],)),
-                dict(cursors=cursors.reshape(-1)[:12])):
-        with pytest.raises((ValueError, TypeError)):
-            call(**bad)
-    with pytest.raises(ValueError):  # 7 rows for one lane of 6 slots
-        call(lane=np.zeros(7, np.int64), k=7, ids_=np.zeros(7, np.int64), src=(np.zeros((7, packed.shape[1]), np.uint8),))
-    assert call(fmts=(b"f",)) is None  # a source needs a cast: the Python steps
+    for data, lane, episode in (
+        ({**rows, "obs": rows["obs"].astype(np.int32)}, 0, 1),  # a cast validate decides
+        ({**rows, "obs": rows["obs"].astype(np.float64) * 1e300}, 0, 1),  # float64 too large for float32: validate refuses
+        ({**rows, "action": rows["action"][:, ::-1]}, 0, 1),  # not contiguous
+        ({**rows, "done": rows["done"][:1]}, 0, 1),  # ragged
+        ({k: v for k, v in rows.items() if k != "done"}, 0, 1),  # a missing field
+        ({**rows, "extra": rows["done"]}, 0, 1),  # an unknown one
+        ({**rows, "obs": rows["obs"].tolist()}, 0, 1),  # not an array
+        ({**{k: v[0] for k, v in rows.items()}, "reward": 2 ** 70}, 0, 1),  # a number too large
+        ({**{k: v[0] for k, v in rows.items()}, "done": 2}, 0, 1),  # 2 is not a flag
+        ({**{k: v[0] for k, v in rows.items()}, "reward": -1e300}, 0, 1),  # would become -inf
+        ({**{k: v[0] for k, v in rows.items()}, "action": 1.0}, 0, 1),  # a float into an int field
+        (list(rows.values()), 0, 1),  # not a dict
+        (rows, 2, 1), (rows, -1, 1), (rows, np.array([0, 2]), 1), (rows, np.array([0], np.int64), 1),
+        (rows, np.array([0, 1], np.int32), 1), (rows, None, 1),  # two lanes and no lane=
+        ({k: np.repeat(v, 4, axis=0) for k, v in rows.items()}, 0, 1),  # 8 rows for a lane of 6
+        (rows, 0, None), (rows, 0, 1.5), (rows, 0, np.array([1, 2, 3])), (rows, 0, 2 ** 70),
+    ):
+        assert LIB.push(plan, data, lane, episode) is None
+    solo = make(MUJOCO, capacity=8, episodes=True, name=name + "s")
+    solo.ring.writer_id()
+    assert LIB.push(solo._copier.plan, rows, None, e2) is None  # edits.note_interleaving decides
+    assert LIB.push(solo._copier.plan, rows, None, 3) is not None
+    me = ring_.me.copy()
+    ring_.me[0] += 1  # another process's entry
+    assert LIB.push(plan, rows, 0, 1) is None
+    ring_.me[:] = me
+    child = os.fork()  # a forked child holds its parent's entry until it registers its own
+    if child == 0:
+        code = 9
+        try:
+            code = 0 if LIB.push(plan, rows, 0, 1) is None else 1
+        finally:
+            os._exit(code)
+    assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
     stamp[1] = 3  # lane 0's slot 1 is being written
-    assert call() is None
+    assert LIB.push(plan, rows, 0, 1) is None
     stamp[1] = 0
-    stats[frozen] = 1
-    assert call() is None
-    stats[frozen] = 0
+    stats[int(sb.layout.Counter.FROZEN)] = 1
+    assert LIB.push(plan, rows, 0, 1) is None
+    stats[int(sb.layout.Counter.FROZEN)] = 0
     ring_.lock.acquire()  # busy: the Python steps wait for it
     try:
-        assert call() is None
+        assert LIB.push(plan, rows, 0, 1) is None
     finally:
         ring_.lock.release()
     for n, a in before.items():
         assert np.array_equal(block.arrays[n], a), n
-    assert call(lane=np.array([1, 0], np.int64)) is True and ids.tolist() == [1, 0]
-    assert stamp[[0, 6]].tolist() == [2, 2] and stats[inserted] == 2
+    with pytest.raises(TypeError):
+        LIB.push(plan, rows, 0)
+    with pytest.raises(ValueError):  # not a plan
+        LIB.push(stamp, rows, 0, 1)
+    got = LIB.push(plan, rows, np.array([1, 0], np.int64), e2)
+    assert got.tolist() == [1, 0] and stamp[[0, 6]].tolist() == [2, 2] and stats[int(sb.layout.Counter.INSERTED)] == 2
+    assert block.episode is not None and block.episode[[6, 0]].tolist() == [4, 5]
+
+
+@needs_lib
+def test_a_push_plan_refuses_what_does_not_fit_the_ring(make: Make, name: str) -> None:
+    assert LIB is not None
+    buf = make(MUJOCO, capacity=12, lanes=2, name=name)
+    c, r = buf._copier, buf.ring
+    packed = buf.block.packed
+    assert packed is not None
+    widths = tuple(int(buf.block.fields[n].dtype.itemsize * np.prod(s)) for n, s in zip(c.names, c.shapes, strict=True))
+    good = dict(lock=r.lock.memory, cursors=r.cursors, stats=r.stats_array, stamp=r.stamp, owner=r.owner,
+                writers=r.writers, me=r.me, frozen=0, inserted=1, names=c.names, formats=c.formats, shapes=c.shapes,
+                widths=widths, targets=c.columns, offsets=c.offsets, episode=None, envs=0)
+
+    def plan(**kw: Any) -> Any:
+        a = {**good, **kw}
+        return LIB.plan(*a.values(), np.empty, np.dtype(np.int64))
+
+    assert plan() is not None
+    for bad in (dict(lock=r.lock.memory[:32]), dict(cursors=r.cursors.reshape(-1)[:12]),
+                dict(owner=r.owner[:5]), dict(owner=r.stamp), dict(me=np.zeros(3, np.int64)), dict(frozen=10 ** 6),
+                dict(inserted=-1), dict(envs=3), dict(episode=np.zeros(5, np.int64)), dict(names=c.names[:2]),
+                dict(widths=(10 ** 6,) * len(widths)), dict(offsets=(packed.shape[1],) * len(widths)),
+                dict(shapes=((-1,),) * len(widths)), dict(formats=("f",) * len(widths)), dict(names=()),
+                dict(stamp=r.stamp[:5])):
+        with pytest.raises((ValueError, TypeError)):
+            plan(**bad)
 
 
 @needs_lib
@@ -585,6 +651,7 @@ def test_fast_checks_take_exactly_what_validate_takes_unchanged(make: Make, name
     assert copier.check({k: v for k, v in rows.items() if k != "done"}) is None  # a missing field
     assert copier.check({**rows, "extra": rows["done"]}) is None
     assert copier.check({k: v[:0] for k, v in rows.items()}) is None  # no rows: validate's case
+    assert copier.check({**one, "reward": float(one["reward"])}) is None  # a number: validate makes it an array
     with pytest.raises(sb.FieldError):  # and validate still raises what it raised
         buf.push({**rows, "obs": rows["obs"][:, :16]})
     assert len(buf) == 0
