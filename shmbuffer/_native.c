@@ -1020,20 +1020,29 @@ static void after_fork(void) { my_pid = getpid(); }
 
 typedef struct {
     Py_buffer lock, cur, stats, stamp, owner, writers, me, episode;
-    int has_episode, held;
+    int has_episode, held, closed, busy; /* closed: views released (plan_close); busy: pushes in flight */
     Py_ssize_t n, lanes, capacity, lc, envs, frozen_at, inserted_at;
     PyObject *names[MAX_COLS];
     char *format[MAX_COLS];
     Py_buffer dst[MAX_COLS];
     Py_ssize_t offset[MAX_COLS], width[MAX_COLS], row[MAX_COLS], ndim[MAX_COLS], shape[MAX_COLS][MAX_DIMS];
     PyObject *empty, *int64;
+    PyObject *block, *table; /* the ring.Block and its field table the plan was made for (push_call) */
 } PushPlan;
 
-static void plan_free(PushPlan *p) {
+static void plan_release(PushPlan *p) {
     Py_buffer *views[8] = {&p->lock, &p->cur, &p->stats, &p->stamp, &p->owner, &p->writers, &p->me, &p->episode};
     for (int i = 0; i < p->held && i < 8; i++) PyBuffer_Release(views[i]);
+    p->held = 0;
+    for (Py_ssize_t g = 0; g < p->n; g++) PyBuffer_Release(&p->dst[g]);
+    Py_CLEAR(p->block);
+    Py_CLEAR(p->table);
+    p->closed = 1;
+}
+
+static void plan_free(PushPlan *p) {
+    if (!p->closed) plan_release(p);
     for (Py_ssize_t g = 0; g < p->n; g++) {
-        PyBuffer_Release(&p->dst[g]);
         Py_XDECREF(p->names[g]);
         PyMem_Free(p->format[g]);
     }
@@ -1045,15 +1054,15 @@ static void plan_free(PushPlan *p) {
 static void plan_capsule_free(PyObject *capsule) { plan_free((PushPlan *)PyCapsule_GetPointer(capsule, "shmbuffer.plan")); }
 
 /* plan(lock, cursors, stats, stamp, owner, writers, me, frozen, inserted, names, formats, shapes,
- *      widths, targets, offsets, episode, envs, empty, int64) -> capsule */
+ *      widths, targets, offsets, episode, envs, empty, int64, block, table) -> capsule */
 static PyObject *plan(PyObject *self, PyObject *args) {
     PyObject *lock_o, *cur_o, *stats_o, *stamp_o, *owner_o, *writers_o, *me_o, *names_o, *fmts_o, *shapes_o, *widths_o,
-        *dst_o, *off_o, *episode_o, *empty_o, *int64_o;
+        *dst_o, *off_o, *episode_o, *empty_o, *int64_o, *block_o, *table_o;
     Py_ssize_t frozen_at, inserted_at, envs;
-    if (!PyArg_ParseTuple(args, "OOOOOOOnnO!O!O!O!O!O!OnOO", &lock_o, &cur_o, &stats_o, &stamp_o, &owner_o, &writers_o,
+    if (!PyArg_ParseTuple(args, "OOOOOOOnnO!O!O!O!O!O!OnOOOO", &lock_o, &cur_o, &stats_o, &stamp_o, &owner_o, &writers_o,
                           &me_o, &frozen_at, &inserted_at, &PyTuple_Type, &names_o, &PyTuple_Type, &fmts_o, &PyTuple_Type,
                           &shapes_o, &PyTuple_Type, &widths_o, &PyTuple_Type, &dst_o, &PyTuple_Type, &off_o, &episode_o,
-                          &envs, &empty_o, &int64_o))
+                          &envs, &empty_o, &int64_o, &block_o, &table_o))
         return NULL;
     Py_ssize_t n = PyTuple_GET_SIZE(names_o);
     if (n < 1 || n > MAX_COLS || PyTuple_GET_SIZE(fmts_o) != n || PyTuple_GET_SIZE(shapes_o) != n ||
@@ -1121,12 +1130,30 @@ static PyObject *plan(PyObject *self, PyObject *args) {
     p->empty = empty_o;
     Py_INCREF(int64_o);
     p->int64 = int64_o;
+    Py_INCREF(block_o);
+    p->block = block_o;
+    Py_INCREF(table_o);
+    p->table = table_o;
     PyObject *capsule = PyCapsule_New(p, "shmbuffer.plan", plan_capsule_free);
     if (!capsule) goto fail;
     return capsule;
 fail:
     plan_free(p);
     return NULL;
+}
+
+/* plan_close(plan): release the plan's views of the buffer (ReplayBuffer.close), so that a
+ * push callable still held somewhere does not keep the mapping; from then on every push through
+ * it is left to Python (which says the buffer is closed). BufferError while a push is in flight. */
+static PyObject *plan_close(PyObject *self, PyObject *capsule) {
+    PushPlan *p = (PushPlan *)PyCapsule_GetPointer(capsule, "shmbuffer.plan");
+    if (!p) return NULL;
+    if (p->busy) {
+        PyErr_SetString(PyExc_BufferError, "a push through this buffer is in flight in another thread");
+        return NULL;
+    }
+    if (!p->closed) plan_release(p);
+    Py_RETURN_NONE;
 }
 
 /* one field's value as rows, checked against the plan without touching anything */
@@ -1231,19 +1258,16 @@ static void sources_close(Source *s, Py_ssize_t n) {
         if (s[g].held) PyBuffer_Release(&s[g].view);
 }
 
-/* the fields of `data` (a dict of exactly the plan's names) as sources: k >= 1, or 0 when not
- * taken here, -1 on an error */
-static Py_ssize_t sources_open(const PushPlan *p, PyObject *data, Source *src, Py_ssize_t *opened, int *single) {
+/* the field values (vals[g] for field g, all given) as sources: k >= 1, or 0 when not taken
+ * here, -1 on an error */
+static Py_ssize_t sources_open(const PushPlan *p, PyObject *const *vals, Source *src, Py_ssize_t *opened, int *single) {
     *opened = 0;
-    if (!PyDict_CheckExact(data) || PyDict_GET_SIZE(data) != p->n) return 0;
     Py_ssize_t k = -1;
     *single = -1;
     for (Py_ssize_t g = 0; g < p->n; g++) {
-        PyObject *v = PyDict_GetItemWithError(data, p->names[g]);
-        if (!v) return PyErr_Occurred() ? -1 : 0;
         int one = 0;
         Py_ssize_t kk = 0;
-        int got = source(p, g, v, &src[g], &one, &kk);
+        int got = source(p, g, vals[g], &src[g], &one, &kk);
         *opened = g + 1;
         if (got <= 0) return got;
         if (k < 0) {
@@ -1256,6 +1280,16 @@ static Py_ssize_t sources_open(const PushPlan *p, PyObject *data, Source *src, P
     return k;
 }
 
+/* vals from `data`, a dict of exactly the plan's names: 1, 0 when it is not, -1 on an error */
+static int values_of(const PushPlan *p, PyObject *data, PyObject **vals) {
+    if (!PyDict_CheckExact(data) || PyDict_GET_SIZE(data) != p->n) return 0;
+    for (Py_ssize_t g = 0; g < p->n; g++) {
+        vals[g] = PyDict_GetItemWithError(data, p->names[g]);
+        if (!vals[g]) return PyErr_Occurred() ? -1 : 0;
+    }
+    return 1;
+}
+
 /* check(plan, data) -> (k, single) or None: push's checks of the fields without any cast, for
  * the steps in edits.py (a prioritized push, a rate-limited one) */
 static PyObject *check(PyObject *self, PyObject *args) {
@@ -1264,8 +1298,14 @@ static PyObject *check(PyObject *self, PyObject *args) {
     PushPlan *p = (PushPlan *)PyCapsule_GetPointer(capsule, "shmbuffer.plan");
     if (!p) return NULL;
     Source src[MAX_COLS];
-    int single = 0;
-    Py_ssize_t opened = 0, k = sources_open(p, data, src, &opened, &single);
+    PyObject *vals[MAX_COLS];
+    if (p->closed) Py_RETURN_NONE;
+    int single = 0, have = values_of(p, data, vals);
+    if (have <= 0) {
+        if (have < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t opened = 0, k = sources_open(p, vals, src, &opened, &single);
     int exact = 1;
     for (Py_ssize_t g = 0; g < opened && k > 0; g++) exact &= src[g].held && !src[g].convert;
     sources_close(src, opened);
@@ -1274,14 +1314,19 @@ static PyObject *check(PyObject *self, PyObject *args) {
     return Py_BuildValue("(nO)", k, single ? Py_True : Py_False);
 }
 
-static PyObject *push(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "push(plan, data, lane, episode)");
-        return NULL;
-    }
-    PushPlan *p = (PushPlan *)PyCapsule_GetPointer(args[0], "shmbuffer.plan");
-    if (!p) return NULL;
-    PyObject *data = args[1], *lane_o = args[2], *episode_o = args[3];
+static PyObject *push_held(const PushPlan *p, PyObject *const *vals, PyObject *lane_o, PyObject *episode_o);
+
+/* the push of the field values `vals` (see above): the ids, None, or NULL with an error set */
+static PyObject *push_rows(PushPlan *p, PyObject *const *vals, PyObject *lane_o, PyObject *episode_o) {
+    if (p->closed) Py_RETURN_NONE;
+    p->busy++; /* (the GIL is held here: only a copy without it lets plan_close run meanwhile) */
+    PyObject *got = push_held(p, vals, lane_o, episode_o);
+    p->busy--;
+    return got;
+}
+
+/* push_rows with the plan's views held */
+static PyObject *push_held(const PushPlan *p, PyObject *const *vals, PyObject *lane_o, PyObject *episode_o) {
     const int64_t *me = (const int64_t *)p->me.buf, *writers = (const int64_t *)p->writers.buf;
     if (me[0] != (int64_t)my_pid || me[1] < 0 || me[1] >= p->writers.len / 8 ||
         __atomic_load_n(&writers[me[1]], __ATOMIC_RELAXED) != me[0])
@@ -1291,7 +1336,7 @@ static PyObject *push(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int lane_held = 0, ep_held = 0, single = 0;
     int64_t *slots = NULL, *scratch = NULL;
     PyObject *ids_o = NULL, *result = NULL;
-    Py_ssize_t opened = 0, k = sources_open(p, data, src, &opened, &single);
+    Py_ssize_t opened = 0, k = sources_open(p, vals, src, &opened, &single);
     if (k <= 0) goto done;
     Py_ssize_t lanes = p->lanes, lc = p->lc;
     int64_t one = -1;
@@ -1477,6 +1522,85 @@ done:
     return result;
 }
 
+static PyObject *push(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "push(plan, data, lane, episode)");
+        return NULL;
+    }
+    PushPlan *p = (PushPlan *)PyCapsule_GetPointer(args[0], "shmbuffer.plan");
+    if (!p) return NULL;
+    PyObject *vals[MAX_COLS];
+    int have = values_of(p, args[1], vals);
+    if (have <= 0) {
+        if (have < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    return push_rows(p, vals, args[2], args[3]);
+}
+
+/* push_call(plan, steps, *args, **kwargs): ReplayBuffer.push itself for a buffer
+ * the one call serves (buffer.py sets it on the instance): its usual calls, push(**fields) or
+ * push(data_dict) with lane= and episode= or without, go to push_rows straight from the call's
+ * arguments, with no dict made; every other call, and every push push_rows leaves to Python
+ * (None), is steps(*args, **kwargs), the Python method. The plan's block.fields must still be
+ * its table (a block whose field table was replaced copies with numpy: ring.Copier). */
+static PyObject *push_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+    static PyObject *s_lane, *s_episode, *s_fields;
+    if (!s_lane && (!(s_lane = PyUnicode_InternFromString("lane")) || !(s_episode = PyUnicode_InternFromString("episode")) ||
+                    !(s_fields = PyUnicode_InternFromString("fields"))))
+        return NULL;
+    if (nargs < 2) {
+        PyErr_SetString(PyExc_TypeError, "push_call(plan, steps, *args, **kwargs)");
+        return NULL;
+    }
+    PushPlan *p = (PushPlan *)PyCapsule_GetPointer(args[0], "shmbuffer.plan");
+    if (!p) return NULL;
+    PyObject *steps = args[1];
+    Py_ssize_t given = nargs - 2, nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    PyObject *const *kwvals = args + nargs;
+    PyObject *vals[MAX_COLS], *lane_o = Py_None, *episode_o = Py_None;
+    int usual = given <= 1 && !p->closed;
+    Py_ssize_t found = 0;
+    for (Py_ssize_t g = 0; g < p->n; g++) vals[g] = NULL;
+    for (Py_ssize_t i = 0; i < nkw && usual; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        if (name == s_lane) { lane_o = kwvals[i]; continue; }
+        if (name == s_episode) { episode_o = kwvals[i]; continue; }
+        Py_ssize_t g = 0;
+        while (g < p->n && p->names[g] != name) g++;
+        if (g == p->n) { /* not interned alike: compare the text */
+            for (g = 0; g < p->n; g++) {
+                int eq = PyUnicode_Compare(p->names[g], name);
+                if (eq == -1 && PyErr_Occurred()) return NULL;
+                if (eq == 0) break;
+            }
+            if (g == p->n) { usual = 0; break; } /* an unknown field, priority=, a name built at runtime... */
+        }
+        if (given || vals[g]) { usual = 0; break; }
+        vals[g] = kwvals[i];
+        found++;
+    }
+    if (usual) {
+        PyObject *table = PyObject_GetAttr(p->block, s_fields);
+        if (!table) return NULL;
+        usual = table == p->table;
+        Py_DECREF(table);
+    }
+    if (usual && given) {
+        int have = values_of(p, args[2], vals);
+        if (have < 0) return NULL;
+        usual = have;
+    } else if (usual) {
+        usual = found == p->n;
+    }
+    if (usual) {
+        PyObject *ids = push_rows(p, vals, lane_o, episode_o);
+        if (ids != Py_None) return ids; /* the ids, or NULL with an error */
+        Py_DECREF(ids);
+    }
+    return PyObject_Vectorcall(steps, args + 2, (size_t)given, kwnames);
+}
+
 /* reserve(stamp, owner, first, k, n0, writer) -> bool: under the ring's lock, the k consecutive
  * slots from `first` for rows n0.. : False (nothing written) if one of them is odd (being
  * written: the caller's lapping rules decide); else each slot's owner, then its stamp 2n + 1. */
@@ -1631,8 +1755,10 @@ static PyMethodDef methods[] = {
     {"current", current, METH_VARARGS, "current(ids, stamp, cursors, ok): Ring.current into ok."},
     {"gather", gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok) -> smallest id: rows with the stamp check."},
     {"put", put, METH_VARARGS, "put(where, k, stamp, targets, offsets, formats, sources, commit) -> bool: a push's copies, its commit."},
-    {"plan", plan, METH_VARARGS, "plan(lock, cursors, stats, stamp, owner, writers, me, frozen, inserted, names, formats, shapes, widths, targets, offsets, episode, envs, empty, int64) -> a push's plan."},
+    {"plan", plan, METH_VARARGS, "plan(lock, cursors, stats, stamp, owner, writers, me, frozen, inserted, names, formats, shapes, widths, targets, offsets, episode, envs, empty, int64, block, table) -> a push's plan."},
     {"push", (PyCFunction)(void (*)(void))push, METH_FASTCALL, "push(plan, data, lane, episode) -> ids, or None where Python decides."},
+    {"plan_close", plan_close, METH_O, "plan_close(plan): release a push plan's views of the buffer."},
+    {"push_call", (PyCFunction)(void (*)(void))push_call, METH_FASTCALL | METH_KEYWORDS, "push_call(plan, steps, *args, **kwargs): ReplayBuffer.push's usual calls in C, the rest steps(*args, **kwargs)."},
     {"reserve", reserve, METH_VARARGS, "reserve(stamp, owner, first, k, n0, writer) -> bool: mark consecutive slots odd."},
     {"reserve_lanes", reserve_lanes, METH_VARARGS, "reserve_lanes(cursors, stamp, owner, lane, writer, n, slots) -> bool."},
     {"lanes_worst", lanes_worst, METH_VARARGS, "lanes_worst(lane, lanes) -> most rows in one lane, or -1."},

@@ -25,8 +25,10 @@ ring's reservations (``ring.py``), the sampler's draws (``samplers.py``) and the
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -161,6 +163,12 @@ class ReplayBuffer:
         if self._prios is not None:
             self._ring.repairs.append(self._prios.repair)
         self._one_call = edits.one_call(self, self._copier, self._pusher)
+        cls = type(self)
+        if self._one_call is not None and cls.push is ReplayBuffer.push and cls.add is ReplayBuffer.add:
+            # push(...) itself in C for its usual calls, with no dict made; the rest is the method
+            # below (through a weak reference: no cycle keeps this object alive)
+            fast = self._copier.push_call(partial(_push_steps, weakref.ref(self)))
+            self.push = self.add = fast  # type: ignore[method-assign]
         self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         """This process's random generator for sampling."""
 
@@ -208,7 +216,11 @@ class ReplayBuffer:
     def _close(self, *, defer: bool) -> None:
         if self._segment is None:
             return
-        self._ring = self._prios = self._one_call = None  # the one-call push holds views of the block
+        if self._copier is not None:
+            self._copier.close()  # the one-call push's views of the block (BufferError: a push in flight)
+        self.__dict__.pop("push", None)  # the C push (_setup): the method again, which says closed
+        self.__dict__.pop("add", None)
+        self._ring = self._prios = self._one_call = None
         self._block = self._copier = None  # type: ignore[assignment]
         self._segment.close(defer=defer)
 
@@ -568,3 +580,12 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 def _attach_by_handle(handle: BufferHandle) -> ReplayBuffer:
     return ReplayBuffer.attach(handle)
+
+
+def _push_steps(ref: weakref.ref[ReplayBuffer], /, *args: Any, **kwargs: Any) -> np.ndarray:
+    """``ReplayBuffer.push`` for the C push (``_setup``) of the buffer ``ref`` names: every call it
+    does not take itself."""
+    buf = ref()
+    if buf is None:
+        raise ClosedError("push: this buffer object is gone (closed and collected)")
+    return ReplayBuffer.push(buf, *args, **kwargs)

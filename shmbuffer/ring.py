@@ -195,12 +195,24 @@ class Copier:
             self.plan = self.lib.plan(
                 ring.lock.memory, ring.cursors, ring.stats_array, ring.stamp, ring.owner, ring.writers, ring.me,
                 _FROZEN, _INSERTED, self.names, self.formats, self.shapes, widths, self.columns, self.offsets,
-                self.episode, envs or 0, np.empty, np.dtype(np.int64))
+                self.episode, envs or 0, np.empty, np.dtype(np.int64), block, self.fields)
 
     def one_call(self) -> Callable[[Any, Any, Any], np.ndarray | None] | None:
         """``push(data, lane, episode) -> ids | None``: the whole push as one C call (see the class),
         or ``None`` without the extension."""
         return None if self.plan is None else partial(self.lib.push, self.plan)  # type: ignore[union-attr]
+
+    def push_call(self, steps: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+        """``ReplayBuffer.push`` for an instance the one call serves (``_native.push_call``): its
+        usual calls in C with no dict made, every other call (and every push the C call leaves to
+        Python, and every call once the block's field table was replaced) ``steps(*args, **kwargs)``."""
+        return partial(self.lib.push_call, self.plan, steps)  # type: ignore[union-attr]
+
+    def close(self) -> None:
+        """Release the plan's views of the block (``ReplayBuffer.close``): a push callable still held
+        somewhere then leaves every push to Python, which says the buffer is closed."""
+        if self.plan is not None:
+            self.lib.plan_close(self.plan)  # type: ignore[union-attr]
 
     def check(self, data: object) -> tuple[int, dict[str, np.ndarray]] | None:
         """``(k, rows)`` when ``data`` passes the fast checks (one row's arrays keep their shape,

@@ -435,9 +435,15 @@ def test_one_call_push_equals_python(make: Make, name: str, monkeypatch: pytest.
         def __getattr__(self, key: str) -> Any:
             return getattr(LIB, key)
 
-        def push(self, *args: Any) -> Any:
-            got = LIB.push(*args)
-            calls.append(got is not None)
+        def push_call(self, plan: Any, steps: Any, *args: Any, **kwargs: Any) -> Any:
+            went: list[int] = []
+
+            def counted(*a: Any, **k: Any) -> Any:  # the Python method: not taken by the one call
+                went.append(1)
+                return steps(*a, **k)
+
+            got = LIB.push_call(plan, counted, *args, **kwargs)
+            calls.append(not went)
             return got
 
     monkeypatch.setattr(native, "lib", Counting())
@@ -563,11 +569,12 @@ def test_a_push_plan_refuses_what_does_not_fit_the_ring(make: Make, name: str) -
     widths = tuple(int(buf.block.fields[n].dtype.itemsize * np.prod(s)) for n, s in zip(c.names, c.shapes, strict=True))
     good = dict(lock=r.lock.memory, cursors=r.cursors, stats=r.stats_array, stamp=r.stamp, owner=r.owner,
                 writers=r.writers, me=r.me, frozen=0, inserted=1, names=c.names, formats=c.formats, shapes=c.shapes,
-                widths=widths, targets=c.columns, offsets=c.offsets, episode=None, envs=0)
+                widths=widths, targets=c.columns, offsets=c.offsets, episode=None, envs=0, empty=np.empty,
+                int64=np.dtype(np.int64), block=buf.block, table=buf.block.fields)
 
     def plan(**kw: Any) -> Any:
         a = {**good, **kw}
-        return LIB.plan(*a.values(), np.empty, np.dtype(np.int64))
+        return LIB.plan(*a.values())
 
     assert plan() is not None
     for bad in (dict(lock=r.lock.memory[:32]), dict(cursors=r.cursors.reshape(-1)[:12]),
@@ -1034,3 +1041,43 @@ def test_prioritized_kernels_refuse_bad_input(make: Make, name: str) -> None:
     ro.flags.writeable = False
     with pytest.raises(TypeError):
         LIB.current(ids, stamp, cur, ro)
+
+
+@needs_lib
+def test_push_itself_runs_in_c_for_its_usual_calls_and_the_method_for_the_rest(make: Make, name: str) -> None:
+    """A uniform buffer's ``push`` (and ``add``) is ``_native.push_call``: ``push(**fields)`` and
+    ``push(dict)``, with ``lane=`` and ``episode=`` or without, push in C with no dict made; every
+    other call gives what the Python method gives, errors included, and leaves the buffer as it was."""
+    import functools
+
+    buf = make(MUJOCO, capacity=16, lanes=2, episodes=True, name=name)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(native, "lib", None)
+        ref = make(MUJOCO, capacity=16, lanes=2, episodes=True, name=name + "r")
+    assert isinstance(buf.__dict__["push"], functools.partial) and buf.add is buf.push
+    assert "push" not in ref.__dict__ and "push" not in make(MUJOCO, capacity=8, sampler=sb.Prioritized(), name=name + "p").__dict__
+    rows = transition(0, 2)
+    one = {k: v[0] for k, v in transition(2, 1).items()}
+    for args, kwargs in (((), {**rows, "lane": 0, "episode": 1}), ((rows,), {"lane": 1, "episode": np.array([3, 4])}),
+                         ((one,), {"lane": 0, "episode": 5}), ((), {**one, "episode": 6, "lane": np.array([1])})):
+        assert np.array_equal(buf.push(*args, **kwargs), ref.push(*args, **kwargs))
+    for args, kwargs, error in (
+        ((), {**rows, "episode": 1}, "lane: this buffer has 2 lanes"),
+        ((), {**rows, "lane": 0}, "episode: this buffer keeps episodes"),
+        ((), {**rows, "lane": 0, "episode": 1, "priority": 1.0}, "priority: this buffer samples uniformly"),
+        ((), {**rows, "obz": rows["obs"], "lane": 0, "episode": 1}, "unknown field 'obz'"),
+        ((), {**{k: v for k, v in rows.items() if k != "obs"}, "lane": 0, "episode": 1}, "missing field 'obs'"),
+        ((), {**rows, "done": rows["done"][:1], "lane": 0, "episode": 1}, "ragged batch"),
+        ((), {**rows, "lane": 5, "episode": 1}, "lane"),
+        ((rows,), {"lane": 0, "episode": 1, "obs": rows["obs"]}, "takes a mapping or keyword fields"),
+    ):
+        for b in (buf, ref):
+            with pytest.raises((sb.FieldError, sb.CapacityError, TypeError), match=error):
+                b.push(*args, **kwargs)
+    assert block_bytes(buf) == block_bytes(ref)
+    held = buf.push
+    buf.close()  # a push callable still held does not keep the mapping
+    with pytest.raises(sb.ClosedError):
+        held(**rows, lane=0, episode=1)
+    with pytest.raises(sb.ClosedError):
+        buf.push(**rows, lane=0, episode=1)
