@@ -313,6 +313,17 @@ static inline int64_t floormod(int64_t a, int64_t b) {
 
 /* -- gather ------------------------------------------------------------------------------------- */
 #define MAX_COLS 64
+#define GATHER_PAGE 4096
+#define GATHER_AHEAD 2 /* rows */
+
+/* The first line of each 4 KiB page of a row still to copy: /dev/shm maps 4 KiB pages, and the
+ * hardware prefetcher stops at each page's end, so without this every page of a random row
+ * starts with a TLB walk and a miss that the copy waits for (benchmarks/README.md, "Huge pages") */
+static inline void prefetch_pages(const char *row, size_t w) {
+    uintptr_t at = (uintptr_t)row, end = at + w;
+    __builtin_prefetch(row);
+    for (uintptr_t page = (at | (GATHER_PAGE - 1)) + 1; page < end; page += GATHER_PAGE) __builtin_prefetch((const char *)page);
+}
 
 /* gather(ids, lanes, stamp, sources, outs, ok): for each id, its slot and expected stamp
  * (ring.py's arithmetic); first stamps (acquire loads); each source column's row at the slot
@@ -395,8 +406,13 @@ static PyObject *gather(PyObject *self, PyObject *args) {
             size_t w = (size_t)width[c];
             if (w == 8) {
                 for (Py_ssize_t i = 0; i < n; i++) memcpy(to + i * 8, from + slots[i] * 8, 8);
-            } else {
+            } else if (w <= GATHER_PAGE) {
                 for (Py_ssize_t i = 0; i < n; i++) memcpy(to + (size_t)i * w, from + (size_t)slots[i] * w, w);
+            } else {
+                for (Py_ssize_t i = 0; i < n; i++) {
+                    if (i + GATHER_AHEAD < n) prefetch_pages(from + (size_t)slots[i + GATHER_AHEAD] * w, w);
+                    memcpy(to + (size_t)i * w, from + (size_t)slots[i] * w, w);
+                }
             }
         }
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
