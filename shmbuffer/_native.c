@@ -192,6 +192,64 @@ done:
     return result;
 }
 
+/* The work of sumtree.SumTree.update: slots (all in [0, capacity), checked by the caller) get
+ * values[i] (or scalar when values is NULL) in order, a repeated slot keeping its last value; then
+ * their ancestors and the prefix sum of the top level from the first top node that changed. */
+static void update_core(double *sums, double *mins, const Plan *p, const int64_t *slots, const double *values,
+                        double scalar, Py_ssize_t n) {
+    if (!n) return;
+    /* every block the update reads, asked for at once: each slot's 16 leaves and, level by level,
+     * the 16 siblings of its ancestor, in sums and in mins (the misses overlap; asked for level
+     * by level, the mins of the leaves came one after another) */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t k = (uint64_t)slots[i];
+        for (Py_ssize_t level = 0; level < p->n - 1; level++, k /= FANOUT) {
+            Py_ssize_t at = p->at[level] + (Py_ssize_t)(k / FANOUT * FANOUT);
+            prefetch_block(sums + at);
+            prefetch_block(mins + at);
+        }
+    }
+    /* leaves in order: a repeated slot keeps its last value */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double v = values ? values[i] : scalar;
+        sums[slots[i]] = v;
+        mins[slots[i]] = v > 0 ? v : INFINITY;
+    }
+    for (Py_ssize_t level = 1; level < p->n; level++) {
+        const double *cs = sums + p->at[level - 1], *cm = mins + p->at[level - 1];
+        double *ps = sums + p->at[level], *pm = mins + p->at[level];
+        int64_t last = -1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t k = (uint64_t)slots[i];
+            for (Py_ssize_t l = 1; l <= level; l++) k /= FANOUT;
+            if ((int64_t)k == last) continue; /* recomputing it again would give the same */
+            last = (int64_t)k;
+            const double *c = cs + k * FANOUT, *m = cm + k * FANOUT;
+            double s = 0.0, lo = m[0];
+            for (int j = 0; j < FANOUT; j++) {
+                s += c[j];
+                if (m[j] < lo) lo = m[j];
+            }
+            ps[k] = s;
+            pm[k] = lo;
+        }
+    }
+    /* the prefix sum from the first top node that changed: the sums before it are the
+     * same additions in the same order, so the result equals numpy's cumsum of the whole */
+    int64_t from = INT64_MAX;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t k = (uint64_t)slots[i];
+        for (Py_ssize_t l = 1; l < p->n; l++) k /= FANOUT;
+        if ((int64_t)k < from) from = (int64_t)k;
+    }
+    const double *topv = sums + p->at[p->n - 1];
+    double *cum = sums + p->cum, acc = from > 0 ? cum[from - 1] : 0.0;
+    for (Py_ssize_t j = from; j < p->len[p->n - 1]; j++) {
+        acc += topv[j];
+        cum[j] = acc;
+    }
+}
+
 /* update(sums, mins, plan, capacity, slots, values): sumtree.SumTree.update; values is a buffer
  * of one float64 per slot or a float. Slots must lie in [0, capacity). */
 static PyObject *tree_update(PyObject *self, PyObject *args) {
@@ -234,59 +292,7 @@ static PyObject *tree_update(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    if (n) {
-        double *sums = (double *)sb.buf, *mins = (double *)nb.buf;
-        const double *values = have_values ? (const double *)vb.buf : NULL;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            __builtin_prefetch(sums + slots[i], 1);
-            __builtin_prefetch(mins + slots[i], 1);
-        }
-        /* leaves in order: a repeated slot keeps its last value */
-        for (Py_ssize_t i = 0; i < n; i++) {
-            double v = values ? values[i] : scalar;
-            sums[slots[i]] = v;
-            mins[slots[i]] = v > 0 ? v : INFINITY;
-        }
-        for (Py_ssize_t level = 1; level < p.n; level++) {
-            const double *cs = sums + p.at[level - 1], *cm = mins + p.at[level - 1];
-            double *ps = sums + p.at[level], *pm = mins + p.at[level];
-            int64_t last = -1;
-            for (Py_ssize_t i = 0; i < n; i++) { /* the misses overlap (see find) */
-                int64_t k = slots[i];
-                for (Py_ssize_t l = 1; l <= level; l++) k /= FANOUT;
-                prefetch_block(cs + k * FANOUT);
-                prefetch_block(cm + k * FANOUT);
-            }
-            for (Py_ssize_t i = 0; i < n; i++) {
-                int64_t k = slots[i];
-                for (Py_ssize_t l = 1; l <= level; l++) k /= FANOUT;
-                if (k == last) continue; /* recomputing it again would give the same */
-                last = k;
-                const double *c = cs + k * FANOUT, *m = cm + k * FANOUT;
-                double s = 0.0, lo = m[0];
-                for (int j = 0; j < FANOUT; j++) {
-                    s += c[j];
-                    if (m[j] < lo) lo = m[j];
-                }
-                ps[k] = s;
-                pm[k] = lo;
-            }
-        }
-        /* the prefix sum from the first top node that changed: the sums before it are the
-         * same additions in the same order, so the result equals numpy's cumsum of the whole */
-        int64_t from = INT64_MAX;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t k = slots[i];
-            for (Py_ssize_t l = 1; l < p.n; l++) k /= FANOUT;
-            if (k < from) from = k;
-        }
-        const double *topv = sums + p.at[p.n - 1];
-        double *cum = sums + p.cum, acc = from > 0 ? cum[from - 1] : 0.0;
-        for (Py_ssize_t j = from; j < p.len[p.n - 1]; j++) {
-            acc += topv[j];
-            cum[j] = acc;
-        }
-    }
+    update_core((double *)sb.buf, (double *)nb.buf, &p, slots, have_values ? (const double *)vb.buf : NULL, scalar, n);
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -820,6 +826,103 @@ done:
     return result;
 }
 
+/* update_priorities(lock, ids, priorities, leaves, stamp, cursors, sums, mins, plan, capacity, prio)
+ * -> live count, or None with nothing changed: ReplayBuffer.update_priorities in one call, for a
+ * buffer without max_use, given priorities the caller checked (finite, >= 0, leaves below
+ * MAX_LEAF) and their leaves (numpy's (p + eps) ** alpha: the tree then holds what the Python
+ * path writes, to the bit). Before the lock: every id known (Ring.check_ids), else None (the
+ * Python path raises). The lock is only tried: None when it is busy, held by this thread, owes
+ * repairs, or its holder died (as push: its repairs are owed to the next locker, lock.py). Under
+ * it, and running no Python code: the ids still current (Ring.current) set their slots' leaves in
+ * order (the last of a repeated slot wins) and the largest priority (prio[0]) takes the largest
+ * of theirs. */
+#define LOCK_REPAIR 56 /* byte offset of the repair word in lock.py's 64-byte mutex column */
+static PyObject *update_priorities(PyObject *self, PyObject *args) {
+    PyObject *o[10];
+    Py_ssize_t capacity;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOnO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8], &capacity,
+                          &o[9]))
+        return NULL;
+    PyObject *plan_o = o[8], *bufs_o[9] = {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[9]};
+    static const char *names[9] = {"lock", "ids", "priorities", "leaves", "stamp", "cursors", "sums", "mins", "prio"};
+    static const int writable[9] = {1, 0, 0, 0, 0, 0, 1, 1, 1}, itemsize[9] = {0, 8, 8, 8, 8, 8, 8, 8, 8};
+    Py_buffer b[9];
+    int held = 0;
+    PyObject *result = NULL;
+    int64_t *live = NULL;
+    for (; held < 9; held++)
+        if (get_buf(bufs_o[held], &b[held], writable[held], itemsize[held], names[held]) < 0) goto done;
+    {
+        Plan p;
+        if (read_plan(plan_o, capacity, b[6].len / 8, &p) < 0) goto done;
+        Py_ssize_t n = b[1].len / 8, ring = b[4].len / 8;
+        if (b[0].len < 64 || ((uintptr_t)b[0].buf & 7) || b[2].len / 8 != n || b[3].len / 8 != n ||
+            b[7].len != b[6].len || ring != capacity || b[8].len < 8) {
+            PyErr_SetString(PyExc_ValueError,
+                            "update_priorities: expected a 64-byte lock, one priority and leaf per id, a stamp per "
+                            "slot of the tree, mins as long as sums and a largest priority");
+            goto done;
+        }
+        Py_ssize_t lanes = lanes_of(&b[5], ring, "update_priorities");
+        if (!lanes) goto done;
+        const int64_t *ids = (const int64_t *)b[1].buf, *stamp = (const int64_t *)b[4].buf, *cur = (const int64_t *)b[5].buf;
+        const double *prios = (const double *)b[2].buf, *leaves = (const double *)b[3].buf;
+        int64_t lc = ring / lanes;
+        for (Py_ssize_t i = 0; i < n; i++) { /* Ring.check_ids: an id that never named a row is the caller's bug */
+            int64_t id = ids[i];
+            if (id < 0 || (lanes == 1 ? id : id / lanes) >= __atomic_load_n(&cur[LANE_WORDS * (lanes == 1 ? 0 : id % lanes)], __ATOMIC_ACQUIRE)) {
+                result = Py_None;
+                Py_INCREF(result);
+                goto done;
+            }
+        }
+        /* the live slots, then their leaves */
+        live = (int64_t *)PyMem_Malloc((size_t)(n ? n : 1) * (sizeof(int64_t) + sizeof(double)));
+        if (!live) { PyErr_NoMemory(); goto done; }
+        double *values = (double *)(live + (n ? n : 1));
+        pthread_mutex_t *mutex = (pthread_mutex_t *)b[0].buf;
+        int64_t *repair = (int64_t *)((char *)b[0].buf + LOCK_REPAIR);
+        int rc = pthread_mutex_trylock(mutex);
+        if (rc == EOWNERDEAD) { /* as push: the repairs are Python's, owed to the next locker */
+            __atomic_store_n(repair, 1, __ATOMIC_RELEASE);
+            pthread_mutex_consistent(mutex);
+            pthread_mutex_unlock(mutex);
+        }
+        if (rc) {
+            result = Py_None;
+            Py_INCREF(result);
+            goto done;
+        }
+        if (__atomic_load_n(repair, __ATOMIC_ACQUIRE)) {
+            pthread_mutex_unlock(mutex);
+            result = Py_None;
+            Py_INCREF(result);
+            goto done;
+        }
+        Py_ssize_t m = 0;
+        double most = 0.0;
+        for (Py_ssize_t i = 0; i < n; i++) { /* Ring.current: committed, and not older than a clear() */
+            int64_t id = ids[i], lane = lanes == 1 ? 0 : id % lanes, row = lanes == 1 ? id : id / lanes;
+            int64_t s = lane * lc + row % lc;
+            if (__atomic_load_n(&stamp[s], __ATOMIC_ACQUIRE) == (int64_t)((uint64_t)row * 2u + 2u) &&
+                row >= __atomic_load_n(&cur[LANE_WORDS * lane + 1], __ATOMIC_ACQUIRE)) {
+                live[m] = s;
+                values[m++] = leaves[i];
+                if (prios[i] > most) most = prios[i];
+            }
+        }
+        update_core((double *)b[6].buf, (double *)b[7].buf, &p, live, values, 0.0, m);
+        double *top = (double *)b[8].buf;
+        if (m && most > top[0]) top[0] = most; /* Priorities.set_rows: max(prio[0], the largest) */
+        pthread_mutex_unlock(mutex);
+        result = PyLong_FromSsize_t(m);
+    }
+done:
+    PyMem_Free(live);
+    for (int i = 0; i < held; i++) PyBuffer_Release(&b[i]);
+    return result;
+}
+
 /* -- push ---------------------------------------------------------------------------------------- */
 /* slots from `where`: an int (the first of k consecutive slots) or a buffer of k int64 slots;
  * all checked to lie in [0, capacity) */
@@ -1338,6 +1441,8 @@ static PyMethodDef methods[] = {
     {"scan", scan, METH_O, "scan(values) -> largest value, or -1.0 when one is not finite and >= 0."},
     {"known", known, METH_VARARGS, "known(ids, cursors) -> bool: every id >= 0 and below its lane's cursor."},
     {"current", current, METH_VARARGS, "current(ids, stamp, cursors, ok): Ring.current into ok."},
+    {"update_priorities", update_priorities, METH_VARARGS,
+     "update_priorities(lock, ids, priorities, leaves, stamp, cursors, sums, mins, plan, capacity, prio) -> live count or None."},
     {"gather", gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok) -> smallest id: rows with the stamp check."},
     {"put", put, METH_VARARGS, "put(where, k, stamp, targets, offsets, formats, sources, commit) -> bool: a push's copies, its commit."},
     {"push", push, METH_VARARGS, "push(lock, cursors, stats, stamp, owner, lane, k, writer, frozen, inserted, targets, offsets, formats, sources, ids) -> True or None."},

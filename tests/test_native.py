@@ -841,6 +841,9 @@ def test_priority_updates_give_the_same_tree_on_both_paths(make: Make, name: str
                              sampler=sb.Prioritized(alpha=0.6, beta=0.4)))
     fast, ref = bufs
     assert fast.ring.native_view is not None and ref.ring.native_view is None
+    fused: list[Any] = []  # what each one-call update (_native.update_priorities) returned
+    real = LIB.update_priorities
+    monkeypatch.setattr(LIB, "update_priorities", lambda *a: fused.append(real(*a)) or fused[-1])
     rng = np.random.default_rng(lanes)
     for step in range(12):
         k = int(rng.integers(1, 120))
@@ -860,6 +863,7 @@ def test_priority_updates_give_the_same_tree_on_both_paths(make: Make, name: str
         np.testing.assert_allclose(ft.sums, rt.sums, rtol=1e-12, atol=0)
         assert fast.priorities.max_priority == ref.priorities.max_priority  # type: ignore[union-attr]
         assert np.array_equal(fast.ring.stamp, ref.ring.stamp)
+    assert len(fused) == 12 and None not in fused  # the C path made every update above
     for bad in ([np.nan], [-1.0], [np.inf]):
         for b in bufs:
             with pytest.raises(sb.FieldError, match="finite values"):
@@ -869,6 +873,39 @@ def test_priority_updates_give_the_same_tree_on_both_paths(make: Make, name: str
             b.update_priorities(np.array([-1, 0], np.int64), np.ones(2))
         with pytest.raises(sb.UnknownIdError, match="never named a row"):
             b.update_priorities(np.array([10**12], np.int64), np.ones(1))
+
+
+def test_a_stale_priority_update_changes_nothing_on_both_paths(path: str, make: Make, name: str) -> None:
+    """Ids of rows overwritten or cleared since are skipped, their priorities count nowhere (not
+    in the largest priority either); in a batch mixing them with current ids, a repeated id's
+    last value wins."""
+    buf = make(MUJOCO, capacity=8, name=name, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
+    old = buf.push(transition(0, 8), priority=np.ones(8))
+    new = buf.push(transition(8, 4), priority=np.full(4, 2.0))  # laps old[:4]
+    tree = buf.priorities.tree  # type: ignore[union-attr]
+    before = (tree.sums.copy(), tree.mins.copy())
+    assert buf.update_priorities(old[:4], np.full(4, 50.0)) == 0
+    assert np.array_equal(tree.sums, before[0]) and np.array_equal(tree.mins, before[1])
+    assert buf.priorities.max_priority == 2.0  # type: ignore[union-attr]
+    ids = np.array([old[0], old[5], new[1], old[5], old[2]], np.int64)
+    assert buf.update_priorities(ids, np.array([70.0, 3.0, 4.0, 5.0, 60.0])) == 3
+    assert buf.priority(old[4:]).tolist() == [1.0, 5.0, 1.0, 1.0]
+    assert buf.priority(new).tolist() == [2.0, 4.0, 2.0, 2.0]
+    assert buf.priorities.max_priority == 5.0 and tree.total == 18.0  # type: ignore[union-attr]
+    buf.clear()  # the rows keep their committed stamps, but no longer count
+    assert buf.update_priorities(new, np.full(4, 9.0)) == 0 and tree.total == 0
+
+
+def test_a_priority_update_leaves_used_up_rows_out_on_both_paths(path: str, make: Make, name: str) -> None:
+    """Under max_use a row drawn max_use times keeps a leaf of 0 whatever priority it is given."""
+    buf = make(MUJOCO, capacity=8, name=name, seed=1, sampler=sb.Prioritized(alpha=1.0, eps=0.0), max_use=1)
+    ids = buf.push(transition(0, 4), priority=np.ones(4))
+    used = np.sort(buf.sample(2, replace=False).index)
+    assert buf.update_priorities(ids, np.array([2.0, 3.0, 4.0, 5.0])) == 4
+    want = np.array([2.0, 3.0, 4.0, 5.0])
+    want[np.searchsorted(ids, used)] = 0.0
+    assert buf.priority(ids).tolist() == want.tolist()
+    assert buf.priorities.max_priority == 5.0  # type: ignore[union-attr]
 
 
 def test_priorities_at_the_leaf_bound_on_both_paths(path: str, make: Make, name: str) -> None:
@@ -949,6 +986,30 @@ def test_prioritized_kernels_refuse_bad_input(make: Make, name: str) -> None:
         LIB.weights(tree.mins, plan, cap, leaves, 0.4, np.empty(3, np.float32))
     with pytest.raises(ValueError, match="plan"):
         LIB.weights(tree.mins[:-1], plan, cap, leaves, 0.4, np.empty(4, np.float32))
+    lock, prio = rg.lock.memory, buf.priorities._prio  # type: ignore[union-attr]
+
+    def update(**kw: Any) -> Any:
+        a = dict(lock=lock, ids=np.array([0, 2], np.int64), p=np.ones(2), leaves=np.ones(2), stamp=stamp, cur=cur,
+                 sums=tree.sums, mins=tree.mins, plan=plan, cap=cap, prio=prio)
+        a.update(kw)
+        return LIB.update_priorities(*a.values())
+
+    assert update() == 2  # fine as given: ids 0 and 2 are lane 0's rows 0 and 1, both current
+    assert update(ids=np.array([0, 1], np.int64)) is None  # lane 1 has no row yet: the Python path raises
+    assert update(ids=np.array([-2, 0], np.int64)) is None
+    bad_updates: list[tuple[dict[str, Any], type[Exception]]] = [
+        (dict(lock=lock[:32]), ValueError), (dict(p=np.ones(3)), ValueError), (dict(leaves=np.ones(1)), ValueError),
+        (dict(stamp=stamp[:-2]), ValueError), (dict(cur=np.zeros((3, 8), np.int64)), ValueError),
+        (dict(mins=tree.mins[:-1]), ValueError), (dict(sums=tree.sums[:-1]), ValueError), (dict(cap=65), ValueError),
+        (dict(prio=prio[:0]), ValueError), (dict(ids=np.array([0, 2], np.int32)), TypeError),
+        (dict(leaves=np.ones(2, np.float32)), TypeError), (dict(prio=prio.copy()[::2]), TypeError),
+    ]
+    ro = tree.sums.copy()
+    ro.flags.writeable = False
+    bad_updates.append((dict(sums=ro), TypeError))
+    for kw, exc in bad_updates:
+        with pytest.raises(exc):
+            update(**kw)
     assert LIB.scan(np.array([1.0, 3.0])) == 3.0 and LIB.scan(np.empty(0)) == 0.0
     for bad in ([1.0, np.nan], [-0.5], [np.inf]):
         assert LIB.scan(np.array(bad)) == -1.0
