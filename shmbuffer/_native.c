@@ -19,6 +19,9 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 #define FANOUT 16
 #define MAX_LEVELS 32
@@ -701,6 +704,30 @@ static PyObject *weights(PyObject *self, PyObject *args) {
         Py_ssize_t m = p.len[p.n - 1], j = 0;
         double lo[4] = {top[0], top[0], top[0], top[0]};
         int nan = 0;
+#ifdef __SSE2__
+        /* two at a time: minpd is `v < lo ? v : lo`, the comparison below; cmpunordpd finds NaN
+         * (the scalar loop did about one node a cycle: 1.5 us of a 1.8 us call for 256 leaves) */
+        {
+            __m128d l0 = _mm_set1_pd(top[0]), l1 = l0, l2 = l0, l3 = l0, bad = _mm_setzero_pd();
+            for (; j + 8 <= m; j += 8) {
+                __m128d v0 = _mm_loadu_pd(top + j), v1 = _mm_loadu_pd(top + j + 2);
+                __m128d v2 = _mm_loadu_pd(top + j + 4), v3 = _mm_loadu_pd(top + j + 6);
+                bad = _mm_or_pd(bad, _mm_or_pd(_mm_or_pd(_mm_cmpunord_pd(v0, v0), _mm_cmpunord_pd(v1, v1)),
+                                               _mm_or_pd(_mm_cmpunord_pd(v2, v2), _mm_cmpunord_pd(v3, v3))));
+                l0 = _mm_min_pd(v0, l0);
+                l1 = _mm_min_pd(v1, l1);
+                l2 = _mm_min_pd(v2, l2);
+                l3 = _mm_min_pd(v3, l3);
+            }
+            nan |= _mm_movemask_pd(bad) != 0;
+            double pair[8];
+            _mm_storeu_pd(pair, l0);
+            _mm_storeu_pd(pair + 2, l1);
+            _mm_storeu_pd(pair + 4, l2);
+            _mm_storeu_pd(pair + 6, l3);
+            for (int q = 0; q < 8; q++) lo[q % 4] = pair[q] < lo[q % 4] ? pair[q] : lo[q % 4];
+        }
+#endif
         for (; j + 4 <= m; j += 4) {
             for (int q = 0; q < 4; q++) {
                 double v = top[j + q];

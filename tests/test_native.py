@@ -824,6 +824,26 @@ def test_prioritized_weights_native_equal_python(low: float) -> None:
         assert np.all(s.weights(fast, drawn, 0) == 1) and np.all(s.weights(ref, drawn, 0) == 1)
 
 
+@needs_lib
+def test_prioritized_weights_find_the_smallest_leaf_under_any_top_node() -> None:
+    """The C weights take the min of the top level in several lanes at once and a scalar tail:
+    the smallest leaf (or a NaN in the min tree) under any top node counts, as in numpy."""
+    capacity = 70_001  # levels 70,016 / 4,384 / 274: the top node of slot s is s // 256
+    s = sb.Prioritized(alpha=0.6, beta=0.4)
+    drawn = np.array([1.0, 0.5, 0.25])
+    for node in [*range(10), 264, 271, 272, 273]:
+        fast = SumTree(capacity)
+        fast.update(np.arange(capacity), 1.0)
+        fast.update(np.array([node * 256 + 7]), 0.25)
+        ref = python_tree(capacity, fast.sums, fast.mins)
+        got = s.weights(fast, drawn, 0)
+        assert got is not None and got[-1] == 1.0 and got[0] < 0.6
+        np.testing.assert_array_max_ulp(got, s.weights(ref, drawn, 0), maxulp=1)  # type: ignore[arg-type]
+        fast._mins[-1][node] = np.nan
+        fast._mins[-1][0 if node else 1] = 0.25  # a missed NaN would give weights below 1
+        assert np.all(s.weights(fast, drawn, 0) == 1) and np.all(s.weights(ref, drawn, 0) == 1)
+
+
 @pytest.mark.parametrize("lanes", [1, 3])
 def test_priority_updates_give_the_same_tree_on_both_paths(make: Make, name: str, monkeypatch: pytest.MonkeyPatch,
                                                            lanes: int) -> None:
