@@ -197,44 +197,75 @@ done:
 
 /* The work of sumtree.SumTree.update: slots (all in [0, capacity), checked by the caller) get
  * values[i] (or scalar when values is NULL) in order, a repeated slot keeping its last value; then
- * their ancestors and the prefix sum of the top level from the first top node that changed. */
+ * their ancestors and the prefix sum of the top level from the first top node that changed.
+ *
+ * A sum is recomputed from its 16 children, in order, as always. A min is exact whatever the
+ * order, so it is carried up instead: a parent's min becomes the new value where that is not
+ * larger, stays where the child was not its smallest, and only where the smallest child grew is
+ * it the min of the 16 again. So the mins of the leaves (a cold 8 MiB array at 1M rows: a draw
+ * reads the sums, not the mins) cost a line per slot, not the block of 16: at 1M rows these
+ * misses were most of an update's time. The carrying rests on every parent holding the min of
+ * its children, which every writer keeps (a holder that died mid-update is repaired by a rebuild
+ * before the next locker goes on: priorities.py). */
 static void update_core(double *sums, double *mins, const Plan *p, const int64_t *slots, const double *values,
                         double scalar, Py_ssize_t n) {
     if (!n) return;
-    /* every block the update reads, asked for at once: each slot's 16 leaves and, level by level,
-     * the 16 siblings of its ancestor, in sums and in mins (the misses overlap; asked for level
-     * by level, the mins of the leaves came one after another) */
+    Py_ssize_t top = p->n - 1;
+    /* everything the update reads, asked for at once (the misses overlap): each slot's 16 leaves
+     * and, level by level, the 16 siblings of its ancestor in sums; its own line in mins, level
+     * by level below the top */
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t k = (uint64_t)slots[i];
-        for (Py_ssize_t level = 0; level < p->n - 1; level++, k /= FANOUT) {
-            Py_ssize_t at = p->at[level] + (Py_ssize_t)(k / FANOUT * FANOUT);
-            prefetch_block(sums + at);
-            prefetch_block(mins + at);
+        for (Py_ssize_t level = 0; level < top; level++, k /= FANOUT) {
+            prefetch_block(sums + p->at[level] + (Py_ssize_t)(k / FANOUT * FANOUT));
+            __builtin_prefetch(mins + p->at[level] + (Py_ssize_t)k, 1);
         }
     }
     /* leaves in order: a repeated slot keeps its last value */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        double v = values ? values[i] : scalar;
-        sums[slots[i]] = v;
-        mins[slots[i]] = v > 0 ? v : INFINITY;
-    }
+    for (Py_ssize_t i = 0; i < n; i++) sums[slots[i]] = values ? values[i] : scalar;
     for (Py_ssize_t level = 1; level < p->n; level++) {
-        const double *cs = sums + p->at[level - 1], *cm = mins + p->at[level - 1];
-        double *ps = sums + p->at[level], *pm = mins + p->at[level];
+        const double *cs = sums + p->at[level - 1];
+        double *ps = sums + p->at[level];
         int64_t last = -1;
         for (Py_ssize_t i = 0; i < n; i++) {
             uint64_t k = (uint64_t)slots[i];
             for (Py_ssize_t l = 1; l <= level; l++) k /= FANOUT;
             if ((int64_t)k == last) continue; /* recomputing it again would give the same */
             last = (int64_t)k;
-            const double *c = cs + k * FANOUT, *m = cm + k * FANOUT;
-            double s = 0.0, lo = m[0];
-            for (int j = 0; j < FANOUT; j++) {
-                s += c[j];
-                if (m[j] < lo) lo = m[j];
-            }
+            const double *c = cs + k * FANOUT;
+            double s = 0.0;
+            for (int j = 0; j < FANOUT; j++) s += c[j];
             ps[k] = s;
-            pm[k] = lo;
+        }
+    }
+    if (top > 0) { /* the leaves whose block's min must be found again (below): ask for those blocks */
+        const double *pm = mins + p->at[1];
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t k = (uint64_t)slots[i];
+            double v = values ? values[i] : scalar;
+            if (mins[k] == pm[k / FANOUT] && !(v > 0 && v <= pm[k / FANOUT])) prefetch_block(mins + k / FANOUT * FANOUT);
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* in order: a repeated slot keeps its last value */
+        double v = values ? values[i] : scalar, now = v > 0 ? v : INFINITY;
+        uint64_t k = (uint64_t)slots[i];
+        double was = mins[k];
+        mins[k] = now;
+        for (Py_ssize_t level = 0; level < top && was != now; level++, k /= FANOUT) {
+            double *up = mins + p->at[level + 1] + k / FANOUT, m = *up, next;
+            if (now <= m) {
+                next = now;
+            } else if (was > m) {
+                next = m; /* another child is the smallest, and still there */
+            } else { /* the smallest child grew: the smallest of the 16 now */
+                const double *c = mins + p->at[level] + k / FANOUT * FANOUT;
+                next = c[0];
+                for (int j = 1; j < FANOUT; j++)
+                    if (c[j] < next) next = c[j];
+            }
+            *up = next;
+            was = m;
+            now = next;
         }
     }
     /* the prefix sum from the first top node that changed: the sums before it are the
