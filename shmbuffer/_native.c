@@ -204,9 +204,11 @@ done:
  * larger, stays where the child was not its smallest, and only where the smallest child grew is
  * it the min of the 16 again. So the mins of the leaves (a cold 8 MiB array at 1M rows: a draw
  * reads the sums, not the mins) cost a line per slot, not the block of 16: at 1M rows these
- * misses were most of an update's time. The carrying rests on every parent holding the min of
- * its children, which every writer keeps (a holder that died mid-update is repaired by a rebuild
- * before the next locker goes on: priorities.py). */
+ * misses were most of an update's time. A run of consecutive slots (a push's rows) changes whole
+ * blocks: there each parent's min is recomputed from its children once, as its sum is (carried,
+ * slot after slot, such a run was slower than before: benchmarks/README.md). The carrying rests
+ * on every parent holding the min of its children, which every writer keeps (a holder that died
+ * mid-update is repaired by a rebuild before the next locker goes on: priorities.py). */
 static void update_core(double *sums, double *mins, const Plan *p, const int64_t *slots, const double *values,
                         double scalar, Py_ssize_t n) {
     if (!n) return;
@@ -221,11 +223,19 @@ static void update_core(double *sums, double *mins, const Plan *p, const int64_t
             __builtin_prefetch(mins + p->at[level] + (Py_ssize_t)k, 1);
         }
     }
+    /* one run of consecutive slots (a push's rows): whole blocks change, so each parent's min is
+     * recomputed from its children once, as its sum is, instead of carried slot after slot */
+    int run = 1;
+    for (Py_ssize_t i = 1; i < n && run; i++) run = slots[i] == slots[0] + i;
     /* leaves in order: a repeated slot keeps its last value */
-    for (Py_ssize_t i = 0; i < n; i++) sums[slots[i]] = values ? values[i] : scalar;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double v = values ? values[i] : scalar;
+        sums[slots[i]] = v;
+        if (run) mins[slots[i]] = v > 0 ? v : INFINITY;
+    }
     for (Py_ssize_t level = 1; level < p->n; level++) {
-        const double *cs = sums + p->at[level - 1];
-        double *ps = sums + p->at[level];
+        const double *cs = sums + p->at[level - 1], *cm = mins + p->at[level - 1];
+        double *ps = sums + p->at[level], *pm = mins + p->at[level];
         int64_t last = -1;
         for (Py_ssize_t i = 0; i < n; i++) {
             uint64_t k = (uint64_t)slots[i];
@@ -236,8 +246,16 @@ static void update_core(double *sums, double *mins, const Plan *p, const int64_t
             double s = 0.0;
             for (int j = 0; j < FANOUT; j++) s += c[j];
             ps[k] = s;
+            if (run) {
+                const double *m = cm + k * FANOUT;
+                double lo = m[0];
+                for (int j = 1; j < FANOUT; j++)
+                    if (m[j] < lo) lo = m[j];
+                pm[k] = lo;
+            }
         }
     }
+    if (run) goto prefix;
     if (top > 0) { /* the leaves whose block's min must be found again (below): ask for those blocks */
         const double *pm = mins + p->at[1];
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -268,6 +286,7 @@ static void update_core(double *sums, double *mins, const Plan *p, const int64_t
             now = next;
         }
     }
+prefix:
     /* the prefix sum from the first top node that changed: the sums before it are the
      * same additions in the same order, so the result equals numpy's cumsum of the whole */
     int64_t from = INT64_MAX;

@@ -94,14 +94,18 @@ def test_tree_native_equals_python(capacity: int) -> None:
 @needs_lib
 def test_tree_mins_follow_every_change() -> None:
     """The C update carries a min up (a parent takes a smaller new value, keeps its min when the
-    child was not the smallest, looks at the 16 again when the smallest grew): many small updates
-    in a few blocks, with ties, zeros and repeats, give exactly the mins numpy recomputes."""
+    child was not the smallest, looks at the 16 again when the smallest grew), or for a run of
+    consecutive slots recomputes it from the children: many small updates in a few blocks, with
+    ties, zeros and repeats, give exactly the mins numpy recomputes."""
     rng = np.random.default_rng(5)
     capacity = 70_001  # three levels: ties and changes reach the top
     fast, ref = SumTree(capacity), python_tree(capacity)
     for step in range(300):
         k = int(rng.integers(1, 9))
         slots = rng.integers(0, 600, k) if step % 3 else rng.integers(0, 40, k) * 16 * 16  # a few leaf and level-1 blocks
+        if step % 5 == 0:  # a run of consecutive slots (a push): its mins are recomputed block by block
+            k = int(rng.integers(1, 40))
+            slots = np.arange(k) + int(rng.integers(0, 600))
         values = rng.integers(0, 4, k).astype(float)  # 0 leaves (min +inf) and ties
         fast.update(slots, values)
         ref.update(slots, values)
