@@ -21,6 +21,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 #define FANOUT 16
 #define MAX_LEVELS 32
@@ -194,6 +197,114 @@ done:
     return result;
 }
 
+/* The work of sumtree.SumTree.update: slots (all in [0, capacity), checked by the caller) get
+ * values[i] (or scalar when values is NULL) in order, a repeated slot keeping its last value; then
+ * their ancestors and the prefix sum of the top level from the first top node that changed.
+ *
+ * A sum is recomputed from its 16 children, in order, as always. A min is exact whatever the
+ * order, so it is carried up instead: a parent's min becomes the new value where that is not
+ * larger, stays where the child was not its smallest, and only where the smallest child grew is
+ * it the min of the 16 again. So the mins of the leaves (a cold 8 MiB array at 1M rows: a draw
+ * reads the sums, not the mins) cost a line per slot, not the block of 16: at 1M rows these
+ * misses were most of an update's time. A run of consecutive slots (a push's rows) changes whole
+ * blocks: there each parent's min is recomputed from its children once, as its sum is (carried,
+ * slot after slot, such a run was slower than before: benchmarks/README.md). The carrying rests
+ * on every parent holding the min of its children, which every writer keeps (a holder that died
+ * mid-update is repaired by a rebuild before the next locker goes on: priorities.py). */
+static void update_core(double *sums, double *mins, const Plan *p, const int64_t *slots, const double *values,
+                        double scalar, Py_ssize_t n) {
+    if (!n) return;
+    Py_ssize_t top = p->n - 1;
+    /* everything the update reads, asked for at once (the misses overlap): each slot's 16 leaves
+     * and, level by level, the 16 siblings of its ancestor in sums; its own line in mins, level
+     * by level below the top */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t k = (uint64_t)slots[i];
+        for (Py_ssize_t level = 0; level < top; level++, k /= FANOUT) {
+            prefetch_block(sums + p->at[level] + (Py_ssize_t)(k / FANOUT * FANOUT));
+            __builtin_prefetch(mins + p->at[level] + (Py_ssize_t)k, 1);
+        }
+    }
+    /* one run of consecutive slots (a push's rows): whole blocks change, so each parent's min is
+     * recomputed from its children once, as its sum is, instead of carried slot after slot */
+    int run = 1;
+    for (Py_ssize_t i = 1; i < n && run; i++) run = slots[i] == slots[0] + i;
+    /* leaves in order: a repeated slot keeps its last value */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double v = values ? values[i] : scalar;
+        sums[slots[i]] = v;
+        if (run) mins[slots[i]] = v > 0 ? v : INFINITY;
+    }
+    for (Py_ssize_t level = 1; level < p->n; level++) {
+        const double *cs = sums + p->at[level - 1], *cm = mins + p->at[level - 1];
+        double *ps = sums + p->at[level], *pm = mins + p->at[level];
+        int64_t last = -1;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t k = (uint64_t)slots[i];
+            for (Py_ssize_t l = 1; l <= level; l++) k /= FANOUT;
+            if ((int64_t)k == last) continue; /* recomputing it again would give the same */
+            last = (int64_t)k;
+            const double *c = cs + k * FANOUT;
+            double s = 0.0;
+            for (int j = 0; j < FANOUT; j++) s += c[j];
+            ps[k] = s;
+            if (run) {
+                const double *m = cm + k * FANOUT;
+                double lo = m[0];
+                for (int j = 1; j < FANOUT; j++)
+                    if (m[j] < lo) lo = m[j];
+                pm[k] = lo;
+            }
+        }
+    }
+    if (run) goto prefix;
+    if (top > 0) { /* the leaves whose block's min must be found again (below): ask for those blocks */
+        const double *pm = mins + p->at[1];
+        for (Py_ssize_t i = 0; i < n; i++) {
+            uint64_t k = (uint64_t)slots[i];
+            double v = values ? values[i] : scalar;
+            if (mins[k] == pm[k / FANOUT] && !(v > 0 && v <= pm[k / FANOUT])) prefetch_block(mins + k / FANOUT * FANOUT);
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* in order: a repeated slot keeps its last value */
+        double v = values ? values[i] : scalar, now = v > 0 ? v : INFINITY;
+        uint64_t k = (uint64_t)slots[i];
+        double was = mins[k];
+        mins[k] = now;
+        for (Py_ssize_t level = 0; level < top && was != now; level++, k /= FANOUT) {
+            double *up = mins + p->at[level + 1] + k / FANOUT, m = *up, next;
+            if (now <= m) {
+                next = now;
+            } else if (was > m) {
+                next = m; /* another child is the smallest, and still there */
+            } else { /* the smallest child grew: the smallest of the 16 now */
+                const double *c = mins + p->at[level] + k / FANOUT * FANOUT;
+                next = c[0];
+                for (int j = 1; j < FANOUT; j++)
+                    if (c[j] < next) next = c[j];
+            }
+            *up = next;
+            was = m;
+            now = next;
+        }
+    }
+prefix:
+    /* the prefix sum from the first top node that changed: the sums before it are the
+     * same additions in the same order, so the result equals numpy's cumsum of the whole */
+    int64_t from = INT64_MAX;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t k = (uint64_t)slots[i];
+        for (Py_ssize_t l = 1; l < p->n; l++) k /= FANOUT;
+        if ((int64_t)k < from) from = (int64_t)k;
+    }
+    const double *topv = sums + p->at[p->n - 1];
+    double *cum = sums + p->cum, acc = from > 0 ? cum[from - 1] : 0.0;
+    for (Py_ssize_t j = from; j < p->len[p->n - 1]; j++) {
+        acc += topv[j];
+        cum[j] = acc;
+    }
+}
+
 /* update(sums, mins, plan, capacity, slots, values): sumtree.SumTree.update; values is a buffer
  * of one float64 per slot or a float. Slots must lie in [0, capacity). */
 static PyObject *tree_update(PyObject *self, PyObject *args) {
@@ -236,59 +347,7 @@ static PyObject *tree_update(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    if (n) {
-        double *sums = (double *)sb.buf, *mins = (double *)nb.buf;
-        const double *values = have_values ? (const double *)vb.buf : NULL;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            __builtin_prefetch(sums + slots[i], 1);
-            __builtin_prefetch(mins + slots[i], 1);
-        }
-        /* leaves in order: a repeated slot keeps its last value */
-        for (Py_ssize_t i = 0; i < n; i++) {
-            double v = values ? values[i] : scalar;
-            sums[slots[i]] = v;
-            mins[slots[i]] = v > 0 ? v : INFINITY;
-        }
-        for (Py_ssize_t level = 1; level < p.n; level++) {
-            const double *cs = sums + p.at[level - 1], *cm = mins + p.at[level - 1];
-            double *ps = sums + p.at[level], *pm = mins + p.at[level];
-            int64_t last = -1;
-            for (Py_ssize_t i = 0; i < n; i++) { /* the misses overlap (see find) */
-                int64_t k = slots[i];
-                for (Py_ssize_t l = 1; l <= level; l++) k /= FANOUT;
-                prefetch_block(cs + k * FANOUT);
-                prefetch_block(cm + k * FANOUT);
-            }
-            for (Py_ssize_t i = 0; i < n; i++) {
-                int64_t k = slots[i];
-                for (Py_ssize_t l = 1; l <= level; l++) k /= FANOUT;
-                if (k == last) continue; /* recomputing it again would give the same */
-                last = k;
-                const double *c = cs + k * FANOUT, *m = cm + k * FANOUT;
-                double s = 0.0, lo = m[0];
-                for (int j = 0; j < FANOUT; j++) {
-                    s += c[j];
-                    if (m[j] < lo) lo = m[j];
-                }
-                ps[k] = s;
-                pm[k] = lo;
-            }
-        }
-        /* the prefix sum from the first top node that changed: the sums before it are the
-         * same additions in the same order, so the result equals numpy's cumsum of the whole */
-        int64_t from = INT64_MAX;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int64_t k = slots[i];
-            for (Py_ssize_t l = 1; l < p.n; l++) k /= FANOUT;
-            if (k < from) from = k;
-        }
-        const double *topv = sums + p.at[p.n - 1];
-        double *cum = sums + p.cum, acc = from > 0 ? cum[from - 1] : 0.0;
-        for (Py_ssize_t j = from; j < p.len[p.n - 1]; j++) {
-            acc += topv[j];
-            cum[j] = acc;
-        }
-    }
+    update_core((double *)sb.buf, (double *)nb.buf, &p, slots, have_values ? (const double *)vb.buf : NULL, scalar, n);
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -713,6 +772,30 @@ static PyObject *weights(PyObject *self, PyObject *args) {
         Py_ssize_t m = p.len[p.n - 1], j = 0;
         double lo[4] = {top[0], top[0], top[0], top[0]};
         int nan = 0;
+#ifdef __SSE2__
+        /* two at a time: minpd is `v < lo ? v : lo`, the comparison below; cmpunordpd finds NaN
+         * (the scalar loop did about one node a cycle: 1.5 us of a 1.8 us call for 256 leaves) */
+        {
+            __m128d l0 = _mm_set1_pd(top[0]), l1 = l0, l2 = l0, l3 = l0, bad = _mm_setzero_pd();
+            for (; j + 8 <= m; j += 8) {
+                __m128d v0 = _mm_loadu_pd(top + j), v1 = _mm_loadu_pd(top + j + 2);
+                __m128d v2 = _mm_loadu_pd(top + j + 4), v3 = _mm_loadu_pd(top + j + 6);
+                bad = _mm_or_pd(bad, _mm_or_pd(_mm_or_pd(_mm_cmpunord_pd(v0, v0), _mm_cmpunord_pd(v1, v1)),
+                                               _mm_or_pd(_mm_cmpunord_pd(v2, v2), _mm_cmpunord_pd(v3, v3))));
+                l0 = _mm_min_pd(v0, l0);
+                l1 = _mm_min_pd(v1, l1);
+                l2 = _mm_min_pd(v2, l2);
+                l3 = _mm_min_pd(v3, l3);
+            }
+            nan |= _mm_movemask_pd(bad) != 0;
+            double pair[8];
+            _mm_storeu_pd(pair, l0);
+            _mm_storeu_pd(pair + 2, l1);
+            _mm_storeu_pd(pair + 4, l2);
+            _mm_storeu_pd(pair + 6, l3);
+            for (int q = 0; q < 8; q++) lo[q % 4] = pair[q] < lo[q % 4] ? pair[q] : lo[q % 4];
+        }
+#endif
         for (; j + 4 <= m; j += 4) {
             for (int q = 0; q < 4; q++) {
                 double v = top[j + q];
@@ -835,6 +918,113 @@ done:
     PyBuffer_Release(&sb);
     PyBuffer_Release(&cb);
     PyBuffer_Release(&kb);
+    return result;
+}
+
+#define LOCK_REPAIR 56 /* byte offset of the repair word in lock.py's 64-byte mutex column */
+
+/* lock.py's robust mutex, only tried (the C lockers never wait, so no Python code runs under it):
+ * 1 held, with no repair owed; 0 not taken: busy (or held by this thread), a repair owed, or its
+ * holder died inside its critical section, whose repairs are Python's (ring.py): then they are
+ * owed to the next locker (the repair word), which lock.py makes run them first */
+static int try_lock(void *lock) {
+    pthread_mutex_t *mutex = (pthread_mutex_t *)lock;
+    int64_t *repair = (int64_t *)((char *)lock + LOCK_REPAIR);
+    int rc = pthread_mutex_trylock(mutex);
+    if (rc == EOWNERDEAD) {
+        __atomic_store_n(repair, 1, __ATOMIC_RELEASE);
+        pthread_mutex_consistent(mutex);
+        pthread_mutex_unlock(mutex);
+        return 0;
+    }
+    if (rc) return 0;
+    if (__atomic_load_n(repair, __ATOMIC_ACQUIRE)) {
+        pthread_mutex_unlock(mutex);
+        return 0;
+    }
+    return 1;
+}
+
+/* update_priorities(lock, ids, priorities, leaves, stamp, cursors, sums, mins, plan, capacity, prio)
+ * -> live count, or None with nothing changed: ReplayBuffer.update_priorities in one call, for a
+ * buffer without max_use, given priorities the caller checked (finite, >= 0, leaves below
+ * MAX_LEAF) and their leaves (numpy's (p + eps) ** alpha: the tree then holds what the Python
+ * path writes, to the bit). Before the lock: every id known (Ring.check_ids), else None (the
+ * Python path raises). The lock is only tried: None when it is busy, held by this thread, owes
+ * repairs, or its holder died (as push: its repairs are owed to the next locker, lock.py). Under
+ * it, and running no Python code: the ids still current (Ring.current) set their slots' leaves in
+ * order (the last of a repeated slot wins) and the largest priority (prio[0]) takes the largest
+ * of theirs. */
+static PyObject *update_priorities(PyObject *self, PyObject *args) {
+    PyObject *o[10];
+    Py_ssize_t capacity;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOnO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6], &o[7], &o[8], &capacity,
+                          &o[9]))
+        return NULL;
+    PyObject *plan_o = o[8], *bufs_o[9] = {o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7], o[9]};
+    static const char *names[9] = {"lock", "ids", "priorities", "leaves", "stamp", "cursors", "sums", "mins", "prio"};
+    static const int writable[9] = {1, 0, 0, 0, 0, 0, 1, 1, 1}, itemsize[9] = {0, 8, 8, 8, 8, 8, 8, 8, 8};
+    Py_buffer b[9];
+    int held = 0;
+    PyObject *result = NULL;
+    int64_t *live = NULL;
+    for (; held < 9; held++)
+        if (get_buf(bufs_o[held], &b[held], writable[held], itemsize[held], names[held]) < 0) goto done;
+    {
+        Plan p;
+        if (read_plan(plan_o, capacity, b[6].len / 8, &p) < 0) goto done;
+        Py_ssize_t n = b[1].len / 8, ring = b[4].len / 8;
+        if (b[0].len < 64 || ((uintptr_t)b[0].buf & 7) || b[2].len / 8 != n || b[3].len / 8 != n ||
+            b[7].len != b[6].len || ring != capacity || b[8].len < 8) {
+            PyErr_SetString(PyExc_ValueError,
+                            "update_priorities: expected a 64-byte lock, one priority and leaf per id, a stamp per "
+                            "slot of the tree, mins as long as sums and a largest priority");
+            goto done;
+        }
+        Py_ssize_t lanes = lanes_of(&b[5], ring, "update_priorities");
+        if (!lanes) goto done;
+        const int64_t *ids = (const int64_t *)b[1].buf, *stamp = (const int64_t *)b[4].buf, *cur = (const int64_t *)b[5].buf;
+        const double *prios = (const double *)b[2].buf, *leaves = (const double *)b[3].buf;
+        int64_t lc = ring / lanes;
+        for (Py_ssize_t i = 0; i < n; i++) { /* Ring.check_ids: an id that never named a row is the caller's bug */
+            int64_t id = ids[i];
+            if (id < 0 || (lanes == 1 ? id : id / lanes) >= __atomic_load_n(&cur[LANE_WORDS * (lanes == 1 ? 0 : id % lanes)], __ATOMIC_ACQUIRE)) {
+                result = Py_None;
+                Py_INCREF(result);
+                goto done;
+            }
+        }
+        /* the live slots, then their leaves */
+        live = (int64_t *)PyMem_Malloc((size_t)(n ? n : 1) * (sizeof(int64_t) + sizeof(double)));
+        if (!live) { PyErr_NoMemory(); goto done; }
+        double *values = (double *)(live + (n ? n : 1));
+        pthread_mutex_t *mutex = (pthread_mutex_t *)b[0].buf;
+        if (!try_lock(mutex)) {
+            result = Py_None;
+            Py_INCREF(result);
+            goto done;
+        }
+        Py_ssize_t m = 0;
+        double most = 0.0;
+        for (Py_ssize_t i = 0; i < n; i++) { /* Ring.current: committed, and not older than a clear() */
+            int64_t id = ids[i], lane = lanes == 1 ? 0 : id % lanes, row = lanes == 1 ? id : id / lanes;
+            int64_t s = lane * lc + row % lc;
+            if (__atomic_load_n(&stamp[s], __ATOMIC_ACQUIRE) == (int64_t)((uint64_t)row * 2u + 2u) &&
+                row >= __atomic_load_n(&cur[LANE_WORDS * lane + 1], __ATOMIC_ACQUIRE)) {
+                live[m] = s;
+                values[m++] = leaves[i];
+                if (prios[i] > most) most = prios[i];
+            }
+        }
+        update_core((double *)b[6].buf, (double *)b[7].buf, &p, live, values, 0.0, m);
+        double *top = (double *)b[8].buf;
+        if (m && most > top[0]) top[0] = most; /* Priorities.set_rows: max(prio[0], the largest) */
+        pthread_mutex_unlock(mutex);
+        result = PyLong_FromSsize_t(m);
+    }
+done:
+    PyMem_Free(live);
+    for (int i = 0; i < held; i++) PyBuffer_Release(&b[i]);
     return result;
 }
 
@@ -1029,7 +1219,6 @@ static PyObject *put(PyObject *self, PyObject *args) {
  * or unwanted episode, a push whose episode ids could show a vector env pushed into one lane
  * (edits.note_interleaving), this process not registered as a writer, the lock busy, a repair
  * owed, frozen, a slot odd. */
-#define LOCK_REPAIR 56 /* byte offset of the repair word in lock.py's 64-byte mutex column */
 #define MAX_DIMS 16
 static pid_t my_pid; /* this process's pid, renewed in a forked child: no system call per push */
 static void after_fork(void) { my_pid = getpid(); }
@@ -1470,20 +1659,12 @@ static PyObject *push_held(const PushPlan *p, PyObject *const *vals, PyObject *l
     }
     {
         pthread_mutex_t *mutex = (pthread_mutex_t *)p->lock.buf;
-        int64_t *repair = (int64_t *)((char *)p->lock.buf + LOCK_REPAIR);
         int64_t *cur = (int64_t *)p->cur.buf, *stats = (int64_t *)p->stats.buf, *stamp = (int64_t *)p->stamp.buf;
         uint16_t *owner = (uint16_t *)p->owner.buf;
         uint16_t writer = (uint16_t)me[1];
         int pushed = 0;
-        int rc = pthread_mutex_trylock(mutex);
-        if (rc == EOWNERDEAD) {
-            /* the holder died inside its critical section: its repairs are Python's (ring.py);
-             * owe them to the next locker, which lock.py makes run them first */
-            __atomic_store_n(repair, 1, __ATOMIC_RELEASE);
-            pthread_mutex_consistent(mutex);
-            pthread_mutex_unlock(mutex);
-        } else if (rc == 0) {
-            if (!__atomic_load_n(repair, __ATOMIC_ACQUIRE) && !stats[p->frozen_at]) {
+        if (try_lock(mutex)) {
+            if (!stats[p->frozen_at]) {
                 int fits = 1;
                 for (Py_ssize_t l = 0; l < lanes; l++) {
                     int64_t cu = cur[LANE_WORDS * l], b = cur[LANE_WORDS * l + 1];
@@ -1769,6 +1950,8 @@ static PyMethodDef methods[] = {
     {"scan", scan, METH_O, "scan(values) -> largest value, or -1.0 when one is not finite and >= 0."},
     {"known", known, METH_VARARGS, "known(ids, cursors) -> bool: every id >= 0 and below its lane's cursor."},
     {"current", current, METH_VARARGS, "current(ids, stamp, cursors, ok): Ring.current into ok."},
+    {"update_priorities", update_priorities, METH_VARARGS,
+     "update_priorities(lock, ids, priorities, leaves, stamp, cursors, sums, mins, plan, capacity, prio) -> live count or None."},
     {"gather", gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok) -> smallest id: rows with the stamp check."},
     {"put", put, METH_VARARGS, "put(where, k, stamp, targets, offsets, formats, sources, commit) -> bool: a push's copies, its commit."},
     {"plan", plan, METH_VARARGS, "plan(lock, cursors, stats, stamp, owner, writers, me, frozen, inserted, names, formats, shapes, widths, targets, offsets, episode, envs, empty, int64, block, table) -> a push's plan."},

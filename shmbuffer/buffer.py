@@ -360,7 +360,11 @@ class ReplayBuffer:
         prios = self._prios
         if prios is None or not prios.prioritized:
             raise FieldError("update_priorities: this buffer samples uniformly; create it with sampler=Prioritized(...)")
-        ids = ring.check_ids(rows.index if isinstance(rows, Batch) else rows, "update_priorities")
+        given = rows.index if isinstance(rows, Batch) else rows
+        done = prios.try_update(ring, given, priorities)  # the usual case, in one C call
+        if done is not None:
+            return done
+        ids = ring.check_ids(given, "update_priorities")
         p = prios.check(priorities, ids.size, "update_priorities: priority")
         with ring.lock:
             live = ring.current(ids)

@@ -3,7 +3,7 @@
 The extension (``_native.c``, built by ``pip install``; optional, so a machine without a compiler
 still installs the package) holds the tree's ``find`` and ``update`` (``sumtree.py``), a whole
 prioritized draw and its importance weights (``samplers.py``), an update's checks of ids and
-priorities (``ring.py``, ``priorities.py``), the reader's stamped ``gather`` and its reads of frame stacks (``reader.py``, ``frames.py``) and a
+priorities (``ring.py``, ``priorities.py``) and a whole ``update_priorities`` (``Priorities.try_update``), the reader's stamped ``gather`` and its reads of frame stacks (``reader.py``, ``frames.py``) and a
 push's copies and commit (``buffer.py``), with real acquire/release atomics. The Python code stays the reference and the fallback: every caller
 checks ``lib`` and runs its numpy code when it is ``None``. ``SHMBUFFER_PURE=1`` in the
 environment forces the Python path (CI runs the protocol tests both ways).

@@ -42,7 +42,7 @@ import numpy as np
 
 from .errors import FieldError
 from .layout import Counter
-from .ring import lane_bounds
+from .ring import Ring, lane_bounds
 from .samplers import Prioritized, Sampler
 from .sumtree import SumTree
 
@@ -221,6 +221,28 @@ class Priorities:
                 self.uses[slots] = 0
             leaves = np.where(self.uses[slots] >= self.max_use, 0.0, leaves) if not fresh else leaves
         self.tree.update(slots, leaves)
+
+    def try_update(self, ring: Ring, ids: Any, values: Any) -> int | None:
+        """``ReplayBuffer.update_priorities`` in one C call (``_native.update_priorities``) when
+        that call can decide alone: ``ids`` int64 and ``values`` float64, one-dimensional arrays
+        of one priority per id, every priority finite, >= 0 and below the bound of ``check``, no
+        ``max_use``. The call refuses (``None``, nothing changed: the caller takes the Python
+        steps, which raise or wait) an unknown id, a busy lock and a lock whose repairs are owed.
+        Otherwise it returns how many rows were current, and set them, as the Python steps do."""
+        lib = self._lib
+        view = ring.native_view
+        if (lib is None or view is None or self.uses is not None or type(ids) is not np.ndarray
+                or type(values) is not np.ndarray or ids.dtype != np.int64 or values.dtype != np.float64
+                or ids.ndim != 1 or values.shape != ids.shape or not (ids.flags.c_contiguous and values.flags.c_contiguous)
+                or not 0 <= lib.scan(values) <= self._sure):
+            return None
+        s = self.sampler
+        assert isinstance(s, Prioritized)  # update_priorities checked it
+        leaves = (values + s.eps) ** s.alpha  # numpy's power, as set_rows: the same leaves to the bit
+        tree = self.tree
+        done: int | None = lib.update_priorities(ring.lock.memory, ids, values, leaves, view[0], view[1], tree.sums,
+                                                 tree.mins, tree.plan, tree.capacity, self._prio)
+        return done
 
     def claim(self, slots: np.ndarray) -> np.ndarray:
         """Under the lock: count one use for each drawn slot (a slot drawn twice counts twice);

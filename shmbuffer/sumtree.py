@@ -23,7 +23,9 @@ re-draws them); ``find`` never returns a slot outside the tree.
 
 With the C extension (``native.py``) ``find`` and ``update`` are one C call each on the same
 arrays: ``find`` walks every point down in lockstep, level by level; ``update`` sets the leaves in
-order (the last value of a repeated slot wins) and recomputes their ancestors and the prefix sum.
+order (the last value of a repeated slot wins) and recomputes their ancestors and the prefix sum
+(a min is carried up, and recomputed from the 16 children only where the smallest one grew, or
+for a run of consecutive slots: the same exact mins, with fewer reads of the cold ``mins`` array).
 The layout is the same, so a tree written by either is read by the other. Sums of 16 children are
 added in order in C and by BLAS in numpy, so inner sums may differ in the last bit between the
 two; leaves, mins and the walk's rule are identical.

@@ -157,6 +157,51 @@ def test_a_push_that_finds_the_holder_dead_runs_its_repairs(make: Make, name: st
     assert runs == [10, 10]
 
 
+def test_a_priority_update_that_finds_the_holder_dead_runs_its_repairs(make: Make, name: str, procs: list) -> None:
+    """``update_priorities`` tries the lock in C (``_native.update_priorities``): a dead holder
+    found there leaves its repairs owed, the Python steps then run them first (and again, if one
+    raises, with nothing updated), and the update goes on."""
+    from .conftest import transition
+
+    buf = make(MUJOCO, capacity=100, name=name, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
+    ids = buf.push(transition(0, 10), priority=np.ones(10))
+    runs: list[float] = []
+
+    def repair() -> None:  # stands for ring.py's repairs of what a dead holder left half-done
+        runs.append(float(buf.priority(ids[:1])[0]))
+        if len(runs) == 1:
+            raise OSError("a repair that fails once")
+
+    buf.ring.repairs.append(repair)
+    p = holding(buf, -1, procs)
+    p.join(30)
+    with pytest.raises(OSError, match="fails once"):
+        buf.update_priorities(ids[:2], np.array([5.0, 6.0]))
+    assert runs == [1.0] and buf.priority(ids[:2]).tolist() == [1.0, 1.0]  # nothing updated
+    assert buf.update_priorities(ids[:2], np.array([5.0, 6.0])) == 2  # the owed repairs ran first
+    assert runs == [1.0, 1.0] and buf.priority(ids[:3]).tolist() == [5.0, 6.0, 1.0]
+    assert buf.stats["lock_recoveries"] == 2 and buf.priorities.max_priority == 6.0  # type: ignore[union-attr]
+    assert int(buf.ring.lock.memory[56:64].view(np.int64)[0]) == 0  # nothing owed now
+    assert buf.update_priorities(ids[:1], np.array([2.0])) == 1 and runs == [1.0, 1.0]
+
+
+def test_a_priority_update_waits_for_a_busy_lock(make: Make, name: str, procs: list) -> None:
+    """The C update only tries the lock: held by another process, the update waits for it on the
+    Python path and is applied once it is free; held by this thread, it is a re-entrant call."""
+    from .conftest import transition
+
+    buf = make(MUJOCO, capacity=100, name=name, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
+    ids = buf.push(transition(0, 10), priority=np.ones(10))
+    holding(buf, 1.0, procs)
+    start = time.monotonic()
+    assert buf.update_priorities(ids[3:5], np.array([3.0, 4.0])) == 2
+    assert time.monotonic() - start > 0.5  # it waited for the holder
+    assert buf.priority(ids[2:6]).tolist() == [1.0, 3.0, 4.0, 1.0]
+    with buf.ring.lock, pytest.raises(RuntimeError, match="already holds"):
+        buf.update_priorities(ids[:1], np.array([9.0]))
+    assert buf.priority(ids[:1]).tolist() == [1.0] and buf.stats["lock_recoveries"] == 0
+
+
 def test_a_signal_inside_the_lock_is_raised_at_release(make: Make, name: str) -> None:
     """A Ctrl-C that arrives while this process holds the lock waits for the release, even when
     the kernel hands it to another thread (the main thread blocks it here, as it would if the

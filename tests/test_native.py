@@ -92,6 +92,30 @@ def test_tree_native_equals_python(capacity: int) -> None:
 
 
 @needs_lib
+def test_tree_mins_follow_every_change() -> None:
+    """The C update carries a min up (a parent takes a smaller new value, keeps its min when the
+    child was not the smallest, looks at the 16 again when the smallest grew), or for a run of
+    consecutive slots recomputes it from the children: many small updates in a few blocks, with
+    ties, zeros and repeats, give exactly the mins numpy recomputes."""
+    rng = np.random.default_rng(5)
+    capacity = 70_001  # three levels: ties and changes reach the top
+    fast, ref = SumTree(capacity), python_tree(capacity)
+    for step in range(300):
+        k = int(rng.integers(1, 9))
+        slots = rng.integers(0, 600, k) if step % 3 else rng.integers(0, 40, k) * 16 * 16  # a few leaf and level-1 blocks
+        if step % 5 == 0:  # a run of consecutive slots (a push): its mins are recomputed block by block
+            k = int(rng.integers(1, 40))
+            slots = np.arange(k) + int(rng.integers(0, 600))
+        values = rng.integers(0, 4, k).astype(float)  # 0 leaves (min +inf) and ties
+        fast.update(slots, values)
+        ref.update(slots, values)
+        assert np.array_equal(fast.mins, ref.mins), step
+        assert np.array_equal(fast.sums, ref.sums), step  # small integers: every sum is exact
+    ref.rebuild()
+    assert np.array_equal(fast.mins, ref.mins) and fast.min == ref.min
+
+
+@needs_lib
 def test_tree_random_floats_agree_with_python() -> None:
     """Random float priorities: leaves and mins are bit-equal; inner sums may differ in the last
     bits (C adds 16 children in order, numpy through BLAS); finds agree away from boundaries."""
@@ -915,6 +939,26 @@ def test_prioritized_weights_native_equal_python(low: float) -> None:
         assert np.all(s.weights(fast, drawn, 0) == 1) and np.all(s.weights(ref, drawn, 0) == 1)
 
 
+@needs_lib
+def test_prioritized_weights_find_the_smallest_leaf_under_any_top_node() -> None:
+    """The C weights take the min of the top level in several lanes at once and a scalar tail:
+    the smallest leaf (or a NaN in the min tree) under any top node counts, as in numpy."""
+    capacity = 70_001  # levels 70,016 / 4,384 / 274: the top node of slot s is s // 256
+    s = sb.Prioritized(alpha=0.6, beta=0.4)
+    drawn = np.array([1.0, 0.5, 0.25])
+    for node in [*range(10), 264, 271, 272, 273]:
+        fast = SumTree(capacity)
+        fast.update(np.arange(capacity), 1.0)
+        fast.update(np.array([node * 256 + 7]), 0.25)
+        ref = python_tree(capacity, fast.sums, fast.mins)
+        got = s.weights(fast, drawn, 0)
+        assert got is not None and got[-1] == 1.0 and got[0] < 0.6
+        np.testing.assert_array_max_ulp(got, s.weights(ref, drawn, 0), maxulp=1)  # type: ignore[arg-type]
+        fast._mins[-1][node] = np.nan
+        fast._mins[-1][0 if node else 1] = 0.25  # a missed NaN would give weights below 1
+        assert np.all(s.weights(fast, drawn, 0) == 1) and np.all(s.weights(ref, drawn, 0) == 1)
+
+
 @pytest.mark.parametrize("lanes", [1, 3])
 def test_priority_updates_give_the_same_tree_on_both_paths(make: Make, name: str, monkeypatch: pytest.MonkeyPatch,
                                                            lanes: int) -> None:
@@ -932,6 +976,9 @@ def test_priority_updates_give_the_same_tree_on_both_paths(make: Make, name: str
                              sampler=sb.Prioritized(alpha=0.6, beta=0.4)))
     fast, ref = bufs
     assert fast.ring.native_view is not None and ref.ring.native_view is None
+    fused: list[Any] = []  # what each one-call update (_native.update_priorities) returned
+    real = LIB.update_priorities
+    monkeypatch.setattr(LIB, "update_priorities", lambda *a: fused.append(real(*a)) or fused[-1])
     rng = np.random.default_rng(lanes)
     for step in range(12):
         k = int(rng.integers(1, 120))
@@ -951,6 +998,7 @@ def test_priority_updates_give_the_same_tree_on_both_paths(make: Make, name: str
         np.testing.assert_allclose(ft.sums, rt.sums, rtol=1e-12, atol=0)
         assert fast.priorities.max_priority == ref.priorities.max_priority  # type: ignore[union-attr]
         assert np.array_equal(fast.ring.stamp, ref.ring.stamp)
+    assert len(fused) == 12 and None not in fused  # the C path made every update above
     for bad in ([np.nan], [-1.0], [np.inf]):
         for b in bufs:
             with pytest.raises(sb.FieldError, match="finite values"):
@@ -960,6 +1008,39 @@ def test_priority_updates_give_the_same_tree_on_both_paths(make: Make, name: str
             b.update_priorities(np.array([-1, 0], np.int64), np.ones(2))
         with pytest.raises(sb.UnknownIdError, match="never named a row"):
             b.update_priorities(np.array([10**12], np.int64), np.ones(1))
+
+
+def test_a_stale_priority_update_changes_nothing_on_both_paths(path: str, make: Make, name: str) -> None:
+    """Ids of rows overwritten or cleared since are skipped, their priorities count nowhere (not
+    in the largest priority either); in a batch mixing them with current ids, a repeated id's
+    last value wins."""
+    buf = make(MUJOCO, capacity=8, name=name, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
+    old = buf.push(transition(0, 8), priority=np.ones(8))
+    new = buf.push(transition(8, 4), priority=np.full(4, 2.0))  # laps old[:4]
+    tree = buf.priorities.tree  # type: ignore[union-attr]
+    before = (tree.sums.copy(), tree.mins.copy())
+    assert buf.update_priorities(old[:4], np.full(4, 50.0)) == 0
+    assert np.array_equal(tree.sums, before[0]) and np.array_equal(tree.mins, before[1])
+    assert buf.priorities.max_priority == 2.0  # type: ignore[union-attr]
+    ids = np.array([old[0], old[5], new[1], old[5], old[2]], np.int64)
+    assert buf.update_priorities(ids, np.array([70.0, 3.0, 4.0, 5.0, 60.0])) == 3
+    assert buf.priority(old[4:]).tolist() == [1.0, 5.0, 1.0, 1.0]
+    assert buf.priority(new).tolist() == [2.0, 4.0, 2.0, 2.0]
+    assert buf.priorities.max_priority == 5.0 and tree.total == 18.0  # type: ignore[union-attr]
+    buf.clear()  # the rows keep their committed stamps, but no longer count
+    assert buf.update_priorities(new, np.full(4, 9.0)) == 0 and tree.total == 0
+
+
+def test_a_priority_update_leaves_used_up_rows_out_on_both_paths(path: str, make: Make, name: str) -> None:
+    """Under max_use a row drawn max_use times keeps a leaf of 0 whatever priority it is given."""
+    buf = make(MUJOCO, capacity=8, name=name, seed=1, sampler=sb.Prioritized(alpha=1.0, eps=0.0), max_use=1)
+    ids = buf.push(transition(0, 4), priority=np.ones(4))
+    used = np.sort(buf.sample(2, replace=False).index)
+    assert buf.update_priorities(ids, np.array([2.0, 3.0, 4.0, 5.0])) == 4
+    want = np.array([2.0, 3.0, 4.0, 5.0])
+    want[np.searchsorted(ids, used)] = 0.0
+    assert buf.priority(ids).tolist() == want.tolist()
+    assert buf.priorities.max_priority == 5.0  # type: ignore[union-attr]
 
 
 def test_priorities_at_the_leaf_bound_on_both_paths(path: str, make: Make, name: str) -> None:
@@ -1040,6 +1121,30 @@ def test_prioritized_kernels_refuse_bad_input(make: Make, name: str) -> None:
         LIB.weights(tree.mins, plan, cap, leaves, 0.4, np.empty(3, np.float32))
     with pytest.raises(ValueError, match="plan"):
         LIB.weights(tree.mins[:-1], plan, cap, leaves, 0.4, np.empty(4, np.float32))
+    lock, prio = rg.lock.memory, buf.priorities._prio  # type: ignore[union-attr]
+
+    def update(**kw: Any) -> Any:
+        a = dict(lock=lock, ids=np.array([0, 2], np.int64), p=np.ones(2), leaves=np.ones(2), stamp=stamp, cur=cur,
+                 sums=tree.sums, mins=tree.mins, plan=plan, cap=cap, prio=prio)
+        a.update(kw)
+        return LIB.update_priorities(*a.values())
+
+    assert update() == 2  # fine as given: ids 0 and 2 are lane 0's rows 0 and 1, both current
+    assert update(ids=np.array([0, 1], np.int64)) is None  # lane 1 has no row yet: the Python path raises
+    assert update(ids=np.array([-2, 0], np.int64)) is None
+    bad_updates: list[tuple[dict[str, Any], type[Exception]]] = [
+        (dict(lock=lock[:32]), ValueError), (dict(p=np.ones(3)), ValueError), (dict(leaves=np.ones(1)), ValueError),
+        (dict(stamp=stamp[:-2]), ValueError), (dict(cur=np.zeros((3, 8), np.int64)), ValueError),
+        (dict(mins=tree.mins[:-1]), ValueError), (dict(sums=tree.sums[:-1]), ValueError), (dict(cap=65), ValueError),
+        (dict(prio=prio[:0]), ValueError), (dict(ids=np.array([0, 2], np.int32)), TypeError),
+        (dict(leaves=np.ones(2, np.float32)), TypeError), (dict(prio=prio.copy()[::2]), TypeError),
+    ]
+    ro = tree.sums.copy()
+    ro.flags.writeable = False
+    bad_updates.append((dict(sums=ro), TypeError))
+    for kw, exc in bad_updates:
+        with pytest.raises(exc):
+            update(**kw)
     assert LIB.scan(np.array([1.0, 3.0])) == 3.0 and LIB.scan(np.empty(0)) == 0.0
     for bad in ([1.0, np.nan], [-0.5], [np.inf]):
         assert LIB.scan(np.array(bad)) == -1.0
