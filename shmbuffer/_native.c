@@ -1225,7 +1225,9 @@ static void after_fork(void) { my_pid = getpid(); }
 
 typedef struct {
     Py_buffer lock, cur, stats, stamp, owner, writers, me, episode;
-    int has_episode, held, closed, busy; /* closed: views released (plan_close); busy: pushes in flight */
+    int has_episode, held, closed, busy; /* closed: plan_close was called; busy: pushes in flight */
+    pid_t busy_pid;                     /* the process whose pushes `busy` counts (not a forked child: none in flight there) */
+    Py_ssize_t n_dst;                   /* target views held (0 once released) */
     Py_ssize_t n, lanes, capacity, lc, envs, frozen_at, inserted_at;
     PyObject *names[MAX_COLS];
     char *format[MAX_COLS];
@@ -1239,14 +1241,15 @@ static void plan_release(PushPlan *p) {
     Py_buffer *views[8] = {&p->lock, &p->cur, &p->stats, &p->stamp, &p->owner, &p->writers, &p->me, &p->episode};
     for (int i = 0; i < p->held && i < 8; i++) PyBuffer_Release(views[i]);
     p->held = 0;
-    for (Py_ssize_t g = 0; g < p->n; g++) PyBuffer_Release(&p->dst[g]);
+    for (Py_ssize_t g = 0; g < p->n_dst; g++) PyBuffer_Release(&p->dst[g]);
+    p->n_dst = 0;
     Py_CLEAR(p->block);
     Py_CLEAR(p->table);
     p->closed = 1;
 }
 
 static void plan_free(PushPlan *p) {
-    if (!p->closed) plan_release(p);
+    if (p->held || p->n_dst || p->block) plan_release(p);
     for (Py_ssize_t g = 0; g < p->n; g++) {
         Py_XDECREF(p->names[g]);
         PyMem_Free(p->format[g]);
@@ -1307,7 +1310,7 @@ static PyObject *plan(PyObject *self, PyObject *args) {
             goto fail;
         }
         if (get_buf(PyTuple_GET_ITEM(dst_o, g), &p->dst[g], 1, 0, "plan target") < 0) goto fail;
-        p->n = g + 1;
+        p->n = p->n_dst = g + 1;
         Py_INCREF(name);
         p->names[g] = name;
         Py_ssize_t flen = PyBytes_GET_SIZE(fmt);
@@ -1347,17 +1350,15 @@ fail:
     return NULL;
 }
 
-/* plan_close(plan): release the plan's views of the buffer (ReplayBuffer.close), so that a
- * push callable still held somewhere does not keep the mapping; from then on every push through
- * it is left to Python (which says the buffer is closed). BufferError while a push is in flight. */
+/* plan_close(plan): from now on every push through the plan is left to Python (which says the
+ * buffer is closed), and its views of the buffer are released (ReplayBuffer.close), so that a push
+ * callable still held somewhere does not keep the mapping: at once, or by the last push in flight
+ * in another thread of this process (one inherited by a forked child is not in flight there). */
 static PyObject *plan_close(PyObject *self, PyObject *capsule) {
     PushPlan *p = (PushPlan *)PyCapsule_GetPointer(capsule, "shmbuffer.plan");
     if (!p) return NULL;
-    if (p->busy) {
-        PyErr_SetString(PyExc_BufferError, "a push through this buffer is in flight in another thread");
-        return NULL;
-    }
-    if (!p->closed) plan_release(p);
+    p->closed = 1;
+    if (!p->busy || p->busy_pid != my_pid) plan_release(p);
     Py_RETURN_NONE;
 }
 
@@ -1365,6 +1366,7 @@ static PyObject *plan_close(PyObject *self, PyObject *capsule) {
 typedef struct {
     Py_buffer view;
     int held, convert; /* convert: 0 none, 1 float64 -> float32, 2 float32 -> float64 */
+    int reshaped;      /* cpprb's rule took it (a scalar or (k,) for a (1,) field): not as validate returns it */
     union { double d; float f; int64_t q; uint64_t u; char c[8]; } scalar;
 } Source;
 
@@ -1412,9 +1414,10 @@ static int number(PyObject *v, const char *f, Source *s) {
 /* field g's value: 1 with s filled (*one: a single row without a leading dimension, *k rows),
  * 0 not taken here, -1 an error raised */
 static int source(const PushPlan *p, Py_ssize_t g, PyObject *v, Source *s, int *one, Py_ssize_t *k) {
-    s->held = s->convert = 0;
+    s->held = s->convert = s->reshaped = 0;
     Py_ssize_t m = p->ndim[g];
     int cpprb = m == 1 && p->shape[g][0] == 1; /* cpprb's default shape (1,): a scalar is one row, (k,) k rows */
+    if (PyBytes_Check(v)) return 0; /* numpy makes it one string, which validate refuses */
     if (!PyObject_CheckBuffer(v)) {
         if ((m != 0 && !cpprb) || !number(v, p->format[g], s)) return 0;
         *one = 1;
@@ -1436,6 +1439,7 @@ static int source(const PushPlan *p, Py_ssize_t g, PyObject *v, Source *s, int *
     if (!PyBuffer_IsContiguous(b, 'C')) return 0;
     Py_ssize_t lead;
     if (cpprb && b->ndim <= 1) {
+        s->reshaped = b->ndim == 0 || b->shape[0] != 1;
         *one = b->ndim == 0 || b->shape[0] == 1;
         *k = b->ndim == 0 ? 1 : b->shape[0];
     } else if (b->ndim == m || b->ndim == m + 1) {
@@ -1512,7 +1516,7 @@ static PyObject *check(PyObject *self, PyObject *args) {
     }
     Py_ssize_t opened = 0, k = sources_open(p, vals, src, &opened, &single);
     int exact = 1;
-    for (Py_ssize_t g = 0; g < opened && k > 0; g++) exact &= src[g].held && !src[g].convert;
+    for (Py_ssize_t g = 0; g < opened && k > 0; g++) exact &= src[g].held && !src[g].convert && !src[g].reshaped;
     sources_close(src, opened);
     if (k < 0) return NULL;
     if (k == 0 || !exact) Py_RETURN_NONE;
@@ -1524,9 +1528,13 @@ static PyObject *push_held(const PushPlan *p, PyObject *const *vals, PyObject *l
 /* the push of the field values `vals` (see above): the ids, None, or NULL with an error set */
 static PyObject *push_rows(PushPlan *p, PyObject *const *vals, PyObject *lane_o, PyObject *episode_o) {
     if (p->closed) Py_RETURN_NONE;
+    if (p->busy_pid != my_pid) { /* the first push here, or in a forked child: none in flight */
+        p->busy = 0;
+        p->busy_pid = my_pid;
+    }
     p->busy++; /* (the GIL is held here: only a copy without it lets plan_close run meanwhile) */
     PyObject *got = push_held(p, vals, lane_o, episode_o);
-    p->busy--;
+    if (--p->busy == 0 && p->closed && p->n_dst) plan_release(p); /* closed meanwhile: ours to release */
     return got;
 }
 
@@ -1581,7 +1589,7 @@ static PyObject *push_held(const PushPlan *p, PyObject *const *vals, PyObject *l
             if (PyObject_GetBuffer(episode_o, &eb, PyBUF_RECORDS_RO) < 0) { PyErr_Clear(); goto done; }
             ep_held = 1;
             if (!eb.format || eb.itemsize != 8 || (strcmp(eb.format, "l") && strcmp(eb.format, "q")) || eb.ndim > 1 ||
-                (eb.ndim == 1 && eb.shape[0] != k))
+                (eb.ndim == 1 && eb.shape[0] != k) || !PyBuffer_IsContiguous(&eb, 'C'))
                 goto done;
             if (eb.ndim == 0) {
                 ep_one = *(const int64_t *)eb.buf;

@@ -25,10 +25,10 @@ ring's reservations (``ring.py``), the sampler's draws (``samplers.py``) and the
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
+from types import MethodType
 from typing import Any
 
 import numpy as np
@@ -164,11 +164,10 @@ class ReplayBuffer:
             self._ring.repairs.append(self._prios.repair)
         self._one_call = edits.one_call(self, self._copier, self._pusher)
         cls = type(self)
-        if self._one_call is not None and cls.push is ReplayBuffer.push and cls.add is ReplayBuffer.add:
+        if self._one_call is not None and cls.push is _PUSH and cls.add is _PUSH:  # not overridden or patched
             # push(...) itself in C for its usual calls, with no dict made; the rest is the method
-            # below (through a weak reference: no cycle keeps this object alive)
-            fast = self._copier.push_call(partial(_push_steps, weakref.ref(self)))
-            self.push = self.add = fast  # type: ignore[method-assign]
+            # (held strongly, as a bound method holds its object; close() breaks the cycle)
+            self.push = self.add = self._copier.push_call(MethodType(_PUSH, self), _Push)  # type: ignore[method-assign]
         self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         """This process's random generator for sampling."""
 
@@ -586,10 +585,16 @@ def _attach_by_handle(handle: BufferHandle) -> ReplayBuffer:
     return ReplayBuffer.attach(handle)
 
 
-def _push_steps(ref: weakref.ref[ReplayBuffer], /, *args: Any, **kwargs: Any) -> np.ndarray:
-    """``ReplayBuffer.push`` for the C push (``_setup``) of the buffer ``ref`` names: every call it
-    does not take itself."""
-    buf = ref()
-    if buf is None:
-        raise ClosedError("push: this buffer object is gone (closed and collected)")
-    return ReplayBuffer.push(buf, *args, **kwargs)
+
+_PUSH = ReplayBuffer.push
+"""The method, as defined here: ``_setup`` installs the C push only where it is the one in use."""
+
+
+class _Push(partial):
+    """One buffer's ``push`` as ``_native.push_call`` (``ReplayBuffer._setup``); pickles as that
+    buffer's ``push`` (``getattr(buf, "push")``), as a bound method does."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (getattr, (self.args[1].__self__, "push"))

@@ -202,11 +202,11 @@ class Copier:
         or ``None`` without the extension."""
         return None if self.plan is None else partial(self.lib.push, self.plan)  # type: ignore[union-attr]
 
-    def push_call(self, steps: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    def push_call(self, steps: Callable[..., np.ndarray], make: type[partial] = partial) -> Callable[..., np.ndarray]:
         """``ReplayBuffer.push`` for an instance the one call serves (``_native.push_call``): its
         usual calls in C with no dict made, every other call (and every push the C call leaves to
         Python, and every call once the block's field table was replaced) ``steps(*args, **kwargs)``."""
-        return partial(self.lib.push_call, self.plan, steps)  # type: ignore[union-attr]
+        return make(self.lib.push_call, self.plan, steps)  # type: ignore[union-attr]
 
     def close(self) -> None:
         """Release the plan's views of the block (``ReplayBuffer.close``): a push callable still held

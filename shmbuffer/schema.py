@@ -338,7 +338,7 @@ def _check_cast(f: Field, a: np.ndarray) -> None:
         big = np.finfo(dst).max  # of a complex dtype: of its real and imaginary parts
         parts = np.abs(a) if src.kind != "c" else np.maximum(np.abs(a.real), np.abs(a.imag))
         finite = parts
-        if parts.max() > big:  # NaN compares False: only an inf or a value too large looks further
+        if not parts.max() <= big:  # an inf, a value too large, or a NaN (which hides the largest) looks further
             finite = parts[np.isfinite(parts)]
         if finite.size and finite.max() > big:
             raise FieldError(

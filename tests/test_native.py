@@ -560,12 +560,20 @@ def test_one_call_push_leaves_what_python_must_decide_alone(make: Make, name: st
         (rows, np.array([0, 1], np.int32), 1), (rows, None, 1),  # two lanes and no lane=
         ({k: np.repeat(v, 4, axis=0) for k, v in rows.items()}, 0, 1),  # 8 rows for a lane of 6
         (rows, 0, None), (rows, 0, 1.5), (rows, 0, np.array([1, 2, 3])), (rows, 0, 2 ** 70),
+        (rows, 0, np.arange(4)[::2]), (rows, 0, np.arange(2)[::-1]),  # strided episode ids: numpy copies them
+        ({**{k: v[0] for k, v in rows.items()}, "reward": b"\x01\x02\x03\x04"}, 0, 1),  # bytes: validate refuses
     ):
         assert LIB.push(plan, data, lane, episode) is None
     solo = make(MUJOCO, capacity=8, episodes=True, name=name + "s")
     solo.ring.writer_id()
     assert LIB.push(solo._copier.plan, rows, None, e2) is None  # edits.note_interleaving decides
     assert LIB.push(solo._copier.plan, rows, None, 3) is not None
+    small = make(sb.Schema(u=((), "uint8")), capacity=4, name=name + "u")
+    small.ring.writer_id()
+    assert LIB.push(small._copier.plan, {"u": b"\x01"}, None, None) is None  # bytes: numpy makes it a string
+    with pytest.raises(sb.FieldError):
+        small.push(u=b"\x01")
+    assert len(small) == 0
     me = ring_.me.copy()
     ring_.me[0] += 1  # another process's entry
     assert LIB.push(plan, rows, 0, 1) is None
@@ -700,6 +708,10 @@ def test_fast_checks_take_exactly_what_validate_takes_unchanged(make: Make, name
     assert copier.check({**rows, "extra": rows["done"]}) is None
     assert copier.check({k: v[:0] for k, v in rows.items()}) is None  # no rows: validate's case
     assert copier.check({**one, "reward": float(one["reward"])}) is None  # a number: validate makes it an array
+    old = make(sb.Schema(obs=((17,), "float32"), rew=((1,), "float32")), capacity=10, name=name + "c")._copier
+    three = {"obs": np.zeros((3, 17), np.float32), "rew": np.zeros(3, np.float32)}
+    assert old.check(three) is None  # cpprb's (k,) for a (1,) field: validate reshapes it to (k, 1)
+    assert old.check({**three, "rew": np.zeros((3, 1), np.float32)}) is not None
     with pytest.raises(sb.FieldError):  # and validate still raises what it raised
         buf.push({**rows, "obs": rows["obs"][:, :16]})
     assert len(buf) == 0
@@ -1196,6 +1208,14 @@ def test_push_itself_runs_in_c_for_its_usual_calls_and_the_method_for_the_rest(m
         for b in (buf, ref):
             with pytest.raises((sb.FieldError, sb.CapacityError, TypeError), match=error):
                 b.push(*args, **kwargs)
+    assert block_bytes(buf) == block_bytes(ref)
+    import pickle
+
+    again = pickle.loads(pickle.dumps(buf.push))  # a bound method's pickle: the buffer's push
+    assert np.array_equal(again(rows, lane=0, episode=7), ref.push(rows, lane=0, episode=7))
+    attached = sb.ReplayBuffer.attach(buf.handle).push  # holds its buffer, as a bound method does
+    assert np.array_equal(attached(rows, lane=1, episode=8), ref.push(rows, lane=1, episode=8))
+    attached.args[1].__self__.close()
     assert block_bytes(buf) == block_bytes(ref)
     held = buf.push
     buf.close()  # a push callable still held does not keep the mapping

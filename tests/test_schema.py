@@ -153,6 +153,8 @@ def test_float_values_that_would_overflow_are_refused() -> None:
     with pytest.raises(sb.FieldError, match=r"field 'x': expected float32 values within \+-3\.4e\+38, got float64 values up to 1e\+300"):
         s.validate({"x": np.array([1.0, 1e300])})
     assert s.validate({"x": np.array([np.inf, np.nan])})[0] == 1  # inf and nan stay what they are
+    with pytest.raises(sb.FieldError, match="up to 1e\\+39"):  # a NaN beside it hides nothing
+        s.validate({"x": np.array([np.nan, 1e39])})
     with pytest.raises(sb.FieldError, match=r"expected float16 values within .* got int64 values up to 7e\+04"):
         sb.Schema(h=((), "float16")).validate({"h": 70_000})
     with pytest.raises(sb.FieldError, match="complex64"):
