@@ -1743,28 +1743,29 @@ static PyObject *push(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return push_rows(p, vals, args[2], args[3]);
 }
 
-/* push_call(plan, steps, *args, **kwargs): ReplayBuffer.push itself for a buffer
+/* push_call(plan, owner, steps, *args, **kwargs): ReplayBuffer.push itself for a buffer
  * the one call serves (buffer.py sets it on the instance): its usual calls, push(**fields) or
  * push(data_dict) with lane= and episode= or without, go to push_rows straight from the call's
  * arguments, with no dict made; every other call, and every push push_rows leaves to Python
- * (None), is steps(*args, **kwargs), the Python method. The plan's block.fields must still be
- * its table (a block whose field table was replaced copies with numpy: ring.Copier). */
+ * (None), is steps(*args, **kwargs), the Python method. `owner` is a weak reference to the
+ * buffer: once it is gone, every call is steps' (which says so). The plan's block.fields must
+ * still be its table (a block whose field table was replaced copies with numpy: ring.Copier). */
 static PyObject *push_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
     static PyObject *s_lane, *s_episode, *s_fields;
     if (!s_lane && (!(s_lane = PyUnicode_InternFromString("lane")) || !(s_episode = PyUnicode_InternFromString("episode")) ||
                     !(s_fields = PyUnicode_InternFromString("fields"))))
         return NULL;
-    if (nargs < 2) {
-        PyErr_SetString(PyExc_TypeError, "push_call(plan, steps, *args, **kwargs)");
+    if (nargs < 3 || !PyWeakref_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "push_call(plan, owner (a weak reference), steps, *args, **kwargs)");
         return NULL;
     }
     PushPlan *p = (PushPlan *)PyCapsule_GetPointer(args[0], "shmbuffer.plan");
     if (!p) return NULL;
-    PyObject *steps = args[1];
-    Py_ssize_t given = nargs - 2, nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    PyObject *steps = args[2];
+    Py_ssize_t given = nargs - 3, nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
     PyObject *const *kwvals = args + nargs;
     PyObject *vals[MAX_COLS], *lane_o = Py_None, *episode_o = Py_None;
-    int usual = given <= 1 && !p->closed;
+    int usual = given <= 1 && !p->closed && PyWeakref_GetObject(args[1]) != Py_None;
     Py_ssize_t found = 0;
     for (Py_ssize_t g = 0; g < p->n; g++) vals[g] = NULL;
     for (Py_ssize_t i = 0; i < nkw && usual; i++) {
@@ -1792,7 +1793,7 @@ static PyObject *push_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
         Py_DECREF(table);
     }
     if (usual && given) {
-        int have = values_of(p, args[2], vals);
+        int have = values_of(p, args[3], vals);
         if (have < 0) return NULL;
         usual = have;
     } else if (usual) {
@@ -1803,7 +1804,7 @@ static PyObject *push_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (ids != Py_None) return ids; /* the ids, or NULL with an error */
         Py_DECREF(ids);
     }
-    return PyObject_Vectorcall(steps, args + 2, (size_t)given, kwnames);
+    return PyObject_Vectorcall(steps, args + 3, (size_t)given, kwnames);
 }
 
 /* reserve(stamp, owner, first, k, n0, writer) -> bool: under the ring's lock, the k consecutive
@@ -1965,7 +1966,7 @@ static PyMethodDef methods[] = {
     {"plan", plan, METH_VARARGS, "plan(lock, cursors, stats, stamp, owner, writers, me, frozen, inserted, names, formats, shapes, widths, targets, offsets, episode, envs, empty, int64, block, table) -> a push's plan."},
     {"push", (PyCFunction)(void (*)(void))push, METH_FASTCALL, "push(plan, data, lane, episode) -> ids, or None where Python decides."},
     {"plan_close", plan_close, METH_O, "plan_close(plan): release a push plan's views of the buffer."},
-    {"push_call", (PyCFunction)(void (*)(void))push_call, METH_FASTCALL | METH_KEYWORDS, "push_call(plan, steps, *args, **kwargs): ReplayBuffer.push's usual calls in C, the rest steps(*args, **kwargs)."},
+    {"push_call", (PyCFunction)(void (*)(void))push_call, METH_FASTCALL | METH_KEYWORDS, "push_call(plan, owner, steps, *args, **kwargs): ReplayBuffer.push's usual calls in C, the rest steps(*args, **kwargs)."},
     {"reserve", reserve, METH_VARARGS, "reserve(stamp, owner, first, k, n0, writer) -> bool: mark consecutive slots odd."},
     {"reserve_lanes", reserve_lanes, METH_VARARGS, "reserve_lanes(cursors, stamp, owner, lane, writer, n, slots) -> bool."},
     {"lanes_worst", lanes_worst, METH_VARARGS, "lanes_worst(lane, lanes) -> most rows in one lane, or -1."},

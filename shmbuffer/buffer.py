@@ -25,10 +25,10 @@ ring's reservations (``ring.py``), the sampler's draws (``samplers.py``) and the
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
-from types import MethodType
 from typing import Any
 
 import numpy as np
@@ -165,9 +165,9 @@ class ReplayBuffer:
         self._one_call = edits.one_call(self, self._copier, self._pusher)
         cls = type(self)
         if self._one_call is not None and cls.push is _PUSH and cls.add is _PUSH:  # not overridden or patched
-            # push(...) itself in C for its usual calls, with no dict made; the rest is the method
-            # (held strongly, as a bound method holds its object; close() breaks the cycle)
-            self.push = self.add = self._copier.push_call(MethodType(_PUSH, self), _Push)  # type: ignore[method-assign]
+            # push(...) itself in C for its usual calls, with no dict made; the rest is the method,
+            # reached through a weak reference (no cycle: dropping the buffer still closes it)
+            self.push = self.add = self._copier.push_call(weakref.ref(self), _Push)  # type: ignore[method-assign]
         self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         """This process's random generator for sampling."""
 
@@ -591,10 +591,23 @@ _PUSH = ReplayBuffer.push
 
 
 class _Push(partial):
-    """One buffer's ``push`` as ``_native.push_call`` (``ReplayBuffer._setup``); pickles as that
-    buffer's ``push`` (``getattr(buf, "push")``), as a bound method does."""
-
-    __slots__ = ()
+    """One buffer's ``push`` as ``_native.push_call`` (``ReplayBuffer._setup``). Unlike a bound
+    method it does not keep the buffer alive (the buffer holds it: no cycle, so dropping the buffer
+    still closes it); once the buffer is gone it raises ``ClosedError``. It pickles as that
+    buffer's ``push``, and an unpickled one holds the buffer it attached (``keep``)."""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (getattr, (self.args[1].__self__, "push"))
+        buf = self.args[1]()
+        if buf is None:
+            raise ClosedError("push: this buffer object is gone; pickle the buffer, or its push while it lives")
+        return (_revive, (buf,))
+
+
+def _revive(buf: ReplayBuffer) -> Callable[..., np.ndarray]:
+    """An unpickled ``push``: ``buf``'s, holding ``buf`` (nothing else does), as a bound method would."""
+    fast = buf.__dict__.get("push")
+    if not isinstance(fast, _Push):
+        return buf.push
+    revived = _Push(fast.func, *fast.args)
+    revived.keep = buf  # type: ignore[attr-defined]
+    return revived

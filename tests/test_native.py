@@ -476,14 +476,14 @@ def test_one_call_push_equals_python(make: Make, name: str, monkeypatch: pytest.
         def __getattr__(self, key: str) -> Any:
             return getattr(LIB, key)
 
-        def push_call(self, plan: Any, steps: Any, *args: Any, **kwargs: Any) -> Any:
+        def push_call(self, plan: Any, owner: Any, steps: Any, *args: Any, **kwargs: Any) -> Any:
             went: list[int] = []
 
             def counted(*a: Any, **k: Any) -> Any:  # the Python method: not taken by the one call
                 went.append(1)
                 return steps(*a, **k)
 
-            got = LIB.push_call(plan, counted, *args, **kwargs)
+            got = LIB.push_call(plan, owner, counted, *args, **kwargs)
             calls.append(not went)
             return got
 
@@ -1213,9 +1213,13 @@ def test_push_itself_runs_in_c_for_its_usual_calls_and_the_method_for_the_rest(m
 
     again = pickle.loads(pickle.dumps(buf.push))  # a bound method's pickle: the buffer's push
     assert np.array_equal(again(rows, lane=0, episode=7), ref.push(rows, lane=0, episode=7))
-    attached = sb.ReplayBuffer.attach(buf.handle).push  # holds its buffer, as a bound method does
-    assert np.array_equal(attached(rows, lane=1, episode=8), ref.push(rows, lane=1, episode=8))
-    attached.args[1].__self__.close()
+    other = sb.ReplayBuffer.attach(buf.handle)
+    assert np.array_equal(other.push(rows, lane=1, episode=8), ref.push(rows, lane=1, episode=8))
+    other.close()
+    gone = sb.ReplayBuffer.attach(buf.handle).push  # its buffer object is gone at once
+    for call in (lambda: gone(rows, lane=0, episode=9), lambda: gone(rows, lane=0, episode=9, priority=1.0)):
+        with pytest.raises(sb.ClosedError, match="gone"):  # never pushes through a buffer nobody holds
+            call()
     assert block_bytes(buf) == block_bytes(ref)
     held = buf.push
     buf.close()  # a push callable still held does not keep the mapping
