@@ -128,6 +128,20 @@ def test_a_recovered_lock_repairs_the_priority_tree(make: Make, name: str, procs
     assert tree.total == pytest.approx(100.0) and len(buf.sample(10)) == 10
 
 
+
+def repair_failing_once(buf: sb.ReplayBuffer, probe: Callable[[], Any]) -> list[Any]:
+    """A repair (standing for ring.py's repairs of what a dead holder left half-done) that records
+    ``probe()`` each time it runs and raises the first time; returns the records."""
+    runs: list[Any] = []
+
+    def repair() -> None:
+        runs.append(probe())
+        if len(runs) == 1:
+            raise OSError("a repair that fails once")
+
+    buf.ring.repairs.append(repair)
+    return runs
+
 def test_a_push_that_finds_the_holder_dead_runs_its_repairs(make: Make, name: str, procs: list) -> None:
     """A uniform push takes the lock in C (``_native.push``), which cannot run the repairs a dead
     holder left owed: it leaves them to the next locker, which runs them before anything else
@@ -136,14 +150,7 @@ def test_a_push_that_finds_the_holder_dead_runs_its_repairs(make: Make, name: st
 
     buf = make(MUJOCO, capacity=100, name=name)
     buf.push(transition(0, 10))
-    runs: list[int] = []
-
-    def repair() -> None:  # stands for ring.py's repairs of what a dead holder left half-done
-        runs.append(len(buf))
-        if len(runs) == 1:
-            raise OSError("a repair that fails once")
-
-    buf.ring.repairs.append(repair)
+    runs = repair_failing_once(buf, lambda: len(buf))
     p = holding(buf, -1, procs)
     p.join(30)
     with pytest.raises(OSError, match="fails once"):
@@ -165,14 +172,7 @@ def test_a_priority_update_that_finds_the_holder_dead_runs_its_repairs(make: Mak
 
     buf = make(MUJOCO, capacity=100, name=name, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
     ids = buf.push(transition(0, 10), priority=np.ones(10))
-    runs: list[float] = []
-
-    def repair() -> None:  # stands for ring.py's repairs of what a dead holder left half-done
-        runs.append(float(buf.priority(ids[:1])[0]))
-        if len(runs) == 1:
-            raise OSError("a repair that fails once")
-
-    buf.ring.repairs.append(repair)
+    runs = repair_failing_once(buf, lambda: float(buf.priority(ids[:1])[0]))
     p = holding(buf, -1, procs)
     p.join(30)
     with pytest.raises(OSError, match="fails once"):
