@@ -216,7 +216,7 @@ class ReplayBuffer:
         if self._segment is None:
             return
         if self._copier is not None:
-            self._copier.close()  # the one-call push's views of the block (BufferError: a push in flight)
+            self._copier.close()  # the one-call push's views of the block
         self.__dict__.pop("push", None)  # the C push (_setup): the method again, which says closed
         self.__dict__.pop("add", None)
         self._ring = self._prios = self._one_call = None
@@ -583,7 +583,6 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 def _attach_by_handle(handle: BufferHandle) -> ReplayBuffer:
     return ReplayBuffer.attach(handle)
-
 
 
 _PUSH = ReplayBuffer.push
