@@ -178,8 +178,7 @@ def one_call(src: Source, copier: Copier, pusher: Pusher | None) -> OneCall | No
     ring and the columns: uniform (no priorities to set), no rate limiter that blocks writers, no
     frames (``pusher``). ``None`` elsewhere, or without the extension."""
     limiter = src.options.limiter
-    gated = limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None
-    if pusher is not None or src.priorities is not None or gated:
+    if pusher is not None or src.priorities is not None or (limiter is not None and limiter.gates_writers):
         return None
     return copier.one_call()
 
@@ -225,7 +224,7 @@ def push(
                 prios.tree.update(slots[ends], 0.0)
             src.block.counters[Counter.INSERTED] -= k - rows  # an end row is not an insert
     limiter = src.options.limiter
-    gated = limiter is not None and limiter.block_writers and limiter.samples_per_insert is not None
+    gated = limiter is not None and limiter.gates_writers
     if one_call is not None:
         ring.writer_id()  # registers this process (the one call refuses one it does not name)
         ids = one_call(arrays, lane, episodes)

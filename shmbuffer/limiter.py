@@ -53,6 +53,11 @@ class RateLimiter:
             raise ValueError(f"RateLimiter: timeout must be positive, got {self.timeout!r}")
 
     @property
+    def gates_writers(self) -> bool:
+        """Whether a push may have to wait for samples (``block_writers`` with a ratio to hold)."""
+        return self.block_writers and self.samples_per_insert is not None
+
+    @property
     def offset(self) -> float:
         return (self.samples_per_insert or 0.0) * self.min_size
 
@@ -64,13 +69,13 @@ class RateLimiter:
 
     def can_insert(self, inserted: int, sampled: int, size: int, k: int) -> bool:
         spi = self.samples_per_insert
-        if not self.block_writers or spi is None:
+        if not self.gates_writers or spi is None:
             return True
         return spi * (inserted + k) - sampled <= self.offset + self.error
 
     def check_sample_size(self, n: int) -> None:
         """With writers blocked, a sample wider than the whole window would wait forever."""
-        if self.block_writers and self.samples_per_insert is not None and n > 2 * self.error + self.samples_per_insert:
+        if self.gates_writers and n > 2 * self.error + (self.samples_per_insert or 0.0):
             raise ValueError(
                 f"RateLimiter: a sample of {n} rows can never fit the window of +-{self.error:g} rows; "
                 "raise error above the batch size"
