@@ -14,6 +14,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <errno.h>
 #include <float.h>
 #include <math.h>
@@ -1743,29 +1744,21 @@ static PyObject *push(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return push_rows(p, vals, args[2], args[3]);
 }
 
-/* push_call(plan, owner, steps, *args, **kwargs): ReplayBuffer.push itself for a buffer
- * the one call serves (buffer.py sets it on the instance): its usual calls, push(**fields) or
- * push(data_dict) with lane= and episode= or without, go to push_rows straight from the call's
- * arguments, with no dict made; every other call, and every push push_rows leaves to Python
- * (None), is steps(*args, **kwargs), the Python method. `owner` is a weak reference to the
- * buffer: once it is gone, every call is steps' (which says so). The plan's block.fields must
- * still be its table (a block whose field table was replaced copies with numpy: ring.Copier). */
-static PyObject *push_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames) {
+/* push_args(plan, args, nargs, kwnames): ReplayBuffer.push's usual calls, push(**fields) or
+ * push(data_dict) with lane= and episode= or without, straight from the call's arguments to
+ * push_rows with no dict made: the ids, or None (a new reference) where the Python method must run
+ * (any other call, and every push push_rows leaves to Python), or NULL with an error. The plan's
+ * block.fields must still be its table (a block whose field table was replaced copies with numpy:
+ * ring.Copier). */
+static PyObject *push_args(PushPlan *p, PyObject *const *args, Py_ssize_t given, PyObject *kwnames) {
     static PyObject *s_lane, *s_episode, *s_fields;
     if (!s_lane && (!(s_lane = PyUnicode_InternFromString("lane")) || !(s_episode = PyUnicode_InternFromString("episode")) ||
                     !(s_fields = PyUnicode_InternFromString("fields"))))
         return NULL;
-    if (nargs < 3 || !PyWeakref_Check(args[1])) {
-        PyErr_SetString(PyExc_TypeError, "push_call(plan, owner (a weak reference), steps, *args, **kwargs)");
-        return NULL;
-    }
-    PushPlan *p = (PushPlan *)PyCapsule_GetPointer(args[0], "shmbuffer.plan");
-    if (!p) return NULL;
-    PyObject *steps = args[2];
-    Py_ssize_t given = nargs - 3, nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    PyObject *const *kwvals = args + nargs;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    PyObject *const *kwvals = args + given;
     PyObject *vals[MAX_COLS], *lane_o = Py_None, *episode_o = Py_None;
-    int usual = given <= 1 && !p->closed && PyWeakref_GetObject(args[1]) != Py_None;
+    int usual = given <= 1 && !p->closed;
     Py_ssize_t found = 0;
     for (Py_ssize_t g = 0; g < p->n; g++) vals[g] = NULL;
     for (Py_ssize_t i = 0; i < nkw && usual; i++) {
@@ -1793,19 +1786,219 @@ static PyObject *push_call(PyObject *self, PyObject *const *args, Py_ssize_t nar
         Py_DECREF(table);
     }
     if (usual && given) {
-        int have = values_of(p, args[3], vals);
+        int have = values_of(p, args[0], vals);
         if (have < 0) return NULL;
         usual = have;
     } else if (usual) {
         usual = found == p->n;
     }
-    if (usual) {
-        PyObject *ids = push_rows(p, vals, lane_o, episode_o);
-        if (ids != Py_None) return ids; /* the ids, or NULL with an error */
-        Py_DECREF(ids);
-    }
-    return PyObject_Vectorcall(steps, args + 3, (size_t)given, kwnames);
+    if (usual) return push_rows(p, vals, lane_o, episode_o);
+    Py_RETURN_NONE;
 }
+
+/* -- push as a method ------------------------------------------------------------------------------
+ * PushMethod(func) stands for ReplayBuffer.push (and add) on the class (buffer.py). Read from an
+ * instance whose `_push_plan` is a plan (ReplayBuffer._setup: a uniform buffer the one call
+ * serves), it gives a BoundPush: a bound method, holding its buffer as any bound method does,
+ * whose usual calls are push_args and every other call func(buffer, ...). Read from the class, it
+ * is func; from an instance without a plan, func bound as usual. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *func;
+} PushMethod;
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *plan, *self, *func;
+    vectorcallfunc vectorcall;
+} BoundPush;
+
+static PyTypeObject BoundPushType;
+
+static PyObject *bound_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    BoundPush *b = (BoundPush *)callable;
+    PushPlan *p = (PushPlan *)PyCapsule_GetPointer(b->plan, "shmbuffer.plan");
+    if (!p) return NULL;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *ids = push_args(p, args, nargs, kwnames);
+    if (ids != Py_None) return ids; /* the ids, or NULL with an error */
+    Py_DECREF(ids);
+    PyObject *method = PyMethod_New(b->func, b->self);
+    if (!method) return NULL;
+    PyObject *got = PyObject_Vectorcall(method, args, (size_t)nargs, kwnames);
+    Py_DECREF(method);
+    return got;
+}
+
+static int bound_traverse(BoundPush *b, visitproc visit, void *arg) {
+    Py_VISIT(b->plan);
+    Py_VISIT(b->self);
+    Py_VISIT(b->func);
+    return 0;
+}
+
+static int bound_clear(BoundPush *b) {
+    Py_CLEAR(b->plan);
+    Py_CLEAR(b->self);
+    Py_CLEAR(b->func);
+    return 0;
+}
+
+static void bound_dealloc(BoundPush *b) {
+    PyObject_GC_UnTrack(b);
+    bound_clear(b);
+    PyObject_GC_Del(b);
+}
+
+static PyObject *bound_repr(BoundPush *b) {
+    PyObject *name = PyObject_GetAttrString(b->func, "__qualname__");
+    if (!name) return NULL;
+    PyObject *r = PyUnicode_FromFormat("<bound method %S of %R>", name, b->self);
+    Py_DECREF(name);
+    return r;
+}
+
+/* pickled as a bound method is: getattr(buffer, name), so an unpickled push holds its buffer */
+static PyObject *bound_reduce(BoundPush *b, PyObject *unused) {
+    PyObject *name = PyObject_GetAttrString(b->func, "__name__");
+    if (!name) return NULL;
+    PyObject *builtins = PyEval_GetBuiltins(); /* borrowed */
+    PyObject *getattr_ = builtins ? PyDict_GetItemString(builtins, "getattr") : NULL;
+    if (!getattr_) {
+        Py_DECREF(name);
+        PyErr_SetString(PyExc_RuntimeError, "push: builtins.getattr not found");
+        return NULL;
+    }
+    return Py_BuildValue("(O(ON))", getattr_, b->self, name);
+}
+
+static PyObject *bound_doc(BoundPush *b, void *unused) { return PyObject_GetAttrString(b->func, "__doc__"); }
+static PyObject *bound_name(BoundPush *b, void *unused) { return PyObject_GetAttrString(b->func, "__name__"); }
+
+static PyMemberDef bound_members[] = {
+    {"__self__", T_OBJECT, offsetof(BoundPush, self), READONLY, "the buffer"},
+    {"__func__", T_OBJECT, offsetof(BoundPush, func), READONLY, "the Python method (ReplayBuffer.push)"},
+    {NULL, 0, 0, 0, NULL},
+};
+static PyGetSetDef bound_getset[] = {
+    {"__doc__", (getter)bound_doc, NULL, NULL, NULL},
+    {"__name__", (getter)bound_name, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+static PyMethodDef bound_methods[] = {
+    {"__reduce__", (PyCFunction)bound_reduce, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject BoundPushType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmbuffer._native.BoundPush",
+    .tp_basicsize = sizeof(BoundPush),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "A buffer's push: a bound method whose usual calls run in C (PushMethod).",
+    .tp_vectorcall_offset = offsetof(BoundPush, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_traverse = (traverseproc)bound_traverse,
+    .tp_clear = (inquiry)bound_clear,
+    .tp_dealloc = (destructor)bound_dealloc,
+    .tp_repr = (reprfunc)bound_repr,
+    .tp_members = bound_members,
+    .tp_getset = bound_getset,
+    .tp_methods = bound_methods,
+};
+
+static PyObject *method_get(PushMethod *m, PyObject *obj, PyObject *type) {
+    static PyObject *s_plan;
+    if (!s_plan && !(s_plan = PyUnicode_InternFromString("_push_plan"))) return NULL;
+    if (obj == NULL || obj == Py_None) {
+        Py_INCREF(m->func);
+        return m->func;
+    }
+    PyObject *plan = PyObject_GetAttr(obj, s_plan);
+    if (!plan) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+        PyErr_Clear();
+    }
+    if (!plan || !PyCapsule_IsValid(plan, "shmbuffer.plan")) {
+        Py_XDECREF(plan);
+        return PyMethod_New(m->func, obj);
+    }
+    BoundPush *b = PyObject_GC_New(BoundPush, &BoundPushType);
+    if (!b) {
+        Py_DECREF(plan);
+        return NULL;
+    }
+    b->plan = plan;
+    Py_INCREF(obj);
+    b->self = obj;
+    Py_INCREF(m->func);
+    b->func = m->func;
+    b->vectorcall = bound_call;
+    PyObject_GC_Track(b);
+    return (PyObject *)b;
+}
+
+static int method_init(PushMethod *m, PyObject *args, PyObject *kwds) {
+    PyObject *func;
+    if (kwds && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "PushMethod(func) takes no keywords");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "O:PushMethod", &func)) return -1;
+    if (!PyCallable_Check(func)) {
+        PyErr_SetString(PyExc_TypeError, "PushMethod(func): func must be callable");
+        return -1;
+    }
+    Py_INCREF(func);
+    Py_XSETREF(m->func, func);
+    return 0;
+}
+
+static int method_traverse(PushMethod *m, visitproc visit, void *arg) {
+    Py_VISIT(m->func);
+    return 0;
+}
+
+static int method_clear(PushMethod *m) {
+    Py_CLEAR(m->func);
+    return 0;
+}
+
+static void method_dealloc(PushMethod *m) {
+    PyObject_GC_UnTrack(m);
+    method_clear(m);
+    Py_TYPE(m)->tp_free((PyObject *)m);
+}
+
+static PyObject *method_doc(PushMethod *m, void *unused) {
+    if (!m->func) Py_RETURN_NONE;
+    return PyObject_GetAttrString(m->func, "__doc__");
+}
+
+static PyMemberDef method_members[] = {
+    {"__func__", T_OBJECT, offsetof(PushMethod, func), READONLY, "the Python method"},
+    {NULL, 0, 0, 0, NULL},
+};
+static PyGetSetDef method_getset[] = {
+    {"__doc__", (getter)method_doc, NULL, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject PushMethodType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmbuffer._native.PushMethod",
+    .tp_basicsize = sizeof(PushMethod),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "PushMethod(func): ReplayBuffer.push on the class; a BoundPush on an instance with a push plan.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)method_init,
+    .tp_traverse = (traverseproc)method_traverse,
+    .tp_clear = (inquiry)method_clear,
+    .tp_dealloc = (destructor)method_dealloc,
+    .tp_descr_get = (descrgetfunc)method_get,
+    .tp_members = method_members,
+    .tp_getset = method_getset,
+};
 
 /* reserve(stamp, owner, first, k, n0, writer) -> bool: under the ring's lock, the k consecutive
  * slots from `first` for rows n0.. : False (nothing written) if one of them is odd (being
@@ -1966,7 +2159,6 @@ static PyMethodDef methods[] = {
     {"plan", plan, METH_VARARGS, "plan(lock, cursors, stats, stamp, owner, writers, me, frozen, inserted, names, formats, shapes, widths, targets, offsets, episode, envs, empty, int64, block, table) -> a push's plan."},
     {"push", (PyCFunction)(void (*)(void))push, METH_FASTCALL, "push(plan, data, lane, episode) -> ids, or None where Python decides."},
     {"plan_close", plan_close, METH_O, "plan_close(plan): release a push plan's views of the buffer."},
-    {"push_call", (PyCFunction)(void (*)(void))push_call, METH_FASTCALL | METH_KEYWORDS, "push_call(plan, owner, steps, *args, **kwargs): ReplayBuffer.push's usual calls in C, the rest steps(*args, **kwargs)."},
     {"reserve", reserve, METH_VARARGS, "reserve(stamp, owner, first, k, n0, writer) -> bool: mark consecutive slots odd."},
     {"reserve_lanes", reserve_lanes, METH_VARARGS, "reserve_lanes(cursors, stamp, owner, lane, writer, n, slots) -> bool."},
     {"lanes_worst", lanes_worst, METH_VARARGS, "lanes_worst(lane, lanes) -> most rows in one lane, or -1."},
@@ -1983,5 +2175,13 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
         return NULL;
     }
-    return PyModule_Create(&module);
+    if (PyType_Ready(&BoundPushType) < 0 || PyType_Ready(&PushMethodType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddObjectRef(m, "PushMethod", (PyObject *)&PushMethodType) < 0 ||
+        PyModule_AddObjectRef(m, "BoundPush", (PyObject *)&BoundPushType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

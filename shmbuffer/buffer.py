@@ -25,15 +25,13 @@ ring's reservations (``ring.py``), the sampler's draws (``samplers.py``) and the
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
 
-from . import edits, persistence, reader, sequences
+from . import edits, native, persistence, reader, sequences
 from .batch import Batch
 from .errors import ClosedError, EmptyBufferError, FieldError, SchemaError
 from .frames import Frames, Pusher
@@ -96,6 +94,7 @@ class ReplayBuffer:
 
     _ring: Ring | None = None
     _segment: Segment | None = None
+    _push_plan: Any = None
 
     def __init__(
         self,
@@ -163,11 +162,9 @@ class ReplayBuffer:
         if self._prios is not None:
             self._ring.repairs.append(self._prios.repair)
         self._one_call = edits.one_call(self, self._copier, self._pusher)
-        cls = type(self)
-        if self._one_call is not None and cls.push is _PUSH and cls.add is _PUSH:  # not overridden or patched
-            # push(...) itself in C for its usual calls, with no dict made; the rest is the method,
-            # reached through a weak reference (no cycle: dropping the buffer still closes it)
-            self.push = self.add = self._copier.push_call(weakref.ref(self), _Push)  # type: ignore[method-assign]
+        self._push_plan = self._copier.plan if self._one_call is not None else None
+        """What ``push`` reads on this instance (``_native.PushMethod``): with a plan, its usual
+        calls run in C with no dict made."""
         self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         """This process's random generator for sampling."""
 
@@ -215,10 +212,9 @@ class ReplayBuffer:
     def _close(self, *, defer: bool) -> None:
         if self._segment is None:
             return
+        self._push_plan = None  # push is the method again, which says closed
         if self._copier is not None:
-            self._copier.close()  # the one-call push's views of the block
-        self.__dict__.pop("push", None)  # the C push (_setup): the method again, which says closed
-        self.__dict__.pop("add", None)
+            self._copier.close()  # the one-call push's views of the block (a held push's too)
         self._ring = self._prios = self._one_call = None
         self._block = self._copier = None  # type: ignore[assignment]
         self._segment.close(defer=defer)
@@ -585,28 +581,7 @@ def _attach_by_handle(handle: BufferHandle) -> ReplayBuffer:
     return ReplayBuffer.attach(handle)
 
 
-_PUSH = ReplayBuffer.push
-"""The method, as defined here: ``_setup`` installs the C push only where it is the one in use."""
-
-
-class _Push(partial):
-    """One buffer's ``push`` as ``_native.push_call`` (``ReplayBuffer._setup``). Unlike a bound
-    method it does not keep the buffer alive (the buffer holds it: no cycle, so dropping the buffer
-    still closes it); once the buffer is gone it raises ``ClosedError``. It pickles as that
-    buffer's ``push``, and an unpickled one holds the buffer it attached (``keep``)."""
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        buf = self.args[1]()
-        if buf is None:
-            raise ClosedError("push: this buffer object is gone; pickle the buffer, or its push while it lives")
-        return (_revive, (buf,))
-
-
-def _revive(buf: ReplayBuffer) -> Callable[..., np.ndarray]:
-    """An unpickled ``push``: ``buf``'s, holding ``buf`` (nothing else does), as a bound method would."""
-    fast = buf.__dict__.get("push")
-    if not isinstance(fast, _Push):
-        return buf.push
-    revived = _Push(fast.func, *fast.args)
-    revived.keep = buf  # type: ignore[attr-defined]
-    return revived
+if native.lib is not None:
+    # push(...) in C for its usual calls (``_native.PushMethod``): a bound method like any other,
+    # whose calls on a uniform buffer the one call serves (``_push_plan``) skip the Python method
+    ReplayBuffer.push = ReplayBuffer.add = native.lib.PushMethod(ReplayBuffer.push)  # type: ignore[method-assign]

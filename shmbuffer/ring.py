@@ -84,7 +84,6 @@ import numpy as np
 from . import native
 from .errors import (
     CapacityError,
-    ClosedError,
     EmptyBufferError,
     FieldError,
     ReadOnlyError,
@@ -202,13 +201,6 @@ class Copier:
         """``push(data, lane, episode) -> ids | None``: the whole push as one C call (see the class),
         or ``None`` without the extension."""
         return None if self.plan is None else partial(self.lib.push, self.plan)  # type: ignore[union-attr]
-
-    def push_call(self, owner: Any, make: type[partial] = partial) -> Callable[..., np.ndarray]:
-        """``ReplayBuffer.push`` for an instance the one call serves (``_native.push_call``): its
-        usual calls in C with no dict made; every other call (and every push the C call leaves to
-        Python, every call once the block's field table was replaced or the buffer is gone) the
-        Python method, for ``owner``, a weak reference to the buffer."""
-        return make(self.lib.push_call, self.plan, owner, partial(_steps, owner))  # type: ignore[union-attr]
 
     def close(self) -> None:
         """Release the plan's views of the block (``ReplayBuffer.close``): a push callable still held
@@ -748,10 +740,3 @@ class Ring:
                 "push in smaller batches or raise capacity"
             )
 
-
-def _steps(owner: Any, /, *args: Any, **kwargs: Any) -> np.ndarray:
-    """The Python ``push`` of the buffer ``owner`` (a weak reference) names, for ``Copier.push_call``."""
-    buf = owner()
-    if buf is None:
-        raise ClosedError("push: this buffer object is gone (closed and collected); keep the buffer, not only its push")
-    return type(buf).push(buf, *args, **kwargs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
-from shmbuffer import native, ring, sumtree
+from shmbuffer import edits, native, ring, sumtree
 from shmbuffer.reader import gather
 from shmbuffer.sumtree import SumTree
 
@@ -470,28 +471,20 @@ def test_one_call_push_equals_python(make: Make, name: str, monkeypatch: pytest.
     assert LIB is not None
     schema = sb.Schema(obs=((3, 5), "float32"), img=((2, 32, 32), "uint8"), action=((), "int64"), flag=((2,), "bool"),
                        reward=((), "float32"), gain=((), "float64"), done=((), "bool"), small=((), "int16"), old=((1,), "float32"))
-    calls: list[bool] = []
-
-    class Counting:  # the extension, counting the pushes its one call took
-        def __getattr__(self, key: str) -> Any:
-            return getattr(LIB, key)
-
-        def push_call(self, plan: Any, owner: Any, steps: Any, *args: Any, **kwargs: Any) -> Any:
-            went: list[int] = []
-
-            def counted(*a: Any, **k: Any) -> Any:  # the Python method: not taken by the one call
-                went.append(1)
-                return steps(*a, **k)
-
-            got = LIB.push_call(plan, owner, counted, *args, **kwargs)
-            calls.append(not went)
-            return got
-
-    monkeypatch.setattr(native, "lib", Counting())
     fast = make(schema, capacity=24, lanes=lanes, episodes=True, name=name + "n")
     with monkeypatch.context() as m:
         m.setattr(native, "lib", None)
         ref = make(schema, capacity=24, lanes=lanes, episodes=True, name=name + "p")
+    calls: list[bool] = []
+    python_push = edits.push
+
+    def counted(*a: Any, **k: Any) -> Any:  # the Python steps: a push the one call did not take
+        if a[0] is fast:
+            calls[-1] = False
+        return python_push(*a, **k)
+
+    monkeypatch.setattr(fast, "_one_call", None)  # the Python method goes to edits.push, counted
+    monkeypatch.setattr(edits, "push", counted)
     fast.ring.writer_id()  # this process registered (as its first push through the steps does)
     rng = np.random.default_rng(lanes)
     for i in range(60):
@@ -511,6 +504,7 @@ def test_one_call_push_equals_python(make: Make, name: str, monkeypatch: pytest.
                 rows.update(reward=int(rng.integers(-9, 9)), gain=True, done=int(rng.integers(0, 2)))
         lane: Any = int(rng.integers(0, lanes)) if rng.random() < 0.5 else rng.integers(0, lanes, k)
         episode = int(rng.integers(0, 9)) if rng.random() < 0.5 else rng.integers(0, 9, k)
+        calls.append(True)
         got = fast.push(rows, lane=lane, episode=episode)
         with monkeypatch.context() as m:
             m.setattr(native, "lib", None)
@@ -1179,17 +1173,18 @@ def test_prioritized_kernels_refuse_bad_input(make: Make, name: str) -> None:
 
 @needs_lib
 def test_push_itself_runs_in_c_for_its_usual_calls_and_the_method_for_the_rest(make: Make, name: str) -> None:
-    """A uniform buffer's ``push`` (and ``add``) is ``_native.push_call``: ``push(**fields)`` and
+    """A uniform buffer's ``push`` (and ``add``) is a ``_native.BoundPush``: ``push(**fields)`` and
     ``push(dict)``, with ``lane=`` and ``episode=`` or without, push in C with no dict made; every
     other call gives what the Python method gives, errors included, and leaves the buffer as it was."""
-    import functools
 
     buf = make(MUJOCO, capacity=16, lanes=2, episodes=True, name=name)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(native, "lib", None)
         ref = make(MUJOCO, capacity=16, lanes=2, episodes=True, name=name + "r")
-    assert isinstance(buf.__dict__["push"], functools.partial) and buf.add is buf.push
-    assert "push" not in ref.__dict__ and "push" not in make(MUJOCO, capacity=8, sampler=sb.Prioritized(), name=name + "p").__dict__
+    assert type(buf.push) is LIB.BoundPush and type(buf.add) is LIB.BoundPush and buf.push.__self__ is buf
+    assert isinstance(ref.push, types.MethodType)  # the Python method, bound as usual
+    assert isinstance(make(MUJOCO, capacity=8, sampler=sb.Prioritized(), name=name + "p").push, types.MethodType)
+    assert sb.ReplayBuffer.push.__doc__ == buf.push.__doc__ and sb.ReplayBuffer.push.__name__ == "push"
     rows = transition(0, 2)
     one = {k: v[0] for k, v in transition(2, 1).items()}
     for args, kwargs in (((), {**rows, "lane": 0, "episode": 1}), ((rows,), {"lane": 1, "episode": np.array([3, 4])}),
@@ -1216,10 +1211,12 @@ def test_push_itself_runs_in_c_for_its_usual_calls_and_the_method_for_the_rest(m
     other = sb.ReplayBuffer.attach(buf.handle)
     assert np.array_equal(other.push(rows, lane=1, episode=8), ref.push(rows, lane=1, episode=8))
     other.close()
-    gone = sb.ReplayBuffer.attach(buf.handle).push  # its buffer object is gone at once
-    for call in (lambda: gone(rows, lane=0, episode=9), lambda: gone(rows, lane=0, episode=9, priority=1.0)):
-        with pytest.raises(sb.ClosedError, match="gone"):  # never pushes through a buffer nobody holds
-            call()
+    kept = sb.ReplayBuffer.attach(buf.handle).push  # as a bound method, it keeps its buffer object
+    assert not kept.__self__.closed
+    assert np.array_equal(kept(rows, lane=0, episode=9), ref.push(rows, lane=0, episode=9))
+    with pytest.raises(sb.FieldError, match="priority: this buffer samples uniformly"):  # the method, for the rest
+        kept(rows, lane=0, episode=9, priority=1.0)
+    kept.__self__.close()
     assert block_bytes(buf) == block_bytes(ref)
     held = buf.push
     buf.close()  # a push callable still held does not keep the mapping
