@@ -43,6 +43,21 @@
 #endif
 
 /* -- buffers ----------------------------------------------------------------------------------- */
+/* whether buffer format f is `want` (a native format of one item, as numpy gives an aligned array
+ * of the column's dtype): numpy gives an unaligned native array (a field of a packed record) the
+ * same item with standard size and native order, "=f" for "f" ("=q" for "l"); the copies are
+ * memcpy, which does not care about alignment */
+static int same_format(const char *f, const char *want) {
+    if (strcmp(f, want) == 0) return 1;
+    const union { uint16_t u; char c[2]; } probe = {1};
+    char order = probe.c[0] ? '<' : '>';
+    if ((f[0] != '=' && f[0] != order) || !f[1] || f[2] || !want[0] || want[1]) return 0;
+    char a = f[1], b = want[0];
+    if (a == b) return strchr("?bBhHiIqQfd", a) != NULL; /* standard and native sizes agree */
+    return (a == 'q' && b == 'l' && sizeof(long) == 8) || (a == 'Q' && b == 'L' && sizeof(long) == 8) ||
+           (a == 'i' && b == 'l' && sizeof(long) == 4) || (a == 'I' && b == 'L' && sizeof(long) == 4);
+}
+
 static int get_buf(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, const char *what) {
     int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0) {
@@ -1111,7 +1126,7 @@ static int copies_open(Copies *c, PyObject *dst_o, PyObject *off_o, PyObject *fm
         if (fmt_o != Py_None) {
             PyObject *want = PyTuple_GET_ITEM(fmt_o, g);
             const char *f = c->src[g].format ? c->src[g].format : "B";
-            if (!PyBytes_Check(want) || strcmp(f, PyBytes_AS_STRING(want)) != 0) {
+            if (!PyBytes_Check(want) || !same_format(f, PyBytes_AS_STRING(want))) {
                 PyBuffer_Release(&c->src[g]);
                 PyBuffer_Release(&c->dst[g]);
                 copies_close(c);
@@ -1432,9 +1447,9 @@ static int source(const PushPlan *p, Py_ssize_t g, PyObject *v, Source *s, int *
     s->held = 1;
     Py_buffer *b = &s->view;
     const char *f = b->format ? b->format : "B", *want = p->format[g];
-    if (strcmp(f, want) != 0) {
-        if (strcmp(f, "d") == 0 && strcmp(want, "f") == 0) s->convert = 1;
-        else if (strcmp(f, "f") == 0 && strcmp(want, "d") == 0) s->convert = 2;
+    if (!same_format(f, want)) {
+        if (same_format(f, "d") && strcmp(want, "f") == 0) s->convert = 1;
+        else if (same_format(f, "f") && strcmp(want, "d") == 0) s->convert = 2;
         else return 0;
     }
     if (!PyBuffer_IsContiguous(b, 'C')) return 0;
@@ -1456,9 +1471,12 @@ static int source(const PushPlan *p, Py_ssize_t g, PyObject *v, Source *s, int *
     Py_ssize_t bytes = item ? b->len / item * (s->convert == 1 ? 4 : 8) : b->len;
     if (*k < 1 || bytes != *k * p->width[g]) return 0;
     if (s->convert == 1) { /* finite values too large for float32 would become inf: validate refuses them */
-        const double *d = (const double *)b->buf;
-        for (Py_ssize_t i = 0, e = b->len / 8; i < e; i++)
-            if (isfinite(d[i]) && fabs(d[i]) > (double)FLT_MAX) return 0;
+        const char *d = (const char *)b->buf; /* maybe unaligned: memcpy each value */
+        for (Py_ssize_t i = 0, e = b->len / 8; i < e; i++) {
+            double x;
+            memcpy(&x, d + 8 * i, 8);
+            if (isfinite(x) && fabs(x) > (double)FLT_MAX) return 0;
+        }
     }
     return 1;
 }
@@ -1642,14 +1660,22 @@ static PyObject *push_held(const PushPlan *p, PyObject *const *vals, PyObject *l
         c.from[g] = to;
         if (!s->held) {
             memcpy(to, s->scalar.c, (size_t)p->width[g]); /* one row: a Python number */
-        } else if (s->convert == 1) {
-            const double *d = (const double *)s->view.buf;
+        } else if (s->convert == 1) { /* the source maybe unaligned: memcpy each value */
+            const char *d = (const char *)s->view.buf;
             float *f = (float *)to;
-            for (Py_ssize_t i = 0, e = s->view.len / 8; i < e; i++) f[i] = (float)d[i];
+            for (Py_ssize_t i = 0, e = s->view.len / 8; i < e; i++) {
+                double x;
+                memcpy(&x, d + 8 * i, 8);
+                f[i] = (float)x;
+            }
         } else {
-            const float *f = (const float *)s->view.buf;
+            const char *f = (const char *)s->view.buf;
             double *d = (double *)to;
-            for (Py_ssize_t i = 0, e = s->view.len / 4; i < e; i++) d[i] = (double)f[i];
+            for (Py_ssize_t i = 0, e = s->view.len / 4; i < e; i++) {
+                float x;
+                memcpy(&x, f + 4 * i, 4);
+                d[i] = (double)x;
+            }
         }
     }
     PyObject *kobj = PyLong_FromSsize_t(k);
@@ -2000,21 +2026,23 @@ static PyTypeObject PushMethodType = {
     .tp_getset = method_getset,
 };
 
-/* reserve(stamp, owner, first, k, n0, writer) -> bool: under the ring's lock, the k consecutive
+/* reserve(stamp, owner, first, k, n0, writer, old) -> bool: under the ring's lock, the k consecutive
  * slots from `first` for rows n0.. : False (nothing written) if one of them is odd (being
- * written: the caller's lapping rules decide); else each slot's owner, then its stamp 2n + 1. */
+ * written: the caller's lapping rules decide); else each slot's stamp into `old` (k int64: what
+ * Ring.undo puts back), each slot's owner, then its stamp 2n + 1. */
 static PyObject *reserve(PyObject *self, PyObject *args) {
-    PyObject *stamp_o, *owner_o;
+    PyObject *stamp_o, *owner_o, *old_o;
     Py_ssize_t k;
     long long first, n0, writer;
-    if (!PyArg_ParseTuple(args, "OOLnLL", &stamp_o, &owner_o, &first, &k, &n0, &writer)) return NULL;
-    Py_buffer stb, ob;
+    if (!PyArg_ParseTuple(args, "OOLnLLO", &stamp_o, &owner_o, &first, &k, &n0, &writer, &old_o)) return NULL;
+    Py_buffer stb, ob, oldb;
     if (get_buf(stamp_o, &stb, 1, 8, "stamp") < 0) return NULL;
     if (get_buf(owner_o, &ob, 1, 2, "owner") < 0) { PyBuffer_Release(&stb); return NULL; }
+    if (get_buf(old_o, &oldb, 1, 8, "old") < 0) { PyBuffer_Release(&stb); PyBuffer_Release(&ob); return NULL; }
     PyObject *result = NULL;
     Py_ssize_t capacity = stb.len / 8;
     if (ob.len / 2 != capacity || k < 0 || first < 0 || first + k > capacity || n0 < 0 || n0 > (INT64_MAX / 2 - k - 1) ||
-        writer < 0 || writer > 65535) {
+        writer < 0 || writer > 65535 || oldb.len / 8 != k) {
         PyErr_SetString(PyExc_ValueError, "reserve: slots, rows or writer out of range");
         goto done;
     }
@@ -2026,6 +2054,8 @@ static PyObject *reserve(PyObject *self, PyObject *args) {
         if (odd & 1) {
             result = Py_False;
         } else {
+            int64_t *was = (int64_t *)oldb.buf;
+            for (Py_ssize_t i = 0; i < k; i++) was[i] = stamp[i];
             for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&owner[i], (uint16_t)writer, __ATOMIC_RELAXED);
             for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&stamp[i], 2 * (n0 + i) + 1, __ATOMIC_RELEASE);
             result = Py_True;
@@ -2035,20 +2065,22 @@ static PyObject *reserve(PyObject *self, PyObject *args) {
 done:
     PyBuffer_Release(&stb);
     PyBuffer_Release(&ob);
+    PyBuffer_Release(&oldb);
     return result;
 }
 
-/* reserve_lanes(cursors, stamp, owner, lane, writer, n, slots) -> bool: under the ring's lock, one
- * row in each lane of `lane` (k int64 lane numbers): row numbers from each lane's
+/* reserve_lanes(cursors, stamp, owner, lane, writer, n, slots, old) -> bool: under the ring's lock,
+ * one row in each lane of `lane` (k int64 lane numbers): row numbers from each lane's
  * max(cursor, base) in order (into n), their slots (into slots); False (nothing written) if one
- * of the slots is odd (being written: the caller's lapping rules decide); else owners, odd
+ * of the slots is odd (being written: the caller's lapping rules decide); else the slots' stamps
+ * into old (what Ring.undo puts back), owners, odd
  * stamps 2n + 1, then every lane's cursor to max(cursor, base) + its rows (ring.py's order:
  * stamps odd before the cursor moves). cursors is the (lanes, 8) int64 _lanes column. */
 static PyObject *reserve_lanes(PyObject *self, PyObject *args) {
-    PyObject *cur_o, *stamp_o, *owner_o, *lane_o, *n_o, *slots_o;
+    PyObject *cur_o, *stamp_o, *owner_o, *lane_o, *n_o, *slots_o, *old_o;
     long long writer;
-    if (!PyArg_ParseTuple(args, "OOOOLOO", &cur_o, &stamp_o, &owner_o, &lane_o, &writer, &n_o, &slots_o)) return NULL;
-    Py_buffer cb, stb, ob, lb, nb, sb;
+    if (!PyArg_ParseTuple(args, "OOOOLOOO", &cur_o, &stamp_o, &owner_o, &lane_o, &writer, &n_o, &slots_o, &old_o)) return NULL;
+    Py_buffer cb, stb, ob, lb, nb, sb, oldb;
     int held = 0;
     PyObject *result = NULL;
     int64_t *base = NULL;
@@ -2064,10 +2096,12 @@ static PyObject *reserve_lanes(PyObject *self, PyObject *args) {
     held++;
     if (get_buf(slots_o, &sb, 1, 8, "slots") < 0) goto done;
     held++;
+    if (get_buf(old_o, &oldb, 1, 8, "old") < 0) goto done;
+    held++;
     {
         Py_ssize_t lanes = cb.len / 64, capacity = stb.len / 8, k = lb.len / 8;
         if (lanes <= 0 || cb.len % 64 || capacity % lanes || ob.len / 2 != capacity || nb.len / 8 != k ||
-            sb.len / 8 != k || writer < 0 || writer > 65535) {
+            sb.len / 8 != k || oldb.len / 8 != k || writer < 0 || writer > 65535) {
             PyErr_SetString(PyExc_ValueError, "reserve_lanes: arrays of inconsistent sizes, or a writer out of range");
             goto done;
         }
@@ -2102,6 +2136,8 @@ static PyObject *reserve_lanes(PyObject *self, PyObject *args) {
         if (odd & 1) {
             result = Py_False;
         } else {
+            int64_t *was = (int64_t *)oldb.buf;
+            for (Py_ssize_t i = 0; i < k; i++) was[i] = stamp[slots[i]];
             for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&owner[slots[i]], (uint16_t)writer, __ATOMIC_RELAXED);
             for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&stamp[slots[i]], 2 * n[i] + 1, __ATOMIC_RELEASE);
             for (Py_ssize_t l = 0; l < lanes; l++) __atomic_store_n(&cur[8 * l + 0], base[l] + count[l], __ATOMIC_RELEASE);
@@ -2111,6 +2147,7 @@ static PyObject *reserve_lanes(PyObject *self, PyObject *args) {
     }
 done:
     PyMem_Free(base);
+    if (held > 6) PyBuffer_Release(&oldb);
     if (held > 5) PyBuffer_Release(&sb);
     if (held > 4) PyBuffer_Release(&nb);
     if (held > 3) PyBuffer_Release(&lb);
@@ -2159,8 +2196,8 @@ static PyMethodDef methods[] = {
     {"plan", plan, METH_VARARGS, "plan(lock, cursors, stats, stamp, owner, writers, me, frozen, inserted, names, formats, shapes, widths, targets, offsets, episode, envs, empty, int64, block, table) -> a push's plan."},
     {"push", (PyCFunction)(void (*)(void))push, METH_FASTCALL, "push(plan, data, lane, episode) -> ids, or None where Python decides."},
     {"plan_close", plan_close, METH_O, "plan_close(plan): release a push plan's views of the buffer."},
-    {"reserve", reserve, METH_VARARGS, "reserve(stamp, owner, first, k, n0, writer) -> bool: mark consecutive slots odd."},
-    {"reserve_lanes", reserve_lanes, METH_VARARGS, "reserve_lanes(cursors, stamp, owner, lane, writer, n, slots) -> bool."},
+    {"reserve", reserve, METH_VARARGS, "reserve(stamp, owner, first, k, n0, writer, old) -> bool: mark consecutive slots odd."},
+    {"reserve_lanes", reserve_lanes, METH_VARARGS, "reserve_lanes(cursors, stamp, owner, lane, writer, n, slots, old) -> bool."},
     {"lanes_worst", lanes_worst, METH_VARARGS, "lanes_worst(lane, lanes) -> most rows in one lane, or -1."},
     {"stacks", stacks, METH_VARARGS, "stacks(win, ok, kind, lanes, stamp, column, k, lasts, outs, valid): frame stacks read with their plan."},
     {"check", check, METH_VARARGS, "check(plan, data) -> (k, single) or None: a push's fast checks, no casts."},

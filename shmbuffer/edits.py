@@ -190,7 +190,8 @@ def push(
     """``ReplayBuffer.push``, whose usual case ``one_call`` took first where it could: check
     everything (``check``); with ``one_call`` the checked rows (cast, reshaped) take it; else reserve (marking the rows
     odd, their priorities set, under the lock; signals deferred until the commit), copy (one C
-    call through ``copier``, else numpy), commit; a copy that fails gives the rows back as empty. With
+    call through ``copier``, else numpy; every cast made before the reservation), commit; a push
+    that fails after its reservation leaves no hole where that can be helped (``Ring.undo``). With
     ``next_of``/``stack`` the ``pusher`` (``frames.py``) checks the rows against this process's
     previous ones in each lane and lays them out as stored, end rows included."""
     ring = src.ring
@@ -208,7 +209,12 @@ def push(
         ring.check_push(k, lane)
     # new rows take their priority (and no uses) inside the reservation's critical section:
     # while they are being written a draw that lands on them sees an odd stamp and re-draws
-    also = None if prios is None else (lambda slots: prios.set_rows(slots, priority, fresh=True))
+    kept: list[Callable[[], None]] = []  # what puts the priorities back if the push is undone
+    also = None
+    if prios is not None:
+        def also(slots: np.ndarray) -> None:  # under the reservation's lock
+            kept.append(prios.keep(slots))
+            prios.set_rows(slots, priority, fresh=True)
     rows = k  # the transitions this push inserts (a rate limiter's and stats' "inserted")
     if ex is not None and ex.rows.size < k:
         rows = int(ex.rows.size)
@@ -220,6 +226,7 @@ def push(
 
         def also(slots: np.ndarray) -> None:  # under the reservation's lock
             if prios is not None:  # an end row is never drawn
+                kept.append(prios.keep(slots))
                 prios.set_rows(slots, priority, fresh=True)
                 prios.tree.update(slots[ends], 0.0)
             src.block.counters[Counter.INSERTED] -= k - rows  # an end row is not an insert
@@ -231,43 +238,45 @@ def push(
         if ids is not None:
             note_interleaving(src, ids, episodes, given)
             return ids
+    sources = copier.prepare(arrays, episodes, k)  # every cast before the reservation: the copy cannot fail
+    def restore() -> None:
+        for put_back in kept:
+            put_back()
+
     res = None
+    started = copied = False
     try:
         if gated:
             assert limiter is not None
             res = ring.reserve(k, lane, gate=lambda i, s, size: limiter.can_insert(i, s, size, rows),
-                               why=lambda: limiter.state(ring), also=also, deferring=True,
+                               why=lambda: limiter.state(ring), also=also, restore=restore, deferring=True,
                                timeout=limiter.timeout if timeout is None else timeout)
         else:
-            res = ring.reserve(k, lane, also=also, deferring=True)
+            res = ring.reserve(k, lane, also=also, restore=restore, deferring=True)
         if pusher is not None and ex is not None:
             why = pusher.confirm(ex, res.n, ring.base(np.arange(ring.lanes)))
             if why is not None:
-                raise FieldError(why)  # the rows are given back below
+                raise FieldError(why)  # the reservation is undone below
         # from here to the commit, signal handlers wait (lock.py): a Ctrl-C cannot leave the
         # rows odd under this live process; it is raised once they are committed
-        if copier.lib is not None and copier.fields is src.block.fields:  # one C call (ring.Copier)
-            copier.put(res, arrays, episodes)
-        else:
-            fields_ = src.block.fields
-            for name, a in arrays.items():
-                fields_[name][res.where] = a
-            if episodes is not None and src.block.episode is not None:
-                src.block.episode[res.where] = episodes
+        started = True
+        copier.put(res, sources, src.block.fields)
+        copied = True
         ring.commit(res)
-        if pusher is not None and ex is not None:
-            pusher.done(ex, res.n)
-            return res.ids[ex.rows]
-        note_interleaving(src, res.ids, episodes, given)
     except BaseException:
-        # the copy failed after the reservation: give the rows back — they read as empty,
-        # never as committed, and are never drawn; a live owner must not keep them odd
-        if res is not None and not ring.current(res.ids).all():
-            ring.abandon(res, None if prios is None else (lambda slots: prios.tree.update(slots, 0.0)))
+        # never a hole: rows copied whole are committed; else, while nobody reserved since, the
+        # ring is put back as it was; else the rows read as empty, never as committed
+        if res is not None:
+            ring.undo(res, started=started, copied=copied, restore=restore,
+                      lost=None if prios is None else (lambda slots: prios.tree.update(slots, 0.0)))
         raise
     finally:
         if res is not None:
             resume_signals()  # a signal that came meanwhile is raised here
+    if pusher is not None and ex is not None:
+        pusher.done(ex, res.n)
+        return res.ids[ex.rows]
+    note_interleaving(src, res.ids, episodes, given)
     return res.ids
 
 

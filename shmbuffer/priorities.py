@@ -36,6 +36,7 @@ tree from its leaves.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -199,6 +200,20 @@ class Priorities:
             f"whose tree leaves (p + {s.eps:g}) ** {s.alpha:g} exceed {MAX_LEAF:g} (the tree's total must "
             f"stay finite); expected priorities <= {most:.6g}: scale them down; nothing was changed"
         )
+
+    def keep(self, slots: np.ndarray) -> Callable[[], None]:
+        """Under the lock, before ``set_rows``: a function that puts back the leaves and uses of
+        ``slots`` and the largest priority as they are now (a push undone, ``Ring.undo``)."""
+        leaves, top = self.tree.leaves[slots].copy(), float(self._prio[0])
+        uses = None if self.uses is None else self.uses[slots].copy()
+
+        def put_back() -> None:
+            self.tree.update(slots, leaves)
+            self._prio[0] = top
+            if uses is not None and self.uses is not None:
+                self.uses[slots] = uses
+
+        return put_back
 
     def set_rows(self, slots: np.ndarray, priorities: np.ndarray | None, fresh: bool) -> None:
         """Under the lock: give ``slots`` their priorities (``None``: the largest so far); fresh

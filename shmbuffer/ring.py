@@ -136,12 +136,15 @@ def lane_bounds(lanes: np.ndarray, lane_capacity: int) -> tuple[np.ndarray, np.n
 
 class Reservation:
     """Rows a writer holds between ``reserve`` and ``commit``: ``where`` indexes their slots (a
-    slice when they are contiguous), ``n`` their row numbers, ``lane`` their lane(s)."""
+    slice when they are contiguous), ``n`` their row numbers, ``lane`` their lane(s). ``before``
+    is what ``undo`` puts back: the slots' stamps, every lane's cursor and the insert count
+    before the reservation, and the cursors right after it."""
 
-    __slots__ = ("lane", "lanes", "n", "where")
+    __slots__ = ("before", "lane", "lanes", "n", "where")
 
-    def __init__(self, where: slice | np.ndarray, n: np.ndarray, lane: int | np.ndarray, lanes: int) -> None:
-        self.where, self.n, self.lane, self.lanes = where, n, lane, lanes
+    def __init__(self, where: slice | np.ndarray, n: np.ndarray, lane: int | np.ndarray, lanes: int,
+                 before: tuple[np.ndarray, np.ndarray, int, np.ndarray]) -> None:
+        self.where, self.n, self.lane, self.lanes, self.before = where, n, lane, lanes, before
 
     @property
     def ids(self) -> np.ndarray:
@@ -216,29 +219,38 @@ class Copier:
         got = self.lib.check(self.plan, data)  # type: ignore[union-attr]
         return None if got is None else (got[0], data)
 
-    def put(self, res: Reservation, arrays: dict[str, np.ndarray], episodes: np.ndarray | None) -> None:
-        """Copy ``arrays`` (checked by the schema or by ``check``; cast here as numpy's assignment
-        would) and ``episodes`` into ``res``'s slots."""
-        lib = self.lib
-        assert lib is not None
-        where = res.where
-        at, k = (where.start, where.stop - where.start) if isinstance(where, slice) else (where, where.shape[0])
-        names = self.names
-        sources = tuple([arrays[n] for n in names])
-        cols, offsets, formats = self.columns, self.offsets, self.formats
+    def prepare(self, arrays: dict[str, np.ndarray], episodes: np.ndarray | None, k: int) -> tuple[np.ndarray, ...]:
+        """The sources of a push's copies, made before its reservation so that nothing between the
+        reservation and the commit can fail: each field's ``k`` rows (``arrays``, checked by the
+        schema or by ``check``) cast, broadcast, C-contiguous and aligned as its column takes them
+        (numpy's assignment rules), then the episode ids when the block keeps them."""
+        out = []
+        for name in self.names:
+            a, dtype, shape = arrays[name], self.targets[name][2], (k, *self.fields[name].shape[1:])
+            if not (type(a) is np.ndarray and a.dtype == dtype and a.shape == shape and a.flags.c_contiguous and a.flags.aligned):
+                a = np.require(np.broadcast_to(np.asarray(a, dtype=dtype), shape), requirements="CA")
+            out.append(a)
         if episodes is not None and self.episode is not None:
-            e = np.ascontiguousarray(np.broadcast_to(np.asarray(episodes, dtype=np.int64), (k,)))
-            sources, cols, offsets, formats = (*sources, e), (*cols, self.episode), (*offsets, 0), (*formats, _format(e.dtype) or b"")
-        if lib.put(at, k, self.stamp, cols, offsets, formats, sources, False):
-            return
-        # some source needs a cast or a contiguous copy (``Schema.validate`` casts nothing)
-        cast = []
-        for name, a in zip(names, sources, strict=False):
-            dtype = self.targets[name][2]
-            cast.append(np.ascontiguousarray(np.broadcast_to(np.asarray(a, dtype=dtype), (k, *self.fields[name].shape[1:]))))
-        sources = (*cast, *sources[len(names):])
-        if not lib.put(at, k, self.stamp, cols, offsets, formats, sources, False):
-            raise AssertionError("put: a source still differs from its column after the cast")
+            out.append(np.require(np.broadcast_to(np.asarray(episodes, dtype=np.int64), (k,)), requirements="CA"))
+        return tuple(out)
+
+    def put(self, res: Reservation, sources: tuple[np.ndarray, ...], fields: dict[str, np.ndarray]) -> None:
+        """Copy ``sources`` (``prepare``'s) into ``res``'s slots: one C call when the block's field
+        table is still ``fields`` (a test may replace it to stop a copy midway), else numpy."""
+        where = res.where
+        lib = self.lib
+        if lib is not None and fields is self.fields:
+            at, k = (where.start, where.stop - where.start) if isinstance(where, slice) else (where, where.shape[0])
+            cols, offsets, formats = self.columns, self.offsets, self.formats
+            if len(sources) > len(self.names):
+                cols, offsets, formats = (*cols, self.episode), (*offsets, 0), (*formats, _format(np.dtype(np.int64)) or b"")
+            if lib.put(at, k, self.stamp, cols, offsets, formats, sources, False):
+                return
+        for name, a in zip(self.names, sources, strict=False):  # prepared: an assignment that cannot fail
+            fields[name][where] = a
+        if len(sources) > len(self.names):
+            assert self.episode is not None
+            self.episode[where] = sources[-1]
 
 
 def _format(dtype: np.dtype) -> bytes | None:
@@ -340,14 +352,15 @@ class Ring:
     def reserve(
         self, k: int, lane: int | np.ndarray = 0, *, gate: Gate | None = None, timeout: float = 0.0,
         why: Callable[[], str] | None = None, also: Callable[[np.ndarray], None] | None = None,
-        deferring: bool = False,
+        restore: Callable[[], None] | None = None, deferring: bool = False,
     ) -> Reservation:
         """Reserve ``k`` rows in ``lane`` (an int), or one row in each of ``lane`` (an array of
         ``k`` lane numbers), marking them odd; the caller copies, then calls ``commit``.
 
         ``gate(inserted, sampled, size)`` (a rate limiter) is checked inside the same critical
         section, so concurrent writers cannot overshoot it; while it says no, wait up to
-        ``timeout``. ``also(slots)`` runs inside it once the rows are reserved (their priorities).
+        ``timeout``. ``also(slots)`` runs inside it once the rows are reserved (their priorities);
+        if it raises, the reservation is undone (``undo``; ``restore()`` puts back what it changed).
         With ``deferring``, signal handlers still wait when it returns (``lock.defer_signals``):
         the caller commits or abandons, then calls ``lock.resume_signals()``, so no interrupt can
         come between the rows turning odd and their commit."""
@@ -364,7 +377,7 @@ class Ring:
                     try:
                         also(self.slots(res.ids))
                     except BaseException:  # the rows must not stay odd under a live owner
-                        self._abandon(res, None)
+                        self._undo(res, started=False, copied=False, restore=restore)
                         raise
                 if res is not None and deferring:
                     defer_signals()  # once more: outlasts the lock, until the caller resumes
@@ -396,14 +409,16 @@ class Ring:
     def _try_reserve(self, k: int, lane: int | np.ndarray, w: int) -> Reservation | None:
         lc = self.lane_capacity
         cursors = self._lanes
+        old = np.empty(k, np.int64)  # the slots' stamps before (undo)
+        was = cursors[:, _CURSOR].copy(), int(self._count[_INSERTED])
         if isinstance(lane, np.ndarray):
             lib = native.lib
             if lib is not None and lane.dtype == np.int64 and lane.flags.c_contiguous:
                 n, slots = np.empty(k, np.int64), np.empty(k, np.int64)
                 # no slot odd: owners, odd stamps, then the cursors, in one C call
-                if lib.reserve_lanes(cursors, self.stamp, self.owner, lane, w, n, slots):
+                if lib.reserve_lanes(cursors, self.stamp, self.owner, lane, w, n, slots, old):
                     self._count[_INSERTED] += k
-                    return Reservation(slots, n, lane, self.lanes)
+                    return Reservation(slots, n, lane, self.lanes, (old, *was, cursors[:, _CURSOR].copy()))
             counts = np.bincount(lane, minlength=self.lanes)
             order = np.argsort(lane, kind="stable")
             first = np.cumsum(counts) - counts
@@ -417,11 +432,12 @@ class Ring:
             n = np.arange(n0, n0 + k)
             s0 = n0 % lc
             lib = native.lib
-            if lib is not None and s0 + k <= lc and lib.reserve(self.stamp, self.owner, lane * lc + s0, k, n0, w):
+            if lib is not None and s0 + k <= lc and lib.reserve(self.stamp, self.owner, lane * lc + s0, k, n0, w, old):
                 # no slot odd: owners, then odd stamps, in one C call (the lapping rules below otherwise)
                 cur[8 * lane + _CURSOR] = n0 + k
                 self._count[_INSERTED] += k
-                return Reservation(slice(lane * lc + s0, lane * lc + s0 + k), n, lane, self.lanes)
+                return Reservation(slice(lane * lc + s0, lane * lc + s0 + k), n, lane, self.lanes,
+                                   (old, *was, cursors[:, _CURSOR].copy()))
             where = slice(lane * lc + s0, lane * lc + s0 + k) if s0 + k <= lc else lane * lc + n % lc
         stamps = self.stamp[where]
         if (stamps[0] if k == 1 else np.bitwise_or.reduce(stamps)) & 1:  # some slot is odd: being written
@@ -430,6 +446,7 @@ class Ring:
             if any(self._alive(int(o)) for o in held):
                 return None
             self._stats[_RECLAIMED] += int(busy.sum())
+        old[:] = stamps
         self.owner[where] = w  # the owner first: an odd stamp always names its live or dead writer
         if isinstance(lane, np.ndarray):
             self.stamp[where] = 2 * n + 1
@@ -438,7 +455,7 @@ class Ring:
             self.stamp[where] = np.arange(2 * n0 + 1, 2 * (n0 + k), 2)
             self._cur[8 * lane + _CURSOR] = n0 + k
         self._count[_INSERTED] += k
-        return Reservation(where, n, lane, self.lanes)
+        return Reservation(where, n, lane, self.lanes, (old, *was, cursors[:, _CURSOR].copy()))
 
     def commit(self, res: Reservation) -> None:
         """Odd to even: the rows are committed (nobody else touches a live writer's odd stamps).
@@ -453,6 +470,36 @@ class Ring:
                 lib.put(where, where.shape[0], self.stamp, (), (), None, (), True)
         else:
             self.stamp[res.where] += 1
+
+    def undo(self, res: Reservation, *, started: bool, copied: bool, restore: Callable[[], None] | None = None,
+             lost: Callable[[np.ndarray], None] | None = None) -> None:
+        """A push failed between ``reserve`` and ``commit``: never leave a hole where that can be
+        helped. With every row ``copied`` the rows are whole: they are committed. Else, while
+        nobody has reserved since (every lane's cursor where this reservation left it, its rows
+        still odd) and no row a slot held was written over (the copy not ``started``, or the
+        slots held none), the ring is put back as it was: cursors, the slots' stamps (their rows
+        readable again), the insert count, and ``restore()`` (the priorities ``also`` set). Else
+        the rows are given back as empty (``abandon``, with ``lost(slots)``): a hole, which
+        readers report as a lost row."""
+        with self.lock:
+            self._undo(res, started=started, copied=copied, restore=restore, lost=lost)
+
+    def _undo(self, res: Reservation, *, started: bool, copied: bool, restore: Callable[[], None] | None,
+              lost: Callable[[np.ndarray], None] | None = None) -> None:
+        slots = self.slots(res.ids)
+        mine = self.stamp[slots] == res.stamps - 1
+        if copied:
+            self.stamp[slots[mine]] = res.stamps[mine]
+            return
+        old, cursors, inserted, after = res.before
+        if mine.all() and np.array_equal(self._lanes[:, _CURSOR], after) and (not started or not old.any()):
+            self._lanes[:, _CURSOR] = cursors  # the cursors first: see "every prefix" in the module docstring
+            self.stamp[slots] = old
+            self._stats[_INSERTED] = inserted
+            if restore is not None:
+                restore()
+            return
+        self._abandon(res, lost)
 
     def abandon(self, res: Reservation, also: Callable[[np.ndarray], None] | None = None) -> None:
         """Give rows back unwritten (the copy failed): they read as empty, never as committed.

@@ -391,12 +391,22 @@ def test_a_copy_that_fails_gives_the_rows_back(make: Make, name: str) -> None:
     good = buf.block.fields
     buf.block.fields = Targets(good)
     with pytest.raises(KeyboardInterrupt):
-        buf.push(transition(4, 2))
+        buf.push(transition(4, 2))  # stopped midway into empty slots: the ring is put back as it was
     buf.block.fields = good
-    assert set(seq_of(buf.sample(100))) == {0, 1, 2, 3}  # the abandoned rows are never drawn
+    assert len(buf) == 4 and buf.stats["inserted"] == 4
+    assert set(seq_of(buf.sample(100))) == {0, 1, 2, 3}
     assert buf.priorities.tree.leaves[4:6].tolist() == [0.0, 0.0]  # type: ignore[union-attr]
-    with pytest.raises(sb.EmptyBufferError, match="lost"):
+    with pytest.raises(sb.EmptyBufferError, match="out of range"):
         buf.get(5)
+    buf.push(transition(4, 6))  # a full ring
+    buf.block.fields = Targets(good)
+    with pytest.raises(KeyboardInterrupt):
+        buf.push(transition(10, 2))  # stopped midway over rows 2 and 3: they are gone, the new rows are holes
+    buf.block.fields = good
+    assert set(seq_of(buf.sample(100))) == set(range(4, 10))  # the abandoned rows are never drawn
+    assert buf.priorities.tree.leaves[2:4].tolist() == [0.0, 0.0]  # type: ignore[union-attr]
+    with pytest.raises(sb.EmptyBufferError, match="lost"):
+        buf.get(-1)
 
 
 def test_take_refuses_ids_that_never_existed(make: Make, name: str) -> None:

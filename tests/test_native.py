@@ -659,26 +659,34 @@ def test_put_reserve_and_check_refuse_bad_input(make: Make, name: str) -> None:
     assert LIB.put(0, 2, stamp, (packed,), (0,), None, (np.zeros((2, 8), np.uint8)[:, ::2],), True) is False
     for args in ((-1, 2, 0, 0), (9, 2, 0, 0), (0, 2, -1, 0), (0, 2, 0, 70_000), (0, 2, 2 ** 62, 0)):
         with pytest.raises(ValueError):
-            LIB.reserve(stamp, owner, *args)
+            LIB.reserve(stamp, owner, *args, np.empty(2, np.int64))
     with pytest.raises(TypeError):
-        LIB.reserve(stamp, owner.astype(np.int64), 0, 1, 0, 0)
+        LIB.reserve(stamp, owner.astype(np.int64), 0, 1, 0, 0, np.empty(1, np.int64))
+    with pytest.raises(ValueError):  # a stamp kept for each slot
+        LIB.reserve(stamp, owner, 0, 2, 0, 0, np.empty(1, np.int64))
     assert np.array_equal(packed, before[0]) and np.array_equal(stamp, before[1]) and np.array_equal(owner, before[2])
     cursors = buf.block.arrays["_lanes"]
     n, at = np.empty(2, np.int64), np.empty(2, np.int64)
     for lane, w in (([0, 1], 0), ([0, -1], 0), ([0, 0], -1)):  # one lane: lane 1 does not exist
         with pytest.raises(ValueError):
-            LIB.reserve_lanes(cursors, stamp, owner, np.array(lane, np.int64), w, n, at)
+            LIB.reserve_lanes(cursors, stamp, owner, np.array(lane, np.int64), w, n, at, np.empty(2, np.int64))
     with pytest.raises(ValueError):
-        LIB.reserve_lanes(cursors, stamp, owner, np.zeros(3, np.int64), 0, n, at)
+        LIB.reserve_lanes(cursors, stamp, owner, np.zeros(3, np.int64), 0, n, at, np.empty(3, np.int64))
+    with pytest.raises(ValueError):
+        LIB.reserve_lanes(cursors, stamp, owner, np.zeros(2, np.int64), 0, n, at, np.empty(3, np.int64))
     assert np.array_equal(stamp, before[1]) and cursors[0, 0] == 0
     assert LIB.lanes_worst(np.array([0, 1, 1, 0, 1], np.int64), 2) == 3
     assert LIB.lanes_worst(np.array([0, 2], np.int64), 2) == -1 and LIB.lanes_worst(np.array([-1], np.int64), 2) == -1
     with pytest.raises(ValueError):
         LIB.lanes_worst(np.zeros(2, np.int64), 0)
     stamp[3] = 7  # being written: reserve leaves everything alone
-    assert LIB.reserve(stamp, owner, 2, 3, 50, 5) is False and owner[2:5].tolist() == [0, 0, 0]
-    assert LIB.reserve(stamp, owner, 4, 2, 50, 5) is True
-    assert stamp[4:6].tolist() == [101, 103] and owner[4:6].tolist() == [5, 5]
+    old = np.full(3, -1, np.int64)
+    assert LIB.reserve(stamp, owner, 2, 3, 50, 5, old) is False and owner[2:5].tolist() == [0, 0, 0]
+    assert old.tolist() == [-1, -1, -1]
+    stamp[5] = 42
+    old = np.full(2, -1, np.int64)
+    assert LIB.reserve(stamp, owner, 4, 2, 50, 5, old) is True
+    assert stamp[4:6].tolist() == [101, 103] and owner[4:6].tolist() == [5, 5] and old.tolist() == [0, 42]
     stamp[:] = 0
 
 

@@ -396,24 +396,13 @@ def test_save_while_a_writer_laps_the_ring(make: Make, loaded: list, name: str, 
 
 
 # -- holes: empty rows inside a lane's run ---------------------------------------------------------------
-class _Interrupted(dict):
-    """Stands in for the buffer's column table: the push copying through it is interrupted."""
-
-    def __getitem__(self, key: str) -> Any:
-        raise KeyboardInterrupt
-
-
 def interrupted_push(buf: sb.ReplayBuffer, lane: int, k: int) -> np.ndarray:
-    """A push of ``k`` rows interrupted mid-copy: they read as empty. Returns their ids."""
-    n0 = int(buf.ring.bounds()[1][lane])
-    targets = buf.block.fields
-    buf.block.fields = _Interrupted(targets)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            buf.push(transition(np.zeros(k, np.int64)), lane=lane, episode=99 if buf.options.episodes else None)
-    finally:
-        buf.block.fields = targets
-    return (n0 + np.arange(k)) * buf.lanes + lane
+    """A push of ``k`` rows given back empty after its reservation (``Ring.abandon``: what a push
+    stopped midway over rows it cannot put back leaves): they read as empty. Returns their ids."""
+    ring, prios = buf.ring, buf.priorities
+    res = ring.reserve(k, lane, also=None if prios is None else (lambda slots: prios.set_rows(slots, None, fresh=True)))
+    ring.abandon(res, None if prios is None else (lambda slots: prios.tree.update(slots, 0.0)))
+    return res.ids
 
 
 class _Dies(dict):
