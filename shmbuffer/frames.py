@@ -34,7 +34,9 @@ end its episode) or starts an episode. A continuing row's source must equal the 
 pushed next observation, and its stack's older frames the previous stack's newer ones; a starting
 row's stack must be padding plus its newest frame. Anything else is refused before the buffer is
 touched (``FieldError``). After the reservation the pusher checks that the rows really follow its
-previous row (no other writer took the lane meanwhile), else it gives the rows back and raises.
+previous row (no other writer took the lane meanwhile), else it gives the rows back and raises. A
+row that continues an episode in a lane cleared since (``clear()``) starts the lane again: its
+stack's older frames go into lead rows, as with ``resume``, so no read reaches the cleared rows.
 
 Reads (``window``, ``center``, ``stack_plan``)
 ----------------------------
@@ -403,7 +405,8 @@ class Pusher:
         prev_of: dict[int, int] = {}
         inside: list[tuple[int, int]] = []  # (row, the row of this push it continues)
         remembered: list[tuple[int, int, Last]] = []  # (row, lane, this process's last row it continues)
-        starts: list[tuple[int, int]] = []  # (row, lane) that start an episode
+        starts: list[tuple[int, int]] = []  # (row, lane) that start an episode, or a lane again
+        cleared: set[int] = set()  # rows that continue an episode in a lane cleared since
         lane_list, final_list = lanes.tolist(), final.tolist()
         eps_list = None if eps is None else eps.tolist()
         for i in range(k):
@@ -413,18 +416,21 @@ class Pusher:
                 last = self.last.get(ln)
                 # the lane's newest row is this process's last; a clear() since then moves the
                 # lane's cursor up to a lane boundary and the lane reads as empty until the next
-                # push (reads of the rows whose stacks reach before the clear re-draw them)
+                # push, which starts the lane again: its older frames go into lead rows (as with
+                # resume), so its stacks never reach the cleared rows
                 cont = (last is not None and not last.final
                         and (last.row == stop_[ln] - 1 or (start_[ln] == stop_[ln] and last.row < stop_[ln]))
                         and (eps_list is None or last.episode == eps_list[i]))
                 if cont and last is not None:
                     remembered.append((i, ln, last))
+                    if start_[ln] == stop_[ln]:
+                        cleared.add(i)
                 firsts[ln] = (i, cont)
             else:
                 cont = not final_list[p] and (eps_list is None or eps_list[p] == eps_list[i])
                 if cont:
                     inside.append((i, p))
-            if not cont:
+            if not cont or i in cleared:
                 starts.append((i, ln))
             prev_of[ln] = i
         self._check(full, inside, remembered)
@@ -434,7 +440,7 @@ class Pusher:
             try:
                 kinds[i] = START | self._padding(full, i, ln)
             except FieldError:
-                if not resume:
+                if not resume and i not in cleared:
                     raise
                 lead[i] = depth  # an episode resumed: its older frames go into lead rows
         # stored rows per pushed row i: its lead rows, the row, the end row after it (next_of)

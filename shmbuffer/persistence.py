@@ -1144,12 +1144,13 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
                     _pread_into(fd, staged, offset, file)
                 if t.name == "_leaf":
                     staged[~present] = 0.0  # a hole is never drawn
-                    if not np.all((staged >= 0) & (staged <= MAX_LEAF)):  # false for NaN
+                    assert prios is not None
+                    if not np.all((staged >= 0) & (staged <= MAX_LEAF)) or not prios.leaves_valid(staged):
                         raise LayoutError(
                             f"{file}: tensor '_leaf' holds negative or non-finite priorities, or leaves "
-                            f"above {MAX_LEAF:g}: expected tree leaves in [0, {MAX_LEAF:g}]"
+                            f"above {MAX_LEAF:g} or of no finite priority: expected tree leaves (p + eps) ** alpha "
+                            f"in [0, {MAX_LEAF:g}] of finite priorities p; the file was altered or is not a save"
                         )
-                    assert prios is not None
                     prios.tree.update(np.arange(sl.start, sl.stop), staged)
                 elif t.name == "_uses" and max_use is not None and staged.size and int(staged.max()) > max_use:
                     raise LayoutError(f"{file}: tensor '_uses' holds {int(staged.max())}, more than max_use={max_use}")

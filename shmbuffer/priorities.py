@@ -157,9 +157,15 @@ class Priorities:
         leaves = np.asarray(leaves, dtype=np.float64)
         if not isinstance(s, Prioritized) or s.alpha == 0:
             return np.ones_like(leaves)
-        with np.errstate(divide="ignore", invalid="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):  # an overflow warns: callers check leaves first
             p = np.power(leaves, 1.0 / s.alpha) - s.eps
         return np.where(leaves > 0, np.maximum(p, 0.0), 0.0)
+
+    def leaves_valid(self, leaves: np.ndarray) -> bool:
+        """Whether every leaf is one of a finite priority (``priorities_of`` gives it back without
+        overflowing): a loaded file's leaves are checked with it."""
+        with np.errstate(over="ignore"):
+            return bool(np.isfinite(self.priorities_of(leaves)).all())
 
     def leaf(self, priorities: np.ndarray) -> np.ndarray:
         """The leaves of these priorities (``inf`` where one overflows)."""

@@ -30,7 +30,7 @@ from .batch import Batch
 from .errors import EmptyBufferError, WaitTimeout
 from .layout import Block, Counter, Options
 from .priorities import Priorities
-from .ring import INVALID, Ring
+from .ring import INVALID, Ring, positions
 
 NONE = np.empty(0, np.int64)
 REDRAW_ROUNDS = 8
@@ -611,12 +611,34 @@ def take(src: Source, ids: Any) -> Batch:
     return assemble(src.block, ids, rows)
 
 
+_LOST = "a row was lost: its push failed midway over older rows, its writer died mid-push, or it was deleted"
+
+
+def transitions(src: Source) -> np.ndarray:
+    """With ``next_of``/``stack``: the ids of the held rows that are transitions, lane by lane,
+    oldest first (``get``'s positions, as many as ``len`` when no row was removed): not end or
+    lead rows, and with ``next_of`` not a lane's newest row (its next observation is not pushed)."""
+    ring = src.ring
+    ids = ring.held_ids()
+    keep = (src.block.arrays[frames.KIND][ring.slots(ids)] & (frames.END | frames.LEAD)) == 0
+    spec = src.block.frames
+    if spec is not None and spec.next_of:
+        first, stop = ring.bounds()
+        lanes = np.flatnonzero(stop > first)
+        keep &= ~np.isin(ids, (stop[lanes] - 1) * ring.lanes + lanes)
+    return ids[keep]
+
+
 def get(src: Source, index: Any) -> Batch:
     """Rows by logical index, waiting (up to a second) for rows being written (``ReplayBuffer.get``)."""
     ring = src.ring
     deadline = time.monotonic() + 1.0
     while True:
-        ids = ring.ids_at(index)
+        if src.block.frames is None:
+            ids = ring.ids_at(index)
+        else:
+            held = transitions(src)
+            ids = np.asarray(held[positions(index, held.size)])
         flat = ids.reshape(-1)
         rows = gather(src.block, ring, flat)
         if not rows.ok.all():
@@ -628,10 +650,10 @@ def get(src: Source, index: Any) -> Batch:
         if src.block.frames is not None and (now == expect).all():
             raise EmptyBufferError(f"get({index!r}): {_NOT_A_TRANSITION}")
         if np.any(now < expect) and not np.any(now[now < expect] & 1):
-            raise EmptyBufferError(f"get({index!r}): a row was lost: its writer died mid-push, or it was deleted")
+            raise EmptyBufferError(f"get({index!r}): {_LOST}")
         if time.monotonic() > deadline:
             if src.reap().size:
-                raise EmptyBufferError(f"get({index!r}): a row was lost: its writer died mid-push, or it was deleted")
+                raise EmptyBufferError(f"get({index!r}): {_LOST}")
             raise WaitTimeout(f"get({index!r}): a row is still being written after 1 s")
         if np.any(now & 1):
             time.sleep(0.0005)  # being written: wait; overwritten: look the index up again

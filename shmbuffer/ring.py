@@ -134,6 +134,20 @@ def lane_bounds(lanes: np.ndarray, lane_capacity: int) -> tuple[np.ndarray, np.n
     return np.minimum(start, cur), cur
 
 
+def positions(index: object, total: int) -> np.ndarray:
+    """Logical positions ``index`` (an int, a slice or an array of ints, negative from the end)
+    among ``total`` rows, checked: ``get``'s indexing."""
+    if isinstance(index, slice):
+        return np.arange(total)[index]
+    pos = np.asarray(index)
+    if pos.dtype.kind not in "iu":
+        raise TypeError(f"get: expected an int, a slice or an array of ints, got {pos.dtype}")
+    pos = np.where(pos < 0, pos + total, pos)
+    if pos.size and (pos.min() < 0 or pos.max() >= total):
+        raise EmptyBufferError(f"get({index!r}): index out of range for {total} row{'' if total == 1 else 's'}")
+    return pos
+
+
 class Reservation:
     """Rows a writer holds between ``reserve`` and ``commit``: ``where`` indexes their slots (a
     slice when they are contiguous), ``n`` their row numbers, ``lane`` their lane(s). ``before``
@@ -699,16 +713,7 @@ class Ring:
         0 the oldest, -1 the newest, lane by lane); an int gives a 0-d array."""
         start, stop = self.bounds()
         sizes = stop - start
-        total = int(sizes.sum())
-        if isinstance(index, slice):
-            pos = np.arange(total)[index]
-        else:
-            pos = np.asarray(index)
-            if pos.dtype.kind not in "iu":
-                raise TypeError(f"get: expected an int, a slice or an array of ints, got {pos.dtype}")
-            pos = np.where(pos < 0, pos + total, pos)
-            if pos.size and (pos.min() < 0 or pos.max() >= total):
-                raise EmptyBufferError(f"get({index!r}): index out of range for {total} rows")
+        pos = positions(index, int(sizes.sum()))
         flat = pos.reshape(-1).astype(np.int64)
         if self.lanes == 1:
             ids = start[0] + flat

@@ -661,6 +661,9 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
                          r"sampler_state is None, expected the largest priority \(the buffer has a tree\)"),
     "leaf too large": (lambda p: _poke(p, _tensor_at(p, "_leaf"), struct.pack("<d", 1e300)),
                        r"'_leaf' holds .* leaves above 1e\+280"),
+    # issue 22: a leaf below the bound whose priority overflows (alpha 0.6): export() warned
+    "leaf of no finite priority": (lambda p: _poke(p, _tensor_at(p, "_leaf"), struct.pack("<d", 1e250)),
+                                   r"'_leaf' holds .* of no finite priority"),
     "limiter timeout NaN": (lambda p: edit_meta(p, lambda m: m["options"].update(limiter={
                                 "samples_per_insert": 1.0, "min_size": 1, "error": None, "block_writers": False,
                                 "timeout": float("nan")})),
