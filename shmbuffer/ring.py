@@ -242,10 +242,10 @@ class Copier:
         for name in self.names:
             a, dtype, shape = arrays[name], self.targets[name][2], (k, *self.fields[name].shape[1:])
             if not (type(a) is np.ndarray and a.dtype == dtype and a.shape == shape and a.flags.c_contiguous and a.flags.aligned):
-                a = np.require(np.broadcast_to(np.asarray(a, dtype=dtype), shape), requirements="CA")
+                a = np.require(np.broadcast_to(np.asarray(a, dtype=dtype), shape), requirements=("C", "A"))
             out.append(a)
         if episodes is not None and self.episode is not None:
-            out.append(np.require(np.broadcast_to(np.asarray(episodes, dtype=np.int64), (k,)), requirements="CA"))
+            out.append(np.require(np.broadcast_to(np.asarray(episodes, dtype=np.int64), (k,)), requirements=("C", "A")))
         return tuple(out)
 
     def put(self, res: Reservation, sources: tuple[np.ndarray, ...], fields: dict[str, np.ndarray]) -> None:
@@ -256,7 +256,7 @@ class Copier:
         if lib is not None and fields is self.fields:
             at, k = (where.start, where.stop - where.start) if isinstance(where, slice) else (where, where.shape[0])
             cols, offsets, formats = self.columns, self.offsets, self.formats
-            if len(sources) > len(self.names):
+            if len(sources) > len(self.names) and self.episode is not None:
                 cols, offsets, formats = (*cols, self.episode), (*offsets, 0), (*formats, _format(np.dtype(np.int64)) or b"")
             if lib.put(at, k, self.stamp, cols, offsets, formats, sources, False):
                 return
