@@ -244,7 +244,7 @@ def push(
             put_back()
 
     res = None
-    started = copied = False
+    copied = False
     try:
         if gated:
             assert limiter is not None
@@ -259,16 +259,17 @@ def push(
                 raise FieldError(why)  # the reservation is undone below
         # from here to the commit, signal handlers wait (lock.py): a Ctrl-C cannot leave the
         # rows odd under this live process; it is raised once they are committed
-        started = True
-        copier.put(res, sources, src.block.fields)
+        copier.put(res, sources, src.block.fields)  # all or nothing
         copied = True
         ring.commit(res)
     except BaseException:
         # never a hole: rows copied whole are committed; else, while nobody reserved since, the
         # ring is put back as it was; else the rows read as empty, never as committed
         if res is not None:
-            ring.undo(res, started=started, copied=copied, restore=restore,
+            ring.undo(res, copied=copied, restore=restore,
                       lost=None if prios is None else (lambda slots: prios.tree.update(slots, 0.0)))
+            if copied and pusher is not None and ex is not None:
+                pusher.done(ex, res.n)  # committed by undo: the lane goes on from them
         raise
     finally:
         if res is not None:

@@ -611,7 +611,8 @@ def take(src: Source, ids: Any) -> Batch:
     return assemble(src.block, ids, rows)
 
 
-_LOST = "a row was lost: its push failed midway over older rows, its writer died mid-push, or it was deleted"
+_LOST = ("a row was lost: its push failed after another writer had reserved rows after it, its writer died "
+         "mid-push, or it was deleted")
 
 
 def transitions(src: Source) -> np.ndarray:

@@ -249,8 +249,10 @@ class Copier:
         return tuple(out)
 
     def put(self, res: Reservation, sources: tuple[np.ndarray, ...], fields: dict[str, np.ndarray]) -> None:
-        """Copy ``sources`` (``prepare``'s) into ``res``'s slots: one C call when the block's field
-        table is still ``fields`` (a test may replace it to stop a copy midway), else numpy."""
+        """Copy ``sources`` (``prepare``'s) into ``res``'s slots, all or nothing: one C call when
+        the block's field table is still ``fields`` (it checks everything before it copies), else
+        numpy, which keeps the rows it writes over and puts them back if an assignment raises (a
+        test may replace the field table to stop a copy midway)."""
         where = res.where
         lib = self.lib
         if lib is not None and fields is self.fields:
@@ -260,11 +262,19 @@ class Copier:
                 cols, offsets, formats = (*cols, self.episode), (*offsets, 0), (*formats, _format(np.dtype(np.int64)) or b"")
             if lib.put(at, k, self.stamp, cols, offsets, formats, sources, False):
                 return
-        for name, a in zip(self.names, sources, strict=False):  # prepared: an assignment that cannot fail
-            fields[name][where] = a
-        if len(sources) > len(self.names):
-            assert self.episode is not None
-            self.episode[where] = sources[-1]
+        cols = [fields[name] for name in self.names]
+        if len(sources) > len(self.names) and self.episode is not None:
+            cols.append(self.episode)
+        kept = [c[where].copy() for c in cols]
+        done = 0
+        try:
+            for col, a in zip(cols, sources, strict=True):
+                col[where] = a
+                done += 1
+        except BaseException:
+            for col, old in zip(cols[:done + 1], kept, strict=False):
+                col[where] = old
+            raise
 
 
 def _format(dtype: np.dtype) -> bytes | None:
@@ -391,7 +401,7 @@ class Ring:
                     try:
                         also(self.slots(res.ids))
                     except BaseException:  # the rows must not stay odd under a live owner
-                        self._undo(res, started=False, copied=False, restore=restore)
+                        self._undo(res, copied=False, restore=restore)
                         raise
                 if res is not None and deferring:
                     defer_signals()  # once more: outlasts the lock, until the caller resumes
@@ -485,20 +495,20 @@ class Ring:
         else:
             self.stamp[res.where] += 1
 
-    def undo(self, res: Reservation, *, started: bool, copied: bool, restore: Callable[[], None] | None = None,
+    def undo(self, res: Reservation, *, copied: bool, restore: Callable[[], None] | None = None,
              lost: Callable[[np.ndarray], None] | None = None) -> None:
         """A push failed between ``reserve`` and ``commit``: never leave a hole where that can be
-        helped. With every row ``copied`` the rows are whole: they are committed. Else, while
-        nobody has reserved since (every lane's cursor where this reservation left it, its rows
-        still odd) and no row a slot held was written over (the copy not ``started``, or the
-        slots held none), the ring is put back as it was: cursors, the slots' stamps (their rows
-        readable again), the insert count, and ``restore()`` (the priorities ``also`` set). Else
-        the rows are given back as empty (``abandon``, with ``lost(slots)``): a hole, which
-        readers report as a lost row."""
+        helped. With every row ``copied`` the rows are whole: they are committed. Else (the copy
+        is all or nothing: ``Copier.put``) the rows the slots held are intact, and while nobody
+        has reserved since (every lane's cursor where this reservation left it, its rows still
+        odd) the ring is put back as it was: cursors, the slots' stamps (their rows readable
+        again), the insert count, and ``restore()`` (the priorities ``also`` set). Only when
+        another writer reserved since are the rows given back as empty (``abandon``, with
+        ``lost(slots)``): a hole, which readers report as a lost row."""
         with self.lock:
-            self._undo(res, started=started, copied=copied, restore=restore, lost=lost)
+            self._undo(res, copied=copied, restore=restore, lost=lost)
 
-    def _undo(self, res: Reservation, *, started: bool, copied: bool, restore: Callable[[], None] | None,
+    def _undo(self, res: Reservation, *, copied: bool, restore: Callable[[], None] | None,
               lost: Callable[[np.ndarray], None] | None = None) -> None:
         slots = self.slots(res.ids)
         mine = self.stamp[slots] == res.stamps - 1
@@ -506,7 +516,7 @@ class Ring:
             self.stamp[slots[mine]] = res.stamps[mine]
             return
         old, cursors, inserted, after = res.before
-        if mine.all() and np.array_equal(self._lanes[:, _CURSOR], after) and (not started or not old.any()):
+        if mine.all() and np.array_equal(self._lanes[:, _CURSOR], after):
             self._lanes[:, _CURSOR] = cursors  # the cursors first: see "every prefix" in the module docstring
             self.stamp[slots] = old
             self._stats[_INSERTED] = inserted

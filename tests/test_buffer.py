@@ -399,14 +399,21 @@ def test_a_copy_that_fails_gives_the_rows_back(make: Make, name: str) -> None:
     with pytest.raises(sb.EmptyBufferError, match="out of range"):
         buf.get(5)
     buf.push(transition(4, 6))  # a full ring
+    before = {k: v.copy() for k, v in buf.block.arrays.items() if k != "_mutex"}
     buf.block.fields = Targets(good)
     with pytest.raises(KeyboardInterrupt):
-        buf.push(transition(10, 2))  # stopped midway over rows 2 and 3: they are gone, the new rows are holes
+        buf.push(transition(10, 2))  # stopped midway over rows 2 and 3: their bytes are put back
     buf.block.fields = good
-    assert set(seq_of(buf.sample(100))) == set(range(4, 10))  # the abandoned rows are never drawn
-    assert buf.priorities.tree.leaves[2:4].tolist() == [0.0, 0.0]  # type: ignore[union-attr]
-    with pytest.raises(sb.EmptyBufferError, match="lost"):
-        buf.get(-1)
+    assert all(np.array_equal(v, before[k]) for k, v in buf.block.arrays.items() if k not in ("_mutex", "_owner"))
+    assert seq_of(buf.get(slice(None))).tolist() == list(range(2, 10))
+    other = sb.ReplayBuffer.attach(buf.handle)  # a writer that reserved after the failed push: that push's rows
+    res = buf.ring.reserve(2, deferring=False)  # can no longer be given back; they are holes, never torn
+    other.push(transition(12, 1))
+    buf.ring.undo(res, copied=False)
+    other.close()
+    assert len(buf) == 8 and set(seq_of(buf.sample(100))) == {5, 6, 7, 8, 9, 12}
+    with pytest.raises(sb.EmptyBufferError, match="lost: its push failed after another writer"):
+        buf.get(-2)
 
 
 def test_take_refuses_ids_that_never_existed(make: Make, name: str) -> None:
