@@ -262,18 +262,18 @@ class Copier:
                 cols, offsets, formats = (*cols, self.episode), (*offsets, 0), (*formats, _format(np.dtype(np.int64)) or b"")
             if lib.put(at, k, self.stamp, cols, offsets, formats, sources, False):
                 return
-        cols = [fields[name] for name in self.names]
+        targets = [fields[name] for name in self.names]
         if len(sources) > len(self.names) and self.episode is not None:
-            cols.append(self.episode)
-        kept = [c[where].copy() for c in cols]
+            targets.append(self.episode)
+        kept = [t[where].copy() for t in targets]
         done = 0
         try:
-            for col, a in zip(cols, sources, strict=True):
-                col[where] = a
+            for t, a in zip(targets, sources, strict=True):
+                t[where] = a
                 done += 1
         except BaseException:
-            for col, old in zip(cols[:done + 1], kept, strict=False):
-                col[where] = old
+            for t, old in zip(targets[:done + 1], kept, strict=False):
+                t[where] = old
             raise
 
 
