@@ -61,7 +61,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import wraps
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -210,9 +210,6 @@ class Layout:
             object_bytes = max(OBJECT_BYTES, 4 * len(pickle.dumps(rest, protocol=_PICKLE)) if rest is not None else 0)
         if meta_bytes is None:
             meta_bytes = max(META_BYTES, 4 * len(pickle.dumps(dict(meta), protocol=_PICKLE)) if meta else 0)
-        for name, size in (("object_bytes", object_bytes), ("meta_bytes", meta_bytes)):
-            if type(size) is not int or size < 0:
-                raise ValueError(f"DequeBuffer: {name} must be an int >= 0 (bytes per row), got {size!r}")
         layout.object_bytes, layout.meta_bytes = -(-object_bytes // 8) * 8, -(-meta_bytes // 8) * 8
         if not layout.columns and not layout.object_bytes:
             raise ValueError("DequeBuffer: with object_bytes=0 the first push must be numbers or arrays "
@@ -311,15 +308,13 @@ def _is_tensor(value: Any) -> bool:
 
 
 # -- middleware ---------------------------------------------------------------------------------
-_T = TypeVar("_T", bound=Callable[..., Any])
-
-
-def apply_middleware(func_name: str) -> Callable[[_T], _T]:
+def apply_middleware(func_name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """DI-engine's decorator: the method runs through the buffer's middleware, the first used the
     outermost; each is called ``mw(func_name, chain, *args, **kwargs)`` and ``chain(*args,
-    **kwargs)`` runs the next one (the method itself at the end)."""
+    **kwargs)`` runs the next one (the method itself at the end). The method then takes any
+    arguments: a middleware may take its own (``staleness_check``'s ``train_iter_sample_data``)."""
 
-    def wrap(base: _T) -> _T:
+    def wrap(base: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(base)
         def handler(buffer: Any, *args: Any, **kwargs: Any) -> Any:
             chain_of = list(buffer._middleware)
@@ -335,7 +330,7 @@ def apply_middleware(func_name: str) -> Callable[[_T], _T]:
 
             return run(0, *args, **kwargs)
 
-        return handler  # type: ignore[return-value]
+        return handler
 
     return wrap
 
@@ -415,7 +410,7 @@ def use_time_check(buffer_: DequeBuffer, max_use: float = float("inf")) -> Calla
         for index in gone:
             use_count.pop(index, None)
         if len(use_count) > 2 * buffer_.size:  # rows overwritten before their last use
-            held = set(buffer_.indices.ids())
+            held = set(buffer_.indices.ids().tolist())
             for index in [i for i in use_count if i not in held]:
                 del use_count[index]
 
@@ -594,6 +589,9 @@ class DequeBuffer(Facade):
                  meta_bytes: int | None = None, name: str | None = None, seed: int | None = None) -> None:
         if type(size) is not int or size < 1:
             raise ValueError(f"DequeBuffer: size must be an int >= 1, got {size!r}")
+        for option, given in (("object_bytes", object_bytes), ("meta_bytes", meta_bytes)):
+            if given is not None and (type(given) is not int or given < 0):
+                raise ValueError(f"DequeBuffer: {option} must be an int >= 0 (bytes per row), got {given!r}")
         self.size = size
         self.sliced = sliced
         self._middleware: list[Callable[..., Any]] = []
@@ -717,7 +715,7 @@ class DequeBuffer(Facade):
     @apply_middleware("sample")
     def sample(self, size: int | None = None, indices: list[Any] | None = None, replace: bool = False,
                sample_range: slice | None = None, ignore_insufficient: bool = False, groupby: str | None = None,
-               unroll_len: int | None = None) -> list[BufferedData] | list[list[BufferedData]]:
+               unroll_len: int | None = None) -> list[Any]:
         """``size`` rows (distinct unless ``replace``; a prioritized buffer draws with repeats, as
         DI-engine), or the rows ``indices`` in their order, or with ``groupby`` (a meta key)
         ``size`` groups, each its rows in order (``unroll_len`` consecutive ones of them). Too few
@@ -735,7 +733,7 @@ class DequeBuffer(Facade):
         assert size is not None
         sampled: list[Any]
         if groupby:
-            sampled = self._groups(size, groupby, replace, unroll_len, sample_range)
+            sampled = self._groups(size, groupby, replace, unroll_len, sample_range, ignore_insufficient)
         else:
             sampled = self._draw(size, replace, sample_range)
         if len(sampled) != size and not ignore_insufficient:
@@ -808,7 +806,7 @@ class DequeBuffer(Facade):
         raise EmptyBufferError(f"DequeBuffer: rows of {buf.name!r} keep changing while they are read")  # type: ignore[union-attr]
 
     def _groups(self, size: int, groupby: str, replace: bool, unroll_len: int | None,
-                sample_range: slice | None) -> list[list[BufferedData]]:
+                sample_range: slice | None, ignore: bool) -> list[list[BufferedData]]:
         """DI-engine's ``_sample_by_group`` over the meta of every row held."""
         batch, ids = self._everything(sample_range)
         layout = self._store.layout
@@ -828,6 +826,8 @@ class DequeBuffer(Facade):
         if unroll_len and unroll_len > 1:
             names = [g for g in names if len(groups[g]) >= unroll_len]
         rng = self._store.rng
+        if names and not replace and len(names) < size and not ignore:
+            raise ValueError(f"There are less than {size} groups in buffer({len(names)} groups) by meta {groupby!r}")
         if not names or (not replace and len(names) < size):
             return []
         chosen = rng.choices(names, k=size) if replace else rng.sample(names, size)
@@ -858,7 +858,7 @@ class DequeBuffer(Facade):
         """The row at position ``idx`` (0 the oldest, -1 the newest)."""
         ids = self.indices.ids()
         try:
-            index = ids[idx]
+            index = int(ids[idx])
         except IndexError:
             raise IndexError(f"get({idx}): the buffer holds {len(ids)} rows") from None
         return self._take([index])[0]
@@ -964,18 +964,26 @@ class _Indices:
     def __init__(self, buffer: DequeBuffer) -> None:
         self._buffer = buffer
 
-    def ids(self) -> list[int]:
+    def ids(self) -> np.ndarray:
+        """The indices of the rows held, oldest first (ascending: ids grow with every push)."""
         buf = self._buffer.buffer
-        return [] if buf is None else _live(buf).tolist()
+        return np.empty(0, np.int64) if buf is None else _live(buf)
 
     def __len__(self) -> int:
         return len(self.ids())
 
     def has(self, index: Any) -> bool:
-        return index in self.ids()
+        return self._position(index) is not None
 
     def get(self, index: Any) -> int:
-        try:
-            return self.ids().index(index)
-        except ValueError:
-            raise KeyError(index) from None
+        at = self._position(index)
+        if at is None:
+            raise KeyError(index)
+        return at
+
+    def _position(self, index: Any) -> int | None:
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+            return None
+        ids = self.ids()
+        at = int(np.searchsorted(ids, index))
+        return at if at < ids.size and ids[at] == index else None
