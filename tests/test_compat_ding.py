@@ -228,6 +228,20 @@ def test_an_object_larger_than_its_slot_is_refused_and_nothing_changes(deque: Ca
     assert buffer.get(0).data == "small" and buffer.get(0).meta == {"k": 1}
 
 
+def test_an_object_that_cannot_be_pickled_is_refused(deque: Callable[..., DequeBuffer]) -> None:
+    buffer = deque(size=4)
+    buffer.push({"v": 1})
+    with pytest.raises(TypeError, match="the data cannot be pickled into the row"):
+        buffer.push({"v": 2, "fn": lambda: None})
+    with pytest.raises(TypeError, match="the meta cannot be pickled into the row"):
+        buffer.push({"v": 2}, {"fn": lambda: None})
+    with pytest.raises(TypeError, match="meta must be a dict"):
+        buffer.push({"v": 2}, ["not", "a", "dict"])
+    with pytest.raises(TypeError, match="meta must be a dict"):
+        buffer.update(buffer.get(0).index, None, "meta")
+    assert [(d.data, d.meta) for d in buffer.export_data()] == [({"v": 1}, {})]
+
+
 def test_slot_sizes_follow_the_first_push(deque: Callable[..., DequeBuffer]) -> None:
     big = "z" * 2000
     buffer = deque(size=2)

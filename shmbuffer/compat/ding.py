@@ -61,7 +61,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import wraps
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -98,8 +98,7 @@ class BufferedData:
 
 
 # -- the row ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Column:
+class Column(NamedTuple):
     """A value that has a column: its Python kind, shape and numpy dtype."""
 
     kind: str  # "int", "float", "bool", "scalar" (a numpy number), "array", "tensor"
@@ -135,22 +134,32 @@ def _column_of(value: Any) -> Column | None:
     return Column(name, tuple(a.shape), a.dtype.str)
 
 
-def _value(col: Column, a: Any) -> Any:
-    """A column's stored value (one row of a batch) as the kind that was pushed."""
-    if col.kind == "int":
-        return int(a)
-    if col.kind == "float":
-        return float(a)
-    if col.kind == "bool":
-        return bool(a)
+def _fits(value: Any, col: Column) -> bool:
+    """``_column_of(value) == col``, without building a ``Column`` for the usual kinds (every push)."""
+    kind, t = col.kind, type(value)
+    if kind == "float":
+        return t is float
+    if kind == "int":
+        return t is int and -(1 << 63) <= value < (1 << 63)
+    if kind == "array":
+        return t is np.ndarray and value.shape == col.shape and value.dtype.str == col.dtype
+    if kind == "bool":
+        return t is bool
+    return _column_of(value) == col
+
+
+def _values(col: Column, a: np.ndarray) -> list[Any]:
+    """A column's rows (a gathered copy) as the kind that was pushed, each row its own memory."""
+    if col.kind in ("int", "float", "bool"):
+        return a.tolist()  # int64, float64, bool: Python's int, float, bool
     if col.kind == "scalar":
-        return np.asarray(a).astype(col.dtype)[()]
-    a = np.array(a, dtype=col.dtype)  # a copy of its own, writable (torch.from_numpy shares it)
+        return [a[i] for i in range(len(a))]
+    rows = [a[i].copy() for i in range(len(a))]  # a row's view would keep the whole batch alive
     if col.kind == "tensor":
         import torch
 
-        return torch.from_numpy(a)
-    return a
+        return [torch.from_numpy(r) for r in rows]
+    return rows
 
 
 def _nameable(key: Any) -> bool:
@@ -164,7 +173,11 @@ def _slot(payload: Any, size: int, what: str) -> np.ndarray:
     out = np.zeros(size, np.uint8)
     if payload is None:
         return out
-    raw = pickle.dumps(payload, protocol=_PICKLE)
+    try:
+        raw = pickle.dumps(payload, protocol=_PICKLE)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        raise TypeError(f"DequeBuffer: the {what} cannot be pickled into the row ({e}); push picklable objects "
+                        "(numbers, arrays, tensors, str, lists and dicts of them, dataclasses); nothing was stored") from None
     if len(raw) > size:
         option = "object_bytes" if what == "data" else "meta_bytes"
         raise ValueError(
@@ -175,9 +188,11 @@ def _slot(payload: Any, size: int, what: str) -> np.ndarray:
     return out
 
 
-def _unslot(a: np.ndarray) -> Any:
-    """A slot's object (``None`` when empty): a pickle always starts with a non-zero byte."""
-    return None if a.size == 0 or a[0] == 0 else pickle.loads(a.tobytes())
+def _unslots(slots: np.ndarray) -> list[Any]:
+    """Each slot's object (``None`` when empty): a pickle always starts with a non-zero byte, and
+    ``pickle.loads`` ignores the zeros after its end."""
+    full = (slots[:, 0] != 0).tolist()
+    return [pickle.loads(slots[j]) if full[j] else None for j in range(len(full))]
 
 
 class Layout:
@@ -224,15 +239,19 @@ class Layout:
             fields[META] = ((self.meta_bytes,), "uint8")
         return Schema(**fields)
 
-    def split(self, data: Any) -> tuple[dict[str, np.ndarray], Any]:
+    def split(self, data: Any) -> tuple[dict[str, Any], Any]:
         """``data`` as column values and what goes to the object slot (``None``: nothing)."""
+        whole: tuple[dict[str, Any], Any] = {}, ("whole", data)
         if self.bare:
-            if _column_of(data) == self.columns[DATA]:
-                return {DATA: np.asarray(data.numpy() if _is_tensor(data) else data)}, None
-            return {}, ("whole", data)
-        if type(data) is not dict or any(_column_of(data.get(k, _MISSING)) != c for k, c in self.columns.items()):
-            return {}, ("whole", data)
-        cols = {k: np.asarray(data[k].numpy() if _is_tensor(data[k]) else data[k]) for k in self.columns}
+            return ({DATA: _numpy(data)}, None) if _fits(data, self.columns[DATA]) else whole
+        if type(data) is not dict:
+            return whole
+        cols = {}
+        for k, c in self.columns.items():
+            value = data.get(k, _MISSING)
+            if not _fits(value, c):
+                return whole
+            cols[k] = _numpy(value)
         rest = {k: v for k, v in data.items() if k not in self.columns}
         natural = list(self.columns) + list(rest)
         if not rest and list(data) == natural:
@@ -256,30 +275,39 @@ class Layout:
             return {}
         return {META: _slot(dict(meta) if meta else None, self.meta_bytes, "meta")}
 
-    def row(self, data: Any, meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def row(self, data: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
         """A whole row to push: a row whose data went to the object slot has zeros in the columns."""
-        out = {name: np.zeros(c.shape, c.dtype) for name, c in self.columns.items()}
-        out.update(self.data_fields(data))
+        out = self.data_fields(data)
+        for name, c in self.columns.items():
+            if name not in out:
+                out[name] = np.zeros(c.shape, c.dtype)
         out.update(self.meta_fields(meta))
         return out
 
-    def data(self, fields: Mapping[str, np.ndarray], i: int) -> Any:
-        """Row ``i`` of gathered ``fields`` as it was pushed."""
-        payload = _unslot(fields[OBJECT][i]) if self.object_bytes else None
-        if payload is not None and payload[0] == "whole":
-            return payload[1]
-        values = {name: _value(c, fields[name][i]) for name, c in self.columns.items()}
-        if self.bare:
-            return values[DATA]
-        if payload is None:
-            return values
-        _, rest, order = payload
-        values.update(rest)
-        return values if order is None else {k: values[k] for k in order}
+    def datas(self, fields: Mapping[str, np.ndarray], rows: list[int]) -> list[Any]:
+        """Rows ``rows`` of gathered ``fields``, each as it was pushed."""
+        payloads = _unslots(fields[OBJECT][rows]) if self.object_bytes else [None] * len(rows)
+        columns = {name: _values(c, fields[name][rows]) for name, c in self.columns.items()}
+        out = []
+        for j, payload in enumerate(payloads):
+            if payload is not None and payload[0] == "whole":
+                out.append(payload[1])
+                continue
+            values = {name: column[j] for name, column in columns.items()}
+            if self.bare:
+                out.append(values[DATA])
+            elif payload is None:
+                out.append(values)
+            else:
+                _, rest, order = payload
+                values.update(rest)
+                out.append(values if order is None else {k: values[k] for k in order})
+        return out
 
-    def meta(self, fields: Mapping[str, np.ndarray], i: int) -> dict[str, Any]:
-        got = _unslot(fields[META][i]) if self.meta_bytes else None
-        return {} if got is None else got
+    def metas(self, fields: Mapping[str, np.ndarray], rows: list[int]) -> list[dict[str, Any]]:
+        if not self.meta_bytes:
+            return [{} for _ in rows]
+        return [{} if m is None else m for m in _unslots(fields[META][rows])]
 
     def describe(self) -> str:
         return "{" + ", ".join(f"{k!r}: {c.kind} {c.shape} {np.dtype(c.dtype).name}" for k, c in self.columns.items()) + "}"
@@ -302,9 +330,9 @@ class Layout:
 _MISSING = object()
 
 
-def _is_tensor(value: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
+def _numpy(value: Any) -> Any:
+    """A column's value as the core takes it (a tensor as its numpy view)."""
+    return value.numpy() if type(value).__module__ == "torch" else value
 
 
 # -- middleware ---------------------------------------------------------------------------------
@@ -647,7 +675,7 @@ class DequeBuffer(Facade):
 
     def _push(self, data: Any, meta: Mapping[str, Any] | None) -> BufferedData:
         if meta is not None and not isinstance(meta, Mapping):
-            raise TypeError(f"push: meta must be a dict, got {type(meta).__name__}")
+            raise TypeError(f"push: meta must be a dict (or None), got {type(meta).__name__}")
         stored = {k: v for k, v in (meta or {}).items() if k not in _DERIVED}
         store = self._store
         priority = None
@@ -675,6 +703,8 @@ class DequeBuffer(Facade):
         if data is not None:
             fields.update(layout.data_fields(data))
         if meta is not None:
+            if not isinstance(meta, Mapping):
+                raise TypeError(f"update: meta must be a dict (or None to keep the row's), got {type(meta).__name__}")
             stored = {k: v for k, v in meta.items() if k not in _DERIVED}
             if self._prioritized and stored.get("priority") is not None:
                 priority = float(check_priorities(stored["priority"], 1, "update: meta['priority']")[0])
@@ -768,27 +798,24 @@ class DequeBuffer(Facade):
             raise KeyError(f"sample(indices=...): indices {ids[:5]}{' ...' if len(ids) > 5 else ''} are not all held "
                            f"by this buffer (never pushed here, overwritten, deleted or cleared): {e}") from None
 
-    def _rows(self, batch: Batch, at: Iterable[int] | None = None) -> list[BufferedData]:
+    def _rows(self, batch: Batch, at: list[int] | None = None) -> list[BufferedData]:
         """Rows of a gathered batch (``at``: which, default all) as ``BufferedData``."""
         layout, buf = self._store.layout, self._store.buffer
         assert layout is not None and buf is not None
         ids = np.asarray(batch.index)
-        rows = range(ids.size) if at is None else at
-        prioritized = self._prioritized
-        if prioritized:
-            slots = buf.ring.slots(ids)
+        rows = list(range(ids.size)) if at is None else at
+        metas = layout.metas(batch.fields, rows)
+        if self._prioritized:
+            slots = buf.ring.slots(ids[rows]).tolist()
             weight = batch.extras.get("weight") if self._store.is_weight else None
-        out = []
-        for i in rows:
-            meta = layout.meta(batch.fields, i)
-            if prioritized:
+            for j, meta in enumerate(metas):
                 if "priority" not in meta:  # a meta updated without one: the tree has it
-                    meta["priority"] = float(buf.priorities.priorities_of(buf.priority(ids[i:i + 1]))[0])  # type: ignore[union-attr]
-                meta["priority_idx"] = int(slots[i])
+                    meta["priority"] = float(buf.priorities.priorities_of(buf.priority(ids[rows[j]:rows[j] + 1]))[0])  # type: ignore[union-attr]
+                meta["priority_idx"] = slots[j]
                 if weight is not None:
-                    meta["priority_IS"] = float(np.asarray(weight)[i])
-            out.append(BufferedData(layout.data(batch.fields, i), int(ids[i]), meta))
-        return out
+                    meta["priority_IS"] = float(weight[rows[j]])
+        datas = layout.datas(batch.fields, rows)
+        return [BufferedData(d, int(ids[r]), m) for d, r, m in zip(datas, rows, metas, strict=True)]
 
     def _everything(self, sample_range: slice | None = None) -> tuple[Batch | None, np.ndarray]:
         """Every row held (those at ``sample_range``), gathered; and their ids, oldest first."""
@@ -813,8 +840,7 @@ class DequeBuffer(Facade):
         if batch is None or layout is None:
             return []
         groups: dict[Any, list[int]] = {}
-        for i in range(ids.size):
-            meta = layout.meta(batch.fields, i)
+        for i, meta in enumerate(layout.metas(batch.fields, list(range(ids.size)))):
             if groupby in meta:
                 try:
                     groups.setdefault(meta[groupby], []).append(i)
