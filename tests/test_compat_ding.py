@@ -1,14 +1,17 @@
-"""DI-engine's buffer guide (seed document 001) run on ``shmbuffer.compat.ding``: its code blocks
-with only their import lines changed (and, where DI-engine stores an arbitrary object such as
-``'a'``, a row of numeric fields), checked against what the guide says they do."""
+"""``shmbuffer.compat.ding`` as DI-engine's ``ding.data.buffer``: DI-engine's buffer guide (seed
+document 001) run with only its import lines changed, then one test for each behaviour DI-engine's
+own ``test_buffer.py`` and ``test_middleware.py`` rely on (tools/peer_suites/ding runs those)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from shmbuffer.compat import ding
 from shmbuffer.compat.ding import BufferedData, DequeBuffer
@@ -27,7 +30,7 @@ def run(code: str, ns: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture
 def ns() -> Iterator[dict[str, Any]]:
-    """The namespace the blocks run in; every buffer in it is closed afterwards."""
+    """The namespace the guide's blocks run in; every buffer in it is closed afterwards."""
     space: dict[str, Any] = {}
     yield space
     for value in list(space.values()):
@@ -35,6 +38,22 @@ def ns() -> Iterator[dict[str, Any]]:
             value.close()
 
 
+@pytest.fixture
+def deque(name: str) -> Iterator[Callable[..., DequeBuffer]]:
+    """``DequeBuffer(...)`` with a unique name, closed after the test."""
+    made: list[DequeBuffer] = []
+
+    def factory(*args: Any, **kwargs: Any) -> DequeBuffer:
+        buffer = DequeBuffer(*args, name=f"{name}-{len(made)}", **kwargs)
+        made.append(buffer)
+        return buffer
+
+    yield factory
+    for buffer in made:
+        buffer.close()
+
+
+# -- the guide ----------------------------------------------------------------------------------
 CREATE = """
     from ding.data import DequeBuffer
 
@@ -42,38 +61,27 @@ CREATE = """
 """
 
 
-def test_push_of_an_object_is_refused_with_what_to_push(ns: dict[str, Any]) -> None:
-    run(CREATE, ns)
-    with pytest.raises(TypeError, match=r"str \('a'\), which shmbuffer cannot store.*Push a dict of numeric fields"):
-        run("""
-            for _ in range(10):
-                buffer.push('a', meta={})
-        """, ns)
-    assert ns["buffer"].count() == 0
-
-
-def test_push_and_sample(ns: dict[str, Any]) -> None:
+def test_guide_push_and_sample_any_object(ns: dict[str, Any]) -> None:
     run(CREATE, ns)
     run("""
         # Data is deposited and processed one sample at a time.
         for _ in range(10):
-            buffer.push({'a': 1.0}, meta={})
+            buffer.push('a', meta={})
 
         buffered_data = buffer.sample(3, replace=False)
         data = [d.data for d in buffered_data]
     """, ns)
     got = ns["buffered_data"]
-    assert len(got) == 3 and all(isinstance(d, BufferedData) for d in got)
-    assert len({d.index for d in got}) == 3                          # replace=False: distinct rows
-    assert [float(d["a"]) for d in ns["data"]] == [1.0, 1.0, 1.0]
+    assert ns["data"] == ["a", "a", "a"] and all(isinstance(d, BufferedData) for d in got)
+    assert len({d.index for d in got}) == 3 and all(d.meta == {} for d in got)  # replace=False: distinct rows
     buffer: DequeBuffer = ns["buffer"]
     with pytest.raises(ValueError, match="less than 11 records"):
-        buffer.sample(11)                                             # DI-engine raises too
+        buffer.sample(11)
     assert buffer.sample(11, ignore_insufficient=True) == []
     assert len(buffer.sample(11, replace=True)) == 11
 
 
-def test_priority_experience_replay(ns: dict[str, Any]) -> None:
+def test_guide_priority_experience_replay(ns: dict[str, Any]) -> None:
     run(CREATE, ns)
     run("""
         from ding.data.buffer.middleware import PriorityExperienceReplay
@@ -82,51 +90,42 @@ def test_priority_experience_replay(ns: dict[str, Any]) -> None:
         buffer.use(PriorityExperienceReplay(buffer, IS_weight=True))
         for _ in range(10):
             # The meta is essentially a Dict that complements the description of the sample and is empty by default.
-            buffer.push({'a': 1.0}, meta={"priority": 2.0})
+            buffer.push('a', meta={"priority": 2.0})
         buffered_data = buffer.sample(3)
     """, ns)
     data = ns["buffered_data"]
-    assert [round(d.meta["priority"], 6) for d in data] == [2.0, 2.0, 2.0]
+    assert [d.data for d in data] == ["a"] * 3
+    assert [d.meta["priority"] for d in data] == [2.0, 2.0, 2.0]
     assert [d.meta["priority_IS"] for d in data] == [1.0, 1.0, 1.0]  # equal priorities: weight 1
     buffer: DequeBuffer = ns["buffer"]
-    assert buffer.update(data[0].index, meta={"priority": 8.0})      # the learner's feedback
+    assert buffer.update(data[0].index, meta={"priority": 8.0})
     weights = {d.index: d.meta["priority_IS"] for _ in range(20) for d in buffer.sample(3)}
     assert min(weights.values()) < 1.0 and weights.get(data[0].index, 0) < 1.0
 
 
-def test_clone_object_runs(ns: dict[str, Any]) -> None:
-    run(CREATE, ns)
-    run("""
-        from ding.data.buffer.middleware import clone_object
-
-        buffer = DequeBuffer(size=10)
-        buffer.use(clone_object())
-    """, ns)
-
-
-def test_grouping_by_episode(ns: dict[str, Any]) -> None:
+def test_guide_grouping_by_episode(ns: dict[str, Any]) -> None:
     """The guide's example: 'a' in episode 1, 'b' and 'c' in episode 2; two groups, one of each."""
-    for _ in range(30):
+    for _ in range(20):
         space = run(CREATE, {})
         run("""
             buffer = DequeBuffer(size=10)
 
-            buffer.push({"v": 1}, {"episode": 1})
-            buffer.push({"v": 2}, {"episode": 2})
-            buffer.push({"v": 3}, {"episode": 2})
+            buffer.push("a", {"episode": 1})
+            buffer.push("b", {"episode": 2})
+            buffer.push("c", {"episode": 2})
 
             grouped_data = buffer.sample(2, groupby="episode")
         """, space)
         try:
-            groups = sorted([int(d.data["v"]) for d in group] for group in space["grouped_data"])
-            assert groups == [[1], [2, 3]]                            # distinct groups, whole
+            assert sorted([d.data for d in group] for group in space["grouped_data"]) == [["a"], ["b", "c"]]
             with pytest.raises(ValueError, match="less than 3 groups"):
-                space["buffer"].sample(3, groupby="episode")          # fewer groups than asked
+                space["buffer"].sample(3, groupby="episode")
+            assert space["buffer"].sample(3, groupby="episode", ignore_insufficient=True) == []
         finally:
             space["buffer"].close()
 
 
-def test_group_sample_keeps_short_groups(ns: dict[str, Any]) -> None:
+def test_guide_group_sample(ns: dict[str, Any]) -> None:
     run(CREATE, ns)
     space = run("""
         from ding.data.buffer.middleware import group_sample
@@ -137,14 +136,14 @@ def test_group_sample_keeps_short_groups(ns: dict[str, Any]) -> None:
     """, ns)
     buffer: DequeBuffer = space["buffer"]
     for v, episode in ((10, 1), (11, 1), (20, 2), (21, 2), (22, 2), (23, 2), (24, 2)):
-        buffer.push({"v": v}, {"episode": episode})
+        buffer.push(v, {"episode": episode})
     for _ in range(20):
-        groups = sorted([int(d.data["v"]) for d in g] for g in buffer.sample(2, groupby="episode"))
-        assert groups[0] == [10, 11]                                  # 2 rows: kept, truncated to 2
+        groups = sorted([d.data for d in g] for g in buffer.sample(2, groupby="episode"))
+        assert groups[0] == [10, 11]                                  # 2 rows: kept whole
         assert len(groups[1]) == 3 and np.all(np.diff(groups[1]) == 1) and groups[1][0] >= 20
 
 
-def test_use_time_check(ns: dict[str, Any]) -> None:
+def test_guide_use_time_check(ns: dict[str, Any]) -> None:
     run(CREATE, ns)
     space = run("""
         from ding.data.buffer.middleware import use_time_check
@@ -156,46 +155,345 @@ def test_use_time_check(ns: dict[str, Any]) -> None:
     buffer: DequeBuffer = space["buffer"]
     for v in range(3):
         buffer.push({"v": v})
-    buffer.sample(3)
+    assert [d.meta["use_count"] for d in buffer.sample(3)] == [1, 1, 1]
     assert buffer.count() == 3
     buffer.sample(3)
-    assert buffer.count() == 0                                        # used twice: gone
+    assert buffer.count() == 0                                        # used twice: deleted
     with pytest.raises(ValueError, match="less than 1 records"):
         buffer.sample(1)
 
 
-def test_update_delete_export_import() -> None:
-    with DequeBuffer(size=10) as buffer, DequeBuffer(size=10) as other:
+# -- what a row carries -------------------------------------------------------------------------
+ODD: list[Any] = [
+    7, -2**63, 2**70, 2.5, True, None, "text", b"raw", ["a", {"b": (1, 2)}], {"key": "v", 3: [4]},
+    np.float32(1.5), np.int16(-3), np.arange(6, dtype=np.uint8).reshape(2, 3), torch.tensor([1.0, 2.0]),
+    torch.tensor([1, 2], dtype=torch.int64), np.array(["s", "t"]), torch.ones(2, requires_grad=True),
+]
+
+
+@pytest.mark.parametrize("first", [0, 3, 12])
+def test_any_data_reads_back_as_pushed(deque: Callable[..., DequeBuffer], first: int) -> None:
+    """Whatever the first push (it sets the columns), every object reads back equal and of its type."""
+    buffer = deque(size=len(ODD))
+    order = ODD[first:] + ODD[:first]
+    pushed = [buffer.push(value) for value in order]
+    for value, item in zip(order, pushed, strict=True):
+        [got] = buffer.sample(indices=[item.index])
+        assert type(got.data) is type(value)
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got.data, value.detach()) and got.data.dtype == value.dtype
+        elif isinstance(value, np.ndarray):
+            assert got.data.dtype == value.dtype and np.array_equal(got.data, value)
+        else:
+            assert got.data == value
+
+
+def test_dict_numbers_get_columns_and_the_rest_the_object_slot(deque: Callable[..., DequeBuffer]) -> None:
+    buffer = deque(size=4)
+    buffer.push({"info": "first", "obs": torch.arange(4, dtype=torch.float32), "reward": 1.5, "step": np.int64(0)})
+    schema = buffer.buffer.schema  # type: ignore[union-attr]
+    assert {"obs", "reward", "step"} <= set(schema.names) and "info" not in schema.names
+    buffer.push({"info": "second", "obs": torch.ones(4), "reward": -1.0, "step": np.int64(1)})
+    buffer.push({"obs": torch.zeros(4), "extra": [1], "reward": 0.0, "step": np.int64(2), "info": "third"})
+    rows = buffer.export_data()
+    assert [list(r.data) for r in rows] == [["info", "obs", "reward", "step"]] * 2 + [
+        ["obs", "extra", "reward", "step", "info"]]                   # key order kept
+    assert [r.data["info"] for r in rows] == ["first", "second", "third"] and rows[2].data["extra"] == [1]
+    assert isinstance(rows[0].data["obs"], torch.Tensor) and type(rows[0].data["reward"]) is float
+    core = buffer.buffer.sample(8)  # type: ignore[union-attr]
+    assert core.obs.shape == (8, 4) and core.obs.dtype == np.float32  # the core reads the columns as arrays
+
+
+def test_a_row_that_does_not_fit_the_columns_is_kept_whole(deque: Callable[..., DequeBuffer]) -> None:
+    buffer = deque(size=4)
+    buffer.push({"obs": np.zeros(3, np.float32)})
+    odd = [{"obs": np.zeros(5, np.float32)}, {"obs": np.zeros(3, np.float64)}, {"other": 1}]
+    items = [buffer.push(value) for value in odd]
+    got = buffer.sample(indices=[i.index for i in items])
+    assert [d.data["obs"].shape for d in got[:2]] == [(5,), (3,)] and got[1].data["obs"].dtype == np.float64
+    assert got[2].data == {"other": 1}
+
+
+def test_an_object_larger_than_its_slot_is_refused_and_nothing_changes(deque: Callable[..., DequeBuffer]) -> None:
+    buffer = deque(size=4, object_bytes=64, meta_bytes=64)
+    buffer.push("small", {"k": 1})
+    with pytest.raises(ValueError, match=r"data pickles to \d+ bytes, more than its slot of 64 bytes.*object_bytes="):
+        buffer.push("x" * 100)
+    with pytest.raises(ValueError, match=r"meta pickles to \d+ bytes, more than its slot of 64 bytes.*meta_bytes="):
+        buffer.push("small", {"note": "y" * 100})
+    assert buffer.count() == 1 and buffer.buffer.stats["inserted"] == 1  # type: ignore[union-attr]
+    index = buffer.storage[0].index
+    with pytest.raises(ValueError, match="object_bytes="):
+        buffer.update(index, "x" * 100)
+    assert buffer.get(0).data == "small" and buffer.get(0).meta == {"k": 1}
+
+
+def test_an_object_that_cannot_be_pickled_is_refused(deque: Callable[..., DequeBuffer]) -> None:
+    buffer = deque(size=4)
+    buffer.push({"v": 1})
+    with pytest.raises(TypeError, match="the data cannot be pickled into the row"):
+        buffer.push({"v": 2, "fn": lambda: None})
+    with pytest.raises(TypeError, match="the meta cannot be pickled into the row"):
+        buffer.push({"v": 2}, {"fn": lambda: None})
+    with pytest.raises(TypeError, match="meta must be a dict"):
+        buffer.push({"v": 2}, ["not", "a", "dict"])
+    with pytest.raises(TypeError, match="meta must be a dict"):
+        buffer.update(buffer.get(0).index, None, "meta")
+    assert [(d.data, d.meta) for d in buffer.export_data()] == [({"v": 1}, {})]
+
+
+def test_slot_sizes_follow_the_first_push(deque: Callable[..., DequeBuffer]) -> None:
+    big = "z" * 2000
+    buffer = deque(size=2)
+    buffer.push(big, {"note": "n" * 300})
+    schema = buffer.buffer.schema  # type: ignore[union-attr]
+    assert schema["ding_object"].shape[0] >= 4 * 2000 and schema["ding_meta"].shape[0] >= 4 * 300
+    with pytest.raises(ValueError, match="object_bytes must be an int >= 0"):
+        deque(size=2, object_bytes=-1)
+
+
+def test_meta_takes_any_keys_and_update_replaces_it(deque: Callable[..., DequeBuffer]) -> None:
+    buffer = deque(size=4)
+    item = buffer.push(1, {"group": "g", "label": 3, "nested": {"a": [1, 2]}})
+    assert buffer.get(0).meta == {"group": "g", "label": 3, "nested": {"a": [1, 2]}}
+    assert buffer.update(item.index, None, {"group": "h"})
+    assert buffer.get(0).meta == {"group": "h"} and buffer.get(0).data == 1
+    assert buffer.update(item.index, {"new_prop": "any"})                 # None meta: kept
+    assert buffer.get(0).data == {"new_prop": "any"} and buffer.get(0).meta == {"group": "h"}
+    assert not buffer.update("invalidindex", {}, None) and not buffer.update(10**6, 1)
+
+
+# -- prioritized replay -------------------------------------------------------------------------
+def test_priority_reads_back_as_written_with_its_idx(deque: Callable[..., DequeBuffer]) -> None:
+    buffer = deque(size=10)
+    per = ding.PriorityExperienceReplay(buffer, IS_weight=True)
+    buffer.use(per)
+    pushed = [buffer.push({"obs": torch.randn(4)}, meta={"priority": 2.0}) for _ in range(10)]
+    assert [p.meta["priority_idx"] for p in pushed] == list(range(10))
+    data = buffer.sample(size=10, replace=False)
+    assert all({"priority", "priority_idx", "priority_IS"} <= set(d.meta) for d in data)
+    assert all(d.meta["priority_idx"] == d.index % 10 for d in data)
+    assert all(torch.equal(d.data["priority_IS"], torch.tensor([d.meta["priority_IS"]])) for d in data)
+    for item in data:
+        item.meta["priority"] = 3.0
+        assert buffer.update(item.index, item.data, item.meta)        # the sampled meta, given back
+    updated = sorted({d.index for d in data})
+    assert {d.meta["priority"] for d in buffer.sample(indices=updated)} == {3.0}  # not 3.0000000000000004
+    assert {d.meta["priority"] for d in buffer.export_data() if d.index not in updated} <= {2.0}
+    buffer.delete(data[0].index)
+    assert buffer.count() == 9 and len(per.buffer_idx) == 9 and data[0].index not in per.buffer_idx.values()
+    with pytest.raises(ValueError, match="before the first push"):
         buffer.use(ding.PriorityExperienceReplay(buffer))
-        other.use(ding.PriorityExperienceReplay(other))
-        pushed = [buffer.push({"obs": np.full(2, v, np.float32)}, {"priority": v + 1.0}) for v in range(4)]
-        assert buffer.update(pushed[1].index, data={"obs": np.ones(2, np.float32) * 9})
-        assert buffer.sample(indices=[pushed[1].index])[0].data["obs"].tolist() == [9.0, 9.0]
-        buffer.delete(pushed[2].index)
-        assert buffer.count() == 3 and not buffer.update(pushed[2].index, data={"obs": np.zeros(2)})
-        exported = buffer.export_data()
-        assert [d.index for d in exported] == [0, 1, 3]
-        assert [round(d.meta["priority"], 6) for d in exported] == [1.0, 2.0, 4.0]
-        other.import_data(exported)
-        again = other.export_data()
-        assert [round(d.meta["priority"], 6) for d in again] == [1.0, 2.0, 4.0]
-        assert [d.data["obs"][0] for d in again] == [0.0, 9.0, 3.0]
-        with pytest.raises(TypeError, match="meta keys"):
-            buffer.push({"obs": np.zeros(2)}, {"note": "text"})
-        with pytest.raises(ValueError, match="before the first push"):
-            buffer.use(ding.use_time_check(buffer, max_use=2))
+    buffer.clear()
+    assert buffer.count() == 0 and per.buffer_idx == {}
 
 
-def test_groupby_env_with_unroll_len() -> None:
-    """R2D2's ``sample(n, groupby="env", unroll_len=T)``: ``T`` consecutive steps of one env's group."""
-    with DequeBuffer(size=40, envs=3) as buffer:
-        for step in range(10):
-            for env in range(3):
-                buffer.push({"step": np.int64(step), "env_id": np.int64(env)}, {"env": env})
-        for _ in range(10):
-            got = buffer.sample(3, groupby="env", unroll_len=4)
-            assert len(got) == 3 and sorted(int(g[0].data["env_id"]) for g in got) == [0, 1, 2]
-            for group in got:
-                steps = [int(d.data["step"]) for d in group]
-                assert len(steps) == 4 and np.all(np.diff(steps) == 1)
-                assert len({int(d.data["env_id"]) for d in group}) == 1
+def test_priority_defaults_and_checks(deque: Callable[..., DequeBuffer]) -> None:
+    buffer = deque(size=8).use(ding.PriorityExperienceReplay())
+    buffer.push({"v": 1, "priority": 5.0})                                  # no meta: taken from the data
+    buffer.push({"v": 2})                                                   # none: the largest so far
+    assert [(r.data, r.meta["priority"]) for r in buffer.export_data()] == [({"v": 1}, 5.0), ({"v": 2}, 5.0)]
+    with pytest.raises(ValueError, match=r"meta\['priority'\]: expected finite values >= 0"):
+        buffer.push({"v": 3}, {"priority": -1.0})
+    assert buffer.count() == 2
+
+
+# -- groups -------------------------------------------------------------------------------------
+def test_groupby_any_meta_key_rows_need_not_be_consecutive(deque: Callable[..., DequeBuffer]) -> None:
+    buffer = deque(size=30, seed=1)
+    for step in range(10):
+        for env in "ABC":
+            buffer.push(step, {"env": env})
+    buffer.push(99)                                                         # no "env": in no group
+    for _ in range(10):
+        groups = buffer.sample(3, groupby="env", unroll_len=4)
+        assert sorted(g[0].meta["env"] for g in groups) == ["A", "B", "C"]
+        for group in groups:
+            assert [d.data for d in group] == list(range(group[0].data, group[0].data + 4))
+    buffer.push(1, {"env": ["unhashable"]})
+    with pytest.raises(TypeError, match=r"meta\['env'\] of row 31 is a list, which cannot be a group key"):
+        buffer.sample(1, groupby="env")
+
+
+def test_sliced_windows_start_at_multiples_of_unroll_len(deque: Callable[..., DequeBuffer]) -> None:
+    buffer = deque(size=20, sliced=True)
+    for step in range(10):
+        buffer.push(step, {"env": 0})
+    starts = {buffer.sample(1, groupby="env", unroll_len=4)[0][0].data for _ in range(60)}
+    assert starts == {0, 4, 6}                                              # the last window ends at the end
+    unsliced = deque(size=20)
+    for step in range(10):
+        unsliced.push(step, {"env": 0})
+    assert len({unsliced.sample(1, groupby="env", unroll_len=4)[0][0].data for _ in range(200)}) > 3
+
+
+def test_padding_and_unordered_group_sample(deque: Callable[..., DequeBuffer]) -> None:
+    buffer = deque(size=10).use(ding.padding(policy="none"))
+    for i in range(5):
+        buffer.push(i, {"group": i % 2})
+    groups = buffer.sample(2, groupby="group")
+    assert sorted(len(g) for g in groups) == [3, 3]
+    assert sum(d.data is None and d.index is None for g in groups for d in g) == 1
+    shuffled = deque(size=10).use(ding.group_sample(size_in_group=2, ordered_in_group=False))
+    for i in range(5):
+        shuffled.push(i, {"group": 0})
+    [group] = shuffled.sample(1, groupby="group")
+    assert len(group) == 2 and len({d.data for d in group}) == 2
+
+
+# -- middleware -----------------------------------------------------------------------------------
+def test_user_middleware_runs_in_order_with_their_arguments(deque: Callable[..., DequeBuffer]) -> None:
+    calls: list[tuple[str, str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def record(tag: str) -> Callable[..., Any]:
+        def mw(action: str, chain: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            calls.append((tag, action, args, kwargs))
+            return chain(*args, **kwargs)
+        return mw
+
+    def plus_ten(action: str, chain: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if action == "push":
+            return chain(args[0] + 10, *args[1:], **kwargs)
+        return chain(*args, **kwargs)
+
+    def drop_odd(action: str, chain: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if action == "push" and args[0] % 2:
+            return None
+        return chain(*args, **kwargs)
+
+    buffer = deque(size=10).use(record("outer")).use(drop_odd).use(plus_ten).use(record("inner"))
+    for i in range(4):
+        buffer.push(i, meta={"i": i})
+    assert sorted(d.data for d in buffer.export_data()) == [10, 12]
+    assert [c[:2] for c in calls] == [("outer", "push"), ("inner", "push"), ("outer", "push")] * 2
+    assert calls[1][2:] == ((10,), {"meta": {"i": 0}})
+    calls.clear()
+    buffer.sample(2, replace=True)
+    buffer.update(buffer.get(0).index, 5)
+    buffer.delete([buffer.get(0).index])
+    buffer.clear()
+    assert [c[1] for c in calls if c[0] == "outer"] == ["sample", "update", "delete", "clear"]
+    assert calls[0][2:] == ((2,), {"replace": True})
+
+
+def test_staleness_check_and_sample_range_view(deque: Callable[..., DequeBuffer]) -> None:
+    buffer = deque(size=10)
+    buffer.use(ding.staleness_check(buffer, max_staleness=10))
+    with pytest.raises(AssertionError, match="train_iter_data_collected"):
+        buffer.push(1)
+    for collected in (0, 0, 5):
+        buffer.push(collected, meta={"train_iter_data_collected": collected})
+    assert len(buffer.sample(size=3, train_iter_sample_data=10)) == 3
+    with pytest.raises(ValueError):
+        buffer.sample(size=3, train_iter_sample_data=11)
+    assert [d.data for d in buffer.export_data()] == [5]
+
+    ranged = deque(size=10)
+    for i in range(10):
+        ranged.push(i)
+    view = ranged.view().use(ding.sample_range_view(ranged, start=-5, end=-2))
+    assert {view.sample(1)[0].data for _ in range(40)} == {5, 6, 7}
+    assert {d.data for d in ranged.sample(3, sample_range=slice(0, 3))} == {0, 1, 2}
+
+
+def test_view_shares_rows_not_middleware(deque: Callable[..., DequeBuffer]) -> None:
+    buffer = deque(size=10)
+    view = buffer.view()                                                    # before the first push
+    view.use(lambda action, chain, *a, **k: chain(*a, **k) if action != "push" else chain(a[0] * 2, *a[1:], **k))
+    buffer.push(1)
+    view.push(2)
+    assert buffer._middleware == [] and [d.data for d in buffer.export_data()] == [1, 4]
+    view.close()                                                            # the buffer stays open
+    assert buffer.count() == 2 and view.count() == 2
+
+
+# -- positions, indices, deletes ------------------------------------------------------------------
+def test_storage_and_indices_follow_deletes(deque: Callable[..., DequeBuffer]) -> None:
+    buffer = deque(size=100, seed=3)
+    for i in range(40):
+        buffer.push(i)
+    sampled = buffer.sample(20)
+    gone = [item.index for item in sampled]
+    buffer.delete(gone)
+    buffer.delete("not an index")
+    for i in range(10):
+        buffer.push(100 + i)
+    assert len(buffer.storage) == len(buffer.indices) == buffer.count() == 30
+    for i in range(30):
+        assert buffer.indices.get(buffer.storage[i].index) == i
+    assert buffer.storage[-1].data == 109 and buffer[0].data == min(set(range(40)) - {d.data for d in sampled})
+    assert not any(buffer.indices.has(g) for g in gone)
+    with pytest.raises(KeyError, match="are not all held"):
+        buffer.sample(indices=[gone[0]])
+    with pytest.raises(KeyError):
+        buffer.get_by_index(gone[0])
+    kept = buffer.storage[3]
+    assert buffer.get_by_index(kept.index) == kept
+
+
+def test_samples_are_independent_objects(deque: Callable[..., DequeBuffer]) -> None:
+    buffer = deque(size=1)
+    buffer.push({"key": "origin", "arr": np.zeros(2)})
+    first, second = buffer.sample(2, replace=True)
+    first.data["key"] = "new"
+    first.data["arr"][0] = 5
+    assert second.data["key"] == "origin" and second.data["arr"][0] == 0
+    again = buffer.sample(indices=[first.index, first.index])
+    again[0].data["key"] = "new"
+    assert again[1].data["key"] == "origin" and buffer.get(0).data["key"] == "origin"
+
+
+def test_torch_dataloader_reads_the_buffer(deque: Callable[..., DequeBuffer]) -> None:
+    from torch.utils.data import DataLoader
+
+    buffer = deque(size=10)
+    for i in range(10):
+        buffer.push(i)
+    batches = list(DataLoader(buffer, batch_size=6, shuffle=True, collate_fn=lambda batch: batch))  # type: ignore[arg-type]
+    assert sorted(len(b) for b in batches) == [4, 6] and sorted(d.data for b in batches for d in b) == list(range(10))
+
+
+# -- files and export -----------------------------------------------------------------------------
+def test_save_and_load_data(deque: Callable[..., DequeBuffer], tmp_path: Any) -> None:
+    buffer = deque(size=10).use(ding.PriorityExperienceReplay())
+    buffer.meta_index = {"label": []}
+    for i in range(5):
+        buffer.push({"obs": np.full(2, i, np.float32), "tag": f"t{i}"}, meta={"label": i, "priority": i + 0.5})
+    assert buffer.meta_index == {"label": [0, 1, 2, 3, 4]}
+    path = os.path.join(tmp_path, "sub", "data.hkl")
+    buffer.save_data(path)
+    assert os.listdir(os.path.join(tmp_path, "sub")) == ["data.hkl"]
+    other = deque(size=10).use(ding.PriorityExperienceReplay())
+    other.load_data(path)
+    rows = other.export_data()
+    assert [r.data["tag"] for r in rows] == [f"t{i}" for i in range(5)]
+    assert [r.meta["priority"] for r in rows] == [i + 0.5 for i in range(5)]
+    assert [r.data["obs"].tolist() for r in rows] == [[i, i] for i in range(5)]
+    other.load_data(path)                                                  # replaces, does not add
+    assert other.count() == 5
+    mismatched = deque(size=10)
+    mismatched.push("a string")
+    with pytest.raises(ValueError, match="load it into a new DequeBuffer"):
+        mismatched.load_data(path)
+    assert mismatched.count() == 1
+
+
+def test_export_and_import_data(deque: Callable[..., DequeBuffer]) -> None:
+    buffer, other = deque(size=10), deque(size=10)
+    for i in range(3):
+        buffer.push([i], {"group": i})
+    other.import_data(buffer.export_data())
+    assert [(r.data, r.meta) for r in other] == [([i], {"group": i}) for i in range(3)]
+
+
+def test_unroll_len_groups_are_consecutive_steps(deque: Callable[..., DequeBuffer]) -> None:
+    """DI-engine's own continuity check, on groups that replace and repeat."""
+    buffer = deque(size=100)
+    for env_id, n in zip("ABC", (3, 4, 5), strict=True):
+        for i in range(n):
+            buffer.push(i, {"env": env_id})
+    with pytest.raises(ValueError, match="There are less than 3 groups"):
+        buffer.sample(3, groupby="env", unroll_len=4)
+    for group in buffer.sample(3, groupby="env", unroll_len=4, replace=True):
+        assert len(group) == 4 and isinstance(
+            functools.reduce(lambda a, b: a and a.data + 1 == b.data and b, group), BufferedData)

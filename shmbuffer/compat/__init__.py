@@ -8,11 +8,12 @@ and return types, and doing nothing a ``ReplayBuffer`` does not do itself:
 ``shmbuffer.compat.velora``     Velora's ``ReplayBuffer(capacity, state_dim, action_dim, hidden_dim, device)``
 ``shmbuffer.compat.mindspore``  MindSpore RL's ``ReplayBuffer(batch_size, capacity, shapes, types)``
 
-The rows still live in shared memory as fixed-schema numeric columns. A facade takes its schema
-from its constructor where the library has one (Velora, MindSpore RL), else from the first push
-(DI-engine, nerveX): every later row must have the same fields, shapes and dtypes. What cannot be
-stored that way (a string, a Python object, a nested dict) is refused with ``TypeError`` saying
-what to push instead. Each facade's ``buffer`` is its ``ReplayBuffer``; ``close()`` (or ``with``)
+The rows still live in shared memory as fixed-schema columns. A facade takes its schema from its
+constructor where the library has one (Velora, MindSpore RL), else from the first push (DI-engine,
+nerveX). nerveX's, Velora's and MindSpore RL's rows must keep the same numeric fields, shapes and
+dtypes, and what cannot be stored that way (a string, a Python object, a nested dict) is refused
+with ``TypeError`` saying what to push instead. DI-engine's buffer stores any object, so its facade
+pickles what the columns do not take into fixed-size slots of the row (see ``ding.py``). Each facade's ``buffer`` is its ``ReplayBuffer``; ``close()`` (or ``with``)
 closes it and, in the creating process, removes it.
 
 This package imports the root package; nothing below it imports this package.
