@@ -611,8 +611,8 @@ def take(src: Source, ids: Any) -> Batch:
     return assemble(src.block, ids, rows)
 
 
-_LOST = ("a row was lost: its push failed after another writer had reserved rows after it, its writer died "
-         "mid-push, or it was deleted")
+_LOST = ("a row was lost: its writer died mid-push, its push failed after another writer had reserved rows "
+         "after it, or it was deleted")
 
 
 def transitions(src: Source) -> np.ndarray:

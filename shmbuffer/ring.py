@@ -199,6 +199,7 @@ class Copier:
         self.columns = tuple(targets[n][0] for n in self.names)
         self.offsets = tuple(targets[n][1] for n in self.names)
         self.shapes = tuple(tuple(int(d) for d in self.fields[n].shape[1:]) for n in self.names)
+        self.items = tuple(math.prod(s) for s in self.shapes)
         columns = [*self.columns, self.stamp]
         if self.episode is not None:
             columns.append(self.episode)
@@ -239,13 +240,18 @@ class Copier:
         schema or by ``check``) cast, broadcast, C-contiguous and aligned as its column takes them
         (numpy's assignment rules), then the episode ids when the block keeps them."""
         out = []
-        for name in self.names:
-            a, dtype, shape = arrays[name], self.targets[name][2], (k, *self.fields[name].shape[1:])
-            if not (type(a) is np.ndarray and a.dtype == dtype and a.shape == shape and a.flags.c_contiguous and a.flags.aligned):
-                a = np.require(np.broadcast_to(np.asarray(a, dtype=dtype), shape), requirements=("C", "A"))
+        for name, items in zip(self.names, self.items, strict=True):
+            a, dtype = arrays[name], self.targets[name][2]
+            if not (type(a) is np.ndarray and a.dtype == dtype and a.size == k * items
+                    and a.flags.c_contiguous and a.flags.aligned):
+                b = np.empty((k, *self.fields[name].shape[1:]), dtype)
+                b[...] = a  # numpy's assignment: the cast and the broadcast of one row
+                a = b
             out.append(a)
         if episodes is not None and self.episode is not None:
-            out.append(np.require(np.broadcast_to(np.asarray(episodes, dtype=np.int64), (k,)), requirements=("C", "A")))
+            e = np.empty(k, np.int64)
+            e[...] = episodes
+            out.append(e)
         return tuple(out)
 
     def put(self, res: Reservation, sources: tuple[np.ndarray, ...], fields: dict[str, np.ndarray]) -> None:

@@ -345,7 +345,7 @@ def apply_middleware(func_name: str) -> Callable[[Callable[..., Any]], Callable[
     def wrap(base: Callable[..., Any]) -> Callable[..., Any]:
         @wraps(base)
         def handler(buffer: Any, *args: Any, **kwargs: Any) -> Any:
-            chain_of = list(buffer._middleware)
+            chain_of = list(buffer.middleware)
 
             def run(i: int, *args: Any, **kwargs: Any) -> Any:
                 if i == len(chain_of):
@@ -637,6 +637,11 @@ class DequeBuffer(Facade):
             super().close()
 
     # -- middleware ------------------------------------------------------------------------------
+    @property
+    def middleware(self) -> tuple[Callable[..., Any], ...]:
+        """The middleware in use, the first used the outermost (``apply_middleware``)."""
+        return tuple(self._middleware)
+
     def use(self, func: Callable[..., Any]) -> DequeBuffer:
         """Add a middleware ``func(action, chain, *args, **kwargs)``, after those used before."""
         if not callable(func):
@@ -658,9 +663,7 @@ class DequeBuffer(Facade):
 
     def __copy__(self) -> DequeBuffer:
         other = object.__new__(type(self))
-        other.__dict__.update(self.__dict__)
-        other._middleware = []
-        other._viewed = True
+        other.__dict__.update(self.__dict__, _middleware=[], _viewed=True)
         return other
 
     @property
