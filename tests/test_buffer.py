@@ -57,7 +57,7 @@ def test_get_single_row_has_no_leading_dimension(make: Make, name: str) -> None:
     buf.push(**transition(5))
     row = buf.get(0)
     assert row.obs.shape == (17,) and row.reward.shape == () and int(row.index) == 0
-    with pytest.raises(sb.EmptyBufferError, match="out of range for 1 row$"):
+    with pytest.raises(sb.EmptyBufferError, match=r"out of range for 1 row$"):
         buf.get(1)
     with pytest.raises(sb.EmptyBufferError, match="out of range"):
         buf.get(-2)
@@ -412,7 +412,7 @@ def test_a_copy_that_fails_gives_the_rows_back(make: Make, name: str) -> None:
     buf.ring.undo(res, copied=False)
     other.close()
     assert len(buf) == 8 and set(seq_of(buf.sample(100))) == {5, 6, 7, 8, 9, 12}
-    with pytest.raises(sb.EmptyBufferError, match="lost: .*its push failed after another writer"):
+    with pytest.raises(sb.EmptyBufferError, match=r"lost: .*its push failed after another writer"):
         buf.get(-2)
 
 

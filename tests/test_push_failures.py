@@ -166,7 +166,7 @@ def test_a_failed_push_after_another_writer_reserved_leaves_empty_rows_never_tor
     assert not (buf.ring.stamp & 1).any()
     assert set(buf.sample(200).reward.astype(int).tolist()) == {3, 4, 5, 6, 7, 10}
     assert buf.get(4).reward == 7 and buf.get(7).reward == 10
-    with pytest.raises(sb.EmptyBufferError, match="lost: .*its push failed after another writer had reserved"):
+    with pytest.raises(sb.EmptyBufferError, match=r"lost: .*its push failed after another writer had reserved"):
         buf.get(5)  # row 8
 
 
