@@ -1900,6 +1900,52 @@ static PyObject *bound_reduce(BoundPush *b, PyObject *unused) {
 
 static PyObject *bound_doc(BoundPush *b, void *unused) { return PyObject_GetAttrString(b->func, "__doc__"); }
 static PyObject *bound_name(BoundPush *b, void *unused) { return PyObject_GetAttrString(b->func, "__name__"); }
+static PyObject *bound_qualname(BoundPush *b, void *unused) { return PyObject_GetAttrString(b->func, "__qualname__"); }
+static PyObject *bound_module(BoundPush *b, void *unused) { return PyObject_GetAttrString(b->func, "__module__"); }
+
+/* inspect.signature(buf.push): the method's, bound (without self) */
+static PyObject *bound_signature(BoundPush *b, void *unused) {
+    PyObject *inspect = PyImport_ImportModule("inspect");
+    if (!inspect) return NULL;
+    PyObject *method = PyMethod_New(b->func, b->self);
+    PyObject *sig = method ? PyObject_CallMethod(inspect, "signature", "O", method) : NULL;
+    Py_XDECREF(method);
+    Py_DECREF(inspect);
+    return sig;
+}
+
+/* equal, as bound methods are, when they bind the same function to the same buffer */
+static PyObject *bound_richcompare(PyObject *a, PyObject *b, int op) {
+    if ((op != Py_EQ && op != Py_NE) || Py_TYPE(b) != Py_TYPE(a)) Py_RETURN_NOTIMPLEMENTED;
+    BoundPush *x = (BoundPush *)a, *y = (BoundPush *)b;
+    int eq = x->self == y->self && x->func == y->func;
+    if (op == Py_NE) eq = !eq;
+    return PyBool_FromLong(eq);
+}
+
+static Py_hash_t bound_hash(BoundPush *b) {
+    Py_hash_t x = PyObject_Hash(b->func);
+    if (x == -1) return -1;
+    uintptr_t p = (uintptr_t)b->self; /* as CPython hashes a pointer: rotated by 4 bits */
+    Py_hash_t y = (Py_hash_t)((p >> 4) | (p << (8 * sizeof(p) - 4)));
+    Py_hash_t h = x ^ y;
+    return h == -1 ? -2 : h;
+}
+
+static PyObject *method_get(PushMethod *m, PyObject *obj, PyObject *type);
+
+/* BoundPush(func, buffer): func bound to buffer, as PushMethod binds it (weakref.WeakMethod
+ * rebuilds a bound method this way) */
+static PyObject *bound_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *func, *self;
+    if ((kwds && PyDict_GET_SIZE(kwds)) || !PyArg_ParseTuple(args, "OO:BoundPush", &func, &self)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "BoundPush(func, buffer) takes no keywords");
+        return NULL;
+    }
+    PushMethod m;
+    m.func = func;
+    return method_get(&m, self, NULL);
+}
 
 static PyMemberDef bound_members[] = {
     {"__self__", T_OBJECT, offsetof(BoundPush, self), READONLY, "the buffer"},
@@ -1909,6 +1955,9 @@ static PyMemberDef bound_members[] = {
 static PyGetSetDef bound_getset[] = {
     {"__doc__", (getter)bound_doc, NULL, NULL, NULL},
     {"__name__", (getter)bound_name, NULL, NULL, NULL},
+    {"__qualname__", (getter)bound_qualname, NULL, NULL, NULL},
+    {"__module__", (getter)bound_module, NULL, NULL, NULL},
+    {"__signature__", (getter)bound_signature, NULL, NULL, NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 static PyMethodDef bound_methods[] = {
@@ -1928,6 +1977,9 @@ static PyTypeObject BoundPushType = {
     .tp_clear = (inquiry)bound_clear,
     .tp_dealloc = (destructor)bound_dealloc,
     .tp_repr = (reprfunc)bound_repr,
+    .tp_richcompare = bound_richcompare,
+    .tp_hash = (hashfunc)bound_hash,
+    .tp_new = bound_new,
     .tp_members = bound_members,
     .tp_getset = bound_getset,
     .tp_methods = bound_methods,
@@ -1936,6 +1988,10 @@ static PyTypeObject BoundPushType = {
 static PyObject *method_get(PushMethod *m, PyObject *obj, PyObject *type) {
     static PyObject *s_plan;
     if (!s_plan && !(s_plan = PyUnicode_InternFromString("_push_plan"))) return NULL;
+    if (!m->func) {
+        PyErr_SetString(PyExc_TypeError, "PushMethod: made without its function (PushMethod(func))");
+        return NULL;
+    }
     if (obj == NULL || obj == Py_None) {
         Py_INCREF(m->func);
         return m->func;

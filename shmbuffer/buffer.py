@@ -261,8 +261,8 @@ class ReplayBuffer:
         held = len(ring)
         if held and self._block.arrays["_stats"][Counter.REMOVED]:
             held -= edits.removed(self)
-        if held and self._pusher is not None and self.options.frames and self.options.frames.next_of:
-            held -= edits.end_rows(self)  # an episode's final observation is not a transition
+        if held and self._pusher is not None:
+            held -= edits.end_rows(self)  # end and lead rows (and with next_of each lane's newest) are not transitions
         return held
 
     @property

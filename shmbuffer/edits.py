@@ -132,10 +132,11 @@ def delete(src: Source, ids: np.ndarray) -> int:
 
 def end_rows(src: Source) -> int:
     """Held slots that are not transitions (``next_of``, ``stack``): end rows holding an episode's
-    final observation, lead rows (``push(resume=True)``), and each lane's newest row while it
-    waits for its next one."""
+    final observation, lead rows (``push(resume=True)``, a lane started again after ``clear()``),
+    and with ``next_of`` each lane's newest row while it waits for its next one."""
     kind = src.block.arrays[KIND]
     ring = src.ring
+    nexts = src.block.frames is not None and bool(src.block.frames.next_of)
     first, stop = ring.bounds()
     lc = ring.lane_capacity
     count = 0
@@ -145,7 +146,7 @@ def end_rows(src: Source) -> int:
             count += int(np.count_nonzero(kind[lane * lc:(lane + 1) * lc] & (END | LEAD)))
         elif b > a:
             count += int(np.count_nonzero(kind[lane * lc + np.arange(a, b) % lc] & (END | LEAD)))
-        if b > a and not kind[lane * lc + (b - 1) % lc] & (END | LEAD):
+        if nexts and b > a and not kind[lane * lc + (b - 1) % lc] & (END | LEAD):
             count += 1  # the newest row: its next observation is not pushed yet
     return count
 
@@ -213,8 +214,7 @@ def push(
     also = None
     if prios is not None:
         def also(slots: np.ndarray) -> None:  # under the reservation's lock
-            kept.append(prios.keep(slots))
-            prios.set_rows(slots, priority, fresh=True)
+            kept.append(prios.set_new_rows(slots, priority))
     rows = k  # the transitions this push inserts (a rate limiter's and stats' "inserted")
     if ex is not None and ex.rows.size < k:
         rows = int(ex.rows.size)
@@ -226,8 +226,7 @@ def push(
 
         def also(slots: np.ndarray) -> None:  # under the reservation's lock
             if prios is not None:  # an end row is never drawn
-                kept.append(prios.keep(slots))
-                prios.set_rows(slots, priority, fresh=True)
+                kept.append(prios.set_new_rows(slots, priority))
                 prios.tree.update(slots[ends], 0.0)
             src.block.counters[Counter.INSERTED] -= k - rows  # an end row is not an insert
     limiter = src.options.limiter

@@ -365,7 +365,8 @@ class Last:
 class Expanded:
     """A push as stored: ``arrays`` of the stored schema plus ``_kind``, ``lanes`` one per stored
     row, ``episodes`` (or ``None``), ``rows`` the positions of the pushed transitions among them,
-    and per lane the first stored position and whether it continues this process's last row."""
+    and per lane the first stored position and whether it continues this process's last row;
+    ``restarted`` the lanes it starts again after a ``clear()`` (lead rows)."""
 
     arrays: dict[str, np.ndarray]
     lanes: np.ndarray
@@ -373,6 +374,7 @@ class Expanded:
     rows: np.ndarray
     firsts: dict[int, tuple[int, bool]]
     lasts: dict[int, Last]
+    restarted: frozenset[int] = frozenset()
 
 
 class Pusher:
@@ -483,7 +485,7 @@ class Pusher:
         kind[begin[lead > 0]] |= START
         out[KIND] = kind
         return Expanded(out, lanes[src_row], None if eps is None else np.ascontiguousarray(eps[src_row]),
-                        at, firsts, lasts)
+                        at, firsts, lasts, frozenset(lane_list[i] for i in cleared))
 
     def _values(self, full: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
         keep = {s.name for s in self.spec.stack} | {n for n, _ in self.spec.next_of}
@@ -559,11 +561,14 @@ class Pusher:
         for ln, (at, cont) in ex.firsts.items():
             last = self.last.get(ln)
             # the row after this process's last, or the lane's first after a clear() that came since
-            follows = last is not None and (int(n[at]) == last.row + 1
-                                            or (int(n[at]) == int(base[ln]) and last.row < int(n[at])))
+            first = int(n[at]) == int(base[ln])
+            follows = last is not None and (int(n[at]) == last.row + 1 or (first and last.row < int(n[at])))
             if cont and not follows:
                 return (f"lane {ln}: another writer pushed into it between this process's rows; with next_of/stack "
                         "each lane must be written by one process at a time")
+            if cont and first and ln not in ex.restarted:  # cleared after expand looked: no lead rows
+                return (f"lane {ln} was cleared (clear()) while this push was being checked; nothing was stored: "
+                        "push the same rows again")
         return None
 
     def done(self, ex: Expanded, n: np.ndarray) -> None:

@@ -157,15 +157,20 @@ class Priorities:
         leaves = np.asarray(leaves, dtype=np.float64)
         if not isinstance(s, Prioritized) or s.alpha == 0:
             return np.ones_like(leaves)
-        with np.errstate(divide="ignore", invalid="ignore"):  # an overflow warns: callers check leaves first
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             p = np.power(leaves, 1.0 / s.alpha) - s.eps
-        return np.where(leaves > 0, np.maximum(p, 0.0), 0.0)
+        # a leaf of the largest priorities may round back just past the largest float
+        return np.where(leaves > 0, np.clip(p, 0.0, np.finfo(np.float64).max), 0.0)
 
     def leaves_valid(self, leaves: np.ndarray) -> bool:
-        """Whether every leaf is one of a finite priority (``priorities_of`` gives it back without
-        overflowing): a loaded file's leaves are checked with it."""
+        """Whether every leaf is one of a finite priority: at most the leaf of the largest float
+        (a loaded file's leaves are checked with it; ``priorities_of`` then gives finite values)."""
+        s = self.sampler
+        if not isinstance(s, Prioritized):
+            return True
         with np.errstate(over="ignore"):
-            return bool(np.isfinite(self.priorities_of(leaves)).all())
+            top = float(np.power(np.finfo(np.float64).max + s.eps, s.alpha))
+        return bool((np.asarray(leaves) <= top).all())
 
     def leaf(self, priorities: np.ndarray) -> np.ndarray:
         """The leaves of these priorities (``inf`` where one overflows)."""
@@ -207,15 +212,19 @@ class Priorities:
             f"stay finite); expected priorities <= {most:.6g}: scale them down; nothing was changed"
         )
 
-    def keep(self, slots: np.ndarray) -> Callable[[], None]:
-        """Under the lock, before ``set_rows``: a function that puts back the leaves and uses of
-        ``slots`` and the largest priority as they are now (a push undone, ``Ring.undo``)."""
+    def set_new_rows(self, slots: np.ndarray, priorities: np.ndarray | None) -> Callable[[], None]:
+        """Under the reservation's lock: ``set_rows`` for a push's new rows; returns what puts back
+        their slots' leaves and uses as they were (a push undone, ``Ring.undo``), and the largest
+        priority unless another process has raised it since."""
         leaves, top = self.tree.leaves[slots].copy(), float(self._prio[0])
         uses = None if self.uses is None else self.uses[slots].copy()
+        self.set_rows(slots, priorities, fresh=True)
+        mine = float(self._prio[0])
 
         def put_back() -> None:
             self.tree.update(slots, leaves)
-            self._prio[0] = top
+            if float(self._prio[0]) == mine:
+                self._prio[0] = top
             if uses is not None and self.uses is not None:
                 self.uses[slots] = uses
 

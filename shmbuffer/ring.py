@@ -98,7 +98,7 @@ from .segment import process_alive, start_time
 
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 _SAMPLED, _RECLAIMED, _RECOVERIES = int(Counter.SAMPLED), int(Counter.RECLAIMED), int(Counter.LOCK_RECOVERIES)
-_INSERTED, _FROZEN = int(Counter.INSERTED), int(Counter.FROZEN)
+_INSERTED, _FROZEN, _UPDATES = int(Counter.INSERTED), int(Counter.FROZEN), int(Counter.UPDATES)
 _INT64_MAX = np.iinfo(np.int64).max
 Gate = Callable[[int, int, int], bool]
 """``gate(inserted, sampled, size) -> allowed``: a rate limiter's test (``limiter.py``)."""
@@ -152,13 +152,15 @@ class Reservation:
     """Rows a writer holds between ``reserve`` and ``commit``: ``where`` indexes their slots (a
     slice when they are contiguous), ``n`` their row numbers, ``lane`` their lane(s). ``before``
     is what ``undo`` puts back: the slots' stamps, every lane's cursor and the insert count
-    before the reservation, and the cursors right after it."""
+    before the reservation, and every lane's cursor and base right after it. ``dirty``: bytes
+    in the slots may differ from the rows they held (a copy that could not put them back)."""
 
-    __slots__ = ("before", "lane", "lanes", "n", "where")
+    __slots__ = ("before", "dirty", "lane", "lanes", "n", "where")
 
     def __init__(self, where: slice | np.ndarray, n: np.ndarray, lane: int | np.ndarray, lanes: int,
                  before: tuple[np.ndarray, np.ndarray, int, np.ndarray]) -> None:
         self.where, self.n, self.lane, self.lanes, self.before = where, n, lane, lanes, before
+        self.dirty = False
 
     @property
     def ids(self) -> np.ndarray:
@@ -273,6 +275,7 @@ class Copier:
             targets.append(self.episode)
         kept = [t[where].copy() for t in targets]
         done = 0
+        res.dirty = True  # from here bytes may differ from the rows the slots held
         try:
             for t, a in zip(targets, sources, strict=True):
                 t[where] = a
@@ -280,6 +283,7 @@ class Copier:
         except BaseException:
             for t, old in zip(targets[:done + 1], kept, strict=False):
                 t[where] = old
+            res.dirty = False  # put back (a restore that raised leaves it set: undo then abandons)
             raise
 
 
@@ -448,7 +452,7 @@ class Ring:
                 # no slot odd: owners, odd stamps, then the cursors, in one C call
                 if lib.reserve_lanes(cursors, self.stamp, self.owner, lane, w, n, slots, old):
                     self._count[_INSERTED] += k
-                    return Reservation(slots, n, lane, self.lanes, (old, *was, cursors[:, _CURSOR].copy()))
+                    return Reservation(slots, n, lane, self.lanes, (old, *was, cursors.copy()))
             counts = np.bincount(lane, minlength=self.lanes)
             order = np.argsort(lane, kind="stable")
             first = np.cumsum(counts) - counts
@@ -467,7 +471,7 @@ class Ring:
                 cur[8 * lane + _CURSOR] = n0 + k
                 self._count[_INSERTED] += k
                 return Reservation(slice(lane * lc + s0, lane * lc + s0 + k), n, lane, self.lanes,
-                                   (old, *was, cursors[:, _CURSOR].copy()))
+                                   (old, *was, cursors.copy()))
             where = slice(lane * lc + s0, lane * lc + s0 + k) if s0 + k <= lc else lane * lc + n % lc
         stamps = self.stamp[where]
         if (stamps[0] if k == 1 else np.bitwise_or.reduce(stamps)) & 1:  # some slot is odd: being written
@@ -485,7 +489,7 @@ class Ring:
             self.stamp[where] = np.arange(2 * n0 + 1, 2 * (n0 + k), 2)
             self._cur[8 * lane + _CURSOR] = n0 + k
         self._count[_INSERTED] += k
-        return Reservation(where, n, lane, self.lanes, (old, *was, cursors[:, _CURSOR].copy()))
+        return Reservation(where, n, lane, self.lanes, (old, *was, cursors.copy()))
 
     def commit(self, res: Reservation) -> None:
         """Odd to even: the rows are committed (nobody else touches a live writer's odd stamps).
@@ -522,7 +526,12 @@ class Ring:
             self.stamp[slots[mine]] = res.stamps[mine]
             return
         old, cursors, inserted, after = res.before
-        if mine.all() and np.array_equal(self._lanes[:, _CURSOR], after):
+        # put back only while nobody reserved or cleared since, no byte differs from the rows the
+        # slots held, and no slot held a dead writer's odd row (reclaimed: its owner is gone)
+        if (mine.all() and np.array_equal(self._lanes, after) and not res.dirty and not (old & 1).any()):
+            # a reader whose copy spans the reservation and this undo sees the same stamp before
+            # and after: the count makes it read again (reader._unless_updated), as for update()
+            self._stats[_UPDATES] += 1
             self._lanes[:, _CURSOR] = cursors  # the cursors first: see "every prefix" in the module docstring
             self.stamp[slots] = old
             self._stats[_INSERTED] = inserted

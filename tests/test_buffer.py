@@ -404,7 +404,8 @@ def test_a_copy_that_fails_gives_the_rows_back(make: Make, name: str) -> None:
     with pytest.raises(KeyboardInterrupt):
         buf.push(transition(10, 2))  # stopped midway over rows 2 and 3: their bytes are put back
     buf.block.fields = good
-    assert all(np.array_equal(v, before[k]) for k, v in buf.block.arrays.items() if k not in ("_mutex", "_owner"))
+    assert all(np.array_equal(v, before[k]) for k, v in buf.block.arrays.items() if k not in ("_mutex", "_owner", "_stats"))
+    assert len(buf) == 8 and buf.stats["inserted"] == 10
     assert seq_of(buf.get(slice(None))).tolist() == list(range(2, 10))
     other = sb.ReplayBuffer.attach(buf.handle)  # a writer that reserved after the failed push: that push's rows
     res = buf.ring.reserve(2, deferring=False)  # can no longer be given back; they are holes, never torn

@@ -631,3 +631,44 @@ def test_a_forked_child_starts_its_own_rows(make: Make, name: str, procs: list) 
     p.join(60)
     assert p.exitcode == 0
     assert {tuple(t) for t in buf.sample(200).tag.tolist()} == {(0, 0, 0), (0, 7, 0), (0, 7, 1), (0, 7, 2)}
+
+
+def test_a_clear_between_the_checks_and_the_reservation_stores_nothing(make: Make, name: str) -> None:
+    """A clear() that comes after the pusher decided a row continues its lane (no lead rows) but
+    before the reservation: the row would reach into the cleared rows. It is refused, nothing
+    stored, and pushed again it starts the lane anew (found by review, issue 22)."""
+    from shmbuffer.ring import Ring
+
+    sch = schema((1, 4, 4), 4, 0)
+    buf = make(sch, 16, next_of="obs", stack="obs", name=name)
+    rows = episode(0, 0, 12, "terminated", (1, 4, 4), 4, 0, "reset")
+    _push_all(buf, rows[:3])
+    real = Ring.reserve
+
+    def reserve(self: Ring, *args: Any, **kwargs: Any) -> Any:
+        Ring.reserve = real  # type: ignore[method-assign]
+        buf.clear()  # another process's, right after the checks
+        return real(self, *args, **kwargs)
+
+    Ring.reserve = reserve  # type: ignore[method-assign]
+    try:
+        with pytest.raises(sb.FieldError, match=r"lane 0 was cleared \(clear\(\)\) while this push was being checked"):
+            buf.push(**rows[3])
+    finally:
+        Ring.reserve = real  # type: ignore[method-assign]
+    assert len(buf) == 0
+    ids = _push_all(buf, rows[3:])
+    assert len(buf) == 9 and np.array_equal(buf.get(slice(None)).index, ids)
+
+
+def test_stacks_without_next_of_count_as_get_indexes(make: Make, name: str) -> None:
+    """``stack`` alone: lead rows (a lane started again after clear(), or resume) are not
+    transitions; ``len`` left them in while ``get`` left them out (found by review, issue 22)."""
+    sch = schema((1, 4, 4), 4, 0)
+    buf = make(sch, 16, stack="obs", name=name)
+    rows = episode(0, 0, 12, "terminated", (1, 4, 4), 4, 0, "reset")
+    _push_all(buf, rows[:3])
+    buf.clear()
+    ids = _push_all(buf, rows[3:5])
+    assert len(buf) == 2 and np.array_equal(buf.get(slice(None)).index, ids)
+    assert np.array_equal(buf.get(-1).obs, rows[4]["obs"]) and np.array_equal(buf.get(len(buf) - 1).obs, rows[4]["obs"])

@@ -19,6 +19,7 @@ import pytest
 import shmbuffer as sb
 from shmbuffer import edits, native, segment
 from shmbuffer.frames import Pusher
+from shmbuffer.layout import Counter
 from shmbuffer.priorities import Priorities
 from shmbuffer.ring import Copier, Ring
 
@@ -63,10 +64,16 @@ def state(buf: sb.ReplayBuffer) -> dict[str, Any]:
 
 
 class Breaks(np.ndarray):
-    """A column whose assignment fails: a copy stopped midway, after the fields before it."""
+    """A column whose first assignment fails: a copy stopped midway, after the fields before it
+    (the bytes written over are then put back through it)."""
+
+    broke = False
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        raise Injected("copy midway")
+        if not Breaks.broke:
+            Breaks.broke = True
+            raise Injected("copy midway")
+        super().__setitem__(key, value)
 
 
 class Midway(dict):
@@ -97,6 +104,7 @@ def inject(monkeypatch: pytest.MonkeyPatch, buf: sb.ReplayBuffer, step: str) -> 
     elif step == "copy starts":
         monkeypatch.setattr(Copier, "put", fail)
     elif step == "copy midway":
+        monkeypatch.setattr(Breaks, "broke", False)
         monkeypatch.setattr(buf.block, "fields", Midway(buf.block.fields))
     elif step == "commit":
         monkeypatch.setattr(Ring, "commit", fail)
@@ -204,3 +212,122 @@ def test_a_push_through_a_buffer_nobody_else_holds_goes_in(name: str, path: str)
     finally:
         owner.close()
         owner.unlink()
+
+
+# -- found by review (each failed before its fix) --------------------------------------------------
+def _failing_put(monkeypatch: pytest.MonkeyPatch, then: Callable[[], None] = lambda: None) -> None:
+    def put(*args: Any, **kwargs: Any) -> None:
+        then()
+        raise Injected("copy starts")
+
+    monkeypatch.setattr(Copier, "put", put)
+
+
+def test_an_undone_push_that_reclaimed_a_dead_writers_row_leaves_nothing_odd(
+    make: Make, name: str, monkeypatch: pytest.MonkeyPatch, procs: list,
+) -> None:
+    """A reservation that laps a dead writer's odd slot reclaims it; undoing that push must not
+    put the odd stamp back under this live process (the slot would block every writer)."""
+    import multiprocessing as mp
+
+    buf = make(MUJOCO, 4, name=name)
+    buf.ring.stall_timeout = 1.0
+    buf.push(transition(0, 2))
+    p = mp.get_context("fork").Process(target=_reserve_and_die, args=(buf.handle,))
+    procs.append(p)
+    p.start()
+    p.join(30)
+    buf.push(transition(3, 1))
+    assert buf.ring.stamp[2] & 1  # the dead writer's row
+    monkeypatch.setattr(buf, "_push_plan", None)
+    monkeypatch.setattr(buf, "_one_call", None)
+    with monkeypatch.context() as m:
+        _failing_put(m)
+        with pytest.raises(Injected):
+            buf.push(transition(10, 4))  # laps slots 0..3, slot 2 among them
+    assert not (buf.ring.stamp & 1).any()
+    buf.push(transition(20, 4))  # at once: nothing waits for a live owner
+    assert buf.get(slice(None)).reward.tolist() == [20, 21, 22, 23]
+
+
+def _reserve_and_die(handle: sb.BufferHandle) -> None:
+    import os
+
+    sb.ReplayBuffer.attach(handle).ring.reserve(1, 0)
+    os._exit(0)
+
+
+def test_a_clear_while_a_push_fails_is_not_undone(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clear() between a push's reservation and its failure: the undo must not put back the
+    cleared rows, their priorities or the cursor below the new base."""
+    buf = make(MUJOCO, 4, name=name, sampler=sb.Prioritized(alpha=1.0))
+    buf.push(transition(0, 4), priority=np.full(4, 5.0))
+    monkeypatch.setattr(buf, "_push_plan", None)
+    with monkeypatch.context() as m:
+        _failing_put(m, then=buf.clear)
+        with pytest.raises(Injected):
+            buf.push(transition(10, 4))  # ends on a lane boundary: the clear leaves the cursor there
+    assert len(buf) == 0 and not buf.priorities.tree.leaves.any()  # type: ignore[union-attr]
+    assert buf.priorities.max_priority == 1.0  # type: ignore[union-attr]
+    buf.push(transition(99, 1))
+    assert set(buf.sample(8, timeout=1.0).reward.tolist()) == {99}
+
+
+def test_an_undo_counts_itself_so_a_reader_spanning_it_reads_again(
+    make: Make, name: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The undo puts a slot's old stamp back: a reader whose copy spanned the reservation and the
+    undo sees the same stamp twice, so the undo counts itself as an update does (no ABA)."""
+    buf = make(MUJOCO, 4, name=name)
+    buf.push(transition(0, 4))
+    monkeypatch.setattr(buf, "_push_plan", None)
+    monkeypatch.setattr(buf, "_one_call", None)
+    updates = int(buf.block.counters[Counter.UPDATES])
+    with monkeypatch.context() as m:
+        _failing_put(m)
+        with pytest.raises(Injected):
+            buf.push(transition(10, 2))
+    assert int(buf.block.counters[Counter.UPDATES]) == updates + 1
+    assert buf.get(slice(None)).reward.tolist() == [0, 1, 2, 3]
+
+
+def test_an_undo_keeps_a_largest_priority_raised_meanwhile(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    buf = make(MUJOCO, 8, name=name, sampler=sb.Prioritized(alpha=1.0))
+    buf.push(transition(0, 4))
+    monkeypatch.setattr(buf, "_push_plan", None)
+    with monkeypatch.context() as m:
+        _failing_put(m, then=lambda: buf.update_priorities(np.arange(4), np.full(4, 50.0)))
+        with pytest.raises(Injected):
+            buf.push(transition(10, 2))
+    assert buf.priorities.max_priority == 50.0  # type: ignore[union-attr]
+    assert buf.priority(buf.push(transition(20, 1))).tolist() == pytest.approx([50.0])
+
+
+def test_the_largest_priorities_a_push_takes_save_and_load(make: Make, name: str, tmp_path: Any) -> None:
+    """A save refused such leaves as "of no finite priority" (the check inverted them)."""
+    buf = make(MUJOCO, 8, name=name, sampler=sb.Prioritized(alpha=0.6))
+    buf.push(transition(0, 3), priority=np.array([1.0, 2.0, 1.7976931348623155e308]))
+    sb.save(buf, tmp_path / "s")
+    new = sb.load(tmp_path / "s")
+    try:
+        assert np.array_equal(new.priority(np.arange(3)), buf.priority(np.arange(3)))
+        assert np.isfinite(new.export()["priority"]).all()
+    finally:
+        new.close()
+        new.unlink()
+
+
+def test_the_push_method_behaves_as_a_bound_method(make: Make, name: str) -> None:
+    import inspect
+    import weakref
+
+    if native.lib is None:
+        pytest.skip("the C extension is not built here")
+    buf = make(MUJOCO, 8, name=name)
+    assert buf.push == buf.push and hash(buf.push) == hash(buf.push) and buf.push != make(MUJOCO, 8, name=name + "o").push
+    assert str(inspect.signature(buf.push)) == str(inspect.signature(sb.ReplayBuffer.push.__get__(buf)))
+    assert buf.push.__qualname__ == "ReplayBuffer.push" and buf.push.__module__ == "shmbuffer.buffer"
+    again = weakref.WeakMethod(buf.push)()
+    assert again is not None and again(transition(0, 1)).tolist() == [0]
+    with pytest.raises(TypeError, match="made without its function"):
+        native.lib.PushMethod.__new__(native.lib.PushMethod).__get__(None, object)
