@@ -94,22 +94,22 @@ def test_add_single_rows_and_state_dict(name: str, storages: list[ShmStorage]) -
     assert len(storage) == 0
 
 
-def _writer(storage: ShmStorage, start: int, pushes: int, k: int) -> None:
-    rb = ReplayBuffer(storage=storage, collate_fn=identity)
+def _writer(rb: ReplayBuffer, start: int, pushes: int, k: int) -> None:
     for p in range(pushes):
         rb.extend(rows(start + p * k, k))
-    storage.buffer.close()
+    rb.storage.buffer.close()
 
 
 def test_writers_in_other_processes_lose_and_tear_nothing(name: str, storages: list[ShmStorage], procs: list[Any]) -> None:
-    """Two processes extend the same storage at once (each with its own round-robin writer, whose
-    cursors collide): every row of both is there, whole, once."""
+    """Two processes extend the same storage at once, each with its copy of one ReplayBuffer (so
+    their round-robin writers' cursors collide): every row of both is there, whole, once."""
     storage = ShmStorage(4000, name=name)
     storages.append(storage)
-    storage.set(0, rows(100_000, 1))  # creates the shared buffer before it travels
+    rb = ReplayBuffer(storage=storage)
+    rb.extend(rows(100_000, 1))  # creates the shared buffer before it travels
     ctx = mp.get_context("spawn")
     for start in (0, 10_000):
-        procs.append(ctx.Process(target=_writer, args=(storage, start, 150, 8)))
+        procs.append(ctx.Process(target=_writer, args=(rb, start, 150, 8)))
     for p in procs:
         p.start()
     for p in procs:
