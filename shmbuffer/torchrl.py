@@ -20,22 +20,30 @@ The contract is TorchRL's ``Storage`` one, as ``LazyTensorStorage`` keeps it (``
 - A writer's ``extend`` lands where its round-robin cursor says; past ``max_size`` it wraps and
   the newest rows win, also when one ``extend`` holds more rows than ``max_size``.
 - TensorDicts (nested keys, lazy stacks of equal shapes), tensorclasses and plain tensors are
-  stored, and ``get`` gives back the same type; a list of them is stacked first. Anything else
-  (pytrees, non-tensor leaves such as strings, ragged lazy stacks) is refused with ``TypeError``:
-  shared memory holds fixed-shape numeric columns. ``ndim > 1`` is refused (``ValueError``):
-  flatten the leading dims (``td.reshape(-1)``), or use shmbuffer's ``ReplayBuffer(..., envs=n)``
-  which keeps each env's steps in a lane of its own.
+  stored, and ``get`` gives back the same type; a list of them is stacked first. Rows may have
+  batch dims of their own: a TensorDict of batch size ``[k, 4]`` is ``k`` rows of batch size
+  ``[4]``. Anything else (pytrees, non-tensor leaves such as strings, ragged lazy stacks, a key
+  the first write did not have) is refused with ``TypeError`` (``KeyError``): shared memory holds
+  fixed-shape numeric columns. ``ndim > 1`` is refused (``ValueError``): flatten the leading
+  dims (``td.reshape(-1)``), keep ``LazyTensorStorage(max_size, ndim=2)``, or use shmbuffer's
+  ``ReplayBuffer(..., envs=n)``, which keeps each env's steps in a lane of its own.
+- TorchRL's base ``Storage`` arguments (``checkpointer``, ``compilable``) are accepted;
+  ``shared_init=True`` is refused: the rows are always shared, but the schema comes from the first
+  write, so write once before the storage goes to other processes.
 - ``dumps(path)`` overwrites an earlier dump in ``path``; ``loads`` / ``load_state_dict`` put
   every row back in its slot, so a writer's restored cursor goes on where it stopped.
 - A ``ReplayBuffer`` built on it gets ``identity`` as its default ``collate_fn`` (``get``
   already returns a stacked TensorDict); TorchRL only knows the defaults of its own storages.
 
-Several processes: every process that holds this storage (pickle it, or the ``ReplayBuffer``,
-after the first write) reads and writes the same rows. A writer whose ``extend`` continues its
-own previous one appends, even when writers in other processes have moved the ring meanwhile:
-the ring gives each push its own slots, so concurrent writers never tear nor lose rows (TorchRL's
-shared storages let them overwrite each other). A writer that starts at another cursor (a fresh
-``ReplayBuffer`` in a new process starts at slot 0) overwrites those slots, as TorchRL's storages do.
+Several processes: every process that holds a copy of this storage (pickle it, or its
+``ReplayBuffer``, after the first write) reads and writes the same rows. TorchRL's writers share
+one cursor between processes without ordering them, so two can get the same slots, or slots past
+ones another has yet to write; TorchRL's own storages then overwrite rows just written. Here a
+writer's run of slots (``extend``, ``add``) is appended instead once the storage is a copy, or
+once writers elsewhere have written since this object last did: the ring gives each run its own
+slots, so concurrent writers never tear nor lose rows, and a run's rows may sit in other slots
+than the index ``extend`` returned. Index writes (``rb[idx] = td``) overwrite their slots
+everywhere; in one process with no other writer, every write goes exactly where TorchRL puts it.
 
 Keys may be nested (``("next", "obs")``); a field is named by joining them with ``__``. TorchRL's
 ``index`` key is not stored (samplers set it again); other names a ``Batch`` keeps for itself
@@ -194,9 +202,17 @@ class ShmStorage(Storage):
         self.kind: str | None = "tensordict" if buffer is not None else None
         self.classes: dict[tuple[str, ...], type] = {}
         self.row_batch: tuple[int, ...] | None = () if buffer is not None else None  # a row's own batch dims
-        self._append_next: int | None = None  # the slot after this object's last append, as its writer counts
+        self._seen: int | None = None  # the ring's cursor after this object's last write
+        self.shared_writers = False  # whether writers elsewhere have written since (see the module docstring)
         if buffer is not None:
             self._keys(buffer.schema)
+            self._seen = buffer.ring.span()[1]
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # a copy (another process's, most often) writes the same rows as the original: its
+        # writers' runs append (see _writer_run)
+        self.shared_writers = True
 
     def _keys(self, schema: Schema) -> None:
         def key(name: str) -> tuple[str, ...]:
@@ -276,9 +292,9 @@ class ShmStorage(Storage):
         cap = self.max_size
         head = 0 if self.buffer is None else self.buffer.ring.span()[1] % cap
         appends = bool(np.array_equal(slots, (head + np.arange(k)) % cap))
-        if not appends and set_cursor and self._append_next is not None:
-            # this object's writer goes on where it stopped while others moved the ring: append after them
-            appends = bool(np.array_equal(slots, (self._append_next + np.arange(k)) % cap))
+        if (not appends and set_cursor and self.buffer is not None
+                and np.array_equal(slots, (slots[0] + np.arange(k)) % cap)):
+            appends = self._writer_run(self.buffer, slots)
         if self.buffer is None and not appends:
             raise IndexError(f"ShmStorage.set: the storage is empty: expected the first rows at slots 0..{k - 1}, "
                              f"got {slots[:5].tolist()}")
@@ -291,10 +307,10 @@ class ShmStorage(Storage):
         if appends:
             self._append(buf, rows, k)
         else:
-            self._write_at(buf, slots, rows, wait=set_cursor)
+            self._write_at(buf, slots, rows)
+        self._seen = buf.ring.span()[1]
         if set_cursor:
             self._set_last_cursor(cursor)
-            self._append_next = int(slots[-1] + 1) % cap if appends and k else None
         self._bump_mutation_revision()
 
     def _append(self, buf: SharedBuffer, rows: dict[str, np.ndarray], k: int) -> None:
@@ -305,27 +321,42 @@ class ShmStorage(Storage):
         for lo in range(start, k, cap):
             buf.push({n: a[lo:lo + cap] for n, a in rows.items()})
 
-    def _write_at(self, buf: SharedBuffer, slots: np.ndarray, rows: dict[str, np.ndarray], *, wait: bool) -> None:
+    def _writer_run(self, buf: SharedBuffer, slots: np.ndarray) -> bool:
+        """Whether a writer's run of slots that is not the next one is appended: yes once writers
+        elsewhere have written, since TorchRL's shared cursor gives colliding writers the same
+        slots (and their runs arrive out of order); a run of empty slots waits a while for them."""
+        cap = buf.capacity
+        deadline = time.monotonic() + WAIT
+        while True:
+            if self._others_wrote(buf):
+                return True
+            first, stop = buf.ring.span()
+            if np.array_equal(slots, (stop + np.arange(slots.size)) % cap):
+                return True
+            if ((slots - first) % cap < stop - first).any() or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0005)
+
+    def _others_wrote(self, buf: SharedBuffer) -> bool:
+        """Whether rows were added by someone else since this object last wrote (sticky)."""
+        if not self.shared_writers and self._seen is not None and buf.ring.span()[1] != self._seen:
+            self.shared_writers = True
+        return self.shared_writers
+
+    def _write_at(self, buf: SharedBuffer, slots: np.ndarray, rows: dict[str, np.ndarray]) -> None:
         """Overwrite the held slots among ``slots``; the empty ones must be the next ones."""
         cap = buf.capacity
         # a slot given twice keeps its last row, as tensor indexing does
         last = np.sort(slots.size - 1 - np.unique(slots[::-1], return_index=True)[1])
         slots, rows = slots[last], {n: a[last] for n, a in rows.items()}
-        # a writer's rows for slots past the next one wait (a while) for the writers in other
-        # processes that TorchRL's shared cursor gave the slots before them
-        deadline = time.monotonic() + (WAIT if wait else 0.0)
-        while True:
-            first, stop = buf.ring.span()
-            empty = (slots - first) % cap >= stop - first
-            if np.array_equal(slots[empty], (stop + np.arange(int(empty.sum()))) % cap):
-                break
-            if time.monotonic() >= deadline:
-                raise IndexError(
-                    f"ShmStorage.set: slots {slots[empty][:5].tolist()} hold no row and are not the next ones "
-                    f"({len(self)} rows held): write at held slots to overwrite them, or at slot {stop % cap} and "
-                    "on to add rows"
-                )
-            time.sleep(0.0005)
+        first, stop = buf.ring.span()
+        empty = (slots - first) % cap >= stop - first
+        if not np.array_equal(slots[empty], (stop + np.arange(int(empty.sum()))) % cap):
+            raise IndexError(
+                f"ShmStorage.set: slots {slots[empty][:5].tolist()} hold no row and are not the next ones "
+                f"({len(self)} rows held): write at held slots to overwrite them, or at slot {stop % cap} and "
+                "on to add rows"
+            )
         fresh = {n: a[empty] for n, a in rows.items()}
         if empty.any():
             buf.check(fresh)  # before the overwrite: on bad rows nothing changes
@@ -419,9 +450,9 @@ class ShmStorage(Storage):
         return (t >= -len(self)) & (t < len(self))
 
     def _empty(self) -> None:
-        self._append_next = None
         if self.buffer is not None:
             self.buffer.clear()
+            self._seen = self.buffer.ring.span()[1]
 
     def _meta(self) -> dict[str, Any]:
         return {"kind": self.kind, "tensorclass": {SEP.join(p): _class_name(c) for p, c in self.classes.items()},
@@ -462,9 +493,9 @@ class ShmStorage(Storage):
             self._empty()
         self.kind, self.classes = kind, classes
         self.row_batch = tuple(state_dict.get("row_batch") or ())
-        self._append_next = None
         if len(next(iter(rows.values()))):
             self.buffer.push(rows)
+        self._seen = self.buffer.ring.span()[1]
         self._bump_mutation_revision()
 
     def _custom_checkpointer(self) -> bool:

@@ -5,6 +5,7 @@ for LazyTensorStorage; and writers in other processes lose or tear no row."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -327,3 +328,26 @@ def test_anything_else_is_refused_clearly_and_changes_nothing(data: Any, error: 
     with pytest.raises(error, match=match):
         rb.extend(data)
     assert len(storage) == 3 and storage.get(slice(None))["a"].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_copies_writers_with_colliding_cursors_lose_nothing(name: str, storages: list[ShmStorage]) -> None:
+    """Writers on copies of the storage (what a process gets when the storage or its
+    ReplayBuffer is pickled to it) append their runs: TorchRL's shared cursor gives writers in
+    several processes the same slots, or slots past ones another has yet to write, and TorchRL's
+    storages then overwrite rows just written. The original's writer keeps TorchRL's slots; an
+    index write from a copy still overwrites its slot."""
+    storage = ShmStorage(8, name=name)
+    storages.append(storage)
+    storage.set(range(8), torch.arange(8))
+    storage.set(range(4, 6), torch.tensor([14, 15]))  # the original: exactly those slots
+    assert storage.get(slice(None)).tolist() == [0, 1, 2, 3, 14, 15, 6, 7]
+    a, b = pickle.loads(pickle.dumps(storage)), pickle.loads(pickle.dumps(storage))
+    try:
+        a.set(range(4, 8), torch.arange(100, 104))  # the ring's next slots are 0..3: appended there
+        b.set(range(4, 8), torch.arange(200, 204))  # the same cursor again: appended after a's
+        assert sorted(storage.get(slice(None)).tolist()) == [100, 101, 102, 103, 200, 201, 202, 203]
+        a[5] = torch.tensor(-1)
+        assert storage.get(5).item() == -1 and len(storage) == 8
+    finally:
+        for copy in (a, b):
+            copy.buffer.close()
