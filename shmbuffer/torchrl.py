@@ -52,6 +52,7 @@ Keys may be nested (``("next", "obs")``); a field is named by joining them with 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import time
@@ -69,7 +70,7 @@ from tensordict import (
     is_tensorclass,
 )
 from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
-from torchrl.data.replay_buffers.storages import Storage
+from torchrl.data.replay_buffers.storages import Storage, StoreStorage
 
 from .buffer import ReplayBuffer as SharedBuffer
 from .errors import EmptyBufferError
@@ -136,9 +137,10 @@ def _stack(data: list[Any] | tuple[Any, ...]) -> Any:
 def _classes(tc: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], type]:
     """The tensorclass at each nested key of ``tc`` (``()`` for ``tc`` itself)."""
     out = {prefix: type(tc)}
-    for key, value in tc._tensordict.items():
+    for f in dataclasses.fields(tc):
+        value = getattr(tc, f.name)
         if is_tensorclass(value):
-            out.update(_classes(value, (*prefix, key)))
+            out.update(_classes(value, (*prefix, f.name)))
     return out
 
 
@@ -159,7 +161,7 @@ def _import_class(name: str) -> type:
     return obj
 
 
-class ShmStorage(Storage):
+class ShmStorage(StoreStorage):
     """A TorchRL storage over a shmbuffer (see the module docstring).
 
     :param max_size: rows held (ignored when ``buffer`` is given).
@@ -172,6 +174,8 @@ class ShmStorage(Storage):
     :param shared_init: ``LazyTensorStorage``'s; the rows are always shared, but the schema comes
         from the first write, so ``True`` is refused with what to do instead.
     """
+
+    _default_checkpointer = StorageCheckpointerBase
 
     def __init__(self, max_size: int | None = None, *, buffer: SharedBuffer | None = None,
                  name: str | None = None, device: Any = "cpu", ndim: int = 1,
@@ -193,7 +197,10 @@ class ShmStorage(Storage):
                 "schema comes from the first write, so write once (or pass buffer=) before the storage (or its "
                 "ReplayBuffer) goes to other processes"
             )
-        super().__init__(buffer.capacity if buffer is not None else int(max_size),  # type: ignore[arg-type]
+        # StoreStorage (a Redis-backed storage) only for TorchRL's choice of a ReplayBuffer's
+        # default collate_fn (storages/utils.py: its get, like ours, returns a stacked batch);
+        # none of its code runs: every method it has is replaced here, its __init__ skipped
+        Storage.__init__(self, buffer.capacity if buffer is not None else int(max_size),  # type: ignore[arg-type]
                          checkpointer=checkpointer, compilable=compilable)
         self.buffer = buffer
         self.name = name
@@ -208,8 +215,14 @@ class ShmStorage(Storage):
             self._keys(buffer.schema)
             self._seen = buffer.ring.span()[1]
 
+    def _init(self, data: Any) -> None:
+        raise NotImplementedError("ShmStorage: the shared buffer is made by the first set() (its schema from the data)")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return Storage.__getstate__(self)
+
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        Storage.__setstate__(self, state)
         # a copy (another process's, most often) writes the same rows as the original: its
         # writers' runs append (see _writer_run)
         self.shared_writers = True
@@ -222,14 +235,6 @@ class ShmStorage(Storage):
 
         self.nested = {n: key(n) for n in schema.names}
 
-    def attach(self, buffer: Any) -> None:
-        super().attach(buffer)
-        # TorchRL picks a ReplayBuffer's default collate_fn by storage class
-        # (storages/utils.py, _get_default_collate) and knows only its own; the buffer asks for
-        # it right after attaching its storage, so an unset one is set here.
-        if getattr(buffer, "_init_collate_fn", False) is None:
-            buffer._init_collate_fn = identity
-
     # -- what a write holds ---------------------------------------------------------------------
     def _as_tensordict(self, data: Any, single: bool) -> tuple[str, dict[tuple[str, ...], type], TensorDictBase]:
         if isinstance(data, (list, tuple)):
@@ -238,7 +243,7 @@ class ShmStorage(Storage):
             kind, classes = "tensor", {}
             td: TensorDictBase = TensorDict({TENSOR: data}, batch_size=data.shape[:0 if single else 1])
         elif is_tensorclass(data):
-            kind, classes, td = "tensorclass", _classes(data), data._tensordict
+            kind, classes, td = "tensorclass", _classes(data), data.to_tensordict()
         elif isinstance(data, TensorDictBase):
             kind, classes, td = "tensordict", {}, data
         else:

@@ -247,8 +247,9 @@ def test_no_collate_fn_needed(name: str, storages: list[ShmStorage]) -> None:
     storages.append(storage)
     rb = ReplayBuffer(storage=storage, batch_size=4)
     rb.extend(rows(0, 10))
-    check(rb.sample())
-    assert rb._collate_fn is identity
+    batch = rb.sample()
+    assert type(batch) is TensorDict and batch.batch_size == torch.Size([4])
+    check(batch)
 
 
 def test_plain_tensors_are_stored_and_read_back_as_tensors(name: str, storages: list[ShmStorage]) -> None:
