@@ -32,8 +32,10 @@ The contract is TorchRL's ``Storage`` one, as ``LazyTensorStorage`` keeps it (``
   write, so write once before the storage goes to other processes.
 - ``dumps(path)`` overwrites an earlier dump in ``path``; ``loads`` / ``load_state_dict`` put
   every row back in its slot, so a writer's restored cursor goes on where it stopped.
-- A ``ReplayBuffer`` built on it gets ``identity`` as its default ``collate_fn`` (``get``
-  already returns a stacked TensorDict); TorchRL only knows the defaults of its own storages.
+- A ``ReplayBuffer`` built on it needs no ``collate_fn=``: TorchRL picks a default by storage
+  class and knows only its own, so ``ShmStorage`` subclasses ``StoreStorage`` (whose ``get``, like
+  ours, returns a stacked batch) for that choice alone; none of ``StoreStorage``'s code runs.
+  ``identity`` stays for code that passes it.
 
 Several processes: every process that holds a copy of this storage (pickle it, or its
 ``ReplayBuffer``, after the first write) reads and writes the same rows. TorchRL's writers share
@@ -89,7 +91,8 @@ META = "torchrl.json"
 
 
 def identity(batch: Any) -> Any:
-    """The collate function for ``ShmStorage``: its ``get`` returns a stacked TensorDict."""
+    """A collate function for ``ShmStorage`` (TorchRL's default for it does the same): its ``get``
+    returns a stacked batch."""
     return batch
 
 
