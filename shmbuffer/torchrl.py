@@ -202,7 +202,7 @@ class ShmStorage(StoreStorage):
             )
         # StoreStorage (a Redis-backed storage) only for TorchRL's choice of a ReplayBuffer's
         # default collate_fn (storages/utils.py: its get, like ours, returns a stacked batch);
-        # none of its code runs: every method it has is replaced here, its __init__ skipped
+        # none of its code runs: the methods TorchRL calls are ShmStorage's, its __init__ is skipped
         Storage.__init__(self, buffer.capacity if buffer is not None else int(max_size),  # type: ignore[arg-type]
                          checkpointer=checkpointer, compilable=compilable)
         self.buffer = buffer
