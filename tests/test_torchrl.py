@@ -95,22 +95,26 @@ def test_add_single_rows_and_state_dict(name: str, storages: list[ShmStorage]) -
     assert len(storage) == 0
 
 
-def _writer(rb: ReplayBuffer, start: int, pushes: int, k: int) -> None:
+def _writer(shared: Any, start: int, pushes: int, k: int) -> None:
+    rb = shared if isinstance(shared, ReplayBuffer) else ReplayBuffer(storage=shared, collate_fn=identity)
     for p in range(pushes):
         rb.extend(rows(start + p * k, k))
     rb.storage.buffer.close()
 
 
-def test_writers_in_other_processes_lose_and_tear_nothing(name: str, storages: list[ShmStorage], procs: list[Any]) -> None:
-    """Two processes extend the same storage at once, each with its copy of one ReplayBuffer (so
-    their round-robin writers' cursors collide): every row of both is there, whole, once."""
+@pytest.mark.parametrize("via", ["storage", "replay_buffer"])
+def test_writers_in_other_processes_lose_and_tear_nothing(via: str, name: str, storages: list[ShmStorage],
+                                                          procs: list[Any]) -> None:
+    """Two processes extend the same storage at once, with a round-robin writer each (the storage
+    pickled: their own cursors, which collide) or with copies of one ReplayBuffer (TorchRL's
+    shared cursor, unordered between them): every row of both is there, whole, once."""
     storage = ShmStorage(4000, name=name)
     storages.append(storage)
     rb = ReplayBuffer(storage=storage)
     rb.extend(rows(100_000, 1))  # creates the shared buffer before it travels
     ctx = mp.get_context("spawn")
     for start in (0, 10_000):
-        procs.append(ctx.Process(target=_writer, args=(rb, start, 150, 8)))
+        procs.append(ctx.Process(target=_writer, args=(storage if via == "storage" else rb, start, 150, 8)))
     for p in procs:
         p.start()
     for p in procs:
