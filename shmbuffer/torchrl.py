@@ -67,7 +67,7 @@ from tensordict import (
     LazyStackedTensorDict,
     TensorDict,
     TensorDictBase,
-    is_leaf_nontensor,
+    is_non_tensor,
     is_tensor_collection,
     is_tensorclass,
 )
@@ -103,20 +103,24 @@ def _field(key: str | tuple[str, ...]) -> str:
     return name + "_" if name in RESERVED else name
 
 
-def _flat(data: TensorDictBase) -> dict[str, np.ndarray]:
+def _flat(data: TensorDictBase, prefix: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """The tensors of ``data`` by field name; anything else in it is refused."""
     out = {}
     try:
-        items = list(data.items(include_nested=True, leaves_only=True, is_leaf=is_leaf_nontensor))
+        items = list(data.items())
     except RuntimeError as e:  # a lazy stack of tensors of different shapes
         raise TypeError(f"ShmStorage: expected entries of one shape across the rows, got a ragged {type(data).__name__} "
                         f"({e}); shared memory holds fixed-shape columns: pad the entries, or use LazyStackStorage") from None
     for key, value in items:
-        if key == "index":  # TorchRL's own: the slots a sample came from, set again at sampling
-            continue
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"ShmStorage: key {key!r}: expected a tensor, got {type(value).__name__}; shared memory "
-                            "holds numeric columns only: keep non-tensor data outside the storage, or use LazyTensorStorage")
-        out[_field(key)] = value.detach().cpu().numpy()
+        if isinstance(value, torch.Tensor):
+            if prefix or key != "index":  # TorchRL's own: the slots a sample came from, set again at sampling
+                out[_field((*prefix, key) if prefix else key)] = value.detach().cpu().numpy()
+        elif is_tensor_collection(value) and not is_non_tensor(value):
+            out.update(_flat(value, (*prefix, key)))
+        else:
+            raise TypeError(f"ShmStorage: key {(*prefix, key) if prefix else key!r}: expected a tensor, got "
+                            f"{type(value).__name__}; shared memory holds numeric columns only: keep non-tensor data "
+                            "outside the storage, or use LazyTensorStorage")
     return out
 
 
@@ -135,6 +139,19 @@ def _stack(data: list[Any] | tuple[Any, ...]) -> Any:
         return stack(list(data))
     except RuntimeError as e:
         raise RuntimeError(f"Stacking the elements of the list resulted in an error: {e}") from e
+
+
+def _run_from(slots: np.ndarray, first: int, cap: int) -> bool:
+    """Whether ``slots`` are ``first, first + 1, ...`` modulo ``cap``."""
+    k = slots.size
+    if not k:
+        return True
+    if int(slots[0]) != first:
+        return False
+    expected = np.arange(first, first + k, dtype=np.int64)
+    if first + k > cap:
+        expected %= cap
+    return bool((slots == expected).all())
 
 
 def _classes(tc: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], type]:
@@ -240,11 +257,16 @@ class ShmStorage(StoreStorage):
 
     # -- what a write holds ---------------------------------------------------------------------
     def _as_tensordict(self, data: Any, single: bool) -> tuple[str, dict[tuple[str, ...], type], TensorDictBase]:
-        if isinstance(data, (list, tuple)):
+        classes: dict[tuple[str, ...], type]
+        td: TensorDictBase
+        if type(data) is TensorDict:  # the usual case first: the checks below cost microseconds each
+            kind, classes, td = "tensordict", {}, data
+        elif isinstance(data, (list, tuple)):
             data = _stack(data)
-        if isinstance(data, torch.Tensor):
+            return self._as_tensordict(data, single)
+        elif isinstance(data, torch.Tensor):
             kind, classes = "tensor", {}
-            td: TensorDictBase = TensorDict({TENSOR: data}, batch_size=data.shape[:0 if single else 1])
+            td = TensorDict({TENSOR: data}, batch_size=data.shape[:0 if single else 1])
         elif is_tensorclass(data):
             kind, classes, td = "tensorclass", _classes(data), data.to_tensordict()
         elif isinstance(data, TensorDictBase):
@@ -263,22 +285,36 @@ class ShmStorage(StoreStorage):
         return kind, classes, td
 
     def _slots(self, cursor: Any) -> tuple[np.ndarray, bool]:
-        """The slots of a cursor (an int, a slice, ints, a tensor) and whether it names one row."""
-        if isinstance(cursor, (int, np.integer)) or (isinstance(cursor, torch.Tensor) and cursor.ndim == 0):
-            slots, single = np.array([int(cursor)], np.int64), True
+        """The indices of a cursor (an int, a slice, ints, a tensor) as given (``_in_range``
+        checks them), and whether it names one row."""
+        if isinstance(cursor, torch.Tensor):
+            if cursor.ndim == 0:
+                return np.array([int(cursor)], np.int64), True
+            a = cursor.detach().cpu().numpy()
+        elif isinstance(cursor, (int, np.integer)):
+            return np.array([int(cursor)], np.int64), True
         elif isinstance(cursor, slice):
-            slots, single = np.arange(self.max_size, dtype=np.int64)[cursor], False
+            return np.arange(self.max_size, dtype=np.int64)[cursor], False
         else:
             if isinstance(cursor, tuple) and any(not isinstance(c, (int, np.integer)) for c in cursor):
                 raise IndexError(f"ShmStorage: expected a 1-D index (ndim=1), got a tuple {cursor!r}")
-            a = np.asarray(cursor.detach().cpu() if isinstance(cursor, torch.Tensor) else cursor)
-            if a.dtype.kind not in "iu":
-                raise IndexError(f"ShmStorage: expected an int, a slice or integer indices, got {a.dtype} ({cursor!r})")
-            slots, single = a.reshape(-1).astype(np.int64), False
-        slots = np.where(slots < 0, slots + self.max_size, slots)
-        if slots.size and (slots.min() < 0 or slots.max() >= self.max_size):
-            raise IndexError(f"ShmStorage: indices {slots.min()}..{slots.max()} out of range for max_size {self.max_size}")
-        return slots, single
+            a = np.asarray(cursor)
+        if a.dtype.kind not in "iu":
+            raise IndexError(f"ShmStorage: expected an int, a slice or integer indices, got {a.dtype} ({cursor!r})")
+        return a.reshape(-1).astype(np.int64, copy=False), False
+
+    def _in_range(self, slots: np.ndarray) -> np.ndarray:
+        """``slots`` with negative indices counted from ``max_size``, as a tensor's are; out of
+        range ones raise ``IndexError``."""
+        if not slots.size:
+            return slots
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 0:
+            slots = np.where(slots < 0, slots + self.max_size, slots)
+            lo = int(slots.min())
+        if lo < 0 or hi >= self.max_size:
+            raise IndexError(f"ShmStorage: indices {lo}..{hi} out of range for max_size {self.max_size}")
+        return slots
 
     # -- the Storage contract -------------------------------------------------------------------
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
@@ -299,15 +335,16 @@ class ShmStorage(StoreStorage):
             rows = {n: a[None] for n, a in rows.items()}
         cap = self.max_size
         head = 0 if self.buffer is None else self.buffer.ring.span()[1] % cap
-        appends = bool(np.array_equal(slots, (head + np.arange(k)) % cap))
-        if (not appends and set_cursor and self.buffer is not None
-                and np.array_equal(slots, (slots[0] + np.arange(k)) % cap)):
-            appends = self._writer_run(self.buffer, slots)
+        appends = _run_from(slots, head, cap)
+        if not appends:
+            slots = self._in_range(slots)
+            if set_cursor and self.buffer is not None and _run_from(slots, int(slots[0]), cap):
+                appends = self._writer_run(self.buffer, slots)
         if self.buffer is None and not appends:
             raise IndexError(f"ShmStorage.set: the storage is empty: expected the first rows at slots 0..{k - 1}, "
                              f"got {slots[:5].tolist()}")
         buf = self._buffer_for(rows, kind, classes, td, row_batch)
-        unknown = sorted(set(rows) - set(buf.schema.names))
+        unknown = sorted(rows.keys() - self.nested.keys())
         if unknown:
             raise KeyError(f"ShmStorage.set: keys {[SEP.join(self.nested.get(u, (u,))) for u in unknown]} are not in "
                            f"this storage (it holds {sorted(SEP.join(v) for v in self.nested.values())}); its columns "
@@ -339,7 +376,7 @@ class ShmStorage(StoreStorage):
             if self._others_wrote(buf):
                 return True
             first, stop = buf.ring.span()
-            if np.array_equal(slots, (stop + np.arange(slots.size)) % cap):
+            if _run_from(slots, stop % cap, cap):
                 return True
             if ((slots - first) % cap < stop - first).any() or time.monotonic() >= deadline:
                 return False
@@ -359,7 +396,7 @@ class ShmStorage(StoreStorage):
         slots, rows = slots[last], {n: a[last] for n, a in rows.items()}
         first, stop = buf.ring.span()
         empty = (slots - first) % cap >= stop - first
-        if not np.array_equal(slots[empty], (stop + np.arange(int(empty.sum()))) % cap):
+        if not _run_from(slots[empty], stop % cap, cap):
             raise IndexError(
                 f"ShmStorage.set: slots {slots[empty][:5].tolist()} hold no row and are not the next ones "
                 f"({len(self)} rows held): write at held slots to overwrite them, or at slot {stop % cap} and "
@@ -394,7 +431,7 @@ class ShmStorage(StoreStorage):
             self._keys(self.buffer.schema)
         if self.kind is None:
             self.kind, self.classes, self.row_batch = kind, classes, row_batch
-        if self.device == "auto":
+        if isinstance(self.device, str):  # "auto"
             self.device = td.device if td.device is not None else torch.device("cpu")
         return self.buffer
 
