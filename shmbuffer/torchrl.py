@@ -1,25 +1,51 @@
-"""A TorchRL ``Storage`` whose rows live in a shmbuffer (``pip install 'shmbuffer[torchrl]'``).
+"""A TorchRL ``Storage`` whose rows live in a shmbuffer (from a clone: ``pip install -e ".[torchrl]"``).
 
 ::
 
     from torchrl.data import ReplayBuffer
-    from shmbuffer.torchrl import ShmStorage, identity
+    from shmbuffer.torchrl import ShmStorage
 
     storage = ShmStorage(100_000)                       # the schema comes from the first extend
-    rb = ReplayBuffer(storage=storage, collate_fn=identity, batch_size=256)
+    rb = ReplayBuffer(storage=storage, batch_size=256)  # no collate_fn needed: get() stacks
     rb.extend(td)                                       # a TensorDict with batch size [k]
     batch = rb.sample()                                 # a TensorDict, drawn by TorchRL's sampler
-    # in another process: pickle `storage` (or rb) there; its extends are safe alongside ours
+    rb[3:4] = td[:1]                                    # overwrites slot 3, as LazyTensorStorage does
 
-TorchRL's samplers and writers work as with its own storages: a writer's ``set(cursor, data)``
-appends the rows to the shared ring, which puts them where a round-robin writer would in one
-process (slot ``cursor``); with several writers (processes) the ring gives each push its own
-slots, so rows are never torn nor lost — TorchRL's own shared storages let concurrent writers
-overwrite each other's rows. ``get(index)`` reads the rows in slots ``index`` as stamped copies
-(a row being written is waited for). ``len`` is the slots filled.
+The contract is TorchRL's ``Storage`` one, as ``LazyTensorStorage`` keeps it (``ndim=1``):
 
-TorchRL has no default collate function for a storage it does not know: pass
-``collate_fn=identity`` (``get`` already returns a stacked TensorDict).
+- A storage index is a slot, ``0 .. max_size - 1``. ``set(cursor, data)`` and ``rb[idx] = data``
+  write row ``i`` of ``data`` into slot ``cursor[i]``: a slot that holds a row is overwritten in
+  place (``ReplayBuffer.update``: no reader sees a row half-written); the next empty slots are
+  filled. Writing to an empty slot that is not the next one raises ``IndexError``.
+- A writer's ``extend`` lands where its round-robin cursor says; past ``max_size`` it wraps and
+  the newest rows win, also when one ``extend`` holds more rows than ``max_size``.
+- TensorDicts (nested keys, lazy stacks of equal shapes), tensorclasses and plain tensors are
+  stored, and ``get`` gives back the same type; a list of them is stacked first. Rows may have
+  batch dims of their own: a TensorDict of batch size ``[k, 4]`` is ``k`` rows of batch size
+  ``[4]``. Anything else (pytrees, non-tensor leaves such as strings, ragged lazy stacks, a key
+  the first write did not have) is refused with ``TypeError`` (``KeyError``): shared memory holds
+  fixed-shape numeric columns. ``ndim > 1`` is refused (``ValueError``): flatten the leading
+  dims (``td.reshape(-1)``), keep ``LazyTensorStorage(max_size, ndim=2)``, or use shmbuffer's
+  ``ReplayBuffer(..., envs=n)``, which keeps each env's steps in a lane of its own.
+- TorchRL's base ``Storage`` arguments (``checkpointer``, ``compilable``) are accepted;
+  ``shared_init=True`` is refused: the rows are always shared, but the schema comes from the first
+  write, so write once before the storage goes to other processes.
+- ``dumps(path)`` overwrites an earlier dump in ``path``; ``loads`` / ``load_state_dict`` put
+  every row back in its slot, so a writer's restored cursor goes on where it stopped.
+- A ``ReplayBuffer`` built on it needs no ``collate_fn=``: TorchRL picks a default by storage
+  class and knows only its own, so ``ShmStorage`` subclasses ``StoreStorage`` (whose ``get``, like
+  ours, returns a stacked batch) for that choice alone; none of ``StoreStorage``'s code runs.
+  ``identity`` stays for code that passes it.
+
+Several processes: every process that holds a copy of this storage (pickle it, or its
+``ReplayBuffer``, after the first write) reads and writes the same rows. TorchRL's writers share
+one cursor between processes without ordering them, so two can get the same slots, or slots past
+ones another has yet to write; TorchRL's own storages then overwrite rows just written. Here a
+writer's run of slots (``extend``, ``add``) is appended instead once the storage is a copy, or
+once writers elsewhere have written since this object last did: the ring gives each run its own
+slots, so concurrent writers never tear nor lose rows, and a run's rows may sit in other slots
+than the index ``extend`` returned. Index writes (``rb[idx] = td``) overwrite their slots
+everywhere; in one process with no other writer, every write goes exactly where TorchRL puts it.
 
 Keys may be nested (``("next", "obs")``); a field is named by joining them with ``__``. TorchRL's
 ``index`` key is not stored (samplers set it again); other names a ``Batch`` keeps for itself
@@ -28,14 +54,25 @@ Keys may be nested (``("next", "obs")``); a field is named by joining them with 
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import json
 import time
-from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, TensorDictBase
-from torchrl.data.replay_buffers.storages import Storage
+from tensordict import (
+    LazyStackedTensorDict,
+    TensorDict,
+    TensorDictBase,
+    is_non_tensor,
+    is_tensor_collection,
+    is_tensorclass,
+)
+from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
+from torchrl.data.replay_buffers.storages import Storage, StoreStorage
 
 from .buffer import ReplayBuffer as SharedBuffer
 from .errors import EmptyBufferError
@@ -45,11 +82,17 @@ __all__ = ["ShmStorage", "identity"]
 
 SEP = "__"
 WAIT = 1.0
-"""Seconds ``get`` waits for a row that a writer elsewhere is writing."""
+"""Seconds ``get`` and ``set`` wait for a row that a writer elsewhere is writing."""
+TENSOR = "tensor"
+"""The one field of a storage of plain tensors (its ``kind`` says so)."""
+KINDS = ("tensordict", "tensorclass", "tensor")
+META = "torchrl.json"
+"""The file ``dumps`` writes beside the save: what kind of data the rows are."""
 
 
 def identity(batch: Any) -> Any:
-    """The collate function for ``ShmStorage``: its ``get`` returns a stacked TensorDict."""
+    """A collate function for ``ShmStorage`` (TorchRL's default for it does the same): its ``get``
+    returns a stacked batch."""
     return batch
 
 
@@ -60,37 +103,149 @@ def _field(key: str | tuple[str, ...]) -> str:
     return name + "_" if name in RESERVED else name
 
 
-def _flat(data: TensorDictBase) -> dict[str, np.ndarray]:
+def _flat(data: TensorDictBase, prefix: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """The tensors of ``data`` by field name; anything else in it is refused."""
     out = {}
-    for key, value in data.items(include_nested=True, leaves_only=True):
-        if key == "index":  # TorchRL's own: the slots a sample came from, set again at sampling
-            continue
-        out[_field(key)] = value.detach().cpu().numpy()
+    try:
+        items = list(data.items())
+    except RuntimeError as e:  # a lazy stack of tensors of different shapes
+        raise TypeError(f"ShmStorage: expected entries of one shape across the rows, got a ragged {type(data).__name__} "
+                        f"({e}); shared memory holds fixed-shape columns: pad the entries, or use LazyStackStorage") from None
+    for key, value in items:
+        if isinstance(value, torch.Tensor):
+            if prefix or key != "index":  # TorchRL's own: the slots a sample came from, set again at sampling
+                out[_field((*prefix, key) if prefix else key)] = value.detach().cpu().numpy()
+        elif is_tensor_collection(value) and not is_non_tensor(value):
+            out.update(_flat(value, (*prefix, key)))
+        else:
+            raise TypeError(f"ShmStorage: key {(*prefix, key) if prefix else key!r}: expected a tensor, got "
+                            f"{type(value).__name__}; shared memory holds numeric columns only: keep non-tensor data "
+                            "outside the storage, or use LazyTensorStorage")
     return out
 
 
-class ShmStorage(Storage):
+def _stack(data: list[Any] | tuple[Any, ...]) -> Any:
+    """A list of rows (tensors, TensorDicts or tensorclasses) as one batch, as TorchRL's storages do."""
+    if data and all(isinstance(d, torch.Tensor) for d in data):
+        stack: Any = torch.stack
+    elif data and all(is_tensor_collection(d) for d in data):
+        stack = LazyStackedTensorDict.maybe_dense_stack
+    else:
+        kinds = sorted({type(d).__name__ for d in data})
+        raise TypeError(f"ShmStorage: expected a list of tensors, TensorDicts or tensorclasses, got a list of "
+                        f"{', '.join(kinds) or 'nothing'}; pytrees are not stored (shared memory holds named "
+                        "numeric columns): make the rows a TensorDict")
+    try:
+        return stack(list(data))
+    except RuntimeError as e:
+        raise RuntimeError(f"Stacking the elements of the list resulted in an error: {e}") from e
+
+
+def _run_from(slots: np.ndarray, first: int, cap: int) -> bool:
+    """Whether ``slots`` are ``first, first + 1, ...`` modulo ``cap``."""
+    k = slots.size
+    if not k:
+        return True
+    if int(slots[0]) != first:
+        return False
+    expected = np.arange(first, first + k, dtype=np.int64)
+    if first + k > cap:
+        expected %= cap
+    return bool((slots == expected).all())
+
+
+def _classes(tc: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], type]:
+    """The tensorclass at each nested key of ``tc`` (``()`` for ``tc`` itself)."""
+    out = {prefix: type(tc)}
+    for f in dataclasses.fields(tc):
+        value = getattr(tc, f.name)
+        if is_tensorclass(value):
+            out.update(_classes(value, (*prefix, f.name)))
+    return out
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _import_class(name: str) -> type:
+    module, _, qualname = name.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        raise TypeError(f"ShmStorage: the rows were written as tensorclass {name}, which cannot be imported here "
+                        "(a class defined inside a function cannot): write one row of that class into this "
+                        "storage before loading") from None
+    return obj
+
+
+class ShmStorage(StoreStorage):
     """A TorchRL storage over a shmbuffer (see the module docstring).
 
     :param max_size: rows held (ignored when ``buffer`` is given).
     :param buffer: an existing ``shmbuffer.ReplayBuffer`` to store into (its fields are the keys).
     :param name: the shared buffer's name in ``/dev/shm`` when this storage creates it.
-    :param device: where ``get`` puts the tensors (CPU by default).
+    :param device: where ``get`` puts the tensors (CPU by default; ``"auto"``: the first data's).
+    :param ndim: 1 only (see the module docstring for what to do with ``[envs, steps]`` data).
+    :param checkpointer: as TorchRL's ``Storage``: when set, ``dumps``/``loads`` go through it.
+    :param compilable: as TorchRL's ``Storage`` (its bookkeeping in tensors rather than shared values).
+    :param shared_init: ``LazyTensorStorage``'s; the rows are always shared, but the schema comes
+        from the first write, so ``True`` is refused with what to do instead.
     """
 
+    _default_checkpointer = StorageCheckpointerBase
+
     def __init__(self, max_size: int | None = None, *, buffer: SharedBuffer | None = None,
-                 name: str | None = None, device: Any = "cpu") -> None:
+                 name: str | None = None, device: Any = "cpu", ndim: int = 1,
+                 checkpointer: StorageCheckpointerBase | None = None, compilable: bool = False,
+                 shared_init: bool = False) -> None:
         if buffer is None and max_size is None:
             raise ValueError("ShmStorage: give max_size, or an existing shmbuffer as buffer=")
         if buffer is not None and buffer.lanes != 1:
             raise ValueError(f"ShmStorage: expected a buffer with one lane, got {buffer.lanes}")
-        super().__init__(buffer.capacity if buffer is not None else int(max_size))  # type: ignore[arg-type]
+        if ndim != 1:
+            raise ValueError(
+                f"ShmStorage: ndim={ndim} is not supported, only ndim=1 (one row per index): flatten the leading "
+                "dims before writing (td.reshape(-1)), use LazyTensorStorage(max_size, ndim=...), or shmbuffer's "
+                "own ReplayBuffer(schema, capacity, envs=n), which keeps each env's steps in a lane"
+            )
+        if shared_init:
+            raise ValueError(
+                "ShmStorage: shared_init=True is not supported: its rows are always in shared memory, but their "
+                "schema comes from the first write, so write once (or pass buffer=) before the storage (or its "
+                "ReplayBuffer) goes to other processes"
+            )
+        # StoreStorage (a Redis-backed storage) only for TorchRL's choice of a ReplayBuffer's
+        # default collate_fn (storages/utils.py: its get, like ours, returns a stacked batch);
+        # none of its code runs: the methods TorchRL calls are ShmStorage's, its __init__ is skipped
+        Storage.__init__(self, buffer.capacity if buffer is not None else int(max_size),  # type: ignore[arg-type]
+                         checkpointer=checkpointer, compilable=compilable)
         self.buffer = buffer
         self.name = name
-        self.device = torch.device(device)
+        self.device: Any = device if device == "auto" else torch.device(device)
         self.nested: dict[str, tuple[str, ...]] = {}
+        self.kind: str | None = "tensordict" if buffer is not None else None
+        self.classes: dict[tuple[str, ...], type] = {}
+        self.row_batch: tuple[int, ...] | None = () if buffer is not None else None  # a row's own batch dims
+        self._seen: int | None = None  # the ring's cursor after this object's last write
+        self.shared_writers = False  # whether writers elsewhere have written since (see the module docstring)
         if buffer is not None:
             self._keys(buffer.schema)
+            self._seen = buffer.ring.span()[1]
+
+    def _init(self, data: Any) -> None:
+        raise NotImplementedError("ShmStorage: the shared buffer is made by the first set() (its schema from the data)")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return Storage.__getstate__(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        Storage.__setstate__(self, state)
+        # a copy (another process's, most often) writes the same rows as the original: its
+        # writers' runs append (see _writer_run)
+        self.shared_writers = True
 
     def _keys(self, schema: Schema) -> None:
         def key(name: str) -> tuple[str, ...]:
@@ -100,30 +255,188 @@ class ShmStorage(Storage):
 
         self.nested = {n: key(n) for n in schema.names}
 
-    def _buffer_for(self, rows: Mapping[str, np.ndarray], single: bool) -> SharedBuffer:
-        if self.buffer is None:
-            fields = {k: (a.shape if single else a.shape[1:], a.dtype) for k, a in rows.items()}
-            self.buffer = SharedBuffer(Schema(**fields), self.max_size, name=self.name)
-            self._keys(self.buffer.schema)
-        return self.buffer
+    # -- what a write holds ---------------------------------------------------------------------
+    def _as_tensordict(self, data: Any, single: bool) -> tuple[str, dict[tuple[str, ...], type], TensorDictBase]:
+        classes: dict[tuple[str, ...], type]
+        td: TensorDictBase
+        if type(data) is TensorDict:  # the usual case first: the checks below cost microseconds each
+            kind, classes, td = "tensordict", {}, data
+        elif isinstance(data, (list, tuple)):
+            data = _stack(data)
+            return self._as_tensordict(data, single)
+        elif isinstance(data, torch.Tensor):
+            kind, classes = "tensor", {}
+            td = TensorDict({TENSOR: data}, batch_size=data.shape[:0 if single else 1])
+        elif is_tensorclass(data):
+            kind, classes, td = "tensorclass", _classes(data), data.to_tensordict()
+        elif isinstance(data, TensorDictBase):
+            kind, classes, td = "tensordict", {}, data
+        else:
+            raise TypeError(
+                f"ShmStorage.set: expected a TensorDict, a tensorclass or a torch.Tensor (or a list of them), got "
+                f"{type(data).__name__}; pytrees are not stored (shared memory holds named numeric columns): "
+                "wrap a dict of tensors in TensorDict(d, batch_size=[k])"
+            )
+        if self.kind is not None and kind != self.kind:
+            raise TypeError(f"ShmStorage.set: this storage holds {self.kind} rows, got {kind} ({type(data).__name__})")
+        if kind == "tensorclass" and self.classes and classes != self.classes:
+            raise TypeError(f"ShmStorage.set: this storage holds {_class_name(self.classes[()])} rows, got "
+                            f"{_class_name(type(data))}")
+        return kind, classes, td
+
+    def _slots(self, cursor: Any) -> tuple[np.ndarray, bool]:
+        """The indices of a cursor (an int, a slice, ints, a tensor) as given (``_in_range``
+        checks them), and whether it names one row."""
+        if isinstance(cursor, torch.Tensor):
+            if cursor.ndim == 0:
+                return np.array([int(cursor)], np.int64), True
+            a = cursor.detach().cpu().numpy()
+        elif isinstance(cursor, (int, np.integer)):
+            return np.array([int(cursor)], np.int64), True
+        elif isinstance(cursor, slice):
+            return np.arange(self.max_size, dtype=np.int64)[cursor], False
+        else:
+            if isinstance(cursor, tuple) and any(not isinstance(c, (int, np.integer)) for c in cursor):
+                raise IndexError(f"ShmStorage: expected a 1-D index (ndim=1), got a tuple {cursor!r}")
+            a = np.asarray(cursor)
+        if a.dtype.kind not in "iu":
+            raise IndexError(f"ShmStorage: expected an int, a slice or integer indices, got {a.dtype} ({cursor!r})")
+        return a.reshape(-1).astype(np.int64, copy=False), False
+
+    def _in_range(self, slots: np.ndarray) -> np.ndarray:
+        """``slots`` with negative indices counted from ``max_size``, as a tensor's are; out of
+        range ones raise ``IndexError``."""
+        if not slots.size:
+            return slots
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 0:
+            slots = np.where(slots < 0, slots + self.max_size, slots)
+            lo = int(slots.min())
+        if lo < 0 or hi >= self.max_size:
+            raise IndexError(f"ShmStorage: indices {lo}..{hi} out of range for max_size {self.max_size}")
+        return slots
 
     # -- the Storage contract -------------------------------------------------------------------
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
-        """Append ``data`` (a TensorDict, ``[k]`` rows or one) to the shared ring."""
-        if not isinstance(data, TensorDictBase):
-            if isinstance(data, Mapping):
-                data = TensorDict(dict(data), batch_size=[])
-            else:
-                raise TypeError(f"ShmStorage.set: expected a TensorDict, got {type(data).__name__}")
-        single = data.batch_dims == 0
-        rows = _flat(data)
-        buf = self._buffer_for(rows, single)
+        """Write row ``i`` of ``data`` into slot ``cursor[i]`` (an int cursor: one row): a held
+        slot is overwritten, the next empty ones are filled (see the module docstring)."""
+        slots, single = self._slots(cursor)
+        kind, classes, td = self._as_tensordict(data, single)
+        k = slots.size
+        if not single and (td.batch_dims < 1 or td.batch_size[0] != k):
+            raise ValueError(f"ShmStorage.set: expected {k} rows (batch size [{k}, ...]) for {k} indices, got batch size "
+                             f"{list(td.batch_size)}")
+        row_batch = tuple(td.batch_size[0 if single else 1:])
+        if self.row_batch is not None and row_batch != self.row_batch:
+            raise ValueError(f"ShmStorage.set: this storage holds rows of batch size {list(self.row_batch)}, got "
+                             f"{list(row_batch)} (batch size {list(td.batch_size)})")
+        rows = _flat(td)
+        if single:
+            rows = {n: a[None] for n, a in rows.items()}
+        cap = self.max_size
+        head = 0 if self.buffer is None else self.buffer.ring.span()[1] % cap
+        appends = _run_from(slots, head, cap)
+        if not appends:
+            slots = self._in_range(slots)
+            if set_cursor and self.buffer is not None and _run_from(slots, int(slots[0]), cap):
+                appends = self._writer_run(self.buffer, slots)
+        if self.buffer is None and not appends:
+            raise IndexError(f"ShmStorage.set: the storage is empty: expected the first rows at slots 0..{k - 1}, "
+                             f"got {slots[:5].tolist()}")
+        buf = self._buffer_for(rows, kind, classes, td, row_batch)
+        unknown = sorted(rows.keys() - self.nested.keys())
+        if unknown:
+            raise KeyError(f"ShmStorage.set: keys {[SEP.join(self.nested.get(u, (u,))) for u in unknown]} are not in "
+                           f"this storage (it holds {sorted(SEP.join(v) for v in self.nested.values())}); its columns "
+                           "are fixed by the first write: write every key from the start")
+        if appends:
+            self._append(buf, rows, k)
+        else:
+            self._write_at(buf, slots, rows)
+        self._seen = buf.ring.span()[1]
         if set_cursor:
             self._set_last_cursor(cursor)
-        buf.push(rows)
+        self._bump_mutation_revision()
 
-    def get(self, index: Any) -> TensorDict:
-        """The rows in slots ``index`` (an int, ints, a tensor or a slice), as a TensorDict."""
+    def _append(self, buf: SharedBuffer, rows: dict[str, np.ndarray], k: int) -> None:
+        cap = buf.capacity
+        # more rows than slots: only the last ones stay; starting at a multiple of cap keeps row i
+        # in slot (head + i) % cap, where TorchRL's writer put it
+        start = (k - cap) // cap * cap if k > cap else 0
+        for lo in range(start, k, cap):
+            buf.push({n: a[lo:lo + cap] for n, a in rows.items()})
+
+    def _writer_run(self, buf: SharedBuffer, slots: np.ndarray) -> bool:
+        """Whether a writer's run of slots that is not the next one is appended: yes once writers
+        elsewhere have written, since TorchRL's shared cursor gives colliding writers the same
+        slots (and their runs arrive out of order); a run of empty slots waits a while for them."""
+        cap = buf.capacity
+        deadline = time.monotonic() + WAIT
+        while True:
+            if self._others_wrote(buf):
+                return True
+            first, stop = buf.ring.span()
+            if _run_from(slots, stop % cap, cap):
+                return True
+            if ((slots - first) % cap < stop - first).any() or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0005)
+
+    def _others_wrote(self, buf: SharedBuffer) -> bool:
+        """Whether rows were added by someone else since this object last wrote (sticky)."""
+        if not self.shared_writers and self._seen is not None and buf.ring.span()[1] != self._seen:
+            self.shared_writers = True
+        return self.shared_writers
+
+    def _write_at(self, buf: SharedBuffer, slots: np.ndarray, rows: dict[str, np.ndarray]) -> None:
+        """Overwrite the held slots among ``slots``; the empty ones must be the next ones."""
+        cap = buf.capacity
+        # a slot given twice keeps its last row, as tensor indexing does
+        last = np.sort(slots.size - 1 - np.unique(slots[::-1], return_index=True)[1])
+        slots, rows = slots[last], {n: a[last] for n, a in rows.items()}
+        first, stop = buf.ring.span()
+        empty = (slots - first) % cap >= stop - first
+        if not _run_from(slots[empty], stop % cap, cap):
+            raise IndexError(
+                f"ShmStorage.set: slots {slots[empty][:5].tolist()} hold no row and are not the next ones "
+                f"({len(self)} rows held): write at held slots to overwrite them, or at slot {stop % cap} and "
+                "on to add rows"
+            )
+        fresh = {n: a[empty] for n, a in rows.items()}
+        if empty.any():
+            buf.check(fresh)  # before the overwrite: on bad rows nothing changes
+        if not empty.all():
+            self._overwrite(buf, slots[~empty], {n: a[~empty] for n, a in rows.items()})
+        if empty.any():
+            buf.push(fresh)
+
+    def _overwrite(self, buf: SharedBuffer, slots: np.ndarray, rows: dict[str, np.ndarray]) -> None:
+        deadline = time.monotonic() + WAIT
+        while True:
+            ids = buf.ring.ids_of_slots(slots)
+            if (ids >= 0).all():
+                break
+            if time.monotonic() > deadline:
+                raise EmptyBufferError(f"ShmStorage.set: slots {slots[ids < 0][:5].tolist()} are being written")
+            time.sleep(0.0005)
+        # under update's commit protocol no reader sees a row half-overwritten; a row a writer
+        # elsewhere replaces meanwhile is skipped: its newer row stands
+        buf.update(ids, rows)
+
+    def _buffer_for(self, rows: dict[str, np.ndarray], kind: str, classes: dict[tuple[str, ...], type],
+                    td: TensorDictBase, row_batch: tuple[int, ...]) -> SharedBuffer:
+        if self.buffer is None:
+            fields = {k: (a.shape[1:], a.dtype) for k, a in rows.items()}
+            self.buffer = SharedBuffer(Schema(**fields), self.max_size, name=self.name)
+            self._keys(self.buffer.schema)
+        if self.kind is None:
+            self.kind, self.classes, self.row_batch = kind, classes, row_batch
+        if isinstance(self.device, str):  # "auto"
+            self.device = td.device if td.device is not None else torch.device("cpu")
+        return self.buffer
+
+    def get(self, index: Any) -> Any:
+        """The rows in slots ``index`` (an int, ints, a tensor or a slice), as the type written."""
         buf = self._need()
         single = isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0)
         if isinstance(index, slice):
@@ -146,7 +459,8 @@ class ShmStorage(Storage):
             if time.monotonic() > deadline:
                 raise EmptyBufferError(f"ShmStorage.get: slots {slots[ids < 0][:5].tolist()} are being written")
             time.sleep(0.0005)
-        tensors = batch.to(self.device)
+        device = torch.device("cpu") if self.device == "auto" else self.device
+        tensors = batch.to(device)
         tree: dict[str, Any] = {}
         for k, v in tensors.fields.items():
             *outer, last = self.nested[k]
@@ -154,8 +468,17 @@ class ShmStorage(Storage):
             for part in outer:
                 node = node.setdefault(part, {})
             node[last] = v
-        out = TensorDict(tree, batch_size=[slots.size], device=self.device)
-        return out[0] if single else out
+        out: Any = TensorDict(tree, batch_size=[slots.size, *(self.row_batch or ())], device=device)
+        if single:
+            out = out[0]
+        if self.kind == "tensor":
+            return out[TENSOR]
+        if self.kind == "tensorclass":
+            for path in sorted(self.classes, key=len, reverse=True):  # innermost first
+                if path:
+                    out[path] = self.classes[path].from_tensordict(out[path])  # type: ignore[attr-defined]
+            return self.classes[()].from_tensordict(out)  # type: ignore[attr-defined]
+        return out
 
     def __len__(self) -> int:
         return 0 if self.buffer is None else len(self.buffer)
@@ -174,16 +497,36 @@ class ShmStorage(Storage):
     def _empty(self) -> None:
         if self.buffer is not None:
             self.buffer.clear()
+            self._seen = self.buffer.ring.span()[1]
+
+    def _meta(self) -> dict[str, Any]:
+        return {"kind": self.kind, "tensorclass": {SEP.join(p): _class_name(c) for p, c in self.classes.items()},
+                "row_batch": None if self.row_batch is None else list(self.row_batch)}
 
     def state_dict(self) -> dict[str, Any]:
-        """The rows (oldest first), not a name."""
+        """The rows in slot order (so a load puts each back in its slot), not a name."""
         if self.buffer is None:
-            return {"rows": None}
-        rows = self.buffer.export()
-        rows.pop("index", None)
-        return {"rows": rows, "schema": self.buffer.schema.to_json()}
+            return {"rows": None, **self._meta()}
+        return {"rows": self._slot_order(self.buffer.export()), "schema": self.buffer.schema.to_json(), **self._meta()}
+
+    def _slot_order(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        slots = rows.pop("index") % self.max_size
+        rows.pop("episode", None)
+        order = np.argsort(slots, kind="stable")
+        if not np.array_equal(slots[order], np.arange(slots.size)):
+            return rows  # rows missing in the middle (a writer died mid-push): oldest first, as they are
+        return {n: a[order] for n, a in rows.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        kind = state_dict.get("kind") or "tensordict"
+        if kind not in KINDS:
+            raise ValueError(f"ShmStorage.load_state_dict: expected a kind in {KINDS}, got {kind!r}")
+        if self.kind is not None and kind != self.kind:
+            raise TypeError(f"ShmStorage.load_state_dict: this storage holds {self.kind} rows, the state holds {kind} rows")
+        classes = self.classes
+        if kind == "tensorclass" and not classes:
+            names = state_dict.get("tensorclass") or {}
+            classes = {tuple(p.split(SEP)) if p else (): _import_class(c) for p, c in names.items()}
         rows = state_dict["rows"]
         if rows is None:
             self._empty()
@@ -192,18 +535,34 @@ class ShmStorage(Storage):
             self.buffer = SharedBuffer(Schema.from_json(state_dict["schema"]), self.max_size, name=self.name)
             self._keys(self.buffer.schema)
         else:
-            self.buffer.clear()
+            self._empty()
+        self.kind, self.classes = kind, classes
+        self.row_batch = tuple(state_dict.get("row_batch") or ())
         if len(next(iter(rows.values()))):
             self.buffer.push(rows)
+        self._seen = self.buffer.ring.span()[1]
+        self._bump_mutation_revision()
+
+    def _custom_checkpointer(self) -> bool:
+        return type(self.checkpointer) is not StorageCheckpointerBase
 
     def dumps(self, path: Any) -> None:
-        self._need().save(path)
+        """Save the rows into the directory ``path``, replacing an earlier dump there."""
+        if self._custom_checkpointer():
+            return super().dumps(path)
+        self._need().save(path, overwrite=True)
+        (Path(path) / META).write_text(json.dumps(self._meta()))
+        return None
 
     def loads(self, path: Any) -> None:
+        if self._custom_checkpointer():
+            return super().loads(path)
+        meta = Path(path) / META
+        kinds = json.loads(meta.read_text()) if meta.exists() else {}
         with SharedBuffer.load(path) as saved:
-            rows = saved.export()
-            rows.pop("index", None)
-            self.load_state_dict({"rows": rows, "schema": saved.schema.to_json()})
+            rows = self._slot_order(saved.export())
+            self.load_state_dict({"rows": rows, "schema": saved.schema.to_json(), **kinds})
+        return None
 
     def close(self) -> None:
         """Close this process's view; the creator also removes the shared buffer (even when the

@@ -5,14 +5,15 @@ for LazyTensorStorage; and writers in other processes lose or tear no row."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 
 pytest.importorskip("torchrl")
-from tensordict import TensorDict
+from tensordict import TensorDict, tensorclass
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.data.replay_buffers.samplers import RandomSampler, SamplerWithoutReplacement
 
@@ -94,22 +95,26 @@ def test_add_single_rows_and_state_dict(name: str, storages: list[ShmStorage]) -
     assert len(storage) == 0
 
 
-def _writer(storage: ShmStorage, start: int, pushes: int, k: int) -> None:
-    rb = ReplayBuffer(storage=storage, collate_fn=identity)
+def _writer(shared: Any, start: int, pushes: int, k: int) -> None:
+    rb = shared if isinstance(shared, ReplayBuffer) else ReplayBuffer(storage=shared, collate_fn=identity)
     for p in range(pushes):
         rb.extend(rows(start + p * k, k))
-    storage.buffer.close()
+    rb.storage.buffer.close()
 
 
-def test_writers_in_other_processes_lose_and_tear_nothing(name: str, storages: list[ShmStorage], procs: list[Any]) -> None:
-    """Two processes extend the same storage at once (each with its own round-robin writer, whose
-    cursors collide): every row of both is there, whole, once."""
+@pytest.mark.parametrize("via", ["storage", "replay_buffer"])
+def test_writers_in_other_processes_lose_and_tear_nothing(via: str, name: str, storages: list[ShmStorage],
+                                                          procs: list[Any]) -> None:
+    """Two processes extend the same storage at once, with a round-robin writer each (the storage
+    pickled: their own cursors, which collide) or with copies of one ReplayBuffer (TorchRL's
+    shared cursor, unordered between them): every row of both is there, whole, once."""
     storage = ShmStorage(4000, name=name)
     storages.append(storage)
-    storage.set(0, rows(100_000, 1))  # creates the shared buffer before it travels
+    rb = ReplayBuffer(storage=storage)
+    rb.extend(rows(100_000, 1))  # creates the shared buffer before it travels
     ctx = mp.get_context("spawn")
     for start in (0, 10_000):
-        procs.append(ctx.Process(target=_writer, args=(storage, start, 150, 8)))
+        procs.append(ctx.Process(target=_writer, args=(storage if via == "storage" else rb, start, 150, 8)))
     for p in procs:
         p.start()
     for p in procs:
@@ -136,3 +141,218 @@ def test_dumps_and_loads_and_tensordict_replay_buffer(name: str, storages: list[
     other.loads(tmp_path / "s")
     assert check(other.get(slice(None))).tolist() == list(range(10))
     assert other.get(slice(None))["next", "obs"].shape == (10, 1)
+
+
+# -- TorchRL's Storage contract, as its own test/rb/test_storages.py exposed it ------------------
+def _rb(storage: Any, **kwargs: Any) -> ReplayBuffer:
+    return ReplayBuffer(storage=storage, **kwargs)
+
+
+def test_writes_at_indices_overwrite_those_slots(name: str, storages: list[ShmStorage]) -> None:
+    """``rb[3:4] = td`` overwrites slot 3 (it appended a row at slot 100 and left slot 3 as it was);
+    after a wrap an index is still the physical slot, as in LazyTensorStorage."""
+    ours, theirs = ShmStorage(102, name=name), LazyTensorStorage(102)
+    storages.append(ours)
+    rbs = [_rb(ours), _rb(theirs)]
+    for rb in rbs:
+        rb.extend(TensorDict({"a": torch.arange(100), ("b", "c"): torch.arange(100)}, [100]))
+        rb[3:4] = TensorDict({"a": torch.tensor([-1]), ("b", "c"): torch.tensor([-2])}, [1])
+        rb[torch.tensor([30, 10, 30])] = TensorDict({"a": torch.tensor([-3, -4, -5]), ("b", "c"): torch.zeros(3, dtype=torch.long)}, [3])
+        rb.extend(TensorDict({"a": torch.arange(100, 105), ("b", "c"): torch.arange(100, 105)}, [5]))  # wraps: slots 100, 101, 0, 1, 2
+        rb[1] = TensorDict({"a": torch.tensor(-6), ("b", "c"): torch.tensor(-6)}, [])
+    assert len(ours) == len(theirs) == 102
+    assert rbs[0].writer._cursor == rbs[1].writer._cursor == 3
+    got, expected = ours.get(torch.arange(102)), theirs.get(torch.arange(102))
+    assert torch.equal(got["a"], expected["a"]) and torch.equal(got["b", "c"], expected["b", "c"])
+    assert got["a"][[0, 1, 2, 3, 10, 30]].tolist() == [102, -6, 104, -1, -4, -5]
+
+
+def test_set_at_held_slots_overwrites_and_next_slots_append(name: str, storages: list[ShmStorage]) -> None:
+    """A writer's ``set(cursor, data)`` at held slots (TorchRL's max-value writer, a reloaded
+    cursor) overwrites them; a write spanning the held rows and the next empty slots does both."""
+    storage = ShmStorage(8, name=name)
+    storages.append(storage)
+    storage.set(range(4), torch.arange(4))
+    storage.set(torch.tensor([2, 0]), torch.tensor([20, 10]))
+    assert storage.get(slice(None)).tolist() == [10, 1, 20, 3] and len(storage) == 4
+    storage[torch.tensor([3, 4, 5])] = torch.tensor([30, 40, 50])
+    assert storage.get(slice(None)).tolist() == [10, 1, 20, 30, 40, 50] and len(storage) == 6
+
+
+def test_a_write_at_empty_slots_that_are_not_next_is_refused(name: str, storages: list[ShmStorage]) -> None:
+    storage = ShmStorage(8, name=name)
+    storages.append(storage)
+    with pytest.raises(IndexError, match="storage is empty"):
+        storage.set(range(2, 4), torch.arange(2))
+    assert storage.buffer is None  # nothing created on a refused first write
+    storage.set(range(3), torch.arange(3))
+    with pytest.raises(IndexError, match=r"slots \[5, 6\] hold no row and are not the next ones"):
+        storage[torch.tensor([1, 5, 6])] = torch.tensor([-1, -5, -6])
+    assert storage.get(slice(None)).tolist() == [0, 1, 2]  # the held row 1 was not written either
+
+
+@pytest.mark.parametrize("start", [0, 7])
+def test_extend_past_max_size_wraps_keeping_the_newest(start: int, name: str, storages: list[ShmStorage]) -> None:
+    """One extend of more rows than max_size (it raised CapacityError) keeps the newest in the
+    slots TorchRL's writer gives them."""
+    ours, theirs = ShmStorage(10, name=name), LazyTensorStorage(10)
+    storages.append(ours)
+    for rb in (_rb(ours), _rb(theirs)):
+        if start:
+            rb.extend(torch.arange(start))
+        rb.extend(torch.arange(100, 125))
+    assert ours.get(torch.arange(10)).tolist() == theirs.get(torch.arange(10)).tolist()
+    assert sorted(ours.get(slice(None)).tolist()) == list(range(115, 125))
+
+
+def test_dumps_twice_and_loads_puts_rows_back_in_their_slots(name: str, storages: list[ShmStorage], tmp_path: Any) -> None:
+    """``dumps`` twice into one directory replaces the dump (it raised FileExistsError); a wrapped
+    storage loads with every row in its slot, so the restored writer goes on as TorchRL's does."""
+    ours, theirs = ShmStorage(10, name=name), LazyTensorStorage(10)
+    storages.append(ours)
+    rb_ours, rb_theirs = _rb(ours), _rb(theirs)
+    for rb in (rb_ours, rb_theirs):
+        rb.extend(TensorDict({"a": torch.arange(13)}, [13]))  # slots 0..2 hold 10..12
+    ours.dumps(tmp_path / "d")
+    rb_ours.extend(TensorDict({"a": torch.arange(20, 22)}, [2]))
+    ours.dumps(tmp_path / "d")  # the second dump replaces the first
+    rb_theirs.extend(TensorDict({"a": torch.arange(20, 22)}, [2]))
+    back = ShmStorage(10, name=name + "b")
+    storages.append(back)
+    back.loads(tmp_path / "d")
+    assert back.get(torch.arange(10))["a"].tolist() == theirs.get(torch.arange(10))["a"].tolist()
+    state = rb_ours.state_dict()
+    again = ShmStorage(10, name=name + "s")
+    storages.append(again)
+    rb_again = _rb(again)
+    rb_again.load_state_dict(state)
+    for rb in (rb_again, rb_theirs):
+        rb.extend(TensorDict({"a": torch.arange(30, 33)}, [3]))
+    assert again.get(torch.arange(10))["a"].tolist() == theirs.get(torch.arange(10))["a"].tolist()
+
+
+def test_base_storage_arguments_are_accepted(name: str, storages: list[ShmStorage]) -> None:
+    storage = ShmStorage(8, name=name, compilable=True, checkpointer=None)
+    storages.append(storage)
+    storage.set(range(3), torch.arange(3))
+    assert storage._last_cursor_index == 2 and storage.get(slice(None)).tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kwargs, match", [({"ndim": 2}, r"ndim=2 .*reshape\(-1\).*LazyTensorStorage"),
+                                           ({"shared_init": True}, "write once .* before")])
+def test_ndim_and_shared_init_are_refused_with_what_to_do(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ShmStorage(8, **kwargs)
+
+
+def test_no_collate_fn_needed(name: str, storages: list[ShmStorage]) -> None:
+    """A ReplayBuffer on it needs no collate_fn= (TorchRL said it could not find a default)."""
+    storage = ShmStorage(16, name=name)
+    storages.append(storage)
+    rb = ReplayBuffer(storage=storage, batch_size=4)
+    rb.extend(rows(0, 10))
+    batch = rb.sample()
+    assert type(batch) is TensorDict and batch.batch_size == torch.Size([4])
+    check(batch)
+
+
+def test_plain_tensors_are_stored_and_read_back_as_tensors(name: str, storages: list[ShmStorage]) -> None:
+    storage = ShmStorage(16, name=name)
+    storages.append(storage)
+    rb = ReplayBuffer(storage=storage, batch_size=5)
+    rb.extend(torch.arange(10.0)[:, None] * torch.ones(3))
+    rb.add(torch.full((3,), 10.0))
+    batch = rb.sample()
+    assert type(batch) is torch.Tensor and batch.shape == (5, 3) and (batch == batch[:, :1]).all()
+    assert type(rb[10]) is torch.Tensor and rb[10].tolist() == [10.0] * 3
+    with pytest.raises(TypeError, match="holds tensor rows, got tensordict"):
+        storage.set(11, TensorDict({"a": torch.ones(3)}, []))
+
+
+@tensorclass
+class Inner:
+    k: torch.Tensor
+
+
+@tensorclass
+class Outer:
+    a: torch.Tensor
+    nxt: Inner
+
+
+def _outer(n: int, start: int = 0) -> Any:
+    seq = torch.arange(start, start + n)
+    outer, inner = cast(Any, Outer), cast(Any, Inner)  # mypy does not see tensorclass's __init__
+    return outer(a=seq.float(), nxt=inner(k=seq * 2, batch_size=[n]), batch_size=[n])
+
+
+def test_tensorclasses_are_stored_and_read_back_as_themselves(name: str, storages: list[ShmStorage], tmp_path: Any) -> None:
+    storage = ShmStorage(16, name=name)
+    storages.append(storage)
+    rb = ReplayBuffer(storage=storage, batch_size=4)
+    rb.extend(_outer(6))
+    batch = rb.sample()
+    assert type(batch) is Outer and type(batch.nxt) is Inner
+    assert torch.equal(batch.nxt.k, batch.a.long() * 2)
+    rb[2] = _outer(1, 50)[0]
+    assert rb[2].a.item() == 50 and rb[2].nxt.k.item() == 100
+    storage.dumps(tmp_path / "tc")
+    other = ShmStorage(16, name=name + "o")
+    storages.append(other)
+    other.loads(tmp_path / "tc")  # the classes are found again by name
+    got = other.get(slice(None))
+    assert type(got) is Outer and got.a.tolist() == [0, 1, 50, 3, 4, 5]
+
+
+def test_rows_with_their_own_batch_dims(name: str, storages: list[ShmStorage]) -> None:
+    """A TensorDict of batch size [k, 4] is k rows of batch size [4], as in LazyTensorStorage."""
+    ours, theirs = ShmStorage(10, name=name), LazyTensorStorage(10)
+    storages.append(ours)
+    td = TensorDict({"x": torch.arange(12.0).reshape(3, 4)}, [3, 4])
+    for s in (ours, theirs):
+        s.set(range(3), td)
+    assert ours.get([0, 2]).batch_size == theirs.get([0, 2]).batch_size == torch.Size([2, 4])
+    assert torch.equal(ours.get([0, 2])["x"], theirs.get([0, 2])["x"])
+    with pytest.raises(ValueError, match=r"rows of batch size \[4\], got \[5\]"):
+        ours.set(3, TensorDict({"x": torch.zeros(5)}, [5]))
+
+
+@pytest.mark.parametrize("data, error, match", [
+    ({"a": torch.zeros(3, 1), "b": {"c": [torch.zeros(3)]}}, TypeError, "got dict; pytrees are not stored"),
+    ([(torch.zeros(2), torch.zeros(2))] * 3, TypeError, "got a list of tuple"),
+    (TensorDict({"a": torch.zeros(3), "s": "text"}, [3]), TypeError, "key 's': expected a tensor, got NonTensorData"),
+    (TensorDict({"a": torch.zeros(3), "d": torch.zeros(3)}, [3]), KeyError, r"keys \['d'\] are not in this storage"),
+    ([torch.zeros(2), torch.zeros(3), torch.zeros(2)], RuntimeError, "Stacking the elements of the list"),
+])
+def test_anything_else_is_refused_clearly_and_changes_nothing(data: Any, error: type[Exception], match: str,
+                                                              name: str, storages: list[ShmStorage]) -> None:
+    storage = ShmStorage(8, name=name)
+    storages.append(storage)
+    rb = ReplayBuffer(storage=storage, collate_fn=identity)
+    rb.extend(TensorDict({"a": torch.arange(3.0)}, [3]))
+    with pytest.raises(error, match=match):
+        rb.extend(data)
+    assert len(storage) == 3 and storage.get(slice(None))["a"].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_copies_writers_with_colliding_cursors_lose_nothing(name: str, storages: list[ShmStorage]) -> None:
+    """Writers on copies of the storage (what a process gets when the storage or its
+    ReplayBuffer is pickled to it) append their runs: TorchRL's shared cursor gives writers in
+    several processes the same slots, or slots past ones another has yet to write, and TorchRL's
+    storages then overwrite rows just written. The original's writer keeps TorchRL's slots; an
+    index write from a copy still overwrites its slot."""
+    storage = ShmStorage(8, name=name)
+    storages.append(storage)
+    storage.set(range(8), torch.arange(8))
+    storage.set(range(4, 6), torch.tensor([14, 15]))  # the original: exactly those slots
+    assert storage.get(slice(None)).tolist() == [0, 1, 2, 3, 14, 15, 6, 7]
+    a, b = pickle.loads(pickle.dumps(storage)), pickle.loads(pickle.dumps(storage))
+    try:
+        a.set(range(4, 8), torch.arange(100, 104))  # the ring's next slots are 0..3: appended there
+        b.set(range(4, 8), torch.arange(200, 204))  # the same cursor again: appended after a's
+        assert sorted(storage.get(slice(None)).tolist()) == [100, 101, 102, 103, 200, 201, 202, 203]
+        a[5] = torch.tensor(-1)
+        assert storage.get(5).item() == -1 and len(storage) == 8
+    finally:
+        for copy in (a, b):
+            copy.buffer.close()
