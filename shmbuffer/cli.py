@@ -2,7 +2,7 @@
 
 ::
 
-    shmbuffer ls [--json]                       buffers in /dev/shm: rows, size, creator, alive
+    shmbuffer ls [--all] [--json]               your buffers in /dev/shm (--all: everyone's): rows, size, creator, alive
     shmbuffer inspect NAME [--json]             header, options, counters, lanes, field statistics
     shmbuffer gc [--dry-run] [--force] [NAME ...]   remove buffers whose creator is dead
     shmbuffer save NAME PATH [--force]          save a live buffer (persistence.py)
@@ -139,13 +139,16 @@ def _entry(name: str) -> dict[str, Any]:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    entries = [_entry(n) for n in segment.list_names()]
+    names = segment.list_names()
+    entries = [_entry(n) for n in (names if args.all else segment.mine(names))]
     entries = [e for e in entries if e.get("error") != "gone"]
     if args.json:
         print(json.dumps(entries, indent=1))
         return 0
     if not entries:
-        print(f"no buffers in {segment.SHM_DIR}")
+        others = len(names) - len(segment.mine(names)) if not args.all else 0
+        hint = f" ({others} of other users: --all lists them)" if others > 0 else ""
+        print(f"no buffers of yours in {segment.SHM_DIR}{hint}" if not args.all else f"no buffers in {segment.SHM_DIR}")
         return 0
     print(f"{'NAME':<28} {'ROWS/CAPACITY':>19} {'SIZE':>10} {'PID':>8} {'CREATOR':<8} SCHEMA")
     for e in entries:
@@ -361,8 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the demo (shmbuffer demo --help: its settings)", add_help=False)
     demo.set_defaults(run=_demo)
-    p = sub.add_parser("ls", help="list the buffers in /dev/shm")
+    p = sub.add_parser("ls", help="list your buffers in /dev/shm (--all: every user's)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--all", action="store_true", help="every user's buffers, not only yours")
     p.set_defaults(run=_ls)
     p = sub.add_parser("inspect", help="a buffer's header, options, counters, lanes and field statistics")
     p.add_argument("name", type=_name, help="a name, or /dev/shm/shmbuffer-NAME")

@@ -133,7 +133,7 @@ from typing import Any
 import numpy as np
 
 from . import reader
-from .errors import CapacityError, ClosedError, FieldError, LayoutError
+from .errors import CapacityError, FieldError, LayoutError, closed
 from .frames import ENDS, KIND, Frames, frames_of
 from .layout import Counter, Lane, Options
 from .priorities import MAX_LEAF
@@ -271,7 +271,7 @@ class _Piece:
 
 def _arrays(buf: Buffer) -> dict[str, np.ndarray]:
     if buf.closed:
-        raise ClosedError(f"buffer {buf.name!r} is closed in this process")
+        raise closed(buf.name)
     arrays: dict[str, np.ndarray] = buf.block.arrays
     return arrays
 
