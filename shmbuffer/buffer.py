@@ -562,7 +562,7 @@ class ReplayBuffer:
         return Loader(self, batch_size, **kwargs)
 
     # -- persistence (persistence.py) -----------------------------------------------------------
-    def save(self, path: str | os.PathLike[str], *, progress: bool | Callable[[int, int], None] = False,
+    def save(self, path: str | os.PathLike[str], *, progress: bool | Callable[[int, int], None] | None = None,
              wait: float = 1.0, overwrite: bool = False) -> dict[str, Any]:
         """Save to the directory ``path`` (safetensors + JSON) while writers may go on."""
         return persistence.save(self, path, progress=progress, wait=wait, overwrite=overwrite)

@@ -8,6 +8,7 @@
     shmbuffer save NAME PATH [--force]          save a live buffer (persistence.py)
     shmbuffer load PATH --name NAME             load a save and hold it until interrupted
     shmbuffer bench [--seconds S] [--json]      memcpy, push and sample rates on this machine
+    shmbuffer top [--all] [--once] [--json]     a live view: fill, rows in/out per second, writers (top.py)
     shmbuffer demo [--seed 1 ...]               the demo: DQN + PER on CartPole (demo.py)
 
 ``ls`` and ``gc`` only read headers (``segment.read_header``) and the lanes' cursors; they never
@@ -319,6 +320,23 @@ def _load(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- top ---------------------------------------------------------------------------------------------
+def _top(args: argparse.Namespace) -> int:
+    from . import top
+
+    return top.run(args.names, every=args.all, once=args.once, as_json=args.json, interval=args.interval)
+
+
+def _add_top(sub: Any) -> None:
+    p = sub.add_parser("top", help="a live view of the buffers on this host: fill, rows in and out per second, writers")
+    p.add_argument("names", nargs="*", metavar="NAME", type=_name, help="only these buffers (default: yours)")
+    p.add_argument("--all", action="store_true", help="every user's buffers, not only yours")
+    p.add_argument("--once", action="store_true", help="measure once (two reads --interval apart), print, exit")
+    p.add_argument("--json", action="store_true", help="print JSON (with --once one object; else one a line)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between reads (default: 1.0)")
+    p.set_defaults(run=_top)
+
+
 # -- bench -------------------------------------------------------------------------------------------
 def _rate(fn: Any, seconds: float) -> float:
     """Calls of ``fn`` per second, over about ``seconds``."""
@@ -393,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=0.5, help="seconds per measurement")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_bench)
+    _add_top(sub)
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "demo":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
