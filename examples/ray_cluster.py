@@ -10,6 +10,15 @@ On every node a collector host (a Ray actor pinned to the node, no CPU reserved)
 learner (this process) samples prioritized batches from all shards as from one buffer
 (``ShardedBuffer``), trains a double DQN with the importance weights, sends the TD errors home to
 each row's shard and publishes its weights to every host.
+
+Every ``--eval-every`` updates the greedy policy plays 5 episodes; the run ends SOLVED when they
+and 20 more average ``--target``, or after ``--max-seconds``, and the last line gives the mean
+evaluation return either way. What a run at the defaults showed on the 2-core reference machine,
+shared with other work (331 s in all): 9,121 updates and 1,040,188 rows in 300 s, evaluations of
+256, 281, then 100 to 150, and ``NOT SOLVED: mean evaluation return 137.0 +- 8.3 over 20 episodes
+(target 475), 300 s``, exit status 1: two nodes' collectors and the learner share two cores there.
+It exits with status 1 when not solved (0 with ``--tiny`` or ``--max-updates``, which only check
+that it runs).
 """
 
 from __future__ import annotations
