@@ -16,7 +16,10 @@ double DQN), so it has seen every observation before it. Targets are n-step retu
 window (``n_step_targets``); a step whose episode leaves the window without ending (a lane's
 newest row) is left out of the loss.
 
-What a run at the defaults shows (the 2-core reference machine, shared): RESULT
+What a run at the defaults shows (the 2-core reference machine, shared: 261 s): the mean return
+of the last 20 episodes goes from about 20 (random play) past 100 after about 2,000 updates (135
+at 2,000, 199 at 3,750, noisy in between), and the last line reads ``LEARNED: mean return of the
+last 20 episodes 127.5 (the first 20: 19.2; target 100), 4000 updates, 2786 episodes, 249 s``.
 It exits with status 1 (``NOT LEARNED``) when that mean stays below ``--target``. With both
 velocities hidden (``VISIBLE = [0, 2]``) the same learner stays near random play (about 20) for
 the 4,000 updates: that needs far more experience than an example's few minutes.
