@@ -17,10 +17,12 @@ buffer without ``next_of``/``stack``.
 
 ``--steps`` env steps are collected (the collectors stop there, give or take the steps in flight),
 and the learner makes ``--updates`` updates; the run ends when both are done. What a run at the
-defaults shows: the last line reads ``OK: 20,0xx env steps (--steps 20,000), 2,000 updates;
-BYTES``; Pong's return stays near a random player's -20 at this length: the example shows the
-memory, not learning. It exits with status 1 if the stacks were not rebuilt intact or the buffer
-is not 7x smaller.
+defaults shows (the 2-core reference machine, shared: 277 s): the collectors stop at 20,023 env
+steps (24 Pong episodes), the learner goes on to 2,000 updates, and the last line reads ``OK:
+20,023 env steps (--steps 20,000), 2,000 updates; 7,083 bytes a transition instead of 56,474 (8.0x
+less), stacks rebuilt intact: True; return of the last episodes -20.8``. Pong's return stays near a
+random player's -21 at this length: the example shows the memory, not learning. It exits with
+status 1 if the stacks were not rebuilt intact or the buffer is not 7x smaller.
 """
 
 from __future__ import annotations
