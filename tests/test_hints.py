@@ -191,3 +191,21 @@ def test_ls_and_not_found_keep_to_your_buffers(make: Make, name: str) -> None:
         assert name in str(info.value) and theirs not in str(info.value)
     finally:
         os.unlink(path)
+
+
+def test_ls_lists_only_your_buffers_unless_all(make: Make, name: str, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Seen by another user (a faked uid: runs without root), this process's buffer is theirs."""
+    import json
+
+    from shmbuffer import cli
+
+    make(MUJOCO, capacity=10, name=name)
+    assert cli.main(["ls", "--json"]) == 0
+    assert name in [e["name"] for e in json.loads(capsys.readouterr().out)]
+    monkeypatch.setattr(segment.os, "geteuid", lambda: os.getuid() + 4242)
+    assert cli.main(["ls", "--json"]) == 0
+    assert name not in [e["name"] for e in json.loads(capsys.readouterr().out)]
+    assert cli.main(["ls", "--all", "--json"]) == 0
+    theirs = next(e for e in json.loads(capsys.readouterr().out) if e["name"] == name)
+    assert "not to this process's user" in theirs["error"]  # listed, never read
