@@ -14,6 +14,15 @@ rows before it (padded at an episode's start as ``FrameStackObservation`` padded
 episode's final observation from an end row. The learner's batches hold the full stacks, as if
 they had been stored whole. At the end it prints the bytes a transition takes against the same
 buffer without ``next_of``/``stack``.
+
+``--steps`` env steps are collected (the collectors stop there, give or take the steps in flight),
+and the learner makes ``--updates`` updates; the run ends when both are done. What a run at the
+defaults shows (the 2-core reference machine, shared: 277 s): the collectors stop at 20,023 env
+steps (24 Pong episodes), the learner goes on to 2,000 updates, and the last line reads ``OK:
+20,023 env steps (--steps 20,000), 2,000 updates; 7,083 bytes a transition instead of 56,474 (8.0x
+less), stacks rebuilt intact: True; return of the last episodes -20.8``. Pong's return stays near a
+random player's -21 at this length: the example shows the memory, not learning. It exits with
+status 1 if the stacks were not rebuilt intact or the buffer is not 7x smaller.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import sys
 import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -41,8 +51,8 @@ class Args:
     workers: int = field(default=2, metadata={"help": "collector processes"})
     envs_per_worker: int = field(default=1, metadata={"help": "envs each collector steps (one buffer lane each)"})
     capacity: int = field(default=100_000, metadata={"help": "rows the buffer holds (a multiple of the envs)"})
-    steps: int = field(default=20_000, metadata={"help": "env steps (all collectors) to collect"})
-    updates: int = field(default=2_000, metadata={"help": "learner updates, at least"})
+    steps: int = field(default=20_000, metadata={"help": "env steps (all collectors) to collect: the collectors stop there"})
+    updates: int = field(default=2_000, metadata={"help": "learner updates: the run ends once these are done and the steps collected"})
     learning_starts: int = field(default=5_000, metadata={"help": "rows pushed before the first update"})
     batch_size: int = field(default=32, metadata={"help": "transitions per learner batch"})
     lr: float = field(default=1e-4, metadata={"help": "Adam's learning rate"})
@@ -130,9 +140,15 @@ def main(args: Args) -> dict[str, Any]:
             sb.Collector(EnvFactory(args.env_id), buf, workers=args.workers, envs_per_worker=args.envs_per_worker,
                          policy=policy, model=copy.deepcopy(q), seed=args.seed) as collector:
         collector.warm(min(args.learning_starts, args.steps))
+        collecting = True
         while time.monotonic() - start < args.max_seconds:
             stats = collector.stats()
-            if updates >= args.updates and stats["env_steps"] >= args.steps:
+            if collecting and stats["env_steps"] >= args.steps:
+                # --steps env steps are in: the collectors stop (those in flight finish: a few
+                # more), and the learner goes on with the buffer until --updates are done
+                collector.stop()
+                collecting = False
+            if updates >= args.updates and not collecting:
                 break
             # -- a DQN update on a batch of stacked transitions, rebuilt from one frame a row ------
             batch = buf.sample(args.batch_size).to("cpu")
@@ -146,7 +162,7 @@ def main(args: Args) -> dict[str, Any]:
             opt.step()
             losses.append(loss.item())
             updates += 1
-            if updates % args.publish_every == 0:
+            if updates % args.publish_every == 0 and collecting:
                 collector.publish(q)
             if updates % args.target_every == 0:
                 target.load_state_dict(q.state_dict())
@@ -175,16 +191,25 @@ def main(args: Args) -> dict[str, Any]:
           f"{report['bytes_per_row_uncompressed'] / report['bytes_per_row']:.1f}x less "
           f"(1,000,000 transitions: {report['bytes_per_row'] * 1e6 / 2**30:.1f} GiB instead of "
           f"{report['bytes_per_row_uncompressed'] * 1e6 / 2**30:.1f} GiB)")
+    ratio = report["bytes_per_row_uncompressed"] / report["bytes_per_row"]
+    report["ok"] = shifted and ratio > 7
+    print(f"{'OK' if report['ok'] else 'FAILED'}: {report['env_steps']:,d} env steps (--steps {args.steps:,d}), "
+          f"{updates:,d} updates; {report['bytes_per_row']:,.0f} bytes a transition instead of "
+          f"{report['bytes_per_row_uncompressed']:,.0f} ({ratio:.1f}x less), stacks rebuilt intact: {shifted}; "
+          f"return of the last episodes {stats['recent_return']:.1f}")
     return report
 
 
 def parse(argv: list[str] | None = None) -> Args:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     for f in fields(Args):
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
-                       help=f"{f.metadata['help']} (default: {f.default})")
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default, help=f.metadata["help"])
     return Args(**vars(p.parse_args(argv)))
 
 
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each flag's default in its help; the docstring as written."""
+
+
 if __name__ == "__main__":
-    main(parse())
+    sys.exit(0 if main(parse())["ok"] else 1)

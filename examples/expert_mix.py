@@ -8,13 +8,19 @@ on batches drawn half from each. Here a scripted controller (push the cart the w
 falls) provides the demonstrations: they go into a buffer that is then frozen (read-only); two
 collector processes fill the agent's buffer; ``Mix`` draws each batch 50/50 and ``batch.source``
 says which rows are the expert's. The greedy policy is evaluated at the end.
+
+What a run at the defaults shows (the 2-core reference machine, shared: 96 s): the loss stays
+about 0.1, the batches are half the expert's, and the last line reads ``IMITATED: greedy return
+500.0 over 5 episodes after 3000 updates (target 200; random play: about 22, the scripted expert:
+500)``. It exits with status 1 when the greedy return stays below ``--target``.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import gymnasium as gym
@@ -28,15 +34,18 @@ from shmbuffer.loader import Loader
 
 @dataclass
 class Args:
-    demos: int = 20
-    updates: int = 3_000
-    batch_size: int = 128
-    expert_share: float = 0.5
-    lr: float = 1e-3
-    gamma: float = 0.99
-    alpha: float = 0.1
-    seconds: float = 300.0
-    seed: int = 0
+    """The example's settings; each is a flag (``--expert-share 0.25``)."""
+
+    demos: int = field(default=20, metadata={"help": "scripted expert episodes in the frozen expert buffer"})
+    updates: int = field(default=3_000, metadata={"help": "learner updates"})
+    batch_size: int = field(default=128, metadata={"help": "rows per batch, from both buffers"})
+    expert_share: float = field(default=0.5, metadata={"help": "share of each batch drawn from the expert's buffer"})
+    lr: float = field(default=1e-3, metadata={"help": "Adam's learning rate"})
+    gamma: float = field(default=0.99, metadata={"help": "discount"})
+    alpha: float = field(default=0.1, metadata={"help": "soft Q-learning temperature"})
+    seconds: float = field(default=300.0, metadata={"help": "wall-clock limit of the updates"})
+    target: float = field(default=200.0, metadata={"help": "greedy return (mean of 5 episodes) that counts as imitated"})
+    seed: int = field(default=0, metadata={"help": "seeds torch, the collectors and the buffers' sampling"})
 
 
 def scripted(obs: np.ndarray) -> int:
@@ -60,7 +69,8 @@ def greedy_return(q: torch.nn.Module, episodes: int, seed: int) -> float:
     return total / episodes
 
 
-def main(args: Args) -> None:
+def main(args: Args) -> float:
+    """Run; return the greedy policy's mean return over 5 episodes."""
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     schema = sb.Schema(obs=((4,), "float32"), action=((), "int64"), reward=((), "float32"),
@@ -114,11 +124,23 @@ def main(args: Args) -> None:
                               f"agent rows {len(agent):,d}")
                     if time.monotonic() - start > args.seconds:
                         break
-    print(f"greedy return after {step} updates: {greedy_return(q, 5, seed=7):.1f} (random play: about 22)")
+    greedy = greedy_return(q, 5, seed=7)
+    print(f"{'IMITATED' if greedy >= args.target else 'NOT IMITATED'}: greedy return {greedy:.1f} over 5 episodes "
+          f"after {step} updates (target {args.target:g}; random play: about 22, the scripted expert: 500)")
+    return greedy
+
+
+def parse(argv: list[str] | None = None) -> Args:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    for f in fields(Args):
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default, help=f.metadata["help"])
+    return Args(**vars(p.parse_args(argv)))
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each flag's default in its help; the docstring as written."""
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for field, default in vars(Args()).items():
-        p.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
-    main(Args(**vars(p.parse_args())))
+    args = parse()
+    sys.exit(0 if main(args) >= args.target else 1)

@@ -1,14 +1,22 @@
 """Quick start: two worker processes push transitions into a shared buffer while the learner samples.
 
     python examples/quickstart.py [--capacity 100000] [--seconds 3]
+
+What a run at the defaults shows (the 2-core reference machine, shared with other work: 33 s in
+all, most of it starting the two spawned workers): each worker pushes for 3 seconds while the
+learner samples batches of 256, and the last line reads ``OK: 2 workers pushed 143,363 rows
+(15,515 rows/s) in 9.2 s; the learner sampled 24,481 batches of 256 meanwhile; the buffer holds
+100,000 rows`` (the seconds count from the first batch to the last worker's end; the rates depend
+on the machine and its load). It exits with status 1 if no batch could be sampled.
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch  # noqa: F401  (imported before the workers start: the first import takes a second)
@@ -18,10 +26,12 @@ import shmbuffer as sb
 
 @dataclass
 class Args:
-    capacity: int = 100_000
-    seconds: float = 3.0
-    workers: int = 2
-    batch_size: int = 256
+    """The example's settings; each is a flag (``--batch-size 64``)."""
+
+    capacity: int = field(default=100_000, metadata={"help": "rows the buffer holds; the oldest are overwritten"})
+    seconds: float = field(default=3.0, metadata={"help": "how long the workers push"})
+    workers: int = field(default=2, metadata={"help": "worker processes pushing rows"})
+    batch_size: int = field(default=256, metadata={"help": "rows per sampled batch"})
 
 
 SCHEMA = sb.Schema(
@@ -45,29 +55,44 @@ def worker(handle: sb.BufferHandle, seed: int, seconds: float) -> None:
 
 
 # -- the learner: create the buffer, start workers, sample batches --------------------------------
-def main(args: Args) -> None:
+def main(args: Args) -> int:
+    """Run; return the number of batches sampled."""
     with sb.ReplayBuffer(SCHEMA, capacity=args.capacity, seed=0) as buf:
         ctx = mp.get_context("spawn")
         workers = [ctx.Process(target=worker, args=(buf.handle, i, args.seconds)) for i in range(args.workers)]
         for w in workers:
             w.start()
+        batches, start = 0, time.monotonic()
         try:
-            while len(buf) < args.batch_size:
+            while len(buf) < args.batch_size and any(w.is_alive() for w in workers):
                 time.sleep(0.01)
-            batches = 0
+            start = time.monotonic()
             while any(w.is_alive() for w in workers):
                 batch = buf.sample(args.batch_size)       # numpy: batch.obs, batch["reward"], batch.index
                 tensors = batch.to("cpu")                 # torch tensors ("cuda" on a GPU machine)
+                assert tensors.obs.shape == (args.batch_size, 4)
                 batches += 1
         finally:
             for w in workers:
                 w.join()
-        print(f"{len(buf)} rows in the buffer ({buf.stats['inserted']} pushed), {batches} batches sampled")
-        print(f"last batch: {tensors}")
+        seconds = time.monotonic() - start
+        pushed = buf.stats["inserted"]
+        print(f"{'OK' if batches else 'FAILED'}: {args.workers} workers pushed {pushed:,d} rows "
+              f"({pushed / max(seconds, 1e-9):,.0f} rows/s) in {seconds:.1f} s; the learner sampled {batches:,d} "
+              f"batches of {args.batch_size} meanwhile; the buffer holds {len(buf):,d} rows")
+    return batches
+
+
+def parse(argv: list[str] | None = None) -> Args:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    for f in fields(Args):
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default, help=f.metadata["help"])
+    return Args(**vars(p.parse_args(argv)))
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each flag's default in its help; the docstring as written."""
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for field, default in vars(Args()).items():
-        p.add_argument(f"--{field.replace('_', '-')}", type=type(default), default=default)
-    main(Args(**vars(p.parse_args())))
+    sys.exit(0 if main(parse()) else 1)

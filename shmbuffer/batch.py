@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import UnknownKey, UnknownName
+from .hints import KEYS, key_hint
 from .schema import Record
 
 
@@ -97,10 +99,8 @@ class Batch:
         try:
             return self.extras[name]
         except KeyError:
-            raise AttributeError(
-                f"batch has no field {name!r}: fields {', '.join(self.fields)}; extras "
-                f"{', '.join(self.extras) or 'none'}"
-            ) from None
+            error = UnknownName if name in KEYS else AttributeError  # SB3's batch.observations ...
+            raise error(self._missing(name), name=name, obj=self) from None
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in Batch.__slots__:
@@ -130,10 +130,12 @@ class Batch:
         try:
             return self.fields[name] if name in self.fields else self.extras[name]
         except KeyError:
-            raise KeyError(
-                f"batch has no field {name!r}: fields {', '.join(self.fields)}; extras "
-                f"{', '.join(self.extras) or 'none'}"
-            ) from None
+            raise UnknownKey(self._missing(name)) from None
+
+    def _missing(self, name: str) -> str:
+        """What a batch without ``name`` has, and our name for another library's key (``hints.py``)."""
+        return (f"batch has no field {name!r}: fields {', '.join(self.fields)}; extras "
+                f"{', '.join(self.extras) or 'none'}{key_hint(name)}")
 
     def __contains__(self, name: object) -> bool:
         return name in self.fields or name in self.extras

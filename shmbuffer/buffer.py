@@ -27,13 +27,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import edits, native, persistence, reader, sequences
+from . import edits, hints, native, persistence, reader, sequences
 from .batch import Batch
-from .errors import ClosedError, EmptyBufferError, FieldError, SchemaError
+from .errors import EmptyBufferError, FieldError, SchemaError, closed
 from .frames import Frames, Pusher
 from .layout import UNIFORM, Block, Counter, Options, columns, read
 from .limiter import RateLimiter, counted
@@ -111,7 +111,10 @@ class ReplayBuffer:
         envs: int | None = None,
         next_of: str | Mapping[str, str] | None = None,
         stack: str | Mapping[str, Any] | None = None,
+        **unknown: Any,
     ) -> None:
+        if unknown:  # another library's keyword (SB3's device, cpprb's Nstep ...): name ours
+            raise hints.keyword_error("ReplayBuffer", unknown)
         schema = as_schema(schema)
         if lanes is None:
             lanes = envs if envs is not None else 1
@@ -168,6 +171,13 @@ class ReplayBuffer:
         self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         """This process's random generator for sampling."""
 
+    if not TYPE_CHECKING:  # (for mypy, a __getattr__ would make every misspelt attribute Any)
+
+        def __getattr__(self, name: str) -> Any:
+            # only attributes not found come here, never the hot path: another library's name
+            # (cpprb's get_stored_size ...) raises an AttributeError naming ours (hints.py)
+            raise hints.name_error(self, name)
+
     # -- identity and lifecycle ----------------------------------------------------------------
     @property
     def handle(self) -> BufferHandle:
@@ -180,21 +190,21 @@ class ReplayBuffer:
     def ring(self) -> Ring:
         """The ring: reservations, commit stamps, lanes (``ring.py``)."""
         if self._ring is None:
-            raise ClosedError(f"buffer {self.name!r} is closed in this process")
+            raise closed(self.name)
         return self._ring
 
     @property
     def block(self) -> Block:
         """Named views of the block's columns (``layout.py``), for readers built on ``reader.py``."""
         if self._ring is None:
-            raise ClosedError(f"buffer {self.name!r} is closed in this process")
+            raise closed(self.name)
         return self._block
 
     @property
     def priorities(self) -> Priorities | None:
         """The priority tree and use counts (``priorities.Priorities``), or ``None`` without a tree."""
         if self._ring is None:
-            raise ClosedError(f"buffer {self.name!r} is closed in this process")
+            raise closed(self.name)
         return self._prios
 
     @property
@@ -409,7 +419,7 @@ class ReplayBuffer:
     def sample(
         self, n: int, *, replace: bool = True, n_step: int = 1, gamma: float = 0.99,
         fields: dict[str, str] | None = None, out: dict[str, np.ndarray] | None = None,
-        timeout: float | None = None,
+        timeout: float | None = None, **unknown: Any,
     ) -> Batch:
         """``n`` rows drawn by the buffer's sampler, as one gathered copy.
 
@@ -426,6 +436,8 @@ class ReplayBuffer:
         their ids (and ``batch.episode`` their episodes); a prioritized buffer adds
         ``batch.weight`` (importance-sampling weights).
         """
+        if unknown:  # another library's keyword (cpprb's beta, SB3's env ...): name ours
+            raise hints.keyword_error("sample", unknown)
         if (type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool))) or n <= 0:
             raise ValueError(f"sample: expected a positive number of rows, got {n!r}")
         if n_step != 1:
@@ -546,7 +558,7 @@ class ReplayBuffer:
         return Loader(self, batch_size, **kwargs)
 
     # -- persistence (persistence.py) -----------------------------------------------------------
-    def save(self, path: str | os.PathLike[str], *, progress: bool | Callable[[int, int], None] = False,
+    def save(self, path: str | os.PathLike[str], *, progress: bool | Callable[[int, int], None] | None = None,
              wait: float = 1.0, overwrite: bool = False) -> dict[str, Any]:
         """Save to the directory ``path`` (safetensors + JSON) while writers may go on."""
         return persistence.save(self, path, progress=progress, wait=wait, overwrite=overwrite)

@@ -2,12 +2,13 @@
 
 ::
 
-    shmbuffer ls [--json]                       buffers in /dev/shm: rows, size, creator, alive
+    shmbuffer ls [--all] [--json]               your buffers in /dev/shm (--all: everyone's): rows, size, creator, alive
     shmbuffer inspect NAME [--json]             header, options, counters, lanes, field statistics
     shmbuffer gc [--dry-run] [--force] [NAME ...]   remove buffers whose creator is dead
     shmbuffer save NAME PATH [--force]          save a live buffer (persistence.py)
     shmbuffer load PATH --name NAME             load a save and hold it until interrupted
     shmbuffer bench [--seconds S] [--json]      memcpy, push and sample rates on this machine
+    shmbuffer top [--all] [--once] [--json]     a live view: fill, rows in/out per second, writers (top.py)
     shmbuffer demo [--seed 1 ...]               the demo: DQN + PER on CartPole (demo.py)
 
 ``ls`` and ``gc`` only read headers (``segment.read_header``) and the lanes' cursors; they never
@@ -139,13 +140,16 @@ def _entry(name: str) -> dict[str, Any]:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    entries = [_entry(n) for n in segment.list_names()]
+    names = segment.list_names()
+    entries = [_entry(n) for n in (names if args.all else segment.mine(names))]
     entries = [e for e in entries if e.get("error") != "gone"]
     if args.json:
         print(json.dumps(entries, indent=1))
         return 0
     if not entries:
-        print(f"no buffers in {segment.SHM_DIR}")
+        others = len(names) - len(segment.mine(names)) if not args.all else 0
+        hint = f" ({others} of other users: --all lists them)" if others > 0 else ""
+        print(f"no buffers of yours in {segment.SHM_DIR}{hint}" if not args.all else f"no buffers in {segment.SHM_DIR}")
         return 0
     print(f"{'NAME':<28} {'ROWS/CAPACITY':>19} {'SIZE':>10} {'PID':>8} {'CREATOR':<8} SCHEMA")
     for e in entries:
@@ -316,6 +320,23 @@ def _load(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- top ---------------------------------------------------------------------------------------------
+def _top(args: argparse.Namespace) -> int:
+    from . import top
+
+    return top.run(args.names, every=args.all, once=args.once, as_json=args.json, interval=args.interval)
+
+
+def _add_top(sub: Any) -> None:
+    p = sub.add_parser("top", help="a live view of the buffers on this host: fill, rows in and out per second, writers")
+    p.add_argument("names", nargs="*", metavar="NAME", type=_name, help="only these buffers (default: yours)")
+    p.add_argument("--all", action="store_true", help="every user's buffers, not only yours")
+    p.add_argument("--once", action="store_true", help="measure once (two reads --interval apart), print, exit")
+    p.add_argument("--json", action="store_true", help="print JSON (with --once one object; else one a line)")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between reads (default: 1.0)")
+    p.set_defaults(run=_top)
+
+
 # -- bench -------------------------------------------------------------------------------------------
 def _rate(fn: Any, seconds: float) -> float:
     """Calls of ``fn`` per second, over about ``seconds``."""
@@ -361,8 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the demo (shmbuffer demo --help: its settings)", add_help=False)
     demo.set_defaults(run=_demo)
-    p = sub.add_parser("ls", help="list the buffers in /dev/shm")
+    p = sub.add_parser("ls", help="list your buffers in /dev/shm (--all: every user's)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--all", action="store_true", help="every user's buffers, not only yours")
     p.set_defaults(run=_ls)
     p = sub.add_parser("inspect", help="a buffer's header, options, counters, lanes and field statistics")
     p.add_argument("name", type=_name, help="a name, or /dev/shm/shmbuffer-NAME")
@@ -389,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=0.5, help="seconds per measurement")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_bench)
+    _add_top(sub)
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "demo":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

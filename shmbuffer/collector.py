@@ -50,6 +50,7 @@ import numpy as np
 
 from .buffer import BufferHandle, ReplayBuffer
 from .errors import ShmBufferError, WaitTimeout
+from .progress import Progress
 from .segment import process_alive, start_time
 
 RECENT = 100
@@ -275,11 +276,13 @@ class Collector:
     def warm(self, rows: int, *, timeout: float = 300.0) -> None:
         """Block until the buffer has received ``rows`` rows (Velora's ``warm``)."""
         deadline = time.monotonic() + timeout
-        while self.buffer.stats["inserted"] < rows:
-            self.check()
-            if time.monotonic() > deadline:
-                raise WaitTimeout(f"warm({rows}): only {self.buffer.stats['inserted']} rows after {timeout:.0f} s")
-            time.sleep(0.01)
+        with Progress(f"warm({rows})", rows) as line:  # a line on a terminal, once it takes a while
+            while (got := self.buffer.stats["inserted"]) < rows:
+                line.update(got)
+                self.check()
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(f"warm({rows}): only {got} rows after {timeout:.0f} s")
+                time.sleep(0.01)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop and join every worker (killing those that do not exit in ``timeout``). Idempotent."""

@@ -210,9 +210,14 @@ def _line(elapsed: float, stats: dict[str, Any], buf: Any, updates: int, evals: 
     recent = stats["recent_return"]
     line = (f"{elapsed:6.1f}s  env steps {stats['env_steps']:>8,d} ({stats['env_steps'] / max(elapsed, 1e-9):,.0f}/s)  "
             f"buffer {len(buf):>7,d}  updates {updates:>6,d} ({updates / max(elapsed, 1e-9):,.0f}/s)  "
-            f"return {recent:6.1f}  eval {evals[-1] if evals else float('nan'):6.1f}")
+            f"return {_num(recent)}  eval {_num(evals[-1] if evals else None)}")
     end = "\r" if sys.stdout.isatty() else "\n"
     print(line, end=end, flush=True)
+
+
+def _num(x: float | None) -> str:
+    """A return, or ``-`` before there is one (no episode ended, no evaluation yet)."""
+    return f"{'-':>6}" if x is None or not np.isfinite(x) else f"{x:6.1f}"
 
 
 def _summary(report: dict[str, Any], args: Args) -> None:

@@ -55,6 +55,13 @@ class ClosedError(ShmBufferError, RuntimeError):
     """The buffer was closed in this process."""
 
 
+def closed(name: str) -> ClosedError:
+    """The ``ClosedError`` of buffer ``name``, saying how to get it back."""
+    return ClosedError(
+        f"buffer {name!r} is closed in this process; attach it again with ReplayBuffer.attach({name!r}) "
+        "(or its handle) while its creator holds it, or use it inside its with block")
+
+
 class WaitTimeout(ShmBufferError, TimeoutError):
     """A bounded wait ran out: a lock, a stalled writer, a rate limiter or a source with too few rows."""
 
@@ -65,3 +72,18 @@ class ReadOnlyError(ShmBufferError, PermissionError):
 
 class UnsupportedPlatform(ShmBufferError, RuntimeError):
     """The platform lacks what the commit protocol needs (see ``ring.py``)."""
+
+
+class UnknownName(ShmBufferError, AttributeError):
+    """An attribute another replay buffer library has and shmbuffer names otherwise (``hints.py``)."""
+
+
+class UnknownKeyword(ShmBufferError, TypeError):
+    """A keyword a call does not take, often another library's (``hints.py``)."""
+
+
+class UnknownKey(ShmBufferError, KeyError):
+    """A batch has no field or extra of that name (``Batch``); the message names what it has."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""  # KeyError would quote the whole sentence

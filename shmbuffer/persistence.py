@@ -123,7 +123,6 @@ import os
 import secrets
 import stat
 import struct
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
@@ -133,10 +132,11 @@ from typing import Any
 import numpy as np
 
 from . import reader
-from .errors import CapacityError, ClosedError, FieldError, LayoutError
+from .errors import CapacityError, FieldError, LayoutError, closed
 from .frames import ENDS, KIND, Frames, frames_of
 from .layout import Counter, Lane, Options
 from .priorities import MAX_LEAF
+from .progress import Progress as Line
 from .samplers import Prioritized
 from .schema import Schema
 from .segment import human
@@ -179,7 +179,7 @@ Buffer = Any
 is read through its public ``ring``, ``block``, ``priorities``, ``reap``, ``schema`` and ``options``;
 a load makes one with the ``factory`` it is given (``Buffer`` itself)."""
 
-Progress = bool | Callable[[int, int], None]
+Progress = bool | Callable[[int, int], None] | None
 
 
 # -- tensors ---------------------------------------------------------------------------------------
@@ -271,7 +271,7 @@ class _Piece:
 
 def _arrays(buf: Buffer) -> dict[str, np.ndarray]:
     if buf.closed:
-        raise ClosedError(f"buffer {buf.name!r} is closed in this process")
+        raise closed(buf.name)
     arrays: dict[str, np.ndarray] = buf.block.arrays
     return arrays
 
@@ -459,28 +459,22 @@ def _pread_into(fd: int, a: np.ndarray, offset: int, file: Path) -> None:
 
 
 class _Bar:
-    """Progress on stderr as plain text, or through a callback ``(done_bytes, total_bytes)``."""
+    """Progress through a callback ``(done_bytes, total_bytes)``, or as a line on stderr
+    (``progress.Progress``: ``True`` always, ``None`` on a terminal once it runs long)."""
 
     def __init__(self, progress: Progress, what: str, total: int) -> None:
         self.call = progress if callable(progress) else None
-        self.text = progress is True
-        self.what, self.total, self.done, self.shown = what, total, 0, 0.0
-        self.t0 = time.perf_counter()
+        self.line = Line(what, total, "bytes", show=None if progress is None else progress is True)
+        self.done = 0
 
     def add(self, nbytes: int) -> None:
         self.done += nbytes
         if self.call is not None:
-            self.call(self.done, self.total)
-        now = time.perf_counter()
-        if self.text and (now - self.shown > 0.2 or self.done >= self.total):
-            self.shown = now
-            pct = 100 * self.done / self.total if self.total else 100
-            rate = self.done / max(now - self.t0, 1e-9) / 1e9
-            print(f"\r{self.what}: {pct:5.1f}% of {human(self.total)}, {rate:.2f} GB/s", end="", file=sys.stderr, flush=True)
+            self.call(self.done, self.line.total)
+        self.line.update(self.done)
 
     def close(self) -> None:
-        if self.text:
-            print(file=sys.stderr, flush=True)
+        self.line.close()
 
 
 # -- writing the rows: to the file, or to memory ---------------------------------------------------------
@@ -575,14 +569,15 @@ def _copy_rows(snap: _Snapshot, tensors: list[_Tensor], sink: _FileSink | _Memor
 
 
 # -- save ----------------------------------------------------------------------------------------------
-def save(buf: Buffer, path: str | os.PathLike[str], *, progress: Progress = False, wait: float = 1.0,
+def save(buf: Buffer, path: str | os.PathLike[str], *, progress: Progress = None, wait: float = 1.0,
          overwrite: bool = False) -> dict[str, Any]:
     """Write ``buf``'s rows to the directory ``path`` as ``meta.json`` and ``rows.safetensors`` (see
     the module docstring), while writers may go on pushing. ``path`` is created (mode 0700) if it
     does not exist; an existing one must be a directory of this user, not a symbolic link, and may
     hold a save only with ``overwrite=True`` (it is replaced). The files are created afresh (never
     through a link), mode 0600 whatever the umask, and renamed into place. ``progress``: True for a
-    progress line on stderr, or a callable ``(done_bytes, total_bytes)`` called after each piece.
+    progress line on stderr, False for none, or a callable ``(done_bytes, total_bytes)`` called after
+    each piece; by default a line on a terminal once the save has run for two seconds.
     ``wait``: seconds to wait for rows being written when the save starts. Returns a summary: path,
     rows (saved), holes (empty rows kept as holes), bytes, seconds, dropped (rows within the bounds
     at the start that were neither saved nor holes), moved (whether the tensors had to be moved
@@ -1087,7 +1082,8 @@ def _v1(folder: Path, meta: dict[str, Any], factory: Callable[..., Buffer], *, n
             kwargs.update(opts.frames.arguments())
         buf = factory(schema, cap, **kwargs, name=name, seed=seed)
         try:
-            _fill(buf, fd, rows_file, data_start, entries, tensors, lanes)
+            with Line(f"loading {folder}", sum(stop - first for first, stop, _ in lanes)) as line:
+                _fill(buf, fd, rows_file, data_start, entries, tensors, lanes, line)
             arrays = _arrays(buf)
             if saved.max_priority is not None:
                 arrays["_prio"][0] = saved.max_priority
@@ -1107,7 +1103,7 @@ def _v1(folder: Path, meta: dict[str, Any], factory: Callable[..., Buffer], *, n
 
 
 def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, _Entry],
-          tensors: list[_Tensor], lanes: list[tuple[int, int, int]]) -> None:
+          tensors: list[_Tensor], lanes: list[tuple[int, int, int]], line: Line) -> None:
     """Read the rows into the new buffer's slots, with their stamps, a chunk at a time; a hole's
     slot stays empty (stamp 0, leaf 0)."""
     arrays = _arrays(buf)
@@ -1159,6 +1155,7 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
             stamps = 2 * np.arange(n0, n1, dtype=np.int64) + 2
             stamps[~present] = 0
             arrays["_stamp"][sl] = stamps
+            line.update(pos + n1 - first)
             n0 = n1
         pos += stop - first
 
@@ -1336,7 +1333,9 @@ def from_arrays(
         per = buf.lane_capacity if buf.options.frames is None else max(1, buf.lane_capacity // 2)
         step = per * (envs if spread else 1)  # with envs: whole steps, a lane's capacity each
         single = k == 1 and all(np.ndim(a) == len(schema[n].shape) for n, a in data.items())
+        line = Line(f"from_arrays into {buf.name!r}", k)
         for i in range(0, k, step):
+            line.update(i)
             part = slice(i, i + step)
             both: dict[str, Any] = {**data, **extra}
             cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
@@ -1345,6 +1344,8 @@ def from_arrays(
                            episode=cut.get("episode"), priority=cut.get("priority"), resume=True)
             if uses is not None:
                 set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
+        line.update(k)
+        line.close()
     except BaseException:
         buf.__exit__(None, None, None)
         raise

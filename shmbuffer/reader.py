@@ -465,6 +465,12 @@ def assemble(block: Block, ids: np.ndarray, rows: Rows, extras: dict[str, np.nda
                  lead=lead if windows else None)
 
 
+def _too_few(name: str, n: int, held: int) -> str:
+    return (f"sample({n}, replace=False): buffer {name!r} holds only {held} row{'' if held == 1 else 's'}; "
+            f"sample at most {held} distinct rows, draw with repeats (replace=True, the default), "
+            "or wait until writers have pushed more")
+
+
 # -- reads a buffer serves with these ------------------------------------------------------------
 def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray] | None = None, calls: int = 0) -> Batch:
     """``n`` rows drawn by ``src``'s sampler and read intact; what the reader refuses is drawn
@@ -472,7 +478,7 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
     ring, prios, sampler = src.ring, src.priorities, src.options.sampler
     tree = prios.tree if prios is not None else None
     if not replace and n > len(ring):
-        raise EmptyBufferError(f"sample({n}, replace=False): buffer {src.name!r} holds only {len(ring)} rows")
+        raise EmptyBufferError(_too_few(src.name, n, len(ring)))
     counting = prios is not None and prios.uses is not None
     block = src.block
     # a few rows of a frames buffer are not transitions (end rows, a lane's newest): draw a few
@@ -541,7 +547,7 @@ def _nothing_to_draw(src: Source, n: int, *, final: bool) -> None:
                else "has priority 0 (a prioritized buffer with eps=0 draws no row of priority 0)")
         raise EmptyBufferError(f"sample({n}): every row of buffer {src.name!r} {why}")
     if final:
-        raise EmptyBufferError(f"sample({n}, replace=False): buffer {src.name!r} holds only {len(src.ring)} rows")
+        raise EmptyBufferError(_too_few(src.name, n, len(src.ring)))
 
 
 def claim(src: Source, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
@@ -564,6 +570,9 @@ def epoch(src: Source, batch_size: int, *, shuffle: bool, drop_last: bool) -> It
     ring, prios = src.ring, src.priorities
     counting = prios is not None and prios.uses is not None
     ids = ring.held_ids()
+    if not ids.size:  # a loop over nothing would look like a learner that learns nothing
+        raise EmptyBufferError(f"epoch({batch_size}): buffer {src.name!r} is empty; push rows first "
+                               "(with collectors, collector.warm(rows) waits for them)")
     if counting:
         assert prios is not None
         ids = ids[prios.tree.leaves[ring.slots(ids)] > 0]

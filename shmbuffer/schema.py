@@ -260,8 +260,8 @@ class Schema:
                 one, k = False, got[0]
             else:
                 raise FieldError(
-                    f"field {name!r}: expected shape {shape} (one row) or (k, "
-                    f"{', '.join(map(str, shape))}{',' if len(shape) == 1 else ''}) (k rows) of "
+                    f"field {name!r}: expected shape {shape} (one row) or "
+                    f"({', '.join(map(str, ('k', *shape)))}{',' if not shape else ''}) (k rows) of "
                     f"{dtype}, got {a.shape} {a.dtype}"
                 )
             if rows < 0:

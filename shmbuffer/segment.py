@@ -311,9 +311,23 @@ def read_data(header: Header, offset: int, n: int) -> bytes:
 
 
 def _not_found(name: str) -> str:
-    live = list_names()
+    live = mine(list_names())  # other users' buffers are no business of this user
     listing = ", ".join(live[:10]) + (" ..." if len(live) > 10 else "") if live else "none"
-    return f"no buffer named {name!r} ({path_of(name)} does not exist); buffers here: {listing}"
+    return (f"no buffer named {name!r} ({path_of(name)} does not exist); yours here: {listing}. "
+            "`shmbuffer ls` lists them with their rows and creators; check the name (or pass buf.handle), "
+            "and that the creator still runs: a buffer goes when its creator closes it or exits")
+
+
+def mine(names: list[str]) -> list[str]:
+    """Those of ``names`` whose file belongs to this process's user."""
+    uid, out = os.geteuid(), []
+    for name in names:
+        try:
+            if os.lstat(path_of(name)).st_uid == uid:
+                out.append(name)
+        except OSError:  # gone meanwhile
+            pass
+    return out
 
 
 def unfinished_creator(name: str) -> tuple[int, float] | None:

@@ -25,7 +25,8 @@ def test_readme_quick_start_runs() -> None:
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
     assert blocks, "README.md has no python block"
-    run(["-c", blocks[0]])
+    out = run(["-c", blocks[0]]).stdout
+    assert re.fullmatch(r"9 rows; a batch of 256, obs \(256, 4\) on (cpu|cuda:0)\n", out), out
 
 
 TEST_COMMAND = ('python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 && '
@@ -47,18 +48,41 @@ def test_readme_commands_are_the_ci_commands() -> None:
     assert DEMO_COMMAND in blocks and TEST_COMMAND in blocks
 
 
-EXAMPLES = {
+EXAMPLES = {  # tiny sizes; --target 0: a run this short learns nothing, and says so in its exit status
     "quickstart.py": ["--capacity", "1000", "--seconds", "1"],
-    "r2d2.py": ["--updates", "20", "--capacity", "4000"],
-    "ppg_buffers.py": ["--iterations", "2", "--aux-every", "2", "--rollout", "32"],
-    "expert_mix.py": ["--demos", "2", "--updates", "50"],
+    "r2d2.py": ["--updates", "20", "--capacity", "4000", "--learning-starts", "200", "--target", "0"],
+    "ppg_buffers.py": ["--iterations", "2", "--aux-every", "2", "--rollout", "32", "--target", "0"],
+    "expert_mix.py": ["--demos", "2", "--updates", "50", "--target", "0"],
+}
+RESULT = {  # the one line each example ends with
+    "quickstart.py": r"OK: 2 workers pushed [\d,]+ rows \([\d,]+ rows/s\) in [\d.]+ s; the learner sampled [\d,]+ batches",
+    "r2d2.py": r"LEARNED: mean return of the last 20 episodes [\d.]+ \(the first 20: [\d.]+; target 0\), 20 updates",
+    "ppg_buffers.py": r"LEARNING: mean episode return [\d.]+ in iteration 1, [\d.]+ in iteration 2 \(target 0\)",
+    "expert_mix.py": r"IMITATED: greedy return [\d.]+ over 5 episodes after 50 updates \(target 0;",
 }
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES))
 def test_example_runs(example: str) -> None:
     out = run([str(ROOT / "examples" / example), *EXAMPLES[example]])
-    assert out.stdout.strip()
+    assert re.match(RESULT[example], out.stdout.strip().splitlines()[-1]), out.stdout
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+def test_example_flags_say_their_defaults(example: str) -> None:
+    text = run([str(ROOT / "examples" / example), "--help"]).stdout
+    flags = re.findall(r"^  (--[a-z-]+)", text, flags=re.M)
+    defaults = re.findall(r"\(default:\s", text)  # argparse may wrap the line inside it
+    assert len(flags) >= 3 and len(defaults) == len(flags), text  # every flag: help and its default
+    assert re.search(r"What a run at the\s+defaults show", text)  # what it prints, in its docstring
+
+
+def test_an_example_that_falls_short_exits_non_zero() -> None:
+    env = {**os.environ, "PYTHONWARNINGS": "error", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "ppg_buffers.py"), "--iterations", "1",
+                          "--rollout", "16", "--target", "1000"], capture_output=True, text=True, timeout=240,
+                         env=env, cwd=ROOT)
+    assert out.returncode == 1 and out.stdout.strip().splitlines()[-1].startswith("NOT LEARNING:"), out.stdout + out.stderr
 
 
 ELSEWHERE = {"atari.py": "test_atari_example.py", "ray_cluster.py": "test_ray.py"}

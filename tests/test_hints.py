@@ -1,0 +1,211 @@
+"""Errors that point the way: other libraries' names end in an error naming ours (``hints.py``),
+and the errors of a first hour say what to do."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import shmbuffer as sb
+from shmbuffer import demo, hints, segment
+
+from .conftest import MUJOCO, transition
+
+Make = Callable[..., sb.ReplayBuffer]
+ROOT = Path(__file__).resolve().parent.parent
+NAMES = (ROOT / "docs" / "names.md").read_text()
+CODE = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", NAMES, flags=re.S))  # inline code, outside blocks
+
+
+@pytest.mark.parametrize("table", ["METHODS", "KEYWORDS", "KEYS"])
+def test_every_hint_is_a_name_docs_names_md_gives(table: str) -> None:
+    """The table is docs/names.md's, not a second opinion: each name it knows is written there in code."""
+    missing = [n for n in getattr(hints, table) if not any(re.search(rf"\b{re.escape(n)}\b", c) for c in CODE)]
+    assert not missing, f"hints.{table} names absent from docs/names.md: {missing}"
+
+
+def test_no_hint_hides_a_real_attribute() -> None:
+    real = [n for n in hints.METHODS if hasattr(sb.ReplayBuffer, n)]
+    assert not real, f"hints for attributes ReplayBuffer has: {real}"
+
+
+@pytest.mark.parametrize(("attr", "ours"), [
+    ("get_stored_size", "len(buf) or buf.size"),
+    ("get_buffer_size", "buf.capacity"),
+    ("extend", "push(...) with a leading dimension"),
+    ("update_priority", "update_priorities("),
+    ("destroy", "unlink()"),
+])
+def test_another_librarys_method_names_ours(make: Make, name: str, attr: str, ours: str) -> None:
+    buf = make(MUJOCO, capacity=10, name=name)
+    with pytest.raises(sb.UnknownName) as info:
+        getattr(buf, attr)
+    assert isinstance(info.value, AttributeError) and info.value.name == attr
+    message = str(info.value)
+    assert ours in message and "docs/names.md" in message and f"'{attr}'" in message
+    assert not hasattr(buf, attr)
+
+
+def test_an_unknown_attribute_stays_a_plain_attribute_error(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=10, name=name)
+    with pytest.raises(AttributeError, match="has no attribute 'frobnicate'") as info:
+        buf.frobnicate  # noqa: B018
+    assert type(info.value) is AttributeError
+    again = pickle.loads(pickle.dumps(buf))  # pickling probes for attributes: still works
+    try:
+        assert again.name == name and len(again) == 0
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize(("kw", "pointer"), [
+    ({"beta": 0.5}, "Prioritized(beta=...)"),
+    ({"env": None}, "shmbuffer.sb3.ReplayBuffer"),
+    ({"batch_size": 32}, "sample(n)"),
+    ({"return_info": True}, "batch.weight"),
+])
+def test_another_librarys_sample_keyword_names_ours(make: Make, name: str, kw: dict[str, object], pointer: str) -> None:
+    buf = make(MUJOCO, capacity=10, name=name, sampler=sb.Prioritized())
+    buf.push(transition(0, 4))
+    with pytest.raises(sb.UnknownKeyword) as info:
+        buf.sample(32, **kw)
+    assert isinstance(info.value, TypeError)
+    message = str(info.value)
+    assert message.startswith(f"sample() takes no {next(iter(kw))!r}") and pointer in message
+    assert "docs/names.md" in message
+    assert buf.stats["sampled"] == 0  # refused before anything was drawn
+
+
+def test_an_unknown_sample_keyword_is_a_type_error(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=10, name=name)
+    buf.push(transition(0, 4))
+    with pytest.raises(TypeError, match=r"sample\(\) got an unexpected keyword argument 'bogus'; see help\(sample\)"):
+        buf.sample(2, bogus=1)
+
+
+def test_another_librarys_constructor_keyword_names_ours(name: str) -> None:
+    with pytest.raises(sb.UnknownKeyword, match=r"ReplayBuffer\(\) takes no 'device' .*Loader\(buf, batch_size, device"):
+        sb.ReplayBuffer(MUJOCO, 10, name=name, device="cpu")
+    with pytest.raises(sb.UnknownKeyword, match=r"takes no 'Nstep' .*n_step=3"):
+        sb.ReplayBuffer(MUJOCO, 10, name=name, Nstep={"size": 3})
+    assert not os.path.exists(segment.path_of(name))  # refused before the block was made
+
+
+def test_another_librarys_batch_key_names_ours(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=10, name=name, sampler=sb.Prioritized())
+    buf.push(transition(0, 4))
+    batch = buf.sample(3)
+    with pytest.raises(sb.UnknownKey) as info:
+        batch["weights"]
+    assert isinstance(info.value, KeyError)
+    message = str(info.value)
+    assert not message.startswith("'")  # KeyError would quote the whole sentence
+    assert "batch has no field 'weights'" in message and "here: batch.weight" in message and "cpprb" in message
+    with pytest.raises(sb.UnknownName, match=r"'observations' is Stable-Baselines3's name, here: the names of your"):
+        batch.observations  # noqa: B018
+    with pytest.raises(KeyError, match=r"batch has no field 'nope': fields obs, .*extras index, weight$"):
+        batch["nope"]
+    with pytest.raises(AttributeError) as plain:
+        batch.nope  # noqa: B018
+    assert type(plain.value) is AttributeError
+
+
+# -- the messages of a first hour ------------------------------------------------------------------
+def test_closed_error_says_attach_again(name: str) -> None:
+    buf = sb.ReplayBuffer(MUJOCO, 10, name=name)
+    buf.close()
+    try:
+        with pytest.raises(sb.ClosedError, match=rf"closed in this process; attach it again with "
+                                                 rf"ReplayBuffer.attach\('{name}'\)"):
+            buf.sample(1)
+    finally:
+        buf.unlink()
+
+
+def test_segment_not_found_points_to_shmbuffer_ls(name: str) -> None:
+    with pytest.raises(sb.SegmentNotFound, match=r"no buffer named .*; yours here: .*`shmbuffer ls` lists them"):
+        sb.ReplayBuffer.attach(name)
+
+
+def test_too_few_rows_for_distinct_rows_says_what_to_do(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=10, name=name)
+    buf.push(transition(0))
+    with pytest.raises(sb.EmptyBufferError, match=r"holds only 1 row; sample at most 1 distinct rows, .*replace=True"):
+        buf.sample(2, replace=False)
+
+
+def test_wrong_shape_names_both_shapes_plainly(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=10, name=name)
+    row = transition(0)
+    with pytest.raises(sb.FieldError, match=r"field 'obs': expected shape \(17,\) \(one row\) or \(k, 17\) \(k rows\)"):
+        buf.push({**row, "obs": np.zeros(4, np.float32)})
+    with pytest.raises(sb.FieldError, match=r"field 'reward': expected shape \(\) \(one row\) or \(k,\) \(k rows\)"):
+        buf.push({**row, "reward": np.zeros((2, 2), np.float32)})
+
+
+def test_epoch_of_an_empty_buffer_says_so(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=10, name=name)
+    with pytest.raises(sb.EmptyBufferError, match=r"epoch\(32\): buffer .* is empty; push rows first"):
+        next(buf.epoch(32))
+
+
+def test_demo_line_shows_no_nan_before_the_first_evaluation(make: Make, name: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    buf = make(MUJOCO, capacity=10, name=name)
+    demo._line(1.0, {"env_steps": 10, "recent_return": float("nan")}, buf, 0, [])
+    demo._line(2.0, {"env_steps": 20, "recent_return": 12.5}, buf, 5, [30.0])
+    first, second = capsys.readouterr().out.splitlines()
+    assert "nan" not in first and first.endswith("return      -  eval      -")
+    assert second.endswith("return   12.5  eval   30.0")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another user needs root")
+def test_ls_and_not_found_keep_to_your_buffers(make: Make, name: str) -> None:
+    theirs = f"{name}-theirs"
+    path = segment.path_of(theirs)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.close(fd)
+    try:
+        os.chown(path, 54321, 54321)
+        make(MUJOCO, capacity=10, name=name)
+        env = {**os.environ, "PYTHONWARNINGS": "error", "PYTHONPATH": str(ROOT)}
+
+        def ls(*args: str) -> str:
+            out = subprocess.run([sys.executable, "-m", "shmbuffer.cli", "ls", *args], capture_output=True,
+                                 text=True, timeout=60, env=env, cwd=ROOT)
+            assert out.returncode == 0, out.stderr
+            return out.stdout
+
+        assert name in ls() and theirs not in ls()
+        assert name in ls("--all") and theirs in ls("--all")
+        with pytest.raises(sb.SegmentNotFound) as info:
+            sb.ReplayBuffer.attach(f"{name}-missing")
+        assert name in str(info.value) and theirs not in str(info.value)
+    finally:
+        os.unlink(path)
+
+
+def test_ls_lists_only_your_buffers_unless_all(make: Make, name: str, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Seen by another user (a faked uid: runs without root), this process's buffer is theirs."""
+    import json
+
+    from shmbuffer import cli
+
+    make(MUJOCO, capacity=10, name=name)
+    assert cli.main(["ls", "--json"]) == 0
+    assert name in [e["name"] for e in json.loads(capsys.readouterr().out)]
+    monkeypatch.setattr(segment.os, "geteuid", lambda: os.getuid() + 4242)
+    assert cli.main(["ls", "--json"]) == 0
+    assert name not in [e["name"] for e in json.loads(capsys.readouterr().out)]
+    assert cli.main(["ls", "--all", "--json"]) == 0
+    theirs = next(e for e in json.loads(capsys.readouterr().out) if e["name"] == name)
+    assert "not to this process's user" in theirs["error"]  # listed, never read
