@@ -392,7 +392,7 @@ class _Shared:
               infos: list[dict[str, Any]]) -> None:
         n = self.n_envs
         if self.handle_timeout_termination:
-            timeout = np.array([info.get("TimeLimit.truncated", False) for info in infos], np.float32)
+            timeout = np.array([info.get("TimeLimit.truncated", False) for info in infos], np.float32).reshape(n)
         else:
             timeout = np.zeros(n, np.float32)
         rows = {**obs, "action": np.asarray(action).reshape(n, self.action_dim),
