@@ -1,4 +1,4 @@
-"""Stable-Baselines3 replay buffers whose rows live in a shmbuffer (``pip install 'shmbuffer[sb3]'``).
+"""Stable-Baselines3 replay buffers whose rows live in a shmbuffer (``pip install -e ".[sb3]"`` from a clone).
 
 ::
 
@@ -18,10 +18,18 @@ of time-limit ends, a ``VecNormalize`` passed as ``env`` normalizes observations
 given the same adds and the same ``np.random`` state, they return the same transitions as SB3's.
 
 The rows are a shmbuffer made with ``envs=n_envs`` (one lane per env): SB3's position ``p`` of env
-``e`` is the newest row of lane ``e`` in its slot ``p``; ``pos`` and ``full`` are read from the
-shared ring, so rows pushed by other processes count. Samples are stamped copies: a row that a
-writer elsewhere is writing or overwriting is never returned torn (the rows at the drawn positions
-are read again, for up to ``WAIT`` seconds).
+``e`` is the newest row of lane ``e`` in its slot ``p``; ``pos`` (the least filled lane's next slot)
+and ``full`` are read from the shared ring, so rows pushed by other processes count. ``full`` can be
+set as in SB3; ``pos`` only to its own value (the lanes' cursors are shared). Samples are stamped
+copies: a row that a writer elsewhere is writing or overwriting is never returned torn (the rows at
+the drawn positions are read again, for up to ``WAIT`` seconds).
+
+SB3's arrays (``observations``, ``next_observations``, ``actions``, ``rewards``, ``dones``,
+``timeouts``; ``(buffer_size, n_envs, *shape)`` in SB3's dtypes) are read-only views of the shared
+columns. Item assignment on them (SB3's ``dones[pos] = True``) rewrites each touched row with
+``buffer.update``: a reader anywhere sees the row as it was or as it is after, never half of it (its
+stamp is odd while it changes and the update count moves, ``edits.py``). A row overwritten meanwhile
+keeps what its writer pushed; a position holding no row takes the values, as SB3's array would.
 
 ``optimize_memory_usage=True`` (``ReplayBuffer`` only, as in SB3) stores each observation once:
 the shared buffer is made with ``next_of="obs"`` (``frames.py``), so ``next_obs`` of a step is read
@@ -31,10 +39,16 @@ observation as the final one (``handle_timeout_termination`` cannot be combined 
 ``replay_buffer_kwargs={"stack": "obs"}`` also stores one frame of a stacked observation a row
 (``VecFrameStack``: ``{"obs": (4, -1)}`` for channels last). Sampling then draws uniformly over the
 whole transitions held (``buffer.sample``, seeded from ``np.random`` when the buffer is made), not
-by SB3's positions; ``size()`` counts whole transitions per env.
+by SB3's positions; ``size()`` counts whole transitions per env. The arrays are then copies whose
+rows include end rows, and position ``pos - 1 - j`` of env ``e`` is lane ``e``'s ``j``-th newest row
+(end rows make the cursors differ), so SB3's truncation before a second ``learn()``
+(``dones[pos - 1] = True``) ends every env's episode in its lane: the buffer keeps episode ids, and
+the env's next add starts a new one (the cut step is never sampled).
 
-Pickling (``save_replay_buffer``) stores the rows and settings; unpickling makes a new shared
-buffer holding them, owned by the loading process.
+Pickling (``save_replay_buffer``, ``deepcopy``) stores the rows with their ids and the settings;
+unpickling makes a new shared buffer holding them at the same positions (the same arrays, ``pos``
+and ``full``; with ``optimize_memory_usage`` the rows only, oldest first), owned by the loading
+process. Where these differ from SB3 and why: ``docs/names.md``.
 """
 
 from __future__ import annotations
@@ -321,35 +335,35 @@ class _Shared:
         self._column(field)[...] = value
 
     @property
-    def actions(self) -> _Column:
+    def actions(self) -> np.ndarray:
         return self._column("action")
 
     @actions.setter
-    def actions(self, value: Any) -> None:
+    def actions(self, value: np.ndarray) -> None:
         self._set_column("action", value)
 
     @property
-    def rewards(self) -> _Column:
+    def rewards(self) -> np.ndarray:
         return self._column("reward")
 
     @rewards.setter
-    def rewards(self, value: Any) -> None:
+    def rewards(self, value: np.ndarray) -> None:
         self._set_column("reward", value)
 
     @property
-    def dones(self) -> _Column:
+    def dones(self) -> np.ndarray:
         return self._column("done")
 
     @dones.setter
-    def dones(self, value: Any) -> None:
+    def dones(self, value: np.ndarray) -> None:
         self._set_column("done", value)
 
     @property
-    def timeouts(self) -> _Column:
+    def timeouts(self) -> np.ndarray:
         return self._column("timeouts")
 
     @timeouts.setter
-    def timeouts(self, value: Any) -> None:
+    def timeouts(self, value: np.ndarray) -> None:
         self._set_column("timeouts", value)
 
     def ids(self, batch_inds: np.ndarray, env_indices: np.ndarray) -> np.ndarray:
@@ -485,23 +499,23 @@ class ReplayBuffer(_Shared, sb3_buffers.ReplayBuffer):
         return {"obs": (shape, dtype), "next_obs": (shape, dtype)}
 
     @property
-    def observations(self) -> _Column:
+    def observations(self) -> np.ndarray:
         if self._settings["stack"] is not None:
             raise FieldError("observations: with stack= the buffer stores one frame of each stacked observation a "
                              "row, so there is no array of whole observations; read rows with sample() or buffer.get()")
         return self._column("obs")
 
     @observations.setter
-    def observations(self, value: Any) -> None:
+    def observations(self, value: np.ndarray) -> None:
         self.observations[...] = value
 
     @property
-    def next_observations(self) -> _Column | None:
+    def next_observations(self) -> Any:  # SB3's attribute is None with optimize_memory_usage too
         """SB3's array; ``None`` with ``optimize_memory_usage`` (as SB3's: read from ``observations``)."""
         return None if self.optimize_memory_usage else self._column("next_obs")
 
     @next_observations.setter
-    def next_observations(self, value: Any) -> None:
+    def next_observations(self, value: np.ndarray) -> None:
         if self.optimize_memory_usage:
             raise FieldError("next_observations: with optimize_memory_usage=True next observations are read from "
                              "the next step's observation and cannot be written")
@@ -647,21 +661,21 @@ class DictReplayBuffer(_Shared, sb3_buffers.DictReplayBuffer):
             out[f"next_obs_{_key(key)}"] = spec
         return out
 
-    @property
-    def observations(self) -> dict[str, _Column]:  # type: ignore[override]
+    @property  # type: ignore[override]
+    def observations(self) -> dict[str, np.ndarray]:
         return {k: self._column(f"obs_{_key(k)}") for k in self.observation_space.spaces}
 
     @observations.setter
-    def observations(self, value: dict[str, Any]) -> None:
+    def observations(self, value: dict[str, np.ndarray]) -> None:
         for k, v in value.items():
             self._set_column(f"obs_{_key(k)}", v)
 
-    @property
-    def next_observations(self) -> dict[str, _Column]:  # type: ignore[override]
+    @property  # type: ignore[override]
+    def next_observations(self) -> dict[str, np.ndarray]:
         return {k: self._column(f"next_obs_{_key(k)}") for k in self.observation_space.spaces}
 
     @next_observations.setter
-    def next_observations(self, value: dict[str, Any]) -> None:
+    def next_observations(self, value: dict[str, np.ndarray]) -> None:
         for k, v in value.items():
             self._set_column(f"next_obs_{_key(k)}", v)
 
