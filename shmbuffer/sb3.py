@@ -56,6 +56,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -105,22 +106,21 @@ class _Column(np.ndarray):
     (``rb.dones[pos] = True``) goes through ``_Shared._write`` and the commit protocol. Arrays made
     from it (slices, copies, arithmetic) are plain arrays: slices read-only views, the rest copies."""
 
-    _owner: Any = None
-    _field = ""
+    write: Callable[[Any, Any], None] | None = None
+    """``write(key, value)``: the owner's ``_write`` of this field; ``None`` on derived arrays"""
 
     def __array_finalize__(self, obj: Any) -> None:
-        self._owner = None  # only the column itself writes through the protocol
-        self._field = ""
+        self.write = None  # only the column itself writes through the protocol
 
     def __getitem__(self, key: Any) -> Any:
         out = super().__getitem__(key)
         return out.view(np.ndarray) if isinstance(out, np.ndarray) else out
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if self._owner is None:
+        if self.write is None:
             super().__setitem__(key, value)
         else:
-            self._owner._write(self._field, key, value)
+            self.write(key, value)
 
     def __reduce__(self) -> Any:  # a pickled or deep-copied column is its values
         return np.array, (np.asarray(self.view(np.ndarray)),)
@@ -282,7 +282,7 @@ class _Shared:
             st = raw.strides
             col = np.lib.stride_tricks.as_strided(raw, (bs, n, *raw.shape[1:]), (st[0], bs * st[0], *st[1:]),
                                                   writeable=False).view(_Column)
-        col._owner, col._field = self, field
+        col.write = partial(self._write, field)
         return col
 
     def _write(self, field: str, key: Any, value: Any) -> None:
