@@ -103,8 +103,9 @@ def _key(name: str) -> str:
 class _Column(np.ndarray):
     """One shared field as SB3's array, ``(buffer_size, n_envs, *shape)``: a live, read-only view
     of the column (position ``p`` of env ``e`` is slot ``p`` of lane ``e``). Item assignment
-    (``rb.dones[pos] = True``) goes through ``_Shared._write`` and the commit protocol. Arrays made
-    from it (slices, copies, arithmetic) are plain arrays: slices read-only views, the rest copies."""
+    (``rb.dones[pos] = True``) goes through ``_Shared._write`` and the commit protocol. Slices of it
+    are read-only plain arrays; copies and arithmetic results own their data and write as plain
+    arrays do."""
 
     write: Callable[[Any, Any], None] | None = None
     """``write(key, value)``: the owner's ``_write`` of this field; ``None`` on derived arrays"""
