@@ -1,4 +1,4 @@
-"""Stable-Baselines3 replay buffers whose rows live in a shmbuffer (``pip install 'shmbuffer[sb3]'``).
+"""Stable-Baselines3 replay buffers whose rows live in a shmbuffer (``pip install -e ".[sb3]"`` from a clone).
 
 ::
 
@@ -18,10 +18,18 @@ of time-limit ends, a ``VecNormalize`` passed as ``env`` normalizes observations
 given the same adds and the same ``np.random`` state, they return the same transitions as SB3's.
 
 The rows are a shmbuffer made with ``envs=n_envs`` (one lane per env): SB3's position ``p`` of env
-``e`` is the newest row of lane ``e`` in its slot ``p``; ``pos`` and ``full`` are read from the
-shared ring, so rows pushed by other processes count. Samples are stamped copies: a row that a
-writer elsewhere is writing or overwriting is never returned torn (the rows at the drawn positions
-are read again, for up to ``WAIT`` seconds).
+``e`` is the newest row of lane ``e`` in its slot ``p``; ``pos`` (the least filled lane's next slot)
+and ``full`` are read from the shared ring, so rows pushed by other processes count. ``full`` can be
+set as in SB3; ``pos`` only to its own value (the lanes' cursors are shared). Samples are stamped
+copies: a row that a writer elsewhere is writing or overwriting is never returned torn (the rows at
+the drawn positions are read again, for up to ``WAIT`` seconds).
+
+SB3's arrays (``observations``, ``next_observations``, ``actions``, ``rewards``, ``dones``,
+``timeouts``; ``(buffer_size, n_envs, *shape)`` in SB3's dtypes) are read-only views of the shared
+columns. Item assignment on them (SB3's ``dones[pos] = True``) rewrites each touched row with
+``buffer.update``: a reader anywhere sees the row as it was or as it is after, never half of it (its
+stamp is odd while it changes and the update count moves, ``edits.py``). A row overwritten meanwhile
+keeps what its writer pushed; a position holding no row takes the values, as SB3's array would.
 
 ``optimize_memory_usage=True`` (``ReplayBuffer`` only, as in SB3) stores each observation once:
 the shared buffer is made with ``next_of="obs"`` (``frames.py``), so ``next_obs`` of a step is read
@@ -31,10 +39,16 @@ observation as the final one (``handle_timeout_termination`` cannot be combined 
 ``replay_buffer_kwargs={"stack": "obs"}`` also stores one frame of a stacked observation a row
 (``VecFrameStack``: ``{"obs": (4, -1)}`` for channels last). Sampling then draws uniformly over the
 whole transitions held (``buffer.sample``, seeded from ``np.random`` when the buffer is made), not
-by SB3's positions; ``size()`` counts whole transitions per env.
+by SB3's positions; ``size()`` counts whole transitions per env. The arrays are then copies whose
+rows include end rows, and position ``pos - 1 - j`` of env ``e`` is lane ``e``'s ``j``-th newest row
+(end rows make the cursors differ), so SB3's truncation before a second ``learn()``
+(``dones[pos - 1] = True``) ends every env's episode in its lane: the buffer keeps episode ids, and
+the env's next add starts a new one (the cut step is never sampled).
 
-Pickling (``save_replay_buffer``) stores the rows and settings; unpickling makes a new shared
-buffer holding them, owned by the loading process.
+Pickling (``save_replay_buffer``, ``deepcopy``) stores the rows with their ids and the settings;
+unpickling makes a new shared buffer holding them at the same positions (the same arrays, ``pos``
+and ``full``; with ``optimize_memory_usage`` the rows only, oldest first), owned by the loading
+process. Where these differ from SB3 and why: ``docs/names.md``.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -52,7 +67,8 @@ from stable_baselines3.common.type_aliases import DictReplayBufferSamples, Repla
 from stable_baselines3.common.utils import get_device
 
 from .buffer import ReplayBuffer as SharedBuffer
-from .errors import EmptyBufferError
+from .errors import EmptyBufferError, FieldError
+from .ring import INVALID
 from .schema import Schema
 
 __all__ = ["DictReplayBuffer", "NStepReplayBuffer", "ReplayBuffer"]
@@ -84,8 +100,36 @@ def _key(name: str) -> str:
     return re.sub(r"\W", "_", str(name)) or "key"
 
 
+class _Column(np.ndarray):
+    """One shared field as SB3's array, ``(buffer_size, n_envs, *shape)``: a live, read-only view
+    of the column (position ``p`` of env ``e`` is slot ``p`` of lane ``e``). Item assignment
+    (``rb.dones[pos] = True``) goes through ``_Shared._write`` and the commit protocol. Slices of it
+    are read-only plain arrays; copies and arithmetic results own their data and write as plain
+    arrays do."""
+
+    write: Callable[[Any, Any], None] | None = None
+    """``write(key, value)``: the owner's ``_write`` of this field; ``None`` on derived arrays"""
+
+    def __array_finalize__(self, obj: Any) -> None:
+        self.write = None  # only the column itself writes through the protocol
+
+    def __getitem__(self, key: Any) -> Any:
+        out = super().__getitem__(key)
+        return out.view(np.ndarray) if isinstance(out, np.ndarray) else out
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if self.write is None:
+            super().__setitem__(key, value)
+        else:
+            self.write(key, value)
+
+    def __reduce__(self) -> Any:  # a pickled or deep-copied column is its values
+        return np.array, (np.asarray(self.view(np.ndarray)),)
+
+
 class _Shared:
-    """What both buffers share: the shmbuffer, SB3's positions mapped onto its lanes, pickling."""
+    """What both buffers share: the shmbuffer, SB3's positions and arrays mapped onto its lanes,
+    pickling."""
 
     buffer: SharedBuffer
     buffer_size: int
@@ -97,11 +141,15 @@ class _Shared:
     obs_shape: Any
     action_dim: int
     device: Any
+    _full_set = False
+    """``full = True`` was set by hand: every position counts (SB3's ``full``)"""
+    _full_from = 0
+    """``full = False`` was set by hand: not full until the least filled lane's cursor reaches this"""
 
     def _init_shared(
         self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space, device: Any,
         n_envs: int, optimize_memory_usage: bool, handle_timeout_termination: bool, name: str | None,
-        stack: Any = None,
+        stack: Any = None, rows: dict[str, np.ndarray] | None = None,
     ) -> None:
         if stack is not None and not optimize_memory_usage:
             raise ValueError("stack: frames are stored once only with optimize_memory_usage=True")
@@ -121,10 +169,18 @@ class _Shared:
                           "action_space": action_space, "n_envs": n_envs,
                           "handle_timeout_termination": handle_timeout_termination,
                           "optimize_memory_usage": self.optimize_memory_usage, "stack": stack}
-        once: dict[str, Any] = {}
-        if self.optimize_memory_usage:  # SB3 seeds np.random before it makes the buffer: runs repeat
-            once = {"next_of": "obs", "stack": stack, "seed": int(np.random.randint(2**31 - 1))}
-        self.buffer = SharedBuffer(self._schema(), self.buffer_size * n_envs, envs=n_envs, name=name, **once)
+        capacity = self.buffer_size * n_envs
+        if self.optimize_memory_usage:
+            # SB3 seeds np.random before it makes the buffer: runs repeat. Episode ids let a
+            # position set done by hand (``dones[pos] = True``) end its lane's episode (_cut).
+            self._episode = np.arange(n_envs, dtype=np.int64)
+            self._cut = np.zeros(n_envs, bool)
+            self.buffer = SharedBuffer(self._schema(), capacity, envs=n_envs, name=name, next_of="obs", stack=stack,
+                                       episodes=True, seed=int(np.random.randint(2**31 - 1)))
+        elif rows is not None:  # unpickling: the rows keep their ids, so their slots and SB3's positions
+            self.buffer = SharedBuffer.from_arrays(self._schema(), rows, capacity, envs=n_envs, name=name)
+        else:
+            self.buffer = SharedBuffer(self._schema(), capacity, envs=n_envs, name=name)
 
     # -- the schema ------------------------------------------------------------------------------
     def _obs_fields(self) -> dict[str, tuple[Any, ...]]:
@@ -138,42 +194,59 @@ class _Shared:
                       reward=((), "float32"), done=((), "float32"), timeouts=((), "float32"))
 
     # -- SB3's positions on the shared lanes ------------------------------------------------------
-    def _rows(self) -> np.ndarray:
-        """Rows written per lane since the last clear (SB3's ``pos`` counts on past the end)."""
+    def _least(self) -> tuple[int, int]:
+        """The cursor of the least filled lane and the rows written to it since the last clear
+        (SB3's ``pos`` counts on past the end)."""
         ring = self.buffer.ring
+        lanes = np.arange(ring.lanes)
         stop = ring.bounds()[1]
-        return np.asarray(stop - ring.base(np.arange(ring.lanes)))
+        rows = stop - ring.base(lanes)
+        lane = int(np.argmin(rows))
+        return int(stop[lane]), int(rows[lane])
 
     @property
     def pos(self) -> int:
-        """The next position SB3 would write (of the least filled lane)."""
-        rows = int(self._rows().min())
-        return rows % self.buffer_size if rows >= self.buffer_size else rows
+        """The position SB3 writes next: the slot of the least filled lane's next row (a lane's
+        row ``n`` is in its slot ``n % buffer_size``; ``reset()`` starts every lane at slot 0)."""
+        return self._least()[0] % self.buffer_size
 
     @pos.setter
     def pos(self, value: int) -> None:
-        raise AttributeError("pos is read from the shared buffer; clear it with reset()")
+        if value != self.pos:
+            raise ValueError(
+                f"pos: the next row of each env goes to the next slot of its lane of the shared buffer "
+                f"(position {self.pos}); it cannot be moved to {value!r} (writers in other processes push "
+                "there too); reset() starts over at 0"
+            )
 
     @property
     def full(self) -> bool:
-        return bool(self._rows().min() >= self.buffer_size)
+        """SB3's ``full``: every env has written ``buffer_size`` rows since the last ``reset()``,
+        or ``full`` was set (``True``: every position counts; ``False``: until the next wrap)."""
+        cursor, rows = self._least()
+        return self._full_set or (rows >= self.buffer_size and cursor >= self._full_from)
 
     @full.setter
     def full(self, value: bool) -> None:
-        raise AttributeError("full is read from the shared buffer; clear it with reset()")
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"full: expected a bool, got {value!r}")
+        self._full_set = bool(value)
+        # False: positions count up to pos again until the least filled lane wraps once more
+        self._full_from = 0 if value else (self._least()[0] // self.buffer_size + 1) * self.buffer_size
 
     def size(self) -> int:
         return self._upper_bound()
 
     def _upper_bound(self) -> int:
-        """SB3's ``buffer_size if full else pos``, from one read of the lanes (with
-        ``optimize_memory_usage``: the whole transitions held, per env)."""
+        """SB3's ``buffer_size if full else pos`` (with ``optimize_memory_usage``: the whole
+        transitions held, per env)."""
         if self.optimize_memory_usage:
             return min(len(self.buffer) // self.n_envs, self.buffer_size)
-        return min(int(self._rows().min()), self.buffer_size)
+        return self.buffer_size if self.full else self.pos
 
     def reset(self) -> None:
         self.buffer.clear()
+        self._full_set, self._full_from = False, 0
 
     def close(self) -> None:
         """Close this process's view; the creator also removes the shared buffer (even when the
@@ -185,9 +258,119 @@ class _Shared:
             if owner:
                 self.buffer.unlink()
 
+    def _slots(self) -> np.ndarray:
+        """The slot of each SB3 position ``(buffer_size, n_envs)``: slot ``p`` of lane ``e``. With
+        ``optimize_memory_usage`` lanes also hold end rows, so their cursors differ: position
+        ``pos - 1 - j`` of env ``e`` is then the ``j``-th newest row of lane ``e`` (so
+        ``dones[pos - 1]`` is every env's newest row, as SB3 means it)."""
+        bs, n = self.buffer_size, self.n_envs
+        lane = np.arange(n) * bs
+        if not self.optimize_memory_usage:
+            return np.arange(bs)[:, None] + lane
+        stop = self.buffer.ring.bounds()[1]
+        back = (self.pos - 1 - np.arange(bs)) % bs  # how far position p is behind pos - 1
+        return (stop[None, :] - 1 - back[:, None]) % bs + lane
+
+    def _column(self, field: str) -> _Column:
+        """The field as SB3's array ``(buffer_size, n_envs, *shape)``: a view of the shared column
+        (a copy with ``optimize_memory_usage``, whose positions are not one stride apart)."""
+        raw = self.buffer.block.fields[field]
+        bs, n = self.buffer_size, self.n_envs
+        if self.optimize_memory_usage:
+            col = raw[self._slots()].view(_Column)
+            col.flags.writeable = False
+        else:
+            st = raw.strides
+            col = np.lib.stride_tricks.as_strided(raw, (bs, n, *raw.shape[1:]), (st[0], bs * st[0], *st[1:]),
+                                                  writeable=False).view(_Column)
+        col.write = partial(self._write, field)
+        return col
+
+    def _write(self, field: str, key: Any, value: Any) -> None:
+        """``array[key] = value`` on SB3's array of ``field``, through the commit protocol: the
+        rows it touches that hold a committed row are rewritten with ``buffer.update`` (a reader
+        sees each row as it was or as it is after, never half of it; a row overwritten meanwhile
+        keeps what its writer pushed); positions that hold no row (never written, or cleared)
+        take the values under the ring's lock unless a writer is filling them, as SB3's arrays
+        would (no reader reads them; the next row pushed there replaces them)."""
+        raw = self.buffer.block.fields[field]
+        inner = raw.shape[1:]
+        shape = (self.buffer_size, self.n_envs, *inner)
+        width = int(np.prod(inner, dtype=np.int64))
+        grid = self._slots().reshape(*shape[:2], *(1,) * len(inner))
+        try:
+            at = np.broadcast_to(grid, shape)[key]
+            off = np.broadcast_to(np.arange(width).reshape(1, 1, *inner), shape)[key]
+        except (IndexError, TypeError, ValueError) as e:
+            raise IndexError(f"{field}: index {key!r} does not fit SB3's array of shape {shape}: {e}") from None
+        try:
+            new = np.broadcast_to(np.asarray(value).astype(raw.dtype), np.shape(at))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{field}[{key!r}] = ...: expected values of shape {np.shape(at)} (or broadcastable) "
+                             f"castable to {raw.dtype}, got {np.shape(value)} {np.asarray(value).dtype}: {e}") from None
+        slots, which = np.unique(np.asarray(at).reshape(-1), return_inverse=True)
+        if not slots.size:
+            return
+        ring = self.buffer.ring
+        ids = ring.ids_of_slots(slots)  # first: a row overwritten after this is skipped by update
+        rows = raw[slots].reshape(slots.size, width).copy()
+        rows[which.reshape(-1), np.asarray(off).reshape(-1)] = new.reshape(-1)
+        rows = rows.reshape(slots.size, *inner)
+        live = ids != INVALID
+        if live.any():
+            self.buffer.update(ids[live], {field: rows[live]})
+        if not live.all():
+            free, values = slots[~live], rows[~live]
+            with ring.lock:  # no reservation meanwhile: a slot found free stays free while it is written
+                idle = ((ring.stamp[free] & 1) == 0) & (ring.ids_of_slots(free) == INVALID)
+                raw[free[idle]] = values[idle]
+        if self.optimize_memory_usage and field in ("done", "timeouts"):
+            # a lane's newest row set done by hand ends its episode: the env's next add starts one
+            stop = ring.bounds()[1]
+            newest = np.arange(self.n_envs) * self.buffer_size + (stop - 1) % self.buffer_size
+            ended = (self.buffer.block.fields["done"][newest] != 0) | (self.buffer.block.fields["timeouts"][newest] != 0)
+            self._cut |= ended & (stop > ring.base(np.arange(self.n_envs)))
+
+    def _set_column(self, field: str, value: Any) -> None:
+        """``rb.dones = array``: SB3 replaces the array; here its values are written into the column."""
+        self._column(field)[...] = value
+
+    @property
+    def actions(self) -> np.ndarray:
+        return self._column("action")
+
+    @actions.setter
+    def actions(self, value: np.ndarray) -> None:
+        self._set_column("action", value)
+
+    @property
+    def rewards(self) -> np.ndarray:
+        return self._column("reward")
+
+    @rewards.setter
+    def rewards(self, value: np.ndarray) -> None:
+        self._set_column("reward", value)
+
+    @property
+    def dones(self) -> np.ndarray:
+        return self._column("done")
+
+    @dones.setter
+    def dones(self, value: np.ndarray) -> None:
+        self._set_column("done", value)
+
+    @property
+    def timeouts(self) -> np.ndarray:
+        return self._column("timeouts")
+
+    @timeouts.setter
+    def timeouts(self, value: np.ndarray) -> None:
+        self._set_column("timeouts", value)
+
     def ids(self, batch_inds: np.ndarray, env_indices: np.ndarray) -> np.ndarray:
         """The shmbuffer row ids of SB3's positions ``batch_inds`` of envs ``env_indices``: the
-        newest row of lane ``env`` in slot ``pos``."""
+        newest row of lane ``env`` in slot ``pos`` (below the lane's first row where the lane has
+        not come to that slot since its last clear)."""
         ring = self.buffer.ring
         stop = ring.bounds()[1]
         lane = np.asarray(env_indices, np.int64)
@@ -195,59 +378,91 @@ class _Shared:
         row = last - (last - np.asarray(batch_inds, np.int64)) % ring.lane_capacity
         return row * ring.lanes + lane
 
-    def _take(self, batch_inds: np.ndarray, env_indices: np.ndarray) -> Any:
-        """Stamped copies of the rows at those positions, read again (up to ``WAIT`` seconds)
-        while a writer elsewhere is writing or overwriting one of them. SB3's ``pos`` counts the
-        rows being written, so the newest position can be one whose writer is between reserving
-        and committing it: a tight retry loop gave up on a writer descheduled there."""
-        return _waiting(lambda: self.buffer.take(self.ids(batch_inds, env_indices)), "rows at the drawn positions")
+    def _take(self, batch_inds: np.ndarray, env_indices: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows at those positions: stamped copies, read again (up to ``WAIT`` seconds) while
+        a writer elsewhere is writing or overwriting one of them. SB3's ``pos`` counts the rows
+        being written, so the newest position can be one whose writer is between reserving and
+        committing it: a tight retry loop gave up on a writer descheduled there. Positions no row
+        of the env has reached since the last clear (``full`` set by hand) read the arrays as
+        they are, as SB3 reads its arrays."""
+        ring = self.buffer.ring
+        ids = self.ids(batch_inds, env_indices)
+        lane = np.asarray(env_indices, np.int64)
+        empty = ids // ring.lanes < ring.base(lane)
+        out: dict[str, np.ndarray] = {}
+        if not empty.all():
+            batch = _waiting(lambda: self.buffer.take(ids[~empty]), "rows at the drawn positions")
+            for name in self.buffer.schema.names:
+                got = batch[name]
+                out[name] = np.empty((ids.size, *got.shape[1:]), got.dtype)
+                out[name][~empty] = got
+        if empty.any():
+            slots = ring.slots(ids[empty])
+            for name in self.buffer.schema.names:
+                raw = self.buffer.block.fields[name]
+                out.setdefault(name, np.empty((ids.size, *raw.shape[1:]), raw.dtype))[empty] = raw[slots]
+        return out
 
     def _push(self, obs: dict[str, np.ndarray], action: np.ndarray, reward: np.ndarray, done: np.ndarray,
               infos: list[dict[str, Any]]) -> None:
         n = self.n_envs
         if self.handle_timeout_termination:
-            timeout = np.array([info.get("TimeLimit.truncated", False) for info in infos], np.float32)
+            timeout = np.array([info.get("TimeLimit.truncated", False) for info in infos], np.float32).reshape(n)
         else:
             timeout = np.zeros(n, np.float32)
-        self.buffer.push({**obs, "action": np.asarray(action).reshape(n, self.action_dim),
-                          "reward": np.asarray(reward, np.float32).reshape(n),
-                          "done": np.asarray(done, np.float32).reshape(n), "timeouts": timeout})
+        rows = {**obs, "action": np.asarray(action).reshape(n, self.action_dim),
+                "reward": np.asarray(reward, np.float32).reshape(n),
+                "done": np.asarray(done, np.float32).reshape(n), "timeouts": timeout}
+        if not self.optimize_memory_usage:
+            self.buffer.push(rows)
+            return
+        # a lane whose newest row was set done by hand starts an episode (frames.Pusher: a row of
+        # another episode does not continue the lane); so does each env after its done
+        episode = np.where(self._cut, self._episode + n, self._episode)
+        self.buffer.push(rows, episode=episode)
+        self._episode = np.where((rows["done"] != 0) | (timeout != 0), episode + n, episode)
+        self._cut[:] = False
 
     def _tail(self, batch: Any, env: Any) -> tuple[Any, Any, Any]:
         """Actions, dones (time-limit ends masked) and rewards as SB3 returns them."""
-        dones = (batch.done * (1 - batch.timeouts)).reshape(-1, 1)
-        rewards = self._normalize_reward(batch.reward.reshape(-1, 1), env)  # type: ignore[attr-defined]
-        return batch.action, dones, rewards
+        dones = (batch["done"] * (1 - batch["timeouts"])).reshape(-1, 1)
+        rewards = self._normalize_reward(batch["reward"].reshape(-1, 1), env)  # type: ignore[attr-defined]
+        return batch["action"], dones, rewards
 
     # -- pickling: the rows, not a name ----------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         rows = self.buffer.export()
         return {"settings": self._settings, "device": str(self.device), "rows": rows,
-                "lanes": self.buffer.lanes}
+                "lanes": self.buffer.lanes, "full": (self._full_set, self._full_from)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         s = state["settings"]
         once = bool(s.get("optimize_memory_usage", False))
-        self._init_shared(s["buffer_size"], s["observation_space"], s["action_space"], state["device"],
-                          s["n_envs"], once, s["handle_timeout_termination"], None, s.get("stack"))
         rows = dict(state["rows"])
+        self._init_shared(s["buffer_size"], s["observation_space"], s["action_space"], state["device"],
+                          s["n_envs"], once, s["handle_timeout_termination"], None, s.get("stack"),
+                          None if once else rows)
+        self._full_set, self._full_from = state.get("full", (False, 0))
+        if not once:
+            return
         index = np.asarray(rows.pop("index"), np.int64)
-        rows.pop("episode", None)
+        episode = np.asarray(rows.pop("episode"), np.int64)
         lanes = int(state["lanes"])
         lane = index % lanes
-        for ln in range(lanes):  # each lane's rows oldest first, as SB3's positions
+        if episode.size:  # fresh ids for the next adds: none of the saved episodes continues
+            self._episode = np.arange(lanes, dtype=np.int64) + (int(episode.max()) // lanes + 1) * lanes
+        for ln in range(lanes):  # each lane's rows oldest first
             mine = np.flatnonzero(lane == ln)
-            for run in (_runs(rows, mine) if once else [mine]):
+            for run in _runs(rows, mine):
                 if not run.size:
                     continue
-                # with next_of a run that does not continue the one before starts an episode: a
-                # new handle has no memory of the lane, so its first row does (frames.Pusher)
-                writer = SharedBuffer.attach(self.buffer.handle) if once else self.buffer
+                # a run that does not continue the one before starts an episode: a new handle
+                # has no memory of the lane, so its first row does (frames.Pusher)
+                writer = SharedBuffer.attach(self.buffer.handle)
                 try:
-                    writer.push({k: v[run] for k, v in rows.items()}, lane=ln)
+                    writer.push({k: v[run] for k, v in rows.items()}, lane=ln, episode=episode[run])
                 finally:
-                    if writer is not self.buffer:
-                        writer.close()
+                    writer.close()
 
 
 def _runs(rows: dict[str, np.ndarray], mine: np.ndarray) -> list[np.ndarray]:
@@ -284,6 +499,29 @@ class ReplayBuffer(_Shared, sb3_buffers.ReplayBuffer):
         shape, dtype = tuple(self.obs_shape), self.observation_space.dtype
         return {"obs": (shape, dtype), "next_obs": (shape, dtype)}
 
+    @property
+    def observations(self) -> np.ndarray:
+        if self._settings["stack"] is not None:
+            raise FieldError("observations: with stack= the buffer stores one frame of each stacked observation a "
+                             "row, so there is no array of whole observations; read rows with sample() or buffer.get()")
+        return self._column("obs")
+
+    @observations.setter
+    def observations(self, value: np.ndarray) -> None:
+        self.observations[...] = value
+
+    @property
+    def next_observations(self) -> Any:  # SB3's attribute is None with optimize_memory_usage too
+        """SB3's array; ``None`` with ``optimize_memory_usage`` (as SB3's: read from ``observations``)."""
+        return None if self.optimize_memory_usage else self._column("next_obs")
+
+    @next_observations.setter
+    def next_observations(self, value: np.ndarray) -> None:
+        if self.optimize_memory_usage:
+            raise FieldError("next_observations: with optimize_memory_usage=True next observations are read from "
+                             "the next step's observation and cannot be written")
+        self._set_column("next_obs", value)
+
     def add(self, obs: np.ndarray, next_obs: np.ndarray, action: np.ndarray, reward: np.ndarray,
             done: np.ndarray, infos: list[dict[str, Any]]) -> None:
         shape = (self.n_envs, *self.obs_shape)
@@ -301,7 +539,7 @@ class ReplayBuffer(_Shared, sb3_buffers.ReplayBuffer):
 
     def _samples(self, batch: Any, env: Any) -> ReplayBufferSamples:
         actions, dones, rewards = self._tail(batch, env)
-        data = (self._normalize_obs(batch.obs, env), actions, self._normalize_obs(batch.next_obs, env), dones, rewards)
+        data = (self._normalize_obs(batch["obs"], env), actions, self._normalize_obs(batch["next_obs"], env), dones, rewards)
         return ReplayBufferSamples(*tuple(map(self.to_torch, data)))
 
     def _get_samples(self, batch_inds: np.ndarray, env: Any = None) -> ReplayBufferSamples:
@@ -423,6 +661,24 @@ class DictReplayBuffer(_Shared, sb3_buffers.DictReplayBuffer):
             out[f"obs_{_key(key)}"] = spec
             out[f"next_obs_{_key(key)}"] = spec
         return out
+
+    @property  # type: ignore[override]
+    def observations(self) -> dict[str, np.ndarray]:
+        return {k: self._column(f"obs_{_key(k)}") for k in self.observation_space.spaces}
+
+    @observations.setter
+    def observations(self, value: dict[str, np.ndarray]) -> None:
+        for k, v in value.items():
+            self._set_column(f"obs_{_key(k)}", v)
+
+    @property  # type: ignore[override]
+    def next_observations(self) -> dict[str, np.ndarray]:
+        return {k: self._column(f"next_obs_{_key(k)}") for k in self.observation_space.spaces}
+
+    @next_observations.setter
+    def next_observations(self, value: dict[str, np.ndarray]) -> None:
+        for k, v in value.items():
+            self._set_column(f"next_obs_{_key(k)}", v)
 
     def add(self, obs: dict[str, np.ndarray], next_obs: dict[str, np.ndarray], action: np.ndarray,  # type: ignore[override]
             reward: np.ndarray, done: np.ndarray, infos: list[dict[str, Any]]) -> None:

@@ -443,3 +443,303 @@ def test_optimize_memory_usage_says_when_nothing_can_be_sampled(name: str, opene
     mine.add(np.ones((1, 3), np.float32), np.full((1, 3), 2, np.float32), np.array([1]), np.array([1.0]),
              np.array([True]), [{}])
     assert mine.size() == 2 and mine.sample(4).observations.shape == (4, 3)
+
+
+# -- SB3's public arrays, pos and full (SB3's own tests read and write them) ----------------------
+
+ARRAYS = ("observations", "next_observations", "actions", "rewards", "dones", "timeouts")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_arrays_are_sb3s(case: str, name: str, opened: list[Any]) -> None:
+    """After the same adds, every SB3 array has SB3's shape, dtype and values (several envs, a
+    wrapped buffer, float64 actions stored as float32, Discrete observations), and pos and full
+    are SB3's after each add."""
+    obs_space, act_space, n_envs, size, steps = CASES[case]
+    theirs = buffers.ReplayBuffer(size, obs_space, act_space, "cpu", n_envs=n_envs)
+    mine = ours.ReplayBuffer(size, obs_space, act_space, "cpu", n_envs=n_envs, name=name)
+    opened.append(mine)
+    for step in adds(n_envs, steps, obs_space, act_space, seed=len(case)):
+        theirs.add(*step)
+        mine.add(*step)
+        assert (mine.pos, mine.full) == (theirs.pos, theirs.full)
+    for attr in ARRAYS:
+        a, b = getattr(theirs, attr), getattr(mine, attr)
+        assert (b.shape, b.dtype) == (a.shape, a.dtype), attr
+        assert np.array_equal(a, b), attr
+
+
+def test_arrays_are_live_views_of_the_shared_columns(name: str, opened: list[Any]) -> None:
+    """A row pushed through another handle (another process's collector) is in the array already
+    taken: lane e's slot p is position p of env e."""
+    box = spaces.Box(-1, 1, (3,), np.float32)
+    mine = ours.ReplayBuffer(8, box, spaces.Discrete(2), "cpu", n_envs=2, name=name)
+    opened.append(mine)
+    rewards, obs = mine.rewards, mine.observations
+    with sb.ReplayBuffer.attach(mine.buffer.handle) as other:
+        other.push({"obs": np.full((2, 3), 7, np.float32), "next_obs": np.zeros((2, 3), np.float32),
+                    "action": np.array([[0], [1]]), "reward": np.array([1.5, 2.5], np.float32),
+                    "done": np.zeros(2, np.float32), "timeouts": np.zeros(2, np.float32)})
+    assert rewards.tolist()[0] == [1.5, 2.5] and (obs[0] == 7).all()
+    assert mine.pos == 1 and not np.shares_memory(mine.rewards.copy(), rewards)
+    assert np.shares_memory(rewards, mine.buffer.block.fields["reward"])
+
+
+def test_dict_arrays_are_sb3s(name: str, opened: list[Any]) -> None:
+    obs_space = spaces.Dict({"image": spaces.Box(0, 255, (3, 4), np.uint8), "vec": spaces.Box(-1, 1, (2,), np.float64)})
+    act_space = spaces.Box(-1, 1, (2, 3), np.float64)
+    theirs = buffers.DictReplayBuffer(6, obs_space, act_space, "cpu", n_envs=2)
+    mine = ours.DictReplayBuffer(6, obs_space, act_space, "cpu", n_envs=2, name=name)
+    opened.append(mine)
+    for step in adds(2, 5, obs_space, act_space, seed=4):  # 5 steps into 3 positions: wrapped
+        theirs.add(*step)
+        mine.add(*step)
+    for attr in ("observations", "next_observations"):
+        a, b = getattr(theirs, attr), getattr(mine, attr)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert (b[k].shape, b[k].dtype) == (a[k].shape, a[k].dtype) and np.array_equal(a[k], b[k]), (attr, k)
+    for attr in ("actions", "rewards", "dones", "timeouts"):
+        a, b = getattr(theirs, attr), getattr(mine, attr)
+        assert (b.shape, b.dtype) == (a.shape, a.dtype) and np.array_equal(a, b), attr
+    mine.observations["vec"][0, 1] = [0.5, -0.5]  # a write into a dict observation goes to its field
+    theirs.observations["vec"][0, 1] = [0.5, -0.5]
+    np.random.seed(0)
+    a = theirs._get_samples(np.array([0, 0, 0, 0]))
+    np.random.seed(0)
+    same(a, mine._get_samples(np.array([0, 0, 0, 0])))
+
+
+@pytest.mark.parametrize("dict_obs", [False, True])
+def test_full_set_by_hand_reads_the_arrays_as_they_are(dict_obs: bool, name: str, opened: list[Any]) -> None:
+    """SB3's own dtype test: ``full = True`` on an empty buffer samples every position, which holds
+    zeros of the field's dtype, as SB3's arrays do; reset() forgets it."""
+    box = spaces.Box(0, 100, dtype=np.uint16)
+    obs_space = spaces.Dict({"o": box}) if dict_obs else box
+    cls, theirs_cls = (ours.DictReplayBuffer, buffers.DictReplayBuffer) if dict_obs else (ours.ReplayBuffer, buffers.ReplayBuffer)
+    act = spaces.Box(-1, 1, (2,), np.float64)
+    mine = cls(4, obs_space, act, "cpu", name=name)
+    opened.append(mine)
+    theirs = theirs_cls(4, obs_space, act, "cpu")
+    with pytest.raises(sb.EmptyBufferError):
+        mine.sample(3)
+    mine.full = theirs.full = True
+    assert mine.full and mine.size() == 4
+    np.random.seed(2)
+    a = theirs.sample(16)
+    np.random.seed(2)
+    same(a, mine.sample(16))
+    mine.reset()
+    assert not mine.full and mine.size() == 0
+
+
+def test_full_false_by_hand_counts_up_to_pos_until_the_next_wrap(name: str, opened: list[Any]) -> None:
+    box = spaces.Box(-1, 1, (2,), np.float32)
+    theirs = buffers.ReplayBuffer(4, box, spaces.Discrete(2), "cpu")
+    mine = ours.ReplayBuffer(4, box, spaces.Discrete(2), "cpu", name=name)
+    opened.append(mine)
+    steps = adds(1, 11, box, spaces.Discrete(2), seed=1)
+    for step in steps[:5]:
+        theirs.add(*step)
+        mine.add(*step)
+    mine.full = theirs.full = False
+    for step in steps[5:]:
+        assert (mine.pos, mine.full, mine.size()) == (theirs.pos, theirs.full, theirs.size())
+        theirs.add(*step)
+        mine.add(*step)
+    assert (mine.pos, mine.full, mine.size()) == (theirs.pos, theirs.full, theirs.size())
+    with pytest.raises(TypeError, match="full: expected a bool"):
+        mine.full = "yes"  # type: ignore[assignment]
+
+
+def test_pos_is_the_lanes_next_slot(name: str, opened: list[Any]) -> None:
+    box = spaces.Box(-1, 1, (2,), np.float32)
+    mine = ours.ReplayBuffer(6, box, spaces.Discrete(2), "cpu", n_envs=2, name=name)
+    opened.append(mine)
+    for step in adds(2, 4, box, spaces.Discrete(2), seed=1):
+        mine.add(*step)
+    assert mine.pos == 1 and mine.full
+    mine.pos = 1  # SB3's own value: nothing moves
+    with pytest.raises(ValueError, match=r"pos: .* cannot be moved to 2"):
+        mine.pos = 2
+    assert mine.pos == 1
+    mine.reset()
+    assert (mine.pos, mine.full, mine.size()) == (0, False, 0)
+    mine.add(*adds(2, 1, box, spaces.Discrete(2), seed=2)[0])
+    assert mine.pos == 1 and mine.observations[0].tolist() == mine.buffer.get(slice(None)).obs.tolist()
+
+
+def test_writes_through_the_arrays_are_sb3s(name: str, opened: list[Any]) -> None:
+    """SB3's writes (``dones[pos - 1, :] = True`` in its n-step test, a whole column, one element)
+    land where SB3's do and are what the next samples read."""
+    box = spaces.Box(-1, 1, (3,), np.float32)
+    kw = {"n_envs": 2, "n_steps": 3, "gamma": 0.9}
+    theirs = buffers.NStepReplayBuffer(12, box, spaces.Discrete(2), "cpu", **kw)
+    mine = ours.NStepReplayBuffer(12, box, spaces.Discrete(2), "cpu", name=name, **kw)
+    opened.append(mine)
+    for step in adds(2, 8, box, spaces.Discrete(2), seed=5):  # wrapped: 8 steps into 6 positions
+        theirs.add(*step)
+        mine.add(*step)
+    for rb in (theirs, mine):
+        rb.dones[rb.pos - 1, :] = True
+        rb.rewards[:, 1] = np.arange(6)
+        rb.observations[2, 0, 1] = 9.0
+        rb.timeouts[rb.pos] = 0
+        rb.actions = np.ones((6, 2, 1), np.int64)  # SB3 replaces the array; ours writes its values
+    for attr in ARRAYS:
+        assert np.array_equal(getattr(theirs, attr), getattr(mine, attr)), attr
+    np.random.seed(3)
+    a = theirs._get_samples(np.arange(6))
+    np.random.seed(3)
+    same(a, mine._get_samples(np.arange(6)))
+
+
+def test_a_write_is_an_update_under_the_commit_protocol(name: str, opened: list[Any]) -> None:
+    """A write through an array rewrites each row it touches as ``buffer.update`` does: the row's
+    stamp turns odd and even again and the update count moves, so a reader whose copy spans it
+    reads the row again (never half a row); a row overwritten since keeps what its writer pushed."""
+    from shmbuffer.layout import Counter
+
+    box = spaces.Box(-1, 1, (64,), np.float32)
+    mine = ours.ReplayBuffer(4, box, spaces.Discrete(2), "cpu", name=name)
+    opened.append(mine)
+    for step in adds(1, 3, box, spaces.Discrete(2), seed=6):
+        mine.add(*step)
+    counters = mine.buffer.block.counters
+    before, stamps = int(counters[Counter.UPDATES]), mine.buffer.ring.stamp.copy()
+    mine.observations[1] = 0.25
+    assert int(counters[Counter.UPDATES]) == before + 1
+    assert np.array_equal(mine.buffer.ring.stamp, stamps)  # committed again, as before
+    assert (mine.buffer.get(1).obs == 0.25).all()
+
+
+def test_writes_to_positions_without_a_row_stay_as_in_sb3(name: str, opened: list[Any]) -> None:
+    box = spaces.Box(-1, 1, (2,), np.float32)
+    mine = ours.ReplayBuffer(4, box, spaces.Discrete(2), "cpu", name=name)
+    opened.append(mine)
+    mine.rewards[2, 0] = 5.0  # no row there yet: stored as SB3 stores it
+    assert mine.rewards[2, 0] == 5.0 and len(mine.buffer) == 0
+    for step in adds(1, 3, box, spaces.Discrete(2), seed=0):
+        mine.add(*step)
+    assert mine.rewards[2, 0] == step[3][0]  # the row pushed there replaced it
+
+
+def test_bad_writes_say_what_and_change_nothing(name: str, opened: list[Any]) -> None:
+    box = spaces.Box(-1, 1, (2,), np.float32)
+    mine = ours.ReplayBuffer(8, box, spaces.Discrete(2), "cpu", n_envs=2, name=name)
+    opened.append(mine)
+    for step in adds(2, 3, box, spaces.Discrete(2), seed=0):
+        mine.add(*step)
+    rows = mine.buffer.export()
+    with pytest.raises(ValueError, match=r"done\[0\] = \.\.\.: expected values of shape \(2,\)"):
+        mine.dones[0] = np.ones(3)
+    with pytest.raises(IndexError, match=r"reward: index 9 does not fit SB3's array of shape \(4, 2\)"):
+        mine.rewards[9] = 1.0
+    with pytest.raises(ValueError, match="read-only"):
+        mine.dones[0][0] = 1.0  # a slice is a read-only view: only the array itself writes
+    with pytest.raises(ValueError, match="read-only"):
+        mine.dones += 1
+    after = mine.buffer.export()
+    assert all(np.array_equal(rows[k], after[k]) for k in rows)
+
+
+def test_pickle_keeps_positions_and_arrays(name: str, opened: list[Any]) -> None:
+    """A copy (SB3's deepcopy, save_replay_buffer) has the same arrays, pos and full as the
+    original, wrapped or not, and goes on as SB3's buffer would."""
+    import copy as copying
+
+    box = spaces.Box(-1, 1, (3,), np.float32)
+    theirs = buffers.ReplayBuffer(10, box, spaces.Discrete(3), "cpu", n_envs=2)
+    mine = ours.ReplayBuffer(10, box, spaces.Discrete(3), "cpu", n_envs=2, name=name)
+    opened.append(mine)
+    steps = adds(2, 12, box, spaces.Discrete(3), seed=2)
+    for k, step in enumerate(steps[:7]):
+        theirs.add(*step)
+        mine.add(*step)
+        if k in (2, 6):  # not wrapped, then wrapped
+            twin = copying.deepcopy(mine)
+            opened.append(twin)
+            assert twin.buffer.name != mine.buffer.name
+            assert (twin.pos, twin.full, twin.size()) == (theirs.pos, theirs.full, theirs.size())
+            for attr in ARRAYS:
+                assert np.array_equal(getattr(twin, attr), getattr(theirs, attr)), attr
+    for step in steps[7:]:
+        theirs.add(*step)
+        twin.add(*step)
+    np.random.seed(5)
+    a = theirs.sample(20)
+    np.random.seed(5)
+    same(a, twin.sample(20))
+
+
+def test_dqn_learns_twice_with_optimize_memory_usage(name: str) -> None:
+    """The issue's case: SB3 truncates the last trajectory before a second learn() by writing
+    ``replay_buffer.dones[pos - 1] = True``; that ends every env's episode in its lane, so the
+    reset env's first step starts a new one (and no transition crosses the two runs)."""
+    from stable_baselines3 import DQN
+
+    model = DQN("MlpPolicy", "CartPole-v1", buffer_size=100, learning_starts=10, optimize_memory_usage=True,
+                seed=0, device="cpu", replay_buffer_class=ours.ReplayBuffer,
+                replay_buffer_kwargs={"handle_timeout_termination": False, "name": name})
+    rb = model.replay_buffer
+    try:
+        model.learn(50)
+        at = (rb.pos - 1) % rb.buffer_size
+        newest = rb.observations[at, 0].copy()  # the newest step, not an episode's end
+        assert rb.dones[at, 0] == 0 and rb.buffer.block.fields["_kind"][at] == 0
+        with pytest.warns(UserWarning, match="last trajectory in the replay buffer will be truncated"):
+            model.learn(50)
+        assert rb.full and rb.size() > 50
+        s = rb.sample(2000)
+        # the cut step is never drawn: its next observation is not the next run's first one
+        cut = (s.observations == torch.as_tensor(newest)).all(dim=1)
+        assert not cut.any()
+        obs, done = rb.buffer.block.fields["obs"], rb.buffer.block.fields["done"]
+        assert done[np.flatnonzero((obs == newest).all(axis=1))].tolist() == [1.0]
+        del obs, done
+    finally:
+        rb.close()
+
+
+def test_optimize_memory_usage_dones_at_pos_is_every_envs_newest_row(name: str, opened: list[Any]) -> None:
+    """With optimize_memory_usage lanes also hold end rows, so their cursors differ; SB3's
+    ``dones[(pos - 1) % buffer_size] = True`` still marks each env's newest step, and each env's
+    next add starts an episode instead of being refused as not continuing the lane."""
+    box = spaces.Box(-10, 10, (3,), np.float32)
+    mine = ours.ReplayBuffer(32, box, spaces.Discrete(2), "cpu", n_envs=2, optimize_memory_usage=True, name=name)
+    opened.append(mine)
+    rng = np.random.default_rng(0)
+    obs = rng.normal(size=(2, 3)).astype(np.float32)
+    for t in range(5):
+        nxt = rng.normal(size=(2, 3)).astype(np.float32)
+        done = np.array([t == 1, False])  # env 0 ends an episode: its lane gets an end row
+        mine.add(obs, nxt, np.array([0, 1]), np.ones(2, np.float32), done, [{}, {}])
+        obs = np.where(done[:, None], rng.normal(size=(2, 3)).astype(np.float32), nxt)
+    assert mine.buffer.ring.bounds()[1].tolist() == [6, 5]
+    at = (mine.pos - 1) % mine.buffer_size
+    mine.dones[at] = True
+    assert mine.dones[at].tolist() == [1.0, 1.0]
+    done = mine.buffer.block.fields["done"]
+    assert done[[5, 16 + 4]].tolist() == [1.0, 1.0] and done.sum() == 1 + 2  # each lane's newest row, and env 0's end
+    fresh = rng.normal(size=(2, 3)).astype(np.float32)  # the envs were reset
+    mine.add(fresh, fresh + 1, np.array([0, 1]), np.ones(2, np.float32), np.array([False, False]), [{}, {}])
+    got = mine.sample(500)
+    assert not (got.next_observations == torch.as_tensor(fresh)[:, None]).all(dim=2).any()  # nothing crosses
+
+
+def test_extend_with_sb3s_arrays(name: str, opened: list[Any]) -> None:
+    """SB3's save/load test refills a buffer with ``extend(old.observations, ..., infos)``: each
+    add gets one env's rows and a time-limit flag that is an array of one."""
+    box = spaces.Box(-1, 1, (3,), np.float32)
+    src = buffers.ReplayBuffer(6, box, spaces.Discrete(2), "cpu")
+    for step in adds(1, 6, box, spaces.Discrete(2), seed=8):
+        src.add(*step)
+    infos = [[{"TimeLimit.truncated": t}] for t in src.timeouts]
+    theirs = buffers.ReplayBuffer(6, box, spaces.Discrete(2), "cpu")
+    mine = ours.ReplayBuffer(6, box, spaces.Discrete(2), "cpu", name=name)
+    opened.append(mine)
+    for rb in (theirs, mine):
+        rb.extend(src.observations, src.next_observations, src.actions, src.rewards, src.dones, infos)
+    assert src.timeouts.any()
+    for attr in ARRAYS:
+        assert np.array_equal(getattr(theirs, attr), getattr(mine, attr)), attr
