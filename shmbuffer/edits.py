@@ -197,7 +197,8 @@ def push(
     previous ones in each lane and lays them out as stored, end rows included."""
     ring = src.ring
     given = lane is not None
-    k, arrays, lane, episodes, priority = check(src, copier, data, lane=lane, episode=episode, priority=priority, fields=fields)
+    k, arrays, lane, episodes, priority, exact = _check(src, copier, data, lane=lane, episode=episode,
+                                                         priority=priority, fields=fields)
     prios = src.priorities
     if k == 0:
         return np.empty(0, np.int64)
@@ -237,7 +238,7 @@ def push(
         if ids is not None:
             note_interleaving(src, ids, episodes, given)
             return ids
-    sources = copier.prepare(arrays, episodes, k)  # every cast before the reservation: the copy cannot fail
+    sources = copier.prepare(arrays, episodes, k, exact and ex is None)  # every cast before the reservation
     def restore() -> None:
         for put_back in kept:
             put_back()
@@ -284,6 +285,14 @@ def check(
     src: Source, copier: Copier, data: Any, *, lane: Any, episode: Any, priority: Any, fields: dict[str, Any],
 ) -> tuple[int, dict[str, np.ndarray], int | np.ndarray, np.ndarray | None, np.ndarray | None]:
     """``ReplayBuffer.check``: everything a push checks, without touching the buffer."""
+    return _check(src, copier, data, lane=lane, episode=episode, priority=priority, fields=fields)[:5]  # type: ignore[return-value]
+
+
+def _check(
+    src: Source, copier: Copier, data: Any, *, lane: Any, episode: Any, priority: Any, fields: dict[str, Any],
+) -> tuple[int, dict[str, np.ndarray], int | np.ndarray, np.ndarray | None, np.ndarray | None, bool]:
+    """``check``, and whether the rows passed the fast checks (``Copier.check``: the fields'
+    dtypes and shapes, C-contiguous; the copy takes them as they are)."""
     schema = src.block.schema
     if data is not None:
         if fields:
@@ -310,7 +319,7 @@ def check(
         if src.priorities is None or not src.priorities.prioritized:
             raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
         priority = src.priorities.check(priority, k)
-    return k, arrays, lane, episodes, priority
+    return k, arrays, lane, episodes, priority, fast is not None
 
 
 def note_interleaving(src: Source, ids: np.ndarray, episodes: np.ndarray | None, given: bool) -> None:

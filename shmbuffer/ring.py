@@ -236,16 +236,22 @@ class Copier:
         got = self.lib.check(self.plan, data)  # type: ignore[union-attr]
         return None if got is None else (got[0], data)
 
-    def prepare(self, arrays: dict[str, np.ndarray], episodes: np.ndarray | None, k: int) -> tuple[np.ndarray, ...]:
+    def prepare(self, arrays: dict[str, np.ndarray], episodes: np.ndarray | None, k: int,
+                exact: bool = False) -> tuple[np.ndarray, ...]:
         """The sources of a push's copies, made before its reservation so that nothing between the
         reservation and the commit can fail: each field's ``k`` rows (``arrays``, checked by the
-        schema or by ``check``) cast, broadcast, C-contiguous and aligned as its column takes them
-        (numpy's assignment rules), then the episode ids when the block keeps them."""
+        schema, or ``exact``: by ``check``, taken as they are) cast, broadcast, C-contiguous and
+        aligned as its column takes them (numpy's assignment rules), then the episode ids when
+        the block keeps them."""
+        if exact and (episodes is None or self.episode is None):
+            return tuple([arrays[name] for name in self.names])
         out = []
         for name, items in zip(self.names, self.items, strict=True):
             a, dtype = arrays[name], self.targets[name][2]
-            if not (type(a) is np.ndarray and a.dtype == dtype and a.size == k * items
-                    and a.flags.c_contiguous and a.flags.aligned):
+            if isinstance(a, np.generic) and k == 1 and items == 1 and a.dtype == dtype:
+                pass  # a numpy scalar of the field's dtype: one aligned item
+            elif not (type(a) is np.ndarray and a.dtype == dtype and a.size == k * items
+                      and a.flags.c_contiguous and a.flags.aligned):
                 b = np.empty((k, *self.fields[name].shape[1:]), dtype)
                 b[...] = a  # numpy's assignment: the cast and the broadcast of one row
                 a = b
