@@ -285,7 +285,7 @@ def check(
     src: Source, copier: Copier, data: Any, *, lane: Any, episode: Any, priority: Any, fields: dict[str, Any],
 ) -> tuple[int, dict[str, np.ndarray], int | np.ndarray, np.ndarray | None, np.ndarray | None]:
     """``ReplayBuffer.check``: everything a push checks, without touching the buffer."""
-    return _check(src, copier, data, lane=lane, episode=episode, priority=priority, fields=fields)[:5]  # type: ignore[return-value]
+    return _check(src, copier, data, lane=lane, episode=episode, priority=priority, fields=fields)[:5]
 
 
 def _check(
