@@ -92,7 +92,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from . import _tracker
+from . import _tracker, native
 from .errors import ForeignBlock, LayoutError, OutOfSharedMemory, SegmentNotFound, ShmBufferError, UnsupportedPlatform
 
 SHM_DIR = "/dev/shm"
@@ -532,6 +532,7 @@ class Segment:
 
     @classmethod
     def create(cls, name: str | None, meta: dict[str, Any], columns: list[ColumnSpec], fingerprint: str) -> Segment:
+        native.warn_if_missing()  # first use: say once if the C extension is missing (native.py)
         name = check_name(name) if name is not None else new_name()
         entries, at = [], 0
         for col in columns:
@@ -586,6 +587,7 @@ class Segment:
 
     @classmethod
     def attach(cls, name: str) -> Segment:
+        native.warn_if_missing()
         fd, st = _open(name, os.O_RDWR)
         try:
             header = _parse_header(name, fd, st)
