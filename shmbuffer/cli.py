@@ -464,6 +464,8 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``shmbuffer`` command: parse ``argv`` (default: ``sys.argv[1:]``), run the subcommand, return its exit
+    status."""
     parser = argparse.ArgumentParser(prog="shmbuffer", description="A replay buffer in shared memory.")
     parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True)
