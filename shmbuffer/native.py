@@ -37,6 +37,9 @@ else:
         REASON = f"the C extension is not available ({e})"
     else:
         REASON = "the C extension shmbuffer._native is loaded"
+MISSING = lib is None and not PURE
+"""Whether the extension failed to load without ``SHMBUFFER_PURE`` asking for the Python path (what
+``warn_if_missing`` warns about; tests that swap ``lib`` for ``None`` do not change it)."""
 ACTIVE = "native" if lib is not None else "python"
 """``"native"`` (the C extension runs the hot path) or ``"python"`` (its pure-Python fallback)."""
 logging.getLogger("shmbuffer").debug("shmbuffer hot path: %s (%s)", ACTIVE, REASON)
@@ -70,7 +73,7 @@ def missing_message() -> str:
 def warn_if_missing() -> None:
     """Warn (``MissingExtensionWarning``) if the extension is missing and not on purpose; once per
     process tree. Called when a buffer's block is created or attached (``segment.py``)."""
-    if lib is not None or PURE or os.environ.get(WARNED):
+    if not MISSING or os.environ.get(WARNED):
         return
     os.environ[WARNED] = "1"
     warnings.warn(missing_message(), MissingExtensionWarning, stacklevel=2)
