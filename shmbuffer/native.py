@@ -17,6 +17,7 @@ build the extension.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import warnings
@@ -34,7 +35,10 @@ else:
     try:
         from . import _native as lib  # type: ignore[attr-defined,no-redef]
     except ImportError as e:  # not built (no compiler at install time) or not loadable here
-        REASON = f"the C extension is not available ({e})"
+        if importlib.util.find_spec(f"{__package__}._native") is None:
+            REASON = "the C extension is not available: shmbuffer._native was not built (no C compiler when pip installed shmbuffer?)"
+        else:
+            REASON = f"the C extension is not available: shmbuffer._native is there but does not load ({e})"
     else:
         REASON = "the C extension shmbuffer._native is loaded"
 MISSING = lib is None and not PURE
