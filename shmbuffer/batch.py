@@ -29,6 +29,7 @@ from .schema import Record
 
 @cache
 def torch_dtype(dtype: np.dtype[Any]) -> Any:
+    """The torch dtype of a numpy dtype (cached)."""
     import torch
 
     return torch.from_numpy(np.empty(0, dtype)).dtype
@@ -171,9 +172,11 @@ class Batch:
         return [*self.fields, *self.extras]
 
     def values(self) -> list[Any]:
+        """The fields' arrays, then the extras' (``index``, ``weight`` ...), as ``dict.values`` would list them."""
         return [*self.fields.values(), *self.extras.values()]
 
     def items(self) -> list[tuple[str, Any]]:
+        """``(name, array)`` of the fields, then of the extras."""
         return [*self.fields.items(), *self.extras.items()]
 
     def __iter__(self) -> Iterator[str]:
@@ -185,6 +188,7 @@ class Batch:
 
     @property
     def size(self) -> int:
+        """The number of rows, the same as ``len(batch)``."""
         return len(self)
 
     def as_dict(self) -> dict[str, Any]:
@@ -197,7 +201,8 @@ class Batch:
         try:
             from tensordict import TensorDict
         except ImportError:
-            raise ImportError("to_tensordict() needs the tensordict package: pip install 'shmbuffer[torchrl]'") from None
+            raise ImportError("to_tensordict() needs the tensordict package: pip install tensordict, or from "
+                              "shmbuffer's clone pip install -e '.[torchrl]'") from None
         moved = self.to(device)
         return TensorDict({**moved.fields, **moved.extras}, batch_size=[len(self)], device=device)
 

@@ -181,6 +181,7 @@ class ReplayBuffer:
     # -- identity and lifecycle ----------------------------------------------------------------
     @property
     def handle(self) -> BufferHandle:
+        """A small picklable handle naming this buffer: ``ReplayBuffer.attach(handle)`` in another process."""
         return BufferHandle(self.name)
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -209,10 +210,12 @@ class ReplayBuffer:
 
     @property
     def owner(self) -> bool:
+        """Whether this object created the buffer (and so removes it from ``/dev/shm`` on ``unlink``)."""
         return self._segment is not None and self._segment.owner
 
     @property
     def closed(self) -> bool:
+        """Whether ``close()`` has been called on this object."""
         return self._ring is None
 
     def close(self) -> None:
@@ -252,14 +255,17 @@ class ReplayBuffer:
     # -- size ----------------------------------------------------------------------------------
     @property
     def capacity(self) -> int:
+        """The number of rows the buffer holds before the oldest are overwritten (all lanes together)."""
         return self.ring.capacity
 
     @property
     def lanes(self) -> int:
+        """The number of lanes (``envs=N`` gives one per env; 1 by default)."""
         return self.ring.lanes
 
     @property
     def lane_capacity(self) -> int:
+        """The rows one lane holds: ``capacity // lanes``."""
         return self.ring.lane_capacity
 
     def __len__(self) -> int:
@@ -277,10 +283,12 @@ class ReplayBuffer:
 
     @property
     def size(self) -> int:
+        """The same as ``len(buf)``: the rows held now."""
         return len(self)
 
     @property
     def full(self) -> bool:
+        """Whether every row of the capacity holds a transition."""
         return len(self.ring) == self.ring.capacity
 
     @property
@@ -302,6 +310,7 @@ class ReplayBuffer:
 
     @property
     def frozen(self) -> bool:
+        """Whether ``freeze()`` made the buffer read-only (pushes then raise ``ReadOnlyError``)."""
         return self.ring.frozen
 
     def reap(self) -> np.ndarray:

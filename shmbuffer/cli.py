@@ -10,6 +10,8 @@
     shmbuffer bench [--seconds S] [--json]      memcpy, push and sample rates on this machine
     shmbuffer top [--all] [--once] [--json]     a live view: fill, rows in/out per second, writers (top.py)
     shmbuffer demo [--seed 1 ...]               the demo: DQN + PER on CartPole (demo.py)
+    shmbuffer info [--json]                     versions, the hot path and why, /dev/shm, CPU, GPU
+    shmbuffer --version                         the version
 
 ``ls`` and ``gc`` only read headers (``segment.read_header``) and the lanes' cursors; they never
 attach, so they cannot disturb a buffer. ``gc`` removes a block only when its creator (pid and
@@ -377,8 +379,116 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- info, --version ---------------------------------------------------------------------------------
+OPTIONAL = ("gymnasium", "safetensors", "stable-baselines3", "torchrl", "tensordict", "ray", "ale-py", "cpprb")
+"""Packages of the extras that ``shmbuffer info`` reports (read from their metadata, never imported)."""
+
+
+def _version_line() -> str:
+    from . import __version__
+
+    return f"shmbuffer {__version__}"
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _gpus() -> dict[str, Any]:
+    """What torch sees: CUDA devices (name, memory) or why none."""
+    try:
+        import torch
+    except ImportError as exc:
+        return {"cuda": False, "why": f"torch cannot be imported ({exc})", "devices": []}
+    if not torch.cuda.is_available():
+        why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        return {"cuda": False, "why": why, "devices": []}
+    devices = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        devices.append({"index": i, "name": props.name, "memory_bytes": int(props.total_memory)})
+    return {"cuda": True, "cuda_version": torch.version.cuda, "devices": devices}
+
+
+def info_data() -> dict[str, Any]:
+    """What ``shmbuffer info`` reports, as a dict: versions, the hot path and why, ``/dev/shm``,
+    the CPU and the GPUs torch sees."""
+    import platform
+
+    from . import __version__
+
+    try:
+        st = os.statvfs(segment.SHM_DIR)
+        shm: dict[str, Any] = {"path": segment.SHM_DIR, "size_bytes": st.f_blocks * st.f_frsize,
+                               "free_bytes": st.f_bavail * st.f_frsize}
+    except OSError as exc:
+        shm = {"path": segment.SHM_DIR, "error": str(exc)}
+    return {
+        "shmbuffer": __version__,
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "platform": platform.platform(),
+        "hot_path": native.ACTIVE,
+        "hot_path_reason": native.REASON,
+        "dependencies": {n: _dist_version(n) for n in ("numpy", "torch", "multiprocess", "psutil")},
+        "optional": {n: _dist_version(n) for n in OPTIONAL},
+        "shm": shm,
+        "cpu": {"model": _cpu_model(), "count": os.cpu_count(), "usable": len(os.sched_getaffinity(0))},
+        "gpu": _gpus(),
+    }
+
+
+def _info(args: argparse.Namespace) -> int:
+    out = info_data()
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"shmbuffer   {out['shmbuffer']}")
+    print(f"python      {out['python']}")
+    print(f"platform    {out['platform']}")
+    print(f"hot path    {'C extension' if out['hot_path'] == 'native' else 'pure Python'}: {out['hot_path_reason']}")
+    deps = "  ".join(f"{k} {v or 'MISSING'}" for k, v in out["dependencies"].items())
+    print(f"requires    {deps}")
+    extras = "  ".join(f"{k} {v}" for k, v in out["optional"].items() if v) or "none installed"
+    print(f"optional    {extras}")
+    shm = out["shm"]
+    if "error" in shm:
+        print(f"/dev/shm    cannot be read: {shm['error']}")
+    else:
+        print(f"/dev/shm    {segment.human(shm['free_bytes'])} free of {segment.human(shm['size_bytes'])}")
+    cpu = out["cpu"]
+    print(f"cpu         {cpu['model']}, {cpu['count']} cores ({cpu['usable']} usable by this process)")
+    gpu = out["gpu"]
+    if gpu["cuda"]:
+        for d in gpu["devices"]:
+            print(f"gpu {d['index']}       {d['name']}, {segment.human(d['memory_bytes'])} (CUDA {gpu['cuda_version']})")
+    else:
+        print(f"gpu         none: {gpu['why']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The ``shmbuffer`` command: parse ``argv`` (default: ``sys.argv[1:]``), run the subcommand, return its exit
+    status."""
     parser = argparse.ArgumentParser(prog="shmbuffer", description="A replay buffer in shared memory.")
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run the demo (shmbuffer demo --help: its settings)", add_help=False)
     demo.set_defaults(run=_demo)
@@ -411,6 +521,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=0.5, help="seconds per measurement")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_bench)
+    p = sub.add_parser("info", help="versions, the hot path (C extension or Python) and why, /dev/shm, CPU, GPU")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=_info)
     _add_top(sub)
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "demo":

@@ -89,6 +89,7 @@ def _extra_keywords(policy: Callable[..., Any]) -> set[str]:
 
 
 def random_policy(space: Any) -> Policy:
+    """A policy that samples each action uniformly from ``space`` (ignores the model)."""
     def act(model: Any, obs: np.ndarray, step: int) -> np.ndarray:
         return np.stack([space.sample() for _ in range(obs.shape[0])])
 
@@ -99,11 +100,14 @@ def default_transition(
     obs: np.ndarray, action: np.ndarray, reward: np.ndarray, next_obs: np.ndarray,
     terminated: np.ndarray, truncated: np.ndarray,
 ) -> dict[str, np.ndarray]:
+    """The row a collector pushes for one step: ``obs``, ``action``, ``reward``, ``next_obs``, ``done``
+    (terminated), ``truncated``."""
     return {"obs": obs, "action": action, "reward": reward, "next_obs": next_obs, "done": terminated,
             "truncated": truncated}
 
 
 def flatten(model: Any) -> np.ndarray:
+    """A torch model's state as one flat float32 array (what ``publish`` writes to shared memory)."""
     import torch
 
     with torch.no_grad():
@@ -111,6 +115,7 @@ def flatten(model: Any) -> np.ndarray:
 
 
 def unflatten(model: Any, flat: np.ndarray) -> None:
+    """Load a flat array written by ``flatten`` into ``model``'s state, in place."""
     import torch
 
     state = model.state_dict()

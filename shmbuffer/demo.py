@@ -53,12 +53,14 @@ class Args:
 
 # -- the Q-network and the collectors' policy ----------------------------------------------------
 def make_env() -> Any:
+    """The demo's environment: Gymnasium's ``CartPole-v1``."""
     import gymnasium as gym
 
     return gym.make("CartPole-v1")
 
 
 def q_network(obs_dim: int, actions: int, hidden: int) -> Any:
+    """The demo's Q-network: an MLP with two hidden ReLU layers of ``hidden`` units."""
     import torch
 
     return torch.nn.Sequential(
@@ -118,6 +120,7 @@ def buffer_size(capacity: int, envs: int) -> tuple[int, int]:
 
 
 def main(args: Args) -> dict[str, Any]:
+    """Run the demo with these settings; returns its summary (``solved``, the mean evaluation return, timings)."""
     import torch
 
     import shmbuffer as sb
@@ -231,6 +234,7 @@ def _summary(report: dict[str, Any], args: Args) -> None:
 
 
 def parse(argv: list[str] | None = None) -> Args:
+    """The demo's settings from command-line arguments (``shmbuffer demo --help`` lists them)."""
     p = argparse.ArgumentParser(prog="shmbuffer demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     for f in fields(Args):

@@ -77,6 +77,7 @@ ENDS = ("done", "dones", "terminated", "terminal", "terminals", "truncated", "tr
 
 @dataclass(frozen=True)
 class Stack:
+    """A field stored as single frames and rebuilt as a stack of ``k`` of them along ``axis`` on read."""
     name: str
     k: int
     axis: int
@@ -146,9 +147,12 @@ class Frames:
 
     @property
     def ahead(self) -> int:
+        """Rows a lane keeps ahead of its newest transition: 1 with ``next_of`` (its next row holds ``next_obs``),
+        else 0."""
         return 1 if self.next_of else 0
 
     def stacked(self, name: str) -> Stack | None:
+        """The ``Stack`` of field ``name``, or ``None`` if it is not stacked."""
         return next((s for s in self.stack if s.name == name), None)
 
     @property
@@ -177,6 +181,7 @@ class Frames:
         return Record(record.itemsize, {n: record.offsets[n] for n in names}, dtype)
 
     def to_json(self) -> dict[str, Any]:
+        """As JSON, for the block's metadata and saves."""
         return {"next_of": [list(p) for p in self.next_of],
                 "stack": [[s.name, s.k, s.axis, s.width] for s in self.stack], "ends": list(self.ends)}
 
@@ -192,6 +197,7 @@ class Frames:
 
     @classmethod
     def from_json(cls, spec: dict[str, Any] | None) -> Frames | None:
+        """The ``Frames`` that ``to_json`` gave (``None`` for none)."""
         if not spec:
             return None
         return cls(tuple((str(a), str(b)) for a, b in spec["next_of"]),

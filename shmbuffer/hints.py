@@ -3,15 +3,28 @@
 A method, keyword or batch key of cpprb, Stable-Baselines3, TorchRL, DI-engine, MindSpore RL or
 Velora that shmbuffer lacks ends in an error naming our equivalent (``ReplayBuffer.__getattr__``,
 the ``**unknown`` keywords of ``ReplayBuffer`` and ``sample``, ``Batch``'s missing keys) instead
-of a bare ``AttributeError``/``TypeError``/``KeyError``. Every entry comes from docs/names.md
-(``tests/test_hints.py`` checks that each of their names is written there).
+of a bare ``AttributeError``/``TypeError``/``KeyError``. Every entry comes from the library's page
+in docs/migration/ (``tests/test_hints.py`` checks that each of their names is written there), and
+each error names that page.
 """
 
 from __future__ import annotations
 
 from .errors import UnknownKeyword, UnknownName
 
-DOCS = "docs/names.md"
+DOCS = "docs/migration/"
+PAGES = {"cpprb": "cpprb", "TorchRL": "torchrl", "MindSpore RL": "mindspore", "DI-engine": "ding", "nerveX": "ding",
+         "Velora": "velora", "Stable-Baselines3": "sb3", "SB3": "sb3"}
+
+
+def page(whose: str) -> str:
+    """The migration page of the library ``whose`` names first (``"cpprb's stack_compress"``:
+    cpprb's), or the index when it names none."""
+    for lib, name in PAGES.items():
+        if whose.startswith(lib):
+            return f"{DOCS}{name}.md"
+    return f"{DOCS}index.md"
+
 
 # name: (whose, what to use here). Methods and attributes of their buffers.
 METHODS: dict[str, tuple[str, str]] = {
@@ -96,7 +109,7 @@ def name_error(obj: object, name: str) -> AttributeError:
     if hint is None:
         return AttributeError(f"{kind!r} object has no attribute {name!r}", name=name, obj=obj)
     whose, ours = hint
-    return UnknownName(f"{kind} has no {name!r} ({whose}'s name); here: {ours}. See {DOCS}.", name=name, obj=obj)
+    return UnknownName(f"{kind} has no {name!r} ({whose}'s name); here: {ours}. See {page(whose)}.", name=name, obj=obj)
 
 
 def keyword_error(call: str, unknown: dict[str, object]) -> TypeError:
@@ -105,12 +118,12 @@ def keyword_error(call: str, unknown: dict[str, object]) -> TypeError:
     name = next(iter(unknown))
     hint = KEYWORDS.get(name)
     if hint is None:
-        return UnknownKeyword(f"{call}() got an unexpected keyword argument {name!r}; see help({call}) and {DOCS}")
+        return UnknownKeyword(f"{call}() got an unexpected keyword argument {name!r}; see help({call}) and {DOCS}index.md")
     whose, ours = hint
-    return UnknownKeyword(f"{call}() takes no {name!r} ({whose}); here: {ours}. See {DOCS}.")
+    return UnknownKeyword(f"{call}() takes no {name!r} ({whose}); here: {ours}. See {page(whose)}.")
 
 
 def key_hint(name: str) -> str:
     """The sentence naming our equivalent of another library's batch key, or ``""``."""
     hint = KEYS.get(name)
-    return "" if hint is None else f"; {name!r} is {hint[0]}'s name, here: {hint[1]} (see {DOCS})"
+    return "" if hint is None else f"; {name!r} is {hint[0]}'s name, here: {hint[1]} (see {page(hint[0])})"

@@ -158,6 +158,7 @@ class Options:
         return e.astype(np.int64, copy=False)
 
     def to_json(self) -> dict[str, Any]:
+        """The options as JSON, kept in the block's metadata."""
         return {"capacity": int(self.capacity), "lanes": int(self.lanes), "sampler": self.sampler.to_json(),
                 "max_use": None if self.max_use is None else int(self.max_use), "episodes": bool(self.episodes),
                 "limiter": None if self.limiter is None else self.limiter.to_json(),
@@ -166,6 +167,7 @@ class Options:
 
     @classmethod
     def from_json(cls, spec: dict[str, Any]) -> Options:
+        """The options that ``to_json`` gave."""
         return cls(spec["capacity"], spec["lanes"], sampler_from_json(spec["sampler"]), spec["max_use"],
                    spec["episodes"], RateLimiter.from_json(spec.get("limiter")), spec.get("envs"),
                    Frames.from_json(spec.get("frames")))
@@ -268,6 +270,7 @@ class Block:
         return bool(self.counters[Counter.INTERLEAVED])
 
     def mark_interleaved(self) -> None:
+        """Note in the block that one lane has received rows of several envs (windows then refuse it)."""
         self.counters[Counter.INTERLEAVED] = 1
 
     @classmethod

@@ -59,15 +59,18 @@ class RateLimiter:
 
     @property
     def offset(self) -> float:
+        """The samples the ratio allows before ``min_size`` rows are in: ``samples_per_insert * min_size``."""
         return (self.samples_per_insert or 0.0) * self.min_size
 
     def can_sample(self, inserted: int, sampled: int, size: int, n: int) -> bool:
+        """Whether a sample of ``n`` rows keeps the ratio, given the inserts and samples so far and the rows held."""
         if size < self.min_size:
             return False
         spi = self.samples_per_insert
         return spi is None or spi * inserted - sampled - n >= self.offset - self.error
 
     def can_insert(self, inserted: int, sampled: int, size: int, k: int) -> bool:
+        """Whether a push of ``k`` rows keeps the ratio (always, unless ``gates_writers``)."""
         spi = self.samples_per_insert
         if not self.gates_writers or spi is None:
             return True
@@ -102,12 +105,14 @@ class RateLimiter:
                 f"min_size={self.min_size}: diff {diff:g} vs window {self.offset:g} +- {self.error:g}")
 
     def to_json(self) -> dict[str, Any]:
+        """The limiter as JSON (kept in the block's metadata; an infinite ``error`` as ``null``)."""
         out = asdict(self)
         out["error"] = None if self.error == float("inf") else self.error
         return out
 
     @classmethod
     def from_json(cls, spec: dict[str, Any] | None) -> RateLimiter | None:
+        """The limiter that ``to_json`` gave (``None`` for none)."""
         if spec is None:
             return None
         spec = dict(spec)

@@ -279,6 +279,8 @@ class RobustLock:
             self._unlock(self._ptr)
 
     def release(self) -> None:
+        """Release the lock (it must be held by this thread), then run the signal handlers deferred while it was
+        held."""
         _check(self._unlock(self._ptr), "pthread_mutex_unlock")  # raises only when not held: nothing deferred
         resume_signals()
 

@@ -77,6 +77,7 @@ class Buffers(Mapping[str, ReplayBuffer]):
 
     @property
     def handles(self) -> dict[str, BufferHandle]:
+        """Each buffer's picklable ``BufferHandle`` by key (``Buffers.attach`` takes them in another process)."""
         return {key: buf.handle for key, buf in self._buffers.items()}
 
     def __getitem__(self, key: str) -> ReplayBuffer:
@@ -111,9 +112,12 @@ class Buffers(Mapping[str, ReplayBuffer]):
         return {key: self[key].push(rows, **kw) for key in targets}
 
     def mix(self, weights: Mapping[str, float], **kwargs: Any) -> Mix:
+        """A ``Mix`` of these buffers by key and weight (``{"agent": 0.75, "expert": 0.25}``); ``kwargs`` go to
+        ``Mix``."""
         return Mix([(self[key], w) for key, w in weights.items()], **kwargs)
 
     def close(self) -> None:
+        """Close every buffer in this process (a buffer still exporting views is left open)."""
         for buf in self._buffers.values():
             try:
                 buf.close()
@@ -121,6 +125,7 @@ class Buffers(Mapping[str, ReplayBuffer]):
                 pass
 
     def unlink(self) -> None:
+        """Remove every buffer's block from ``/dev/shm`` (the creator's call, after ``close``)."""
         for buf in self._buffers.values():
             buf.unlink()
 

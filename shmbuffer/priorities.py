@@ -110,6 +110,7 @@ class Priorities:
 
     @property
     def max_priority(self) -> float:
+        """The largest priority given so far: a push without ``priority=`` gets it."""
         return float(self._prio[0])
 
     @property
@@ -328,6 +329,7 @@ class Priorities:
         return prios.uses[slots].astype(np.int64)
 
     def clear(self) -> None:
+        """Reset the tree, the largest priority (to 1.0) and the use counts, as ``ReplayBuffer.clear`` does."""
         self.tree.reset()
         self._prio[0] = 1.0
         if self.uses is not None:

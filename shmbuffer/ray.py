@@ -114,10 +114,12 @@ def tag(shard: int, ids: np.ndarray) -> np.ndarray:
 
 
 def shard_of(ids: Any) -> np.ndarray:
+    """The shard index of each global row id (its high bits)."""
     return np.asarray(ids, np.int64) >> SHIFT
 
 
 def row_of(ids: Any) -> np.ndarray:
+    """The shard-local row id of each global row id (its low bits)."""
     return np.asarray(ids, np.int64) & _ROW
 
 
@@ -281,6 +283,7 @@ class WriterTarget:
 
     @property
     def lanes(self) -> int:
+        """The lanes of each shard (the shards share their options)."""
         return self.options.lanes
 
     @property
@@ -311,6 +314,8 @@ class WriterTarget:
         return self.shards[0]
 
     def local(self, shard: ShardInfo) -> bool:
+        """Whether ``shard`` is on this process's Ray node (and so is written through shared memory), unless
+        ``force_remote``."""
         if self.force_remote:
             return False
         node = self.node
@@ -589,6 +594,7 @@ class ShardedBuffer:
     # -- the state of every shard ----------------------------------------------------------
     @property
     def alive(self) -> list[int]:
+        """The indices of the shards not lost."""
         return [s.index for s in self.shards if s.index not in self.lost]
 
     def _drop(self, i: int, error: BaseException) -> None:
@@ -919,6 +925,7 @@ class ShardedBuffer:
 
     @property
     def closed(self) -> bool:
+        """Whether ``close()`` has been called."""
         return self._closed
 
     def close(self, timeout: float = 30.0) -> None:

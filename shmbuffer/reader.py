@@ -56,18 +56,23 @@ class Source(Protocol):
     rng: np.random.Generator
 
     @property
-    def block(self) -> Block: ...
+    def block(self) -> Block:
+        """The buffer's columns (``layout.Block``)."""
 
     @property
-    def ring(self) -> Ring: ...
+    def ring(self) -> Ring:
+        """The buffer's ring: lanes, stamps, counters."""
 
     @property
-    def options(self) -> Options: ...
+    def options(self) -> Options:
+        """The buffer's options."""
 
     @property
-    def priorities(self) -> Priorities | None: ...
+    def priorities(self) -> Priorities | None:
+        """The buffer's priority state, or ``None`` without a prioritized sampler."""
 
-    def reap(self) -> np.ndarray: ...
+    def reap(self) -> np.ndarray:
+        """Ids of the rows whose uses ran out (``max_use``), for the sampler to drop."""
 
 
 def intact(first: np.ndarray, second: np.ndarray, expected: np.ndarray) -> np.ndarray:

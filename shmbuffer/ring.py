@@ -118,6 +118,7 @@ os.register_at_fork(after_in_child=_forked)
 
 
 def check_platform() -> None:
+    """Raise ``UnsupportedPlatform`` unless the CPU is x86-64 (the commit protocol relies on its memory ordering)."""
     machine = platform.machine().lower()
     if machine not in _X86:
         raise UnsupportedPlatform(
@@ -164,6 +165,7 @@ class Reservation:
 
     @property
     def ids(self) -> np.ndarray:
+        """The row ids reserved, one per row."""
         return self.n * self.lanes + self.lane if self.lanes > 1 else self.n
 
     @property
@@ -578,6 +580,7 @@ class Ring:
         return min(start, cur), cur
 
     def slots(self, ids: np.ndarray) -> np.ndarray:
+        """The slot (row of the columns) of each row id."""
         if self.lanes == 1:
             return ids % self.lane_capacity
         lane = ids % self.lanes
@@ -634,9 +637,11 @@ class Ring:
 
     @property
     def frozen(self) -> bool:
+        """Whether the buffer is read-only (``freeze``)."""
         return bool(self._count[_FROZEN])
 
     def freeze(self) -> None:
+        """Make the buffer read-only for every process attached to it."""
         with self.lock:
             self._stats[_FROZEN] = 1
 
@@ -657,6 +662,8 @@ class Ring:
 
     @property
     def stats(self) -> dict[str, int]:
+        """The counters: rows inserted, sampled, reclaimed, lock recoveries and the others, as
+        ``ReplayBuffer.stats``."""
         return {
             "inserted": self.inserted,
             "sampled": self.sampled,

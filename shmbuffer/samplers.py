@@ -42,13 +42,17 @@ class RingView(Protocol):
 
     lanes: int
 
-    def bounds(self) -> tuple[np.ndarray, np.ndarray]: ...
+    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each lane's first and stop row number."""
 
-    def span(self) -> tuple[int, int]: ...
+    def span(self) -> tuple[int, int]:
+        """The smallest first and the largest stop row number over the lanes."""
 
-    def ids_of_slots(self, slots: np.ndarray, live: np.ndarray | None = None) -> np.ndarray: ...
+    def ids_of_slots(self, slots: np.ndarray, live: np.ndarray | None = None) -> np.ndarray:
+        """The ids of the rows in ``slots`` (only those marked in ``live``, if given)."""
 
-    def committed_ids(self) -> np.ndarray: ...
+    def committed_ids(self) -> np.ndarray:
+        """The ids of every committed row."""
 
     # optional: ``native_view``, ``(stamp, cursors)`` arrays the C draw reads ids from (``ring.Ring``);
     # without it (or without the extension) ``tree_draw`` runs the numpy code and ``ids_of_slots``
@@ -85,9 +89,11 @@ class Uniform:
         return Draw(uniform_ids(rng, k, first, last, replace=replace, taken=taken))
 
     def weights(self, tree: SumTree | None, leaves: np.ndarray | None, calls: int) -> np.ndarray | None:
+        """No importance weights: ``None``."""
         return None
 
     def to_json(self) -> dict[str, Any]:
+        """As JSON, for the block's metadata."""
         return {"kind": "uniform"}
 
 
@@ -141,6 +147,7 @@ class Prioritized:
             return np.power(np.maximum(leaves, low) / low, -self.beta_at(calls)).astype(np.float32)
 
     def to_json(self) -> dict[str, Any]:
+        """As JSON, for the block's metadata: the kind and the parameters."""
         return {"kind": "prioritized", **asdict(self)}
 
 
@@ -148,6 +155,7 @@ Sampler = Uniform | Prioritized
 
 
 def sampler_from_json(spec: dict[str, Any]) -> Sampler:
+    """The sampler that a sampler's ``to_json`` gave."""
     spec = dict(spec)
     kind = spec.pop("kind")
     if kind == "uniform":

@@ -48,7 +48,7 @@ the env's next add starts a new one (the cut step is never sampled).
 Pickling (``save_replay_buffer``, ``deepcopy``) stores the rows with their ids and the settings;
 unpickling makes a new shared buffer holding them at the same positions (the same arrays, ``pos``
 and ``full``; with ``optimize_memory_usage`` the rows only, oldest first), owned by the loading
-process. Where these differ from SB3 and why: ``docs/names.md``.
+process. Where these differ from SB3 and why: ``docs/migration/sb3.md``.
 """
 
 from __future__ import annotations

@@ -84,12 +84,15 @@ class Field:
 
     @property
     def row_bytes(self) -> int:
+        """The bytes one row of this field takes."""
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
     def describe(self) -> str:
+        """``shape dtype``, as error messages show a field."""
         return f"{self.shape} {self.dtype}"
 
     def to_json(self) -> dict[str, Any]:
+        """The field as JSON: name, shape, dtype string."""
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype.str}
 
 
@@ -185,6 +188,7 @@ class Schema:
     # -- reading the schema ------------------------------------------------------------------
     @property
     def names(self) -> tuple[str, ...]:
+        """The fields' names, in order."""
         return self._names
 
     @property
@@ -199,6 +203,7 @@ class Schema:
 
     @property
     def row_bytes(self) -> int:
+        """The bytes one row of all fields takes (without the buffer's own columns)."""
         return sum(f.row_bytes for f in self._fields.values())
 
     def __getitem__(self, name: str) -> Field:
@@ -227,10 +232,12 @@ class Schema:
         return f"Schema({inner})"
 
     def to_json(self) -> list[dict[str, Any]]:
+        """The schema as JSON: a list of its fields' ``to_json``."""
         return [f.to_json() for f in self]
 
     @classmethod
     def from_json(cls, fields: list[dict[str, Any]]) -> Schema:
+        """The schema that ``to_json`` gave."""
         return cls(**{f["name"]: (tuple(f["shape"]), f["dtype"]) for f in fields})
 
     # -- validating pushed data ----------------------------------------------------------------

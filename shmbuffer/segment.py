@@ -92,7 +92,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from . import _tracker
+from . import _tracker, native
 from .errors import ForeignBlock, LayoutError, OutOfSharedMemory, SegmentNotFound, ShmBufferError, UnsupportedPlatform
 
 SHM_DIR = "/dev/shm"
@@ -121,6 +121,7 @@ class ColumnSpec:
 
     @property
     def nbytes(self) -> int:
+        """The bytes the column takes."""
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
@@ -172,10 +173,12 @@ def human(nbytes: float) -> str:
 
 
 def path_of(name: str) -> str:
+    """The file of buffer ``name``: ``/dev/shm/shmbuffer-NAME``."""
     return os.path.join(SHM_DIR, PREFIX + name)
 
 
 def check_name(name: str) -> str:
+    """``name`` if it is a valid buffer name (1-200 of ``A-Z a-z 0-9 _ . -``), else ``ValueError``."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(
             f"buffer name {name!r}: expected 1-200 characters from A-Z a-z 0-9 _ . -"
@@ -184,6 +187,7 @@ def check_name(name: str) -> str:
 
 
 def new_name() -> str:
+    """A fresh buffer name: ``<pid>-<8 hex digits>``."""
     return f"{os.getpid()}-{secrets.token_hex(4)}"
 
 
@@ -227,6 +231,7 @@ def process_alive(pid: int, started: float) -> bool:
 
 
 def free_bytes() -> int:
+    """Free bytes in ``/dev/shm``."""
     st = os.statvfs(SHM_DIR)
     return st.f_bavail * st.f_frsize
 
@@ -538,14 +543,19 @@ class Segment:
 
     @property
     def meta(self) -> dict[str, Any]:
+        """The block's metadata (schema, options, columns) from its header."""
         return self.header.meta
 
     @property
     def closed(self) -> bool:
+        """Whether this mapping is closed."""
         return self._mm is None
 
     @classmethod
     def create(cls, name: str | None, meta: dict[str, Any], columns: list[ColumnSpec], fingerprint: str) -> Segment:
+        """Create block ``name`` (a new name if ``None``) with these columns: space checked and reserved, watched
+        by the tracker, magic written last."""
+        native.warn_if_missing()  # first use: say once if the C extension is missing (native.py)
         name = check_name(name) if name is not None else new_name()
         entries, at = [], 0
         for col in columns:
@@ -600,6 +610,8 @@ class Segment:
 
     @classmethod
     def attach(cls, name: str) -> Segment:
+        """Map the existing block ``name`` after checking its header (layout version, ownership, pid namespace)."""
+        native.warn_if_missing()
         fd, st = _open(name, os.O_RDWR)
         try:
             header = _parse_header(name, fd, st)

@@ -186,6 +186,8 @@ def _assemble(src: Source, ids: np.ndarray, rows: Rows, mask: np.ndarray | None,
 
 
 def sample_sequences(src: Source, n: int, length: int, *, burn_in: int = 0, time_major: bool = False) -> Batch:
+    """``n`` windows of ``length`` consecutive steps of one lane and episode (plus ``burn_in`` steps before), with
+    a mask; ``ReplayBuffer.sample_sequences`` documents it."""
     what = f"sample_sequences({n}, {length})"
     _check_windows(src, what, n, length, burn_in)
     ids, rows, mask = _windows(src, n, np.arange(-burn_in, length), burn_in, full=False, what=what)
@@ -194,6 +196,7 @@ def sample_sequences(src: Source, n: int, length: int, *, burn_in: int = 0, time
 
 def sample_groups(src: Source, groups: int, size: int, *, ordered: bool = True, replace: bool = True,
                   short: bool = False) -> Batch:
+    """``groups`` groups of ``size`` rows of one episode each; ``ReplayBuffer.sample_groups`` documents it."""
     what = f"sample_groups({groups}, {size})"
     _check_windows(src, what, groups, size, 0)
     if short or not replace:

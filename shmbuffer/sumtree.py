@@ -94,6 +94,7 @@ class SumTree:
 
     @staticmethod
     def size(capacity: int) -> int:
+        """The number of float64 entries a tree over ``capacity`` leaves takes (its column's length)."""
         lengths = _plan(capacity)
         return sum(lengths) + lengths[-1]
 
@@ -104,6 +105,7 @@ class SumTree:
 
     @property
     def total(self) -> float:
+        """The sum of all leaves (the root)."""
         return float(self._cum[-1])
 
     @property

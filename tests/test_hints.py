@@ -21,15 +21,18 @@ from .conftest import MUJOCO, transition
 
 Make = Callable[..., sb.ReplayBuffer]
 ROOT = Path(__file__).resolve().parent.parent
-NAMES = (ROOT / "docs" / "names.md").read_text()
+NAMES = "\n".join(p.read_text() for p in sorted((ROOT / "docs" / "migration").glob("*.md")))
 CODE = re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", NAMES, flags=re.S))  # inline code, outside blocks
 
 
 @pytest.mark.parametrize("table", ["METHODS", "KEYWORDS", "KEYS"])
 def test_every_hint_is_a_name_docs_names_md_gives(table: str) -> None:
-    """The table is docs/names.md's, not a second opinion: each name it knows is written there in code."""
+    """The table is docs/migration/'s, not a second opinion: each name it knows is written there in code,
+    and each library it names has a page there."""
     missing = [n for n in getattr(hints, table) if not any(re.search(rf"\b{re.escape(n)}\b", c) for c in CODE)]
-    assert not missing, f"hints.{table} names absent from docs/names.md: {missing}"
+    assert not missing, f"hints.{table} names absent from docs/migration/: {missing}"
+    pages = {hints.page(whose) for whose, _ in getattr(hints, table).values()}
+    assert all((ROOT / p).is_file() for p in pages), pages
 
 
 def test_no_hint_hides_a_real_attribute() -> None:
@@ -50,7 +53,7 @@ def test_another_librarys_method_names_ours(make: Make, name: str, attr: str, ou
         getattr(buf, attr)
     assert isinstance(info.value, AttributeError) and info.value.name == attr
     message = str(info.value)
-    assert ours in message and "docs/names.md" in message and f"'{attr}'" in message
+    assert ours in message and "docs/migration/" in message and f"'{attr}'" in message
     assert not hasattr(buf, attr)
 
 
@@ -80,7 +83,7 @@ def test_another_librarys_sample_keyword_names_ours(make: Make, name: str, kw: d
     assert isinstance(info.value, TypeError)
     message = str(info.value)
     assert message.startswith(f"sample() takes no {next(iter(kw))!r}") and pointer in message
-    assert "docs/names.md" in message
+    assert "docs/migration/" in message
     assert buf.stats["sampled"] == 0  # refused before anything was drawn
 
 

@@ -41,7 +41,7 @@ outermost, as in DI-engine (``apply_middleware``). This module's middleware
 ``PriorityExperienceReplay`` also shapes the storage (the sum tree in shared memory), so it is
 used before the first push.
 
-What differs from DI-engine is listed in docs/names.md ("DI-engine"): ``index`` is the row's id
+What differs from DI-engine is listed in docs/migration/ding.md: ``index`` is the row's id
 (an ``int`` that never repeats) where DI-engine has a uuid string; ``PriorityExperienceReplay``
 draws from the buffer's shared sum tree at the end of the chain (so a middleware used after it sees
 ``size``, not DI-engine's ``indices=``); ``priority_idx`` is the row's slot; a meta without the

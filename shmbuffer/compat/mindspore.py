@@ -78,6 +78,7 @@ class ReplayBuffer(Facade):
         return [batch[n] for n in self.names]
 
     def reset(self) -> None:
+        """Remove every row (MindSpore RL's name for ``clear``)."""
         self.buffer.reset()
 
     def size(self) -> int:
@@ -85,8 +86,10 @@ class ReplayBuffer(Facade):
         return len(self.buffer)
 
     def full(self) -> bool:
+        """Whether the buffer is full."""
         return bool(self.buffer.full)
 
     def destroy(self) -> None:
+        """Close the buffer (MindSpore RL's name for ``close``)."""
         self.close()
 

@@ -63,6 +63,7 @@ class AdvancedReplayBuffer(Facade):
 
     @property
     def replay_buffer_size(self) -> int:
+        """The capacity, from the config's ``replay_buffer_size``."""
         return int(self.cfg["replay_buffer_size"])
 
     @property
@@ -136,12 +137,14 @@ class AdvancedReplayBuffer(Facade):
         self.buffer.update_priorities(ids, numpy_of(info["priority"]).astype(np.float64).reshape(-1))
 
     def count(self) -> int:
+        """The rows held (0 before the first push)."""
         return 0 if self.buffer is None else len(self.buffer)
 
     def __len__(self) -> int:
         return self.count()
 
     def clear(self) -> None:
+        """Remove every row."""
         if self.buffer is not None:
             self.buffer.clear()
 
