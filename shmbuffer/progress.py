@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 
 def human(n: float) -> str:
+    """``n`` in a few characters: ``950``, ``12.3k``, ``4.5M``."""
     for unit in ("", "k", "M", "G", "T"):
         if abs(n) < 1000 or unit == "T":
             return f"{n:.0f}{unit}" if not unit else f"{n:.1f}{unit}"
@@ -52,9 +53,11 @@ class Progress:
               f"{human(rate)} {self.unit}/s, {now - self.t0:.0f} s)", end="", file=self.stream, flush=True)
 
     def add(self, n: int) -> None:
+        """``n`` more units are done."""
         self.update(self.done + n)
 
     def close(self) -> None:
+        """End the line, if one was drawn."""
         if self.drawn:
             print(file=self.stream, flush=True)  # end the line
             self.drawn = False

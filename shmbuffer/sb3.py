@@ -501,6 +501,9 @@ class ReplayBuffer(_Shared, sb3_buffers.ReplayBuffer):
 
     @property
     def observations(self) -> np.ndarray:
+        """SB3's array, ``(buffer_size, n_envs, *obs_shape)``: a read-only view of the shared
+        column; a write through it (``observations[pos] = x``, or assigning the whole array) goes
+        through ``buffer.update``."""
         if self._settings["stack"] is not None:
             raise FieldError("observations: with stack= the buffer stores one frame of each stacked observation a "
                              "row, so there is no array of whole observations; read rows with sample() or buffer.get()")
@@ -524,11 +527,14 @@ class ReplayBuffer(_Shared, sb3_buffers.ReplayBuffer):
 
     def add(self, obs: np.ndarray, next_obs: np.ndarray, action: np.ndarray, reward: np.ndarray,
             done: np.ndarray, infos: list[dict[str, Any]]) -> None:
+        """SB3's ``add``: one step of the ``n_envs`` envs, one row into each env's lane."""
         shape = (self.n_envs, *self.obs_shape)
         self._push({"obs": np.asarray(obs).reshape(shape), "next_obs": np.asarray(next_obs).reshape(shape)},
                    action, reward, done, infos)
 
     def sample(self, batch_size: int, env: Any = None) -> ReplayBufferSamples:
+        """SB3's ``sample``: positions and envs drawn with ``np.random`` as SB3 draws them, the rows
+        read as one stamped copy (never torn); ``env`` a ``VecNormalize`` normalizes them."""
         if self.optimize_memory_usage:  # uniform over whole transitions (the module docstring)
             return self._samples(self.buffer.sample(batch_size), env)  # EmptyBufferError when none
         upper_bound = self._upper_bound()
@@ -664,6 +670,7 @@ class DictReplayBuffer(_Shared, sb3_buffers.DictReplayBuffer):
 
     @property  # type: ignore[override]
     def observations(self) -> dict[str, np.ndarray]:
+        """SB3's dict of arrays, one per key of the observation space, as ``ReplayBuffer.observations``."""
         return {k: self._column(f"obs_{_key(k)}") for k in self.observation_space.spaces}
 
     @observations.setter
@@ -673,6 +680,7 @@ class DictReplayBuffer(_Shared, sb3_buffers.DictReplayBuffer):
 
     @property  # type: ignore[override]
     def next_observations(self) -> dict[str, np.ndarray]:
+        """SB3's dict of arrays of next observations, as ``observations``."""
         return {k: self._column(f"next_obs_{_key(k)}") for k in self.observation_space.spaces}
 
     @next_observations.setter
@@ -682,6 +690,7 @@ class DictReplayBuffer(_Shared, sb3_buffers.DictReplayBuffer):
 
     def add(self, obs: dict[str, np.ndarray], next_obs: dict[str, np.ndarray], action: np.ndarray,  # type: ignore[override]
             reward: np.ndarray, done: np.ndarray, infos: list[dict[str, Any]]) -> None:
+        """SB3's ``add`` with dict observations: one step of the ``n_envs`` envs."""
         fields = {}
         for key in self.observation_space.spaces:
             shape = (self.n_envs, *self.obs_shape[key])
@@ -690,6 +699,7 @@ class DictReplayBuffer(_Shared, sb3_buffers.DictReplayBuffer):
         self._push(fields, action, reward, done, infos)
 
     def sample(self, batch_size: int, env: Any = None) -> DictReplayBufferSamples:  # type: ignore[override]
+        """SB3's ``sample`` with dict observations, as ``ReplayBuffer.sample``."""
         upper_bound = self._upper_bound()
         if upper_bound == 0:
             raise EmptyBufferError("sample: the replay buffer is empty")

@@ -18,7 +18,7 @@ rates are the differences of two reads. The rows a writer pushed between two rea
 the lanes' new row numbers, attributed by ``_owner`` (the writer entry that reserved each slot);
 when a lane came round more than once between reads the count is scaled from the rows still
 there. The buffer counts no lock waits, so none are shown; lock recoveries (a holder found dead)
-are. With ``rich`` installed (``pip install 'shmbuffer[top]'``) the view is a table drawn by rich;
+are. With ``rich`` installed (``pip install -e ".[top]"`` in the clone) the view is a table drawn by rich;
 without it plain text, redrawn with ANSI codes on a terminal (over SSH too). Nothing here imports
 rich unless the live view on a terminal asks for it.
 """
@@ -246,7 +246,7 @@ def run(names: list[str], *, every: bool, once: bool, as_json: bool, interval: f
         try:
             from rich.live import Live
         except ImportError:
-            print("(pip install 'shmbuffer[top]' for a table drawn by rich)", file=sys.stderr)
+            print('(pip install -e ".[top]" in the clone for a table drawn by rich)', file=sys.stderr)
         else:
             live = Live(auto_refresh=False, screen=False, transient=False)
     readings: dict[str, Reading | None] = {}

@@ -489,6 +489,7 @@ class ShmStorage(StoreStorage):
         return self.buffer
 
     def contains(self, item: Any) -> Any:
+        """TorchRL's ``contains``: whether a storage index holds a row (an int, or per index)."""
         if isinstance(item, (int, np.integer)):
             return -len(self) <= item < len(self)
         t = torch.as_tensor(item)
@@ -518,6 +519,7 @@ class ShmStorage(StoreStorage):
         return {n: a[order] for n, a in rows.items()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """TorchRL's ``load_state_dict``: the rows of ``state_dict`` (``state_dict()``'s), each back in its slot."""
         kind = state_dict.get("kind") or "tensordict"
         if kind not in KINDS:
             raise ValueError(f"ShmStorage.load_state_dict: expected a kind in {KINDS}, got {kind!r}")
@@ -555,6 +557,7 @@ class ShmStorage(StoreStorage):
         return None
 
     def loads(self, path: Any) -> None:
+        """TorchRL's ``loads``: the rows ``dumps`` wrote into ``path``, each back in its slot."""
         if self._custom_checkpointer():
             return super().loads(path)
         meta = Path(path) / META

@@ -232,6 +232,7 @@ class Layout:
         return layout
 
     def schema(self) -> Schema:
+        """The shared buffer's schema: the columns, then the object and meta slots (bytes)."""
         fields: dict[str, Any] = {name: (c.shape, c.dtype) for name, c in self.columns.items()}
         if self.object_bytes:
             fields[OBJECT] = ((self.object_bytes,), "uint8")
@@ -269,6 +270,7 @@ class Layout:
         return cols
 
     def meta_fields(self, meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """The meta slot's field for ``meta`` (pickled); ``ValueError`` when it does not fit."""
         if not self.meta_bytes:
             if meta:
                 raise ValueError(f"DequeBuffer: this buffer has no meta slot (meta_bytes=0); got meta keys {list(meta)}")
@@ -305,19 +307,23 @@ class Layout:
         return out
 
     def metas(self, fields: Mapping[str, np.ndarray], rows: list[int]) -> list[dict[str, Any]]:
+        """The meta of rows ``rows`` of gathered ``fields``, each as it was pushed."""
         if not self.meta_bytes:
             return [{} for _ in rows]
         return [{} if m is None else m for m in _unslots(fields[META][rows])]
 
     def describe(self) -> str:
+        """The columns, for error messages."""
         return "{" + ", ".join(f"{k!r}: {c.kind} {c.shape} {np.dtype(c.dtype).name}" for k, c in self.columns.items()) + "}"
 
     def to_json(self) -> dict[str, Any]:
+        """The layout as JSON (``save_data``)."""
         return {"columns": {k: [c.kind, list(c.shape), c.dtype] for k, c in self.columns.items()}, "bare": self.bare,
                 "object_bytes": self.object_bytes, "meta_bytes": self.meta_bytes}
 
     @classmethod
     def from_json(cls, j: Mapping[str, Any]) -> Layout:
+        """The layout ``to_json`` gave."""
         columns = {k: Column(kind, tuple(shape), dtype) for k, (kind, shape, dtype) in j["columns"].items()}
         return cls(columns, bool(j["bare"]), int(j["object_bytes"]), int(j["meta_bytes"]))
 
@@ -383,6 +389,7 @@ class PriorityExperienceReplay:
         self.IS_weight_anneal_train_iter = IS_weight_anneal_train_iter
 
     def sampler(self) -> Prioritized:
+        """The shared buffer's sampler for these settings (alpha, beta, its annealing)."""
         return Prioritized(alpha=self.priority_power_factor, beta=self.IS_weight_power_factor,
                            beta_steps=self.IS_weight_anneal_train_iter or None)
 
@@ -397,6 +404,7 @@ class PriorityExperienceReplay:
 
     @property
     def max_priority(self) -> float:
+        """The largest priority given so far (DI-engine's ``max_priority``)."""
         store = None if self.buffer is None else self.buffer.buffer
         return 1.0 if store is None or store.priorities is None else store.priorities.max_priority
 
