@@ -2271,6 +2271,20 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&BoundPushType) < 0 || PyType_Ready(&PushMethodType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
+    /* the numbers this file shares with the Python modules, compared by tests/test_native.py */
+    if (PyModule_AddIntConstant(m, "FANOUT", FANOUT) < 0 || PyModule_AddIntConstant(m, "LANE_WORDS", LANE_WORDS) < 0 ||
+        PyModule_AddIntConstant(m, "LOCK_REPAIR", LOCK_REPAIR) < 0 || PyModule_AddIntConstant(m, "KIND_END", KIND_END) < 0 ||
+        PyModule_AddIntConstant(m, "KIND_START", KIND_START) < 0 || PyModule_AddIntConstant(m, "KIND_ZERO", KIND_ZERO) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *invalid = PyLong_FromLongLong(INVALID_ID);
+    if (!invalid || PyModule_AddObjectRef(m, "INVALID_ID", invalid) < 0) {
+        Py_XDECREF(invalid);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_DECREF(invalid);
     if (PyModule_AddObjectRef(m, "PushMethod", (PyObject *)&PushMethodType) < 0 ||
         PyModule_AddObjectRef(m, "BoundPush", (PyObject *)&BoundPushType) < 0) {
         Py_DECREF(m);

@@ -1232,3 +1232,18 @@ def test_push_itself_runs_in_c_for_its_usual_calls_and_the_method_for_the_rest(m
         held(**rows, lane=0, episode=1)
     with pytest.raises(sb.ClosedError):
         buf.push(**rows, lane=0, episode=1)
+
+
+@needs_lib
+def test_the_numbers_c_shares_with_python_agree(make: Make, name: str) -> None:
+    """The constants ``_native.c`` repeats from the Python modules are the same numbers (they
+    matched only by comment before; issue 23)."""
+    from shmbuffer import frames, lock
+
+    assert LIB is not None
+    buf = make(MUJOCO, capacity=8, lanes=2, name=name)
+    assert LIB.FANOUT == sumtree.FANOUT
+    assert LIB.LANE_WORDS == buf.block.arrays["_lanes"].shape[1]
+    assert LIB.LOCK_REPAIR == lock.REPAIR
+    assert (LIB.KIND_END, LIB.KIND_START, LIB.KIND_ZERO) == (frames.END, frames.START, frames.ZERO)
+    assert LIB.INVALID_ID == ring.INVALID
