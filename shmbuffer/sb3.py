@@ -386,12 +386,16 @@ class _Shared:
         of the env has reached since the last clear (``full`` set by hand) read the arrays as
         they are, as SB3 reads its arrays."""
         ring = self.buffer.ring
-        ids = self.ids(batch_inds, env_indices)
         lane = np.asarray(env_indices, np.int64)
-        empty = ids // ring.lanes < ring.base(lane)
+
+        def read() -> tuple[np.ndarray, np.ndarray, Any]:  # the ids again each time: writers move the lanes on
+            ids = self.ids(batch_inds, env_indices)
+            empty = ids // ring.lanes < ring.base(lane)
+            return ids, empty, None if empty.all() else self.buffer.take(ids[~empty])
+
+        ids, empty, batch = _waiting(read, "rows at the drawn positions")
         out: dict[str, np.ndarray] = {}
-        if not empty.all():
-            batch = _waiting(lambda: self.buffer.take(ids[~empty]), "rows at the drawn positions")
+        if batch is not None:
             for name in self.buffer.schema.names:
                 got = batch[name]
                 out[name] = np.empty((ids.size, *got.shape[1:]), got.dtype)

@@ -318,7 +318,8 @@ def test_another_users_block_is_refused_and_kept(make: Make, name: str, paths: l
     os.chown(segment.path_of(theirs), 65534, 65534)
     with pytest.raises(segment.ForeignBlock, match="belongs to uid 65534, not to this process's user"):
         sb.ReplayBuffer.attach(theirs)
-    entry = next(e for e in json.loads(cli("ls", "--json").stdout) if e["name"] == theirs)
+    assert theirs not in [e["name"] for e in json.loads(cli("ls", "--json").stdout)]  # ls lists yours
+    entry = next(e for e in json.loads(cli("ls", "--all", "--json").stdout) if e["name"] == theirs)
     assert "belongs to uid 65534" in entry["error"]
     assert f"skipped {theirs}" in cli("gc", "--force", theirs).stdout and os.path.exists(segment.path_of(theirs))
 

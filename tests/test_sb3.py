@@ -743,3 +743,32 @@ def test_extend_with_sb3s_arrays(name: str, opened: list[Any]) -> None:
     assert src.timeouts.any()
     for attr in ARRAYS:
         assert np.array_equal(getattr(theirs, attr), getattr(mine, attr)), attr
+
+
+def test_sample_reads_the_positions_again_when_a_writer_laps_them(name: str, opened: list[Any]) -> None:
+    """A writer elsewhere overwrites drawn positions between the draw and the read: the positions
+    are looked up again (the newest row in each slot), not read forever under their old ids
+    (which raised after WAIT seconds under a collector lapping the lanes)."""
+    box = spaces.Box(-1, 1, (4,), np.float32)
+    mine = ours.ReplayBuffer(8, box, spaces.Discrete(2), "cpu", name=name)
+    opened.append(mine)
+    steps = adds(1, 16, box, spaces.Discrete(2), seed=0)
+    for step in steps[:8]:
+        mine.add(*step)
+    take = mine.buffer.take
+    lapped: list[int] = []
+
+    def lapping_take(ids: Any) -> Any:
+        if not lapped:  # once: another writer comes round the whole lane first
+            for step in steps[8:]:
+                mine.add(*step)
+            lapped.append(1)
+        return take(ids)
+
+    mine.buffer.take = lapping_take  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    np.random.seed(1)
+    got = mine.sample(32)
+    assert time.monotonic() - t0 < ours.WAIT and lapped
+    newest = np.stack([np.asarray(s[0]).reshape(4) for s in steps[8:]])
+    assert all((newest == row).all(axis=1).any() for row in got.observations.numpy())
