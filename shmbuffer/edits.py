@@ -239,6 +239,7 @@ def push(
             note_interleaving(src, ids, episodes, given)
             return ids
     sources = copier.prepare(arrays, episodes, k, exact and ex is None)  # every cast before the reservation
+
     def restore() -> None:
         for put_back in kept:
             put_back()

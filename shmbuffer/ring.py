@@ -520,9 +520,12 @@ class Ring:
         is all or nothing: ``Copier.put``) the rows the slots held are intact, and while nobody
         has reserved since (every lane's cursor where this reservation left it, its rows still
         odd) the ring is put back as it was: cursors, the slots' stamps (their rows readable
-        again), the insert count, and ``restore()`` (the priorities ``also`` set). Only when
-        another writer reserved since are the rows given back as empty (``abandon``, with
-        ``lost(slots)``): a hole, which readers report as a lost row."""
+        again), the insert count, and ``restore()`` (the priorities ``also`` set); the undo counts
+        itself as an update (``Counter.UPDATES``), so a reader whose copy spans it reads again.
+        Only when another writer reserved or cleared since, a slot held a dead writer's odd row
+        (reclaimed: there is nothing to put back), or a copy could not put its bytes back
+        (``res.dirty``), are the rows given back as empty (``abandon``, with ``lost(slots)``): a
+        hole, which readers report as a lost row."""
         with self.lock:
             self._undo(res, copied=copied, restore=restore, lost=lost)
 
