@@ -48,6 +48,14 @@ holder may die anywhere: stamps are marked odd before the cursor moves (a dead h
 slots of a dead owner, which the next reservation reclaims), and ``clear()`` moves the base before
 the cursor (reservations start at ``max(cursor, base)``).
 
+Failures: a push that raises between its reservation and its commit (``undo``) commits its rows
+if they were copied whole; else, since the copy is all or nothing, it puts the ring back as it was
+(the reservation keeps the slots' stamps and the lanes' cursors), while nobody has reserved or
+cleared since; only otherwise are its rows left empty. A restore counts itself in
+``Counter.UPDATES`` (the old stamp comes back, as after an ``update``), and puts the cursors back
+before the stamps, so a holder that dies midway leaves odd rows above the cursor, reclaimed as any
+dead writer's.
+
 Memory ordering
 ---------------
 The protocol needs a writer's data stores to become visible before its commit stamp, and a reader's
