@@ -53,6 +53,9 @@ SIZE = 64
 REPAIR = 56
 """Byte offset of the repair word in those bytes: nonzero when a locker in C (``_native.push``)
 found the holder dead and left its repairs to the next locker (``RobustLock``)."""
+WAITS = 48
+"""Byte offset of the wait count in those bytes (int64, after glibc's 40 or 48 bytes of mutex):
+the times a locker found the lock held and waited for it, counted once it got it (so exactly)."""
 
 _PROCESS_SHARED = 1
 _ROBUST = 1
@@ -197,6 +200,7 @@ class RobustLock:
         self.memory = memory
         """The mutex's bytes (and the repair word): for the C lockers (``_native.push``)."""
         self._repair = memory[REPAIR:REPAIR + 8].view(np.int64)
+        self._waits = memory[WAITS:WAITS + 8].view(np.int64)
         self._ptr = ctypes.c_void_p(memory.ctypes.data)
         lib = _lib()
         self._trylock = lib.pthread_mutex_trylock
@@ -226,12 +230,13 @@ class RobustLock:
                 self._drop()
                 resume_signals()
                 raise
-            if not rc:
-                if self._repair[0]:  # a C locker found the holder dead (module docstring)
+            if not rc or rc == errno.EOWNERDEAD:
+                if deadline is not None:
+                    self._waits[0] += 1  # held now: the count is exact
+                if rc:
+                    self._recover()
+                elif self._repair[0]:  # a C locker found the holder dead (module docstring)
                     self._recover(consistent=True)
-                return
-            if rc == errno.EOWNERDEAD:
-                self._recover()
                 return
             resume_signals()  # not held: a signal that came meanwhile (Ctrl-C while waiting) runs here
             if rc == errno.EDEADLK:
@@ -277,6 +282,11 @@ class RobustLock:
                 self._consistent(self._ptr)
                 self._repair[0] = 1
             self._unlock(self._ptr)
+
+    @property
+    def waits(self) -> int:
+        """Times a locker, in any process, found the lock held and waited for it (``top``)."""
+        return int(self._waits[0])
 
     def release(self) -> None:
         """Release the lock (it must be held by this thread), then run the signal handlers deferred while it was

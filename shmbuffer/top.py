@@ -10,15 +10,15 @@
 For each buffer: rows held and the fill, rows in and out per second (in total and per writer
 process), samples per insert (over the interval, and since creation), rows of dead writers reaped
 (``Counter.RECLAIMED``) and lost (left half-written by a dead writer, not reaped yet), rows being
-written, lock recoveries, and per writer which hot path runs in it (C or Python: whether the
+written, lock waits (in all, and per second) and recoveries, and per writer which hot path runs in it (C or Python: whether the
 process has the C extension mapped, ``/proc/PID/maps``).
 
 Everything comes from the block's shared columns (``layout.py``), read by attaching for a moment:
 rates are the differences of two reads. The rows a writer pushed between two reads are those of
 the lanes' new row numbers, attributed by ``_owner`` (the writer entry that reserved each slot);
 when a lane came round more than once between reads the count is scaled from the rows still
-there. The buffer counts no lock waits, so none are shown; lock recoveries (a holder found dead)
-are. With ``rich`` installed (``pip install -e ".[top]"`` in the clone) the view is a table drawn by rich;
+there. Lock waits are the lock's own count (``lock.WAITS``: a locker that found it held); lock
+recoveries a holder found dead. With ``rich`` installed (``pip install -e ".[top]"`` in the clone) the view is a table drawn by rich;
 without it plain text, redrawn with ANSI codes on a terminal (over SSH too). Nothing here imports
 rich unless the live view on a terminal asks for it.
 """
@@ -38,6 +38,7 @@ from . import native, segment
 from .buffer import ReplayBuffer
 from .errors import ForeignBlock, LayoutError, SegmentNotFound
 from .layout import WRITERS, Counter, Lane
+from .lock import WAITS
 from .ring import lane_bounds
 
 
@@ -51,6 +52,7 @@ class Reading:
     inserted: int
     sampled: int
     writer_sampled: np.ndarray  # rows each writer entry sampled without the lock
+    lock_waits: int = 0
 
 
 def read(name: str, before: Reading | None) -> tuple[dict[str, Any], Reading | None]:
@@ -87,7 +89,8 @@ def _measure(buf: ReplayBuffer, name: str, uid: int, ident: tuple[int, int],
     lc = capacity // lanes
     inserted = int(stats[Counter.INSERTED])
     sampled = int(stats[Counter.SAMPLED]) + int(wsampled.sum())
-    reading = Reading(now, ident, cursors, inserted, sampled, wsampled)
+    waits = int(arrays["_mutex"].reshape(-1)[WAITS:WAITS + 8].view(np.int64)[0])
+    reading = Reading(now, ident, cursors, inserted, sampled, wsampled, waits)
 
     odd = np.flatnonzero(stamp & 1)
     odd_owners = owner[odd]
@@ -107,15 +110,17 @@ def _measure(buf: ReplayBuffer, name: str, uid: int, ident: tuple[int, int],
         "fill": rows / capacity, "lanes": lanes, "inserted": inserted, "sampled": sampled,
         "samples_per_insert": sampled / inserted if inserted else None,
         "reaped": int(stats[Counter.RECLAIMED]), "lost": dead_odd, "being_written": int(odd.size) - dead_odd,
-        "lock_recoveries": int(stats[Counter.LOCK_RECOVERIES]),
+        "lock_recoveries": int(stats[Counter.LOCK_RECOVERIES]), "lock_waits": waits,
         "interval_s": None, "in_rows_s": None, "out_rows_s": None, "samples_per_insert_now": None,
+        "lock_waits_s": None,
     }
     pushed = np.zeros(WRITERS)
     if before is not None:
         dt = max(now - before.t, 1e-9)
         rows_in, rows_out = inserted - before.inserted, sampled - before.sampled
         out.update(interval_s=round(dt, 3), in_rows_s=rows_in / dt, out_rows_s=rows_out / dt,
-                   samples_per_insert_now=rows_out / rows_in if rows_in > 0 else None)
+                   samples_per_insert_now=rows_out / rows_in if rows_in > 0 else None,
+                   lock_waits_s=(waits - before.lock_waits) / dt)
         for lane in np.flatnonzero(cursors != before.cursors):
             new = int(cursors[lane] - before.cursors[lane])
             first = max(int(before.cursors[lane]), int(cursors[lane]) - lc)  # rows lapped are gone
@@ -195,7 +200,7 @@ def lines(frame: dict[str, Any]) -> list[str]:
         out.append(f"  in {_rate(b['in_rows_s'])} rows/s  out {_rate(b['out_rows_s'])} rows/s  "
                    f"samples/insert {_ratio(b['samples_per_insert_now'])} now, {_ratio(b['samples_per_insert'])} all  "
                    f"reaped {b['reaped']}  lost {b['lost']}  being written {b['being_written']}  "
-                   f"lock recoveries {b['lock_recoveries']}")
+                   f"lock waits {b['lock_waits']} ({_rate(b['lock_waits_s'])}/s)  lock recoveries {b['lock_recoveries']}")
         out.append(f"  {'PID':>8} {'ROLE':<8} {'STATE':<6} {'PATH':<7} {'IN/S':>8} {'OUT/S':>8} {'HELD':>10} {'SAMPLED':>12}")
         for w in b["writers"]:
             role = "creator" if w["creator"] else "attached"
@@ -221,7 +226,8 @@ def _rich_view(frame: dict[str, Any]) -> Any:
         title = (f"{b['name']}  rows {b['rows']:,}/{b['capacity']:,} ({100 * b['fill']:.0f}%)  "
                  f"in {_rate(b['in_rows_s'])}/s  out {_rate(b['out_rows_s'])}/s  "
                  f"samples/insert {_ratio(b['samples_per_insert_now'])} ({_ratio(b['samples_per_insert'])} all)  "
-                 f"reaped {b['reaped']}  lost {b['lost']}  lock recoveries {b['lock_recoveries']}")
+                 f"reaped {b['reaped']}  lost {b['lost']}  lock waits {b['lock_waits']} ({_rate(b['lock_waits_s'])}/s)  "
+                 f"lock recoveries {b['lock_recoveries']}")
         table = Table(title=title, title_justify="left", expand=False)
         for col in ("pid", "role", "state", "path", "in/s", "out/s", "held", "sampled"):
             table.add_column(col, justify="right" if col not in ("role", "state", "path") else "left")

@@ -319,3 +319,30 @@ def test_sampled_rows_are_counted_exactly_without_the_lock(make: Make, name: str
     ring._wid_pid = -1  # this process registers again: it reclaims a dead entry
     buf.sample(2)
     assert buf.stats["sampled"] == 300 * (3 + 7 + 3 * 5) + 2
+
+
+def test_waits_are_counted_in_shared_memory(make: Make, name: str) -> None:
+    """A locker that finds the lock held and waits counts itself once it has it, in the lock's
+    own bytes, so every process (``shmbuffer top``) sees the count; an uncontended lock counts
+    nothing."""
+    buf = make(MUJOCO, capacity=8, name=name)
+    lock = buf.ring.lock
+    other = sb.ReplayBuffer.attach(buf.handle)
+    try:
+        with lock:
+            pass
+        assert lock.waits == 0
+        got = threading.Event()
+
+        def waiter() -> None:
+            with other.ring.lock:
+                got.set()
+
+        with lock:
+            t = threading.Thread(target=waiter)
+            t.start()
+            assert not got.wait(0.2)  # held: it waits
+        t.join(5)
+        assert got.is_set() and lock.waits == other.ring.lock.waits == 1
+    finally:
+        other.close()

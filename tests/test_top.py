@@ -75,6 +75,7 @@ def test_top_once_json_measures_rates_per_writer(writer: tuple[sb.ReplayBuffer, 
     assert b["samples_per_insert_now"] == pytest.approx(b["out_rows_s"] / b["in_rows_s"])
     assert b["samples_per_insert"] == pytest.approx(b["sampled"] / b["inserted"])
     assert b["reaped"] == b["lost"] == b["lock_recoveries"] == 0
+    assert b["lock_waits"] >= 0 and b["lock_waits_s"] >= 0
     writers = {w["pid"]: w for w in b["writers"]}
     assert set(writers) == {os.getpid(), proc.pid}
     mine, theirs = writers[os.getpid()], writers[proc.pid]
@@ -163,3 +164,22 @@ def test_save_load_and_from_arrays_print_nothing_off_a_terminal(make: Make, name
     assert out == err == ""
     buf.save(tmp_path / "again", progress=True)  # asked for: shown at once, terminal or not
     assert "saving" in capfd.readouterr().err
+
+
+def test_top_shows_the_lock_waits(make: Make, name: str) -> None:
+    """One locker waited for the lock: ``top`` reads the lock's own count."""
+    import threading
+
+    buf = make(MUJOCO, capacity=8, name=name)
+    other = sb.ReplayBuffer.attach(buf.handle)
+    try:
+        with buf.ring.lock:
+            t = threading.Thread(target=lambda: other.ring.lock.acquire() or other.ring.lock.release())
+            t.start()
+            t.join(0.2)
+        t.join(5)
+    finally:
+        other.close()
+    (b,) = json.loads(top("--once", "--json", "--interval", "0.1", name).stdout)["buffers"]
+    assert b["lock_waits"] == 1 and b["lock_waits_s"] == 0
+    assert "lock waits 1" in top("--once", name).stdout
