@@ -532,7 +532,10 @@ class ReplayBuffer:
         """Rows by logical index: 0 is the oldest, -1 the newest (lane by lane when there are
         several lanes). An int gives single-row fields (no leading dimension); a slice or an
         array of ints gives rows. A row being written is waited for (up to a second); a row whose
-        writer died mid-push raises ``EmptyBufferError``."""
+        writer died mid-push raises ``EmptyBufferError``. With ``next_of``/``stack`` the positions
+        are those of the transitions ``len`` counts (end and lead rows, and with ``next_of`` each
+        lane's newest row, left out), found by a scan of the held rows' kinds: O(capacity) a call,
+        so read many rows with one ``get(slice)``, ``take`` or ``export``."""
         return reader.get(self, index)
 
     def view(self, start: int, stop: int, *, lane: int = 0) -> Batch:
