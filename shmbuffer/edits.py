@@ -184,7 +184,27 @@ def one_call(src: Source, copier: Copier, pusher: Pusher | None) -> OneCall | No
     return copier.one_call()
 
 
+class _Cleared(FieldError):
+    """A lane was cleared between a frames push's checks and its reservation (``Pusher.confirm``)."""
+
+
 def push(
+    src: Source, copier: Copier, data: Any, *, lane: Any, episode: Any, priority: Any, timeout: float | None,
+    fields: dict[str, Any], pusher: Pusher | None = None, resume: bool = False, one_call: OneCall | None = None,
+) -> np.ndarray:
+    """``_push``; a frames push that a ``clear()`` overtook (undone, nothing stored) is checked and
+    laid out again against the cleared lane, up to three times."""
+    for _ in range(2):
+        try:
+            return _push(src, copier, data, lane=lane, episode=episode, priority=priority, timeout=timeout,
+                         fields=fields, pusher=pusher, resume=resume, one_call=one_call)
+        except _Cleared:
+            pass  # checked again, against the lane as the clear left it
+    return _push(src, copier, data, lane=lane, episode=episode, priority=priority, timeout=timeout,
+                 fields=fields, pusher=pusher, resume=resume, one_call=one_call)
+
+
+def _push(
     src: Source, copier: Copier, data: Any, *, lane: Any, episode: Any, priority: Any, timeout: float | None,
     fields: dict[str, Any], pusher: Pusher | None = None, resume: bool = False, one_call: OneCall | None = None,
 ) -> np.ndarray:
@@ -255,9 +275,9 @@ def push(
         else:
             res = ring.reserve(k, lane, also=also, restore=restore, deferring=True)
         if pusher is not None and ex is not None:
-            why = pusher.confirm(ex, res.n, ring.base(np.arange(ring.lanes)))
-            if why is not None:
-                raise FieldError(why)  # the reservation is undone below
+            refused = pusher.confirm(ex, res.n, ring.base(np.arange(ring.lanes)))
+            if refused is not None:  # the reservation is undone below
+                raise (_Cleared if refused[1] else FieldError)(refused[0])
         # from here to the commit, signal handlers wait (lock.py): a Ctrl-C cannot leave the
         # rows odd under this live process; it is raised once they are committed
         copier.put(res, sources, src.block.fields)  # all or nothing

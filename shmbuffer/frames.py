@@ -560,10 +560,11 @@ class Pusher:
             zero = got if zero is None else zero
         return ZERO if zero else 0
 
-    def confirm(self, ex: Expanded, n: np.ndarray, base: np.ndarray) -> str | None:
+    def confirm(self, ex: Expanded, n: np.ndarray, base: np.ndarray) -> tuple[str, bool] | None:
         """After the reservation (``n``: the stored rows' row numbers): ``None`` when every lane's
-        first row continues what this process expected, else why not (the caller gives the rows
-        back and raises)."""
+        first row continues what this process expected, else why not, and whether the push may
+        simply be checked again (a lane cleared since ``expand`` looked); the caller gives the rows
+        back, then checks again or raises."""
         for ln, (at, cont) in ex.firsts.items():
             last = self.last.get(ln)
             # the row after this process's last, or the lane's first after a clear() that came since
@@ -571,10 +572,10 @@ class Pusher:
             follows = last is not None and (int(n[at]) == last.row + 1 or (first and last.row < int(n[at])))
             if cont and not follows:
                 return (f"lane {ln}: another writer pushed into it between this process's rows; with next_of/stack "
-                        "each lane must be written by one process at a time")
+                        "each lane must be written by one process at a time"), False
             if cont and first and ln not in ex.restarted:  # cleared after expand looked: no lead rows
-                return (f"lane {ln} was cleared (clear()) while this push was being checked; nothing was stored: "
-                        "push the same rows again")
+                return (f"lane {ln} was cleared (clear()) each time this push was being checked; nothing was "
+                        "stored: push the same rows again"), True
         return None
 
     def done(self, ex: Expanded, n: np.ndarray) -> None:

@@ -633,10 +633,10 @@ def test_a_forked_child_starts_its_own_rows(make: Make, name: str, procs: list) 
     assert {tuple(t) for t in buf.sample(200).tag.tolist()} == {(0, 0, 0), (0, 7, 0), (0, 7, 1), (0, 7, 2)}
 
 
-def test_a_clear_between_the_checks_and_the_reservation_stores_nothing(make: Make, name: str) -> None:
+def test_a_clear_between_the_checks_and_the_reservation_is_checked_again(make: Make, name: str) -> None:
     """A clear() that comes after the pusher decided a row continues its lane (no lead rows) but
-    before the reservation: the row would reach into the cleared rows. It is refused, nothing
-    stored, and pushed again it starts the lane anew (found by review, issue 22)."""
+    before the reservation: stored so, the row would reach into the cleared rows (found by review,
+    issue 22). The reservation is undone and the push checked again: it starts the lane anew."""
     from shmbuffer.ring import Ring
 
     sch = schema((1, 4, 4), 4, 0)
@@ -652,13 +652,39 @@ def test_a_clear_between_the_checks_and_the_reservation_stores_nothing(make: Mak
 
     Ring.reserve = reserve  # type: ignore[method-assign]
     try:
-        with pytest.raises(sb.FieldError, match=r"lane 0 was cleared \(clear\(\)\) while this push was being checked"):
-            buf.push(**rows[3])
+        ids = _push_all(buf, rows[3:4])
     finally:
         Ring.reserve = real  # type: ignore[method-assign]
-    assert len(buf) == 0
-    ids = _push_all(buf, rows[3:])
+    assert Ring.reserve is real  # the clear came
+    ids += _push_all(buf, rows[4:])
     assert len(buf) == 9 and np.array_equal(buf.get(slice(None)).index, ids)
+    for i, row in zip(ids, rows[3:], strict=True):
+        got = buf.take([i])
+        assert np.array_equal(got.obs[0], row["obs"]) and np.array_equal(got.next_obs[0], row["next_obs"])
+
+
+def test_a_push_clears_overtake_again_and_again_is_refused_with_nothing_stored(
+    make: Make, name: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Checked again up to three times; then refused, each reservation undone."""
+    from shmbuffer.frames import Pusher
+
+    sch = schema((1, 4, 4), 4, 0)
+    buf = make(sch, 16, next_of="obs", stack="obs", name=name)
+    rows = episode(0, 0, 12, "terminated", (1, 4, 4), 4, 0, "reset")
+    _push_all(buf, rows[:3])
+    before = {k: v.copy() for k, v in buf.block.arrays.items() if k not in ("_mutex", "_owner", "_stats")}
+    calls: list[int] = []
+
+    def overtaken(self: Pusher, *args: Any) -> tuple[str, bool]:
+        calls.append(1)
+        return "lane 0 was cleared (clear()) each time this push was being checked", True
+
+    monkeypatch.setattr(Pusher, "confirm", overtaken)
+    with pytest.raises(sb.FieldError, match=r"each time this push was being checked"):
+        buf.push(**rows[3])
+    assert len(calls) == 3 and len(buf) == 2
+    assert all(np.array_equal(buf.block.arrays[k], v) for k, v in before.items())
 
 
 def test_stacks_without_next_of_count_as_get_indexes(make: Make, name: str) -> None:
