@@ -1,4 +1,4 @@
-"""Builds shmbuffer's optional C extension (``shmbuffer/_native.c``); the metadata is in
+"""Builds shmbuffer's optional C extension (``shmbuffer/native/_native.c``); the metadata is in
 pyproject.toml. Without a working compiler the build of the extension is skipped (``optional``)
 and the package runs on its pure-Python path (``shmbuffer.native``)."""
 
@@ -7,8 +7,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "shmbuffer._native",
-            sources=["shmbuffer/_native.c"],
+            "shmbuffer.native._native",
+            sources=["shmbuffer/native/_native.c"],
             extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing"],
             optional=True,
         )

@@ -221,7 +221,7 @@ def kill_tree(pid: int) -> None:
 
 def sweep(prefix: str) -> list[str]:
     """Remove and return our segments left in /dev/shm (a killed learner leaves its buffer)."""
-    from shmbuffer import segment
+    from shmbuffer.shm import segment
 
     left = [n for n in segment.list_names() if n.startswith(prefix)]
     for n in left:

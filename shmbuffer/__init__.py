@@ -22,11 +22,11 @@ from .errors import (
     UnsupportedPlatform,
     WaitTimeout,
 )
-from .limiter import RateLimiter
 from .loader import Loader
 from .mixing import Buffers, Mix
 from .persistence import export, save
-from .samplers import Prioritized, Uniform
+from .sampling.limiter import RateLimiter
+from .sampling.samplers import Prioritized, Uniform
 from .schema import Field, Schema
 
 __version__ = "0.1.0"

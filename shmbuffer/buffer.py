@@ -31,18 +31,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import edits, hints, native, persistence, reader, sequences
+from . import hints, native, persistence, sequences
 from .batch import Batch
 from .errors import EmptyBufferError, FieldError, SchemaError, closed
 from .frames import Frames, Pusher
-from .layout import UNIFORM, Block, Counter, Options, columns, read
-from .limiter import RateLimiter, counted
 from .loader import Loader
-from .priorities import Priorities
-from .ring import Copier, Ring, check_platform
-from .samplers import Sampler
+from .protocol import edits, reader
+from .protocol.layout import UNIFORM, Block, Counter, Options, columns, read
+from .protocol.priorities import Priorities
+from .protocol.ring import Copier, Ring, check_platform
+from .sampling.limiter import RateLimiter, counted
+from .sampling.samplers import Sampler
 from .schema import Schema, stack_rows
-from .segment import Segment
+from .shm.segment import Segment
 
 __all__ = ["BufferHandle", "Options", "ReplayBuffer"]
 

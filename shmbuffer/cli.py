@@ -42,13 +42,14 @@ from typing import Any
 
 import numpy as np
 
-from . import native, segment
+from . import native
 from .buffer import ReplayBuffer
 from .errors import ForeignBlock, LayoutError, SegmentNotFound, ShmBufferError
-from .layout import columns
 from .persistence import pieces
-from .ring import lane_bounds
+from .protocol.layout import columns
+from .protocol.ring import lane_bounds
 from .schema import Schema
+from .shm import segment
 
 
 def _demo(args: argparse.Namespace) -> int:

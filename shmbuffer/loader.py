@@ -60,7 +60,7 @@ import numpy as np
 
 from .batch import Batch, torch_views
 from .errors import FieldError, WaitTimeout
-from .layout import Block
+from .protocol.layout import Block
 
 SLICE = 0.1
 """Seconds a default-path sample may wait for a rate limiter before the thread looks at ``close()``."""

@@ -83,10 +83,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from .batch import Batch
 from .buffer import ReplayBuffer
 from .errors import EmptyBufferError, FieldError, ShmBufferError, UnknownIdError, WaitTimeout
-from .layout import UNIFORM, Options
-from .limiter import RateLimiter
-from .priorities import check_priorities
-from .samplers import Prioritized, Sampler, sampler_from_json
+from .protocol.layout import UNIFORM, Options
+from .protocol.priorities import check_priorities
+from .sampling.limiter import RateLimiter
+from .sampling.samplers import Prioritized, Sampler, sampler_from_json
 from .schema import Schema, stack_rows
 
 __all__ = [
@@ -151,7 +151,7 @@ def _draw(buf: ReplayBuffer, k: int) -> dict[str, Any]:
 
 _JANITOR = """
 import os, sys, time
-from shmbuffer.segment import read_header, remove
+from shmbuffer.shm.segment import read_header, remove
 name, pid = sys.argv[1], int(sys.argv[2])
 while True:
     time.sleep(0.5)

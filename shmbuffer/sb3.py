@@ -68,7 +68,7 @@ from stable_baselines3.common.utils import get_device
 
 from .buffer import ReplayBuffer as SharedBuffer
 from .errors import EmptyBufferError, FieldError
-from .ring import INVALID
+from .protocol.ring import INVALID
 from .schema import Schema
 
 __all__ = ["DictReplayBuffer", "NStepReplayBuffer", "ReplayBuffer"]

@@ -18,13 +18,13 @@ import time
 
 import numpy as np
 
-from . import reader
 from .batch import Batch
 from .errors import CapacityError, EmptyBufferError, FieldError
 from .frames import KIND, LEAD, START
-from .reader import GIVE_UP, Rows, Source
-from .ring import INVALID, Ring
-from .samplers import uniform_ids
+from .protocol import reader
+from .protocol.reader import GIVE_UP, Rows, Source
+from .protocol.ring import INVALID, Ring
+from .sampling.samplers import uniform_ids
 
 
 def window_ids(ring: Ring, anchors: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -34,12 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from . import native, segment
+from . import native
 from .buffer import ReplayBuffer
 from .errors import ForeignBlock, LayoutError, SegmentNotFound
-from .layout import WRITERS, Counter, Lane
-from .lock import WAITS
-from .ring import lane_bounds
+from .protocol.layout import WRITERS, Counter, Lane
+from .protocol.ring import lane_bounds
+from .shm import segment
+from .shm.lock import WAITS
 
 
 @dataclass

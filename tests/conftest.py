@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
-from shmbuffer import segment
+from shmbuffer.shm import segment
 
 MUJOCO = sb.Schema(
     obs=((17,), "float32"), action=((6,), "float32"), reward=((), "float32"),

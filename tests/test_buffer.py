@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import shmbuffer as sb
-from shmbuffer import segment
+from shmbuffer.shm import segment
 
 from .conftest import MUJOCO, seq_of, transition
 

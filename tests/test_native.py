@@ -1,4 +1,4 @@
-"""The C extension (``shmbuffer._native``) against the Python reference: the same tree after the
+"""The C extension (``shmbuffer.native._native``) against the Python reference: the same tree after the
 same updates and the same slots found, the same bytes and intact masks gathered, the same bytes
 and stamps pushed; its entry points refuse bad input instead of crashing; and a few protocol
 checks run on both paths (``path`` fixture; ``SHMBUFFER_PURE=1`` forces Python for a process)."""
@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
-from shmbuffer import edits, native, ring, sumtree
-from shmbuffer.reader import gather
-from shmbuffer.sumtree import SumTree
+from shmbuffer import native
+from shmbuffer.protocol import edits, ring
+from shmbuffer.protocol.reader import gather
+from shmbuffer.sampling import sumtree
+from shmbuffer.sampling.sumtree import SumTree
 
 from .conftest import MUJOCO, seq_of, transition
 
@@ -879,7 +881,7 @@ def test_prioritized_draw_native_equals_python(make: Make, name: str, lanes: int
     """The same RNG state gives the same ids, leaves and INVALID marks, stratified or not; with
     dyadic priorities every sum is exact (the same walk to the bit), with random floats the inner
     sums may differ in the last bit (C adds in order, numpy by BLAS) and so may a draw on a boundary."""
-    from shmbuffer.samplers import Draw, tree_draw
+    from shmbuffer.sampling.samplers import Draw, tree_draw
 
     buf = messy_prioritized(make, name, lanes, dyadic)
     tree, rg = buf.priorities.tree, buf.ring  # type: ignore[union-attr]
@@ -910,7 +912,7 @@ def test_prioritized_draw_native_equals_python(make: Make, name: str, lanes: int
 
 @needs_lib
 def test_prioritized_draw_of_an_empty_tree_draws_nothing(make: Make, name: str) -> None:
-    from shmbuffer.samplers import tree_draw
+    from shmbuffer.sampling.samplers import tree_draw
 
     buf = make(MUJOCO, capacity=64, name=name, sampler=sb.Prioritized())
     g = np.random.default_rng(0)
@@ -1238,7 +1240,8 @@ def test_push_itself_runs_in_c_for_its_usual_calls_and_the_method_for_the_rest(m
 def test_the_numbers_c_shares_with_python_agree(make: Make, name: str) -> None:
     """The constants ``_native.c`` repeats from the Python modules are the same numbers (they
     matched only by comment before; issue 23)."""
-    from shmbuffer import frames, lock
+    from shmbuffer import frames
+    from shmbuffer.shm import lock
 
     assert LIB is not None
     buf = make(MUJOCO, capacity=8, lanes=2, name=name)

@@ -86,7 +86,7 @@ print(len(seen))
 for w in seen:
     print(w.category.__name__, "|", w.message)
 """
-BLOCK = 'sys.modules["shmbuffer._native"] = None  # as if it had not been built'
+BLOCK = 'sys.modules["shmbuffer.native._native"] = None  # as if it had not been built'
 
 
 def test_packaging_missing_extension_warns_once_at_first_use() -> None:
@@ -94,7 +94,7 @@ def test_packaging_missing_extension_warns_once_at_first_use() -> None:
     assert lines[0] == "python" and lines[1] == "1", lines
     category, message = lines[2].split(" | ", 1)
     assert category == "MissingExtensionWarning"
-    assert "the C extension is not available: shmbuffer._native was not built" in message
+    assert "the C extension is not available: shmbuffer.native._native was not built" in message
     assert "build-essential" in message
     assert "pip install --force-reinstall --no-deps -e ." in message and "SHMBUFFER_PURE=1" in message
     assert issubclass(native.MissingExtensionWarning, RuntimeWarning)

@@ -19,7 +19,8 @@ import pytest
 from safetensors.numpy import load_file
 
 import shmbuffer as sb
-from shmbuffer import persistence, segment
+from shmbuffer import persistence
+from shmbuffer.shm import segment
 
 from .conftest import MUJOCO, discard, seq_of, transition
 
@@ -1027,8 +1028,8 @@ def test_a_save_while_other_rows_are_updated_all_the_time_keeps_every_row(
     # another process updating some row without pause moves Counter.UPDATES across every copy of
     # a piece; the save must still copy the piece (holding the lock, so no update can begin),
     # not give up after its tries and drop every row up to the piece's end
-    from shmbuffer.layout import Counter
-    from shmbuffer.lock import RobustLock
+    from shmbuffer.protocol.layout import Counter
+    from shmbuffer.shm.lock import RobustLock
 
     buf = make(sb.Schema(x=((), "int64")), 64, sampler=sb.Prioritized(), name=name)
     buf.push(x=np.arange(64))

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 import shmbuffer as sb
-from shmbuffer import segment
+from shmbuffer.shm import segment
 
 from .conftest import MUJOCO, START_METHODS, seq_of, transition
 
@@ -389,7 +389,7 @@ def test_a_sigkilled_child_creator_is_cleaned_by_its_watchdog(lib: str, method: 
 FORKING = """
     import os, time
     import shmbuffer as sb
-    from shmbuffer import _tracker
+    from shmbuffer.shm import _tracker
     from tests.conftest import MUJOCO
     buf = sb.ReplayBuffer(MUJOCO, 100, name={name!r})
     # a child forked past Python's at-fork hooks (by C code) keeps the watchdog's pipe open
@@ -445,7 +445,7 @@ def test_the_watchdog_leaves_with_its_creator(name: str) -> None:
     """It is started by the first create, and ends when its creator ends."""
     out = run_python(f"""
         import shmbuffer as sb
-        from shmbuffer import _tracker
+        from shmbuffer.shm import _tracker
         from tests.conftest import MUJOCO
         assert _tracker.watchdog_pid() is None
         buf = sb.ReplayBuffer(MUJOCO, 100, name={name!r})

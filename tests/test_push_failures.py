@@ -17,11 +17,13 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
-from shmbuffer import edits, native, segment
+from shmbuffer import native
 from shmbuffer.frames import Pusher
-from shmbuffer.layout import Counter
-from shmbuffer.priorities import Priorities
-from shmbuffer.ring import Copier, Ring
+from shmbuffer.protocol import edits
+from shmbuffer.protocol.layout import Counter
+from shmbuffer.protocol.priorities import Priorities
+from shmbuffer.protocol.ring import Copier, Ring
+from shmbuffer.shm import segment
 
 from .conftest import MUJOCO, transition
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
-from shmbuffer.samplers import uniform_ids
+from shmbuffer.sampling.samplers import uniform_ids
 
 from .conftest import MUJOCO, seq_of, transition
 
@@ -347,7 +347,7 @@ def test_nothing_cleared_comes_back(make: Make, name: str) -> None:
 
 @pytest.mark.parametrize("sampler", [sb.Uniform(), sb.Prioritized()])
 def test_a_clear_between_draw_and_gather(sampler: Any, make: Make, name: str, monkeypatch: Any) -> None:
-    from shmbuffer import reader
+    from shmbuffer.protocol import reader
 
     buf = make(MUJOCO, capacity=64, name=name, seed=0, sampler=sampler)
     buf.push(transition(0, 32))
@@ -425,7 +425,7 @@ def _die_inside_clear(handle: sb.BufferHandle) -> None:
     import os
     import signal
 
-    from shmbuffer import priorities
+    from shmbuffer.protocol import priorities
 
     def die(self: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -439,7 +439,7 @@ def _die_inside_clear(handle: sb.BufferHandle) -> None:
 def test_a_clear_killed_after_the_lanes_moved_is_repaired(max_use: int | None, make: Make, name: str, procs: list) -> None:
     import signal
 
-    from shmbuffer.sumtree import SumTree
+    from shmbuffer.sampling.sumtree import SumTree
 
     buf = make(MUJOCO, capacity=16, lanes=2, name=name, seed=0, sampler=sb.Prioritized(alpha=1.0, eps=0.0),
                max_use=max_use)
@@ -494,8 +494,8 @@ def test_rows_of_a_reclaimed_writer_entry_leave_the_tree(make: Make, name: str) 
     import subprocess
     import sys
 
-    from shmbuffer.layout import WRITERS
-    from shmbuffer.segment import start_time
+    from shmbuffer.protocol.layout import WRITERS
+    from shmbuffer.shm.segment import start_time
 
     buf = make(MUJOCO, capacity=8, name=name, seed=0, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
     buf.push(transition(0, 4), priority=np.ones(4))

@@ -69,8 +69,8 @@ from .. import persistence
 from ..batch import Batch
 from ..buffer import ReplayBuffer
 from ..errors import EmptyBufferError, FieldError
-from ..priorities import check_priorities
-from ..samplers import Prioritized, Sampler, Uniform
+from ..protocol.priorities import check_priorities
+from ..sampling.samplers import Prioritized, Sampler, Uniform
 from ..schema import RESERVED, Schema
 from . import Facade
 

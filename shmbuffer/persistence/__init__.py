@@ -131,15 +131,15 @@ from typing import Any
 
 import numpy as np
 
-from . import reader
-from .errors import CapacityError, FieldError, LayoutError, closed
-from .frames import ENDS, KIND, Frames, frames_of
-from .layout import Counter, Lane, Options
-from .priorities import MAX_LEAF
-from .progress import Progress as Line
-from .samplers import Prioritized
-from .schema import Schema
-from .segment import human
+from ..errors import CapacityError, FieldError, LayoutError, closed
+from ..frames import ENDS, KIND, Frames, frames_of
+from ..progress import Progress as Line
+from ..protocol import reader
+from ..protocol.layout import Counter, Lane, Options
+from ..protocol.priorities import MAX_LEAF
+from ..sampling.samplers import Prioritized
+from ..schema import Schema
+from ..shm.segment import human
 
 FORMAT = "shmbuffer"
 VERSION = 1

@@ -89,8 +89,8 @@ from typing import Any
 
 import numpy as np
 
-from . import native
-from .errors import (
+from .. import native
+from ..errors import (
     CapacityError,
     EmptyBufferError,
     FieldError,
@@ -100,9 +100,9 @@ from .errors import (
     UnsupportedPlatform,
     WaitTimeout,
 )
+from ..shm.lock import RobustLock, defer_signals
+from ..shm.segment import process_alive, start_time
 from .layout import WRITERS, Block, Counter, Lane
-from .lock import RobustLock, defer_signals
-from .segment import process_alive, start_time
 
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 _SAMPLED, _RECLAIMED, _RECOVERIES = int(Counter.SAMPLED), int(Counter.RECLAIMED), int(Counter.LOCK_RECOVERIES)

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import UnsupportedPlatform, WaitTimeout
+from ..errors import UnsupportedPlatform, WaitTimeout
 
 SIZE = 64
 """Bytes reserved for one mutex (glibc's pthread_mutex_t is 40 bytes on x86-64, 48 on aarch64)."""

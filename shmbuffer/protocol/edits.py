@@ -25,13 +25,13 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FieldError, ReadOnlyError
-from .frames import END, KIND, LEAD, Pusher
+from ..errors import FieldError, ReadOnlyError
+from ..frames import END, KIND, LEAD, Pusher
+from ..schema import as_numpy, stack_rows
+from ..shm.lock import defer_signals, resume_signals
 from .layout import Counter
-from .lock import defer_signals, resume_signals
 from .reader import Source
 from .ring import Copier
-from .schema import as_numpy, stack_rows
 
 OneCall = Callable[[Any, Any, Any], "np.ndarray | None"]
 

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import WaitTimeout
+from ..errors import WaitTimeout
 
 
 @dataclass(frozen=True)

@@ -36,14 +36,14 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FieldError, LayoutError
-from .frames import KIND, Frames
-from .limiter import RateLimiter
-from .lock import SIZE as MUTEX_SIZE
-from .samplers import Prioritized, Sampler, Uniform, sampler_from_json
-from .schema import Record, Schema
-from .segment import MALFORMED, ColumnSpec
-from .sumtree import SumTree
+from ..errors import FieldError, LayoutError
+from ..frames import KIND, Frames
+from ..sampling.limiter import RateLimiter
+from ..sampling.samplers import Prioritized, Sampler, Uniform, sampler_from_json
+from ..sampling.sumtree import SumTree
+from ..schema import Record, Schema
+from ..shm.lock import SIZE as MUTEX_SIZE
+from ..shm.segment import MALFORMED, ColumnSpec
 
 WRITERS = 1024
 UNIFORM = Uniform()

@@ -1,4 +1,4 @@
-"""Which implementation runs the hot path: the C extension ``shmbuffer._native`` or pure Python.
+"""Which implementation runs the hot path: the C extension ``shmbuffer.native._native`` or pure Python.
 
 The extension (``_native.c``, built by ``pip install``; optional, so a machine without a compiler
 still installs the package) holds the tree's ``find`` and ``update`` (``sumtree.py``), a whole
@@ -24,7 +24,7 @@ import warnings
 from types import ModuleType
 
 lib: ModuleType | None = None
-"""The C extension module ``shmbuffer._native``, or ``None`` when the Python path runs."""
+"""The C extension module ``shmbuffer.native._native``, or ``None`` when the Python path runs."""
 PURE = os.environ.get("SHMBUFFER_PURE", "") not in ("", "0")
 """Whether ``SHMBUFFER_PURE`` (set and not ``0``) asked for the pure-Python path."""
 REASON: str
@@ -33,14 +33,14 @@ if PURE:
     REASON = "SHMBUFFER_PURE is set"
 else:
     try:
-        from . import _native as lib  # type: ignore[attr-defined,no-redef]
+        from . import _native as lib  # type: ignore[attr-defined, no-redef]
     except ImportError as e:  # not built (no compiler at install time) or not loadable here
         if importlib.util.find_spec(f"{__package__}._native") is None:
-            REASON = "the C extension is not available: shmbuffer._native was not built (no C compiler when pip installed shmbuffer?)"
+            REASON = "the C extension is not available: shmbuffer.native._native was not built (no C compiler when pip installed shmbuffer?)"
         else:
-            REASON = f"the C extension is not available: shmbuffer._native is there but does not load ({e})"
+            REASON = f"the C extension is not available: shmbuffer.native._native is there but does not load ({e})"
     else:
-        REASON = "the C extension shmbuffer._native is loaded"
+        REASON = "the C extension shmbuffer.native._native is loaded"
 MISSING = lib is None and not PURE
 """Whether the extension failed to load without ``SHMBUFFER_PURE`` asking for the Python path (what
 ``warn_if_missing`` warns about; tests that swap ``lib`` for ``None`` do not change it)."""
@@ -54,7 +54,7 @@ starts (which inherit it) do not repeat it."""
 
 
 class MissingExtensionWarning(RuntimeWarning):
-    """The C extension ``shmbuffer._native`` could not be loaded, so the hot path runs in Python.
+    """The C extension ``shmbuffer.native._native`` could not be loaded, so the hot path runs in Python.
 
     Given once, at the first buffer a process tree creates or attaches, never when
     ``SHMBUFFER_PURE`` asks for the Python path. Filter it like any warning

@@ -41,11 +41,11 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FieldError
+from ..errors import FieldError
+from ..sampling.samplers import Prioritized, Sampler
+from ..sampling.sumtree import SumTree
 from .layout import Counter
 from .ring import Ring, lane_bounds
-from .samplers import Prioritized, Sampler
-from .sumtree import SumTree
 
 MAX_LEAF = 1e280
 """The largest leaf the tree takes (see the module docstring): its total stays finite."""

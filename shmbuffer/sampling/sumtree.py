@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import native
+from .. import native
 
 FANOUT = 16
 TOP = 4096

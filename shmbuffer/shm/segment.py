@@ -92,8 +92,9 @@ from typing import Any
 import numpy as np
 import psutil
 
-from . import _tracker, native
-from .errors import ForeignBlock, LayoutError, OutOfSharedMemory, SegmentNotFound, ShmBufferError, UnsupportedPlatform
+from .. import native
+from ..errors import ForeignBlock, LayoutError, OutOfSharedMemory, SegmentNotFound, ShmBufferError, UnsupportedPlatform
+from . import _tracker
 
 SHM_DIR = "/dev/shm"
 PREFIX = "shmbuffer-"

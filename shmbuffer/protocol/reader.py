@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import frames, native
-from .batch import Batch
-from .errors import EmptyBufferError, WaitTimeout
+from .. import frames, native
+from ..batch import Batch
+from ..errors import EmptyBufferError, WaitTimeout
 from .layout import Block, Counter, Options
 from .priorities import Priorities
 from .ring import INVALID, Ring, positions
