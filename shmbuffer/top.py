@@ -81,6 +81,7 @@ def _measure(buf: ReplayBuffer, name: str, uid: int, ident: tuple[int, int],
              before: Reading | None) -> tuple[dict[str, Any], Reading]:
     arrays = buf.block.arrays
     now = time.monotonic()
+    rows = len(buf)  # before the counters, so that rows <= inserted while writers go on
     stats = arrays["_stats"].copy()
     cursors = arrays["_lanes"][:, Lane.CURSOR].copy()
     wpid, wstart = arrays["_writer_pid"].copy(), arrays["_writer_start"].copy()
@@ -104,7 +105,6 @@ def _measure(buf: ReplayBuffer, name: str, uid: int, ident: tuple[int, int],
         slots = lane * lc + n % lc
         held += np.bincount(owner[slots][stamp[slots] == 2 * n + 2], minlength=WRITERS)
     header = segment.read_header(name)
-    rows = len(buf)
     out: dict[str, Any] = {
         "name": name, "owner_uid": uid, "creator_pid": header.creator_pid,
         "creator_alive": header.creator_state == "alive", "rows": rows, "capacity": capacity,
@@ -150,7 +150,7 @@ def _path(pid: int) -> str | None:
             maps = f.read()
     except OSError:
         return None
-    return "native" if "shmbuffer/_native." in maps else "python"
+    return "native" if "shmbuffer/native/_native." in maps else "python"
 
 
 def names_to_show(names: list[str], every: bool) -> list[str]:

@@ -18,6 +18,7 @@ import pytest
 import shmbuffer as sb
 from shmbuffer import native
 from shmbuffer.protocol import edits, ring
+from shmbuffer.protocol.layout import Counter
 from shmbuffer.protocol.reader import gather
 from shmbuffer.sampling import sumtree
 from shmbuffer.sampling.sumtree import SumTree
@@ -585,9 +586,9 @@ def test_one_call_push_leaves_what_python_must_decide_alone(make: Make, name: st
     stamp[1] = 3  # lane 0's slot 1 is being written
     assert LIB.push(plan, rows, 0, 1) is None
     stamp[1] = 0
-    stats[int(sb.layout.Counter.FROZEN)] = 1
+    stats[int(Counter.FROZEN)] = 1
     assert LIB.push(plan, rows, 0, 1) is None
-    stats[int(sb.layout.Counter.FROZEN)] = 0
+    stats[int(Counter.FROZEN)] = 0
     ring_.lock.acquire()  # busy: the Python steps wait for it
     try:
         assert LIB.push(plan, rows, 0, 1) is None
@@ -600,7 +601,7 @@ def test_one_call_push_leaves_what_python_must_decide_alone(make: Make, name: st
     with pytest.raises(ValueError):  # not a plan
         LIB.push(stamp, rows, 0, 1)
     got = LIB.push(plan, rows, np.array([1, 0], np.int64), e2)
-    assert got.tolist() == [1, 0] and stamp[[0, 6]].tolist() == [2, 2] and stats[int(sb.layout.Counter.INSERTED)] == 2
+    assert got.tolist() == [1, 0] and stamp[[0, 6]].tolist() == [2, 2] and stats[int(Counter.INSERTED)] == 2
     assert block.episode is not None and block.episode[[6, 0]].tolist() == [4, 5]
 
 
