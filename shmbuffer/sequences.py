@@ -24,6 +24,7 @@ from .frames import KIND, LEAD, START
 from .protocol import reader
 from .protocol.reader import GIVE_UP, Rows, Source
 from .protocol.ring import INVALID, Ring
+from .protocol.rows import slot
 from .sampling.samplers import uniform_ids
 
 
@@ -80,10 +81,10 @@ def episode_extent(ring: Ring, episode: np.ndarray, anchors: np.ndarray) -> tupl
     row = anchors // lanes
     start, stop = ring.bounds()
     lo_bound, hi_bound = start[lane], stop[lane]
-    own = episode[lane * lc + row % lc]
+    own = episode[slot(lane, row, lc)]
 
     def same(r: np.ndarray) -> np.ndarray:
-        return episode[lane * lc + r % lc] == own
+        return episode[slot(lane, r, lc)] == own
 
     # first: the smallest r in [lo_bound, row] with same(r); same() is False below it, True above
     lo, hi = lo_bound.copy(), row.copy()
@@ -255,7 +256,7 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
         if b <= a:
             continue
         rows = np.arange(a, b)
-        ep = episodes[lane * lc + rows % lc]
+        ep = episodes[slot(lane, rows, lc)]
         cut = np.flatnonzero(ep[1:] != ep[:-1]) + 1
         first = np.concatenate([[0], cut]) + a
         stop = np.concatenate([cut, [b - a]]) + a
@@ -271,7 +272,7 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
             first[0] += frames.depth  # a run cut by lapping or a clear(): its first stacks reach outside
         if frames is not None and kinds is not None and first.size:
             for _ in range(frames.depth):  # a resumed episode's lead rows (push(resume=True)) are not steps
-                first += (kinds[lane * lc + np.minimum(first, stop - 1) % lc] & LEAD != 0) & (first < stop)
+                first += (kinds[slot(lane, np.minimum(first, stop - 1), lc)] & LEAD != 0) & (first < stop)
         if _ends_in_own_row(src):  # an episode's last row is its end row, or has no next row yet
             stop = stop - 1
         first, stop = first[stop > first], stop[stop > first]

@@ -32,6 +32,7 @@ from ..shm.lock import defer_signals, resume_signals
 from .layout import Counter
 from .reader import Source
 from .ring import Copier
+from .rows import slot
 
 OneCall = Callable[[Any, Any, Any], "np.ndarray | None"]
 
@@ -145,8 +146,8 @@ def end_rows(src: Source) -> int:
         if b - a >= lc:
             count += int(np.count_nonzero(kind[lane * lc:(lane + 1) * lc] & (END | LEAD)))
         elif b > a:
-            count += int(np.count_nonzero(kind[lane * lc + np.arange(a, b) % lc] & (END | LEAD)))
-        if nexts and b > a and not kind[lane * lc + (b - 1) % lc] & (END | LEAD):
+            count += int(np.count_nonzero(kind[slot(lane, np.arange(a, b), lc)] & (END | LEAD)))
+        if nexts and b > a and not kind[slot(lane, (b - 1), lc)] & (END | LEAD):
             count += 1  # the newest row: its next observation is not pushed yet
     return count
 
@@ -165,7 +166,7 @@ def removed(src: Source) -> int:
         if b - a >= lc:
             slots: slice | np.ndarray = slice(lane * lc, (lane + 1) * lc)
         else:
-            slots = lane * lc + np.arange(a, b) % lc
+            slots = slot(lane, np.arange(a, b), lc)
         stamp = ring.stamp[slots]
         empty = stamp == 0
         gone += int(empty.sum())

@@ -44,8 +44,9 @@ import numpy as np
 from ..errors import FieldError
 from ..sampling.samplers import Prioritized, Sampler
 from ..sampling.sumtree import SumTree
+from . import rows
 from .layout import Counter
-from .ring import Ring, lane_bounds
+from .ring import Ring
 
 MAX_LEAF = 1e280
 """The largest leaf the tree takes (see the module docstring): its total stays finite."""
@@ -301,7 +302,7 @@ class Priorities:
         stamp, cursors, leaves, uses = self._stamp, self._lanes, self.tree.leaves, self.uses
         lanes = cursors.shape[0]
         lc = stamp.shape[0] // lanes
-        first, stop = lane_bounds(cursors, lc)
+        first, stop = rows.bounds(cursors, lc)
         for lane in range(lanes):
             start, cur = int(first[lane]), int(stop[lane])
             for a in range(lane * lc, (lane + 1) * lc, _REPAIR_CHUNK):

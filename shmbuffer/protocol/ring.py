@@ -2,14 +2,7 @@
 
 This module owns the commit protocol and the internal columns it uses.
 
-Rows, lanes and ids
--------------------
-A ring of ``capacity`` slots is split into ``lanes`` lanes of ``lane_capacity`` slots (one lane
-by default). Each lane has a cursor: the count of rows ever reserved in it, a 64-bit number that
-never wraps. Row number ``n`` of lane ``l`` lives in slot ``l * lane_capacity + n % lane_capacity``
-and has the global id ``n * lanes + l``: ids never repeat, so an id names one row forever, and a
-stale id (its slot has since been overwritten) is detectable. A lane keeps one writer's (or one
-env's) consecutive pushes in consecutive slots, which sequences need.
+Rows, lanes, ids and stamps: their arithmetic is ``rows.py``'s, and this module uses it.
 
 Columns (the table is ``layout.py``'s)
 -------------------------------------
@@ -102,6 +95,7 @@ from ..errors import (
 )
 from ..shm.lock import RobustLock, defer_signals
 from ..shm.segment import process_alive, start_time
+from . import rows
 from .layout import WRITERS, Block, Counter, Lane
 
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
@@ -133,14 +127,6 @@ def check_platform() -> None:
             f"shmbuffer's commit protocol relies on x86's store and load ordering; this CPU is "
             f"{machine!r}, which needs memory fences that Python cannot issue (see ring.py)"
         )
-
-
-def lane_bounds(lanes: np.ndarray, lane_capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per lane, the first and one-past-last row numbers that count, from a ``_lanes`` column:
-    rows from the base on (the last ``clear()``), at most a lane's capacity back from the cursor."""
-    cur = lanes[:, _CURSOR].copy()
-    start = np.maximum(lanes[:, _BASE], cur - lane_capacity)
-    return np.minimum(start, cur), cur
 
 
 def positions(index: object, total: int) -> np.ndarray:
@@ -178,8 +164,8 @@ class Reservation:
 
     @property
     def stamps(self) -> np.ndarray:
-        """The stamps of these rows once committed (``2n + 2``)."""
-        return 2 * self.n + 2
+        """The stamps of these rows once committed."""
+        return rows.committed(self.n)
 
 
 class Copier:
@@ -475,20 +461,21 @@ class Ring:
             rank = np.empty(k, np.int64)
             rank[order] = np.arange(k) - np.repeat(first, counts)
             n = np.maximum(cursors[:, _CURSOR], cursors[:, _BASE])[lane] + rank
-            where: slice | np.ndarray = lane * lc + n % lc
+            where: slice | np.ndarray = rows.slot(lane, n, lc)
         else:
             cur = self._cur
             n0 = max(cur[8 * lane + _CURSOR], cur[8 * lane + _BASE])
             n = np.arange(n0, n0 + k)
             s0 = n0 % lc
             lib = native.lib
-            if lib is not None and s0 + k <= lc and lib.reserve(self.stamp, self.owner, lane * lc + s0, k, n0, w, old):
+            first = rows.slot(lane, n0, lc)
+            if lib is not None and s0 + k <= lc and lib.reserve(self.stamp, self.owner, first, k, n0, w, old):
                 # no slot odd: owners, then odd stamps, in one C call (the lapping rules below otherwise)
                 cur[8 * lane + _CURSOR] = n0 + k
                 self._count[_INSERTED] += k
-                return Reservation(slice(lane * lc + s0, lane * lc + s0 + k), n, lane, self.lanes,
+                return Reservation(slice(first, first + k), n, lane, self.lanes,
                                    (old, *was, cursors.copy()))
-            where = slice(lane * lc + s0, lane * lc + s0 + k) if s0 + k <= lc else lane * lc + n % lc
+            where = slice(first, first + k) if s0 + k <= lc else rows.slot(lane, n, lc)
         stamps = self.stamp[where]
         if (stamps[0] if k == 1 else np.bitwise_or.reduce(stamps)) & 1:  # some slot is odd: being written
             busy = (stamps & 1).astype(bool)
@@ -499,10 +486,10 @@ class Ring:
         old[:] = stamps
         self.owner[where] = w  # the owner first: an odd stamp always names its live or dead writer
         if isinstance(lane, np.ndarray):
-            self.stamp[where] = 2 * n + 1
+            self.stamp[where] = rows.writing(n)
             cursors[:, _CURSOR] = np.maximum(cursors[:, _CURSOR], cursors[:, _BASE]) + counts
         else:
-            self.stamp[where] = np.arange(2 * n0 + 1, 2 * (n0 + k), 2)
+            self.stamp[where] = rows.writing(n)
             self._cur[8 * lane + _CURSOR] = n0 + k
         self._count[_INSERTED] += k
         return Reservation(where, n, lane, self.lanes, (old, *was, cursors.copy()))
@@ -578,7 +565,7 @@ class Ring:
     # -- readers -------------------------------------------------------------------------------
     def bounds(self) -> tuple[np.ndarray, np.ndarray]:
         """Per lane, the first and one-past-last row numbers that count now."""
-        return lane_bounds(self._lanes, self.lane_capacity)
+        return rows.bounds(self._lanes, self.lane_capacity)
 
     def base(self, lanes: np.ndarray) -> np.ndarray:
         """The first row number of each lane since the last ``clear()``."""
@@ -592,20 +579,11 @@ class Ring:
 
     def slots(self, ids: np.ndarray) -> np.ndarray:
         """The slot (row of the columns) of each row id."""
-        if self.lanes == 1:
-            return ids % self.lane_capacity
-        lane = ids % self.lanes
-        return lane * self.lane_capacity + (ids // self.lanes) % self.lane_capacity
+        return rows.slot_of_id(ids, self.lanes, self.lane_capacity)
 
     def expected(self, ids: np.ndarray) -> np.ndarray:
         """The committed stamp each id must show."""
-        if self.lanes == 1:
-            out = ids * 2
-        else:
-            out = ids // self.lanes
-            out *= 2
-        out += 2
-        return out
+        return rows.committed_of_id(ids, self.lanes)
 
     def committed_ids(self) -> np.ndarray:
         """Ids of every committed row that counts now (a scan of the stamps; the slow path)."""
@@ -614,9 +592,9 @@ class Ring:
         out = []
         for lane in range(self.lanes):
             s = st[lane]
-            n = s // 2 - 1
-            ok = (s > 0) & (s % 2 == 0) & (n >= start[lane]) & (n < stop[lane])
-            out.append(n[ok] * self.lanes + lane)
+            n = rows.number_of_stamp(s)
+            ok = rows.is_committed(s) & (n >= start[lane]) & (n < stop[lane])
+            out.append(rows.row_id(n[ok], lane, self.lanes))
         ids = np.concatenate(out)
         ids.sort()
         return ids
@@ -702,16 +680,16 @@ class Ring:
         cleared, or where ``live`` is false); reading ids this way is the first stamp read of
         the commit protocol."""
         s = self.stamp.take(slots)
-        n = s // 2 - 1
+        n = rows.number_of_stamp(s)
         lc = self.lane_capacity
         if self.lanes == 1:
             ids = n
             start = self.span()[0]
         else:
             lane = slots // lc
-            ids = n * self.lanes + lane
+            ids = rows.row_id(n, lane, self.lanes)
             start = self.bounds()[0][lane]
-        bad = (s <= 0) | (s & 1).astype(bool) | (n < start)
+        bad = ~rows.is_committed(s) | (n < start)
         if live is not None:
             bad |= ~live
         ids[bad] = INVALID
@@ -789,8 +767,9 @@ class Ring:
                 f"view({start}, {stop}): those rows wrap past the end of the ring (slot {lc}); "
                 "take two views, or get() for one copy"
             )
-        ids = (int(first[lane]) + np.arange(lo, hi)) * self.lanes + lane
-        return slice(lane * lc + s0, lane * lc + s0 + hi - lo), ids
+        ids = rows.row_id(int(first[lane]) + np.arange(lo, hi), lane, self.lanes)
+        start_slot = rows.slot(lane, int(first[lane]) + lo, lc)
+        return slice(start_slot, start_slot + hi - lo), ids
 
     def current(self, ids: np.ndarray) -> np.ndarray:
         """Which ids still name the committed row in their slot and count (not overwritten, not
