@@ -17,7 +17,7 @@ import pytest
 
 import shmbuffer as sb
 from shmbuffer import native
-from shmbuffer.protocol import edits, ring
+from shmbuffer.protocol import push, ring
 from shmbuffer.protocol.layout import Counter
 from shmbuffer.protocol.reader import gather
 from shmbuffer.sampling import sumtree
@@ -479,15 +479,15 @@ def test_one_call_push_equals_python(make: Make, name: str, monkeypatch: pytest.
         m.setattr(native, "lib", None)
         ref = make(schema, capacity=24, lanes=lanes, episodes=True, name=name + "p")
     calls: list[bool] = []
-    python_push = edits.push
+    python_push = push.push
 
     def counted(*a: Any, **k: Any) -> Any:  # the Python steps: a push the one call did not take
         if a[0] is fast:
             calls[-1] = False
         return python_push(*a, **k)
 
-    monkeypatch.setattr(fast, "_one_call", None)  # the Python method goes to edits.push, counted
-    monkeypatch.setattr(edits, "push", counted)
+    monkeypatch.setattr(fast, "_fast_push", None)  # the Python method goes to push.push, counted
+    monkeypatch.setattr(push, "push", counted)
     fast.ring.writer_id()  # this process registered (as its first push through the steps does)
     rng = np.random.default_rng(lanes)
     for i in range(60):
@@ -563,7 +563,7 @@ def test_one_call_push_leaves_what_python_must_decide_alone(make: Make, name: st
         assert LIB.push(plan, data, lane, episode) is None
     solo = make(MUJOCO, capacity=8, episodes=True, name=name + "s")
     solo.ring.writer_id()
-    assert LIB.push(solo._copier.plan, rows, None, e2) is None  # edits.note_interleaving decides
+    assert LIB.push(solo._copier.plan, rows, None, e2) is None  # push.note_interleaving decides
     assert LIB.push(solo._copier.plan, rows, None, 3) is not None
     small = make(sb.Schema(u=((), "uint8")), capacity=4, name=name + "u")
     small.ring.writer_id()
@@ -695,28 +695,28 @@ def test_put_reserve_and_check_refuse_bad_input(make: Make, name: str) -> None:
 
 @needs_lib
 def test_fast_checks_take_exactly_what_validate_takes_unchanged(make: Make, name: str) -> None:
-    """``Copier.check`` accepts only rows that ``Schema.validate`` would pass through as they are
+    """``Copier.fast_check`` accepts only rows that ``Schema.validate`` would pass through as they are
     (the fields' dtypes and shapes, contiguous); anything else goes to ``validate``."""
     buf = make(MUJOCO, capacity=10, name=name)
     copier = buf._copier
     rows = {k: np.ascontiguousarray(v) for k, v in transition(0, 3).items()}
-    assert copier.check(rows) == (3, rows)
+    assert copier.fast_check(rows) == (3, rows)
     one = {k: v[0] for k, v in rows.items()}
-    assert copier.check(one) == (1, one)
-    assert copier.check({**rows, "done": rows["done"][:2]}) is None  # ragged
-    assert copier.check({**rows, "done": one["done"]}) is None  # one row and 3 rows
-    assert copier.check({**rows, "obs": rows["obs"].astype(np.float64)}) is None  # a cast
-    assert copier.check({**rows, "obs": np.asfortranarray(np.zeros((3, 17), np.float32))[:, ::-1]}) is None
-    assert copier.check({**rows, "obs": rows["obs"][:, :16]}) is None  # a wrong shape
-    assert copier.check({**rows, "obs": rows["obs"].tolist()}) is None  # not an array
-    assert copier.check({k: v for k, v in rows.items() if k != "done"}) is None  # a missing field
-    assert copier.check({**rows, "extra": rows["done"]}) is None
-    assert copier.check({k: v[:0] for k, v in rows.items()}) is None  # no rows: validate's case
-    assert copier.check({**one, "reward": float(one["reward"])}) is None  # a number: validate makes it an array
+    assert copier.fast_check(one) == (1, one)
+    assert copier.fast_check({**rows, "done": rows["done"][:2]}) is None  # ragged
+    assert copier.fast_check({**rows, "done": one["done"]}) is None  # one row and 3 rows
+    assert copier.fast_check({**rows, "obs": rows["obs"].astype(np.float64)}) is None  # a cast
+    assert copier.fast_check({**rows, "obs": np.asfortranarray(np.zeros((3, 17), np.float32))[:, ::-1]}) is None
+    assert copier.fast_check({**rows, "obs": rows["obs"][:, :16]}) is None  # a wrong shape
+    assert copier.fast_check({**rows, "obs": rows["obs"].tolist()}) is None  # not an array
+    assert copier.fast_check({k: v for k, v in rows.items() if k != "done"}) is None  # a missing field
+    assert copier.fast_check({**rows, "extra": rows["done"]}) is None
+    assert copier.fast_check({k: v[:0] for k, v in rows.items()}) is None  # no rows: validate's case
+    assert copier.fast_check({**one, "reward": float(one["reward"])}) is None  # a number: validate makes it an array
     old = make(sb.Schema(obs=((17,), "float32"), rew=((1,), "float32")), capacity=10, name=name + "c")._copier
     three = {"obs": np.zeros((3, 17), np.float32), "rew": np.zeros(3, np.float32)}
-    assert old.check(three) is None  # cpprb's (k,) for a (1,) field: validate reshapes it to (k, 1)
-    assert old.check({**three, "rew": np.zeros((3, 1), np.float32)}) is not None
+    assert old.fast_check(three) is None  # cpprb's (k,) for a (1,) field: validate reshapes it to (k, 1)
+    assert old.fast_check({**three, "rew": np.zeros((3, 1), np.float32)}) is not None
     with pytest.raises(sb.FieldError):  # and validate still raises what it raised
         buf.push({**rows, "obs": rows["obs"][:, :16]})
     assert len(buf) == 0

@@ -22,7 +22,7 @@ import shmbuffer as sb
 from shmbuffer import persistence
 from shmbuffer.shm import segment
 
-from .conftest import MUJOCO, discard, seq_of, transition
+from .conftest import MUJOCO, copy_through, discard, seq_of, transition
 
 Make = Callable[..., sb.ReplayBuffer]
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v1"
@@ -301,32 +301,18 @@ def test_rows_overwritten_during_the_save_are_dropped_from_the_oldest_end(
     assert np.array_equal(seq_of(got), got.index) and len(new) == meta["rows"]
 
 
-class _Stall(dict):
-    """Stands in for the buffer's column table: the push copying through it waits for ``go``."""
-
-    def __init__(self, base: dict, go: threading.Event) -> None:
-        super().__init__(base)
-        self.go = go
-
-    def __getitem__(self, key: str) -> Any:
-        self.go.wait(10)
-        return super().__getitem__(key)
-
-
 @pytest.mark.parametrize("commits", [True, False])
 def test_a_row_being_written_at_the_start(commits: bool, make: Make, name: str, tmp_path: Path) -> None:
     """Waited for when it commits within ``wait``; else the lane's run stops before it."""
     buf = make(MUJOCO, capacity=100, name=name)
     push_lane(buf, 0, 10)
     go = threading.Event()
-    targets = buf.block.fields
-    buf.block.fields = _Stall(targets, go)
     writer = threading.Thread(target=push_lane, args=(buf, 0, 3))
+    copy_through(buf, lambda field: go.wait(10) if threading.current_thread() is writer else None)
     writer.start()
     try:
         while len(buf) < 13:  # reserved: rows 10..12 are being written
             time.sleep(0.001)
-        buf.block.fields = targets
         push_lane(buf, 0, 4)  # committed after them: rows 13..16
         timer = threading.Timer(0.2, go.set)
         if commits:
@@ -406,15 +392,10 @@ def interrupted_push(buf: sb.ReplayBuffer, lane: int, k: int) -> np.ndarray:
     return res.ids
 
 
-class _Dies(dict):
-    def __getitem__(self, key: str) -> Any:
-        os._exit(0)
-
-
 def _dies_mid_push(handle: sb.BufferHandle, lane: int, k: int) -> None:
     """A writer killed while it copies its rows: they stay odd, owned by a dead process."""
     buf = sb.ReplayBuffer.attach(handle)
-    buf.block.fields = _Dies(buf.block.fields)
+    copy_through(buf, lambda field: os._exit(0))
     buf.push(transition(np.zeros(k, np.int64)), lane=lane, episode=99 if buf.options.episodes else None)
 
 

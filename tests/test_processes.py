@@ -21,7 +21,7 @@ import pytest
 import shmbuffer as sb
 from shmbuffer.shm import segment
 
-from .conftest import MUJOCO, START_METHODS, seq_of, transition
+from .conftest import MUJOCO, START_METHODS, copy_through, seq_of, transition
 
 Make = Callable[..., sb.ReplayBuffer]
 
@@ -89,23 +89,16 @@ def test_no_torn_rows_under_load(method: str, make: Make, name: str, procs: list
     assert np.array_equal(rows.index, np.arange(sum(pushed) - 64, sum(pushed)))
 
 
-class _DieOnThirdField(dict):
-    """Stands in for the buffer's column table; SIGKILLs the process mid-copy."""
-
-    def __init__(self, base: dict) -> None:
-        super().__init__(base)
-        self.calls = 0
-
-    def __getitem__(self, key: str) -> Any:
-        self.calls += 1
-        if self.calls == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().__getitem__(key)
+def _kill_at_third_field(field: str, seen: list[str] = []) -> None:  # noqa: B006 (counts across calls)
+    seen.append(field)
+    if len(seen) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _die_mid_push(handle: sb.BufferHandle) -> None:
+    """A writer SIGKILLed midway through its copy (two fields written, the third not)."""
     buf = sb.ReplayBuffer.attach(handle)
-    buf.block.fields = _DieOnThirdField(buf.block.fields)
+    copy_through(buf, _kill_at_third_field)
     buf.push(transition(1000, 4))
 
 

@@ -54,7 +54,7 @@ Memory ordering
 The protocol needs a writer's data stores to become visible before its commit stamp, and a reader's
 first stamp load to happen before its data loads and those before its second stamp load. With the
 C extension (``native.py``) these are real atomics: ``commit`` stores each stamp with release
-semantics after the copies (``Copier.put``), the reservation's odd stamps are release stores after
+semantics after the copies (``push.Copier.copy``), the reservation's odd stamps are release stores after
 the owners, and the reader (``reader.gather``) loads the first stamps with acquire semantics and
 issues an acquire fence before the second loads. On the Python path x86-64 guarantees both
 (stores are not reordered with stores, loads not with loads), and each step is a separate numpy
@@ -71,14 +71,11 @@ are C loops over the same rules when the extension is loaded (``native_view``).
 
 from __future__ import annotations
 
-import math
 import os
 import platform
 import threading
 import time
 from collections.abc import Callable
-from functools import partial
-from typing import Any
 
 import numpy as np
 
@@ -96,7 +93,7 @@ from ..errors import (
 from ..shm.lock import RobustLock, defer_signals
 from ..shm.segment import process_alive, start_time
 from . import rows
-from .layout import WRITERS, Block, Counter, Lane
+from .layout import WRITERS, Counter, Lane
 
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 _SAMPLED, _RECLAIMED, _RECOVERIES = int(Counter.SAMPLED), int(Counter.RECLAIMED), int(Counter.LOCK_RECOVERIES)
@@ -166,135 +163,6 @@ class Reservation:
     def stamps(self) -> np.ndarray:
         """The stamps of these rows once committed."""
         return rows.committed(self.n)
-
-
-class Copier:
-    """A push as C calls (``native.py``), planned once per buffer: ``one_call`` is
-    ``_native.push(plan, data, lane, episode)``, a whole push (checks, lanes, reservation, copies,
-    commit) in one call for the usual case, returning the ids, or ``None`` where the Python steps
-    must decide or explain (``edits.push``). ``check`` is the fast path of the schema's checks for
-    those steps: a dict of exactly the fields, each a C-contiguous array of the field's dtype and
-    shape (one row) or ``(k, *shape)``, needs no cast nor reshape; anything else is left to
-    ``Schema.validate``. ``put`` copies each field's rows into the reserved slots of its column
-    (the packed record at the field's offset, or its own column) and the episode ids with them;
-    the caller then calls ``Ring.commit``. ``lib`` is ``None`` without the extension (or when a
-    column is not C-contiguous, or a dtype cannot be passed as a buffer): the caller copies with
-    numpy."""
-
-    def __init__(self, block: Block, ring: Ring, envs: int | None) -> None:
-        targets: dict[str, tuple[np.ndarray, int, np.dtype]] = {}
-        if block.packed is not None:
-            for name, offset in block.stored_record.offsets.items():
-                targets[name] = (block.packed, offset, block.fields[name].dtype)
-        for name, col in block.large.items():
-            targets[name] = (col, 0, col.dtype)
-        self.targets = targets
-        self.fields = block.fields
-        """The block's field views it was made for: a caller whose block names others copies with numpy."""
-        self.episode = block.episode
-        self.stamp = block.stamp
-        self.names = tuple(targets)
-        self.columns = tuple(targets[n][0] for n in self.names)
-        self.offsets = tuple(targets[n][1] for n in self.names)
-        self.shapes = tuple(tuple(int(d) for d in self.fields[n].shape[1:]) for n in self.names)
-        self.items = tuple(math.prod(s) for s in self.shapes)
-        columns = [*self.columns, self.stamp]
-        if self.episode is not None:
-            columns.append(self.episode)
-        formats = [_format(np.dtype(targets[n][2])) for n in self.names]
-        usable = all(c.flags.c_contiguous for c in columns) and all(f is not None for f in formats)
-        self.formats = tuple(f or b"" for f in formats)
-        self.lib = native.lib if usable else None
-        self.plan = None
-        if self.lib is not None and ring.native_view is not None and 0 < len(self.names) <= 64 and all(len(s) <= 16 for s in self.shapes):
-            widths = tuple(int(np.dtype(targets[n][2]).itemsize * math.prod(s)) for n, s in zip(self.names, self.shapes, strict=True))
-            self.plan = self.lib.plan(
-                ring.lock.memory, ring.cursors, ring.stats_array, ring.stamp, ring.owner, ring.writers, ring.me,
-                _FROZEN, _INSERTED, self.names, self.formats, self.shapes, widths, self.columns, self.offsets,
-                self.episode, envs or 0, np.empty, np.dtype(np.int64), block, self.fields)
-
-    def one_call(self) -> Callable[[Any, Any, Any], np.ndarray | None] | None:
-        """``push(data, lane, episode) -> ids | None``: the whole push as one C call (see the class),
-        or ``None`` without the extension."""
-        return None if self.plan is None else partial(self.lib.push, self.plan)  # type: ignore[union-attr]
-
-    def close(self) -> None:
-        """Release the plan's views of the block (``ReplayBuffer.close``): a push callable still held
-        somewhere then leaves every push to Python, which says the buffer is closed."""
-        if self.plan is not None:
-            self.lib.plan_close(self.plan)  # type: ignore[union-attr]
-
-    def check(self, data: object) -> tuple[int, dict[str, np.ndarray]] | None:
-        """``(k, rows)`` when ``data`` passes the fast checks (one row's arrays keep their shape,
-        without a leading dimension), else ``None``."""
-        if self.plan is None or type(data) is not dict:
-            return None
-        got = self.lib.check(self.plan, data)  # type: ignore[union-attr]
-        return None if got is None else (got[0], data)
-
-    def prepare(self, arrays: dict[str, np.ndarray], episodes: np.ndarray | None, k: int,
-                exact: bool = False) -> tuple[np.ndarray, ...]:
-        """The sources of a push's copies, made before its reservation so that nothing between the
-        reservation and the commit can fail: each field's ``k`` rows (``arrays``, checked by the
-        schema, or ``exact``: by ``check``, taken as they are) cast, broadcast, C-contiguous and
-        aligned as its column takes them (numpy's assignment rules), then the episode ids when
-        the block keeps them."""
-        if exact and (episodes is None or self.episode is None):
-            return tuple([arrays[name] for name in self.names])
-        out = []
-        for name, items in zip(self.names, self.items, strict=True):
-            a, dtype = arrays[name], self.targets[name][2]
-            if isinstance(a, np.generic) and k == 1 and items == 1 and a.dtype == dtype:
-                pass  # a numpy scalar of the field's dtype: one aligned item
-            elif not (type(a) is np.ndarray and a.dtype == dtype and a.size == k * items
-                      and a.flags.c_contiguous and a.flags.aligned):
-                b = np.empty((k, *self.fields[name].shape[1:]), dtype)
-                b[...] = a  # numpy's assignment: the cast and the broadcast of one row
-                a = b
-            out.append(a)
-        if episodes is not None and self.episode is not None:
-            e = np.empty(k, np.int64)
-            e[...] = episodes
-            out.append(e)
-        return tuple(out)
-
-    def put(self, res: Reservation, sources: tuple[np.ndarray, ...], fields: dict[str, np.ndarray]) -> None:
-        """Copy ``sources`` (``prepare``'s) into ``res``'s slots, all or nothing: one C call when
-        the block's field table is still ``fields`` (it checks everything before it copies), else
-        numpy, which keeps the rows it writes over and puts them back if an assignment raises (a
-        test may replace the field table to stop a copy midway)."""
-        where = res.where
-        lib = self.lib
-        if lib is not None and fields is self.fields:
-            at, k = (where.start, where.stop - where.start) if isinstance(where, slice) else (where, where.shape[0])
-            cols, offsets, formats = self.columns, self.offsets, self.formats
-            if len(sources) > len(self.names) and self.episode is not None:
-                cols, offsets, formats = (*cols, self.episode), (*offsets, 0), (*formats, _format(np.dtype(np.int64)) or b"")
-            if lib.put(at, k, self.stamp, cols, offsets, formats, sources, False):
-                return
-        targets = [fields[name] for name in self.names]
-        if len(sources) > len(self.names) and self.episode is not None:
-            targets.append(self.episode)
-        kept = [t[where].copy() for t in targets]
-        done = 0
-        res.dirty = True  # from here bytes may differ from the rows the slots held
-        try:
-            for t, a in zip(targets, sources, strict=True):
-                t[where] = a
-                done += 1
-        except BaseException:
-            for t, old in zip(targets[:done + 1], kept, strict=False):
-                t[where] = old
-            res.dirty = False  # put back (a restore that raised leaves it set: undo then abandons)
-            raise
-
-
-def _format(dtype: np.dtype) -> bytes | None:
-    """The buffer-protocol format of ``dtype``, or ``None`` when it has none (datetimes)."""
-    try:
-        return memoryview(np.empty(0, dtype)).format.encode()  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return None
 
 
 class Ring:
@@ -512,7 +380,7 @@ class Ring:
              lost: Callable[[np.ndarray], None] | None = None) -> None:
         """A push failed between ``reserve`` and ``commit``: never leave a hole where that can be
         helped. With every row ``copied`` the rows are whole: they are committed. Else (the copy
-        is all or nothing: ``Copier.put``) the rows the slots held are intact, and while nobody
+        is all or nothing: ``push.Copier.copy``) the rows the slots held are intact, and while nobody
         has reserved since (every lane's cursor where this reservation left it, its rows still
         odd) the ring is put back as it was: cursors, the slots' stamps (their rows readable
         again), the insert count, and ``restore()`` (the priorities ``also`` set); the undo counts
