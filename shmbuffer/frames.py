@@ -29,7 +29,7 @@ Storage (``Frames.stored``, ``layout.columns``)
 
 Pushes: ``protocol/push.py`` checks frames pushes and lays them out as stored (its ``Pusher``).
 
-Reads (``window``, ``center``, ``stack_plan``)
+Reads (``center``, ``stack_plan``; the window's ids are ``protocol/rows.window``'s)
 ----------------------------
 A transition read for row ``n`` uses the rows ``n - k + 1 .. n + 1`` of its lane, each under its
 own stamp check (``reader.gather``): row ``n`` intact and not an end row; row ``n + 1`` intact
@@ -219,21 +219,6 @@ def _stack(schema: Schema, name: str, how: Any) -> Stack:
 
 
 # -- reads ----------------------------------------------------------------------------------------
-def window(spec: Frames, anchors: np.ndarray, lanes: int, start: np.ndarray, stop: np.ndarray,
-           invalid: int) -> np.ndarray:
-    """Ids of the rows ``anchor - depth .. anchor + ahead`` of each anchor's lane, ``(m, W)``;
-    ``invalid`` where a row is outside its lane's rows now (or the anchor is ``invalid``)."""
-    offsets = np.arange(-spec.depth, spec.ahead + 1)
-    bad = anchors == invalid
-    anchors = np.where(bad, 0, anchors)
-    lane = anchors % lanes
-    rows = (anchors // lanes)[:, None] + offsets[None, :]
-    inside = (rows >= start[lane][:, None]) & (rows < stop[lane][:, None])
-    ids = rows * lanes + lane[:, None]
-    ids[~inside | bad[:, None]] = invalid
-    return ids
-
-
 def center(spec: Frames, ok: np.ndarray, kind: np.ndarray) -> np.ndarray:
     """Which transitions can be read as far as their own rows go, from the window rows' stamp
     checks ``ok`` and kinds ``kind`` (both ``(m, W)``): row ``n`` intact and not an end or lead row, row

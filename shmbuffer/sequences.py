@@ -24,19 +24,14 @@ from .frames import KIND, LEAD, START
 from .protocol import reader
 from .protocol.reader import GIVE_UP, Rows, Source
 from .protocol.ring import INVALID, Ring
-from .protocol.rows import slot
+from .protocol.rows import lane_of, number_of, slot, window
 from .sampling.samplers import uniform_ids
 
 
 def window_ids(ring: Ring, anchors: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Ids of the rows ``anchor + offset`` of each anchor's lane, ``(n, len(offsets))``, and
     whether each lies inside its lane's rows now (outside: ``INVALID``)."""
-    lanes = ring.lanes
-    lane = anchors % lanes
-    rows = (anchors // lanes)[:, None] + offsets[None, :]
-    start, stop = ring.bounds()
-    inside = (rows >= start[lane][:, None]) & (rows < stop[lane][:, None])
-    ids = rows * lanes + lane[:, None]
+    ids, inside = window(anchors, offsets, ring.lanes, *ring.bounds())
     ids[~inside] = INVALID
     return ids, inside
 
@@ -77,8 +72,8 @@ def episode_extent(ring: Ring, episode: np.ndarray, anchors: np.ndarray) -> tupl
     An episode's rows are one run of its lane (ids are unique), so each end is found by binary
     search on "row r belongs to the anchor's episode"."""
     lanes, lc = ring.lanes, ring.lane_capacity
-    lane = anchors % lanes
-    row = anchors // lanes
+    lane = lane_of(anchors, lanes)
+    row = number_of(anchors, lanes)
     start, stop = ring.bounds()
     lo_bound, hi_bound = start[lane], stop[lane]
     own = episode[slot(lane, row, lc)]
@@ -268,7 +263,7 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
                 ok[ok] = ring.current(stop[ok] * ring.lanes + lane)
             first, stop = first[ok], stop[ok]
         frames = src.block.frames
-        if frames is not None and kinds is not None and frames.stack and first.size and not kinds[lane * lc + first[0] % lc] & START:
+        if frames is not None and kinds is not None and frames.stack and first.size and not kinds[slot(lane, first[0], lc)] & START:
             first[0] += frames.depth  # a run cut by lapping or a clear(): its first stacks reach outside
         if frames is not None and kinds is not None and first.size:
             for _ in range(frames.depth):  # a resumed episode's lead rows (push(resume=True)) are not steps

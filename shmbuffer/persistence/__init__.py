@@ -137,6 +137,7 @@ from ..progress import Progress as Line
 from ..protocol import reader
 from ..protocol.layout import Counter, Lane, Options
 from ..protocol.priorities import MAX_LEAF
+from ..protocol.rows import intact
 from ..sampling.samplers import Prioritized
 from ..schema import Schema
 from ..shm.segment import human
@@ -383,7 +384,7 @@ class _Snapshot:
             if locked or (not moved and not ((before == expect - 1) | (after == expect - 1)).any()):
                 break
             time.sleep(0.0005)
-        bad = ~reader.intact(before, after, expect)
+        bad = ~intact(before, after, expect)
         # a row deleted (or reaped) since the scan is a hole, not a sign of lapping writers
         gone = (after == 0) & ((before == expect) | (before == 0)) & ~hole
         if gone.any():

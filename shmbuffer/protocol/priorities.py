@@ -308,7 +308,7 @@ class Priorities:
             for a in range(lane * lc, (lane + 1) * lc, _REPAIR_CHUNK):
                 b = min(a + _REPAIR_CHUNK, (lane + 1) * lc)
                 s = stamp[a:b]
-                n = (s - 1) // 2
+                n = rows.number_of_stamp(s)
                 stale = (s <= 0) | (n < start) | (n >= cur)
                 if uses is not None and self.max_use is not None:
                     stale |= uses[a:b] >= self.max_use

@@ -3,7 +3,7 @@
 A read of rows by id is: read their stamps, copy the rows (the packed small fields, the large
 fields, the episode ids), read the stamps again; a row is *intact* when both reads equal the
 stamp its id must show (``Ring.expected``) and it is not older than its lane's last ``clear()``.
-``gather`` does that; ``intact`` is the rule. ``fetch`` is the one re-draw loop: rows (or windows
+``gather`` does that; ``rows.intact`` is the rule. ``fetch`` is the one re-draw loop: rows (or windows
 of rows) that are not accepted are drawn again, a bounded number of rounds before dead writers'
 rows are reaped, and for at most ``GIVE_UP`` seconds; with ``unique`` a row appears once, with a
 ``claim`` (``max_use``) each row's use is counted under the lock once it is read. ``assemble``
@@ -31,6 +31,7 @@ from ..errors import EmptyBufferError, WaitTimeout
 from .layout import Block, Counter, Options
 from .priorities import Priorities
 from .ring import INVALID, Ring, positions
+from .rows import intact, window
 
 NONE = np.empty(0, np.int64)
 REDRAW_ROUNDS = 8
@@ -73,14 +74,6 @@ class Source(Protocol):
 
     def reap(self) -> np.ndarray:
         """Ids of the rows whose uses ran out (``max_use``), for the sampler to drop."""
-
-
-def intact(first: np.ndarray, second: np.ndarray, expected: np.ndarray) -> np.ndarray:
-    """The rule: a copied row counts when the stamps read before and after it both equal the
-    stamp its row must show."""
-    ok = first == expected
-    ok &= second == expected
-    return ok
 
 
 @dataclass
@@ -211,7 +204,9 @@ def _transitions(
     m = flat.shape[0]
     updates = int(block.counters[_UPDATES])  # the reads below are several gathers (see the end)
     start, stop = ring.bounds()
-    win = frames.window(spec, flat, ring.lanes, start, stop, INVALID)
+    bad = flat == INVALID
+    win, inside = window(np.where(bad, 0, flat), np.arange(-spec.depth, spec.ahead + 1), ring.lanes, start, stop)
+    win[~inside | bad[:, None]] = INVALID
     width = win.shape[1]
     c = spec.depth
     w = _gather(block, ring, win.reshape(-1), large=(frames.KIND,))

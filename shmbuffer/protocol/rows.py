@@ -96,7 +96,19 @@ def is_committed(stamp: Ints) -> Ints:
 def intact(before: np.ndarray, after: np.ndarray, expected: np.ndarray) -> np.ndarray:
     """The intact-row rule: a row copied between two loads of its stamp, ``before`` and ``after``,
     is kept only if both equal the stamp its id must show (``expected``)."""
-    return (before == expected) & (after == expected)
+    ok = before == expected
+    ok &= after == expected
+    return ok
+
+
+def window(anchors: np.ndarray, offsets: np.ndarray, lanes: int, start: np.ndarray,
+           stop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ids of the rows ``anchor + offset`` of each anchor's lane, ``(len(anchors), len(offsets))``,
+    and whether each lies inside its lane's rows (``start``/``stop``: ``bounds``)."""
+    lane = anchors % lanes
+    n = (anchors // lanes)[:, None] + offsets[None, :]
+    inside = (n >= start[lane][:, None]) & (n < stop[lane][:, None])
+    return n * lanes + lane[:, None], inside
 
 
 def bounds(lanes_table: np.ndarray, lane_capacity: int) -> tuple[np.ndarray, np.ndarray]:
