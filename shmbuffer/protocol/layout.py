@@ -236,7 +236,7 @@ def read(name: str, meta: dict[str, Any], fingerprint: str) -> tuple[Schema, Opt
 
 
 class Block:
-    """Named views of one block's columns (from a segment, or plain arrays: ``Block.allocate``)."""
+    """Named views of one block's columns (a segment's)."""
 
     def __init__(self, schema: Schema, opts: Options, arrays: dict[str, np.ndarray]) -> None:
         self.schema = schema
@@ -272,13 +272,3 @@ class Block:
     def mark_interleaved(self) -> None:
         """Note in the block that one lane has received rows of several envs (windows then refuse it)."""
         self.counters[Counter.INTERLEAVED] = 1
-
-    @classmethod
-    def allocate(cls, schema: Schema, opts: Options) -> Block:
-        """A block of plain, process-local arrays: the reader and samplers without shared memory."""
-        arrays = {}
-        for col in columns(schema, opts):
-            raw = np.zeros(col.nbytes + 64, np.uint8)
-            at = -raw.ctypes.data % 64
-            arrays[col.name] = raw[at:at + col.nbytes].view(col.dtype).reshape(col.shape)
-        return cls(schema, opts, arrays)

@@ -146,12 +146,6 @@ class Priorities:
             self.tree.update(done, 0.0)
             self.mark_removed()
 
-    def used_up(self, slots: np.ndarray) -> np.ndarray:
-        """Which ``slots`` hold a row drawn ``max_use`` times (all ``False`` without ``max_use``)."""
-        if self.uses is None or self.max_use is None:
-            return np.zeros(slots.shape, bool)
-        return self.uses[slots] >= self.max_use
-
     def priorities_of(self, leaves: np.ndarray) -> np.ndarray:
         """The priorities whose leaves these are, ``leaf ** (1 / alpha) - eps`` (the inverse of
         ``leaf``; 0 for a leaf of 0); a uniform buffer's are 1."""

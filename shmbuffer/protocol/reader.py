@@ -12,8 +12,8 @@ makes the ``Batch``.
 With the C extension (``native.py``) ``gather`` is one C call with real atomics: acquire loads of
 the first stamps, the copies (without the GIL above a size), an acquire fence, the second stamps.
 
-Everything here works on a ``layout.Block`` and a ``Ring``, which may wrap plain numpy arrays
-(``Block.allocate``): the protocol is tested without shared memory.
+Everything here works on a ``layout.Block`` and a ``Ring``: the columns and the commit protocol,
+never a ``ReplayBuffer`` (a ``Source`` gives them).
 """
 
 from __future__ import annotations
