@@ -3,6 +3,7 @@
 from .batch import Batch
 from .buffer import BufferHandle, ReplayBuffer
 from .collector import Collector, WorkerError
+from .device import DeviceReplay
 from .errors import (
     CapacityError,
     ClosedError,
@@ -41,6 +42,7 @@ __all__ = [
     "BufferHandle",
     "Buffers",
     "CapacityError",
+    "DeviceReplay",
     "ClosedError",
     "Collector",
     "EmptyBufferError",
