@@ -197,3 +197,24 @@ def test_writers_lapping_and_killed_while_the_copy_refreshes(make: Make, name: s
     for p in writers:
         p.kill()
         p.join(10)
+
+
+def test_the_loader_says_which_path_it_took(make: Make, name: str) -> None:
+    buf = make(MUJOCO, 64, name=name)
+    buf.push(transition(0, 64))
+    with sb.Loader(buf, 32, resident=True, batches=3) as loader:
+        assert loader.path == "resident" and loader.why == ""
+        got = list(loader)
+    assert len(got) == 3 and all(b.obs.shape == (32, 17) for b in got)
+    for b in got:
+        assert np.array_equal(whole(b), b.index.numpy())
+    with sb.Loader(buf, 32, batches=1) as host:
+        assert host.path == "host" and "not a CUDA device" in host.why
+    with sb.Loader(buf, 32, resident=False, batches=1) as host:
+        assert host.path == "host" and host.why == "resident=False"
+    with pytest.raises(sb.LayoutError, match=r"sample keywords.*n_step.*resident=False"):
+        sb.Loader(buf, 32, resident=True, n_step=3)
+    frames = make(sb.Schema(obs=((3,), "float32"), next_obs=((3,), "float32"), done=((), "bool")), 16,
+                  name=name + "f", next_of="obs")
+    with pytest.raises(sb.LayoutError, match="next_of/stack"):
+        sb.Loader(frames, 4, resident=True)
