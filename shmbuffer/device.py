@@ -1,7 +1,8 @@
 """A device-resident copy of a buffer, kept in step with its writers: the learner samples on its GPU.
 
 ``DeviceReplay(buf, device="cuda")`` holds every field's column in device memory in the ring's
-slot layout (``protocol/rows.py``), and beside it, on the host, the stamp of the row each device
+slot layout (``protocol/rows.py``; the packed small fields as one block, as the shared
+memory holds them, so a batch's small fields are views of one gathered block), and beside it, on the host, the stamp of the row each device
 slot holds (``held``; 0: nothing usable). ``sync()`` brings it up to date:
 
 1. the slots to copy are those whose shared stamp differs from ``held`` (new rows, rows
@@ -17,8 +18,8 @@ slot holds (``held``; 0: nothing usable). ``sync()`` brings it up to date:
    unusable.
 
 Between syncs the device copy lags the shared buffer: the rows committed since the last sync are
-not drawn yet, and a row overwritten or deleted since is still drawn from the device copy (whole:
-the row as it was committed). ``max_lag_rows`` and ``max_lag_s`` bound that lag: a ``sample`` syncs
+not drawn yet, and a row overwritten or deleted since (or during the sync) is still drawn from the
+device copy (whole: the row as it was committed). ``max_lag_rows`` and ``max_lag_s`` bound that lag: a ``sample`` syncs
 first when more rows were inserted since the last sync, or more time went by (``lag()`` measures
 both), or, under a row bound, when an ``update()`` ran (a full refresh: an update does not say
 which rows). A ``clear()`` always makes the next sample sync: a cleared row is never drawn.
@@ -44,13 +45,14 @@ from typing import Any
 
 import numpy as np
 
-from .batch import Batch, torch_dtype
-from .errors import CapacityError, EmptyBufferError, LayoutError
+from .batch import Batch, torch_dtype, torch_views
+from .errors import CapacityError, ClosedError, EmptyBufferError, LayoutError
 from .protocol.layout import Counter, Lane
 from .protocol.reader import Source
 from .protocol.rows import bounds, committed_of_id, intact, is_committed, number_of_stamp, row_id
 
-_UPDATES, _INSERTED, _BASE = int(Counter.UPDATES), int(Counter.INSERTED), int(Lane.BASE)
+_UPDATES, _INSERTED = int(Counter.UPDATES), int(Counter.INSERTED)
+_CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 _ROUNDS = 8
 """Rounds of drawing again (prioritized) for rows the device copy does not hold, before a sync."""
 
@@ -75,7 +77,7 @@ class DeviceReplay:
     """
 
     def __init__(self, buf: Source, device: Any = "cuda", *, max_lag_rows: int | None = 0,
-                 max_lag_s: float | None = None, chunk: int = 65536, seed: int | None = None) -> None:
+                 max_lag_s: float | None = None, chunk: int = 16384, seed: int | None = None) -> None:
         torch = _torch()
         opts = buf.options
         refused = [what for what, on in (("frames stored once (next_of/stack)", opts.frames is not None),
@@ -94,7 +96,9 @@ class DeviceReplay:
         self.max_lag_rows, self.max_lag_s, self.chunk = max_lag_rows, max_lag_s, chunk
         block, ring = buf.block, buf.ring
         self.capacity, self.lanes, self.lane_capacity = ring.capacity, ring.lanes, ring.lane_capacity
-        self.columns = dict(block.fields)
+        self.record = block.record if block.packed is not None else None
+        self.columns: dict[str, np.ndarray] = {} if block.packed is None else {"_record": block.packed}
+        self.columns.update(block.large)  # the packed small fields travel as one block, as in a gather
         if block.episode is not None:
             self.columns["_episode"] = block.episode
         need = sum(int(c.nbytes) for c in self.columns.values())
@@ -108,6 +112,12 @@ class DeviceReplay:
         """Device memory the copy takes."""
         self.rows = {name: torch.zeros(col.shape, dtype=torch_dtype(col.dtype), device=self.device)
                      for name, col in self.columns.items()}
+        self._wide = dict(self.rows)  # the packed block selected as its widest whole words (one copy per row)
+        if "_record" in self.rows:
+            width = self.rows["_record"].shape[1]
+            word = next(w for w in (8, 4, 2, 1) if width % w == 0)
+            self._wide["_record"] = self.rows["_record"].view({8: torch.int64, 4: torch.int32, 2: torch.int16,
+                                                               1: torch.uint8}[word])
         pin = self.device.type == "cuda"
         self._staging = {name: torch.empty((chunk, *col.shape[1:]), dtype=torch_dtype(col.dtype), pin_memory=pin)
                          for name, col in self.columns.items()}
@@ -123,6 +133,8 @@ class DeviceReplay:
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(np.random.SeedSequence(seed).generate_state(1)[0]))
         self._lock = threading.Lock()  # one sync at a time (a background thread and the learner)
+        self.closed = False
+        """Whether ``close()`` was called."""
         self.sync()
 
     # -- refresh --------------------------------------------------------------------------------
@@ -132,9 +144,12 @@ class DeviceReplay:
             return self._sync()
 
     def _sync(self) -> int:
+        if self.closed:
+            raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
         ring, counters = self.buf.ring, self.buf.block.counters
         inserted = int(counters[_INSERTED])
         updates = int(counters[_UPDATES])
+        cursors = ring.cursors[:, _CURSOR].copy()  # rows lapped during the copy still count (lag)
         if updates != self._updates:
             self.held[:] = 0  # an update puts back the stamp it found: copy every row again
         todo = np.flatnonzero(ring.stamp != self.held)
@@ -142,7 +157,7 @@ class DeviceReplay:
         for at in range(0, todo.size, self.chunk):
             copied += self._copy(todo[at:at + self.chunk])
         self._updates = updates if int(counters[_UPDATES]) == updates else -1
-        self._refresh_usable()
+        self._refresh_usable(cursors)
         self._inserted, self._synced_at = inserted, time.monotonic()
         return copied
 
@@ -175,13 +190,15 @@ class DeviceReplay:
                 dev[where] = self._staging[name][pick]
         return int(good.size)
 
-    def _refresh_usable(self) -> None:
-        """Slots that hold a committed row still inside its lane's bounds, and their ids."""
+    def _refresh_usable(self, cursors: np.ndarray) -> None:
+        """Slots that hold a committed row inside its lane's bounds as they were when the sync
+        began (``cursors``), or since (a ``clear()``: its base), and their ids."""
         torch = _torch()
         ring = self.buf.ring
         lc = self.lane_capacity
         self._bases = ring.cursors[:, _BASE].copy()
         start, stop = bounds(ring.cursors, lc)
+        start = np.maximum(self._bases, np.minimum(start, cursors - lc))
         n = number_of_stamp(self.held)
         lane = np.arange(self.capacity) // lc
         usable = (self.held > 0) & (n >= start[lane]) & (n < stop[lane])
@@ -189,6 +206,24 @@ class DeviceReplay:
         slots = np.flatnonzero(usable)
         self._slots = torch.from_numpy(slots).to(self.device)
         self._ids = torch.from_numpy(row_id(n[slots], lane[slots], self.lanes)).to(self.device)
+
+    def close(self) -> None:
+        """Drop the views of the shared columns (so that ``buf.close()`` can unmap them) and the
+        device memory. Idempotent; the copy cannot sync or sample afterwards."""
+        with self._lock:
+            self.columns = {}
+            self.rows = {}
+            self._wide = {}
+            self._staging = {}
+            self._slots = self._slots[:0]
+            self._ids = self._ids[:0]
+            self.closed = True
+
+    def __enter__(self) -> DeviceReplay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def lag(self) -> tuple[int, float]:
         """How far the device copy is behind: rows inserted since the last sync, seconds since it."""
@@ -212,6 +247,8 @@ class DeviceReplay:
         """``n`` rows drawn on the device (with replacement), as ``ReplayBuffer.sample`` draws them."""
         if (type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool))) or n <= 0:
             raise ValueError(f"sample: expected a positive number of rows, got {n!r}")
+        if self.closed:
+            raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
         self._maybe_sync()
         prios = self.buf.priorities
         with self._lock:
@@ -229,7 +266,7 @@ class DeviceReplay:
             raise EmptyBufferError(f"sample({n}): the device copy of buffer {self.buf.name!r} holds no rows yet "
                                    "(push, then sync() or sample again)")
         pick = torch.randint(m, (n,), device=self.device, generator=self._gen)
-        return self._batch(self._slots[pick], self._ids[pick], None)
+        return self._batch(self._slots.index_select(0, pick), self._ids.index_select(0, pick), None)
 
     def _prioritized(self, n: int) -> Batch:
         torch = _torch()
@@ -264,13 +301,18 @@ class DeviceReplay:
         return self._batch(slots_dev, torch.from_numpy(ids).to(self.device), w)
 
     def _batch(self, slots: Any, ids: Any, weight: Any) -> Batch:
-        fields = {name: dev[slots] for name, dev in self.rows.items() if name != "_episode"}
+        got = {name: dev.index_select(0, slots) for name, dev in self._wide.items()}
+        packed = got.pop("_record", None)
+        if packed is not None:
+            packed = packed.view(_torch().uint8)
+        small = torch_views(packed, self.record) if packed is not None and self.record is not None else {}
         extras: dict[str, Any] = {"index": ids}
-        if "_episode" in self.rows:
-            extras["episode"] = self.rows["_episode"][slots]
+        if "_episode" in got:
+            extras["episode"] = got.pop("_episode")
         if weight is not None:
             extras["weight"] = weight
-        return Batch(fields, extras)
+        fields = {name: got[name] if name in got else small[name] for name in self.buf.block.schema.names}
+        return Batch(fields, extras, block=packed, record=self.record)
 
     def update_priorities(self, ids: Any, priorities: Any) -> None:
         """Set the priorities of rows ``ids`` in the shared tree (``ReplayBuffer.update_priorities``:

@@ -423,6 +423,8 @@ class Loader:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(JOIN)
         self._drain()  # a put that was under way when the flag was set
+        if self._resident is not None and not self._thread.is_alive():
+            self._resident.close()  # its views of the shared columns: the buffer can close
         if self._ended is None:
             self._ended = _CLOSED
 
