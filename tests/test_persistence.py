@@ -20,6 +20,7 @@ from safetensors.numpy import load_file
 
 import shmbuffer as sb
 from shmbuffer import persistence
+from shmbuffer.protocol.layout import Options
 from shmbuffer.shm import segment
 
 from .conftest import MUJOCO, discard, seq_of, transition
@@ -239,7 +240,7 @@ def test_save_replaces_an_earlier_save_and_reports_progress(
         sb.save(buf, tmp_path / "s")
     assert check_file(tmp_path / "s")["rows"] == 10  # the earlier save is untouched
     assert sorted(os.listdir(tmp_path / "s")) == ["meta.json", "rows.safetensors"]
-    monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * 10)
+    monkeypatch.setattr(persistence.snapshot, "CHUNK_BYTES", ROW * 10)
     calls: list[tuple[int, int]] = []
     sb.save(buf, tmp_path / "s", progress=lambda done, total: calls.append((done, total)), overwrite=True)
     assert check_file(tmp_path / "s")["rows"] == 100
@@ -256,7 +257,7 @@ def test_save_replaces_an_earlier_save_and_reports_progress(
 # -- saving while writers run ------------------------------------------------------------------------------
 def lapping(monkeypatch: pytest.MonkeyPatch, buf: sb.ReplayBuffer, at_call: int, lane: int, rows: int) -> None:
     """Before the save's ``at_call``-th piece (0-based), a writer pushes ``rows`` rows into ``lane``."""
-    real = persistence._Snapshot.copy
+    real = persistence.snapshot.Snapshot.copy
     calls = [0]
 
     def copy(self: Any, run: Any, k: int) -> Any:
@@ -266,7 +267,7 @@ def lapping(monkeypatch: pytest.MonkeyPatch, buf: sb.ReplayBuffer, at_call: int,
         calls[0] += 1
         return real(self, run, k)
 
-    monkeypatch.setattr(persistence._Snapshot, "copy", copy)
+    monkeypatch.setattr(persistence.snapshot.Snapshot, "copy", copy)
 
 
 @pytest.mark.parametrize(
@@ -285,7 +286,7 @@ def test_rows_overwritten_during_the_save_are_dropped_from_the_oldest_end(
     for ln in (0, 1):
         for _ in range(13):
             push_lane(buf, ln, 10)  # full, wrapped: rows 30..129 of each lane
-    monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * 10 * 2)  # pieces of 10 rows a lane
+    monkeypatch.setattr(persistence.snapshot, "CHUNK_BYTES", ROW * 10 * 2)  # pieces of 10 rows a lane
     lapping(monkeypatch, buf, at_call, lane, rows)
     out = sb.save(buf, tmp_path / "w")
     assert out["moved"] == moved
@@ -377,7 +378,7 @@ def test_save_while_a_writer_laps_the_ring(make: Make, loaded: list, name: str, 
     kept: list[int] = []
     try:
         for i, rows in enumerate([20, 200, 2000] * 2):  # small pieces: the writer laps the save; large: less
-            monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * rows)
+            monkeypatch.setattr(persistence.snapshot, "CHUNK_BYTES", ROW * rows)
             before = buf.ring.bounds()[1].copy()
             out = sb.save(buf, tmp_path / f"s{i}")
             after = buf.ring.bounds()[1]
@@ -511,7 +512,7 @@ def test_a_hole_overwritten_during_the_save_goes_with_the_rows_before_it(
     interrupted_push(buf, 0, 1)  # row 55
     for _ in range(7):
         push_lane(buf, 0, 10)  # full, wrapped: rows 26..125, row 55 a hole
-    monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * 10)  # pieces of 10 rows
+    monkeypatch.setattr(persistence.snapshot, "CHUNK_BYTES", ROW * 10)  # pieces of 10 rows
     lapping(monkeypatch, buf, 1, 0, 34)  # after the first piece: rows 26..59 overwritten
     out = sb.save(buf, tmp_path / "o")
     meta = check_file(tmp_path / "o")
@@ -538,7 +539,7 @@ def test_golden_prioritized(loaded: list) -> None:
     """The content tests/golden/make_golden.py describes."""
     new = sb.load(GOLDEN / "prioritized", seed=0)
     loaded.append(new)
-    assert new.options == persistence.Options(8, 2, sb.Prioritized(alpha=0.5, beta=0.4), 3, True)
+    assert new.options == Options(8, 2, sb.Prioritized(alpha=0.5, beta=0.4), 3, True)
     ids = np.array([4, 6, 8, 10, 1, 3, 5])
     rows = new.get(slice(None))
     assert np.array_equal(rows.index, ids) and np.array_equal(seq_of(rows), ids)
@@ -817,7 +818,7 @@ def test_export_drops_rows_overwritten_meanwhile(make: Make, name: str, monkeypa
     for ln in (0, 1):
         for _ in range(13):
             push_lane(buf, ln, 10)
-    monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * 10 * 2)
+    monkeypatch.setattr(persistence.snapshot, "CHUNK_BYTES", ROW * 10 * 2)
     lapping(monkeypatch, buf, 2, 0, 15)
     out = sb.export(buf)
     ids = np.concatenate([np.arange(45, 130) * 2, np.arange(30, 130) * 2 + 1])
@@ -982,7 +983,7 @@ def test_save_never_writes_through_links(make: Make, name: str, tmp_path: Path, 
     sb.save(buf, folder)
     assert victim.read_text() == "precious"
     # a temporary file's name that someone guessed is refused, never opened
-    monkeypatch.setattr(persistence.secrets, "token_hex", lambda k: "0" * (2 * k))
+    monkeypatch.setattr(persistence.saving.secrets, "token_hex", lambda k: "0" * (2 * k))
     (folder / f".rows.safetensors.{'0' * 16}.tmp").symlink_to(victim)
     with pytest.raises(FileExistsError):
         sb.save(buf, folder, overwrite=True)
