@@ -24,9 +24,11 @@ from shmbuffer.protocol.layout import Options
 from shmbuffer.shm import segment
 
 from .conftest import MUJOCO, discard, seq_of, transition
+from .golden import make_golden
 
 Make = Callable[..., sb.ReplayBuffer]
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v1"
+GOLDEN_V2 = GOLDEN.parent / "v2"
 ROW = MUJOCO.row_bytes + 1
 """Bytes a MUJOCO row takes in a save: its fields and ``_present``."""
 
@@ -524,7 +526,7 @@ def test_a_hole_overwritten_during_the_save_goes_with_the_rows_before_it(
     assert np.array_equal(seq_of(got), got.index) and got.index.tolist() == list(range(60, 126))
 
 
-# -- golden files of format version 1 ------------------------------------------------------------------
+# -- golden files of every format version ---------------------------------------------------------------
 def test_golden_uniform(loaded: list) -> None:
     new = sb.load(GOLDEN / "uniform", seed=0)
     loaded.append(new)
@@ -577,14 +579,70 @@ def test_golden_holes(loaded: list) -> None:
     assert tensors["_present"].tolist() == [True, False, False, True, True, True, True, False]
 
 
+def test_golden_v2_frames(loaded: list) -> None:
+    """Format version 2 (``next_of``/``stack``): the content tests/golden/make_golden.py describes,
+    written by commit 969d4a4."""
+    new = sb.load(GOLDEN_V2 / "frames", seed=0)
+    loaded.append(new)
+    assert new.options.frames is not None and new.capacity == 16 and len(new) == 5
+    rows = new.get(slice(None))
+    assert rows["action"].tolist() == [0, 1, 2, 5, 6]
+    assert rows["done"].tolist() == [False, False, True, False, False]
+    assert rows["truncated"].tolist() == [False, False, False, False, True]
+    frames = [[0, 0], [0, 1], [1, 2], [5, 5], [5, 6]]  # the frame numbers t of each obs's 2 frames
+    nexts = [[0, 1], [1, 2], [2, 3], [5, 6], [6, 7]]
+    for i in range(5):
+        assert np.array_equal(rows["obs"][i], np.concatenate([make_golden.frame(t) for t in frames[i]]))
+        assert np.array_equal(rows["next_obs"][i], np.concatenate([make_golden.frame(t) for t in nexts[i]]))
+    tensors = load_file(str(GOLDEN_V2 / "frames" / "rows.safetensors"))
+    assert set(tensors) == {"obs", "action", "done", "truncated", "_kind", "_present"}
+    assert tensors["obs"].shape == (7, 1, 2, 3)  # the stored rows: each transition's newest frame, end rows
+
+
+def test_every_format_version_has_a_reader_and_a_golden_file_that_loads(loaded: list) -> None:
+    assert tuple(persistence.READERS) == persistence.VERSIONS == (persistence.FORMAT_VERSION_1, persistence.FORMAT_VERSION_2)
+    assert persistence.VERSION == max(persistence.VERSIONS)
+    for version in persistence.VERSIONS:
+        saves = sorted((GOLDEN.parent / f"v{version}").iterdir())
+        assert saves, f"no golden file of format version {version}"
+        for folder in saves:
+            assert json.loads((folder / "meta.json").read_text())["format_version"] == version
+            new = sb.load(folder)
+            loaded.append(new)
+            assert len(new) > 0
+
+
+@pytest.mark.parametrize(("version", "kind"), [("v1", "uniform"), ("v1", "prioritized"), ("v2", "frames")])
+def test_a_save_is_byte_for_byte_the_golden_file(version: str, kind: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe of a golden file, saved today with the golden's save_id, gives the same
+    rows.safetensors byte for byte, and the same meta.json but for the buffer's name, the release
+    and the counters (which the v1 files predate)."""
+    golden = GOLDEN.parent / version / kind
+    meta = json.loads((golden / "meta.json").read_text())
+    monkeypatch.setattr(persistence.saving.secrets, "token_hex", lambda k: meta["save_id"])
+    monkeypatch.setattr(make_golden, "OUT", tmp_path / "v1")
+    monkeypatch.setattr(make_golden, "OUT2", tmp_path / "v2")
+    getattr(make_golden, kind)()
+    assert (tmp_path / version / kind / "rows.safetensors").read_bytes() == (golden / "rows.safetensors").read_bytes()
+    again = json.loads((tmp_path / version / kind / "meta.json").read_text())
+    if kind == "frames":  # inserted counted stored rows at 969d4a4 (7), transitions since (5): not the format's doing
+        assert (meta["stats"].pop("inserted"), again["stats"].pop("inserted")) == (7, 5)
+    differ = {key for key in set(meta) | set(again) if meta.get(key) != again.get(key)}
+    assert differ <= {"name", "shmbuffer_version", "counters"}, {k: (meta.get(k), again.get(k)) for k in differ}
+
+
 def test_golden_files_are_what_the_script_makes() -> None:
-    for kind in ("uniform", "prioritized", "holes"):
-        meta = json.loads((GOLDEN / kind / "meta.json").read_text())
-        assert meta["format_version"] == 1
-        with open(GOLDEN / kind / "rows.safetensors", "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            assert (8 + n) % 64 == 0
-            assert json.loads(f.read(n))["__metadata__"]["save_id"] == meta["save_id"]
+    for version, kinds in ((1, ("uniform", "prioritized", "holes")), (2, ("frames",))):
+        for kind in kinds:
+            folder = GOLDEN.parent / f"v{version}" / kind
+            meta = json.loads((folder / "meta.json").read_text())
+            assert meta["format_version"] == version
+            with open(folder / "rows.safetensors", "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                assert (8 + n) % 64 == 0
+                head = json.loads(f.read(n))["__metadata__"]
+                assert head["save_id"] == meta["save_id"] and head["format_version"] == str(version)
 
 
 # -- damaged, truncated and mismatched files ------------------------------------------------------------
