@@ -1123,3 +1123,53 @@ def test_a_save_while_other_rows_are_updated_all_the_time_keeps_every_row(
     buf.save(tmp_path / "s")
     monkeypatch.undo()
     assert load_file(str(tmp_path / "s" / "rows.safetensors"))["x"].tolist() == list(range(64))
+
+
+# -- the snapshot reads through the reader's gather --------------------------------------------------------
+def _updater(handle: sb.BufferHandle, rounds: int) -> None:
+    buf = sb.ReplayBuffer.attach(handle)
+    try:
+        wide = np.ones((8, 300), np.float32)
+        for v in range(1, rounds + 1):
+            buf.update(np.arange(8), obs=wide * v, reward=float(v))
+    finally:
+        buf.close()
+
+
+def test_a_save_while_another_process_updates_every_row_keeps_every_row_whole(
+    make: Make, loaded: list, name: str, tmp_path: Path, procs: list[Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Updates never end while the saves run: each save still keeps all 8 rows (a piece an update
+    spans is gathered again, at last under the lock), each row of one update, both fields."""
+    import multiprocessing as mp
+
+    from shmbuffer.protocol import reader
+
+    gathered: list[bool] = []
+    real = reader.gather
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        gathered.append(kwargs.get("stored", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reader, "gather", spy)
+    schema = sb.Schema(obs=((300,), "float32"), reward=((), "float32"))
+    buf = make(schema, 8, name=name)
+    buf.push(obs=np.zeros((8, 300)), reward=np.zeros(8))
+    p = mp.get_context("fork").Process(target=_updater, args=(buf.handle, 2000))
+    procs.append(p)
+    p.start()
+    saves = 0
+    while p.is_alive() or not saves:
+        out = sb.save(buf, tmp_path / "u", overwrite=True)
+        assert out["rows"] == 8 and out["dropped"] == 0
+        got = load_file(str(tmp_path / "u" / "rows.safetensors"))
+        assert (got["obs"] == got["reward"][:, None]).all()
+        saves += 1
+    p.join(30)
+    assert p.exitcode == 0
+    assert gathered and all(gathered)  # every read of the rows was the reader's gather of the stored rows
+    sb.save(buf, tmp_path / "u", overwrite=True)  # the updates have ended: the last one is saved
+    new = sb.load(tmp_path / "u")
+    loaded.append(new)
+    assert np.array_equal(new.get(slice(None)).reward, buf.get(slice(None)).reward)

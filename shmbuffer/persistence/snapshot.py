@@ -33,7 +33,7 @@ writing. Rows that an update (``ReplayBuffer.update``) spanned are gathered agai
 (``reader.settle``), and once more holding the ring's lock (no update can begin) if updates are
 still under way. Tree leaves and use counts are copied under the ring's lock after their piece's
 rows: each as of that moment, not of the start (samplers change them without touching the rows);
-a row whose stamp changed by then is not kept.
+a row overwritten by then (its stamp names a later row) is not kept.
 
 Pieces are at most ``CHUNK_BYTES`` of rows, taken from the lanes in turn. The first piece of every
 lane is held in memory until all lanes have one, so the file's layout (every lane's row count) is
@@ -191,7 +191,7 @@ class Snapshot:
         rows = reader.gather(block, ring, ids, stored=True)
         if not rows.ok.all():
             reader.settle(block, ring, ids, rows, stored=True)
-        now = stamp[sl]
+        now = stamp[sl].copy()  # one read: the stamps change under us
         pending = ~rows.ok & ~hole & ((now == committed(numbers)) | (now == writing(numbers)))
         locked = bool(pending.any())
         if locked:
@@ -238,8 +238,9 @@ class Snapshot:
         got, extra, now = self._read(ids, sl, numbers, hole)
         hole = hole | (now == 0)  # a row deleted (or reaped) since the scan is a hole, not a sign of lapping writers
         # a hole must still be empty (a stamp there means a writer lapped it); a row must have been
-        # read intact and still be there once its leaf was copied
-        bad = np.where(hole, now != 0, ~(got.ok & (now == committed(numbers))))
+        # read intact and still be there (committed, or being updated) once its leaf was copied
+        there = (now == committed(numbers)) | (now == writing(numbers))
+        bad = np.where(hole, now != 0, ~(got.ok & there))
         run.at = n1
         if bad.any():
             run.keep = max(run.keep, n0 + int(np.flatnonzero(bad)[-1]) + 1)
