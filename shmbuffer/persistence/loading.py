@@ -323,7 +323,7 @@ def _read_meta(meta_file: Path, meta: dict[str, Any], version: int) -> _Saved:
                 raise m.bad("sampler_state.max_priority", max_priority, f"a priority whose leaf (p + eps) ** alpha is <= {MAX_LEAF:g}")
     stats_in = m.obj(meta, "stats")
     stats = {key: m.integer(stats_in, key, "stats.") for key in stats_in}
-    if "counters" in meta:  # saves before issue 14 have none
+    if "counters" in meta:  # saves written before the counters existed have none (format.py)
         counters = m.obj(meta, "counters")
         stats.update({key: m.integer(counters, key, "counters.") for key in counters})
     listed = []
