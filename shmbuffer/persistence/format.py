@@ -64,8 +64,8 @@ A UTF-8 JSON object (written with ``indent=1``, then a newline):
 ``format`` ``"shmbuffer"``; ``format_version`` V (an int); ``shmbuffer_version`` the writer's
 release; ``save_id`` the same random token as the header's, so two files of different saves never
 pair up; ``name`` the buffer's name; ``schema`` ``Schema.to_json()``; ``options``
-``Options.to_json()`` (capacity, lanes, sampler, max_use, episodes, limiter, envs; ``frames`` is
-null in version 1 and set in version 2); ``rows`` the rows of every tensor (holes included);
+``Options.to_json()`` (capacity, lanes, sampler, max_use, episodes, limiter; ``envs`` when set;
+``frames`` only in version 2, where it is required); ``rows`` the rows of every tensor (holes included);
 ``lanes`` one ``{"first": F, "stop": S, "base": B}`` per lane: its saved rows and holes are the row
 numbers ``[F, S)`` (``protocol.rows``: row ``n`` of lane ``l`` has the id ``n * lanes + l``),
 ``B <= F`` its base (first row number since its last ``clear()``); ``sampler_state``
