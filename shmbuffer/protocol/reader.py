@@ -3,7 +3,8 @@
 A read of rows by id is: read their stamps, copy the rows (the packed small fields, the large
 fields, the episode ids), read the stamps again; a row is *intact* when both reads equal the
 stamp its id must show (``Ring.expected``) and it is not older than its lane's last ``clear()``.
-``gather`` does that; ``intact`` is the rule. ``fetch`` is the one re-draw loop: rows (or windows
+``gather`` does that (with ``stored=True`` on the rows as stored, also in a buffer with
+``next_of``/``stack``: the copy of the columns that ``persistence.snapshot`` makes); ``intact`` is the rule. ``fetch`` is the one re-draw loop: rows (or windows
 of rows) that are not accepted are drawn again, a bounded number of rounds before dead writers'
 rows are reaped, and for at most ``GIVE_UP`` seconds; with ``unique`` a row appears once, with a
 ``claim`` (``max_use``) each row's use is counted under the lock once it is read. ``assemble``
