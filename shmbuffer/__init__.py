@@ -33,9 +33,9 @@ from .schema import Field, Schema
 __version__ = "0.1.0"
 
 load = ReplayBuffer.load
-"""``load(path, *, name=None, capacity=None, seed=None)``: a new buffer holding a save (``persistence.py``)."""
+"""``load(path, *, name=None, capacity=None, seed=None)``: a new buffer holding a save (``persistence.loading``)."""
 from_arrays = ReplayBuffer.from_arrays
-"""``from_arrays(schema, arrays, capacity=None, **options)``: a new buffer of these rows (``persistence.py``)."""
+"""``from_arrays(schema, arrays, capacity=None, **options)``: a new buffer of these rows (``persistence.arrays``)."""
 
 __all__ = [
     "Batch",

@@ -5,7 +5,7 @@
     shmbuffer ls [--all] [--json]               your buffers in /dev/shm (--all: everyone's): rows, size, creator, alive
     shmbuffer inspect NAME [--json]             header, options, counters, lanes, field statistics
     shmbuffer gc [--dry-run] [--force] [NAME ...]   remove buffers whose creator is dead
-    shmbuffer save NAME PATH [--force]          save a live buffer (persistence.py)
+    shmbuffer save NAME PATH [--force]          save a live buffer (persistence/saving.py)
     shmbuffer load PATH --name NAME             load a save and hold it until interrupted
     shmbuffer bench [--seconds S] [--json]      memcpy, push and sample rates on this machine
     shmbuffer top [--all] [--once] [--json]     a live view: fill, rows in/out per second, writers (top.py)

@@ -3,7 +3,8 @@
 A read of rows by id is: read their stamps, copy the rows (the packed small fields, the large
 fields, the episode ids), read the stamps again; a row is *intact* when both reads equal the
 stamp its id must show (``Ring.expected``) and it is not older than its lane's last ``clear()``.
-``gather`` does that; ``rows.intact`` is the rule. ``fetch`` is the one re-draw loop: rows (or windows
+``gather`` does that (with ``stored=True`` on the rows as stored, also in a buffer with
+``next_of``/``stack``: the copy of the columns that ``persistence.snapshot`` makes); ``rows.intact`` is the rule. ``fetch`` is the one re-draw loop: rows (or windows
 of rows) that are not accepted are drawn again, a bounded number of rounds before dead writers'
 rows are reaped, and for at most ``GIVE_UP`` seconds; with ``unique`` a row appears once, with a
 ``claim`` (``max_use``) each row's use is counted under the lock once it is read. ``assemble``
@@ -104,13 +105,15 @@ class Rows:
 
 def gather(
     block: Block, ring: Ring, ids: np.ndarray, *, out: dict[str, np.ndarray] | None = None,
-    large: tuple[str, ...] | None = None,
+    large: tuple[str, ...] | None = None, stored: bool = False,
 ) -> Rows:
     """Copy the rows ``ids`` (any shape; ``ring.INVALID`` reads as not intact) with the stamp
     check. ``out`` gathers into given arrays (``"_block"`` for the packed record, one per large
     field); ``large`` limits the large fields copied (all by default). A buffer with ``next_of``
-    or ``stack`` reads each transition from its rows in the lane (``_transitions``)."""
-    if block.frames is not None:
+    or ``stack`` reads each transition from its rows in the lane (``_transitions``), unless
+    ``stored``: then the rows are read as they are stored (the stored record, every large column
+    ``frames.KIND`` included), as for a buffer without frames (a copy of the columns: ``persistence``)."""
+    if block.frames is not None and not stored:
         return _transitions(block, ring, ids, out, large)
     return _gather(block, ring, ids, out=out, large=large)
 
@@ -177,17 +180,18 @@ def _unless_updated(
         rows.put(at, _gather(block, ring, flat[at], large=large))  # step rows or fewer: never split again
 
 
-def settle(block: Block, ring: Ring, ids: np.ndarray, rows: Rows) -> None:
+def settle(block: Block, ring: Ring, ids: np.ndarray, rows: Rows, *, stored: bool = False) -> None:
     """Gather again (a few rounds) the rows of ``ids`` (flat) that did not count but are still
     current: an update of *other* rows during the gather (``_unless_updated``) discards every
-    row of it, and a read that cannot re-draw (``take``, ``epoch``) must not lose them for that."""
+    row of it, and a read that cannot re-draw (``take``, ``epoch``) must not lose them for that.
+    ``stored``: ``rows`` were gathered with ``stored=True``, and are gathered again so."""
     for _ in range(REDRAW_ROUNDS):
         bad = np.flatnonzero(~rows.ok)
         if bad.size:
             bad = bad[ring.current(ids[bad])]
         if not bad.size:
             return
-        rows.put(bad, gather(block, ring, ids[bad]))
+        rows.put(bad, gather(block, ring, ids[bad], stored=stored))
 
 
 def _transitions(
