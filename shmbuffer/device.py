@@ -32,7 +32,8 @@ has the fields, shapes and dtypes of ``ReplayBuffer.sample``'s, as tensors on th
 ``index`` (ids), ``episode`` and ``weight`` as there.
 
 Not done on the device yet, and refused with the alternative named: frames stored once
-(``next_of``/``stack``), n-step returns and sequences, ``max_use``, a rate limiter. The device
+(``next_of``/``stack``), ``max_use``, a rate limiter; ``sample_sequences`` and the other windows
+but n-step returns stay ``ReplayBuffer``'s. The device
 must hold the copy: on CUDA the bytes needed are checked against ``torch.cuda.mem_get_info``
 before anything is allocated.
 """
@@ -50,6 +51,7 @@ from .errors import CapacityError, ClosedError, EmptyBufferError, LayoutError
 from .protocol.layout import Counter, Lane
 from .protocol.reader import Source
 from .protocol.rows import bounds, committed_of_id, intact, is_committed, number_of_stamp, row_id
+from .sequences import check_n_step, n_step_fields
 
 _UPDATES, _INSERTED = int(Counter.UPDATES), int(Counter.INSERTED)
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
@@ -204,6 +206,7 @@ class DeviceReplay:
         usable = (self.held > 0) & (n >= start[lane]) & (n < stop[lane])
         self.held[~usable] = 0
         slots = np.flatnonzero(usable)
+        self._held_dev = torch.from_numpy(self.held).to(self.device)  # n-step windows read it on the device
         self._slots = torch.from_numpy(slots).to(self.device)
         self._ids = torch.from_numpy(row_id(n[slots], lane[slots], self.lanes)).to(self.device)
 
@@ -243,10 +246,19 @@ class DeviceReplay:
         return int(self._slots.shape[0])
 
     # -- sampling -------------------------------------------------------------------------------
-    def sample(self, n: int) -> Batch:
-        """``n`` rows drawn on the device (with replacement), as ``ReplayBuffer.sample`` draws them."""
+    def sample(self, n: int, *, n_step: int = 1, gamma: float = 0.99, fields: dict[str, str] | None = None) -> Batch:
+        """``n`` rows drawn on the device (with replacement), as ``ReplayBuffer.sample`` draws them;
+        ``n_step > 1`` turns them into n-step transitions on the device, as ``ReplayBuffer.sample``
+        does (``sequences.add_n_step``: the following rows of the row's lane and episode that the
+        device copy holds as committed; ``batch.steps``)."""
         if (type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool))) or n <= 0:
             raise ValueError(f"sample: expected a positive number of rows, got {n!r}")
+        if n_step != 1:
+            if not isinstance(n_step, (int, np.integer)) or isinstance(n_step, bool) or n_step < 1:
+                raise ValueError(f"sample: n_step must be an int >= 1, got {n_step!r}")
+            if not 0 <= gamma <= 1:
+                raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
+            check_n_step(self.buf, int(n_step), fields)
         if self.closed:
             raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
         self._maybe_sync()
@@ -256,6 +268,8 @@ class DeviceReplay:
                 batch = self._prioritized(int(n))
             else:
                 batch = self._uniform(int(n))
+            if n_step > 1:
+                self._n_step(batch, int(n_step), float(gamma), fields)
         self.buf.ring.count_sampled(int(n))
         return batch
 
@@ -313,6 +327,45 @@ class DeviceReplay:
             extras["weight"] = weight
         fields = {name: got[name] if name in got else small[name] for name in self.buf.block.schema.names}
         return Batch(fields, extras, block=packed, record=self.record)
+
+    def _n_step(self, batch: Batch, n_step: int, gamma: float, names: dict[str, str] | None) -> None:
+        """``sequences.add_n_step`` on the device, in place: a following row counts while the
+        device copy holds it committed (``held``) in the row's lane and episode."""
+        torch = _torch()
+        reward, next_obs, done = n_step_fields(self.buf, names)
+        cols = self._full_columns()
+        ids = batch.index
+        m, lanes, lc = ids.shape[0], self.lanes, self.lane_capacity
+        nums = (ids // lanes)[:, None] + torch.arange(1, n_step, device=self.device)[None, :]
+        lane = (ids % lanes)[:, None]
+        slots = lane * lc + nums % lc
+        ok = (self._held_dev[slots] == 2 * nums + 2) & (cols["_episode"][slots] == batch.episode[:, None])
+        mask = torch.cat([torch.ones((m, 1), dtype=torch.bool, device=self.device), ok], 1).cumprod(1).bool()
+        rewards = torch.cat([batch.fields[reward].reshape(m, 1), cols[reward][slots]], 1).double()
+        dones = torch.cat([batch.fields[done].reshape(m, 1), cols[done][slots]], 1).bool()
+        after = torch.zeros_like(mask)
+        after[:, 1:] = dones[:, :-1].cummax(1).values
+        used = mask & ~after
+        steps = used.sum(1)
+        ret = (torch.where(used, rewards, 0.0) * gamma ** torch.arange(n_step, device=self.device,
+                                                                       dtype=torch.float64)).sum(1)
+        last = (steps - 1).clamp(min=0)
+        more = steps > 1
+        at = slots[torch.arange(m, device=self.device), (steps - 2).clamp(min=0)]
+        following = torch.where(more.reshape(m, *[1] * (batch.fields[next_obs].dim() - 1)), cols[next_obs][at],
+                                batch.fields[next_obs])
+        batch.fields[next_obs].copy_(following)
+        batch.fields[reward].copy_(ret.reshape(batch.fields[reward].shape))
+        batch.fields[done].copy_(dones[torch.arange(m, device=self.device), last].reshape(batch.fields[done].shape))
+        batch.extras["steps"] = steps
+
+    def _full_columns(self) -> dict[str, Any]:
+        """Every field's whole device column (the small ones views of the packed block), and the episodes."""
+        out: dict[str, Any] = {}
+        if "_record" in self.rows and self.record is not None:
+            out.update(torch_views(self.rows["_record"], self.record))
+        out.update({name: dev for name, dev in self.rows.items() if name != "_record"})
+        return out
 
     def update_priorities(self, ids: Any, priorities: Any) -> None:
         """Set the priorities of rows ``ids`` in the shared tree (``ReplayBuffer.update_priorities``:

@@ -465,6 +465,13 @@ def add_n_step(src: Source, batch: Batch, n_step: int, gamma: float, names: dict
     batch.extras["steps"] = steps
 
 
+def n_step_fields(src: Source, names: dict[str, str] | None) -> tuple[str, str, str]:
+    """The reward, next observation and done fields of n-step returns (``fields=`` renames them)."""
+    names = names or {}
+    return (_field(src, names.get("reward"), REWARD, "reward"), _field(src, names.get("next_obs"), NEXT_OBS, "next_obs"),
+            _field(src, names.get("done"), DONE, "done"))
+
+
 def check_n_step(src: Source, n_step: int, names: dict[str, str] | None) -> None:
     """Refuse an n-step request the buffer cannot serve, before anything is drawn."""
     what = f"n_step={n_step}"

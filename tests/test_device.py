@@ -218,3 +218,29 @@ def test_the_loader_says_which_path_it_took(make: Make, name: str) -> None:
                   name=name + "f", next_of="obs")
     with pytest.raises(sb.LayoutError, match="next_of/stack"):
         sb.Loader(frames, 4, resident=True)
+
+
+def test_n_step_on_the_device_equals_the_host_reference(make: Make, name: str) -> None:
+    """The same n-step transitions as ``sequences.add_n_step`` gives for the same ids: episodes that
+    end, lanes, the write head, rows lapped since; refused as on the host without episodes."""
+    from shmbuffer.sequences import add_n_step
+
+    buf = make(MUJOCO, 64, name=name, lanes=2, episodes=True)
+    t = 0
+    for step in range(50):
+        for lane in range(2):
+            rows = transition(t, 1)
+            rows["done"] = np.array([step % 7 == 6])
+            buf.push(rows, lane=lane, episode=(step // 7) * 2 + lane)
+            t += 1
+    dev = DeviceReplay(buf, "cpu", seed=9)
+    got = dev.sample(500, n_step=4, gamma=0.9)
+    ref = buf.take(got.index.numpy())
+    add_n_step(buf, ref, 4, 0.9, None)
+    for key in ("reward", "next_obs", "done", "steps", "obs", "index", "episode"):
+        assert np.array_equal(got[key].numpy(), np.asarray(ref[key])), key
+    assert set(got.steps.tolist()) == {1, 2, 3, 4}
+    with pytest.raises(sb.FieldError, match="episode"):
+        DeviceReplay(make(MUJOCO, 8, name=name + "e"), "cpu").sample(4, n_step=3)
+    with pytest.raises(ValueError, match="n_step"):
+        dev.sample(4, n_step=0)
