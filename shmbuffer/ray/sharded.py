@@ -1,62 +1,5 @@
-"""Past one machine: buffer shards on Ray, writers on any node, one learner sampling them all.
-
-::
-
-    ray.init(address="auto")
-    with ShardedBuffer(schema, capacity=1_000_000, sampler=Prioritized()) as buf:   # one shard a node
-        target = buf.writer()                 # picklable: hand it to a Collector or any process
-        ...                                   # writers: target.open().push(...)
-        batch = buf.sample(256)               # as if from one buffer of every shard's rows
-        buf.update_priorities(batch, td)      # each id goes home to its shard
-
-Shards. A shard is an ordinary ``ReplayBuffer`` created by a ``ShardActor`` (a Ray actor that
-reserves no CPU) in the shared memory of its node, one per node by default. Ray is not on a
-node's local data path: a process on the shard's node attaches by the buffer's name and pushes
-through shared memory as everywhere else in shmbuffer.
-
-Writers. ``ShardedBuffer.writer()`` is a ``WriterTarget``, a small picklable value; its ``open()``
-gives a buffer attached to the shard on the caller's node when there is one (the node is the
-caller's Ray node, or the one the target was pinned to by ``target.handle`` in a Ray-connected
-process, which is what a ``Collector`` reads), else a ``RemoteWriter``: it checks every push as a
-local push does (the same ``FieldError``, nothing sent), gathers rows and sends them as numpy
-arrays through Ray's object store once ``batch_rows`` are pending, waiting for the previous call
-before sending the next (one call in flight bounds the memory). A process that is not a Ray
-worker connects to the cluster itself (``address``) on its first remote push.
-
-Sampling. A batch of ``n`` is split over the shards by a multinomial draw over their priority
-totals (prioritized) or row counts (uniform); each shard draws its share by its own sampler. A row
-is then drawn with probability ``leaf / sum of every shard's leaves``, exactly one buffer's; the
-importance weights are one buffer's ``(leaf / min leaf) ** -beta`` with the minimum over every
-shard and ``beta`` annealed over this learner's sample calls. Row ids carry their shard in bits
-56..62 (``tag``, ``shard_of``, ``row_of``); ``batch.shard`` holds it too.
-
-Prefetch. Remote shards are asked ahead: each keeps ``prefetch`` requests of one batch's rows in
-flight; replies are shuffled on arrival (a shard's draw is stratified) and rows are taken from them
-as the split asks. Prefetched rows were drawn up to ``prefetch`` batches ago, with the totals of
-then (as a ``Loader`` samples ahead). The learner's own node's shard is read through shared memory
-at the moment of the sample. ``force_remote=True`` treats every shard as remote (every node of a
-one-machine test cluster shares ``/dev/shm``; a testing and benchmarking aid); ``remote_calls``
-counts the calls made to shard actors.
-
-Rate limiting. ``limiter=RateLimiter(samples_per_insert, min_size, error)`` on the learner keeps
-rows sampled by this learner against rows inserted into all shards (``block_writers`` is refused:
-remote writers cannot see the learner's count without a round trip per push).
-
-Faults. A shard whose actor or node dies is dropped: the learner is told once (a ``ShardLost``
-warning, and ``lost`` lists it), its prefetched rows are discarded, later batches come from the
-rest, and priority updates for its ids are dropped like updates of overwritten rows. Ray kills
-an actor's child processes with it (the creator's watchdog of ``_tracker.py`` among them), so
-each shard starts a janitor outside Ray's process tree (``setsid -f``) that removes the shard's
-block once the actor's process is gone: a killed actor, or a learner that died or exited without
-``close`` (Ray then kills the actors it owned), leaves nothing in ``/dev/shm``. A
-``RemoteWriter`` whose shard is gone raises ``ShardLostError`` naming it, or with
-``failover=True`` writes to the next live shard (the rows of the call in flight when the shard
-died are lost with it).
-
-``save(path)`` writes one directory per shard (``shard-<i>``, on that shard's node, via its
-actor) and ``manifest.json``, and ``ShardedBuffer.load(path)`` makes the shards again; ``stats`` and ``len`` add up the shards; ``shards()`` lists them as
-``shmbuffer ls`` lists a node's buffers (each shard shows in its own node's ``shmbuffer ls`` under
-the name ``<token>-s<i>``).
+"""The learner's side: ``ShardedBuffer``, shards of one buffer on several Ray nodes sampled as one
+(``shmbuffer.ray`` says how: the split over shards, prefetching, rate limiting, lost shards).
 """
 
 from __future__ import annotations
@@ -64,430 +7,44 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
-import subprocess
-import sys
-import time
 import warnings
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .batch import Batch
-from .buffer import ReplayBuffer
-from .errors import EmptyBufferError, FieldError, ShmBufferError, UnknownIdError, WaitTimeout
-from .protocol.layout import UNIFORM, Options
-from .protocol.priorities import check_priorities
-from .sampling.limiter import RateLimiter
-from .sampling.samplers import Prioritized, Sampler, sampler_from_json
-from .schema import Schema, stack_rows
+from ..batch import Batch
+from ..buffer import ReplayBuffer
+from ..errors import EmptyBufferError, FieldError, UnknownIdError
+from ..protocol.layout import UNIFORM, Options
+from ..protocol.priorities import check_priorities
+from ..sampling.limiter import RateLimiter
+from ..sampling.samplers import Prioritized, Sampler, check_batch_size, importance_weights, sampler_from_json
+from ..schema import Schema
+from .shard import (
+    MAX_SHARDS,
+    SHIFT,
+    ShardActor,
+    ShardInfo,
+    ShardLost,
+    draw_rows,
+    row_of,
+    shard_of,
+    shard_state,
+    tag,
+    unwrap,
+)
+from .writer import WriterTarget
 
-__all__ = [
-    "RemoteWriter", "ShardActor", "ShardLost", "ShardLostError", "ShardedBuffer", "WriterTarget",
-    "row_of", "shard_of", "tag",
-]
-
-SHIFT = 56
-"""Row ids carry their shard in the bits from here up: ``shard << 56 | row id`` (255 shards)."""
-MAX_SHARDS = 127
-_ROW = (1 << SHIFT) - 1
-
-
-class ShardLost(RuntimeWarning):
-    """A shard's actor or node died; the learner goes on with the others (``ShardedBuffer.lost``)."""
-
-
-class ShardLostError(ShmBufferError, ConnectionError):
-    """A writer's shard is gone (its actor or node died) and the writer does not fail over."""
+__all__ = ["ShardedBuffer"]
 
 
-def tag(shard: int, ids: np.ndarray) -> np.ndarray:
-    """Shard-local row ids as global ones."""
-    return np.asarray(ids, np.int64) | np.int64(shard << SHIFT)
-
-
-def shard_of(ids: Any) -> np.ndarray:
-    """The shard index of each global row id (its high bits)."""
-    return np.asarray(ids, np.int64) >> SHIFT
-
-
-def row_of(ids: Any) -> np.ndarray:
-    """The shard-local row id of each global row id (its low bits)."""
-    return np.asarray(ids, np.int64) & _ROW
-
-
-# -- the shard: an actor holding an ordinary buffer -------------------------------------------------
-def _state(buf: ReplayBuffer) -> dict[str, Any]:
-    prios = buf.priorities
-    n = len(buf)
-    prioritized = prios is not None and prios.prioritized
-    stats = buf.stats
-    return {"len": n, "total": prios.tree.total if prioritized else float(n),  # type: ignore[union-attr]
-            "min": prios.tree.min if prioritized else 1.0,  # type: ignore[union-attr]
-            "inserted": stats["inserted"], "sampled": stats["sampled"]}
-
-
-def _draw(buf: ReplayBuffer, k: int) -> dict[str, Any]:
-    """``k`` rows of ``buf`` with their leaves (prioritized) and the state they were drawn from;
-    no rows when the buffer has none to give."""
-    state = _state(buf)
-    if k <= 0 or state["total"] <= 0:
-        return {"fields": None, "index": None, "leaves": None, **state}
-    try:
-        batch = buf.sample(k)
-    except EmptyBufferError:
-        return {"fields": None, "index": None, "leaves": None, **_state(buf)}
-    prios = buf.priorities
-    leaves = buf.priority(batch.index) if prios is not None and prios.prioritized else None
-    return {"fields": dict(batch.fields), "index": np.asarray(batch.index), "leaves": leaves, **state}
-
-
-_JANITOR = """
-import os, sys, time
-from shmbuffer.shm.segment import read_header, remove
-name, pid = sys.argv[1], int(sys.argv[2])
-while True:
-    time.sleep(0.5)
-    try:
-        os.kill(pid, 0)
-        continue
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        continue
-    try:
-        header = read_header(name)
-    except Exception:
-        break
-    if header.creator_state == "dead":
-        remove(name, header.ident)
-    break
-"""
-"""The shard's janitor (``python -c``, outside Ray's process tree): once the actor's process is
-gone, it removes the shard's block if its creator is dead. Ray kills an actor's child processes
-with it (the creator's watchdog, ``_tracker.py``, among them) when the learner that owns the
-actor dies or the actor is killed; the janitor is started through ``setsid -f``, so its parent
-has exited and nobody's child is killed with the actor."""
-
-
-class _Shard:
-    """The body of ``ShardActor``: one ``ReplayBuffer`` in this node's shared memory."""
-
-    def __init__(self, schema: Schema, capacity: int, options: dict[str, Any], source: str | None = None) -> None:
-        if source is None:
-            self.buf = ReplayBuffer(schema, capacity, **options)
-        else:  # a saved shard (ShardedBuffer.load): its rows, ids and priorities
-            self.buf = ReplayBuffer.load(source, name=options["name"])
-        self.pushes = 0
-        if shutil.which("setsid") is None:  # util-linux; without it `shmbuffer gc` cleans up after a crash
-            return
-        try:
-            subprocess.run(["setsid", "-f", sys.executable, "-c", _JANITOR, self.buf.name, str(os.getpid())],
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           check=True, timeout=30)
-        except BaseException:
-            self.buf.__exit__(None, None, None)
-            raise
-
-    def info(self) -> dict[str, Any]:
-        return {"node": ray.get_runtime_context().get_node_id(), "name": self.buf.name, "pid": os.getpid(),
-                "options": self.buf.options}
-
-    def push(self, call: dict[str, Any]) -> tuple[str, Any]:
-        """Push rows (``call``: the fields and, under ``_lane``, ``_episode``, ``_priority``, push's
-        options); a refusal comes back as the exception (raised again by the writer as is)."""
-        self.pushes += 1
-        fields = {k: v for k, v in call.items() if k[0] != "_"}
-        try:
-            return "ok", int(self.buf.push(fields, lane=call.get("_lane"), episode=call.get("_episode"),
-                                           priority=call.get("_priority")).size)
-        except (ShmBufferError, ValueError, TypeError) as e:
-            return "error", e
-
-    def sample(self, k: int) -> dict[str, Any]:
-        return _draw(self.buf, k)
-
-    def state(self) -> dict[str, Any]:
-        return _state(self.buf)
-
-    def stats(self) -> dict[str, Any]:
-        return {**self.buf.stats, "rows": len(self.buf), "pushes": self.pushes}
-
-    def update_priorities(self, ids: np.ndarray, priorities: np.ndarray) -> tuple[str, Any]:
-        try:
-            return "ok", self.buf.update_priorities(ids, priorities)
-        except (ShmBufferError, ValueError) as e:
-            return "error", e
-
-    def save(self, path: str) -> dict[str, Any]:
-        return self.buf.save(path)
-
-    def close(self) -> None:
-        self.buf.__exit__(None, None, None)
-
-
-ShardActor: Any = ray.remote(num_cpus=0)(_Shard)
-"""The shard actor (``num_cpus=0``): create it with ``ShardActor.options(...).remote(schema,
-capacity, options)``; ``ShardedBuffer`` does, one per node."""
-
-
-def _ok(reply: tuple[str, Any]) -> Any:
-    status, value = reply
-    if status == "error":
-        raise value
-    return value
-
-
-# -- writers -------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ShardInfo:
-    """One shard: its number, node, buffer name and actor name."""
-
-    index: int
-    node: str
-    name: str
-    actor: str
-
-
-@dataclass(frozen=True)
-class WriterTarget:
-    """Where writers push: every shard of a ``ShardedBuffer``; small, plain and picklable.
-
-    :param shards: the shards (``ShardedBuffer.shards``).
-    :param schema: their schema; ``options`` their options.
-    :param namespace: the Ray namespace of the shard actors; ``address`` the cluster's, for
-        processes that are not Ray workers.
-    :param node: the node to write from (``handle`` pins it); None: the caller's Ray node.
-    :param force_remote: push through Ray even when the shard's memory is on this node (testing
-        and benchmarking).
-    :param batch_rows: rows a remote writer gathers before one call.
-    :param failover: a remote writer whose shard is gone writes to the next live one.
-    """
-
-    shards: tuple[ShardInfo, ...]
-    schema: Schema
-    options: Options
-    namespace: str
-    address: str
-    node: str | None = None
-    force_remote: bool = False
-    batch_rows: int = 256
-    failover: bool = False
-
-    @property
-    def lanes(self) -> int:
-        """The lanes of each shard (the shards share their options)."""
-        return self.options.lanes
-
-    @property
-    def handle(self) -> WriterTarget:
-        """This target pinned to the caller's node (what a ``Collector`` hands its workers)."""
-        if self.node is None and ray.is_initialized():
-            return replace(self, node=ray.get_runtime_context().get_node_id())
-        return self
-
-    @property
-    def stats(self) -> dict[str, int]:
-        """The counters of the shard this target writes to from here (``Collector.warm`` reads them)."""
-        shard = self.home()
-        if self.local(shard):
-            with ReplayBuffer.attach(shard.name) as buf:
-                return buf.stats
-        _connect(self.address, self.namespace)
-        return dict(ray.get(ray.get_actor(shard.actor, namespace=self.namespace).stats.remote()))
-
-    def home(self) -> ShardInfo:
-        """The shard on this target's node, else the first one."""
-        node = self.node
-        if node is None and ray.is_initialized():
-            node = ray.get_runtime_context().get_node_id()
-        for shard in self.shards:
-            if shard.node == node:
-                return shard
-        return self.shards[0]
-
-    def local(self, shard: ShardInfo) -> bool:
-        """Whether ``shard`` is on this process's Ray node (and so is written through shared memory), unless
-        ``force_remote``."""
-        if self.force_remote:
-            return False
-        node = self.node
-        if node is None and ray.is_initialized():
-            node = ray.get_runtime_context().get_node_id()
-        return node == shard.node
-
-    def open(self, *, seed: int | np.random.Generator | None = None) -> ReplayBuffer | RemoteWriter:
-        """A writer: the shard on this node attached through shared memory, else a ``RemoteWriter``."""
-        shard = self.home()
-        if self.local(shard):
-            return ReplayBuffer.attach(shard.name, seed=seed)
-        return RemoteWriter(self, shard)
-
-
-def _connect(address: str, namespace: str) -> None:
-    if not ray.is_initialized():
-        ray.init(address=address, namespace=namespace, include_dashboard=False, log_to_driver=False)
-
-
-class RemoteWriter:
-    """Pushes to a shard on another node through Ray, in calls of ``batch_rows`` rows (see the
-    module docstring). ``flush()`` sends what is pending and waits; ``close()`` flushes.
-    ``calls`` counts the push calls sent. Every check a push makes on its rows runs here, before
-    anything is queued; what only the shard can refuse (a frozen shard: ``ReadOnlyError``) comes
-    back as the shard raised it, from the next push or flush, and that call's rows are not written."""
-
-    def __init__(self, target: WriterTarget, shard: ShardInfo) -> None:
-        _connect(target.address, target.namespace)
-        self.target = target
-        self.shard = shard
-        self.schema = target.schema
-        self.options = target.options
-        self.lanes = target.options.lanes
-        self.calls = 0
-        self._pending: list[tuple[dict[str, np.ndarray], np.ndarray, np.ndarray | None, np.ndarray | None]] = []
-        self._rows = 0
-        self._inflight: Any = None
-        self._closed = False
-        try:
-            self._actor = ray.get_actor(shard.actor, namespace=target.namespace)
-        except ValueError as e:  # Ray's answer for a named actor that died
-            self._lost(e)
-
-    def push(self, data: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None, /, *, lane: Any = None,
-             episode: Any = None, priority: Any = None, timeout: float | None = None, **fields: Any) -> int:
-        """Check rows as ``ReplayBuffer.push`` does and queue them; send once ``batch_rows`` are
-        pending. Returns how many rows were queued (ids are the shard's, not known yet).
-        ``timeout`` is accepted for the ``Collector`` and ignored."""
-        if self._closed:
-            raise ShardLostError(f"this writer to shard {self.shard.index} is closed")
-        if data is not None:
-            if fields:
-                raise TypeError("push() takes a mapping or keyword fields, not both")
-            fields = dict(data) if isinstance(data, Mapping) else stack_rows(data, self.schema)
-        if priority is None and "priority" in fields and "priority" not in self.schema:
-            priority = fields.pop("priority")
-        k, arrays = self.schema.validate(fields)
-        arrays = {name: np.asarray(a, dtype=self.schema[name].dtype) for name, a in arrays.items()}
-        lanes = self._lanes(k, lane)
-        episodes = None
-        if self.options.episodes:
-            if episode is None:
-                raise FieldError("push: this buffer keeps episodes (episodes=True): give episode= (one id, or one per row)")
-            episodes = np.broadcast_to(np.asarray(episode, np.int64), (k,)).copy()
-        if priority is not None and not isinstance(self.options.sampler, Prioritized):
-            raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
-        prios = None if priority is None else check_priorities(priority, k, "push: priority")
-        if self._pending and (prios is None) != (self._pending[-1][3] is None):
-            self.flush(wait=False)
-        self._pending.append((arrays, lanes, episodes, prios))
-        self._rows += k
-        if self._rows >= self.target.batch_rows:
-            self.flush(wait=False)  # sent now: Ray copies the arrays into its object store
-        else:  # kept: the caller may reuse its arrays
-            self._pending[-1] = ({name: a.copy() for name, a in arrays.items()}, lanes, episodes, prios)
-        return k
-
-    def _lanes(self, k: int, lane: Any) -> np.ndarray:
-        lanes = self.lanes
-        if lane is None:
-            if lanes == 1:
-                return np.zeros(k, np.int64)
-            envs = self.options.envs
-            if envs is None:
-                raise FieldError(f"push: the buffer has {lanes} lanes; give lane= (one, or one per row)")
-            if k % envs:
-                raise FieldError(f"push: {k} rows into a buffer made with envs={envs}: push a multiple of {envs} rows")
-            return np.arange(k, dtype=np.int64) % envs
-        a = np.broadcast_to(np.asarray(lane), (k,))
-        if a.dtype.kind not in "iu" or a.min() < 0 or a.max() >= lanes:
-            raise FieldError(f"push: lane must be integers in [0, {lanes}), got {np.asarray(lane).tolist()!r}")
-        return a.astype(np.int64)
-
-    def flush(self, *, wait: bool = True) -> None:
-        """Send the pending rows (after the previous call came back); ``wait``: and wait for them."""
-        if self._pending:
-            parts = self._pending
-            fields = (parts[0][0] if len(parts) == 1
-                      else {name: np.concatenate([p[0][name] for p in parts]) for name in self.schema.names})
-            lanes = np.concatenate([p[1] for p in parts])
-            episodes = None if parts[0][2] is None else np.concatenate([p[2] for p in parts])
-            prios = None if parts[0][3] is None else np.concatenate([p[3] for p in parts])
-            self._settle()
-            self._pending, self._rows = [], 0
-            call: dict[str, Any] = dict(fields)  # one argument: Ray serializes each argument apart
-            if self.lanes > 1:
-                call["_lane"] = lanes
-            if episodes is not None:
-                call["_episode"] = episodes
-            if prios is not None:
-                call["_priority"] = prios
-            self._send(call)
-        if wait:
-            self._settle()
-
-    def _send(self, call: dict[str, Any]) -> None:
-        self.calls += 1
-        self._inflight = (self._actor.push.remote(call), call)
-
-    def _settle(self) -> None:
-        """Wait for the call in flight; on a dead shard fail over (resend it) or raise."""
-        while self._inflight is not None:
-            ref, call = self._inflight
-            try:
-                reply = ray.get(ref)
-            except RayTaskError:
-                raise
-            except RayError as e:
-                self._lost(e)
-                self._send(call)
-                continue
-            self._inflight = None
-            _ok(reply)
-
-    def _lost(self, error: BaseException) -> None:
-        gone = self.shard
-        others = [s for s in self.target.shards if s.index != gone.index]
-        if self.target.failover:
-            for shard in others:
-                try:
-                    actor = ray.get_actor(shard.actor, namespace=self.target.namespace)
-                    ray.get(actor.state.remote(), timeout=30)
-                except (RayError, ValueError):
-                    continue
-                self.shard, self._actor = shard, actor
-                self.target = replace(self.target, shards=tuple(others))
-                return
-        self._closed = True
-        self._inflight = None
-        raise ShardLostError(
-            f"shard {gone.index} ({gone.name!r} on node {gone.node[:12]}) is gone ({type(error).__name__}); "
-            f"rows pushed to it since the last flush are lost. Write to another shard: open the target again, "
-            f"or make it with failover=True (ShardedBuffer.writer(failover=True))") from error
-
-    def close(self) -> None:
-        """Send what is pending and wait for it. Idempotent."""
-        if self._closed:
-            return
-        try:
-            self.flush()
-        finally:
-            self._closed = True
-
-    def __enter__(self) -> RemoteWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-# -- the learner ---------------------------------------------------------------------------------
 @dataclass
 class _Remote:
     """A remote shard as the learner sees it: the actor, requests in flight, rows received."""
@@ -611,7 +168,7 @@ class ShardedBuffer:
         """The latest known state of each live shard (the local one read now)."""
         out = dict(self._state)
         if self._local is not None:
-            out[self._local_index] = _state(self._local)
+            out[self._local_index] = shard_state(self._local)
         return out
 
     def refresh(self, timeout: float = 60.0) -> dict[int, dict[str, Any]]:
@@ -668,19 +225,16 @@ class ShardedBuffer:
             size = sum(s["len"] for s in states.values())
             return limiter.can_sample(inserted, self._sampled, size, n)
 
-        if ready(self._states()):
-            return
-        limit = limiter.timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        while not ready(self.refresh()):
-            if time.monotonic() > deadline:
-                states = self._states()
-                raise WaitTimeout(
-                    f"sample of {n} rows waited {limit:g} s for the rate limiter: "
-                    f"{sum(s['inserted'] for s in states.values())} rows inserted into {len(states)} shards, "
+        def state() -> str:
+            states = self._states()
+            return (f"{sum(s['inserted'] for s in states.values())} rows inserted into {len(states)} shards, "
                     f"{self._sampled} sampled, samples_per_insert={limiter.samples_per_insert}, "
                     f"min_size={limiter.min_size}")
-            time.sleep(0.01)
+
+        limiter.check_sample_size(n)
+        if ready(self._states()):  # the states known; then a round trip to the shards each try
+            return
+        limiter.wait(lambda: ready(self.refresh()), f"sample of {n} rows", state, timeout)
 
     def _ask(self, i: int, k: int) -> None:
         rem = self._remote[i]
@@ -746,9 +300,7 @@ class ShardedBuffer:
         """``n`` rows drawn as one buffer of every shard's rows would draw them (the module
         docstring). ``batch.index`` are global ids (``shard_of``), ``batch.shard`` the shards;
         prioritized batches have ``weight``. ``EmptyBufferError`` when no shard has rows."""
-        if (type(n) is not int and not isinstance(n, np.integer)) or n <= 0:
-            raise ValueError(f"sample: expected a positive number of rows, got {n!r}")
-        n = int(n)
+        n = check_batch_size(n)
         self._wait_limiter(n, timeout)
         self._chunk = n
         if self.prefetch:
@@ -778,7 +330,7 @@ class ShardedBuffer:
                 if not c:
                     continue
                 if i == self._local_index and self._local is not None:
-                    got = _draw(self._local, int(c))
+                    got = draw_rows(self._local, int(c))
                     if got["index"] is not None:
                         parts.append((i, got))
                         want += int(c) - len(got["index"])
@@ -824,12 +376,7 @@ class ShardedBuffer:
             leaves = np.concatenate([p["leaves"] for _, p in parts])
             mins = [s["min"] for s in states.values() if s["len"] and np.isfinite(s["min"]) and s["min"] > 0]
             low = min(mins) if mins else float("inf")
-            beta = sampler.beta_at(self._calls - 1)
-            if not np.isfinite(low) or low <= 0:
-                extras["weight"] = np.ones(leaves.shape[0], np.float32)
-            else:
-                with np.errstate(over="ignore"):
-                    extras["weight"] = np.power(np.maximum(leaves, low) / low, -beta).astype(np.float32)
+            extras["weight"] = importance_weights(leaves, low, sampler.beta_at(self._calls - 1))
         return Batch(fields, extras)
 
     def update_priorities(self, rows: Batch | Any, priorities: Any) -> int:
@@ -868,7 +415,7 @@ class ShardedBuffer:
             except RayError as e:
                 self._drop(i, e)
                 continue
-            done += _ok(reply)
+            done += unwrap(reply)
         return done
 
     # -- persistence and lifecycle -----------------------------------------------------------
