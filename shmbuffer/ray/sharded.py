@@ -55,7 +55,7 @@ class _Remote:
 
 
 class ShardedBuffer:
-    """Shards of one buffer on several Ray nodes, sampled as one (see the module docstring).
+    """Shards of one buffer on several Ray nodes, sampled as one (see ``shmbuffer.ray``).
 
     :param schema: the fields, as for ``ReplayBuffer``.
     :param capacity: rows held by each shard.
@@ -297,8 +297,8 @@ class ShardedBuffer:
                 self._drop(i, e)
 
     def sample(self, n: int, *, timeout: float | None = None) -> Batch:
-        """``n`` rows drawn as one buffer of every shard's rows would draw them (the module
-        docstring). ``batch.index`` are global ids (``shard_of``), ``batch.shard`` the shards;
+        """``n`` rows drawn as one buffer of every shard's rows would draw them (see
+        ``shmbuffer.ray``). ``batch.index`` are global ids (``shard_of``), ``batch.shard`` the shards;
         prioritized batches have ``weight``. ``EmptyBufferError`` when no shard has rows."""
         n = check_batch_size(n)
         self._wait_limiter(n, timeout)

@@ -107,8 +107,8 @@ def connect(address: str, namespace: str) -> None:
 
 
 class RemoteWriter:
-    """Pushes to a shard on another node through Ray, in calls of ``batch_rows`` rows (see the
-    module docstring). ``flush()`` sends what is pending and waits; ``close()`` flushes.
+    """Pushes to a shard on another node through Ray, in calls of ``batch_rows`` rows (see
+    ``shmbuffer.ray``). ``flush()`` sends what is pending and waits; ``close()`` flushes.
     ``calls`` counts the push calls sent. Every check a push makes on its rows runs here, before
     anything is queued; what only the shard can refuse (a frozen shard: ``ReadOnlyError``) comes
     back as the shard raised it, from the next push or flush, and that call's rows are not written."""

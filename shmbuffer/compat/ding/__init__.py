@@ -35,7 +35,7 @@ with DI-engine's hickle files.
 
 **Middleware** has DI-engine's signature, ``mw(action, chain, *args, **kwargs)`` for the actions
 ``push``, ``sample``, ``update``, ``delete`` and ``clear``; the first middleware used is the
-outermost, as in DI-engine (``apply_middleware``). This module's middleware
+outermost, as in DI-engine (``apply_middleware``). This package's middleware
 (``PriorityExperienceReplay``, ``use_time_check``, ``staleness_check``, ``clone_object``,
 ``group_sample``, ``padding``, ``sample_range_view``) are such functions; only
 ``PriorityExperienceReplay`` also shapes the storage (the sum tree in shared memory), so it is

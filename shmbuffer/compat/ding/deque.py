@@ -138,13 +138,13 @@ class _Store:
 
 
 class DequeBuffer(Facade):
-    """DI-engine's ``DequeBuffer(size, sliced=False)`` on a shared-memory ``ReplayBuffer`` (see the
-    module docstring).
+    """DI-engine's ``DequeBuffer(size, sliced=False)`` on a shared-memory ``ReplayBuffer`` (see
+    ``shmbuffer.compat.ding``).
 
     :param size: rows held; the oldest are overwritten first.
     :param sliced: ``sample(n, groupby=..., unroll_len=T)`` cuts each group into windows of ``T``
         starting at multiples of ``T`` (the last window ends at the group's end), as DI-engine.
-    :param object_bytes: bytes of each row's object slot (default: see the module docstring).
+    :param object_bytes: bytes of each row's object slot (default: see ``shmbuffer.compat.ding``).
     :param meta_bytes: bytes of each row's meta slot.
     :param name: the shared-memory block's name.
     :param seed: seeds the sampling.

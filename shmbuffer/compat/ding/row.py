@@ -134,7 +134,7 @@ def _unslots(slots: np.ndarray) -> list[Any]:
 
 
 class Layout:
-    """How ``data`` and ``meta`` map onto a row (see the module docstring): ``columns`` (field name
+    """How ``data`` and ``meta`` map onto a row (see the docstring of ``shmbuffer.compat.ding``): ``columns`` (field name
     to ``Column``), ``bare`` (the data itself is the column ``ding_data``), the slots' sizes."""
 
     def __init__(self, columns: Mapping[str, Column], bare: bool, object_bytes: int, meta_bytes: int) -> None:
