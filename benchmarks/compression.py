@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from . import peers
-from .cases import BATCH, Case, Config, Metric, Op, Subject, case_result, measure
+from .harness import BATCH, Case, Config, Metric, Op, Subject, case_result, measure
 from .peers import Unavailable, need
 
 ENVS = 8

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from . import peers
-from .cases import BATCH, Case, Config, Metric, case_result, summary
 from .data import ATARI, MUJOCO, SPECS, Fields, Spec, Stamper
+from .harness import BATCH, Case, Config, Metric, case_result, summary
 from .peers import Unavailable
 
 WRITERS = 2

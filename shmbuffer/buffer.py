@@ -42,7 +42,7 @@ from .protocol.priorities import Priorities
 from .protocol.push import Copier, Pusher
 from .protocol.ring import Ring, check_platform
 from .sampling.limiter import RateLimiter, counted
-from .sampling.samplers import Sampler
+from .sampling.samplers import Sampler, check_batch_size
 from .schema import Schema, stack_rows
 from .shm.segment import Segment
 
@@ -447,8 +447,7 @@ class ReplayBuffer:
         """
         if unknown:  # another library's keyword (cpprb's beta, SB3's env ...): name ours
             raise hints.keyword_error("sample", unknown)
-        if (type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool))) or n <= 0:
-            raise ValueError(f"sample: expected a positive number of rows, got {n!r}")
+        n = check_batch_size(n)
         if n_step != 1:
             if not isinstance(n_step, (int, np.integer)) or n_step < 1:
                 raise ValueError(f"sample: n_step must be an int >= 1, got {n_step!r}")

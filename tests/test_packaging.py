@@ -109,3 +109,13 @@ def test_packaging_missing_extension_warns_not_again_in_workers() -> None:
 def test_packaging_pure_on_purpose_does_not_warn() -> None:
     lines = _python(MISSING.format(block=BLOCK), SHMBUFFER_PURE="1").stdout.splitlines()
     assert lines[:2] == ["python", "0"], lines
+
+
+def test_every_package_folder_ships() -> None:
+    """Each folder of shmbuffer with an ``__init__.py`` is listed in pyproject's ``packages`` (the wheel
+    takes only those)."""
+    listed = re.search(r"^packages = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
+    assert listed, "pyproject.toml has no packages = [...] line"
+    names = set(re.findall(r'"([a-z0-9_.]+)"', listed.group(1)))
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "shmbuffer").rglob("__init__.py")}
+    assert folders == names, (sorted(folders - names), sorted(names - folders))

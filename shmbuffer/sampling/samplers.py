@@ -138,13 +138,7 @@ class Prioritized:
             out = np.empty(leaves.shape[0], np.float32)  # one C call; its pow agrees to 1 ulp of float32
             lib.weights(tree.mins, tree.plan, tree.capacity, leaves, self.beta_at(calls), out)
             return out
-        low = tree.min
-        if not np.isfinite(low) or low <= 0:
-            return np.ones(leaves.shape[0], np.float32)
-        if low >= 1e-27:  # leaves are at most MAX_LEAF (1e280): no ratio can overflow
-            return np.power(np.maximum(leaves, low) / low, -self.beta_at(calls)).astype(np.float32)
-        with np.errstate(over="ignore"):  # a ratio past float64's range: its weight is 0 (or 1 at beta 0)
-            return np.power(np.maximum(leaves, low) / low, -self.beta_at(calls)).astype(np.float32)
+        return importance_weights(leaves, tree.min, self.beta_at(calls))
 
     def to_json(self) -> dict[str, Any]:
         """As JSON, for the block's metadata: the kind and the parameters."""
@@ -152,6 +146,31 @@ class Prioritized:
 
 
 Sampler = Uniform | Prioritized
+
+
+def importance_weights(leaves: np.ndarray, low: float, beta: float) -> np.ndarray:
+    """Importance weights ``(leaf / low) ** -beta`` as float32, ``low`` the smallest leaf of the
+    rows that can be drawn (a leaf below it counts as ``low``); all ones when ``low`` is not a
+    positive finite number. The one formula: ``Prioritized.weights`` (without the extension) and
+    ``shmbuffer.ray`` (``low`` over every shard) use it; the extension's ``weights`` states it in C."""
+    if not np.isfinite(low) or low <= 0:
+        return np.ones(leaves.shape[0], np.float32)
+    if low >= 1e-27:  # leaves are at most MAX_LEAF (1e280): no ratio can overflow
+        return _weights(leaves, low, beta)
+    with np.errstate(over="ignore"):  # a ratio past float64's range: its weight is 0 (or 1 at beta 0)
+        return _weights(leaves, low, beta)
+
+
+def _weights(leaves: np.ndarray, low: float, beta: float) -> np.ndarray:
+    return np.power(np.maximum(leaves, low) / low, -beta).astype(np.float32)
+
+
+def check_batch_size(n: Any, what: str = "sample") -> int:
+    """``n`` as an int when it is a positive int (a numpy integer too; ``True`` is not one), else
+    ``ValueError`` naming ``what``: the check of ``sample(n)``'s row count."""
+    if (type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool))) or n <= 0:
+        raise ValueError(f"{what}: expected a positive number of rows, got {n!r}")
+    return int(n)
 
 
 def sampler_from_json(spec: dict[str, Any]) -> Sampler:
