@@ -1336,3 +1336,14 @@ def test_layout_h_does_the_row_arithmetic_of_rows_py(tmp_path: Path) -> None:
            rows.intact(v, w, v), rows.intact(v, v, v), rows.intact(w, v, v)]
     expected.append(np.stack([np.asarray(x, np.int64) for x in per], axis=1).reshape(-1))
     assert got == np.concatenate(expected).tolist()
+
+
+def test_every_c_file_is_built_and_shipped() -> None:
+    """setup.py builds every C file of ``shmbuffer/native`` and MANIFEST.in puts them and the
+    headers in the sdist (a file added on one side only would break a build from the sdist)."""
+    root = LAYOUT_H.parents[2]
+    setup = (root / "setup.py").read_text()
+    listed = set(re.findall(r'"(\w+\.c)"', setup))
+    assert listed == {p.name for p in LAYOUT_H.parent.glob("*.c")}
+    assert {"layout.h", "native.h"} <= set(re.findall(r'"(\w+\.h)"', setup))
+    assert "include shmbuffer/native/*.c shmbuffer/native/*.h" in (root / "MANIFEST.in").read_text().splitlines()

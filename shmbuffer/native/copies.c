@@ -200,7 +200,7 @@ PyObject *py_reserve(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Py_ssize_t capacity = stb.len / 8;
     if (ob.len / 2 != capacity || k < 0 || first < 0 || first + k > capacity || n0 < 0 || n0 > (INT64_MAX / 2 - k - 1) ||
-        writer < 0 || writer > 65535 || oldb.len / 8 != k) {
+        writer < 0 || writer > UINT16_MAX || oldb.len / 8 != k) {
         PyErr_SetString(PyExc_ValueError, "reserve: slots, rows or writer out of range");
         goto done;
     }
@@ -264,7 +264,7 @@ PyObject *py_reserve_lanes(PyObject *self, PyObject *args) {
         if (get_buf(objs[held], &b[held], writable[held], itemsize[held], names[held]) < 0) goto done;
     Py_ssize_t lanes = b[0].len / (LANE_WORDS * 8), capacity = b[1].len / 8, k = b[3].len / 8;
     if (lanes <= 0 || b[0].len % (LANE_WORDS * 8) || capacity % lanes || b[2].len / 2 != capacity || b[4].len / 8 != k ||
-        b[5].len / 8 != k || b[6].len / 8 != k || writer < 0 || writer > 65535) {
+        b[5].len / 8 != k || b[6].len / 8 != k || writer < 0 || writer > UINT16_MAX) {
         PyErr_SetString(PyExc_ValueError, "reserve_lanes: arrays of inconsistent sizes, or a writer out of range");
         goto done;
     }

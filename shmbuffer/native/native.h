@@ -17,8 +17,8 @@
 
 /* Copies of at least this many bytes in all run without the GIL (gather, stacks, put, push);
  * -DNOGIL_BYTES=... overrides it for a measurement. Releasing the GIL costs nothing measurable
- * from 16 KiB up and lets another thread run Python meanwhile, but for copies below about 1 MiB
- * that thread got no more done either way (benchmarks/README.md): 256 KiB is between the two. */
+ * for copies of 16 KiB and more and lets another thread run Python meanwhile, but below about
+ * 1 MiB that thread got no more work done either way (2 cores): 256 KiB lies between the two. */
 #ifndef NOGIL_BYTES
 #define NOGIL_BYTES (256 * 1024)
 #endif

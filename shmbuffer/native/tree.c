@@ -59,7 +59,7 @@ void tree_walk(const double *sums, const Levels *lv, Py_ssize_t capacity, double
     /* searchsorted(cum, x, side="right"): the first index whose value is > x (NaN: the end, as
      * numpy sorts it), without branches, every point in lockstep: the halving is the same for
      * all of them, so each step's loads are independent and overlap (one point after another,
-     * each step waited for the load before it: measured ~2x slower for 256 points) */
+     * each step waiting for the load before it: about 2x slower for 256 points) */
     Py_ssize_t len = top;
     while (len > 1) {
         Py_ssize_t half = len / 2;
