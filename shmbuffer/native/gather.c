@@ -81,6 +81,14 @@ static void copy_column(char *to, const char *from, size_t w, const int64_t *slo
  * slots and first: scratch of n. Returns the smallest id (INT64_MAX for none). No Python calls. */
 static int64_t gather_rows(const Columns *c, const int64_t *ids, Py_ssize_t n, Py_ssize_t lanes, const int64_t *stamp,
                            int64_t lc, int64_t *slots, int64_t *first, char *ok) {
+    /* the columns in local arrays: the stores below cannot change them, so they stay in registers */
+    const char *from[MAX_COLS];
+    size_t width[MAX_COLS];
+    Py_ssize_t ncols = c->n;
+    for (Py_ssize_t g = 0; g < ncols; g++) {
+        from[g] = (const char *)c->src[g].buf;
+        width[g] = (size_t)c->width[g];
+    }
     int64_t lowest = INT64_MAX;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t id = ids[i], s = slot_of_id(id, lanes, lc);
@@ -88,15 +96,14 @@ static int64_t gather_rows(const Columns *c, const int64_t *ids, Py_ssize_t n, P
         slots[i] = s;
         first[i] = __atomic_load_n(&stamp[s], __ATOMIC_ACQUIRE);
         /* the rows are random: ask for their first lines now, so the misses overlap */
-        for (Py_ssize_t g = 0; g < c->n; g++) {
-            const char *row = (const char *)c->src[g].buf + (size_t)s * (size_t)c->width[g];
+        for (Py_ssize_t g = 0; g < ncols; g++) {
+            const char *row = from[g] + (size_t)s * width[g];
             __builtin_prefetch(row);
-            if (c->width[g] > 64) __builtin_prefetch(row + 64);
-            if (c->width[g] > 128) __builtin_prefetch(row + 128);
+            if (width[g] > 64) __builtin_prefetch(row + 64);
+            if (width[g] > 128) __builtin_prefetch(row + 128);
         }
     }
-    for (Py_ssize_t g = 0; g < c->n; g++)
-        copy_column((char *)c->dst[g].buf, (const char *)c->src[g].buf, (size_t)c->width[g], slots, n);
+    for (Py_ssize_t g = 0; g < ncols; g++) copy_column((char *)c->dst[g].buf, from[g], width[g], slots, n);
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t second = __atomic_load_n(&stamp[slots[i]], __ATOMIC_RELAXED);

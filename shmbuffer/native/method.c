@@ -3,8 +3,8 @@
  * PushMethod(func) stands for ReplayBuffer.push (and add) on the class (buffer.py). Read from an
  * instance whose `_push_plan` is a plan (ReplayBuffer._setup: a uniform buffer the one call
  * serves), it gives a BoundPush: a bound method, holding its buffer as any bound method does,
- * whose usual calls are push_call (push.c) and every other call func(buffer, ...). Read from the
- * class, it is func; from an instance without a plan, func bound as usual. */
+ * whose usual calls are push_from_args (push.c) and every other call func(buffer, ...). Read
+ * from the class, it is func; from an instance without a plan, func bound as usual. */
 #include "native.h"
 
 #include <structmember.h>
@@ -25,7 +25,7 @@ static PyObject *bound_call(PyObject *callable, PyObject *const *args, size_t na
     PushPlan *p = plan_of(b->plan);
     if (!p) return NULL;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *ids = push_call(p, args, nargs, kwnames);
+    PyObject *ids = push_from_args(p, args, nargs, kwnames);
     if (ids != Py_None) return ids; /* the ids, or NULL with an error */
     Py_DECREF(ids);
     PyObject *method = PyMethod_New(b->func, b->self);
@@ -146,7 +146,7 @@ static PyMethodDef bound_methods[] = {
 
 PyTypeObject BoundPushType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmbuffer._native.BoundPush",
+    .tp_name = "shmbuffer.native._native.BoundPush",
     .tp_basicsize = sizeof(BoundPush),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_doc = "A buffer's push: a bound method whose usual calls run in C (PushMethod).",
@@ -247,7 +247,7 @@ static PyGetSetDef method_getset[] = {
 
 PyTypeObject PushMethodType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "shmbuffer._native.PushMethod",
+    .tp_name = "shmbuffer.native._native.PushMethod",
     .tp_basicsize = sizeof(PushMethod),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "PushMethod(func): ReplayBuffer.push on the class; a BoundPush on an instance with a push plan.",

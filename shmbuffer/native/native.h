@@ -85,7 +85,7 @@ void plan_release(PushPlan *p);
 PushPlan *plan_of(PyObject *capsule);
 /* ReplayBuffer.push's usual calls in C (push.c): the ids, None (a new reference) where the
  * Python method must run, or NULL with an error */
-PyObject *push_call(PushPlan *p, PyObject *const *args, Py_ssize_t given, PyObject *kwnames);
+PyObject *push_from_args(PushPlan *p, PyObject *const *args, Py_ssize_t given, PyObject *kwnames);
 
 /* -- the push method (method.c) ---------------------------------------------------------------- */
 extern PyTypeObject PushMethodType, BoundPushType;

@@ -523,11 +523,11 @@ static Py_ssize_t field_index(const PushPlan *p, PyObject *name) {
     return g;
 }
 
-/* push_call(plan, args, nargs, kwnames): ReplayBuffer.push's usual calls, push(**fields) or
+/* push_from_args(plan, args, nargs, kwnames): ReplayBuffer.push's usual calls, push(**fields) or
  * push(data_dict) with lane= and episode= or without, straight from the call's arguments to
  * push_values with no dict made: the ids, or None (a new reference) where the Python method must
  * run (any other call, and every push push_values leaves to Python), or NULL with an error. */
-PyObject *push_call(PushPlan *p, PyObject *const *args, Py_ssize_t given, PyObject *kwnames) {
+PyObject *push_from_args(PushPlan *p, PyObject *const *args, Py_ssize_t given, PyObject *kwnames) {
     static PyObject *s_lane, *s_episode;
     if (!s_lane && (!(s_lane = PyUnicode_InternFromString("lane")) || !(s_episode = PyUnicode_InternFromString("episode"))))
         return NULL;
