@@ -56,7 +56,6 @@ FastPush = Callable[[Any, Any, Any], "np.ndarray | None"]
 """``push(data, lane, episode) -> ids | None``: a whole push as one C call (``fast_push``)."""
 
 
-
 class Copier:
     """A push as C calls (``native``), planned once per buffer: ``c_push`` is
     ``_native.push(plan, data, lane, episode)``, a whole push (checks, lanes, reservation, copies,
