@@ -1,12 +1,16 @@
 """Which implementation runs the hot path: the C extension ``shmbuffer.native._native`` or pure Python.
 
-The extension (``_native.c``, built by ``pip install``; optional, so a machine without a compiler
-still installs the package) holds the tree's ``find`` and ``update`` (``sumtree.py``), a whole
-prioritized draw and its importance weights (``samplers.py``), an update's checks of ids and
-priorities (``ring.py``, ``priorities.py``) and a whole ``update_priorities`` (``Priorities.try_update``), the reader's stamped ``gather`` and its reads of frame stacks (``reader.py``, ``frames.py``) and a
-push's copies and commit (``buffer.py``), with real acquire/release atomics. The Python code stays the reference and the fallback: every caller
-checks ``lib`` and runs its numpy code when it is ``None``. ``SHMBUFFER_PURE=1`` in the
-environment forces the Python path (CI runs the protocol tests both ways).
+The extension (the C files of this folder: ``module.c`` says what each holds, ``layout.h`` states
+the block's layout and row arithmetic that ``tests/test_native.py`` checks against the Python
+definitions; built by ``pip install``; optional, so a machine without a compiler still installs
+the package) holds the tree's ``find`` and ``update`` (``sumtree.py``), a whole prioritized draw
+and its importance weights (``samplers.py``), an update's checks of ids and priorities
+(``ring.py``, ``priorities.py``) and a whole ``update_priorities`` (``Priorities.try_update``), the
+reader's stamped ``gather`` and its reads of frame stacks (``reader.py``, ``frames.py``) and a
+push's copies, reservation and commit (``buffer.py``, ``ring.py``), with acquire/release atomics.
+The Python code stays the reference and the fallback: every caller checks ``lib`` and runs its
+numpy code when it is ``None``. ``SHMBUFFER_PURE=1`` in the environment forces the Python path
+(CI runs the protocol tests both ways).
 
 ``ACTIVE`` is ``"native"`` or ``"python"``; ``REASON`` says why; the choice is logged once, at
 debug level, on the ``shmbuffer`` logger, and ``shmbuffer info`` prints both. When the extension is

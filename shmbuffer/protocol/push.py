@@ -55,8 +55,6 @@ from .ring import Reservation, Ring
 FastPush = Callable[[Any, Any, Any], "np.ndarray | None"]
 """``push(data, lane, episode) -> ids | None``: a whole push as one C call (``fast_push``)."""
 
-_FROZEN, _INSERTED = int(Counter.FROZEN), int(Counter.INSERTED)
-
 
 class Copier:
     """A push as C calls (``native``), planned once per buffer: ``c_push`` is
@@ -98,9 +96,9 @@ class Copier:
         if self.lib is not None and ring.native_view is not None and 0 < len(self.names) <= 64 and all(len(s) <= 16 for s in self.shapes):
             widths = tuple(int(np.dtype(targets[n][2]).itemsize * math.prod(s)) for n, s in zip(self.names, self.shapes, strict=True))
             self.plan = self.lib.plan(
-                ring.lock.memory, ring.cursors, ring.stats_array, ring.stamp, ring.owner, ring.writers, ring.me,
-                _FROZEN, _INSERTED, self.names, self.formats, self.shapes, widths, self.columns, self.offsets,
-                self.episode, envs or 0, np.empty, np.dtype(np.int64), block, self.fields)
+                (ring.lock.memory, ring.cursors, ring.stats_array, ring.stamp, ring.owner, ring.writers, ring.me),
+                tuple(zip(self.names, self.formats, self.shapes, widths, self.columns, self.offsets, strict=True)),
+                self.episode, envs or 0)
 
     def c_push(self) -> FastPush | None:
         """``push(data, lane, episode) -> ids | None``: the whole push as one C call (see the class),
