@@ -13,8 +13,8 @@ Cases (each prints one line and goes into the JSON ``--out``):
   and a numpy ring (``np.take`` of 256 rows of in-process arrays, then ``.to(device)``).
 * ``prioritized``: sample 256 + ``update_priorities`` at full capacity, batches/s, the device copy
   against ``buf.sample`` + ``.to(device)`` + ``buf.update_priorities``.
-* ``keep_up``: 2 writer processes push 64-row chunks as fast as they can for ``--seconds`` while the
-  learner samples from a device copy with ``max_lag_rows=0``: the ingest (rows/s), the learner's
+* ``keep_up``: 2 writer processes push 64-row chunks at ``--ingest`` rows/s in all (default 1M) for
+  ``--seconds`` while the learner samples from a device copy with ``max_lag_rows=0``: the ingest (rows/s), the learner's
   batches/s, and the lag (rows behind and milliseconds since the last sync) seen before each sample
   (median and 99th percentile).
 """
@@ -85,6 +85,7 @@ def case_refresh(capacity: int, device: str, tag: str) -> dict[str, Any]:
         new = k / (time.perf_counter() - t0)
         src = np.ones(capacity * 165, np.uint8)
         dst = np.empty_like(src)
+        np.copyto(dst, src)  # the pages touched once: the floor is the copy, not the page faults
         t0 = time.perf_counter()
         np.copyto(dst, src)
         memcpy = capacity / (time.perf_counter() - t0)
@@ -139,18 +140,24 @@ def case_sample(capacity: int, device: str, tag: str, seconds: float, prioritize
         buf.unlink()
 
 
-def _writer(handle: sb.BufferHandle, lane: int, stop: Any) -> None:
+def _writer(handle: sb.BufferHandle, lane: int, stop: Any, per_s: float) -> None:
+    """Push 64-row chunks at ``per_s`` rows a second (as fast as it can when that is more)."""
     buf = sb.ReplayBuffer.attach(handle)
     chunk = rows(64)
+    t0, pushed = time.perf_counter(), 0
     while not stop.is_set():
         buf.push(chunk, lane=lane)
+        pushed += 64
+        ahead = pushed / per_s - (time.perf_counter() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
 
 
-def case_keep_up(capacity: int, device: str, tag: str, seconds: float) -> dict[str, Any]:
+def case_keep_up(capacity: int, device: str, tag: str, seconds: float, ingest: float) -> dict[str, Any]:
     buf = sb.ReplayBuffer(SCHEMA, capacity, name=f"bench-dev-k-{tag}", lanes=2)
     ctx = mp.get_context("fork")
     stop = ctx.Event()
-    procs = [ctx.Process(target=_writer, args=(buf.handle, lane, stop)) for lane in range(2)]
+    procs = [ctx.Process(target=_writer, args=(buf.handle, lane, stop, ingest / 2)) for lane in range(2)]
     done = sync_device(device)
     try:
         buf.push(rows(64), lane=0)
@@ -191,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--capacity", type=int, default=1_000_000)
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--ingest", type=float, default=1e6, help="rows/s the 2 writers of keep_up push in all")
     parser.add_argument("--quick", action="store_true", help="capacity 20,000 and 0.3 s a case")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -200,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         case_refresh(capacity, args.device, tag),
         case_sample(capacity, args.device, tag, seconds, prioritized=False),
         case_sample(capacity, args.device, tag, seconds, prioritized=True),
-        case_keep_up(capacity, args.device, tag, seconds),
+        case_keep_up(capacity, args.device, tag, seconds, args.ingest),
     ]}
     for case in results["cases"]:
         print("  ".join(f"{k}={v:,.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in case.items()), flush=True)

@@ -40,8 +40,10 @@ before anything is allocated.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -50,13 +52,18 @@ from .batch import Batch, torch_dtype, torch_views
 from .errors import CapacityError, ClosedError, EmptyBufferError, LayoutError
 from .protocol.layout import Counter, Lane
 from .protocol.reader import Source
-from .protocol.rows import bounds, committed_of_id, intact, is_committed, number_of_stamp, row_id
+from .protocol.rows import bounds, committed_of_id, intact, is_committed, number_of_stamp
 from .sequences import check_n_step, n_step_fields
 
 _UPDATES, _INSERTED = int(Counter.UPDATES), int(Counter.INSERTED)
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 _ROUNDS = 8
 """Rounds of drawing again (prioritized) for rows the device copy does not hold, before a sync."""
+
+
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
 def _torch() -> Any:
@@ -99,7 +106,11 @@ class DeviceReplay:
         block, ring = buf.block, buf.ring
         self.capacity, self.lanes, self.lane_capacity = ring.capacity, ring.lanes, ring.lane_capacity
         self.record = block.record if block.packed is not None else None
-        self.columns: dict[str, np.ndarray] = {} if block.packed is None else {"_record": block.packed}
+        self.columns: dict[str, np.ndarray] = {}
+        if block.packed is not None:  # copied and selected as its widest whole words: one copy per row
+            width = block.packed.shape[1]
+            word = next(w for w in (8, 4, 2, 1) if width % w == 0 and block.packed.ctypes.data % w == 0)
+            self.columns["_record"] = block.packed.view(np.dtype(f"<i{word}") if word > 1 else np.uint8)
         self.columns.update(block.large)  # the packed small fields travel as one block, as in a gather
         if block.episode is not None:
             self.columns["_episode"] = block.episode
@@ -114,20 +125,18 @@ class DeviceReplay:
         """Device memory the copy takes."""
         self.rows = {name: torch.zeros(col.shape, dtype=torch_dtype(col.dtype), device=self.device)
                      for name, col in self.columns.items()}
-        self._wide = dict(self.rows)  # the packed block selected as its widest whole words (one copy per row)
-        if "_record" in self.rows:
-            width = self.rows["_record"].shape[1]
-            word = next(w for w in (8, 4, 2, 1) if width % w == 0)
-            self._wide["_record"] = self.rows["_record"].view({8: torch.int64, 4: torch.int32, 2: torch.int16,
-                                                               1: torch.uint8}[word])
         pin = self.device.type == "cuda"
         self._staging = {name: torch.empty((chunk, *col.shape[1:]), dtype=torch_dtype(col.dtype), pin_memory=pin)
                          for name, col in self.columns.items()}
         self._stream = torch.cuda.Stream(self.device) if pin else None
         self.held = np.zeros(self.capacity, np.int64)
         """The stamp of the row each device slot holds, 0 where it holds none usable (host memory)."""
-        self._slots = torch.empty(0, dtype=torch.int64, device=self.device)  # usable slots
-        self._ids = torch.empty(0, dtype=torch.int64, device=self.device)  # their ids
+        self.usable = np.zeros(self.capacity, bool)
+        """Which device slots hold a row that may be drawn (``held`` and inside its lane's bounds)."""
+        self._count = 0  # usable slots
+        self._slots: Any = None  # the usable slots as a device tensor, made when drawing needs it
+        self._held_dev = torch.from_numpy(self.held) if self.device.type == "cpu" else \
+            torch.zeros(self.capacity, dtype=torch.int64, device=self.device)  # what n-step windows read
         self._updates = -1
         self._inserted = 0
         self._bases = np.zeros(self.lanes, np.int64)
@@ -152,6 +161,7 @@ class DeviceReplay:
         inserted = int(counters[_INSERTED])
         updates = int(counters[_UPDATES])
         cursors = ring.cursors[:, _CURSOR].copy()  # rows lapped during the copy still count (lag)
+        everything = updates != self._updates or not np.array_equal(ring.cursors[:, _BASE], self._bases)
         if updates != self._updates:
             self.held[:] = 0  # an update puts back the stamp it found: copy every row again
         todo = np.flatnonzero(ring.stamp != self.held)
@@ -159,7 +169,7 @@ class DeviceReplay:
         for at in range(0, todo.size, self.chunk):
             copied += self._copy(todo[at:at + self.chunk])
         self._updates = updates if int(counters[_UPDATES]) == updates else -1
-        self._refresh_usable(cursors)
+        self._refresh_usable(cursors, None if everything else todo)
         self._inserted, self._synced_at = inserted, time.monotonic()
         return copied
 
@@ -168,10 +178,15 @@ class DeviceReplay:
         torch = _torch()
         ring, counters = self.buf.ring, self.buf.block.counters
         k = slots.shape[0]
+        run = int(slots[0]) if slots[-1] - slots[0] == k - 1 else None  # consecutive slots: plain copies
         updates = int(counters[_UPDATES])
-        first = ring.stamp[slots]
+        first = ring.stamp[slots] if run is None else ring.stamp[run:run + k].copy()
         for name, col in self.columns.items():
-            np.take(col, slots, axis=0, out=self._staging[name][:k].numpy())
+            out = self._staging[name][:k].numpy()
+            if run is None:
+                np.take(col, slots, axis=0, out=out)
+            else:
+                np.copyto(out, col[run:run + k])
         second = ring.stamp[slots]
         ok = is_committed(first) & intact(first, second, first)
         if int(counters[_UPDATES]) != updates:
@@ -180,35 +195,51 @@ class DeviceReplay:
         good = np.flatnonzero(ok)
         if good.size == 0:
             return 0
-        where = torch.from_numpy(slots[good]).to(self.device)
-        pick = torch.from_numpy(good)
-        if self._stream is not None:
-            with torch.cuda.stream(self._stream):
-                for name, dev in self.rows.items():
-                    dev[where] = self._staging[name][pick].to(self.device, non_blocking=True)
-            self._stream.synchronize()  # the staging is reused by the next chunk
-        else:
+        whole = run is not None and good.size == k
+        where = None if whole else torch.from_numpy(slots[good]).to(self.device)
+        pick = None if whole else torch.from_numpy(good)
+        with torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
             for name, dev in self.rows.items():
-                dev[where] = self._staging[name][pick]
+                staged = self._staging[name]
+                if whole:
+                    dev[run:run + k].copy_(staged[:k], non_blocking=True)
+                else:
+                    dev[where] = staged[pick].to(self.device, non_blocking=True)
+        if self._stream is not None:
+            self._stream.synchronize()  # the staging is reused by the next chunk
         return int(good.size)
 
-    def _refresh_usable(self, cursors: np.ndarray) -> None:
-        """Slots that hold a committed row inside its lane's bounds as they were when the sync
-        began (``cursors``), or since (a ``clear()``: its base), and their ids."""
+    def _refresh_usable(self, cursors: np.ndarray, changed: np.ndarray | None) -> None:
+        """Which slots hold a committed row inside its lane's bounds as they were when the sync
+        began (``cursors``), or since (a ``clear()``: its base): the ``changed`` slots, or all.
+        Only a slot whose stamp changed can leave the bounds, but by a ``clear()`` (all then):
+        a lane laps a slot by reserving it, which changes its stamp."""
         torch = _torch()
         ring = self.buf.ring
         lc = self.lane_capacity
         self._bases = ring.cursors[:, _BASE].copy()
         start, stop = bounds(ring.cursors, lc)
         start = np.maximum(self._bases, np.minimum(start, cursors - lc))
-        n = number_of_stamp(self.held)
-        lane = np.arange(self.capacity) // lc
-        usable = (self.held > 0) & (n >= start[lane]) & (n < stop[lane])
-        self.held[~usable] = 0
-        slots = np.flatnonzero(usable)
-        self._held_dev = torch.from_numpy(self.held).to(self.device)  # n-step windows read it on the device
-        self._slots = torch.from_numpy(slots).to(self.device)
-        self._ids = torch.from_numpy(row_id(n[slots], lane[slots], self.lanes)).to(self.device)
+        region = np.arange(self.capacity) if changed is None else changed
+        held = self.held[region]
+        n = number_of_stamp(held)
+        lane = region // lc
+        ok = (held > 0) & (n >= start[lane]) & (n < stop[lane])
+        self.held[region[~ok]] = 0
+        self._count += int(ok.sum()) - int(self.usable[region].sum())
+        self.usable[region] = ok
+        self._slots = None
+        if self.device.type != "cpu":  # on the CPU it is a view of ``held``
+            if changed is None:
+                self._held_dev.copy_(torch.from_numpy(self.held))
+            elif region.size:
+                self._held_dev[torch.from_numpy(region).to(self.device)] = torch.from_numpy(self.held[region]).to(self.device)
+
+    def _ids_of(self, slots: Any) -> Any:
+        """The ids of the rows the device copy holds in ``slots`` (a device tensor)."""
+        lc, lanes = self.lane_capacity, self.lanes
+        n = (self._held_dev.index_select(0, slots) - 1) // 2
+        return n * lanes + slots // lc
 
     def close(self) -> None:
         """Drop the views of the shared columns (so that ``buf.close()`` can unmap them) and the
@@ -216,10 +247,10 @@ class DeviceReplay:
         with self._lock:
             self.columns = {}
             self.rows = {}
-            self._wide = {}
             self._staging = {}
-            self._slots = self._slots[:0]
-            self._ids = self._ids[:0]
+            self._slots = None
+            self._count = 0
+            self.usable[:] = False
             self.closed = True
 
     def __enter__(self) -> DeviceReplay:
@@ -243,7 +274,7 @@ class DeviceReplay:
 
     def __len__(self) -> int:
         """Rows the device copy can draw now."""
-        return int(self._slots.shape[0])
+        return self._count
 
     # -- sampling -------------------------------------------------------------------------------
     def sample(self, n: int, *, n_step: int = 1, gamma: float = 0.99, fields: dict[str, str] | None = None) -> Batch:
@@ -275,12 +306,16 @@ class DeviceReplay:
 
     def _uniform(self, n: int) -> Batch:
         torch = _torch()
-        m = int(self._slots.shape[0])
+        m = self._count
         if m == 0:
             raise EmptyBufferError(f"sample({n}): the device copy of buffer {self.buf.name!r} holds no rows yet "
                                    "(push, then sync() or sample again)")
         pick = torch.randint(m, (n,), device=self.device, generator=self._gen)
-        return self._batch(self._slots.index_select(0, pick), self._ids.index_select(0, pick), None)
+        if m < self.capacity:  # else every slot is usable: the draw is the slot
+            if self._slots is None:
+                self._slots = torch.from_numpy(np.flatnonzero(self.usable)).to(self.device)
+            pick = self._slots.index_select(0, pick)
+        return self._batch(pick, self._ids_of(pick), None)
 
     def _prioritized(self, n: int) -> Batch:
         torch = _torch()
@@ -315,7 +350,7 @@ class DeviceReplay:
         return self._batch(slots_dev, torch.from_numpy(ids).to(self.device), w)
 
     def _batch(self, slots: Any, ids: Any, weight: Any) -> Batch:
-        got = {name: dev.index_select(0, slots) for name, dev in self._wide.items()}
+        got = {name: dev.index_select(0, slots) for name, dev in self.rows.items()}
         packed = got.pop("_record", None)
         if packed is not None:
             packed = packed.view(_torch().uint8)
@@ -333,7 +368,7 @@ class DeviceReplay:
         device copy holds it committed (``held``) in the row's lane and episode."""
         torch = _torch()
         reward, next_obs, done = n_step_fields(self.buf, names)
-        cols = self._full_columns()
+        cols = self._full_columns(torch)
         ids = batch.index
         m, lanes, lc = ids.shape[0], self.lanes, self.lane_capacity
         nums = (ids // lanes)[:, None] + torch.arange(1, n_step, device=self.device)[None, :]
@@ -359,11 +394,11 @@ class DeviceReplay:
         batch.fields[done].copy_(dones[torch.arange(m, device=self.device), last].reshape(batch.fields[done].shape))
         batch.extras["steps"] = steps
 
-    def _full_columns(self) -> dict[str, Any]:
+    def _full_columns(self, torch: Any) -> dict[str, Any]:
         """Every field's whole device column (the small ones views of the packed block), and the episodes."""
         out: dict[str, Any] = {}
         if "_record" in self.rows and self.record is not None:
-            out.update(torch_views(self.rows["_record"], self.record))
+            out.update(torch_views(self.rows["_record"].view(torch.uint8), self.record))
         out.update({name: dev for name, dev in self.rows.items() if name != "_record"})
         return out
 

@@ -21,7 +21,8 @@ from .conftest import MUJOCO, copy_through, seq_of, transition
 
 torch = pytest.importorskip("torch")
 Make = Callable[..., sb.ReplayBuffer]
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                          reason="no CUDA device here: the same code runs on the CPU"))]
 
 
 def whole(batch: sb.Batch) -> np.ndarray:
@@ -50,20 +51,21 @@ def test_rows_equal_take_of_the_same_ids_bit_for_bit(make: Make, name: str, devi
     assert set(buf.sample(4).keys()) == set(batch.keys())
 
 
-def test_a_sample_syncs_within_the_lag_and_sync_on_demand(make: Make, name: str) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_sample_syncs_within_the_lag_and_sync_on_demand(make: Make, name: str, device: str) -> None:
     buf = make(MUJOCO, 32, name=name)
     buf.push(transition(0, 8))
-    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, seed=1)
+    dev = DeviceReplay(buf, device, max_lag_rows=None, seed=1)
     buf.push(transition(8, 8))
     assert dev.lag()[0] == 8 and set(seq_of(dev.sample(500))) == set(range(8))  # lagging, by choice
     assert dev.sync() == 8 and dev.lag()[0] == 0
     assert set(seq_of(dev.sample(500))) == set(range(16))
-    lagging = DeviceReplay(buf, "cpu", max_lag_rows=4, seed=2)
+    lagging = DeviceReplay(buf, device, max_lag_rows=4, seed=2)
     buf.push(transition(16, 4))
     assert set(seq_of(lagging.sample(500))) == set(range(16))  # 4 rows behind: allowed, not synced
     buf.push(transition(20, 1))
     assert set(seq_of(lagging.sample(500))) == set(range(21))  # 5 rows behind: synced first
-    timed = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=0.05, seed=3)
+    timed = DeviceReplay(buf, device, max_lag_rows=None, max_lag_s=0.05, seed=3)
     buf.push(transition(21, 3))
     time.sleep(0.1)
     assert set(seq_of(timed.sample(500))) == set(range(24))
@@ -103,23 +105,24 @@ def test_a_row_being_written_is_never_usable(make: Make, name: str) -> None:
     assert set(seq_of(dev.sample(300))) == {0, 1, 2, 3, 6, 7}
 
 
-def test_prioritized_draws_from_the_shared_tree(make: Make, name: str) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_prioritized_draws_from_the_shared_tree(make: Make, name: str, device: str) -> None:
     buf = make(MUJOCO, 16, name=name, sampler=sb.Prioritized(alpha=1.0, beta=0.5), seed=6)
     buf.push(transition(0, 4), priority=np.array([1.0, 2.0, 3.0, 4.0]))
-    dev = DeviceReplay(buf, "cpu", seed=6)
+    dev = DeviceReplay(buf, device, seed=6)
     n = 20000
-    got = dev.sample(n)
-    counts = np.bincount(got.index.numpy(), minlength=4)
+    got = dev.sample(n).numpy()
+    counts = np.bincount(got.index, minlength=4)
     expect = n * np.array([1, 2, 3, 4]) / 10
     assert ((counts - expect) ** 2 / expect).sum() < 16.27  # chi-square, 3 dof, p = 0.001
     ref = buf.sample(400)
-    w, i = got.weight.numpy(), got.index.numpy()
-    assert got.weight.dtype == torch.float32 and ref.weight.dtype == np.float32
+    w, i = got.weight, got.index
+    assert w.dtype == np.float32 and ref.weight.dtype == np.float32
     for row in range(4):  # the shared buffer's weights: (leaf / min leaf) ** -beta
         assert set(w[i == row].tolist()) == set(ref.weight[ref.index == row].tolist())
     np.testing.assert_allclose(w[i == 3], 4 ** -0.5, rtol=1e-5)
-    assert np.array_equal(whole(got), got.index.numpy())
-    dev.update_priorities(torch.tensor([0]), torch.tensor([100.0]))  # the shared tree: every process sees it
+    assert np.array_equal(whole(got), got.index)
+    dev.update_priorities(torch.tensor([0], device=device), torch.tensor([100.0], device=device))  # the shared tree: every process sees it
     assert buf.priority([0]).tolist() == pytest.approx([100.0])
 
 
