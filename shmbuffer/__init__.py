@@ -22,6 +22,7 @@ from .errors import (
     UnsupportedPlatform,
     WaitTimeout,
 )
+from .hindsight import Hindsight
 from .limiter import RateLimiter
 from .loader import Loader
 from .mixing import Buffers, Mix
@@ -47,6 +48,7 @@ __all__ = [
     "Field",
     "FieldError",
     "ForeignBlock",
+    "Hindsight",
     "LayoutError",
     "Loader",
     "Mix",

@@ -1,0 +1,445 @@
+"""Hindsight experience replay (HER, Andrychowicz et al. 2017): goals relabelled at sample time.
+
+::
+
+    spec = Hindsight(env.compute_reward, strategy="future", n_sampled_goal=4)
+    batch = buf.sample(256, hindsight=spec)        # or buf.loader(256, hindsight=spec)
+
+A buffer made with ``episodes=True`` holds each env's steps in order in its lane (``ring.py``),
+one episode id a step. A transition of an episode is the row ``t`` of its lane; the rows of its
+episode are the run ``[first, stop)`` of that lane with its episode id (``sequences.py``). A
+sample with a ``Hindsight`` spec:
+
+1. draws ``n`` rows with the buffer's sampler, read intact (``reader.fetch``), and keeps only
+   rows of *complete* episodes, as SB3 does: an episode is complete once its last row is marked
+   done (a nonzero ``done`` field) or a committed row of another episode follows it in the lane
+   (with ``next_of``, once its end row is there). A row of an episode still running is drawn
+   again. ``stop`` is found from the episode column by a galloping search from ``t`` (a few
+   reads for short episodes), and confirmed under the stamp rule: the row ``stop - 1`` is read
+   committed before and after its episode id and done flags are read, and must show the
+   transition's episode; the row ``stop`` (when that decides) must be committed and of another;
+2. picks ``round_down(ratio * n)`` positions at random to relabel (SB3's
+   ``int(her_ratio * batch_size)``; ``ratio = 1 - 1 / (n_sampled_goal + 1)``) and a goal row
+   ``g`` for each in the transition's episode: ``future`` uniform over ``[t, last]`` (``t``
+   included, as SB3 does), ``final`` the ``last`` row, ``episode`` uniform over ``[first, last]``,
+   where ``last`` is the episode's last transition. The goal is the ``achieved`` field of row
+   ``g`` (by default ``next_achieved_goal``: the goal reached by the step, SB3's
+   ``next_observations["achieved_goal"]``);
+3. reads the goal rows with ``reader.gather`` (the stamp check: committed before and after the
+   copy) and keeps a goal only when its row is intact and shows the transition's episode as read
+   with the transition. A goal row being written, or overwritten since the transition was read,
+   fails; the transition is then drawn again (step 1), so a goal never comes from another
+   episode, a row being written or a row overwritten since;
+4. writes the goal into every ``desired`` field of the relabelled positions and their reward
+   ``compute_reward(achieved, goal, info)``, called once for the batch (SB3's vectorised
+   ``GoalEnv.compute_reward`` signature), ``achieved`` the transition's own ``achieved`` field.
+
+The batch has the extras of any sample (``index``, ``episode``, ``weight`` for a prioritized
+buffer) and ``relabelled`` (bool) and ``goal`` (the goal row's id, -1 where not relabelled).
+
+**Priorities.** The sampler draws rows; relabelling does not change which row was drawn nor its
+probability, so ``batch.weight`` is the row's importance weight whether its goal was relabelled or
+not, and ``update_priorities(batch, ...)`` sets the priority of the row (one priority a row,
+shared by its real and relabelled uses). ``max_use`` counts a use of every row read, including
+the few drawn again in step 3.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import reader
+from .batch import Batch
+from .errors import EmptyBufferError, FieldError, WaitTimeout
+from .frames import END, KIND
+from .layout import Counter
+from .reader import GIVE_UP, Rows, Source
+from .ring import INVALID, Ring
+
+__all__ = ["STRATEGIES", "Hindsight", "sample"]
+
+STRATEGIES = ("future", "final", "episode")
+"""The goal selection strategies (SB3's ``GoalSelectionStrategy``, cpprb's ``strategy``)."""
+
+DONE = ("done", "terminated", "truncated", "timeouts", "dones", "terminal")
+"""Fields that mark an episode's last row, when the spec does not name them."""
+
+WINDOW = 16
+"""Rows after a transition whose episode ids are read in one take before the galloping search."""
+
+
+@dataclass(frozen=True)
+class Hindsight:
+    """How a sample relabels goals (see the module docstring).
+
+    :param compute_reward: ``compute_reward(achieved, desired, info) -> rewards``, vectorised over
+        the relabelled rows (``GoalEnv.compute_reward``), called once a batch.
+    :param strategy: ``"future"`` (default), ``"final"`` or ``"episode"``.
+    :param n_sampled_goal: relabelled transitions per real one (SB3's; default 4, a ratio of 0.8).
+    :param ratio: the fraction of the batch relabelled, instead of ``n_sampled_goal``.
+    :param achieved: the field whose value at a row is the goal that row's step reached.
+    :param desired: the fields the new goal replaces (the observation's and the next
+        observation's desired goal).
+    :param reward: the field the new reward replaces (a scalar a row).
+    :param done: fields marking an episode's last row (default: those of ``DONE`` in the schema).
+    :param info: ``info(batch, positions)`` gives ``compute_reward``'s third argument for the
+        relabelled positions; by default a list of empty dicts (SB3 without ``copy_info_dict``).
+    """
+
+    compute_reward: Callable[[np.ndarray, np.ndarray, Any], Any]
+    strategy: str = "future"
+    n_sampled_goal: int | None = None
+    ratio: float | None = None
+    achieved: str = "next_achieved_goal"
+    desired: tuple[str, ...] | str = ("desired_goal", "next_desired_goal")
+    reward: str = "reward"
+    done: tuple[str, ...] | str | None = None
+    info: Callable[[Batch, np.ndarray], Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.compute_reward):
+            raise TypeError(f"Hindsight: compute_reward must be callable (achieved, desired, info) -> rewards, "
+                            f"got {type(self.compute_reward).__name__}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"Hindsight: strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.n_sampled_goal is not None and self.ratio is not None:
+            raise ValueError("Hindsight: give n_sampled_goal or ratio, not both (ratio = 1 - 1 / (n_sampled_goal + 1))")
+        n = self.n_sampled_goal
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0):
+            raise ValueError(f"Hindsight: n_sampled_goal must be an int >= 0, got {n!r}")
+        r = self.ratio
+        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0):
+            raise ValueError(f"Hindsight: ratio must be a number in [0, 1], got {r!r}")
+        if self.info is not None and not callable(self.info):
+            raise TypeError(f"Hindsight: info must be callable (batch, positions) -> info, got {type(self.info).__name__}")
+
+    @property
+    def her_ratio(self) -> float:
+        """The fraction of a batch relabelled (SB3's ``her_ratio``)."""
+        if self.ratio is not None:
+            return float(self.ratio)
+        n = 4 if self.n_sampled_goal is None else int(self.n_sampled_goal)
+        return 1.0 - 1.0 / (n + 1)
+
+    def plan(self, src: Source) -> Plan:
+        """The spec checked against ``src``'s schema and options (``FieldError`` naming what is
+        missing or wrong, before anything is drawn)."""
+        block = src.block
+        schema = block.schema
+        names = schema.names
+        if block.episode is None:
+            raise FieldError("hindsight: relabelling needs episode ids: create the buffer with episodes=True and "
+                             "push(..., episode=id)")
+        if block.interleaved:
+            raise FieldError(f"hindsight: buffer {src.name!r} holds rows of several episodes interleaved in one lane "
+                             "(a push of several envs' rows without lane=); give each env a lane (envs=N or lane=)")
+
+        def need(name: str, what: str) -> str:
+            if name not in names:
+                raise FieldError(f"hindsight: {what} field {name!r} is not in the schema ({', '.join(names)}); "
+                                 f"name it with Hindsight({what}=...)")
+            return name
+
+        achieved = need(self.achieved, "achieved")
+        desired = (self.desired,) if isinstance(self.desired, str) else tuple(self.desired)
+        if not desired:
+            raise FieldError("hindsight: desired names no field; give the desired goal fields")
+        a = schema[achieved]
+        for d in desired:
+            f = schema[need(d, "desired")]
+            if f.shape != a.shape:
+                raise FieldError(f"hindsight: desired field {d!r} has shape {f.shape}, the achieved field "
+                                 f"{achieved!r} {a.shape}: a goal must fit both")
+        reward = need(self.reward, "reward")
+        if reward not in block.record.offsets or schema[reward].shape not in ((), (1,)):
+            raise FieldError(f"hindsight: reward field {reward!r} must be a small scalar field (a number a row)")
+        if self.done is None:
+            done = tuple(n for n in DONE if n in names)
+        else:
+            done = (self.done,) if isinstance(self.done, str) else tuple(self.done)
+            for d in done:
+                need(d, "done")
+        for d in done:
+            if d not in block.stored_record.offsets:
+                raise FieldError(f"hindsight: done field {d!r} must be a small field (a flag a row)")
+        frames = block.frames
+        ends = frames is not None and bool(frames.next_of)
+        large = (achieved,) if frames is not None or achieved in block.large else ()
+        return Plan(self, achieved, desired, reward, done, large, ends)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A ``Hindsight`` spec resolved against one buffer's schema."""
+
+    spec: Hindsight
+    achieved: str
+    desired: tuple[str, ...]
+    reward: str
+    done: tuple[str, ...]
+    large: tuple[str, ...]
+    """What ``reader.gather`` copies of a goal row besides the packed record."""
+    end_rows: bool
+    """``next_of``: an episode's last row is its end row (``frames.py``), not a transition."""
+
+
+# -- episode extents --------------------------------------------------------------------------------
+
+def _same(episode: np.ndarray, ring: Ring, lane: np.ndarray, r: np.ndarray, own: np.ndarray,
+          lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Whether row ``r`` of each lane lies in ``[lo, hi)`` and its slot shows episode ``own`` (a
+    read without the stamp check: callers confirm what they use)."""
+    inside = (r >= lo) & (r < hi)
+    out = np.zeros(r.shape, bool)
+    at = np.flatnonzero(inside)
+    lc = ring.lane_capacity
+    out[at] = episode[lane[at] * lc + r[at] % lc] == own[at]
+    return out
+
+
+def edge(episode: np.ndarray, ring: Ring, ids: np.ndarray, own: np.ndarray, direction: int) -> np.ndarray:
+    """The first row from each id's row, going ``direction`` (+1 or -1), that is not of episode
+    ``own`` or lies outside its lane's rows: the episode's ``stop`` forwards, ``first - 1``
+    backwards. A galloping search: rows ``t ± 1, 2, 4, ...`` until one is not the episode's,
+    then a binary search between the last that was and it (O(log length) reads)."""
+    lanes = ring.lanes
+    lane = ids % lanes
+    row = ids // lanes
+    start, stop = ring.bounds()
+    lo, hi = start[lane], stop[lane]
+    n = ids.shape[0]
+    span = np.arange(1, WINDOW + 1) * direction
+    probe = row[:, None] + span[None, :]
+    near = _same(episode, ring, np.repeat(lane, WINDOW), probe.reshape(-1), np.repeat(own, WINDOW),
+                 np.repeat(lo, WINDOW), np.repeat(hi, WINDOW)).reshape(n, WINDOW)
+    out = np.empty(n, np.int64)
+    found = ~near.all(axis=1)
+    out[found] = row[found] + (np.argmin(near[found], axis=1) + 1) * direction
+    todo = np.flatnonzero(~found)
+    if not todo.size:
+        return out
+    # galloping beyond the window: ``inner`` is a row of the episode, ``outer`` one that is not
+    lane, row, own, lo, hi = lane[todo], row[todo], own[todo], lo[todo], hi[todo]
+    inner = row + WINDOW * direction
+    outer = np.empty_like(inner)
+    pending = np.ones(todo.size, bool)
+    step = 2 * WINDOW
+    while pending.any():
+        p = row + step * direction
+        s = _same(episode, ring, lane, p, own, lo, hi)
+        inner = np.where(pending & s, p, inner)
+        outer = np.where(pending & ~s, p, outer)
+        pending &= s
+        step *= 2
+    while True:
+        gap = np.abs(outer - inner) > 1
+        if not gap.any():
+            break
+        mid = (inner + outer) // 2
+        s = _same(episode, ring, lane, mid, own, lo, hi)
+        inner = np.where(gap & s, mid, inner)
+        outer = np.where(gap & ~s, mid, outer)
+    out[todo] = np.clip(outer, lo - 1, hi)  # a probe past the lane's rows stands for its end
+    return out
+
+
+def ends(src: Source, plan: Plan, ids: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For rows ``ids`` read intact with episode ids ``own``: one past the last transition of
+    each one's episode, and whether that episode is complete (the module docstring, step 1).
+    What decides is read between two stamp checks (``Ring.current``) and the update count."""
+    ring, block = src.ring, src.block
+    episode = block.episode
+    assert episode is not None
+    lanes = ring.lanes
+    lane = ids % lanes
+    stop = edge(episode, ring, ids, own, +1)
+    last = (stop - 1) * lanes + lane
+    after = np.where(stop < ring.bounds()[1][lane], stop * lanes + lane, INVALID)
+    both = np.concatenate([last, after])
+    updates = int(block.counters[Counter.UPDATES])
+    before = ring.current(both)
+    slots = ring.slots(np.where(both == INVALID, 0, both))
+    ep = episode[slots]
+    m = ids.shape[0]
+    if plan.end_rows:
+        flag = (block.arrays[KIND][slots[:m]] & END) != 0
+    else:
+        flag = np.zeros(m, bool)
+        fields = block.fields
+        for name in plan.done:
+            flag |= np.asarray(fields[name][slots[:m]]).reshape(m, -1).any(axis=1)
+    ok = before & ring.current(both)
+    if int(block.counters[Counter.UPDATES]) != updates:
+        ok[:] = False  # an update (a done set by hand) may have come and gone during the reads
+    mine = ok[:m] & (ep[:m] == own)
+    complete = mine & (flag | (ok[m:] & (ep[m:] != own)))
+    if plan.end_rows:
+        complete = mine & flag
+        stop = stop - 1  # the end row holds the final observation; the transitions stop before it
+    return stop, complete & (stop > ids // lanes)
+
+
+def _any_complete(src: Source, plan: Plan) -> bool:
+    """Whether the buffer holds a row of a complete episode now (a scan; the slow path only)."""
+    ring = src.ring
+    held = ring.held_ids()
+    if not held.size:
+        return False
+    episode = src.block.episode
+    assert episode is not None
+    live = held[ring.current(held)]
+    if not live.size:
+        return False
+    _, complete = ends(src, plan, live, episode[ring.slots(live)])
+    return bool(complete.any())
+
+
+# -- the sample ---------------------------------------------------------------------------------------
+
+def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] | None = None, calls: int = 0) -> Batch:
+    """``n`` transitions of complete episodes, a ``spec.her_ratio`` part of them relabelled (the
+    module docstring). ``out`` and ``calls`` as for ``reader.draw``."""
+    plan = spec.plan(src)
+    ring, prios, sampler, block = src.ring, src.priorities, src.options.sampler, src.block
+    tree = prios.tree if prios is not None else None
+    counting = prios is not None and prios.uses is not None
+    episode_col = block.episode
+    assert episode_col is not None
+    seen_ids: list[np.ndarray] = []
+    seen_stops: list[np.ndarray] = []
+    what = f"sample({n}, hindsight=...) of buffer {src.name!r}"
+
+    def accept(ids: np.ndarray, rows: Rows) -> np.ndarray:
+        ok = rows.ok.copy()
+        at = np.flatnonzero(ok)
+        if at.size:
+            assert rows.episode is not None
+            stop, complete = ends(src, plan, ids[at], rows.episode[at])
+            ok[at] = complete
+            seen_ids.append(ids[at][complete])
+            seen_stops.append(stop[complete])
+        return ok
+
+    def redraw(k: int, taken: np.ndarray, slow: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        if slow and not _any_complete(src, plan):
+            raise EmptyBufferError(
+                f"{what}: no episode is complete yet (an episode counts once its last row is marked done or the next "
+                "one has started in its lane); push whole episodes first (SB3: learning_starts above the longest "
+                "episode)")
+        more = sampler.draw(ring, tree, src.rng, k, again=True, taken=taken, slow=slow)
+        if more.ids.size < k and len(ring) == 0:
+            raise EmptyBufferError(f"{what}: the buffer was emptied (cleared) while sampling")
+        return more.ids, more.leaves
+
+    def draw(k: int) -> tuple[np.ndarray, Rows, np.ndarray | None]:
+        first = sampler.draw(ring, tree, src.rng, k)
+        if first.ids.size < k:
+            if len(ring) == 0:
+                raise EmptyBufferError(f"{what}: the buffer is empty; push whole episodes first")
+            first = sampler.draw(ring, tree, src.rng, k, again=True, slow=True)
+            if first.ids.size < k:
+                raise EmptyBufferError(f"{what}: no row can be drawn (every row has priority 0 or is used up)")
+        try:
+            return reader.fetch(block, ring, first.ids, redraw, reap=src.reap, values=first.leaves, accept=accept,
+                                claim=(lambda ids, at: reader.claim(src, ids, at)) if counting else None,
+                                out=out if k == n else None, what=what)
+        except WaitTimeout:
+            if not _any_complete(src, plan):
+                raise EmptyBufferError(f"{what}: no episode is complete yet; push whole episodes first") from None
+            raise
+
+    ids, rows, leaves = draw(n)
+    k = int(spec.her_ratio * n)
+    pos = np.sort(src.rng.choice(n, size=k, replace=False)) if k else np.empty(0, np.int64)
+    goal_ids = np.full(n, -1, np.int64)
+    shape = block.schema[plan.achieved].shape
+    goals = np.empty((n, *shape), block.schema[plan.achieved].dtype)
+    todo = pos
+    deadline = time.monotonic() + GIVE_UP
+    while todo.size:
+        assert rows.episode is not None
+        stop = _lookup(ids[todo], seen_ids, seen_stops)
+        g, fine, values = _goals(src, plan, ids[todo], rows.episode[todo], stop)
+        goal_ids[todo[fine]] = g[fine]
+        goals[todo[fine]] = values[fine]
+        todo = todo[~fine]
+        if not todo.size:
+            break
+        if time.monotonic() > deadline:
+            raise WaitTimeout(f"{what}: goal rows kept being overwritten or written for {GIVE_UP:g} s")
+        new_ids, new_rows, new_leaves = draw(todo.size)
+        ids[todo] = new_ids
+        rows.put(todo, new_rows)
+        if leaves is not None and new_leaves is not None:
+            leaves[todo] = new_leaves
+    extras: dict[str, np.ndarray] = {}
+    if leaves is not None:
+        weight = sampler.weights(tree, leaves, calls)
+        if weight is not None:
+            extras["weight"] = weight
+    relabelled = np.zeros(n, bool)
+    relabelled[pos] = True
+    extras["relabelled"] = relabelled
+    extras["goal"] = goal_ids
+    batch = reader.assemble(block, ids, rows, extras)
+    if pos.size:
+        _relabel(spec, plan, batch, pos, goals[pos], what)
+    return batch
+
+
+def _lookup(ids: np.ndarray, seen: list[np.ndarray], stops: list[np.ndarray]) -> np.ndarray:
+    """The stop found for each of ``ids`` when it was accepted."""
+    all_ids = np.concatenate(seen)
+    all_stops = np.concatenate(stops)
+    order = np.argsort(all_ids, kind="stable")
+    at = np.searchsorted(all_ids[order], ids)
+    return all_stops[order][at]
+
+
+def _goals(src: Source, plan: Plan, ids: np.ndarray, own: np.ndarray, stop: np.ndarray,
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Goal rows for transitions ``ids`` (of episodes ``own`` whose transitions end before row
+    ``stop``), read under the stamp check: their ids, which are fine, and their goals."""
+    ring, rng = src.ring, src.rng
+    lanes = ring.lanes
+    lane = ids % lanes
+    row = ids // lanes
+    strategy = plan.spec.strategy
+    if strategy == "future":
+        g = rng.integers(row, stop)
+    elif strategy == "final":
+        g = stop - 1
+    else:
+        assert src.block.episode is not None
+        first = edge(src.block.episode, ring, ids, own, -1) + 1
+        g = rng.integers(first, stop)
+    gid = g * lanes + lane
+    got = reader.gather(src.block, ring, gid, large=plan.large)
+    assert got.episode is not None
+    fine = got.ok & (got.episode == own)
+    if plan.achieved in got.large:
+        values = got.large[plan.achieved]
+    else:
+        assert got.packed is not None
+        values = src.block.record.views(got.packed)[plan.achieved]
+    return gid, fine, values
+
+
+def _relabel(spec: Hindsight, plan: Plan, batch: Batch, pos: np.ndarray, goals: np.ndarray, what: str) -> None:
+    """Write the goals into the desired fields at ``pos`` and their rewards (one call)."""
+    fields = batch.fields
+    achieved = fields[plan.achieved][pos]
+    info = spec.info(batch, pos) if spec.info is not None else [{} for _ in range(pos.size)]
+    reward = np.asarray(spec.compute_reward(achieved, goals, info))
+    if reward.size != pos.size:
+        raise FieldError(f"{what}: compute_reward returned {reward.shape} for {pos.size} relabelled rows; expected "
+                         f"one reward a row (a vectorised compute_reward(achieved, desired, info))")
+    for d in plan.desired:
+        fields[d][pos] = goals
+    target = fields[plan.reward]
+    target[pos] = reward.reshape(pos.size, *target.shape[1:]).astype(target.dtype, copy=False)
