@@ -2,9 +2,9 @@
 
 Loaded with ``-p shmbuffer_sb3_swap`` (see README.md). Before collection, every name that SB3's
 modules and the test modules import for ``ReplayBuffer``, ``DictReplayBuffer`` or
-``NStepReplayBuffer`` is bound to ours, so ``from stable_baselines3.common.buffers import
-ReplayBuffer`` in a test module and the default ``replay_buffer_class`` of DQN, SAC, TD3 and DDPG
-both give shmbuffer's classes. ``stable_baselines3.common.buffers`` gets its own names back once
+``NStepReplayBuffer`` (and ``HerReplayBuffer``) is bound to ours, so ``from stable_baselines3.common.buffers import
+ReplayBuffer`` in a test module, ``from stable_baselines3 import HerReplayBuffer`` and the default
+``replay_buffer_class`` of DQN, SAC, TD3 and DDPG all give shmbuffer's classes. ``stable_baselines3.common.buffers`` gets its own names back once
 the tests are collected: SB3's ``DictReplayBuffer`` (which ``HerReplayBuffer`` extends) calls
 ``super(ReplayBuffer, self)`` by that module's name.
 """
@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from stable_baselines3.common import buffers
+from stable_baselines3.her import her_replay_buffer
 
 from shmbuffer import sb3 as ours
 
@@ -24,6 +25,7 @@ SWAP: dict[type, type] = {
     buffers.ReplayBuffer: ours.ReplayBuffer,
     buffers.DictReplayBuffer: ours.DictReplayBuffer,
     buffers.NStepReplayBuffer: ours.NStepReplayBuffer,
+    her_replay_buffer.HerReplayBuffer: ours.HerReplayBuffer,
 }
 ORIGINAL = {cls.__name__: cls for cls in SWAP}
 
@@ -50,7 +52,8 @@ def pytest_collection(session: pytest.Session) -> Iterator[Any]:
         yield
     finally:
         for name, cls in ORIGINAL.items():
-            setattr(buffers, name, cls)
+            if hasattr(buffers, name):
+                setattr(buffers, name, cls)
         _swap_everywhere(buffers_too=False)  # a module first imported by a test module
 
 
