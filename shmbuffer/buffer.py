@@ -452,12 +452,6 @@ class ReplayBuffer:
             raise hints.keyword_error("sample", unknown)
         if (type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool))) or n <= 0:
             raise ValueError(f"sample: expected a positive number of rows, got {n!r}")
-        if n_step != 1:
-            if not isinstance(n_step, (int, np.integer)) or n_step < 1:
-                raise ValueError(f"sample: n_step must be an int >= 1, got {n_step!r}")
-            if not 0 <= gamma <= 1:
-                raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
-            sequences.check_n_step(self, n_step, fields)
         if hindsight is not None:
             if not isinstance(hindsight, her.Hindsight):
                 raise TypeError(f"sample: hindsight must be a shmbuffer.Hindsight, got {type(hindsight).__name__}")
@@ -465,6 +459,12 @@ class ReplayBuffer:
                 raise ValueError("sample: hindsight relabelling draws with replacement and one step a transition; "
                                  "leave n_step=1 and replace=True")
             hindsight.plan(self)
+        if n_step != 1:
+            if not isinstance(n_step, (int, np.integer)) or n_step < 1:
+                raise ValueError(f"sample: n_step must be an int >= 1, got {n_step!r}")
+            if not 0 <= gamma <= 1:
+                raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
+            sequences.check_n_step(self, n_step, fields)
         frames = self.options.frames
         if frames is not None and frames.next_of and (not replace or len(self.ring) <= 2 * self.lanes):
             # len scans the lanes (O(capacity)): only where it can say no (few rows, or distinct ones)

@@ -21,14 +21,24 @@ def stated_order() -> list[str]:
     return re.findall(r"`([a-z0-9_]+)`", match.group(1))
 
 
+def files(module: str) -> list[Path]:
+    """The files of a module: ``module.py``, or every file of the subpackage ``module/``."""
+    path = PACKAGE / f"{module}.py"
+    return [path] if path.exists() else sorted((PACKAGE / module).rglob("*.py"))
+
+
 def imports(path: Path) -> set[str]:
-    """Modules of the package that ``path`` imports, anywhere in the file (functions included)."""
+    """Modules of the package that ``path`` imports, anywhere in the file (functions included).
+    In a subpackage's file ``..x`` is the package's module ``x``; ``.y`` is the subpackage's own."""
     found: set[str] = set()
+    top = len(path.relative_to(PACKAGE).parts) if path.is_relative_to(PACKAGE) else 1
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:
+            if node.level and node.level != top:
+                continue
+            if node.level == top and node.module:
                 found.add(node.module.split(".")[0])
-            elif node.level == 1:  # from . import x, y
+            elif node.level == top:  # from . import x, y
                 found.update(alias.name for alias in node.names)
             elif node.module and node.module.split(".")[0] == "shmbuffer":
                 parts = node.module.split(".")
@@ -42,7 +52,9 @@ def imports(path: Path) -> set[str]:
 
 
 def modules() -> list[str]:
-    return sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    """The package's modules: its files and its subpackages (each one layer)."""
+    subpackages = [p.parent.name for p in PACKAGE.glob("*/__init__.py") if p.parent.name != "compat"]
+    return sorted([p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"] + subpackages)
 
 
 def test_every_module_has_a_layer() -> None:
@@ -57,7 +69,8 @@ def test_every_module_has_a_layer() -> None:
 def test_imports_point_down(module: str) -> None:
     order = stated_order()
     rank = {name: i for i, name in enumerate(order)}
-    upward = sorted(m for m in imports(PACKAGE / f"{module}.py") if m in rank and rank[m] >= rank[module])
+    found = set().union(*(imports(path) for path in files(module)))
+    upward = sorted(m for m in found if m in rank and rank[m] >= rank[module])
     assert not upward, f"{module}.py imports {upward}, which are not below it in docs/design.md's layers"
 
 
@@ -84,4 +97,4 @@ def private_reads(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("module", modules())
 def test_no_module_reads_another_objects_private_names(module: str) -> None:
-    assert not private_reads(PACKAGE / f"{module}.py")
+    assert not [line for path in files(module) for line in private_reads(path)]

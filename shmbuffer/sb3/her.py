@@ -115,7 +115,10 @@ class HerReplayBuffer(DictReplayBuffer, sb3_her.HerReplayBuffer):
             if done[env_idx]:
                 self._compute_episode_length(env_idx)
 
-    def _spec(self) -> Hindsight:
+    @property
+    def hindsight(self) -> Hindsight:
+        """The relabelling ``sample`` asks of the shared buffer (``buffer.sample(n, hindsight=...)``),
+        from the buffer's settings now (``her_ratio``, ``goal_selection_strategy`` may be changed)."""
         return Hindsight(self._compute_reward, strategy=STRATEGY_NAMES[self.goal_selection_strategy],
                          ratio=float(self.her_ratio), achieved="next_obs_achieved_goal",
                          desired=("obs_desired_goal", "next_obs_desired_goal"), reward="reward",
@@ -138,7 +141,7 @@ class HerReplayBuffer(DictReplayBuffer, sb3_her.HerReplayBuffer):
     def sample(self, batch_size: int, env: Any = None) -> DictReplayBufferSamples:  # type: ignore[override]
         """SB3's ``sample``: transitions of complete episodes, ``her_ratio`` of them relabelled."""
         try:
-            batch = self.buffer.sample(batch_size, hindsight=self._spec())
+            batch = self.buffer.sample(batch_size, hindsight=self.hindsight)
         except EmptyBufferError as e:
             raise RuntimeError(
                 "Unable to sample before the end of the first episode. We recommend choosing a value "

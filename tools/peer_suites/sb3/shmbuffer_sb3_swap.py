@@ -30,6 +30,20 @@ SWAP: dict[type, type] = {
 ORIGINAL = {cls.__name__: cls for cls in SWAP}
 
 
+class _ChecksAsSB3(type(ours.ReplayBuffer)):  # SB3's buffers are ABCs
+    """``isinstance(x, cls)`` asks SB3's ``ReplayBuffer``: every buffer of ours derives from SB3's."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, ORIGINAL["ReplayBuffer"])
+
+
+class DefaultReplayBuffer(ours.ReplayBuffer, metaclass=_ChecksAsSB3):
+    """``off_policy_algorithm``'s ``ReplayBuffer``: the default buffer it makes is ours, and its
+    ``load_replay_buffer`` check (``isinstance(rb, ReplayBuffer)``) passes for each of ours, as it does
+    without the swap (``shmbuffer.sb3.DictReplayBuffer`` and ``HerReplayBuffer`` derive from SB3's
+    ``DictReplayBuffer``, not from ``shmbuffer.sb3.ReplayBuffer``)."""
+
+
 def _swap_everywhere(*, buffers_too: bool) -> None:
     """Bind SB3's buffer names to ours in every loaded SB3 and test module."""
     for name, module in list(sys.modules.items()):
@@ -40,6 +54,8 @@ def _swap_everywhere(*, buffers_too: bool) -> None:
         for attr, value in list(vars(module).items()):
             if isinstance(value, type) and value in SWAP:
                 setattr(module, attr, SWAP[value])
+        if name == "stable_baselines3.common.off_policy_algorithm":
+            module.ReplayBuffer = DefaultReplayBuffer  # type: ignore[attr-defined]
 
 
 _swap_everywhere(buffers_too=False)
