@@ -166,7 +166,7 @@ def test_refusals_leave_the_buffer_as_it_was(make: Make, name: str) -> None:
         buf.sample(8, hindsight=Hindsight(compute_reward))
     fill(buf, plan, 0, 1, 12)
     before = (len(buf), buf.stats["sampled"])
-    with pytest.raises(sb.FieldError, match="'goal_achieved'.*not in the schema"):
+    with pytest.raises(sb.FieldError, match=r"'goal_achieved'.*not in the schema"):
         buf.sample(8, hindsight=Hindsight(compute_reward, achieved="goal_achieved"))
     with pytest.raises(sb.FieldError, match="desired field 'obs' has shape"):
         buf.sample(8, hindsight=Hindsight(compute_reward, desired="obs"))
@@ -176,7 +176,7 @@ def test_refusals_leave_the_buffer_as_it_was(make: Make, name: str) -> None:
         buf.sample(8, n_step=3, hindsight=Hindsight(compute_reward))
     with pytest.raises(ValueError, match="replace=True"):
         buf.sample(8, replace=False, hindsight=Hindsight(compute_reward))
-    with pytest.raises(TypeError, match="shmbuffer.Hindsight"):
+    with pytest.raises(TypeError, match=r"shmbuffer\.Hindsight"):
         buf.sample(8, hindsight={"strategy": "future"})  # type: ignore[arg-type]
     with pytest.raises(sb.FieldError, match="compute_reward returned"):
         buf.sample(8, hindsight=Hindsight(lambda a, d, i: np.zeros(3), ratio=1.0))
