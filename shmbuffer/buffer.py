@@ -458,7 +458,7 @@ class ReplayBuffer:
             if n_step != 1 or not replace:
                 raise ValueError("sample: hindsight relabelling draws with replacement and one step a transition; "
                                  "leave n_step=1 and replace=True")
-            hindsight.plan(self)
+            her.plan_for(self, hindsight)
         if n_step != 1:
             if not isinstance(n_step, (int, np.integer)) or n_step < 1:
                 raise ValueError(f"sample: n_step must be an int >= 1, got {n_step!r}")

@@ -47,6 +47,7 @@ the few drawn again in step 3.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,9 @@ STRATEGIES = ("future", "final", "episode")
 DONE = ("done", "terminated", "truncated", "timeouts", "dones", "terminal")
 """Fields that mark an episode's last row, when the spec does not name them."""
 
+_NO_INFO: dict[str, Any] = {}
+"""What ``compute_reward`` gets as each row's info without ``Hindsight(info=...)``: one empty dict."""
+
 WINDOW = 16
 """Rows after a transition whose episode ids are read in one take before the galloping search."""
 
@@ -88,7 +92,8 @@ class Hindsight:
     :param reward: the field the new reward replaces (a scalar a row).
     :param done: fields marking an episode's last row (default: those of ``DONE`` in the schema).
     :param info: ``info(batch, positions)`` gives ``compute_reward``'s third argument for the
-        relabelled positions; by default a list of empty dicts (SB3 without ``copy_info_dict``).
+        relabelled positions; by default a list of empty dicts (SB3 without ``copy_info_dict``;
+        one shared dict, read-only by contract).
     """
 
     compute_reward: Callable[[np.ndarray, np.ndarray, Any], Any]
@@ -190,48 +195,41 @@ class Plan:
 
 # -- episode extents --------------------------------------------------------------------------------
 
-def _same(episode: np.ndarray, ring: Ring, lane: np.ndarray, r: np.ndarray, own: np.ndarray,
+def _same(episode: np.ndarray, ring: Ring, base: np.ndarray, r: np.ndarray, own: np.ndarray,
           lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Whether row ``r`` of each lane lies in ``[lo, hi)`` and its slot shows episode ``own`` (a
-    read without the stamp check: callers confirm what they use)."""
+    """Whether row ``r`` of each lane (slots from ``base``) lies in ``[lo, hi)`` and shows episode
+    ``own`` (a read without the stamp check: callers confirm what they use)."""
     inside = (r >= lo) & (r < hi)
-    out = np.zeros(r.shape, bool)
-    at = np.flatnonzero(inside)
-    lc = ring.lane_capacity
-    out[at] = episode[lane[at] * lc + r[at] % lc] == own[at]
-    return out
+    at = np.clip(r, lo, np.maximum(hi - 1, lo))
+    return inside & (episode.take(base + at % ring.lane_capacity) == own)
 
 
 def edge(episode: np.ndarray, ring: Ring, ids: np.ndarray, own: np.ndarray, direction: int) -> np.ndarray:
     """The first row from each id's row, going ``direction`` (+1 or -1), that is not of episode
     ``own`` or lies outside its lane's rows: the episode's ``stop`` forwards, ``first - 1``
-    backwards. A galloping search: rows ``t ± 1, 2, 4, ...`` until one is not the episode's,
-    then a binary search between the last that was and it (O(log length) reads)."""
+    backwards. The rows ``t ± 1 .. t ± WINDOW`` are read in one take; beyond that a galloping
+    search (``t ± 2W, 4W, ...`` until a row is not the episode's), then a binary search."""
     lanes = ring.lanes
     lane = ids % lanes
     row = ids // lanes
     start, stop = ring.bounds()
     lo, hi = start[lane], stop[lane]
-    n = ids.shape[0]
+    base = lane * ring.lane_capacity
     span = np.arange(1, WINDOW + 1) * direction
-    probe = row[:, None] + span[None, :]
-    near = _same(episode, ring, np.repeat(lane, WINDOW), probe.reshape(-1), np.repeat(own, WINDOW),
-                 np.repeat(lo, WINDOW), np.repeat(hi, WINDOW)).reshape(n, WINDOW)
-    out = np.empty(n, np.int64)
-    found = ~near.all(axis=1)
-    out[found] = row[found] + (np.argmin(near[found], axis=1) + 1) * direction
-    todo = np.flatnonzero(~found)
+    probe = row[:, None] + span
+    near = _same(episode, ring, base[:, None], probe, own[:, None], lo[:, None], hi[:, None])
+    out = row + (np.argmin(near, axis=1) + 1) * direction
+    todo = np.flatnonzero(near[:, -1])
     if not todo.size:
         return out
-    # galloping beyond the window: ``inner`` is a row of the episode, ``outer`` one that is not
-    lane, row, own, lo, hi = lane[todo], row[todo], own[todo], lo[todo], hi[todo]
+    base, row, own, lo, hi = base[todo], row[todo], own[todo], lo[todo], hi[todo]
     inner = row + WINDOW * direction
-    outer = np.empty_like(inner)
+    outer = inner.copy()
     pending = np.ones(todo.size, bool)
     step = 2 * WINDOW
     while pending.any():
         p = row + step * direction
-        s = _same(episode, ring, lane, p, own, lo, hi)
+        s = _same(episode, ring, base, p, own, lo, hi)
         inner = np.where(pending & s, p, inner)
         outer = np.where(pending & ~s, p, outer)
         pending &= s
@@ -241,7 +239,7 @@ def edge(episode: np.ndarray, ring: Ring, ids: np.ndarray, own: np.ndarray, dire
         if not gap.any():
             break
         mid = (inner + outer) // 2
-        s = _same(episode, ring, lane, mid, own, lo, hi)
+        s = _same(episode, ring, base, mid, own, lo, hi)
         inner = np.where(gap & s, mid, inner)
         outer = np.where(gap & ~s, mid, outer)
     out[todo] = np.clip(outer, lo - 1, hi)  # a probe past the lane's rows stands for its end
@@ -284,6 +282,67 @@ def ends(src: Source, plan: Plan, ids: np.ndarray, own: np.ndarray) -> tuple[np.
     return stop, complete & (stop > ids // lanes)
 
 
+class Memo:
+    """This process's memory of one buffer's complete episodes: for a row id found in a complete
+    episode, one past the episode's last transition (and its first row, once looked for), kept
+    in the row's slot with the id. A lane is overwritten oldest row first, so while a row is
+    read intact every row after it is the one that was there when the episode was confirmed
+    complete: the stop stays right for as long as the row's id is in its slot. Rows before it
+    may have been overwritten since (``first`` is clipped to the lane's rows, and every goal
+    row is read under its own stamp check). An ``update`` (a done flag set by hand) forgets
+    everything."""
+
+    def __init__(self, capacity: int) -> None:
+        self.id = np.full(capacity, INVALID, np.int64)
+        self.stop = np.zeros(capacity, np.int64)
+        self.first = np.full(capacity, INVALID, np.int64)
+        self.updates = -1
+        self.plans: dict[Hindsight, Plan] = {}
+
+    def fresh(self, updates: int) -> None:
+        """Forget every episode when the buffer's update count moved."""
+        if updates != self.updates:
+            self.id.fill(INVALID)
+            self.first.fill(INVALID)
+            self.updates = updates
+
+    def put(self, ring: Ring, ids: np.ndarray, stop: np.ndarray, first: np.ndarray | None) -> None:
+        """Remember ``stop`` (and ``first``) for ``ids`` and for every later row of each one's episode."""
+        lanes = ring.lanes
+        row = ids // lanes
+        length = np.maximum(stop - row, 0)
+        which = np.repeat(np.arange(ids.size), length)
+        offset = np.arange(which.size) - np.repeat(np.cumsum(length) - length, length)
+        rows = row[which] + offset
+        every = rows * lanes + (ids % lanes)[which]
+        slots = ring.slots(every)
+        self.id[slots] = every
+        self.stop[slots] = stop[which]
+        self.first[slots] = INVALID if first is None else first[which]
+
+
+_MEMOS: weakref.WeakKeyDictionary[Any, Memo] = weakref.WeakKeyDictionary()
+
+
+def memo(src: Source) -> Memo:
+    """This process's ``Memo`` of ``src``'s block."""
+    block = src.block
+    m = _MEMOS.get(block)
+    if m is None:
+        m = _MEMOS[block] = Memo(src.ring.capacity)
+    m.fresh(int(block.counters[Counter.UPDATES]))
+    return m
+
+
+def plan_for(src: Source, spec: Hindsight) -> Plan:
+    """``spec.plan(src)``, checked once per spec and buffer in this process."""
+    m = memo(src)
+    got = m.plans.get(spec)
+    if got is None:
+        got = m.plans[spec] = spec.plan(src)
+    return got
+
+
 def _any_complete(src: Source, plan: Plan) -> bool:
     """Whether the buffer holds a row of a complete episode now (a scan; the slow path only)."""
     ring = src.ring
@@ -304,25 +363,28 @@ def _any_complete(src: Source, plan: Plan) -> bool:
 def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] | None = None, calls: int = 0) -> Batch:
     """``n`` transitions of complete episodes, a ``spec.her_ratio`` part of them relabelled (the
     module docstring). ``out`` and ``calls`` as for ``reader.draw``."""
-    plan = spec.plan(src)
+    known = memo(src)
+    plan = known.plans.get(spec) or plan_for(src, spec)
     ring, prios, sampler, block = src.ring, src.priorities, src.options.sampler, src.block
     tree = prios.tree if prios is not None else None
     counting = prios is not None and prios.uses is not None
     episode_col = block.episode
-    assert episode_col is not None
-    seen_ids: list[np.ndarray] = []
-    seen_stops: list[np.ndarray] = []
+    assert episode_col is not None  # plan() refused a buffer without episode ids
     what = f"sample({n}, hindsight=...) of buffer {src.name!r}"
 
     def accept(ids: np.ndarray, rows: Rows) -> np.ndarray:
         ok = rows.ok.copy()
-        at = np.flatnonzero(ok)
-        if at.size:
+        slots = ring.slots(ids)
+        miss = np.flatnonzero(ok & (known.id[slots] != ids))
+        if miss.size:
             assert rows.episode is not None
-            stop, complete = ends(src, plan, ids[at], rows.episode[at])
-            ok[at] = complete
-            seen_ids.append(ids[at][complete])
-            seen_stops.append(stop[complete])
+            own = rows.episode[miss]
+            stop, complete = ends(src, plan, ids[miss], own)
+            ok[miss] = complete
+            done = ids[miss][complete]
+            if done.size:  # the whole episode at once: its first row found too
+                first = edge(episode_col, ring, done, own[complete], -1) + 1
+                known.put(ring, first * ring.lanes + done % ring.lanes, stop[complete], first)
         return ok
 
     def redraw(k: int, taken: np.ndarray, slow: bool) -> tuple[np.ndarray, np.ndarray | None]:
@@ -355,20 +417,30 @@ def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] |
 
     ids, rows, leaves = draw(n)
     k = int(spec.her_ratio * n)
-    pos = np.sort(src.rng.choice(n, size=k, replace=False)) if k else np.empty(0, np.int64)
+    # which positions are relabelled: a block of k at a random place (cyclic), so each position
+    # has the chance k / n also when a prioritized draw orders its rows by stratum
+    at = int(src.rng.integers(n))
+    pos = (at + np.arange(k)) % n
+    cut = (slice(at, min(at + k, n)), slice(0, max(at + k - n, 0)))  # pos as slices
     goal_ids = np.full(n, -1, np.int64)
-    shape = block.schema[plan.achieved].shape
-    goals = np.empty((n, *shape), block.schema[plan.achieved].dtype)
+    goals = None
     todo = pos
     deadline = time.monotonic() + GIVE_UP
     while todo.size:
         assert rows.episode is not None
-        stop = _lookup(ids[todo], seen_ids, seen_stops)
-        g, fine, values = _goals(src, plan, ids[todo], rows.episode[todo], stop)
+        g, fine, values = _goals(src, plan, known, ids[todo], rows.episode[todo])
+        if goals is None and fine.all():  # the usual case: every goal row read intact at once
+            goal_ids[todo] = g
+            goals = values
+            break
+        if goals is None:
+            goals = np.empty((n, *values.shape[1:]), values.dtype)
+            goal_ids[pos] = -1
         goal_ids[todo[fine]] = g[fine]
         goals[todo[fine]] = values[fine]
         todo = todo[~fine]
         if not todo.size:
+            goals = goals[pos]
             break
         if time.monotonic() > deadline:
             raise WaitTimeout(f"{what}: goal rows kept being overwritten or written for {GIVE_UP:g} s")
@@ -382,42 +454,39 @@ def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] |
         weight = sampler.weights(tree, leaves, calls)
         if weight is not None:
             extras["weight"] = weight
-    relabelled = np.zeros(n, bool)
-    relabelled[pos] = True
-    extras["relabelled"] = relabelled
+    extras["relabelled"] = goal_ids >= 0
     extras["goal"] = goal_ids
     batch = reader.assemble(block, ids, rows, extras)
-    if pos.size:
-        _relabel(spec, plan, batch, pos, goals[pos], what)
+    if goals is not None:
+        _relabel(spec, plan, batch, pos, cut, goals, what)
     return batch
 
 
-def _lookup(ids: np.ndarray, seen: list[np.ndarray], stops: list[np.ndarray]) -> np.ndarray:
-    """The stop found for each of ``ids`` when it was accepted."""
-    all_ids = np.concatenate(seen)
-    all_stops = np.concatenate(stops)
-    order = np.argsort(all_ids, kind="stable")
-    at = np.searchsorted(all_ids[order], ids)
-    return all_stops[order][at]
-
-
-def _goals(src: Source, plan: Plan, ids: np.ndarray, own: np.ndarray, stop: np.ndarray,
+def _goals(src: Source, plan: Plan, known: Memo, ids: np.ndarray, own: np.ndarray,
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Goal rows for transitions ``ids`` (of episodes ``own`` whose transitions end before row
-    ``stop``), read under the stamp check: their ids, which are fine, and their goals."""
+    """Goal rows for transitions ``ids`` (accepted: ``known`` has their episodes' stops) of
+    episodes ``own``, read under the stamp check: their ids, which are fine, and their goals."""
     ring, rng = src.ring, src.rng
     lanes = ring.lanes
     lane = ids % lanes
     row = ids // lanes
+    slots = ring.slots(ids)
+    stop = known.stop[slots]
     strategy = plan.spec.strategy
     if strategy == "future":
-        g = rng.integers(row, stop)
+        g = row + (rng.random(row.shape[0]) * (stop - row)).astype(np.int64)
     elif strategy == "final":
         g = stop - 1
     else:
-        assert src.block.episode is not None
-        first = edge(src.block.episode, ring, ids, own, -1) + 1
-        g = rng.integers(first, stop)
+        first = known.first[slots]
+        unknown = np.flatnonzero((first == INVALID) | (known.id[slots] != ids))
+        if unknown.size:
+            assert src.block.episode is not None
+            found = edge(src.block.episode, ring, ids[unknown], own[unknown], -1) + 1
+            first[unknown] = found
+            known.put(ring, ids[unknown], stop[unknown], np.full(unknown.size, 0, np.int64) + found)
+        first = np.maximum(first, ring.bounds()[0][lane])
+        g = first + (rng.random(row.shape[0]) * (stop - first)).astype(np.int64)
     gid = g * lanes + lane
     got = reader.gather(src.block, ring, gid, large=plan.large)
     assert got.episode is not None
@@ -426,20 +495,29 @@ def _goals(src: Source, plan: Plan, ids: np.ndarray, own: np.ndarray, stop: np.n
         values = got.large[plan.achieved]
     else:
         assert got.packed is not None
-        values = src.block.record.views(got.packed)[plan.achieved]
+        record = src.block.record
+        values = got.packed.view(record.dtype).reshape(got.packed.shape[0])[plan.achieved]
     return gid, fine, values
 
 
-def _relabel(spec: Hindsight, plan: Plan, batch: Batch, pos: np.ndarray, goals: np.ndarray, what: str) -> None:
-    """Write the goals into the desired fields at ``pos`` and their rewards (one call)."""
+def _relabel(spec: Hindsight, plan: Plan, batch: Batch, pos: np.ndarray, cut: tuple[slice, slice],
+             goals: np.ndarray, what: str) -> None:
+    """Write the goals into the desired fields at ``pos`` (the slices ``cut``) and their rewards
+    (one call of ``compute_reward``)."""
     fields = batch.fields
-    achieved = fields[plan.achieved][pos]
-    info = spec.info(batch, pos) if spec.info is not None else [{} for _ in range(pos.size)]
+    k = pos.size
+    own = fields[plan.achieved]
+    achieved = np.concatenate([own[cut[0]], own[cut[1]]]) if cut[1].stop else own[cut[0]]
+    info = spec.info(batch, pos) if spec.info is not None else [_NO_INFO] * k
     reward = np.asarray(spec.compute_reward(achieved, goals, info))
-    if reward.size != pos.size:
-        raise FieldError(f"{what}: compute_reward returned {reward.shape} for {pos.size} relabelled rows; expected "
+    if reward.size != k:
+        raise FieldError(f"{what}: compute_reward returned {reward.shape} for {k} relabelled rows; expected "
                          f"one reward a row (a vectorised compute_reward(achieved, desired, info))")
-    for d in plan.desired:
-        fields[d][pos] = goals
     target = fields[plan.reward]
-    target[pos] = reward.reshape(pos.size, *target.shape[1:]).astype(target.dtype, copy=False)
+    reward = reward.reshape(k, *target.shape[1:])
+    split = cut[0].stop - cut[0].start
+    for name in plan.desired:
+        fields[name][cut[0]] = goals[:split]
+        fields[name][cut[1]] = goals[split:]
+    target[cut[0]] = reward[:split]
+    target[cut[1]] = reward[split:]

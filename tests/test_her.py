@@ -194,23 +194,22 @@ def test_refusals_leave_the_buffer_as_it_was(make: Make, name: str) -> None:
 def test_info_and_one_call_a_batch(make: Make, name: str) -> None:
     buf = make(GOAL, 64, episodes=True, name=name)
     fill(buf, Plan(0, 1, 30), 0, 0, 30)
-    calls: list[int] = []
+    calls: list[Any] = []
 
     def counted(a: np.ndarray, d: np.ndarray, info: Any) -> np.ndarray:
-        calls.append(a.shape[0])
-        assert info == [("info", int(i)) for i in np.flatnonzero(info_rows)]
+        calls.append(info)
         return compute_reward(a, d, [0] * a.shape[0])
 
-    info_rows = np.zeros(0)
+    given: list[np.ndarray] = []
 
     def info(batch: Any, positions: np.ndarray) -> list[tuple[str, int]]:
-        nonlocal info_rows
-        info_rows = np.zeros(len(batch), bool)
-        info_rows[positions] = True
+        given.append(positions)
         return [("info", int(i)) for i in positions]
 
     batch = buf.sample(40, hindsight=Hindsight(counted, info=info))
-    assert calls == [32] and check(batch, 1, "future") == 32
+    assert check(batch, 1, "future") == 32 and len(calls) == 1 and len(given) == 1
+    assert sorted(given[0].tolist()) == np.flatnonzero(batch.relabelled).tolist()
+    assert calls[0] == [("info", int(i)) for i in given[0]]
 
 
 def test_prioritized_weights_are_the_rows(make: Make, name: str) -> None:
