@@ -47,7 +47,7 @@ def select(names: list[str], only: list[str] | None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from . import cases, compression, distributed, features, frameworks, machine, multiproc, peers, report
+    from . import cases, compression, distributed, features, frameworks, hindsight, machine, multiproc, peers, report
     from .data import SPECS
 
     features.register(cases.CASES)
@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     frameworks.register(cases.CASES)
     distributed.register(cases.CASES)
     compression.register(cases.CASES)
+    hindsight.register(cases.CASES)
     order = sorted(cases.CASES, key=lambda n: GROUPS.index(cases.CASES[n].group))
     if args.list:
         for n in order:

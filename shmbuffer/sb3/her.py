@@ -36,6 +36,7 @@ import copy
 from typing import Any
 
 import numpy as np
+import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.type_aliases import DictReplayBufferSamples
 from stable_baselines3.her import her_replay_buffer as sb3_her
@@ -95,6 +96,7 @@ class HerReplayBuffer(DictReplayBuffer, sb3_her.HerReplayBuffer):
         self.ep_start = np.zeros((self.buffer_size, self.n_envs), dtype=np.int64)
         self.ep_length = np.zeros((self.buffer_size, self.n_envs), dtype=np.int64)
         self._current_ep_start = np.zeros(self.n_envs, dtype=np.int64)
+        self._keys = [(k, _key(k)) for k in self.observation_space.spaces]
 
     def add(  # type: ignore[override]
         self, obs: dict[str, np.ndarray], next_obs: dict[str, np.ndarray], action: np.ndarray,
@@ -122,7 +124,7 @@ class HerReplayBuffer(DictReplayBuffer, sb3_her.HerReplayBuffer):
         return Hindsight(self._compute_reward, strategy=STRATEGY_NAMES[self.goal_selection_strategy],
                          ratio=float(self.her_ratio), achieved="next_obs_achieved_goal",
                          desired=("obs_desired_goal", "next_obs_desired_goal"), reward="reward",
-                         done=("done", "timeouts"), info=self._infos_of)
+                         done=("done", "timeouts"), info=self._infos_of if self.copy_info_dict else None)
 
     def _compute_reward(self, achieved: np.ndarray, desired: np.ndarray, infos: Any) -> np.ndarray:
         if self.env is None:
@@ -132,8 +134,6 @@ class HerReplayBuffer(DictReplayBuffer, sb3_her.HerReplayBuffer):
         return np.asarray(rewards[0]).astype(np.float32)
 
     def _infos_of(self, batch: Batch, positions: np.ndarray) -> Any:
-        if not self.copy_info_dict:
-            return [{} for _ in range(positions.size)]
         ids = batch.index[positions]
         lanes = self.buffer.lanes
         return copy.deepcopy(self.infos[(ids // lanes) % self.buffer_size, ids % lanes])
@@ -147,18 +147,23 @@ class HerReplayBuffer(DictReplayBuffer, sb3_her.HerReplayBuffer):
                 "Unable to sample before the end of the first episode. We recommend choosing a value "
                 f"for learning_starts that is greater than the maximum number of timesteps in the environment. ({e})"
             ) from e
-        keys = list(self.observation_space.spaces)
-        obs = self._normalize_obs({k: batch[f"obs_{_key(k)}"] for k in keys}, env)
-        next_obs = self._normalize_obs({k: batch[f"next_obs_{_key(k)}"] for k in keys}, env)
+        keys = self._keys
+        obs = self._normalize_obs({k: batch[f"obs_{key}"] for k, key in keys}, env)
+        next_obs = self._normalize_obs({k: batch[f"next_obs_{key}"] for k, key in keys}, env)
         assert isinstance(obs, dict) and isinstance(next_obs, dict)
         actions, dones, rewards = self._tail(batch, env)
+        torch = self._own_tensor
         return DictReplayBufferSamples(
-            observations={k: self.to_torch(v) for k, v in obs.items()},
-            actions=self.to_torch(actions),
-            next_observations={k: self.to_torch(v) for k, v in next_obs.items()},
-            dones=self.to_torch(dones),
-            rewards=self.to_torch(rewards),
+            observations={k: torch(v) for k, v in obs.items()},
+            actions=torch(actions),
+            next_observations={k: torch(v) for k, v in next_obs.items()},
+            dones=torch(dones),
+            rewards=torch(rewards),
         )
+
+    def _own_tensor(self, array: np.ndarray) -> th.Tensor:
+        """SB3's ``to_torch`` for an array no one else holds (the sample's own copy): no second copy."""
+        return th.as_tensor(np.ascontiguousarray(array), device=self.device)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
