@@ -15,12 +15,15 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .cases import BATCH, Case, Config, Metric, Op, Subject, case_result, measure
+from .cases import BATCH, Case, Config, Metric, Op, Subject, case_result, measure, summary
+from .features import torch_threads
+from .frameworks import COLLECTORS
 from .peers import need
 
 OBS, GOAL, ACT, EPISODE = 10, 3, 4, 50
@@ -183,3 +186,214 @@ def her_case(cfg: Config) -> dict[str, Any]:
 
 def register(cases: dict[str, Case]) -> None:
     cases["her.sample256"] = Case("her.sample256", "sample 256 with future hindsight relabelling", "sample", her_case)
+    cases["her.sac"] = Case("her.sac", "SAC + HER on bit flipping: seconds to 0.9 success, 2 collectors vs SB3's loop",
+                            "frameworks", sac_case)
+
+
+# -- her.sac: a SAC training run's wall time to a success rate ------------------------------------------
+SAC_BITS, SAC_QUICK_BITS = 6, 3
+TARGET = 0.9
+EVAL_EPISODES = 50
+SAMPLES_PER_STEP = 128.0
+"""The learner's sampled rows an env step of the collectors (SB3's loop: 256, one batch of 256 a step):
+each of the 2 collectors makes one step an update of the learner."""
+
+
+class FlatBits:
+    """SB3's ``BitFlippingEnv`` (continuous) with its dict observation as one float32 vector
+    ``[observation, achieved_goal, desired_goal]``, for the collector processes."""
+
+    def __init__(self, n: int) -> None:
+        from stable_baselines3.common.envs import BitFlippingEnv
+
+        self.env = BitFlippingEnv(n_bits=n, continuous=True)
+        self.action_space = self.env.action_space
+
+    @staticmethod
+    def flat(obs: dict[str, np.ndarray]) -> np.ndarray:
+        return np.concatenate([obs[k] for k in NAMES]).astype(np.float32)
+
+    def reset(self, *, seed: int | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+        obs, info = self.env.reset(seed=seed)
+        return self.flat(obs), info
+
+    def step(self, action: Any) -> tuple[np.ndarray, float, bool, bool, dict[str, Any]]:
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return self.flat(obs), float(reward), bool(terminated), bool(truncated), info
+
+
+class BitsFactory:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self) -> FlatBits:
+        return FlatBits(self.n)
+
+
+class SB3Rows:
+    """A collector step as the fields of ``shmbuffer.sb3.HerReplayBuffer``'s shared buffer (SB3's
+    ``done`` is terminated or truncated; ``timeouts`` a truncation, as ``handle_timeout_termination``)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __call__(self, obs: np.ndarray, action: np.ndarray, reward: np.ndarray, next_obs: np.ndarray,
+                 terminated: np.ndarray, truncated: np.ndarray) -> dict[str, np.ndarray]:
+        n = self.n
+        out = {"action": action.astype(np.float32), "reward": reward.astype(np.float32),
+               "done": (terminated | truncated).astype(np.float32), "timeouts": (truncated & ~terminated).astype(np.float32)}
+        for i, k in enumerate(NAMES):
+            out[f"obs_{k}"] = obs[:, i * n:(i + 1) * n].astype(np.int8)
+            out[f"next_obs_{k}"] = next_obs[:, i * n:(i + 1) * n].astype(np.int8)
+        return out
+
+
+def plain_actor(n: int, hidden: tuple[int, ...]) -> Any:
+    """SAC's actor for the collectors, as plain torch modules with the parameters of SB3's
+    ``Actor`` in its order (``latent_pi``, ``mu``, ``log_std``): SB3's own module does not pickle
+    into a worker (dill meets a ``typing_extensions`` sentinel). ``publish(model.actor)`` fills it."""
+    import torch
+
+    layers: list[Any] = []
+    width = 3 * n
+    for h in hidden:
+        layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
+        width = h
+    return torch.nn.ModuleDict({"latent_pi": torch.nn.Sequential(*layers), "mu": torch.nn.Linear(width, n),
+                                "log_std": torch.nn.Linear(width, n)})
+
+
+class ActorPolicy:
+    """The collectors' policy: SAC's stochastic action (tanh of a Gaussian sample) from the copy
+    of the actor the learner publishes; the features are the dict observation's keys in the order
+    SB3's ``CombinedExtractor`` concatenates them (``order``)."""
+
+    def __init__(self, n: int, order: list[str]) -> None:
+        self.n = n
+        self.order = order
+
+    def __call__(self, actor: Any, obs: np.ndarray, step: int) -> np.ndarray:
+        import torch
+
+        n = self.n
+        parts = {k: obs[:, i * n:(i + 1) * n] for i, k in enumerate(NAMES)}
+        x = torch.as_tensor(np.concatenate([parts[k] for k in self.order], axis=1))
+        with torch.no_grad():
+            latent = actor["latent_pi"](x)
+            mean, log_std = actor["mu"](latent), actor["log_std"](latent).clamp(-20, 2)
+            return torch.tanh(mean + torch.randn_like(mean) * log_std.exp()).numpy()
+
+
+def _success(model: Any, n: int, episodes: int = EVAL_EPISODES) -> float:
+    from stable_baselines3.common.envs import BitFlippingEnv
+
+    env = BitFlippingEnv(n_bits=n, continuous=True)
+    wins = 0
+    for i in range(episodes):
+        obs, _ = env.reset(seed=10_000 + i)
+        for _ in range(n):
+            action, _ = model.predict(obs, deterministic=True)
+            obs, _, terminated, truncated, _ = env.step(action)
+            wins += bool(terminated)
+            if terminated or truncated:
+                break
+    return wins / episodes
+
+
+def _sac(env: Any, buffer_class: Any, seed: int, **more: Any) -> Any:
+    from stable_baselines3 import SAC
+
+    return SAC("MultiInputPolicy", env, replay_buffer_class=buffer_class, learning_starts=100, buffer_size=100_000,
+               replay_buffer_kwargs={"n_sampled_goal": 4, "goal_selection_strategy": "future", **more}, batch_size=256,
+               policy_kwargs={"net_arch": [64, 64]}, seed=seed, train_freq=1, gradient_steps=1)
+
+
+def sac_sb3(n: int, seed: int, budget: float) -> dict[str, Any]:
+    """SB3's loop: ``model.learn`` in chunks of 500 steps, evaluated (untimed) after each."""
+    from stable_baselines3 import HerReplayBuffer
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.envs import BitFlippingEnv
+
+    model = _sac(make_vec_env(lambda: BitFlippingEnv(n_bits=n, continuous=True), 1), HerReplayBuffer, seed)
+    spent, steps, success = 0.0, 0, 0.0
+    while spent < budget and success < TARGET:
+        t = time.perf_counter()
+        model.learn(500, reset_num_timesteps=False)
+        spent += time.perf_counter() - t
+        steps += 500
+        success = _success(model, n)
+    return {"seconds": spent, "success": success, "env_steps": steps, "updates": int(model._n_updates)}
+
+
+def sac_ours(n: int, seed: int, budget: float) -> dict[str, Any]:
+    """The learner trains on ``shmbuffer.sb3.HerReplayBuffer`` (``model.train`` in chunks of 250
+    updates, evaluated untimed after each) while 2 collector processes step the env with the
+    published actor and push into its shared buffer (one lane each)."""
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.envs import BitFlippingEnv
+    from stable_baselines3.common.logger import configure
+
+    import shmbuffer as sb
+    from shmbuffer.collector import Collector
+    from shmbuffer.sb3 import HerReplayBuffer
+
+    # the collectors wait while the learner's samples lag behind: SAMPLES_PER_STEP rows sampled an env step
+    limiter = sb.RateLimiter(samples_per_insert=SAMPLES_PER_STEP, min_size=100, error=SAMPLES_PER_STEP * 200,
+                             block_writers=True)
+    model = _sac(make_vec_env(lambda: BitFlippingEnv(n_bits=n, continuous=True), COLLECTORS), HerReplayBuffer, seed,
+                 limiter=limiter)
+    model.set_logger(configure(None, [""]))
+    buf = model.replay_buffer.buffer
+    try:
+        copy = plain_actor(n, (64, 64))
+        ours = [p.shape for p in copy.parameters()]
+        theirs = [p.shape for p in model.actor.parameters()]
+        if ours != theirs:
+            raise RuntimeError(f"the collectors' actor has parameters {ours}, SB3's actor {theirs}")
+        order = list(model.observation_space.spaces)
+        with Collector(BitsFactory(n), buf, workers=COLLECTORS, policy=ActorPolicy(n, order), model=copy,
+                       transition=SB3Rows(n), seed=seed) as collector:
+            collector.warm(100)
+            spent, updates, success = 0.0, 0, 0.0
+            while spent < budget and success < TARGET:
+                t = time.perf_counter()
+                for _ in range(10):
+                    model.train(gradient_steps=25, batch_size=256)
+                    collector.publish(model.actor)
+                spent += time.perf_counter() - t
+                updates += 250
+                success = _success(model, n)
+            steps = collector.stats()["env_steps"]
+    finally:
+        model.replay_buffer.close()
+    return {"seconds": spent, "success": success, "env_steps": steps, "updates": updates}
+
+
+def sac_case(cfg: Config) -> dict[str, Any]:
+    n = SAC_QUICK_BITS if cfg.quick else SAC_BITS
+    budget = 60.0 if cfg.quick else 600.0
+    rounds = 1 if cfg.quick else max(1, min(cfg.repeat, 3))
+    runs: dict[str, list[dict[str, Any]]] = {"shmbuffer.sb3 + 2 collectors": [], "sb3": []}
+    subjects: dict[str, dict[str, Any]] = {}
+    try:
+        need("stable_baselines3")
+    except Exception as e:
+        return {"status": "skipped", "title": "SAC + HER on bit flipping", "reason": str(e)}
+    with torch_threads(1):
+        for r in range(rounds):
+            for name, fn in (("shmbuffer.sb3 + 2 collectors", sac_ours), ("sb3", sac_sb3))[:: 1 if r % 2 == 0 else -1]:
+                try:
+                    runs[name].append(fn(n, r, budget))
+                except Exception as e:
+                    subjects[name] = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
+    for name, got in runs.items():
+        if name in subjects or not got:
+            continue
+        reached = [g for g in got if g["success"] >= TARGET]
+        subjects[name] = {"status": "ok", "kind": "ours" if name.startswith("shmbuffer") else "peer", "runs": got,
+                          "metrics": {"seconds": summary([g["seconds"] for g in got])},
+                          "note": f"{len(reached)} of {len(got)} runs reached {TARGET} greedy success"}
+    metrics = {"seconds": Metric(f"seconds of training to a greedy success rate of {TARGET}", "s", 1, 0)}
+    return case_result(f"SAC + HER (future, 4) on {n}-bit flipping: training seconds to a greedy success rate of "
+                       f"{TARGET} over {EVAL_EPISODES} episodes (evaluations not timed)", None, cfg, metrics, subjects,
+                       bits=n, budget_s=budget)

@@ -68,6 +68,7 @@ from stable_baselines3.common.utils import get_device
 
 from ..buffer import ReplayBuffer as SharedBuffer
 from ..errors import EmptyBufferError, FieldError
+from ..limiter import RateLimiter
 from ..ring import INVALID
 from ..schema import Schema
 
@@ -150,6 +151,7 @@ class _Shared:
         self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space, device: Any,
         n_envs: int, optimize_memory_usage: bool, handle_timeout_termination: bool, name: str | None,
         stack: Any = None, rows: dict[str, np.ndarray] | None = None, episodes: bool = False,
+        limiter: RateLimiter | None = None,
     ) -> None:
         if stack is not None and not optimize_memory_usage:
             raise ValueError("stack: frames are stored once only with optimize_memory_usage=True")
@@ -188,7 +190,7 @@ class _Shared:
                 self._episode += (int(rows["episode"].max()) // n_envs + 1) * n_envs
         else:
             self.buffer = SharedBuffer(self._schema(), capacity, envs=n_envs, name=name, episodes=episodes,
-                                       seed=int(np.random.randint(2**31 - 1)) if episodes else None)
+                                       seed=int(np.random.randint(2**31 - 1)) if episodes else None, limiter=limiter)
 
     # -- the schema ------------------------------------------------------------------------------
     def _obs_fields(self) -> dict[str, tuple[Any, ...]]:

@@ -45,6 +45,7 @@ from stable_baselines3.her.goal_selection_strategy import KEY_TO_GOAL_STRATEGY, 
 from ..batch import Batch
 from ..errors import EmptyBufferError
 from ..hindsight import Hindsight
+from ..limiter import RateLimiter
 from .buffers import DictReplayBuffer, _key
 
 __all__ = ["HerReplayBuffer"]
@@ -58,6 +59,8 @@ class HerReplayBuffer(DictReplayBuffer, sb3_her.HerReplayBuffer):
     """SB3's ``HerReplayBuffer`` over a shmbuffer (see the module docstring).
 
     :param name: the shared buffer's name in ``/dev/shm`` (default: a fresh one).
+    :param limiter: a ``RateLimiter`` for the shared buffer (samples per insert, held for every
+        process: collectors pushing into it wait while the learner's samples lag behind).
     """
 
     def __init__(
@@ -65,7 +68,7 @@ class HerReplayBuffer(DictReplayBuffer, sb3_her.HerReplayBuffer):
         device: Any = "auto", n_envs: int = 1, optimize_memory_usage: bool = False,
         handle_timeout_termination: bool = True, n_sampled_goal: int = 4,
         goal_selection_strategy: GoalSelectionStrategy | str = "future", copy_info_dict: bool = False,
-        *, name: str | None = None,
+        *, name: str | None = None, limiter: RateLimiter | None = None,
     ) -> None:
         if not isinstance(observation_space, spaces.Dict) or not set(GOAL_KEYS) <= set(observation_space.spaces):
             raise ValueError(f"HerReplayBuffer needs a Dict observation space with the keys {', '.join(GOAL_KEYS)} "
@@ -83,7 +86,7 @@ class HerReplayBuffer(DictReplayBuffer, sb3_her.HerReplayBuffer):
         if optimize_memory_usage:  # as SB3's DictReplayBuffer
             raise ValueError("HerReplayBuffer does not support optimize_memory_usage=True (neither does SB3's)")
         self._init_shared(buffer_size, observation_space, action_space, device, n_envs, False,
-                          handle_timeout_termination, name, episodes=True)
+                          handle_timeout_termination, name, episodes=True, limiter=limiter)
         self._her_init(env, n_sampled_goal, goal_selection_strategy, copy_info_dict)
 
     def _her_init(self, env: Any, n_sampled_goal: int, strategy: GoalSelectionStrategy, copy_info_dict: bool) -> None:
