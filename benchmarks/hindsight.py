@@ -373,7 +373,7 @@ def sac_case(cfg: Config) -> dict[str, Any]:
     n = SAC_QUICK_BITS if cfg.quick else SAC_BITS
     budget = 60.0 if cfg.quick else 600.0
     rounds = 1 if cfg.quick else max(1, min(cfg.repeat, 3))
-    runs: dict[str, list[dict[str, Any]]] = {"shmbuffer.sb3 + 2 collectors": [], "sb3": []}
+    runs: dict[str, list[dict[str, Any]]] = {"shmbuffer": [], "sb3": []}
     subjects: dict[str, dict[str, Any]] = {}
     try:
         need("stable_baselines3")
@@ -381,7 +381,7 @@ def sac_case(cfg: Config) -> dict[str, Any]:
         return {"status": "skipped", "title": "SAC + HER on bit flipping", "reason": str(e)}
     with torch_threads(1):
         for r in range(rounds):
-            for name, fn in (("shmbuffer.sb3 + 2 collectors", sac_ours), ("sb3", sac_sb3))[:: 1 if r % 2 == 0 else -1]:
+            for name, fn in (("shmbuffer", sac_ours), ("sb3", sac_sb3))[:: 1 if r % 2 == 0 else -1]:
                 try:
                     runs[name].append(fn(n, r, budget))
                 except Exception as e:
@@ -392,7 +392,8 @@ def sac_case(cfg: Config) -> dict[str, Any]:
         reached = [g for g in got if g["success"] >= TARGET]
         subjects[name] = {"status": "ok", "kind": "ours" if name.startswith("shmbuffer") else "peer", "runs": got,
                           "metrics": {"seconds": summary([g["seconds"] for g in got])},
-                          "note": f"{len(reached)} of {len(got)} runs reached {TARGET} greedy success"}
+                          "note": ("shmbuffer.sb3.HerReplayBuffer + 2 collectors; " if name == "shmbuffer" else "")
+                          + f"{len(reached)} of {len(got)} runs reached {TARGET} greedy success"}
     metrics = {"seconds": Metric(f"seconds of training to a greedy success rate of {TARGET}", "s", 1, 0)}
     return case_result(f"SAC + HER (future, 4) on {n}-bit flipping: training seconds to a greedy success rate of "
                        f"{TARGET} over {EVAL_EPISODES} episodes (evaluations not timed)", None, cfg, metrics, subjects,

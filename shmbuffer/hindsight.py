@@ -17,7 +17,10 @@ sample with a ``Hindsight`` spec:
    again. ``stop`` is found from the episode column by a galloping search from ``t`` (a few
    reads for short episodes), and confirmed under the stamp rule: the row ``stop - 1`` is read
    committed before and after its episode id and done flags are read, and must show the
-   transition's episode; the row ``stop`` (when that decides) must be committed and of another;
+   transition's episode; the row ``stop`` (when that decides) must be committed and of another.
+   Each process remembers the episodes it found complete (``Memo``, one entry a slot): a lane is
+   overwritten oldest row first, so while a row reads intact its episode's end is where it was
+   found, and the next draw of any row of that episode skips the search;
 2. picks ``round_down(ratio * n)`` positions at random to relabel (SB3's
    ``int(her_ratio * batch_size)``; ``ratio = 1 - 1 / (n_sampled_goal + 1)``) and a goal row
    ``g`` for each in the transition's episode: ``future`` uniform over ``[t, last]`` (``t``
@@ -316,9 +319,9 @@ class Memo:
         rows = row[which] + offset
         every = rows * lanes + (ids % lanes)[which]
         slots = ring.slots(every)
-        self.id[slots] = every
         self.stop[slots] = stop[which]
         self.first[slots] = INVALID if first is None else first[which]
+        self.id[slots] = every  # last: a reader in another thread that finds the id finds its stop
 
 
 _MEMOS: weakref.WeakKeyDictionary[Any, Memo] = weakref.WeakKeyDictionary()
@@ -352,10 +355,11 @@ def _any_complete(src: Source, plan: Plan) -> bool:
     episode = src.block.episode
     assert episode is not None
     live = held[ring.current(held)]
-    if not live.size:
-        return False
-    _, complete = ends(src, plan, live, episode[ring.slots(live)])
-    return bool(complete.any())
+    for at in range(0, live.size, 4096):  # in pieces: a window of reads a row
+        part = live[at:at + 4096]
+        if ends(src, plan, part, episode[ring.slots(part)])[1].any():
+            return True
+    return False
 
 
 # -- the sample ---------------------------------------------------------------------------------------
@@ -471,7 +475,7 @@ def _goals(src: Source, plan: Plan, known: Memo, ids: np.ndarray, own: np.ndarra
     lane = ids % lanes
     row = ids // lanes
     slots = ring.slots(ids)
-    stop = known.stop[slots]
+    stop = np.maximum(known.stop[slots], row + 1)
     strategy = plan.spec.strategy
     if strategy == "future":
         g = row + (rng.random(row.shape[0]) * (stop - row)).astype(np.int64)
