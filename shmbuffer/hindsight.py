@@ -76,7 +76,7 @@ DONE = ("done", "terminated", "truncated", "timeouts", "dones", "terminal")
 _NO_INFO: dict[str, Any] = {}
 """What ``compute_reward`` gets as each row's info without ``Hindsight(info=...)``: one empty dict."""
 
-WINDOW = 16
+WINDOW = 64
 """Rows after a transition whose episode ids are read in one take before the galloping search."""
 
 
@@ -296,17 +296,16 @@ class Memo:
     everything."""
 
     def __init__(self, capacity: int) -> None:
-        self.id = np.full(capacity, INVALID, np.int64)
-        self.stop = np.zeros(capacity, np.int64)
-        self.first = np.full(capacity, INVALID, np.int64)
+        self.table = np.full((capacity, 3), INVALID, np.int64)
+        """Per slot: the row id it was found for, the stop, the first row (``INVALID``: unknown);
+        one row of the table, so a lookup is one cache line."""
         self.updates = -1
         self.plans: dict[Hindsight, Plan] = {}
 
     def fresh(self, updates: int) -> None:
         """Forget every episode when the buffer's update count moved."""
         if updates != self.updates:
-            self.id.fill(INVALID)
-            self.first.fill(INVALID)
+            self.table.fill(INVALID)
             self.updates = updates
 
     def put(self, ring: Ring, ids: np.ndarray, stop: np.ndarray, first: np.ndarray | None) -> None:
@@ -319,9 +318,13 @@ class Memo:
         rows = row[which] + offset
         every = rows * lanes + (ids % lanes)[which]
         slots = ring.slots(every)
-        self.stop[slots] = stop[which]
-        self.first[slots] = INVALID if first is None else first[which]
-        self.id[slots] = every  # last: a reader in another thread that finds the id finds its stop
+        self.table[slots, 1] = stop[which]
+        self.table[slots, 2] = INVALID if first is None else first[which]
+        self.table[slots, 0] = every  # last: a reader in another thread that finds the id finds its stop
+
+    def lookup(self, slots: np.ndarray) -> np.ndarray:
+        """The table's rows of ``slots``, ``(k, 3)``: id, stop, first."""
+        return self.table.take(slots, axis=0)
 
 
 _MEMOS: weakref.WeakKeyDictionary[Any, Memo] = weakref.WeakKeyDictionary()
@@ -379,7 +382,7 @@ def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] |
     def accept(ids: np.ndarray, rows: Rows) -> np.ndarray:
         ok = rows.ok.copy()
         slots = ring.slots(ids)
-        miss = np.flatnonzero(ok & (known.id[slots] != ids))
+        miss = np.flatnonzero(ok & (known.lookup(slots)[:, 0] != ids))
         if miss.size:
             assert rows.episode is not None
             own = rows.episode[miss]
@@ -475,15 +478,16 @@ def _goals(src: Source, plan: Plan, known: Memo, ids: np.ndarray, own: np.ndarra
     lane = ids % lanes
     row = ids // lanes
     slots = ring.slots(ids)
-    stop = np.maximum(known.stop[slots], row + 1)
+    entry = known.lookup(slots)
+    stop = np.maximum(entry[:, 1], row + 1)
     strategy = plan.spec.strategy
     if strategy == "future":
         g = row + (rng.random(row.shape[0]) * (stop - row)).astype(np.int64)
     elif strategy == "final":
         g = stop - 1
     else:
-        first = known.first[slots]
-        unknown = np.flatnonzero((first == INVALID) | (known.id[slots] != ids))
+        first = entry[:, 2].copy()
+        unknown = np.flatnonzero((first == INVALID) | (entry[:, 0] != ids))
         if unknown.size:
             assert src.block.episode is not None
             found = edge(src.block.episode, ring, ids[unknown], own[unknown], -1) + 1
