@@ -14,15 +14,18 @@ sample with a ``Hindsight`` spec:
    rows of *complete* episodes, as SB3 does: an episode is complete once its last row is marked
    done (a nonzero ``done`` field) or a committed row of another episode follows it in the lane
    (with ``next_of``, once its end row is there). A row of an episode still running is drawn
-   again. ``stop`` is found from the episode column by a galloping search from ``t`` (a few
-   reads for short episodes), and confirmed under the stamp rule: the row ``stop - 1`` is read
+   again (the transitions of an episode still running are not drawn, so only its completed
+   steps are ever goals, and ``final`` is its real last step). ``stop`` is found from the
+   episode column (``WINDOW`` rows after ``t`` in one read, then a galloping search), and confirmed under the stamp rule: the row ``stop - 1`` is read
    committed before and after its episode id and done flags are read, and must show the
    transition's episode; the row ``stop`` (when that decides) must be committed and of another.
    Each process remembers the episodes it found complete (``Memo``, one entry a slot): a lane is
    overwritten oldest row first, so while a row reads intact its episode's end is where it was
    found, and the next draw of any row of that episode skips the search;
-2. picks ``round_down(ratio * n)`` positions at random to relabel (SB3's
-   ``int(her_ratio * batch_size)``; ``ratio = 1 - 1 / (n_sampled_goal + 1)``) and a goal row
+2. picks ``round_down(ratio * n)`` positions to relabel (SB3's ``int(her_ratio * batch_size)``;
+   ``ratio = 1 - 1 / (n_sampled_goal + 1)``), a block of consecutive positions from a random one
+   on (wrapping round), so each position is relabelled with the chance ``k / n`` also when a
+   prioritized draw orders the batch by stratum, and a goal row
    ``g`` for each in the transition's episode: ``future`` uniform over ``[t, last]`` (``t``
    included, as SB3 does), ``final`` the ``last`` row, ``episode`` uniform over ``[first, last]``,
    where ``last`` is the episode's last transition. The goal is the ``achieved`` field of row
@@ -36,6 +39,9 @@ sample with a ``Hindsight`` spec:
 4. writes the goal into every ``desired`` field of the relabelled positions and their reward
    ``compute_reward(achieved, goal, info)``, called once for the batch (SB3's vectorised
    ``GoalEnv.compute_reward`` signature), ``achieved`` the transition's own ``achieved`` field.
+
+Goals stored once (``next_of``, ``frames.py``) are read as every read of such a buffer reads a
+transition: a goal row must be a whole transition, and an episode's end row marks it complete.
 
 The batch has the extras of any sample (``index``, ``episode``, ``weight`` for a prioritized
 buffer) and ``relabelled`` (bool) and ``goal`` (the goal row's id, -1 where not relabelled).
