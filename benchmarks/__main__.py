@@ -47,26 +47,39 @@ def select(names: list[str], only: list[str] | None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from . import cases, compression, distributed, features, frameworks, hindsight, machine, multiproc, peers, report
+    from . import (
+        cases,
+        compression,
+        distributed,
+        features,
+        frameworks,
+        harness,
+        hindsight,
+        machine,
+        multiproc,
+        peers,
+        report,
+    )
     from .data import SPECS
 
-    features.register(cases.CASES)
-    multiproc.register(cases.CASES)
-    frameworks.register(cases.CASES)
-    distributed.register(cases.CASES)
-    compression.register(cases.CASES)
-    hindsight.register(cases.CASES)
-    order = sorted(cases.CASES, key=lambda n: GROUPS.index(cases.CASES[n].group))
+    cases.register(harness.CASES)
+    features.register(harness.CASES)
+    multiproc.register(harness.CASES)
+    frameworks.register(harness.CASES)
+    distributed.register(harness.CASES)
+    compression.register(harness.CASES)
+    hindsight.register(harness.CASES)
+    order = sorted(harness.CASES, key=lambda n: GROUPS.index(harness.CASES[n].group))
     if args.list:
         for n in order:
-            c = cases.CASES[n]
+            c = harness.CASES[n]
             print(f"{n:24} {c.title}" + (f"  [not available yet: {c.pending}]" if c.pending else ""))
         return 0
     chosen = select(order, args.only)
     if not chosen:
         print(f"no case matches {args.only}; cases: {', '.join(order)}", file=sys.stderr)
         return 2
-    cfg = cases.quick_config(args.repeat) if args.quick else cases.Config(repeat=args.repeat or 5)
+    cfg = harness.quick_config(args.repeat) if args.quick else harness.Config(repeat=args.repeat or 5)
     if args.seconds:
         cfg.mp_seconds = args.seconds
     out: Path = args.out
@@ -84,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{results['machine']['usable_cores']} cores", flush=True)
     try:
         for i, name in enumerate(chosen, 1):
-            c = cases.CASES[name]
+            c = harness.CASES[name]
             print(f"[{i}/{len(chosen)}] {name}: {c.title}", flush=True)
             t = time.monotonic()
             if c.run is None:
@@ -108,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     results["profiles"] = {}
     for what in sorted(wanted):
         try:
-            results["profiles"][what] = cases.profile(what, cfg)
+            results["profiles"][what] = harness.profile(what, cfg)
         except Exception as e:
             results["profiles"][what] = [f"profile failed: {type(e).__name__}: {e}"]
     results["elapsed_s"] = round(time.monotonic() - started, 1)

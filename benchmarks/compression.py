@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from . import peers
-from .cases import BATCH, Case, Config, Metric, Op, Subject, case_result, measure
+from .harness import BATCH, Case, Config, Metric, Op, Subject, case_result, measure
 from .peers import Unavailable, need
 
 ENVS = 8
@@ -242,7 +242,7 @@ class Ours(Subjectish):
         return self.buf.sample(n).to("cpu")
 
     def nbytes(self) -> int:
-        from shmbuffer import segment
+        from shmbuffer.shm import segment
 
         return os.path.getsize(segment.path_of(self.buf.handle.name))
 
@@ -416,7 +416,7 @@ def subject(cls: type[Subjectish], capacity: int, memory: dict[str, dict[str, An
 def computed(capacity: int) -> dict[str, Any]:
     """Our block's bytes at ``capacity`` from its column table, compressed and not (nothing allocated)."""
     from shmbuffer.frames import Frames
-    from shmbuffer.layout import Options, columns
+    from shmbuffer.protocol.layout import Options, columns
 
     sch = schema()
     opts = Options(capacity, ENVS, envs=ENVS, frames=Frames.make(sch, "obs", "obs"))
@@ -444,7 +444,7 @@ def real(cfg: Config) -> dict[str, Any]:
     try:
         fill(store, capacity)
         filled = time.perf_counter() - t0
-        from shmbuffer import segment
+        from shmbuffer.shm import segment
 
         st = os.stat(segment.path_of(store.buf.handle.name))
         for _ in range(4):

@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from .cases import BATCH, Case, Config, Metric, Op, Subject, case_result, measure
 from .data import ATARI, MUJOCO, Spec
+from .harness import BATCH, Case, Config, Metric, Op, Subject, case_result, measure
 from .peers import Unavailable
 
 STORE = 400 * 2**20

@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 
 from . import peers
-from .cases import BATCH, Case, Config, Metric, Op, Subject, case_result, fill, measure
 from .data import MUJOCO, Lanes, Spec
+from .harness import BATCH, PROFILES, Case, Config, Metric, Op, Subject, case_result, fill, measure
 from .peers import Unavailable
 
 LANES = 8
@@ -426,11 +426,8 @@ def loader_case(cfg: Config) -> dict[str, Any]:
 
 
 # -- registration --------------------------------------------------------------------------------------
-PROFILES = {"prioritized": prioritized_profile_op}
-"""Ops ``cases.profile`` can profile besides push and sample: ``<schema>.<name>``."""
-
-
 def register(cases: dict[str, Case]) -> None:
+    PROFILES["prioritized"] = prioritized_profile_op  # harness.profile can profile it: <schema>.prioritized
     cases["mujoco.prioritized"] = Case("mujoco.prioritized", "prioritized sample 256 + update 256 at capacity 1,000,000",
                                        "prioritized", prioritized_case)
     cases["mujoco.sequence"] = Case("mujoco.sequence", "256 windows of 16 consecutive steps, 8 envs", "sequence",

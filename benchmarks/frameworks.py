@@ -47,9 +47,9 @@ from typing import Any
 import numpy as np
 
 from . import multiproc, peers
-from .cases import BATCH, Case, Config, Metric, Op, Subject, case_result, measure, summary, time_limit
 from .data import MUJOCO, Fields, Stamper
 from .features import torch_threads
+from .harness import BATCH, Case, Config, Metric, Op, Subject, case_result, measure, summary, time_limit
 from .peers import Unavailable, need, tensordict
 
 COLLECTORS = 2

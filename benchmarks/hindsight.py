@@ -21,9 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .cases import BATCH, Case, Config, Metric, Op, Subject, case_result, measure, summary
 from .features import torch_threads
-from .frameworks import COLLECTORS
+from .harness import BATCH, Case, Config, Metric, Op, Subject, case_result, measure, summary
 from .peers import need
 
 OBS, GOAL, ACT, EPISODE = 10, 3, 4, 50
@@ -198,6 +197,7 @@ def register(cases: dict[str, Case]) -> None:
 
 # -- her.sac: a SAC training run's wall time to a success rate ------------------------------------------
 SAC_BITS, SAC_QUICK_BITS = 6, 2
+COLLECTORS = 2
 TARGET = 0.9
 EVAL_EPISODES = 50
 SAMPLES_PER_STEP = 128.0

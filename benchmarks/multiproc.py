@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from . import peers
-from .cases import BATCH, Case, Config, Metric, case_result, summary
 from .data import ATARI, MUJOCO, SPECS, Fields, Spec, Stamper
+from .harness import BATCH, Case, Config, Metric, case_result, summary
 from .peers import Unavailable
 
 WRITERS = 2
@@ -221,7 +221,7 @@ def kill_tree(pid: int) -> None:
 
 def sweep(prefix: str) -> list[str]:
     """Remove and return our segments left in /dev/shm (a killed learner leaves its buffer)."""
-    from shmbuffer import segment
+    from shmbuffer.shm import segment
 
     left = [n for n in segment.list_names() if n.startswith(prefix)]
     for n in left:

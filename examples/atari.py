@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 import shmbuffer as sb
-from shmbuffer.layout import columns
-from shmbuffer.segment import path_of
+from shmbuffer.protocol.layout import columns
+from shmbuffer.shm.segment import path_of
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from .batch import Batch
 from .buffer import BufferHandle, ReplayBuffer
 from .collector import Collector, WorkerError
+from .device import DeviceReplay
 from .errors import (
     CapacityError,
     ClosedError,
@@ -23,25 +24,26 @@ from .errors import (
     WaitTimeout,
 )
 from .hindsight import Hindsight
-from .limiter import RateLimiter
 from .loader import Loader
 from .mixing import Buffers, Mix
 from .persistence import export, save
-from .samplers import Prioritized, Uniform
+from .sampling.limiter import RateLimiter
+from .sampling.samplers import Prioritized, Uniform
 from .schema import Field, Schema
 
 __version__ = "0.1.0"
 
 load = ReplayBuffer.load
-"""``load(path, *, name=None, capacity=None, seed=None)``: a new buffer holding a save (``persistence.py``)."""
+"""``load(path, *, name=None, capacity=None, seed=None)``: a new buffer holding a save (``persistence.loading``)."""
 from_arrays = ReplayBuffer.from_arrays
-"""``from_arrays(schema, arrays, capacity=None, **options)``: a new buffer of these rows (``persistence.py``)."""
+"""``from_arrays(schema, arrays, capacity=None, **options)``: a new buffer of these rows (``persistence.arrays``)."""
 
 __all__ = [
     "Batch",
     "BufferHandle",
     "Buffers",
     "CapacityError",
+    "DeviceReplay",
     "ClosedError",
     "Collector",
     "EmptyBufferError",

@@ -265,16 +265,28 @@ def torch_views(block: Any, record: Record) -> dict[str, Any]:
     n = block.shape[0]
     typed: dict[Any, Any] = {}
     out = {}
-    for name, offset in record.offsets.items():
-        sub = record.dtype[name]
-        base, shape = (sub.base, sub.shape) if sub.shape else (sub, ())
-        size = base.itemsize
-        tdtype = torch_dtype(base)
+    for name, tdtype, shape, inner, at in _view_plan(record):
         if tdtype not in typed:
             typed[tdtype] = block.view(tdtype)  # (n, itemsize / size): the record's width divides
         flat = typed[tdtype]
-        inner = [int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape))]
-        out[name] = torch.as_strided(
-            flat, (n, *shape), (flat.stride(0), *inner), flat.storage_offset() + offset // size
-        )
+        out[name] = torch.as_strided(flat, (n, *shape), (flat.stride(0), *inner), flat.storage_offset() + at)
     return out
+
+
+_plans: dict[int, tuple[Record, list[tuple[str, Any, tuple[int, ...], list[int], int]]]] = {}
+
+
+def _view_plan(record: Record) -> list[tuple[str, Any, tuple[int, ...], list[int], int]]:
+    """Per small field: its name, torch dtype, shape, inner strides and offset in items (cached
+    per record: a batch's views are made on the hot path)."""
+    got = _plans.get(id(record))
+    if got is not None and got[0] is record:
+        return got[1]
+    plan = []
+    for name, offset in record.offsets.items():
+        sub = record.dtype[name]
+        base, shape = (sub.base, sub.shape) if sub.shape else (sub, ())
+        inner = [int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape))]
+        plan.append((name, torch_dtype(base), tuple(shape), inner, offset // base.itemsize))
+    _plans[id(record)] = (record, plan)
+    return plan

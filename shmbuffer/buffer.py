@@ -31,19 +31,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import edits, hints, native, persistence, reader, sequences
 from . import hindsight as her
+from . import hints, native, persistence, sequences
 from .batch import Batch
 from .errors import EmptyBufferError, FieldError, SchemaError, closed
-from .frames import Frames, Pusher
-from .layout import UNIFORM, Block, Counter, Options, columns, read
-from .limiter import RateLimiter, counted
+from .frames import Frames
 from .loader import Loader
-from .priorities import Priorities
-from .ring import Copier, Ring, check_platform
-from .samplers import Sampler
+from .protocol import edits, push, reader
+from .protocol.layout import UNIFORM, Block, Counter, Options, columns, read
+from .protocol.priorities import Priorities
+from .protocol.push import Copier, Pusher
+from .protocol.ring import Ring, check_platform
+from .sampling.limiter import RateLimiter, counted
+from .sampling.samplers import Sampler, check_batch_size
 from .schema import Schema, stack_rows
-from .segment import Segment
+from .shm.segment import Segment
 
 __all__ = ["BufferHandle", "Options", "ReplayBuffer"]
 
@@ -165,8 +167,8 @@ class ReplayBuffer:
         self._prios = Priorities(segment.arrays, opts.sampler, opts.max_use, initialise=initialise) if opts.tree else None
         if self._prios is not None:
             self._ring.repairs.append(self._prios.repair)
-        self._one_call = edits.one_call(self, self._copier, self._pusher)
-        self._push_plan = self._copier.plan if self._one_call is not None else None
+        self._fast_push = push.fast_push(self, self._copier, self._pusher)
+        self._push_plan = self._copier.plan if self._fast_push is not None else None
         """What ``push`` reads on this instance (``_native.PushMethod``): with a plan, its usual
         calls run in C with no dict made."""
         self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
@@ -229,7 +231,7 @@ class ReplayBuffer:
         self._push_plan = None  # push is the method again, which says closed
         if self._copier is not None:
             self._copier.close()  # the one-call push's views of the block (a held push's too)
-        self._ring = self._prios = self._one_call = None
+        self._ring = self._prios = self._fast_push = None
         self._block = self._copier = None  # type: ignore[assignment]
         self._segment.close(defer=defer)
 
@@ -344,15 +346,13 @@ class ReplayBuffer:
 
         Everything is checked before the buffer is touched: on any error it is exactly as it was.
         """
-        one = self._one_call  # the usual push as one C call (edits.one_call); None: the steps decide
-        if one is not None and self._block.fields is not self._copier.fields:
-            one = None  # a block whose field table was replaced (a test stopping a copy midway): numpy copies
+        one = self._fast_push  # the usual push as one C call (push.fast_push); None: the steps decide
         if one is not None and priority is None and not resume and (data is None or not fields):
             ids = one(fields if data is None else data, lane, episode)
             if ids is not None:
                 return ids
-        return edits.push(self, self._copier, data, lane=lane, episode=episode, priority=priority,
-                          timeout=timeout, fields=fields, pusher=self._pusher, resume=resume, one_call=one)
+        return push.push(self, self._copier, data, lane=lane, episode=episode, priority=priority,
+                         timeout=timeout, fields=fields, pusher=self._pusher, resume=resume, fast=one)
 
     add = push
 
@@ -362,7 +362,7 @@ class ReplayBuffer:
     ) -> tuple[int, dict[str, np.ndarray], int | np.ndarray, np.ndarray | None, np.ndarray | None]:
         """Everything ``push`` checks before it touches the buffer, without touching it: raises
         what ``push`` would; returns the row count and the checked rows and options."""
-        return edits.check(self, self._copier, data, lane=lane, episode=episode, priority=priority, fields=fields)
+        return push.check(self, self._copier, data, lane=lane, episode=episode, priority=priority, fields=fields)
 
     def update_priorities(self, rows: Batch | Any, priorities: Any) -> int:
         """Set the priorities of sampled rows (a batch, or its ``index``), from any process.
@@ -450,8 +450,7 @@ class ReplayBuffer:
         """
         if unknown:  # another library's keyword (cpprb's beta, SB3's env ...): name ours
             raise hints.keyword_error("sample", unknown)
-        if (type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool))) or n <= 0:
-            raise ValueError(f"sample: expected a positive number of rows, got {n!r}")
+        n = check_batch_size(n)
         if hindsight is not None:
             if not isinstance(hindsight, her.Hindsight):
                 raise TypeError(f"sample: hindsight must be a shmbuffer.Hindsight, got {type(hindsight).__name__}")

@@ -5,7 +5,7 @@
     shmbuffer ls [--all] [--json]               your buffers in /dev/shm (--all: everyone's): rows, size, creator, alive
     shmbuffer inspect NAME [--json]             header, options, counters, lanes, field statistics
     shmbuffer gc [--dry-run] [--force] [NAME ...]   remove buffers whose creator is dead
-    shmbuffer save NAME PATH [--force]          save a live buffer (persistence.py)
+    shmbuffer save NAME PATH [--force]          save a live buffer (persistence/saving.py)
     shmbuffer load PATH --name NAME             load a save and hold it until interrupted
     shmbuffer bench [--seconds S] [--json]      memcpy, push and sample rates on this machine
     shmbuffer top [--all] [--once] [--json]     a live view: fill, rows in/out per second, writers (top.py)
@@ -42,13 +42,14 @@ from typing import Any
 
 import numpy as np
 
-from . import native, segment
+from . import native
 from .buffer import ReplayBuffer
 from .errors import ForeignBlock, LayoutError, SegmentNotFound, ShmBufferError
-from .layout import columns
 from .persistence import pieces
-from .ring import lane_bounds
+from .protocol import rows
+from .protocol.layout import columns
 from .schema import Schema
+from .shm import segment
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -109,7 +110,7 @@ def _rows(h: segment.Header) -> tuple[int, int, list[tuple[int, int]]]:
         raise LayoutError(f"buffer {h.name!r} is damaged: its _lanes and _stamp columns do not match capacity "
                           f"{capacity} in {lanes} lanes")
     raw = segment.read_data(h, col["offset"], lanes * 8 * 8)
-    first, cur = lane_bounds(np.frombuffer(raw, np.int64).reshape(lanes, 8), capacity // lanes)
+    first, cur = rows.bounds(np.frombuffer(raw, np.int64).reshape(lanes, 8), capacity // lanes)
     bounds = [(int(a), int(b)) for a, b in zip(first, cur, strict=True)]
     return int((cur - first).sum()), capacity, bounds
 

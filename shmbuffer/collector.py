@@ -51,7 +51,7 @@ import numpy as np
 from .buffer import BufferHandle, ReplayBuffer
 from .errors import ShmBufferError, WaitTimeout
 from .progress import Progress
-from .segment import process_alive, start_time
+from .shm.segment import process_alive, start_time
 
 RECENT = 100
 """Returns of recent episodes kept per worker."""

@@ -5,7 +5,7 @@
     spec = Hindsight(env.compute_reward, strategy="future", n_sampled_goal=4)
     batch = buf.sample(256, hindsight=spec)        # or buf.loader(256, hindsight=spec)
 
-A buffer made with ``episodes=True`` holds each env's steps in order in its lane (``ring.py``),
+A buffer made with ``episodes=True`` holds each env's steps in order in its lane (``protocol/ring.py``),
 one episode id a step. A transition of an episode is the row ``t`` of its lane; the rows of its
 episode are the run ``[first, stop)`` of that lane with its episode id (``sequences.py``). A
 sample with a ``Hindsight`` spec:
@@ -63,13 +63,13 @@ from typing import Any
 
 import numpy as np
 
-from . import reader
 from .batch import Batch
 from .errors import EmptyBufferError, FieldError, WaitTimeout
 from .frames import END, KIND
-from .layout import Counter
-from .reader import GIVE_UP, Rows, Source
-from .ring import INVALID, Ring
+from .protocol import reader
+from .protocol.layout import Counter
+from .protocol.reader import GIVE_UP, Rows, Source
+from .protocol.ring import INVALID, Ring
 
 __all__ = ["STRATEGIES", "Hindsight", "sample"]
 

@@ -59,8 +59,9 @@ from typing import Any, NoReturn
 import numpy as np
 
 from .batch import Batch, torch_views
-from .errors import FieldError, WaitTimeout
-from .layout import Block
+from .device import DeviceReplay
+from .errors import CapacityError, FieldError, LayoutError, WaitTimeout
+from .protocol.layout import Block
 
 SLICE = 0.1
 """Seconds a default-path sample may wait for a rate limiter before the thread looks at ``close()``."""
@@ -167,6 +168,12 @@ class Loader:
     :param collector: a ``Collector`` checked for worker errors at every batch.
     :param batches: end the iteration after that many batches (default: never).
     :param background: sample in a thread (default: with CUDA only; see the module docstring).
+    :param resident: sample from a copy of the buffer kept on ``device`` (``device.DeviceReplay``):
+        ``True`` requires it (``CapacityError`` with the bytes needed and free when the device
+        cannot hold it; ``LayoutError`` for a buffer it does not serve); ``None`` (the default)
+        takes it on CUDA where it fits and serves the buffer, else the pinned path; ``False``
+        never. ``loader.path`` says which path runs (``"resident"``, ``"pinned"`` or
+        ``"host"``), ``loader.why`` why not resident.
     :param sample_kwargs: passed to ``buffer.sample`` (``n_step``, ``gamma``, ...).
     """
 
@@ -181,6 +188,7 @@ class Loader:
         collector: Any = None,
         batches: int | None = None,
         background: bool | None = None,
+        resident: bool | None = None,
         **sample_kwargs: Any,
     ) -> None:
         import torch
@@ -207,17 +215,44 @@ class Loader:
         self._staging: list[_Staging] = []
         self._layout: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] | None = None
         self._made = 0
-        self._background = self.cuda if background is None else bool(background)
+        self._resident = self._make_resident(resident)
+        self.path = "resident" if self._resident is not None else "pinned" if self.cuda else "host"
+        """Which path runs: ``"resident"`` (a device copy), ``"pinned"`` (CUDA through pinned
+        staging) or ``"host"`` (CPU tensors of the sampled arrays)."""
+        self._background = (self.cuda and self._resident is None) if background is None else bool(background)
         self._thread = threading.Thread(target=self._produce, name="shmbuffer-loader", daemon=True)
         if self._background:
             self._thread.start()
+
+    def _make_resident(self, resident: bool | None) -> DeviceReplay | None:
+        self.why = ""
+        """Why the loader does not sample from a device copy (empty when it does)."""
+        if resident is False:
+            self.why = "resident=False"
+            return None
+        if resident is None and not self.cuda:
+            self.why = "not a CUDA device (resident=True asks for a copy on the CPU)"
+            return None
+        if self._custom or self._kwargs:
+            if resident:
+                raise LayoutError("Loader(resident=True): the device copy samples plain batches; it takes no "
+                                  f"sample= nor sample keywords (got {sorted(self._kwargs) or 'sample='}): resident=False")
+            self.why = "a custom sample= or sample keywords"
+            return None
+        try:
+            return DeviceReplay(self.buffer, self.device)
+        except (CapacityError, LayoutError) as exc:
+            if resident:
+                raise
+            self.why = str(exc)
+            return None
 
     # -- the background thread ----------------------------------------------------------------
     def _produce(self) -> None:
         made = 0
         try:
             while not self._stop.is_set() and (self._limit is None or made < self._limit):
-                item = self._to_device(made) if self.cuda else self._to_cpu()
+                item = self._to_device(made) if self.cuda and self._resident is None else self._to_cpu()
                 if item is None or not self._queue.put(item, self._stop):  # close() came
                     return
                 made += 1
@@ -250,6 +285,8 @@ class Loader:
                     raise WaitTimeout(f"Loader: no batch of {self._batch_size} rows after {total:g} s; the last try: {exc}") from None
 
     def _to_cpu(self) -> Batch | None:
+        if self._resident is not None:
+            return self._resident.sample(self._batch_size)
         batch = self._draw()
         return None if batch is None else batch.to("cpu")
 
@@ -335,7 +372,7 @@ class Loader:
             self._ended = item
             self.close()
             self._end()
-        if not self.cuda:
+        if not self.cuda or self._resident is not None:
             return item
         return self._receive(*item)
 
@@ -345,7 +382,9 @@ class Loader:
             self._ended = _DONE
             self._end()
         try:
-            if self.cuda:
+            if self._resident is not None:
+                batch = self._resident.sample(self._batch_size)
+            elif self.cuda:
                 item = self._to_device(self._made)
                 assert item is not None
                 batch = self._receive(*item)
@@ -384,6 +423,8 @@ class Loader:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(JOIN)
         self._drain()  # a put that was under way when the flag was set
+        if self._resident is not None and not self._thread.is_alive():
+            self._resident.close()  # its views of the shared columns: the buffer can close
         if self._ended is None:
             self._ended = _CLOSED
 

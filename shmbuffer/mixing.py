@@ -40,8 +40,8 @@ import numpy as np
 from .batch import Batch
 from .buffer import BufferHandle, ReplayBuffer
 from .errors import EmptyBufferError, SchemaError, WaitTimeout
-from .priorities import check_priorities
-from .samplers import Prioritized
+from .protocol.priorities import check_priorities
+from .sampling.samplers import Prioritized
 
 
 class Buffers(Mapping[str, ReplayBuffer]):

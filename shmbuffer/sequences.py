@@ -18,24 +18,20 @@ import time
 
 import numpy as np
 
-from . import reader
 from .batch import Batch
 from .errors import CapacityError, EmptyBufferError, FieldError
 from .frames import KIND, LEAD, START
-from .reader import GIVE_UP, Rows, Source
-from .ring import INVALID, Ring
-from .samplers import uniform_ids
+from .protocol import reader
+from .protocol.reader import GIVE_UP, Rows, Source
+from .protocol.ring import INVALID, Ring
+from .protocol.rows import lane_of, number_of, slot, window
+from .sampling.samplers import uniform_ids
 
 
 def window_ids(ring: Ring, anchors: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Ids of the rows ``anchor + offset`` of each anchor's lane, ``(n, len(offsets))``, and
     whether each lies inside its lane's rows now (outside: ``INVALID``)."""
-    lanes = ring.lanes
-    lane = anchors % lanes
-    rows = (anchors // lanes)[:, None] + offsets[None, :]
-    start, stop = ring.bounds()
-    inside = (rows >= start[lane][:, None]) & (rows < stop[lane][:, None])
-    ids = rows * lanes + lane[:, None]
+    ids, inside = window(anchors, offsets, ring.lanes, *ring.bounds())
     ids[~inside] = INVALID
     return ids, inside
 
@@ -76,14 +72,14 @@ def episode_extent(ring: Ring, episode: np.ndarray, anchors: np.ndarray) -> tupl
     An episode's rows are one run of its lane (ids are unique), so each end is found by binary
     search on "row r belongs to the anchor's episode"."""
     lanes, lc = ring.lanes, ring.lane_capacity
-    lane = anchors % lanes
-    row = anchors // lanes
+    lane = lane_of(anchors, lanes)
+    row = number_of(anchors, lanes)
     start, stop = ring.bounds()
     lo_bound, hi_bound = start[lane], stop[lane]
-    own = episode[lane * lc + row % lc]
+    own = episode[slot(lane, row, lc)]
 
     def same(r: np.ndarray) -> np.ndarray:
-        return episode[lane * lc + r % lc] == own
+        return episode[slot(lane, r, lc)] == own
 
     # first: the smallest r in [lo_bound, row] with same(r); same() is False below it, True above
     lo, hi = lo_bound.copy(), row.copy()
@@ -255,7 +251,7 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
         if b <= a:
             continue
         rows = np.arange(a, b)
-        ep = episodes[lane * lc + rows % lc]
+        ep = episodes[slot(lane, rows, lc)]
         cut = np.flatnonzero(ep[1:] != ep[:-1]) + 1
         first = np.concatenate([[0], cut]) + a
         stop = np.concatenate([cut, [b - a]]) + a
@@ -267,11 +263,11 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
                 ok[ok] = ring.current(stop[ok] * ring.lanes + lane)
             first, stop = first[ok], stop[ok]
         frames = src.block.frames
-        if frames is not None and kinds is not None and frames.stack and first.size and not kinds[lane * lc + first[0] % lc] & START:
+        if frames is not None and kinds is not None and frames.stack and first.size and not kinds[slot(lane, first[0], lc)] & START:
             first[0] += frames.depth  # a run cut by lapping or a clear(): its first stacks reach outside
         if frames is not None and kinds is not None and first.size:
             for _ in range(frames.depth):  # a resumed episode's lead rows (push(resume=True)) are not steps
-                first += (kinds[lane * lc + np.minimum(first, stop - 1) % lc] & LEAD != 0) & (first < stop)
+                first += (kinds[slot(lane, np.minimum(first, stop - 1), lc)] & LEAD != 0) & (first < stop)
         if _ends_in_own_row(src):  # an episode's last row is its end row, or has no next row yet
             stop = stop - 1
         first, stop = first[stop > first], stop[stop > first]
@@ -467,6 +463,13 @@ def add_n_step(src: Source, batch: Batch, n_step: int, gamma: float, names: dict
     batch.fields[reward][...] = ret.reshape(batch.fields[reward].shape)
     batch.fields[done][...] = last_done.reshape(batch.fields[done].shape)
     batch.extras["steps"] = steps
+
+
+def n_step_fields(src: Source, names: dict[str, str] | None) -> tuple[str, str, str]:
+    """The reward, next observation and done fields of n-step returns (``fields=`` renames them)."""
+    names = names or {}
+    return (_field(src, names.get("reward"), REWARD, "reward"), _field(src, names.get("next_obs"), NEXT_OBS, "next_obs"),
+            _field(src, names.get("done"), DONE, "done"))
 
 
 def check_n_step(src: Source, n_step: int, names: dict[str, str] | None) -> None:

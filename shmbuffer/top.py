@@ -34,12 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from . import native, segment
+from . import native
 from .buffer import ReplayBuffer
 from .errors import ForeignBlock, LayoutError, SegmentNotFound
-from .layout import WRITERS, Counter, Lane
-from .lock import WAITS
-from .ring import lane_bounds
+from .protocol import rows
+from .protocol.layout import WRITERS, Counter, Lane
+from .shm import segment
+from .shm.lock import WAITS
 
 
 @dataclass
@@ -80,6 +81,7 @@ def _measure(buf: ReplayBuffer, name: str, uid: int, ident: tuple[int, int],
              before: Reading | None) -> tuple[dict[str, Any], Reading]:
     arrays = buf.block.arrays
     now = time.monotonic()
+    count = len(buf)  # before the counters, so that rows <= inserted while writers go on
     stats = arrays["_stats"].copy()
     cursors = arrays["_lanes"][:, Lane.CURSOR].copy()
     wpid, wstart = arrays["_writer_pid"].copy(), arrays["_writer_start"].copy()
@@ -97,17 +99,16 @@ def _measure(buf: ReplayBuffer, name: str, uid: int, ident: tuple[int, int],
     alive = {int(w): segment.process_alive(int(wpid[w]), float(wstart[w])) for w in np.flatnonzero(wpid)}
     dead_odd = int(sum(1 for o in odd_owners if not alive.get(int(o), False)))
     held = np.zeros(WRITERS, np.int64)
-    lo, hi = lane_bounds(arrays["_lanes"], lc)
+    lo, hi = rows.bounds(arrays["_lanes"], lc)
     for lane in np.flatnonzero(hi > lo):  # the rows that count (not those before a clear), committed
         n = np.arange(int(lo[lane]), int(hi[lane]))
-        slots = lane * lc + n % lc
-        held += np.bincount(owner[slots][stamp[slots] == 2 * n + 2], minlength=WRITERS)
+        slots = rows.slot(int(lane), n, lc)
+        held += np.bincount(owner[slots][stamp[slots] == rows.committed(n)], minlength=WRITERS)
     header = segment.read_header(name)
-    rows = len(buf)
     out: dict[str, Any] = {
         "name": name, "owner_uid": uid, "creator_pid": header.creator_pid,
-        "creator_alive": header.creator_state == "alive", "rows": rows, "capacity": capacity,
-        "fill": rows / capacity, "lanes": lanes, "inserted": inserted, "sampled": sampled,
+        "creator_alive": header.creator_state == "alive", "rows": count, "capacity": capacity,
+        "fill": count / capacity, "lanes": lanes, "inserted": inserted, "sampled": sampled,
         "samples_per_insert": sampled / inserted if inserted else None,
         "reaped": int(stats[Counter.RECLAIMED]), "lost": dead_odd, "being_written": int(odd.size) - dead_odd,
         "lock_recoveries": int(stats[Counter.LOCK_RECOVERIES]), "lock_waits": waits,
@@ -124,7 +125,7 @@ def _measure(buf: ReplayBuffer, name: str, uid: int, ident: tuple[int, int],
         for lane in np.flatnonzero(cursors != before.cursors):
             new = int(cursors[lane] - before.cursors[lane])
             first = max(int(before.cursors[lane]), int(cursors[lane]) - lc)  # rows lapped are gone
-            slots = lane * lc + np.arange(first, int(cursors[lane])) % lc
+            slots = rows.slot(int(lane), np.arange(first, int(cursors[lane])), lc)
             pushed += np.bincount(owner[slots], minlength=WRITERS) * (new / slots.size)
     writers = []
     for w, live in alive.items():
@@ -149,7 +150,7 @@ def _path(pid: int) -> str | None:
             maps = f.read()
     except OSError:
         return None
-    return "native" if "shmbuffer/_native." in maps else "python"
+    return "native" if "shmbuffer/native/_native." in maps else "python"
 
 
 def names_to_show(names: list[str], every: bool) -> list[str]:

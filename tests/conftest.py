@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
-from shmbuffer import segment
+from shmbuffer.shm import segment
 
 MUJOCO = sb.Schema(
     obs=((17,), "float32"), action=((6,), "float32"), reward=((), "float32"),
@@ -75,6 +75,45 @@ def procs() -> Iterator[list[Any]]:
         if p.is_alive():
             p.kill()
         p.join(10)
+
+
+class _Hooked:
+    """A column a numpy copy writes through: ``hook(name)`` runs before each assignment."""
+
+    def __init__(self, name: str, column: np.ndarray, hook: Callable[[str], None]) -> None:
+        self.name, self.column, self.hook = name, column, hook
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.column[key]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.hook(self.name)
+        self.column[key] = value
+
+
+class _NumpyCopies:
+    """The extension, but its row copy declines (``put`` returns ``False``), so numpy copies."""
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+
+    def put(self, *args: Any) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lib, name)
+
+
+def copy_through(buf: sb.ReplayBuffer, hook: Callable[[str], None]) -> None:
+    """Make ``buf``'s pushes take the Python steps and copy with numpy, calling ``hook(field)``
+    before each field's rows are written (``"_episode"`` for the episode ids): the seam where a
+    test stops, stalls or kills a push midway through its copy (``protocol/push.py``)."""
+    buf._fast_push = buf._push_plan = None  # the Python steps
+    copier = buf._copier
+    copier.lib = None if copier.lib is None else _NumpyCopies(copier.lib)  # the numpy copy
+    names = [*copier.names, "_episode"]
+    real = type(copier).numpy_targets
+    copier.numpy_targets = lambda: [_Hooked(n, c, hook) for n, c in zip(names, real(copier), strict=False)]
 
 
 def transition(i: int | np.ndarray, k: int | None = None) -> dict[str, np.ndarray]:

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
-from shmbuffer import segment
+from shmbuffer.shm import segment
 
 ROOT = Path(__file__).resolve().parents[1]
 MISSING = [m for m in ("ale_py", "cv2") if importlib.util.find_spec(m) is None]

@@ -5,6 +5,7 @@ not the peers (the ``bench`` extra) are installed: a peer is either measured, "n
 
 from __future__ import annotations
 
+import ast
 import fnmatch
 import json
 import os
@@ -86,3 +87,65 @@ def test_quick_benchmark_runs(group: str, tmp_path: Path) -> None:
     assert {t["status"] for t in results["targets"]} <= {"met", "missed", "not measured"}
     assert not left_by(proc.pid)
     assert not results["left_in_dev_shm"]
+
+
+
+def imports_of(path: Path) -> set[str]:
+    """The sibling modules of ``benchmarks`` that ``path`` imports, anywhere in the file."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "benchmarks":
+            parts = node.module.split(".")
+            found |= {parts[1]} if len(parts) > 1 else {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks.")}
+    return found
+
+
+def benchmark_imports() -> dict[str, set[str]]:
+    """For each module of ``benchmarks``, the modules of ``benchmarks`` it imports."""
+    paths = sorted((ROOT / "benchmarks").glob("*.py"))
+    names = {p.stem for p in paths}
+    return {p.stem: (imports_of(p) & names) - {p.stem} for p in paths}
+
+
+def circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A circle of imports in ``graph`` (``a -> b -> a``), or None."""
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> list[str] | None:
+        if module in path:
+            return [*path[path.index(module):], module]
+        if module in done:
+            return None
+        for other in sorted(graph.get(module, ())):
+            if (found := visit(other, [*path, module])) is not None:
+                return found
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        if (found := visit(module, [])) is not None:
+            return found
+    return None
+
+
+def test_no_benchmark_modules_import_each_other() -> None:
+    """The benchmarks' imports form no circle: the shared machinery is ``harness.py``, which the
+    cases import, and no module imports one that imports it back (directly or round about)."""
+    graph = benchmark_imports()
+    assert "harness" in graph["cases"] and "harness" in graph["features"]
+    assert graph["harness"] <= {"data", "peers"}, graph["harness"]
+    assert circle(graph) is None, f"benchmarks import in a circle: {' -> '.join(circle(graph) or [])}"
+
+
+def test_the_circle_check_sees_one(tmp_path: Path) -> None:
+    """The parser reads ``from . import x`` and ``from .x import y`` alike, and a circle is found."""
+    src = tmp_path / "m.py"
+    src.write_text("from . import cases\ndef f():\n    from .features import PROFILES\nimport benchmarks.data\n")
+    assert imports_of(src) == {"cases", "features", "data"}
+    assert circle({"cases": {"features", "data"}, "features": {"data", "cases"}, "data": set()}) == [
+        "cases", "features", "cases"]
+    assert circle({"cases": {"harness"}, "features": {"harness"}, "harness": set()}) is None

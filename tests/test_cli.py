@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
-from shmbuffer import segment
+from shmbuffer.shm import segment
 
 from .conftest import MUJOCO, seq_of, transition
 from .test_segment import write_file
@@ -84,7 +84,7 @@ def test_inspect(make: Make, name: str) -> None:
 CREATOR = """
     import os, signal, sys, time
     import shmbuffer as sb
-    from shmbuffer import _tracker
+    from shmbuffer.shm import _tracker
     from tests.conftest import MUJOCO, transition
     buf = sb.ReplayBuffer(MUJOCO, 100, name={name!r})
     buf.push(transition(0, 7))
@@ -143,7 +143,7 @@ def test_gc_removes_unreadable_blocks_only_with_force(name: str, cleanup: list[s
 
 CREATING = """
     import os, signal, time
-    from shmbuffer import _tracker
+    from shmbuffer.shm import _tracker
     real = os.posix_fallocate
     def slow(fd, offset, length):  # stands for the seconds a fallocate of many GB takes
         real(fd, offset, length)

@@ -147,7 +147,7 @@ def test_an_update_of_other_rows_loses_no_row_of_take_or_epoch(
     # an update anywhere moves Counter.UPDATES, which discards the whole gather it spans; take
     # and epoch cannot re-draw, so they must gather the untouched rows again, not drop them
     from shmbuffer import native
-    from shmbuffer.ring import Ring
+    from shmbuffer.protocol.ring import Ring
 
     if pure:
         monkeypatch.setattr(native, "lib", None)
@@ -177,9 +177,10 @@ def test_updates_beginning_during_every_large_gather_do_not_starve_reads(
     # a process updating some row without pause begins an update during nearly every gather of
     # many large rows (a sample of 2048 Atari frames failed every time with WaitTimeout); the
     # gather reads such rows again in small pieces, each under its own count
-    from shmbuffer import native, reader
-    from shmbuffer.layout import Counter
-    from shmbuffer.ring import Ring
+    from shmbuffer import native
+    from shmbuffer.protocol import reader
+    from shmbuffer.protocol.layout import Counter
+    from shmbuffer.protocol.ring import Ring
 
     if pure:
         monkeypatch.setattr(native, "lib", None)

@@ -424,7 +424,7 @@ def test_every_next_stack_must_continue_its_stack(make: Make, name: str) -> None
 
 def test_an_update_between_the_reads_of_a_transition_is_not_torn(make: Make, name: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from shmbuffer import reader
+    from shmbuffer.protocol import reader
 
     sch = sb.Schema(obs=((2,), "float32"), next_obs=((2,), "float32"), goal=((600,), "float32"),
                     reward=((), "float32"), done=((), "bool"))
@@ -637,7 +637,7 @@ def test_a_clear_between_the_checks_and_the_reservation_is_checked_again(make: M
     """A clear() that comes after the pusher decided a row continues its lane (no lead rows) but
     before the reservation: stored so, the row would reach into the cleared rows (found by review,
     issue 22). The reservation is undone and the push checked again: it starts the lane anew."""
-    from shmbuffer.ring import Ring
+    from shmbuffer.protocol.ring import Ring
 
     sch = schema((1, 4, 4), 4, 0)
     buf = make(sch, 16, next_of="obs", stack="obs", name=name)
@@ -667,7 +667,7 @@ def test_a_push_clears_overtake_again_and_again_is_refused_with_nothing_stored(
     make: Make, name: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Checked again up to three times; then refused, each reservation undone."""
-    from shmbuffer.frames import Pusher
+    from shmbuffer.protocol.push import Pusher
 
     sch = schema((1, 4, 4), 4, 0)
     buf = make(sch, 16, next_of="obs", stack="obs", name=name)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
-from shmbuffer import demo, hints, segment
+from shmbuffer import demo, hints
+from shmbuffer.shm import segment
 
 from .conftest import MUJOCO, transition
 

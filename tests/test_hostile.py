@@ -27,7 +27,7 @@ import pytest
 
 import shmbuffer as sb
 from shmbuffer import cli as cli_mod
-from shmbuffer import segment
+from shmbuffer.shm import segment
 
 from .conftest import MUJOCO, transition
 from .test_cli import ENV, ROOT, cli

@@ -14,47 +14,71 @@ PACKAGE = ROOT / "shmbuffer"
 
 
 def stated_order() -> list[str]:
-    """The layers as docs/design.md lists them, lowest first, from its line ``Layers, lowest first:``."""
+    """The modules as docs/design.md lists them, lowest first, from its line ``Layers, lowest first:``
+    (dotted names below ``shmbuffer``: ``shm.segment``; a package's ``__init__`` is the package's name)."""
     text = (ROOT / "docs" / "design.md").read_text()
-    match = re.search(r"Layers, lowest first:\s*((?:`[a-z0-9_]+`(?:\s*←\s*)?)+)", text)
+    match = re.search(r"Layers, lowest first:\s*((?:`[a-z0-9_.]+`(?:\s*←\s*)?)+)", text)
     assert match, "docs/design.md must state the layers on a line 'Layers, lowest first: `a` ← `b` ...'"
-    return re.findall(r"`([a-z0-9_]+)`", match.group(1))
+    return re.findall(r"`([a-z0-9_.]+)`", match.group(1))
 
 
-def files(module: str) -> list[Path]:
-    """The files of a module: ``module.py``, or every file of the subpackage ``module/``."""
-    path = PACKAGE / f"{module}.py"
-    return [path] if path.exists() else sorted((PACKAGE / module).rglob("*.py"))
+def module_name(path: Path) -> str:
+    """``shmbuffer/shm/segment.py`` -> ``shm.segment``; ``shmbuffer/native/__init__.py`` -> ``native``."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(path: Path) -> set[str]:
-    """Modules of the package that ``path`` imports, anywhere in the file (functions included).
-    In a subpackage's file ``..x`` is the package's module ``x``; ``.y`` is the subpackage's own."""
+def resolve(name: str, known: set[str]) -> str | None:
+    """The module of the package that the dotted ``name`` (below ``shmbuffer``) is or lies in."""
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports(path: Path, known: set[str] | None = None) -> set[str]:
+    """Modules of the package that ``path`` imports, anywhere in the file (functions included), as
+    dotted names below ``shmbuffer``; ``from .x import y`` counts ``x.y`` when that is a module."""
+    here = module_name(path).split(".") if path.is_relative_to(PACKAGE) else []
+    package = here if path.name == "__init__.py" else here[:-1]
     found: set[str] = set()
-    top = len(path.relative_to(PACKAGE).parts) if path.is_relative_to(PACKAGE) else 1
+
+    def add(dotted: str) -> None:
+        if known is None:
+            found.add(dotted)
+        elif (module := resolve(dotted, known)) is not None:
+            found.add(module)
+
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level and node.level != top:
-                continue
-            if node.level == top and node.module:
-                found.add(node.module.split(".")[0])
-            elif node.level == top:  # from . import x, y
-                found.update(alias.name for alias in node.names)
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                prefix = ".".join([*base, *(node.module.split(".") if node.module else [])])
             elif node.module and node.module.split(".")[0] == "shmbuffer":
-                parts = node.module.split(".")
-                found.update([parts[1]] if len(parts) > 1 else [a.name for a in node.names])
+                prefix = ".".join(node.module.split(".")[1:])
+            else:
+                continue
+            for alias in node.names:
+                full = f"{prefix}.{alias.name}" if prefix else alias.name
+                if known is not None and full in known:
+                    add(full)
+                elif prefix:
+                    add(prefix)
+                elif known is None:
+                    add(alias.name)
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
                 if parts[0] == "shmbuffer" and len(parts) > 1:
-                    found.add(parts[1])
+                    add(".".join(parts[1:]))
     return found
 
 
+def module_paths() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if p != PACKAGE / "__init__.py"}
+
+
 def modules() -> list[str]:
-    """The package's modules: its files and its subpackages (each one layer)."""
-    subpackages = [p.parent.name for p in PACKAGE.glob("*/__init__.py") if p.parent.name != "compat"]
-    return sorted([p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__"] + subpackages)
+    return sorted(module_paths())
 
 
 def test_every_module_has_a_layer() -> None:
@@ -65,13 +89,25 @@ def test_every_module_has_a_layer() -> None:
     )
 
 
+def test_each_folder_is_one_layer() -> None:
+    """A folder's modules stand together in the order, so that imports that point down between
+    modules also point down between folders: no circle of folders."""
+    order = stated_order()
+    folders = [name.split(".")[0] for name in order]
+    for folder in set(folders):
+        at = [i for i, f in enumerate(folders) if f == folder]
+        assert at == list(range(at[0], at[-1] + 1)), (
+            f"the modules of shmbuffer/{folder}/ are split in docs/design.md's layers by "
+            f"{sorted({order[i] for i in range(at[0], at[-1]) if folders[i] != folder})}")
+
+
 @pytest.mark.parametrize("module", modules())
 def test_imports_point_down(module: str) -> None:
     order = stated_order()
     rank = {name: i for i, name in enumerate(order)}
-    found = set().union(*(imports(path) for path in files(module)))
-    upward = sorted(m for m in found if m in rank and rank[m] >= rank[module])
-    assert not upward, f"{module}.py imports {upward}, which are not below it in docs/design.md's layers"
+    found = imports(module_paths()[module], set(rank))
+    upward = sorted(m for m in found - {module} if rank[m] >= rank[module])  # a package may load its own extension
+    assert not upward, f"{module} imports {upward}, which are not below it in docs/design.md's layers"
 
 
 def test_the_check_catches_an_upward_import(tmp_path: Path) -> None:
@@ -80,6 +116,13 @@ def test_the_check_catches_an_upward_import(tmp_path: Path) -> None:
     src.write_text("from . import ring\ndef f():\n    from .buffer import ReplayBuffer\n    import shmbuffer.cli\n"
                    "from shmbuffer import mixing\nfrom shmbuffer.loader import Loader\n")
     assert imports(src) == {"ring", "buffer", "cli", "mixing", "loader"}
+
+
+def test_the_check_resolves_imports_from_a_folder() -> None:
+    """Relative imports from inside a folder resolve to the package's dotted module names."""
+    known = set(modules())
+    assert "shm.segment" in imports(PACKAGE / "protocol" / "ring.py", known)
+    assert "errors" in imports(PACKAGE / "protocol" / "ring.py", known)
 
 
 def private_reads(path: Path) -> list[str]:
@@ -97,4 +140,4 @@ def private_reads(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("module", modules())
 def test_no_module_reads_another_objects_private_names(module: str) -> None:
-    assert not [line for path in files(module) for line in private_reads(path)]
+    assert not private_reads(module_paths()[module])

@@ -90,7 +90,7 @@ def test_reentry_is_an_error(make: Make, name: str) -> None:
 
 
 def test_lock_needs_aligned_memory() -> None:
-    from shmbuffer.lock import RobustLock
+    from shmbuffer.shm.lock import RobustLock
 
     with pytest.raises(ValueError, match="needs 64 aligned bytes"):
         RobustLock(np.zeros(8, np.uint8))

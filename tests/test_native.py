@@ -1,4 +1,4 @@
-"""The C extension (``shmbuffer._native``) against the Python reference: the same tree after the
+"""The C extension (``shmbuffer.native._native``) against the Python reference: the same tree after the
 same updates and the same slots found, the same bytes and intact masks gathered, the same bytes
 and stamps pushed; its entry points refuse bad input instead of crashing; and a few protocol
 checks run on both paths (``path`` fixture; ``SHMBUFFER_PURE=1`` forces Python for a process)."""
@@ -6,19 +6,25 @@ checks run on both paths (``path`` fixture; ``SHMBUFFER_PURE=1`` forces Python f
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import types
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 import shmbuffer as sb
-from shmbuffer import edits, native, ring, sumtree
-from shmbuffer.reader import gather
-from shmbuffer.sumtree import SumTree
+from shmbuffer import native
+from shmbuffer.protocol import push, ring
+from shmbuffer.protocol.layout import Counter, Lane
+from shmbuffer.protocol.reader import gather
+from shmbuffer.sampling import sumtree
+from shmbuffer.sampling.sumtree import SumTree
 
 from .conftest import MUJOCO, seq_of, transition
 
@@ -476,15 +482,15 @@ def test_one_call_push_equals_python(make: Make, name: str, monkeypatch: pytest.
         m.setattr(native, "lib", None)
         ref = make(schema, capacity=24, lanes=lanes, episodes=True, name=name + "p")
     calls: list[bool] = []
-    python_push = edits.push
+    python_push = push.push
 
     def counted(*a: Any, **k: Any) -> Any:  # the Python steps: a push the one call did not take
         if a[0] is fast:
             calls[-1] = False
         return python_push(*a, **k)
 
-    monkeypatch.setattr(fast, "_one_call", None)  # the Python method goes to edits.push, counted
-    monkeypatch.setattr(edits, "push", counted)
+    monkeypatch.setattr(fast, "_fast_push", None)  # the Python method goes to push.push, counted
+    monkeypatch.setattr(push, "push", counted)
     fast.ring.writer_id()  # this process registered (as its first push through the steps does)
     rng = np.random.default_rng(lanes)
     for i in range(60):
@@ -560,7 +566,7 @@ def test_one_call_push_leaves_what_python_must_decide_alone(make: Make, name: st
         assert LIB.push(plan, data, lane, episode) is None
     solo = make(MUJOCO, capacity=8, episodes=True, name=name + "s")
     solo.ring.writer_id()
-    assert LIB.push(solo._copier.plan, rows, None, e2) is None  # edits.note_interleaving decides
+    assert LIB.push(solo._copier.plan, rows, None, e2) is None  # push.note_interleaving decides
     assert LIB.push(solo._copier.plan, rows, None, 3) is not None
     small = make(sb.Schema(u=((), "uint8")), capacity=4, name=name + "u")
     small.ring.writer_id()
@@ -583,9 +589,9 @@ def test_one_call_push_leaves_what_python_must_decide_alone(make: Make, name: st
     stamp[1] = 3  # lane 0's slot 1 is being written
     assert LIB.push(plan, rows, 0, 1) is None
     stamp[1] = 0
-    stats[int(sb.layout.Counter.FROZEN)] = 1
+    stats[int(Counter.FROZEN)] = 1
     assert LIB.push(plan, rows, 0, 1) is None
-    stats[int(sb.layout.Counter.FROZEN)] = 0
+    stats[int(Counter.FROZEN)] = 0
     ring_.lock.acquire()  # busy: the Python steps wait for it
     try:
         assert LIB.push(plan, rows, 0, 1) is None
@@ -598,7 +604,7 @@ def test_one_call_push_leaves_what_python_must_decide_alone(make: Make, name: st
     with pytest.raises(ValueError):  # not a plan
         LIB.push(stamp, rows, 0, 1)
     got = LIB.push(plan, rows, np.array([1, 0], np.int64), e2)
-    assert got.tolist() == [1, 0] and stamp[[0, 6]].tolist() == [2, 2] and stats[int(sb.layout.Counter.INSERTED)] == 2
+    assert got.tolist() == [1, 0] and stamp[[0, 6]].tolist() == [2, 2] and stats[int(Counter.INSERTED)] == 2
     assert block.episode is not None and block.episode[[6, 0]].tolist() == [4, 5]
 
 
@@ -610,22 +616,23 @@ def test_a_push_plan_refuses_what_does_not_fit_the_ring(make: Make, name: str) -
     packed = buf.block.packed
     assert packed is not None
     widths = tuple(int(buf.block.fields[n].dtype.itemsize * np.prod(s)) for n, s in zip(c.names, c.shapes, strict=True))
-    good = dict(lock=r.lock.memory, cursors=r.cursors, stats=r.stats_array, stamp=r.stamp, owner=r.owner,
-                writers=r.writers, me=r.me, frozen=0, inserted=1, names=c.names, formats=c.formats, shapes=c.shapes,
-                widths=widths, targets=c.columns, offsets=c.offsets, episode=None, envs=0, empty=np.empty,
-                int64=np.dtype(np.int64), block=buf.block, table=buf.block.fields)
+    ring_ = dict(lock=r.lock.memory, cursors=r.cursors, stats=r.stats_array, stamp=r.stamp, owner=r.owner,
+                 writers=r.writers, me=r.me)
+    fields = dict(names=c.names, formats=c.formats, shapes=c.shapes, widths=widths, targets=c.columns, offsets=c.offsets)
 
     def plan(**kw: Any) -> Any:
-        a = {**good, **kw}
-        return LIB.plan(*a.values())
+        views = tuple(kw.get(k, v) for k, v in ring_.items())
+        f = {k: kw.get(k, v) for k, v in fields.items()}
+        return LIB.plan(views, kw.get("fields", tuple(zip(*f.values(), strict=True))), episode=kw.get("episode"), envs=kw.get("envs", 0))
 
     assert plan() is not None
-    for bad in (dict(lock=r.lock.memory[:32]), dict(cursors=r.cursors.reshape(-1)[:12]),
-                dict(owner=r.owner[:5]), dict(owner=r.stamp), dict(me=np.zeros(3, np.int64)), dict(frozen=10 ** 6),
-                dict(inserted=-1), dict(envs=3), dict(episode=np.zeros(5, np.int64)), dict(names=c.names[:2]),
+    assert LIB.plan(ring=tuple(ring_.values()), fields=tuple(zip(*fields.values(), strict=True))) is not None
+    for bad in (dict(lock=r.lock.memory[:32]), dict(cursors=r.cursors.reshape(-1)[:12]), dict(stats=r.stats_array[:11]),
+                dict(writers=r.writers[:8]), dict(owner=r.owner[:5]), dict(owner=r.stamp), dict(me=np.zeros(3, np.int64)),
+                dict(envs=3), dict(envs=-1), dict(episode=np.zeros(5, np.int64)),
                 dict(widths=(10 ** 6,) * len(widths)), dict(offsets=(packed.shape[1],) * len(widths)),
-                dict(shapes=((-1,),) * len(widths)), dict(formats=("f",) * len(widths)), dict(names=()),
-                dict(stamp=r.stamp[:5])):
+                dict(shapes=((-1,),) * len(widths)), dict(formats=("f",) * len(widths)), dict(fields=()),
+                dict(fields=((c.names[0],),)), dict(fields=[tuple(zip(*fields.values(), strict=True))]), dict(stamp=r.stamp[:5])):
         with pytest.raises((ValueError, TypeError)):
             plan(**bad)
 
@@ -692,28 +699,28 @@ def test_put_reserve_and_check_refuse_bad_input(make: Make, name: str) -> None:
 
 @needs_lib
 def test_fast_checks_take_exactly_what_validate_takes_unchanged(make: Make, name: str) -> None:
-    """``Copier.check`` accepts only rows that ``Schema.validate`` would pass through as they are
+    """``Copier.fast_check`` accepts only rows that ``Schema.validate`` would pass through as they are
     (the fields' dtypes and shapes, contiguous); anything else goes to ``validate``."""
     buf = make(MUJOCO, capacity=10, name=name)
     copier = buf._copier
     rows = {k: np.ascontiguousarray(v) for k, v in transition(0, 3).items()}
-    assert copier.check(rows) == (3, rows)
+    assert copier.fast_check(rows) == (3, rows)
     one = {k: v[0] for k, v in rows.items()}
-    assert copier.check(one) == (1, one)
-    assert copier.check({**rows, "done": rows["done"][:2]}) is None  # ragged
-    assert copier.check({**rows, "done": one["done"]}) is None  # one row and 3 rows
-    assert copier.check({**rows, "obs": rows["obs"].astype(np.float64)}) is None  # a cast
-    assert copier.check({**rows, "obs": np.asfortranarray(np.zeros((3, 17), np.float32))[:, ::-1]}) is None
-    assert copier.check({**rows, "obs": rows["obs"][:, :16]}) is None  # a wrong shape
-    assert copier.check({**rows, "obs": rows["obs"].tolist()}) is None  # not an array
-    assert copier.check({k: v for k, v in rows.items() if k != "done"}) is None  # a missing field
-    assert copier.check({**rows, "extra": rows["done"]}) is None
-    assert copier.check({k: v[:0] for k, v in rows.items()}) is None  # no rows: validate's case
-    assert copier.check({**one, "reward": float(one["reward"])}) is None  # a number: validate makes it an array
+    assert copier.fast_check(one) == (1, one)
+    assert copier.fast_check({**rows, "done": rows["done"][:2]}) is None  # ragged
+    assert copier.fast_check({**rows, "done": one["done"]}) is None  # one row and 3 rows
+    assert copier.fast_check({**rows, "obs": rows["obs"].astype(np.float64)}) is None  # a cast
+    assert copier.fast_check({**rows, "obs": np.asfortranarray(np.zeros((3, 17), np.float32))[:, ::-1]}) is None
+    assert copier.fast_check({**rows, "obs": rows["obs"][:, :16]}) is None  # a wrong shape
+    assert copier.fast_check({**rows, "obs": rows["obs"].tolist()}) is None  # not an array
+    assert copier.fast_check({k: v for k, v in rows.items() if k != "done"}) is None  # a missing field
+    assert copier.fast_check({**rows, "extra": rows["done"]}) is None
+    assert copier.fast_check({k: v[:0] for k, v in rows.items()}) is None  # no rows: validate's case
+    assert copier.fast_check({**one, "reward": float(one["reward"])}) is None  # a number: validate makes it an array
     old = make(sb.Schema(obs=((17,), "float32"), rew=((1,), "float32")), capacity=10, name=name + "c")._copier
     three = {"obs": np.zeros((3, 17), np.float32), "rew": np.zeros(3, np.float32)}
-    assert old.check(three) is None  # cpprb's (k,) for a (1,) field: validate reshapes it to (k, 1)
-    assert old.check({**three, "rew": np.zeros((3, 1), np.float32)}) is not None
+    assert old.fast_check(three) is None  # cpprb's (k,) for a (1,) field: validate reshapes it to (k, 1)
+    assert old.fast_check({**three, "rew": np.zeros((3, 1), np.float32)}) is not None
     with pytest.raises(sb.FieldError):  # and validate still raises what it raised
         buf.push({**rows, "obs": rows["obs"][:, :16]})
     assert len(buf) == 0
@@ -879,7 +886,7 @@ def test_prioritized_draw_native_equals_python(make: Make, name: str, lanes: int
     """The same RNG state gives the same ids, leaves and INVALID marks, stratified or not; with
     dyadic priorities every sum is exact (the same walk to the bit), with random floats the inner
     sums may differ in the last bit (C adds in order, numpy by BLAS) and so may a draw on a boundary."""
-    from shmbuffer.samplers import Draw, tree_draw
+    from shmbuffer.sampling.samplers import Draw, tree_draw
 
     buf = messy_prioritized(make, name, lanes, dyadic)
     tree, rg = buf.priorities.tree, buf.ring  # type: ignore[union-attr]
@@ -910,7 +917,7 @@ def test_prioritized_draw_native_equals_python(make: Make, name: str, lanes: int
 
 @needs_lib
 def test_prioritized_draw_of_an_empty_tree_draws_nothing(make: Make, name: str) -> None:
-    from shmbuffer.samplers import tree_draw
+    from shmbuffer.sampling.samplers import tree_draw
 
     buf = make(MUJOCO, capacity=64, name=name, sampler=sb.Prioritized())
     g = np.random.default_rng(0)
@@ -1234,16 +1241,109 @@ def test_push_itself_runs_in_c_for_its_usual_calls_and_the_method_for_the_rest(m
         buf.push(**rows, lane=0, episode=1)
 
 
-@needs_lib
-def test_the_numbers_c_shares_with_python_agree(make: Make, name: str) -> None:
-    """The constants ``_native.c`` repeats from the Python modules are the same numbers (they
-    matched only by comment before; issue 23)."""
-    from shmbuffer import frames, lock
+LAYOUT_H = Path(native.__file__).with_name("layout.h")
 
-    assert LIB is not None
-    buf = make(MUJOCO, capacity=8, lanes=2, name=name)
-    assert LIB.FANOUT == sumtree.FANOUT
-    assert LIB.LANE_WORDS == buf.block.arrays["_lanes"].shape[1]
-    assert LIB.LOCK_REPAIR == lock.REPAIR
-    assert (LIB.KIND_END, LIB.KIND_START, LIB.KIND_ZERO) == (frames.END, frames.START, frames.ZERO)
-    assert LIB.INVALID_ID == ring.INVALID
+
+def layout_h_defines() -> dict[str, int]:
+    """Every ``#define NAME value`` of ``native/layout.h`` (its include guard aside), evaluated."""
+    found: dict[str, int] = {}
+    for line in LAYOUT_H.read_text().splitlines():
+        m = re.match(r"#define\s+(\w+)\s+(.+?)\s*(/\*.*)?$", line)
+        if m and not m.group(1).endswith("_H"):
+            text = m.group(2).replace("(int64_t)", "")
+            assert re.fullmatch(r"[-+*<>() 0-9]+", text), f"layout.h: {m.group(1)} is not a plain integer: {text}"
+            found[m.group(1)] = int(eval(text))  # digits, operators and parentheses only (checked above)
+    return found
+
+
+def test_layout_h_states_the_python_layout() -> None:
+    """Every constant the C files take from ``native/layout.h`` is the Python definition's number:
+    a change on one side alone fails here."""
+    from shmbuffer import frames
+    from shmbuffer.protocol import layout
+    from shmbuffer.shm import lock
+
+    specs = {c.name: c for c in layout.columns(sb.Schema(x=((), "float32")), layout.Options(capacity=12, lanes=3))}
+    python = {
+        "LANE_WORDS": specs["_lanes"].shape[1], "LANE_CURSOR": layout.Lane.CURSOR, "LANE_BASE": layout.Lane.BASE,
+        "STATS_WORDS": specs["_stats"].shape[0], "COUNTER_INSERTED": Counter.INSERTED, "COUNTER_FROZEN": Counter.FROZEN,
+        "WRITERS": layout.WRITERS, "LOCK_SIZE": lock.SIZE, "LOCK_REPAIR": lock.REPAIR,
+        "KIND_END": frames.END, "KIND_START": frames.START, "KIND_ZERO": frames.ZERO,
+        "FANOUT": sumtree.FANOUT, "INVALID_ID": ring.INVALID,
+    }
+    assert specs["_writer_pid"].shape == (layout.WRITERS,) and specs["_mutex"].shape == (lock.SIZE,)
+    assert {k: int(v) for k, v in python.items()} == layout_h_defines()
+    if LIB is not None:  # the module's attributes come from the same header (a stale build fails here)
+        assert {k: getattr(LIB, k) for k in python} == layout_h_defines()
+
+
+ARITHMETIC_C = """
+#include <stdio.h>
+#include "layout.h"
+static const int64_t V[] = {%(values)s};
+#define NV (sizeof(V) / sizeof(V[0]))
+#define OUT(x) printf("%%lld\\n", (long long)(x))
+int main(void) {
+    const int64_t lanes_[] = {1, 3, 4}, lcs[] = {5, 7};
+    for (int a = 0; a < 3; a++)
+        for (int b = 0; b < 2; b++)
+            for (size_t i = 0; i < NV; i++) {
+                int64_t lanes = lanes_[a], lc = lcs[b], v = V[i];
+                OUT(slot_of(lanes - 1, v, lc)); OUT(row_id(v, lanes - 1, lanes)); OUT(lane_of_id(v, lanes));
+                OUT(number_of_id(v, lanes)); OUT(slot_of_id(v, lanes, lc)); OUT(committed_stamp_of_id(v, lanes));
+                OUT(first_row(v, V[(i + 1) %% NV], lc));
+            }
+    for (size_t i = 0; i < NV; i++) {
+        int64_t v = V[i], w = V[(i + 3) %% NV];
+        OUT(writing_stamp(v)); OUT(committed_stamp(v)); OUT(commit_stamp(writing_stamp(v))); OUT(number_of_stamp(v));
+        OUT(is_committed(v)); OUT(next_row(v, w)); OUT(intact(v, w, v)); OUT(intact(v, v, v)); OUT(intact(w, v, v));
+    }
+    return 0;
+}
+"""
+
+
+def test_layout_h_does_the_row_arithmetic_of_rows_py(tmp_path: Path) -> None:
+    """The row arithmetic of ``native/layout.h`` (slots, ids, stamps, bounds) gives what
+    ``protocol/rows.py`` gives, on ids and stamps of any value (wrapping as numpy's int64)."""
+    from shmbuffer.protocol import rows
+
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the layout.h check")
+    values = [0, 1, 2, 3, 5, 6, 7, 11, 12, 13, 35, 1_000_003, -1, -2, -3, -7, -36, 2**62 - 1, 2**62, -(2**62),
+              2**63 - 1, -(2**63), -(2**63) + 1]
+    source = tmp_path / "arithmetic.c"
+    source.write_text(ARITHMETIC_C % {"values": ", ".join(f"INT64_C({v})" if v > -(2**63) else "INT64_MIN" for v in values)})
+    program = tmp_path / "arithmetic"
+    subprocess.run([cc, "-std=c11", "-O2", "-Wall", "-Werror", "-I", str(LAYOUT_H.parent), str(source), "-o", str(program)],
+                   check=True, capture_output=True)
+    got = [int(x) for x in subprocess.run([str(program)], check=True, capture_output=True, text=True).stdout.split()]
+    v = np.array(values, np.int64)
+    nxt = np.roll(v, -1)
+    expected: list[np.ndarray] = []
+    for lanes in (1, 3, 4):
+        for lc in (5, 7):
+            table = np.zeros((len(v), 8), np.int64)
+            table[:, int(Lane.CURSOR)], table[:, int(Lane.BASE)] = v, nxt
+            per = [rows.slot(lanes - 1, v, lc), rows.row_id(v, lanes - 1, lanes), rows.lane_of(v, lanes),
+                   rows.number_of(v, lanes), rows.slot_of_id(v, lanes, lc), rows.committed_of_id(v, lanes),
+                   rows.bounds(table, lc)[0]]
+            expected.append(np.stack([np.broadcast_to(np.asarray(x, np.int64), v.shape) for x in per], axis=1).reshape(-1))
+    w = np.roll(v, -3)
+    per = [rows.writing(v), rows.committed(v), rows.committed(v), rows.number_of_stamp(v), rows.is_committed(v),
+           np.maximum(v, w),  # ring.py's reservation: a lane's next row, max(cursor, base)
+           rows.intact(v, w, v), rows.intact(v, v, v), rows.intact(w, v, v)]
+    expected.append(np.stack([np.asarray(x, np.int64) for x in per], axis=1).reshape(-1))
+    assert got == np.concatenate(expected).tolist()
+
+
+def test_every_c_file_is_built_and_shipped() -> None:
+    """setup.py builds every C file of ``shmbuffer/native`` and MANIFEST.in puts them and the
+    headers in the sdist (a file added on one side only would break a build from the sdist)."""
+    root = LAYOUT_H.parents[2]
+    setup = (root / "setup.py").read_text()
+    listed = set(re.findall(r'"(\w+\.c)"', setup))
+    assert listed == {p.name for p in LAYOUT_H.parent.glob("*.c")}
+    assert {"layout.h", "native.h"} <= set(re.findall(r'"(\w+\.h)"', setup))
+    assert "include shmbuffer/native/*.c shmbuffer/native/*.h" in (root / "MANIFEST.in").read_text().splitlines()

@@ -86,7 +86,7 @@ print(len(seen))
 for w in seen:
     print(w.category.__name__, "|", w.message)
 """
-BLOCK = 'sys.modules["shmbuffer._native"] = None  # as if it had not been built'
+BLOCK = 'sys.modules["shmbuffer.native._native"] = None  # as if it had not been built'
 
 
 def test_packaging_missing_extension_warns_once_at_first_use() -> None:
@@ -94,7 +94,7 @@ def test_packaging_missing_extension_warns_once_at_first_use() -> None:
     assert lines[0] == "python" and lines[1] == "1", lines
     category, message = lines[2].split(" | ", 1)
     assert category == "MissingExtensionWarning"
-    assert "the C extension is not available: shmbuffer._native was not built" in message
+    assert "the C extension is not available: shmbuffer.native._native was not built" in message
     assert "build-essential" in message
     assert "pip install --force-reinstall --no-deps -e ." in message and "SHMBUFFER_PURE=1" in message
     assert issubclass(native.MissingExtensionWarning, RuntimeWarning)
@@ -109,3 +109,13 @@ def test_packaging_missing_extension_warns_not_again_in_workers() -> None:
 def test_packaging_pure_on_purpose_does_not_warn() -> None:
     lines = _python(MISSING.format(block=BLOCK), SHMBUFFER_PURE="1").stdout.splitlines()
     assert lines[:2] == ["python", "0"], lines
+
+
+def test_every_package_folder_ships() -> None:
+    """Each folder of shmbuffer with an ``__init__.py`` is listed in pyproject's ``packages`` (the wheel
+    takes only those)."""
+    listed = re.search(r"^packages = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
+    assert listed, "pyproject.toml has no packages = [...] line"
+    names = set(re.findall(r'"([a-z0-9_.]+)"', listed.group(1)))
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "shmbuffer").rglob("__init__.py")}
+    assert folders == names, (sorted(folders - names), sorted(names - folders))

@@ -19,12 +19,16 @@ import pytest
 from safetensors.numpy import load_file
 
 import shmbuffer as sb
-from shmbuffer import persistence, segment
+from shmbuffer import persistence
+from shmbuffer.protocol.layout import Options
+from shmbuffer.shm import segment
 
-from .conftest import MUJOCO, discard, seq_of, transition
+from .conftest import MUJOCO, copy_through, discard, seq_of, transition
+from .golden import make_golden
 
 Make = Callable[..., sb.ReplayBuffer]
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v1"
+GOLDEN_V2 = GOLDEN.parent / "v2"
 ROW = MUJOCO.row_bytes + 1
 """Bytes a MUJOCO row takes in a save: its fields and ``_present``."""
 
@@ -238,7 +242,7 @@ def test_save_replaces_an_earlier_save_and_reports_progress(
         sb.save(buf, tmp_path / "s")
     assert check_file(tmp_path / "s")["rows"] == 10  # the earlier save is untouched
     assert sorted(os.listdir(tmp_path / "s")) == ["meta.json", "rows.safetensors"]
-    monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * 10)
+    monkeypatch.setattr(persistence.snapshot, "CHUNK_BYTES", ROW * 10)
     calls: list[tuple[int, int]] = []
     sb.save(buf, tmp_path / "s", progress=lambda done, total: calls.append((done, total)), overwrite=True)
     assert check_file(tmp_path / "s")["rows"] == 100
@@ -255,7 +259,7 @@ def test_save_replaces_an_earlier_save_and_reports_progress(
 # -- saving while writers run ------------------------------------------------------------------------------
 def lapping(monkeypatch: pytest.MonkeyPatch, buf: sb.ReplayBuffer, at_call: int, lane: int, rows: int) -> None:
     """Before the save's ``at_call``-th piece (0-based), a writer pushes ``rows`` rows into ``lane``."""
-    real = persistence._Snapshot.copy
+    real = persistence.snapshot.Snapshot.copy
     calls = [0]
 
     def copy(self: Any, run: Any, k: int) -> Any:
@@ -265,7 +269,7 @@ def lapping(monkeypatch: pytest.MonkeyPatch, buf: sb.ReplayBuffer, at_call: int,
         calls[0] += 1
         return real(self, run, k)
 
-    monkeypatch.setattr(persistence._Snapshot, "copy", copy)
+    monkeypatch.setattr(persistence.snapshot.Snapshot, "copy", copy)
 
 
 @pytest.mark.parametrize(
@@ -284,7 +288,7 @@ def test_rows_overwritten_during_the_save_are_dropped_from_the_oldest_end(
     for ln in (0, 1):
         for _ in range(13):
             push_lane(buf, ln, 10)  # full, wrapped: rows 30..129 of each lane
-    monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * 10 * 2)  # pieces of 10 rows a lane
+    monkeypatch.setattr(persistence.snapshot, "CHUNK_BYTES", ROW * 10 * 2)  # pieces of 10 rows a lane
     lapping(monkeypatch, buf, at_call, lane, rows)
     out = sb.save(buf, tmp_path / "w")
     assert out["moved"] == moved
@@ -300,32 +304,18 @@ def test_rows_overwritten_during_the_save_are_dropped_from_the_oldest_end(
     assert np.array_equal(seq_of(got), got.index) and len(new) == meta["rows"]
 
 
-class _Stall(dict):
-    """Stands in for the buffer's column table: the push copying through it waits for ``go``."""
-
-    def __init__(self, base: dict, go: threading.Event) -> None:
-        super().__init__(base)
-        self.go = go
-
-    def __getitem__(self, key: str) -> Any:
-        self.go.wait(10)
-        return super().__getitem__(key)
-
-
 @pytest.mark.parametrize("commits", [True, False])
 def test_a_row_being_written_at_the_start(commits: bool, make: Make, name: str, tmp_path: Path) -> None:
     """Waited for when it commits within ``wait``; else the lane's run stops before it."""
     buf = make(MUJOCO, capacity=100, name=name)
     push_lane(buf, 0, 10)
     go = threading.Event()
-    targets = buf.block.fields
-    buf.block.fields = _Stall(targets, go)
     writer = threading.Thread(target=push_lane, args=(buf, 0, 3))
+    copy_through(buf, lambda field: go.wait(10) if threading.current_thread() is writer else None)
     writer.start()
     try:
         while len(buf) < 13:  # reserved: rows 10..12 are being written
             time.sleep(0.001)
-        buf.block.fields = targets
         push_lane(buf, 0, 4)  # committed after them: rows 13..16
         timer = threading.Timer(0.2, go.set)
         if commits:
@@ -376,7 +366,7 @@ def test_save_while_a_writer_laps_the_ring(make: Make, loaded: list, name: str, 
     kept: list[int] = []
     try:
         for i, rows in enumerate([20, 200, 2000] * 2):  # small pieces: the writer laps the save; large: less
-            monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * rows)
+            monkeypatch.setattr(persistence.snapshot, "CHUNK_BYTES", ROW * rows)
             before = buf.ring.bounds()[1].copy()
             out = sb.save(buf, tmp_path / f"s{i}")
             after = buf.ring.bounds()[1]
@@ -405,15 +395,10 @@ def interrupted_push(buf: sb.ReplayBuffer, lane: int, k: int) -> np.ndarray:
     return res.ids
 
 
-class _Dies(dict):
-    def __getitem__(self, key: str) -> Any:
-        os._exit(0)
-
-
 def _dies_mid_push(handle: sb.BufferHandle, lane: int, k: int) -> None:
     """A writer killed while it copies its rows: they stay odd, owned by a dead process."""
     buf = sb.ReplayBuffer.attach(handle)
-    buf.block.fields = _Dies(buf.block.fields)
+    copy_through(buf, lambda field: os._exit(0))
     buf.push(transition(np.zeros(k, np.int64)), lane=lane, episode=99 if buf.options.episodes else None)
 
 
@@ -510,7 +495,7 @@ def test_a_hole_overwritten_during_the_save_goes_with_the_rows_before_it(
     interrupted_push(buf, 0, 1)  # row 55
     for _ in range(7):
         push_lane(buf, 0, 10)  # full, wrapped: rows 26..125, row 55 a hole
-    monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * 10)  # pieces of 10 rows
+    monkeypatch.setattr(persistence.snapshot, "CHUNK_BYTES", ROW * 10)  # pieces of 10 rows
     lapping(monkeypatch, buf, 1, 0, 34)  # after the first piece: rows 26..59 overwritten
     out = sb.save(buf, tmp_path / "o")
     meta = check_file(tmp_path / "o")
@@ -522,7 +507,7 @@ def test_a_hole_overwritten_during_the_save_goes_with_the_rows_before_it(
     assert np.array_equal(seq_of(got), got.index) and got.index.tolist() == list(range(60, 126))
 
 
-# -- golden files of format version 1 ------------------------------------------------------------------
+# -- golden files of every format version ---------------------------------------------------------------
 def test_golden_uniform(loaded: list) -> None:
     new = sb.load(GOLDEN / "uniform", seed=0)
     loaded.append(new)
@@ -537,7 +522,7 @@ def test_golden_prioritized(loaded: list) -> None:
     """The content tests/golden/make_golden.py describes."""
     new = sb.load(GOLDEN / "prioritized", seed=0)
     loaded.append(new)
-    assert new.options == persistence.Options(8, 2, sb.Prioritized(alpha=0.5, beta=0.4), 3, True)
+    assert new.options == Options(8, 2, sb.Prioritized(alpha=0.5, beta=0.4), 3, True)
     ids = np.array([4, 6, 8, 10, 1, 3, 5])
     rows = new.get(slice(None))
     assert np.array_equal(rows.index, ids) and np.array_equal(seq_of(rows), ids)
@@ -575,14 +560,70 @@ def test_golden_holes(loaded: list) -> None:
     assert tensors["_present"].tolist() == [True, False, False, True, True, True, True, False]
 
 
+def test_golden_v2_frames(loaded: list) -> None:
+    """Format version 2 (``next_of``/``stack``): the content tests/golden/make_golden.py describes,
+    written by commit 969d4a4."""
+    new = sb.load(GOLDEN_V2 / "frames", seed=0)
+    loaded.append(new)
+    assert new.options.frames is not None and new.capacity == 16 and len(new) == 5
+    rows = new.get(slice(None))
+    assert rows["action"].tolist() == [0, 1, 2, 5, 6]
+    assert rows["done"].tolist() == [False, False, True, False, False]
+    assert rows["truncated"].tolist() == [False, False, False, False, True]
+    frames = [[0, 0], [0, 1], [1, 2], [5, 5], [5, 6]]  # the frame numbers t of each obs's 2 frames
+    nexts = [[0, 1], [1, 2], [2, 3], [5, 6], [6, 7]]
+    for i in range(5):
+        assert np.array_equal(rows["obs"][i], np.concatenate([make_golden.frame(t) for t in frames[i]]))
+        assert np.array_equal(rows["next_obs"][i], np.concatenate([make_golden.frame(t) for t in nexts[i]]))
+    tensors = load_file(str(GOLDEN_V2 / "frames" / "rows.safetensors"))
+    assert set(tensors) == {"obs", "action", "done", "truncated", "_kind", "_present"}
+    assert tensors["obs"].shape == (7, 1, 2, 3)  # the stored rows: each transition's newest frame, end rows
+
+
+def test_every_format_version_has_a_reader_and_a_golden_file_that_loads(loaded: list) -> None:
+    assert tuple(persistence.READERS) == persistence.VERSIONS == (persistence.FORMAT_VERSION_1, persistence.FORMAT_VERSION_2)
+    assert persistence.VERSION == max(persistence.VERSIONS)
+    for version in persistence.VERSIONS:
+        saves = sorted((GOLDEN.parent / f"v{version}").iterdir())
+        assert saves, f"no golden file of format version {version}"
+        for folder in saves:
+            assert json.loads((folder / "meta.json").read_text())["format_version"] == version
+            new = sb.load(folder)
+            loaded.append(new)
+            assert len(new) > 0
+
+
+@pytest.mark.parametrize(("version", "kind"), [("v1", "uniform"), ("v1", "prioritized"), ("v2", "frames")])
+def test_a_save_is_byte_for_byte_the_golden_file(version: str, kind: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe of a golden file, saved today with the golden's save_id, gives the same
+    rows.safetensors byte for byte, and the same meta.json but for the buffer's name, the release
+    and the counters (which the v1 files predate)."""
+    golden = GOLDEN.parent / version / kind
+    meta = json.loads((golden / "meta.json").read_text())
+    monkeypatch.setattr(persistence.saving.secrets, "token_hex", lambda k: meta["save_id"])
+    monkeypatch.setattr(make_golden, "OUT", tmp_path / "v1")
+    monkeypatch.setattr(make_golden, "OUT2", tmp_path / "v2")
+    getattr(make_golden, kind)()
+    assert (tmp_path / version / kind / "rows.safetensors").read_bytes() == (golden / "rows.safetensors").read_bytes()
+    again = json.loads((tmp_path / version / kind / "meta.json").read_text())
+    if kind == "frames":  # inserted counted stored rows at 969d4a4 (7), transitions since (5): not the format's doing
+        assert (meta["stats"].pop("inserted"), again["stats"].pop("inserted")) == (7, 5)
+    differ = {key for key in set(meta) | set(again) if meta.get(key) != again.get(key)}
+    assert differ <= {"name", "shmbuffer_version", "counters"}, {k: (meta.get(k), again.get(k)) for k in differ}
+
+
 def test_golden_files_are_what_the_script_makes() -> None:
-    for kind in ("uniform", "prioritized", "holes"):
-        meta = json.loads((GOLDEN / kind / "meta.json").read_text())
-        assert meta["format_version"] == 1
-        with open(GOLDEN / kind / "rows.safetensors", "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            assert (8 + n) % 64 == 0
-            assert json.loads(f.read(n))["__metadata__"]["save_id"] == meta["save_id"]
+    for version, kinds in ((1, ("uniform", "prioritized", "holes")), (2, ("frames",))):
+        for kind in kinds:
+            folder = GOLDEN.parent / f"v{version}" / kind
+            meta = json.loads((folder / "meta.json").read_text())
+            assert meta["format_version"] == version
+            with open(folder / "rows.safetensors", "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                assert (8 + n) % 64 == 0
+                head = json.loads(f.read(n))["__metadata__"]
+                assert head["save_id"] == meta["save_id"] and head["format_version"] == str(version)
 
 
 # -- damaged, truncated and mismatched files ------------------------------------------------------------
@@ -816,7 +857,7 @@ def test_export_drops_rows_overwritten_meanwhile(make: Make, name: str, monkeypa
     for ln in (0, 1):
         for _ in range(13):
             push_lane(buf, ln, 10)
-    monkeypatch.setattr(persistence, "CHUNK_BYTES", ROW * 10 * 2)
+    monkeypatch.setattr(persistence.snapshot, "CHUNK_BYTES", ROW * 10 * 2)
     lapping(monkeypatch, buf, 2, 0, 15)
     out = sb.export(buf)
     ids = np.concatenate([np.arange(45, 130) * 2, np.arange(30, 130) * 2 + 1])
@@ -981,7 +1022,7 @@ def test_save_never_writes_through_links(make: Make, name: str, tmp_path: Path, 
     sb.save(buf, folder)
     assert victim.read_text() == "precious"
     # a temporary file's name that someone guessed is refused, never opened
-    monkeypatch.setattr(persistence.secrets, "token_hex", lambda k: "0" * (2 * k))
+    monkeypatch.setattr(persistence.saving.secrets, "token_hex", lambda k: "0" * (2 * k))
     (folder / f".rows.safetensors.{'0' * 16}.tmp").symlink_to(victim)
     with pytest.raises(FileExistsError):
         sb.save(buf, folder, overwrite=True)
@@ -1027,8 +1068,8 @@ def test_a_save_while_other_rows_are_updated_all_the_time_keeps_every_row(
     # another process updating some row without pause moves Counter.UPDATES across every copy of
     # a piece; the save must still copy the piece (holding the lock, so no update can begin),
     # not give up after its tries and drop every row up to the piece's end
-    from shmbuffer.layout import Counter
-    from shmbuffer.lock import RobustLock
+    from shmbuffer.protocol.layout import Counter
+    from shmbuffer.shm.lock import RobustLock
 
     buf = make(sb.Schema(x=((), "int64")), 64, sampler=sb.Prioritized(), name=name)
     buf.push(x=np.arange(64))
@@ -1063,3 +1104,53 @@ def test_a_save_while_other_rows_are_updated_all_the_time_keeps_every_row(
     buf.save(tmp_path / "s")
     monkeypatch.undo()
     assert load_file(str(tmp_path / "s" / "rows.safetensors"))["x"].tolist() == list(range(64))
+
+
+# -- the snapshot reads through the reader's gather --------------------------------------------------------
+def _updater(handle: sb.BufferHandle, rounds: int) -> None:
+    buf = sb.ReplayBuffer.attach(handle)
+    try:
+        wide = np.ones((8, 300), np.float32)
+        for v in range(1, rounds + 1):
+            buf.update(np.arange(8), obs=wide * v, reward=float(v))
+    finally:
+        buf.close()
+
+
+def test_a_save_while_another_process_updates_every_row_keeps_every_row_whole(
+    make: Make, loaded: list, name: str, tmp_path: Path, procs: list[Any], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Updates never end while the saves run: each save still keeps all 8 rows (a piece an update
+    spans is gathered again, at last under the lock), each row of one update, both fields."""
+    import multiprocessing as mp
+
+    from shmbuffer.protocol import reader
+
+    gathered: list[bool] = []
+    real = reader.gather
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        gathered.append(kwargs.get("stored", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reader, "gather", spy)
+    schema = sb.Schema(obs=((300,), "float32"), reward=((), "float32"))
+    buf = make(schema, 8, name=name)
+    buf.push(obs=np.zeros((8, 300)), reward=np.zeros(8))
+    p = mp.get_context("fork").Process(target=_updater, args=(buf.handle, 2000))
+    procs.append(p)
+    p.start()
+    saves = 0
+    while p.is_alive() or not saves:
+        out = sb.save(buf, tmp_path / "u", overwrite=True)
+        assert out["rows"] == 8 and out["dropped"] == 0
+        got = load_file(str(tmp_path / "u" / "rows.safetensors"))
+        assert (got["obs"] == got["reward"][:, None]).all()
+        saves += 1
+    p.join(30)
+    assert p.exitcode == 0
+    assert gathered and all(gathered)  # every read of the rows was the reader's gather of the stored rows
+    sb.save(buf, tmp_path / "u", overwrite=True)  # the updates have ended: the last one is saved
+    new = sb.load(tmp_path / "u")
+    loaded.append(new)
+    assert np.array_equal(new.get(slice(None)).reward, buf.get(slice(None)).reward)

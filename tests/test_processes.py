@@ -19,9 +19,9 @@ import psutil
 import pytest
 
 import shmbuffer as sb
-from shmbuffer import segment
+from shmbuffer.shm import segment
 
-from .conftest import MUJOCO, START_METHODS, seq_of, transition
+from .conftest import MUJOCO, START_METHODS, copy_through, seq_of, transition
 
 Make = Callable[..., sb.ReplayBuffer]
 
@@ -89,23 +89,16 @@ def test_no_torn_rows_under_load(method: str, make: Make, name: str, procs: list
     assert np.array_equal(rows.index, np.arange(sum(pushed) - 64, sum(pushed)))
 
 
-class _DieOnThirdField(dict):
-    """Stands in for the buffer's column table; SIGKILLs the process mid-copy."""
-
-    def __init__(self, base: dict) -> None:
-        super().__init__(base)
-        self.calls = 0
-
-    def __getitem__(self, key: str) -> Any:
-        self.calls += 1
-        if self.calls == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return super().__getitem__(key)
+def _kill_at_third_field(field: str, seen: list[str] = []) -> None:  # noqa: B006 (counts across calls)
+    seen.append(field)
+    if len(seen) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _die_mid_push(handle: sb.BufferHandle) -> None:
+    """A writer SIGKILLed midway through its copy (two fields written, the third not)."""
     buf = sb.ReplayBuffer.attach(handle)
-    buf.block.fields = _DieOnThirdField(buf.block.fields)
+    copy_through(buf, _kill_at_third_field)
     buf.push(transition(1000, 4))
 
 
@@ -389,7 +382,7 @@ def test_a_sigkilled_child_creator_is_cleaned_by_its_watchdog(lib: str, method: 
 FORKING = """
     import os, time
     import shmbuffer as sb
-    from shmbuffer import _tracker
+    from shmbuffer.shm import _tracker
     from tests.conftest import MUJOCO
     buf = sb.ReplayBuffer(MUJOCO, 100, name={name!r})
     # a child forked past Python's at-fork hooks (by C code) keeps the watchdog's pipe open
@@ -445,7 +438,7 @@ def test_the_watchdog_leaves_with_its_creator(name: str) -> None:
     """It is started by the first create, and ends when its creator ends."""
     out = run_python(f"""
         import shmbuffer as sb
-        from shmbuffer import _tracker
+        from shmbuffer.shm import _tracker
         from tests.conftest import MUJOCO
         assert _tracker.watchdog_pid() is None
         buf = sb.ReplayBuffer(MUJOCO, 100, name={name!r})

@@ -17,13 +17,15 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
-from shmbuffer import edits, native, segment
-from shmbuffer.frames import Pusher
-from shmbuffer.layout import Counter
-from shmbuffer.priorities import Priorities
-from shmbuffer.ring import Copier, Ring
+from shmbuffer import native
+from shmbuffer.protocol import push
+from shmbuffer.protocol.layout import Counter
+from shmbuffer.protocol.priorities import Priorities
+from shmbuffer.protocol.push import Copier, Pusher
+from shmbuffer.protocol.ring import Ring
+from shmbuffer.shm import segment
 
-from .conftest import MUJOCO, transition
+from .conftest import MUJOCO, copy_through, transition
 
 Make = Callable[..., sb.ReplayBuffer]
 FRAMES = sb.Schema(obs=((3,), "float32"), next_obs=((3,), "float32"), done=((), "bool"))
@@ -63,27 +65,6 @@ def state(buf: sb.ReplayBuffer) -> dict[str, Any]:
     return out
 
 
-class Breaks(np.ndarray):
-    """A column whose first assignment fails: a copy stopped midway, after the fields before it
-    (the bytes written over are then put back through it)."""
-
-    broke = False
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        if not Breaks.broke:
-            Breaks.broke = True
-            raise Injected("copy midway")
-        super().__setitem__(key, value)
-
-
-class Midway(dict):
-    """The block's field table with one column that breaks (numpy copies through it)."""
-
-    def __getitem__(self, key: str) -> Any:
-        col = super().__getitem__(key)
-        return col.view(Breaks) if key == list(self)[1] else col
-
-
 @pytest.fixture(params=["native", "python"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     if request.param == "native" and native.lib is None:
@@ -102,17 +83,24 @@ def inject(monkeypatch: pytest.MonkeyPatch, buf: sb.ReplayBuffer, step: str) -> 
     elif step == "confirm":
         monkeypatch.setattr(Pusher, "confirm", fail)
     elif step == "copy starts":
-        monkeypatch.setattr(Copier, "put", fail)
-    elif step == "copy midway":
-        monkeypatch.setattr(Breaks, "broke", False)
-        monkeypatch.setattr(buf.block, "fields", Midway(buf.block.fields))
+        monkeypatch.setattr(Copier, "copy", fail)
+    elif step == "copy midway":  # after the first field, before the second
+        second = buf._copier.names[1]
+        copied: list[str] = []
+
+        def midway(field: str) -> None:
+            copied.append(field)
+            if field == second and copied.count(second) == 1:
+                raise Injected(step)
+
+        copy_through(buf, midway)
     elif step == "commit":
         monkeypatch.setattr(Ring, "commit", fail)
     elif step == "after the commit":
         if buf.options.frames is not None:
             monkeypatch.setattr(Pusher, "done", fail)
         else:
-            monkeypatch.setattr(edits, "note_interleaving", fail)
+            monkeypatch.setattr(push, "note_interleaving", fail)
 
 
 @pytest.mark.parametrize("lapped", [False, True], ids=["empty slots", "over older rows"])
@@ -130,7 +118,7 @@ def test_a_failed_push_leaves_the_buffer_as_it_was_or_its_rows_whole(
     ref = make(schema, 8, name=name + "r", **CONFIGS[config])
     # the Python steps, where a push can fail after its reservation (the one C call cannot)
     monkeypatch.setattr(buf, "_push_plan", None)
-    monkeypatch.setattr(buf, "_one_call", None)
+    monkeypatch.setattr(buf, "_fast_push", None)
     t = 0
     for _ in range(6 if lapped else 2):  # 12 rows lap the ring of 8; 4 leave it half empty
         data, kw = rows(config, t, 2)
@@ -220,7 +208,7 @@ def _failing_put(monkeypatch: pytest.MonkeyPatch, then: Callable[[], None] = lam
         then()
         raise Injected("copy starts")
 
-    monkeypatch.setattr(Copier, "put", put)
+    monkeypatch.setattr(Copier, "copy", put)
 
 
 def test_an_undone_push_that_reclaimed_a_dead_writers_row_leaves_nothing_odd(
@@ -240,7 +228,7 @@ def test_an_undone_push_that_reclaimed_a_dead_writers_row_leaves_nothing_odd(
     buf.push(transition(3, 1))
     assert buf.ring.stamp[2] & 1  # the dead writer's row
     monkeypatch.setattr(buf, "_push_plan", None)
-    monkeypatch.setattr(buf, "_one_call", None)
+    monkeypatch.setattr(buf, "_fast_push", None)
     with monkeypatch.context() as m:
         _failing_put(m)
         with pytest.raises(Injected):
@@ -281,7 +269,7 @@ def test_an_undo_counts_itself_so_a_reader_spanning_it_reads_again(
     buf = make(MUJOCO, 4, name=name)
     buf.push(transition(0, 4))
     monkeypatch.setattr(buf, "_push_plan", None)
-    monkeypatch.setattr(buf, "_one_call", None)
+    monkeypatch.setattr(buf, "_fast_push", None)
     updates = int(buf.block.counters[Counter.UPDATES])
     with monkeypatch.context() as m:
         _failing_put(m)

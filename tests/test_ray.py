@@ -381,6 +381,16 @@ class TestOneCluster:
             assert str(remote.value) == str(here.value) and buf.stats["shards"][s.index]["inserted"] == 3
 
 
+    def test_sample_sizes_are_checked_as_the_cores(self, cluster) -> None:
+        """The core's check of ``sample(n)`` (``samplers.check_batch_size``): ``True`` is not a size."""
+        with ShardedBuffer(SCHEMA, 100, seed=6) as buf, sb.ReplayBuffer(SCHEMA, 10) as local:
+            for n in (True, 0, -1, 2.0, "3"):
+                with pytest.raises(ValueError) as here:
+                    local.sample(n)
+                with pytest.raises(ValueError) as sharded:
+                    buf.sample(n)
+                assert str(sharded.value) == str(here.value), n
+
     def test_the_rate_limiter_counts_every_shard(self, cluster) -> None:
         with pytest.raises(ValueError, match="block_writers"):
             ShardedBuffer(SCHEMA, 100, limiter=sb.RateLimiter(1.0, block_writers=True))

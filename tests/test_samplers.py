@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
-from shmbuffer.samplers import uniform_ids
+from shmbuffer.sampling.samplers import check_batch_size, importance_weights, uniform_ids
 
 from .conftest import MUJOCO, seq_of, transition
 
@@ -347,7 +347,7 @@ def test_nothing_cleared_comes_back(make: Make, name: str) -> None:
 
 @pytest.mark.parametrize("sampler", [sb.Uniform(), sb.Prioritized()])
 def test_a_clear_between_draw_and_gather(sampler: Any, make: Make, name: str, monkeypatch: Any) -> None:
-    from shmbuffer import reader
+    from shmbuffer.protocol import reader
 
     buf = make(MUJOCO, capacity=64, name=name, seed=0, sampler=sampler)
     buf.push(transition(0, 32))
@@ -425,7 +425,7 @@ def _die_inside_clear(handle: sb.BufferHandle) -> None:
     import os
     import signal
 
-    from shmbuffer import priorities
+    from shmbuffer.protocol import priorities
 
     def die(self: Any) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -439,7 +439,7 @@ def _die_inside_clear(handle: sb.BufferHandle) -> None:
 def test_a_clear_killed_after_the_lanes_moved_is_repaired(max_use: int | None, make: Make, name: str, procs: list) -> None:
     import signal
 
-    from shmbuffer.sumtree import SumTree
+    from shmbuffer.sampling.sumtree import SumTree
 
     buf = make(MUJOCO, capacity=16, lanes=2, name=name, seed=0, sampler=sb.Prioritized(alpha=1.0, eps=0.0),
                max_use=max_use)
@@ -494,8 +494,8 @@ def test_rows_of_a_reclaimed_writer_entry_leave_the_tree(make: Make, name: str) 
     import subprocess
     import sys
 
-    from shmbuffer.layout import WRITERS
-    from shmbuffer.segment import start_time
+    from shmbuffer.protocol.layout import WRITERS
+    from shmbuffer.shm.segment import start_time
 
     buf = make(MUJOCO, capacity=8, name=name, seed=0, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
     buf.push(transition(0, 4), priority=np.ones(4))
@@ -519,3 +519,39 @@ def test_rows_of_a_reclaimed_writer_entry_leave_the_tree(make: Make, name: str) 
         assert set(seq_of(buf.sample(64))) <= {0, 1, 2, 3}
     finally:
         table[free] = 0
+
+
+def test_importance_weights_are_one_formula() -> None:
+    """``(max(leaf, low) / low) ** -beta`` as float32; ones without a positive finite minimum; no
+    overflow warning for a tiny minimum (the weight of a huge ratio is 0)."""
+    leaves = np.array([1.0, 2.0, 4.0, 0.5])
+    np.testing.assert_allclose(importance_weights(leaves, 1.0, 0.5), [1.0, 2 ** -0.5, 0.5, 1.0], rtol=1e-6)
+    assert importance_weights(leaves, 1.0, 0.5).dtype == np.float32
+    for low in (0.0, -1.0, float("inf"), float("nan")):
+        assert (importance_weights(leaves, low, 0.4) == 1).all()
+    with np.errstate(over="raise"):
+        w = importance_weights(np.array([1e-300, 1e280]), 1e-300, 1.0)
+    assert w[0] == 1 and w[1] == 0
+
+
+def test_prioritized_weights_use_the_formula() -> None:
+    """Without the extension's path, ``Prioritized.weights`` is ``importance_weights`` over the tree's minimum."""
+    with sb.ReplayBuffer(MUJOCO, 64, sampler=sb.Prioritized(beta=0.5), seed=1) as buf:
+        buf.push([transition(i) for i in range(8)], priority=np.arange(1.0, 9.0))
+        prios = buf.priorities
+        leaves = prios.tree.leaves[:8].copy()
+        strided = leaves[::2]  # not C-contiguous: the Python path, not the extension's
+        assert not strided.flags.c_contiguous
+        got = buf.options.sampler.weights(prios.tree, strided, 0)
+        np.testing.assert_allclose(got, importance_weights(leaves[::2], prios.tree.min, 0.5), rtol=1e-6)
+
+
+@pytest.mark.parametrize("n", [True, False, 0, -3, 2.0, "4", None, np.bool_(True)])
+def test_a_sample_size_is_a_positive_int(n: Any) -> None:
+    with pytest.raises(ValueError, match="positive number of rows"):
+        check_batch_size(n)
+
+
+def test_a_sample_size_may_be_a_numpy_int() -> None:
+    assert check_batch_size(np.int32(5)) == 5 and type(check_batch_size(np.int64(5))) is int
+

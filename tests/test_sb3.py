@@ -23,7 +23,7 @@ from stable_baselines3.common import buffers  # noqa: E402
 
 import shmbuffer as sb  # noqa: E402
 from shmbuffer import sb3 as ours  # noqa: E402
-from shmbuffer import segment  # noqa: E402
+from shmbuffer.shm import segment  # noqa: E402
 
 
 @pytest.fixture
@@ -598,7 +598,7 @@ def test_a_write_is_an_update_under_the_commit_protocol(name: str, opened: list[
     """A write through an array rewrites each row it touches as ``buffer.update`` does: the row's
     stamp turns odd and even again and the update count moves, so a reader whose copy spans it
     reads the row again (never half a row); a row overwritten since keeps what its writer pushed."""
-    from shmbuffer.layout import Counter
+    from shmbuffer.protocol.layout import Counter
 
     box = spaces.Box(-1, 1, (64,), np.float32)
     mine = ours.ReplayBuffer(4, box, spaces.Discrete(2), "cpu", name=name)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import shmbuffer as sb
-from shmbuffer import segment
+from shmbuffer.shm import segment
 
 from .conftest import MUJOCO
 

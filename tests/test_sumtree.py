@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmbuffer.sumtree import FANOUT, TOP, SumTree
+from shmbuffer.sampling.sumtree import FANOUT, TOP, SumTree
 
 CAPACITIES = [1, 7, FANOUT, TOP, TOP + 1, FANOUT * TOP + 3, 100_000]
 

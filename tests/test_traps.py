@@ -326,7 +326,7 @@ def test_cli_output_into_a_closed_pipe_is_quiet(make: Make, name: str) -> None:
 def test_cli_inspect_by_path_and_save_refuses_to_overwrite(make: Make, name: str, tmp_path: Any) -> None:
     import json
 
-    from shmbuffer import segment
+    from shmbuffer.shm import segment
 
     buf = make(MUJOCO, capacity=16, name=name)
     buf.push(transition(0, 4))

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..buffer import ReplayBuffer
-from ..samplers import Prioritized, Uniform
+from ..sampling.samplers import Prioritized, Uniform
 from . import Facade, as_row, numpy_of, schema_of_row
 
 __all__ = ["AdvancedReplayBuffer", "NaiveReplayBuffer"]

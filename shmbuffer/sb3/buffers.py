@@ -28,7 +28,7 @@ SB3's arrays (``observations``, ``next_observations``, ``actions``, ``rewards``,
 ``timeouts``; ``(buffer_size, n_envs, *shape)`` in SB3's dtypes) are read-only views of the shared
 columns. Item assignment on them (SB3's ``dones[pos] = True``) rewrites each touched row with
 ``buffer.update``: a reader anywhere sees the row as it was or as it is after, never half of it (its
-stamp is odd while it changes and the update count moves, ``edits.py``). A row overwritten meanwhile
+stamp is odd while it changes and the update count moves, ``protocol/edits.py``). A row overwritten meanwhile
 keeps what its writer pushed; a position holding no row takes the values, as SB3's array would.
 
 ``optimize_memory_usage=True`` (``ReplayBuffer`` only, as in SB3) stores each observation once:
@@ -68,8 +68,8 @@ from stable_baselines3.common.utils import get_device
 
 from ..buffer import ReplayBuffer as SharedBuffer
 from ..errors import EmptyBufferError, FieldError
-from ..limiter import RateLimiter
-from ..ring import INVALID
+from ..protocol.ring import INVALID
+from ..sampling.limiter import RateLimiter
 from ..schema import Schema
 
 __all__ = ["DictReplayBuffer", "NStepReplayBuffer", "ReplayBuffer"]
@@ -430,7 +430,7 @@ class _Shared:
         if not self._episodic:
             self.buffer.push(rows)
             return
-        # a lane whose newest row was set done by hand starts an episode (frames.Pusher: a row of
+        # a lane whose newest row was set done by hand starts an episode (push.Pusher: a row of
         # another episode does not continue the lane); so does each env after its done
         episode = np.where(self._cut, self._episode + n, self._episode)
         self.buffer.push(rows, episode=episode)
@@ -471,7 +471,7 @@ class _Shared:
                 if not run.size:
                     continue
                 # a run that does not continue the one before starts an episode: a new handle
-                # has no memory of the lane, so its first row does (frames.Pusher)
+                # has no memory of the lane, so its first row does (push.Pusher)
                 writer = SharedBuffer.attach(self.buffer.handle)
                 try:
                     writer.push({k: v[run] for k, v in rows.items()}, lane=ln, episode=episode[run])

@@ -45,7 +45,7 @@ from stable_baselines3.her.goal_selection_strategy import KEY_TO_GOAL_STRATEGY, 
 from ..batch import Batch
 from ..errors import EmptyBufferError
 from ..hindsight import Hindsight
-from ..limiter import RateLimiter
+from ..sampling.limiter import RateLimiter
 from .buffers import DictReplayBuffer, _key
 
 __all__ = ["HerReplayBuffer"]

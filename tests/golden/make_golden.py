@@ -1,8 +1,10 @@
-"""Write the golden files of persistence format version 1 into tests/golden/v1/.
+"""Write the golden files of the persistence format versions into tests/golden/v1/ and v2/.
 
 They are committed, and tests/test_persistence.py checks that every later shmbuffer loads them with
-exactly the content described here. Run from anywhere: ``python tests/golden/make_golden.py``.
-Never regenerate them for a new format version: add a v2/ beside them.
+exactly the content described here. Run from anywhere: ``python tests/golden/make_golden.py [v1|v2]``.
+Never regenerate a version's files with a later format: add a folder for the new version beside them.
+v1/ was written by the release that introduced format version 1; v2/ (``next_of``/``stack``) by
+commit 969d4a4, which introduced format version 2.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import shmbuffer as sb  # noqa: E402
 from tests.conftest import MUJOCO, transition  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "v1"
+OUT2 = Path(__file__).resolve().parent / "v2"
 
 
 def uniform() -> None:
@@ -97,8 +100,48 @@ def holes() -> None:
         sb.save(buf, OUT / "holes")
 
 
+FRAMES = sb.Schema(obs=((2, 2, 3), "uint8"), next_obs=((2, 2, 3), "uint8"), action=((), "int64"),
+                   done=((), "bool"), truncated=((), "bool"))
+"""The v2 golden's schema: observations of 2 stacked frames of (1, 2, 3) bytes."""
+
+
+def frame(t: int) -> np.ndarray:
+    """Frame ``t`` of the v2 golden's episodes: every byte ``10 * t + i``."""
+    return (10 * t + np.arange(6, dtype=np.uint8)).reshape(1, 2, 3)
+
+
+def frames_episode(ts: list[int], end: str) -> list[dict[str, object]]:
+    """The transitions of an episode whose frames are ``frame(t)`` for ``t`` in ``ts`` (one more
+    frame than transitions), padded by repeating the first frame; it ends by ``end``."""
+    history = [frame(ts[0]), frame(ts[0])]
+    out = []
+    for i in range(len(ts) - 1):
+        obs = np.concatenate(history[-2:])
+        history.append(frame(ts[i + 1]))
+        last = i == len(ts) - 2
+        out.append({"obs": obs, "next_obs": np.concatenate(history[-2:]), "action": ts[i],
+                    "done": last and end == "done", "truncated": last and end == "truncated"})
+    return out
+
+
+def frames() -> None:
+    """Format version 2: capacity 16, one lane, ``next_of="obs"``, ``stack="obs"``. One episode of
+    frames 0..3 (3 transitions, actions 0, 1, 2, ends done), then one of frames 5..7 (2 transitions,
+    actions 5, 6, ends truncated). Stored: 7 rows (each transition's newest frame, an end row per
+    episode); ``get`` gives the 5 transitions."""
+    with sb.ReplayBuffer(FRAMES, 16, name=f"golden-{os.getpid()}-frames", next_of="obs", stack="obs") as buf:
+        for r in frames_episode([0, 1, 2, 3], "done") + frames_episode([5, 6, 7], "truncated"):
+            buf.push(**r)
+        sb.save(buf, OUT2 / "frames")
+
+
 if __name__ == "__main__":
-    uniform()
-    prioritized()
-    holes()
-    print(f"wrote {OUT}")
+    which = sys.argv[1:] or ["v1", "v2"]
+    if "v1" in which:
+        uniform()
+        prioritized()
+        holes()
+        print(f"wrote {OUT}")
+    if "v2" in which:
+        frames()
+        print(f"wrote {OUT2}")

@@ -1,0 +1,376 @@
+"""A device-resident copy of a buffer, kept in step with its writers: the learner samples on its GPU.
+
+``DeviceReplay(buf, device="cuda")`` holds every field's column in device memory in the ring's
+slot layout (``protocol/rows.py``; the packed small fields as one block, as the shared
+memory holds them, so a batch's small fields are views of one gathered block), and beside it, on the host, the stamp of the row each device
+slot holds (``held``; 0: nothing usable). ``sync()`` brings it up to date:
+
+1. the slots to copy are those whose shared stamp differs from ``held`` (new rows, rows
+   overwritten, rows being written); after an ``update()`` anywhere (``Counter.UPDATES`` moved)
+   every slot is copied again, since an update puts back the stamp it found;
+2. in chunks, the reader's rule (``protocol/reader.py``): stamps read, rows copied into reused
+   staging memory (pinned for CUDA), stamps read again; a row counts when both reads show it
+   committed (``rows.intact``) and no update ran meanwhile; else its slot is marked unusable and
+   copied again at the next sync. So a torn, half-written or overwritten row is never marked
+   usable on the device;
+3. the rows that count go to the device (on a side stream for CUDA, then waited for), and their
+   stamps into ``held``; slots whose row left the lanes' bounds (lapped, ``clear()``) turn
+   unusable.
+
+Between syncs the device copy lags the shared buffer: the rows committed since the last sync are
+not drawn yet, and a row overwritten or deleted since (or during the sync) is still drawn from the
+device copy (whole: the row as it was committed). ``max_lag_rows`` and ``max_lag_s`` bound that lag: a ``sample`` syncs
+first when more rows were inserted since the last sync, or more time went by (``lag()`` measures
+both), or, under a row bound, when an ``update()`` ran (a full refresh: an update does not say
+which rows). A ``clear()`` always makes the next sample sync: a cleared row is never drawn.
+
+``sample(n)`` draws on the device: uniformly over the usable slots (``torch.randint``), or, with a
+prioritized sampler, from the shared sum tree (the same draw and importance weights as
+``ReplayBuffer.sample``), keeping the drawn rows the device holds as committed and drawing again
+for the others. ``update_priorities`` writes the shared tree, so every process sees it. A batch
+has the fields, shapes and dtypes of ``ReplayBuffer.sample``'s, as tensors on the device, with
+``index`` (ids), ``episode`` and ``weight`` as there.
+
+Not done on the device yet, and refused with the alternative named: frames stored once
+(``next_of``/``stack``), ``max_use``, a rate limiter; ``sample_sequences`` and the other windows
+but n-step returns stay ``ReplayBuffer``'s. The device
+must hold the copy: on CUDA the bytes needed are checked against ``torch.cuda.mem_get_info``
+before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from .batch import Batch, torch_dtype, torch_views
+from .errors import CapacityError, ClosedError, EmptyBufferError, LayoutError
+from .protocol.layout import Counter, Lane
+from .protocol.reader import Source
+from .protocol.rows import bounds, committed_of_id, intact, is_committed, number_of_stamp, row_id
+from .sequences import check_n_step, n_step_fields
+
+_UPDATES, _INSERTED = int(Counter.UPDATES), int(Counter.INSERTED)
+_CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
+_ROUNDS = 8
+"""Rounds of drawing again (prioritized) for rows the device copy does not hold, before a sync."""
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+class DeviceReplay:
+    """A copy of ``buf``'s rows on ``device``, refreshed from shared memory (see the module docstring).
+
+    :param buf: the buffer (any process's handle to it: writers elsewhere keep pushing).
+    :param device: a torch device (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
+    :param max_lag_rows: sync before a sample once more rows than this were inserted since the
+        last sync (``None``: no bound by rows).
+    :param max_lag_s: sync before a sample once this many seconds went by since the last sync
+        (``None``: no bound by time). With both ``None`` only ``sync()`` refreshes.
+    :param chunk: rows per staging copy.
+    :param seed: the device generator's seed (uniform draws).
+    """
+
+    def __init__(self, buf: Source, device: Any = "cuda", *, max_lag_rows: int | None = 0,
+                 max_lag_s: float | None = None, chunk: int = 16384, seed: int | None = None) -> None:
+        torch = _torch()
+        opts = buf.options
+        refused = [what for what, on in (("frames stored once (next_of/stack)", opts.frames is not None),
+                                        ("max_use", opts.max_use is not None),
+                                        ("a rate limiter", opts.limiter is not None)) if on]
+        if refused:
+            raise LayoutError(f"DeviceReplay: buffer {buf.name!r} has {', '.join(refused)}, which the device copy "
+                              "does not do yet: sample with buf.sample(...) or a Loader(buf, ...)")
+        for name, value in (("max_lag_rows", max_lag_rows), ("chunk", chunk)):
+            if value is not None and (type(value) is not int or value < (1 if name == "chunk" else 0)):
+                raise ValueError(f"DeviceReplay: {name} must be an int >= {1 if name == 'chunk' else 0}, got {value!r}")
+        if max_lag_s is not None and not max_lag_s >= 0:
+            raise ValueError(f"DeviceReplay: max_lag_s must be a number >= 0, got {max_lag_s!r}")
+        self.buf = buf
+        self.device = torch.device(device)
+        self.max_lag_rows, self.max_lag_s, self.chunk = max_lag_rows, max_lag_s, chunk
+        block, ring = buf.block, buf.ring
+        self.capacity, self.lanes, self.lane_capacity = ring.capacity, ring.lanes, ring.lane_capacity
+        self.record = block.record if block.packed is not None else None
+        self.columns: dict[str, np.ndarray] = {} if block.packed is None else {"_record": block.packed}
+        self.columns.update(block.large)  # the packed small fields travel as one block, as in a gather
+        if block.episode is not None:
+            self.columns["_episode"] = block.episode
+        need = sum(int(c.nbytes) for c in self.columns.values())
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            if need > free:
+                raise CapacityError(
+                    f"DeviceReplay: buffer {buf.name!r} needs {need:,} bytes on {self.device}, which has {free:,} "
+                    f"free of {total:,}: sample on the host (Loader(buf, ...), pinned) or use a smaller buffer")
+        self.bytes = need
+        """Device memory the copy takes."""
+        self.rows = {name: torch.zeros(col.shape, dtype=torch_dtype(col.dtype), device=self.device)
+                     for name, col in self.columns.items()}
+        self._wide = dict(self.rows)  # the packed block selected as its widest whole words (one copy per row)
+        if "_record" in self.rows:
+            width = self.rows["_record"].shape[1]
+            word = next(w for w in (8, 4, 2, 1) if width % w == 0)
+            self._wide["_record"] = self.rows["_record"].view({8: torch.int64, 4: torch.int32, 2: torch.int16,
+                                                               1: torch.uint8}[word])
+        pin = self.device.type == "cuda"
+        self._staging = {name: torch.empty((chunk, *col.shape[1:]), dtype=torch_dtype(col.dtype), pin_memory=pin)
+                         for name, col in self.columns.items()}
+        self._stream = torch.cuda.Stream(self.device) if pin else None
+        self.held = np.zeros(self.capacity, np.int64)
+        """The stamp of the row each device slot holds, 0 where it holds none usable (host memory)."""
+        self._slots = torch.empty(0, dtype=torch.int64, device=self.device)  # usable slots
+        self._ids = torch.empty(0, dtype=torch.int64, device=self.device)  # their ids
+        self._updates = -1
+        self._inserted = 0
+        self._bases = np.zeros(self.lanes, np.int64)
+        self._synced_at = 0.0
+        self._gen = torch.Generator(device=self.device)
+        self._gen.manual_seed(int(np.random.SeedSequence(seed).generate_state(1)[0]))
+        self._lock = threading.Lock()  # one sync at a time (a background thread and the learner)
+        self.closed = False
+        """Whether ``close()`` was called."""
+        self.sync()
+
+    # -- refresh --------------------------------------------------------------------------------
+    def sync(self) -> int:
+        """Bring the device copy up to date now; returns the rows copied."""
+        with self._lock:
+            return self._sync()
+
+    def _sync(self) -> int:
+        if self.closed:
+            raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
+        ring, counters = self.buf.ring, self.buf.block.counters
+        inserted = int(counters[_INSERTED])
+        updates = int(counters[_UPDATES])
+        cursors = ring.cursors[:, _CURSOR].copy()  # rows lapped during the copy still count (lag)
+        if updates != self._updates:
+            self.held[:] = 0  # an update puts back the stamp it found: copy every row again
+        todo = np.flatnonzero(ring.stamp != self.held)
+        copied = 0
+        for at in range(0, todo.size, self.chunk):
+            copied += self._copy(todo[at:at + self.chunk])
+        self._updates = updates if int(counters[_UPDATES]) == updates else -1
+        self._refresh_usable(cursors)
+        self._inserted, self._synced_at = inserted, time.monotonic()
+        return copied
+
+    def _copy(self, slots: np.ndarray) -> int:
+        """Copy ``slots`` by the reader's rule; mark the intact ones held, the others not."""
+        torch = _torch()
+        ring, counters = self.buf.ring, self.buf.block.counters
+        k = slots.shape[0]
+        updates = int(counters[_UPDATES])
+        first = ring.stamp[slots]
+        for name, col in self.columns.items():
+            np.take(col, slots, axis=0, out=self._staging[name][:k].numpy())
+        second = ring.stamp[slots]
+        ok = is_committed(first) & intact(first, second, first)
+        if int(counters[_UPDATES]) != updates:
+            ok[:] = False  # an update ran meanwhile: copied again at the next sync
+        self.held[slots] = np.where(ok, first, 0)
+        good = np.flatnonzero(ok)
+        if good.size == 0:
+            return 0
+        where = torch.from_numpy(slots[good]).to(self.device)
+        pick = torch.from_numpy(good)
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                for name, dev in self.rows.items():
+                    dev[where] = self._staging[name][pick].to(self.device, non_blocking=True)
+            self._stream.synchronize()  # the staging is reused by the next chunk
+        else:
+            for name, dev in self.rows.items():
+                dev[where] = self._staging[name][pick]
+        return int(good.size)
+
+    def _refresh_usable(self, cursors: np.ndarray) -> None:
+        """Slots that hold a committed row inside its lane's bounds as they were when the sync
+        began (``cursors``), or since (a ``clear()``: its base), and their ids."""
+        torch = _torch()
+        ring = self.buf.ring
+        lc = self.lane_capacity
+        self._bases = ring.cursors[:, _BASE].copy()
+        start, stop = bounds(ring.cursors, lc)
+        start = np.maximum(self._bases, np.minimum(start, cursors - lc))
+        n = number_of_stamp(self.held)
+        lane = np.arange(self.capacity) // lc
+        usable = (self.held > 0) & (n >= start[lane]) & (n < stop[lane])
+        self.held[~usable] = 0
+        slots = np.flatnonzero(usable)
+        self._held_dev = torch.from_numpy(self.held).to(self.device)  # n-step windows read it on the device
+        self._slots = torch.from_numpy(slots).to(self.device)
+        self._ids = torch.from_numpy(row_id(n[slots], lane[slots], self.lanes)).to(self.device)
+
+    def close(self) -> None:
+        """Drop the views of the shared columns (so that ``buf.close()`` can unmap them) and the
+        device memory. Idempotent; the copy cannot sync or sample afterwards."""
+        with self._lock:
+            self.columns = {}
+            self.rows = {}
+            self._wide = {}
+            self._staging = {}
+            self._slots = self._slots[:0]
+            self._ids = self._ids[:0]
+            self.closed = True
+
+    def __enter__(self) -> DeviceReplay:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def lag(self) -> tuple[int, float]:
+        """How far the device copy is behind: rows inserted since the last sync, seconds since it."""
+        inserted = int(self.buf.block.counters[_INSERTED])
+        return inserted - self._inserted, time.monotonic() - self._synced_at
+
+    def _maybe_sync(self) -> None:
+        rows, seconds = self.lag()
+        cleared = not np.array_equal(self.buf.ring.cursors[:, _BASE], self._bases)
+        updated = self.max_lag_rows is not None and int(self.buf.block.counters[_UPDATES]) != self._updates
+        if cleared or updated or (self.max_lag_rows is not None and rows > self.max_lag_rows) or (
+                self.max_lag_s is not None and seconds > self.max_lag_s):
+            self.sync()
+
+    def __len__(self) -> int:
+        """Rows the device copy can draw now."""
+        return int(self._slots.shape[0])
+
+    # -- sampling -------------------------------------------------------------------------------
+    def sample(self, n: int, *, n_step: int = 1, gamma: float = 0.99, fields: dict[str, str] | None = None) -> Batch:
+        """``n`` rows drawn on the device (with replacement), as ``ReplayBuffer.sample`` draws them;
+        ``n_step > 1`` turns them into n-step transitions on the device, as ``ReplayBuffer.sample``
+        does (``sequences.add_n_step``: the following rows of the row's lane and episode that the
+        device copy holds as committed; ``batch.steps``)."""
+        if (type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool))) or n <= 0:
+            raise ValueError(f"sample: expected a positive number of rows, got {n!r}")
+        if n_step != 1:
+            if not isinstance(n_step, (int, np.integer)) or isinstance(n_step, bool) or n_step < 1:
+                raise ValueError(f"sample: n_step must be an int >= 1, got {n_step!r}")
+            if not 0 <= gamma <= 1:
+                raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
+            check_n_step(self.buf, int(n_step), fields)
+        if self.closed:
+            raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
+        self._maybe_sync()
+        prios = self.buf.priorities
+        with self._lock:
+            if prios is not None and prios.prioritized:
+                batch = self._prioritized(int(n))
+            else:
+                batch = self._uniform(int(n))
+            if n_step > 1:
+                self._n_step(batch, int(n_step), float(gamma), fields)
+        self.buf.ring.count_sampled(int(n))
+        return batch
+
+    def _uniform(self, n: int) -> Batch:
+        torch = _torch()
+        m = int(self._slots.shape[0])
+        if m == 0:
+            raise EmptyBufferError(f"sample({n}): the device copy of buffer {self.buf.name!r} holds no rows yet "
+                                   "(push, then sync() or sample again)")
+        pick = torch.randint(m, (n,), device=self.device, generator=self._gen)
+        return self._batch(self._slots.index_select(0, pick), self._ids.index_select(0, pick), None)
+
+    def _prioritized(self, n: int) -> Batch:
+        torch = _torch()
+        buf = self.buf
+        prios = buf.priorities
+        assert prios is not None
+        sampler, ring, tree = buf.options.sampler, buf.ring, prios.tree
+        calls = prios.next_call()
+        ids = np.empty(n, np.int64)
+        leaves = np.empty(n, np.float64)
+        todo = np.arange(n)
+        for round_ in range(2 * _ROUNDS):
+            if round_ == _ROUNDS:
+                self._sync()  # rows drawn from the tree that the device copy does not hold yet
+            d = sampler.draw(ring, tree, buf.rng, todo.size, again=round_ > 0)
+            got = d.ids
+            if d.leaves is None or got.shape[0] != todo.size:
+                break
+            ok = got >= 0
+            slots = ring.slots(np.where(ok, got, 0))
+            ok &= self.held[slots] == committed_of_id(np.where(ok, got, 0), self.lanes)
+            ids[todo[ok]], leaves[todo[ok]] = got[ok], d.leaves[ok]
+            todo = todo[~ok]
+            if todo.size == 0:
+                break
+        if todo.size:
+            raise EmptyBufferError(f"sample({n}): the device copy of buffer {buf.name!r} holds none of the rows the "
+                                   "priorities draw (nothing pushed yet, or every row being written)")
+        weights = sampler.weights(tree, leaves, calls)
+        slots_dev = torch.from_numpy(ring.slots(ids)).to(self.device)
+        w = None if weights is None else torch.from_numpy(np.ascontiguousarray(weights)).to(self.device)
+        return self._batch(slots_dev, torch.from_numpy(ids).to(self.device), w)
+
+    def _batch(self, slots: Any, ids: Any, weight: Any) -> Batch:
+        got = {name: dev.index_select(0, slots) for name, dev in self._wide.items()}
+        packed = got.pop("_record", None)
+        if packed is not None:
+            packed = packed.view(_torch().uint8)
+        small = torch_views(packed, self.record) if packed is not None and self.record is not None else {}
+        extras: dict[str, Any] = {"index": ids}
+        if "_episode" in got:
+            extras["episode"] = got.pop("_episode")
+        if weight is not None:
+            extras["weight"] = weight
+        fields = {name: got[name] if name in got else small[name] for name in self.buf.block.schema.names}
+        return Batch(fields, extras, block=packed, record=self.record)
+
+    def _n_step(self, batch: Batch, n_step: int, gamma: float, names: dict[str, str] | None) -> None:
+        """``sequences.add_n_step`` on the device, in place: a following row counts while the
+        device copy holds it committed (``held``) in the row's lane and episode."""
+        torch = _torch()
+        reward, next_obs, done = n_step_fields(self.buf, names)
+        cols = self._full_columns()
+        ids = batch.index
+        m, lanes, lc = ids.shape[0], self.lanes, self.lane_capacity
+        nums = (ids // lanes)[:, None] + torch.arange(1, n_step, device=self.device)[None, :]
+        lane = (ids % lanes)[:, None]
+        slots = lane * lc + nums % lc
+        ok = (self._held_dev[slots] == 2 * nums + 2) & (cols["_episode"][slots] == batch.episode[:, None])
+        mask = torch.cat([torch.ones((m, 1), dtype=torch.bool, device=self.device), ok], 1).cumprod(1).bool()
+        rewards = torch.cat([batch.fields[reward].reshape(m, 1), cols[reward][slots]], 1).double()
+        dones = torch.cat([batch.fields[done].reshape(m, 1), cols[done][slots]], 1).bool()
+        after = torch.zeros_like(mask)
+        after[:, 1:] = dones[:, :-1].cummax(1).values
+        used = mask & ~after
+        steps = used.sum(1)
+        ret = (torch.where(used, rewards, 0.0) * gamma ** torch.arange(n_step, device=self.device,
+                                                                       dtype=torch.float64)).sum(1)
+        last = (steps - 1).clamp(min=0)
+        more = steps > 1
+        at = slots[torch.arange(m, device=self.device), (steps - 2).clamp(min=0)]
+        following = torch.where(more.reshape(m, *[1] * (batch.fields[next_obs].dim() - 1)), cols[next_obs][at],
+                                batch.fields[next_obs])
+        batch.fields[next_obs].copy_(following)
+        batch.fields[reward].copy_(ret.reshape(batch.fields[reward].shape))
+        batch.fields[done].copy_(dones[torch.arange(m, device=self.device), last].reshape(batch.fields[done].shape))
+        batch.extras["steps"] = steps
+
+    def _full_columns(self) -> dict[str, Any]:
+        """Every field's whole device column (the small ones views of the packed block), and the episodes."""
+        out: dict[str, Any] = {}
+        if "_record" in self.rows and self.record is not None:
+            out.update(torch_views(self.rows["_record"], self.record))
+        out.update({name: dev for name, dev in self.rows.items() if name != "_record"})
+        return out
+
+    def update_priorities(self, ids: Any, priorities: Any) -> None:
+        """Set the priorities of rows ``ids`` in the shared tree (``ReplayBuffer.update_priorities``:
+        every process sees them); device tensors are accepted."""
+        def host(a: Any) -> Any:
+            return a.detach().cpu().numpy() if hasattr(a, "detach") else a
+
+        self.buf.update_priorities(host(ids), host(priorities))  # type: ignore[attr-defined]

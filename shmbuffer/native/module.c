@@ -1,0 +1,89 @@
+/* shmbuffer's native hot path, the module shmbuffer.native._native: its method table and init.
+ *
+ * Plain C and the CPython C API (buffer protocol only: no numpy headers, so the build needs
+ * nothing but a compiler and setuptools). Every entry point checks what it is given (buffer
+ * sizes, contiguity, slots in range) and raises rather than reading or writing out of bounds;
+ * the Python callers are the reference implementation and the fallback (shmbuffer/native/
+ * __init__.py), and tests/test_native.py checks both agree.
+ *
+ * The files: layout.h (the block's layout and the row arithmetic, checked against the Python
+ * definitions by tests/test_native.py), native.h (what the C files share), common.c (buffer
+ * views, the lock), tree.c (the priority tree), priorities.c (prioritized draws and updates),
+ * gather.c (the reader's stamped copies, frame stacks), copies.c (a push's copies, commit and
+ * reservation as steps Python drives), plan.c and push.c (the one-call push), method.c
+ * (ReplayBuffer.push as a method whose usual calls run in C).
+ *
+ * Memory ordering (the commit protocol, a seqlock per row: protocol/rows.py). The C kernels use
+ * the C11/GCC __atomic builtins with the orders named at each use: a reader loads each slot's
+ * stamp with acquire before it copies the row, issues an acquire fence after the copies, then
+ * loads the stamps again; a writer stores the odd stamps with release after the owners, the
+ * cursors with release after the stamps, and the committing even stamp with release after its
+ * copies. The package still refuses every CPU but x86-64 (ring.check_platform): the pure-Python
+ * path, which runs where the extension is not built, stores and loads stamps as plain numpy
+ * operations without fences and relies on x86-64's ordering of stores and of loads.
+ */
+#include "native.h"
+
+static PyMethodDef methods[] = {
+    {"tree_find", py_tree_find, METH_VARARGS, "tree_find(sums, plan, capacity, mass, out): SumTree.find into out (int64)."},
+    {"tree_update", py_tree_update, METH_VARARGS, "tree_update(sums, mins, plan, capacity, slots, values): SumTree.update."},
+    {"tree_draw", py_tree_draw, METH_VARARGS,
+     "tree_draw(sums, plan, capacity, total, u, stratified, stamp, cursors, slots, leaves, ids): a tree draw's ids."},
+    {"weights", py_weights, METH_VARARGS, "weights(mins, plan, capacity, leaves, beta, out): importance weights (float32)."},
+    {"scan", py_scan, METH_O, "scan(values) -> largest value, or -1.0 when one is not finite and >= 0."},
+    {"known", py_known, METH_VARARGS, "known(ids, cursors) -> bool: every id >= 0 and below its lane's cursor."},
+    {"current", py_current, METH_VARARGS, "current(ids, stamp, cursors, ok): Ring.current into ok."},
+    {"update_priorities", py_update_priorities, METH_VARARGS,
+     "update_priorities(lock, ids, priorities, leaves, stamp, cursors, sums, mins, plan, capacity, prio) -> live count or None."},
+    {"gather", py_gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok) -> smallest id: rows with the stamp check."},
+    {"stacks", py_stacks, METH_VARARGS,
+     "stacks(win, ok, kind, lanes, stamp, column, k, lasts, outs, valid): frame stacks read with their plan."},
+    {"put", py_put, METH_VARARGS,
+     "put(where, k, stamp, targets, offsets, formats, sources, commit) -> bool: a push's copies, then its commit if asked."},
+    {"reserve", py_reserve, METH_VARARGS, "reserve(stamp, owner, first, k, n0, writer, old) -> bool: mark consecutive slots odd."},
+    {"reserve_lanes", py_reserve_lanes, METH_VARARGS, "reserve_lanes(cursors, stamp, owner, lane, writer, n, slots, old) -> bool."},
+    {"lanes_worst", py_lanes_worst, METH_VARARGS, "lanes_worst(lane, lanes) -> most rows in one lane, or -1."},
+    {"plan", (PyCFunction)(void (*)(void))py_plan, METH_VARARGS | METH_KEYWORDS,
+     "plan(ring, fields, episode=None, envs=0) -> a push's plan; ring: (lock, cursors, stats, stamp, owner, writers, me), "
+     "fields: ((name, format, shape, width, target, offset), ...)."},
+    {"plan_close", py_plan_close, METH_O, "plan_close(plan): release a push plan's views of the buffer."},
+    {"check", py_check, METH_VARARGS, "check(plan, data) -> (k, single) or None: a push's fast checks, no casts."},
+    {"push", (PyCFunction)(void (*)(void))py_push, METH_FASTCALL, "push(plan, data, lane, episode) -> ids, or None where Python decides."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "shmbuffer.native._native",
+                                    "shmbuffer's native hot path (see shmbuffer/native/__init__.py).", -1, methods};
+
+/* the numbers layout.h shares with the Python modules, as module attributes */
+static int add_constants(PyObject *m) {
+    static const struct { const char *name; long long value; } constants[] = {
+        {"LANE_WORDS", LANE_WORDS},   {"LANE_CURSOR", LANE_CURSOR},       {"LANE_BASE", LANE_BASE},
+        {"STATS_WORDS", STATS_WORDS}, {"COUNTER_INSERTED", COUNTER_INSERTED}, {"COUNTER_FROZEN", COUNTER_FROZEN},
+        {"WRITERS", WRITERS},         {"LOCK_SIZE", LOCK_SIZE},           {"LOCK_REPAIR", LOCK_REPAIR},
+        {"KIND_END", KIND_END},       {"KIND_START", KIND_START},         {"KIND_ZERO", KIND_ZERO},
+        {"FANOUT", FANOUT},           {"INVALID_ID", INVALID_ID},
+    };
+    for (size_t i = 0; i < sizeof(constants) / sizeof(constants[0]); i++) {
+        PyObject *v = PyLong_FromLongLong(constants[i].value);
+        if (!v || PyModule_AddObjectRef(m, constants[i].name, v) < 0) {
+            Py_XDECREF(v);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    return 0;
+}
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (push_init() < 0) return NULL;
+    if (PyType_Ready(&BoundPushType) < 0 || PyType_Ready(&PushMethodType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (add_constants(m) < 0 || PyModule_AddObjectRef(m, "PushMethod", (PyObject *)&PushMethodType) < 0 ||
+        PyModule_AddObjectRef(m, "BoundPush", (PyObject *)&BoundPushType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,113 @@
+/* What the extension's C files share besides the block's layout (layout.h): buffer views, the
+ * priority tree's levels and walks, the lock, a push's copies, the push plan and the push method
+ * types, and the functions module.c lists in its method table. */
+#ifndef SHMBUFFER_NATIVE_H
+#define SHMBUFFER_NATIVE_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "layout.h"
+
+#define MAX_COLS 64   /* columns (fields) of one gather, put or push */
+#define MAX_LEVELS 32 /* levels of the priority tree */
+#define MAX_DIMS 16   /* dimensions of a field's shape in a push plan */
+
+/* Copies of at least this many bytes in all run without the GIL (gather, stacks, put, push);
+ * -DNOGIL_BYTES=... overrides it for a measurement. Releasing the GIL costs nothing measurable
+ * for copies of 16 KiB and more and lets another thread run Python meanwhile, but below about
+ * 1 MiB that thread got no more work done either way (2 cores): 256 KiB lies between the two. */
+#ifndef NOGIL_BYTES
+#define NOGIL_BYTES (256 * 1024)
+#endif
+
+/* -- buffers (common.c) ------------------------------------------------------------------------ */
+int same_format(const char *f, const char *want);
+int get_buf(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, const char *what);
+Py_ssize_t lanes_of(const Py_buffer *cursors, Py_ssize_t capacity, const char *what);
+
+/* lock.py's robust mutex, tried once (common.c): 1 held, 0 not taken */
+int lock_try(void *lock);
+
+/* -- the priority tree (tree.c) ---------------------------------------------------------------- */
+typedef struct {
+    Py_ssize_t n;               /* levels, leaves first; the last is the top */
+    Py_ssize_t len[MAX_LEVELS]; /* nodes per level */
+    Py_ssize_t at[MAX_LEVELS];  /* offset of each level in the arrays */
+    Py_ssize_t cum;             /* offset of the prefix sum of the top level */
+    Py_ssize_t size;            /* the arrays' length */
+} Levels;
+
+int levels_read(PyObject *lengths, Py_ssize_t capacity, Py_ssize_t size, Levels *lv);
+void tree_walk(const double *sums, const Levels *lv, Py_ssize_t capacity, double *x, int64_t *node, Py_ssize_t n);
+void tree_set(double *sums, double *mins, const Levels *lv, const int64_t *slots, const double *values, double scalar,
+              Py_ssize_t n);
+
+/* -- a push's copies (copies.c) ---------------------------------------------------------------- */
+/* source g (k rows of width[g] bytes, C-contiguous) into the k slots of target g, a (capacity,
+ * row[g] bytes) column, at to[g] (the column's first row plus the field's offset) */
+typedef struct {
+    Py_ssize_t n;
+    char *to[MAX_COLS];
+    const char *from[MAX_COLS];
+    Py_ssize_t width[MAX_COLS], row[MAX_COLS];
+    size_t total;
+    Py_buffer src[MAX_COLS], dst[MAX_COLS]; /* views held by copies_open, released by copies_close */
+} Copies;
+
+/* the copies into the k slots (`slots`, or `first` and the k - 1 after it); no Python calls */
+void copies_run(const Copies *c, Py_ssize_t k, const int64_t *slots, int64_t first);
+/* each slot's stamp from 2n + 1 to 2n + 2 with a release store: the copies become visible first */
+void commit_slots(int64_t *stamp, Py_ssize_t k, const int64_t *slots, int64_t first);
+
+/* -- the push plan (plan.c) and the one-call push (push.c) -------------------------------------- */
+#define PLAN_CAPSULE "shmbuffer.plan"
+
+/* what a push writes, once per buffer: views of the ring's columns and each field's target */
+typedef struct {
+    Py_buffer lock, cur, stats, stamp, owner, writers, me, episode;
+    int has_episode, held, closed, busy; /* held: ring views held; closed: plan_close was called; busy: pushes in flight */
+    pid_t busy_pid;                     /* the process whose pushes `busy` counts (not a forked child: none in flight there) */
+    Py_ssize_t n_dst;                   /* target views held (0 once released) */
+    Py_ssize_t n, lanes, capacity, lc, envs;
+    PyObject *names[MAX_COLS];
+    char *format[MAX_COLS];
+    Py_buffer dst[MAX_COLS];
+    Py_ssize_t offset[MAX_COLS], width[MAX_COLS], row[MAX_COLS], ndim[MAX_COLS], shape[MAX_COLS][MAX_DIMS];
+    PyObject *empty, *int64; /* numpy.empty and numpy's int64 dtype: the ids' array */
+} PushPlan;
+
+extern pid_t push_pid; /* this process's pid, renewed in a forked child: no system call per push */
+int push_init(void);
+void plan_release(PushPlan *p);
+PushPlan *plan_of(PyObject *capsule);
+/* ReplayBuffer.push's usual calls in C (push.c): the ids, None (a new reference) where the
+ * Python method must run, or NULL with an error */
+PyObject *push_from_args(PushPlan *p, PyObject *const *args, Py_ssize_t given, PyObject *kwnames);
+
+/* -- the push method (method.c) ---------------------------------------------------------------- */
+extern PyTypeObject PushMethodType, BoundPushType;
+
+/* -- the module's functions ------------------------------------------------------------------- */
+PyObject *py_tree_find(PyObject *self, PyObject *args);
+PyObject *py_tree_update(PyObject *self, PyObject *args);
+PyObject *py_weights(PyObject *self, PyObject *args);
+PyObject *py_tree_draw(PyObject *self, PyObject *args);
+PyObject *py_scan(PyObject *self, PyObject *arg);
+PyObject *py_known(PyObject *self, PyObject *args);
+PyObject *py_current(PyObject *self, PyObject *args);
+PyObject *py_update_priorities(PyObject *self, PyObject *args);
+PyObject *py_gather(PyObject *self, PyObject *args);
+PyObject *py_stacks(PyObject *self, PyObject *args);
+PyObject *py_put(PyObject *self, PyObject *args);
+PyObject *py_reserve(PyObject *self, PyObject *args);
+PyObject *py_reserve_lanes(PyObject *self, PyObject *args);
+PyObject *py_lanes_worst(PyObject *self, PyObject *args);
+PyObject *py_plan(PyObject *self, PyObject *args, PyObject *kwds);
+PyObject *py_plan_close(PyObject *self, PyObject *capsule);
+PyObject *py_check(PyObject *self, PyObject *args);
+PyObject *py_push(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+#endif

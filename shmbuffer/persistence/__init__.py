@@ -1,0 +1,45 @@
+"""Saving and loading buffers, and plain numpy export/import.
+
+``save(buf, path)`` writes the directory ``path/`` with two files; ``load(path, factory)`` makes a
+new buffer in shared memory with the same schema, options, rows, row ids, priorities and use
+counts. Nothing is pickled. ``export(buf)`` and ``from_arrays(schema, arrays, factory)`` trade all
+rows as a dict of numpy arrays.
+
+The package, lowest module first:
+
+* ``format``: the save format, byte by byte (its docstring is the spec), one constant per format
+  version, the tensors and the file's layout.
+* ``snapshot``: the rows of a live buffer as of one moment, read in pieces through the reader's
+  stamped gather while writers go on, and copied into a sink.
+* ``saving``: ``save``: the directory and its files, written safely.
+* ``loading``: ``load``, with every entry checked, and one reader per format version (``READERS``).
+* ``arrays``: ``export``, ``pieces``, ``from_arrays``, ``import_rows``, ``set_uses``.
+
+This module re-exports their public names.
+"""
+
+from __future__ import annotations
+
+from .arrays import export, from_arrays, import_rows, pieces, set_uses
+from .format import (
+    ALIGN,
+    FORMAT,
+    FORMAT_VERSION_1,
+    FORMAT_VERSION_2,
+    MAX_BLOCK,
+    MAX_HEADER,
+    MAX_ROW,
+    META,
+    ROWS,
+    VERSION,
+    VERSIONS,
+)
+from .loading import READERS, load
+from .saving import Progress, save
+from .snapshot import CHUNK_BYTES, Buffer
+
+__all__ = [
+    "ALIGN", "CHUNK_BYTES", "FORMAT", "FORMAT_VERSION_1", "FORMAT_VERSION_2", "MAX_BLOCK", "MAX_HEADER", "MAX_ROW",
+    "META", "READERS", "ROWS", "VERSION", "VERSIONS", "Buffer", "Progress", "export", "from_arrays", "import_rows",
+    "load", "pieces", "save", "set_uses",
+]

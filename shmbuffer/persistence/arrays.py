@@ -1,0 +1,360 @@
+"""Rows as plain numpy arrays: ``export`` (all rows, one copy), ``pieces`` (a piece at a time),
+``from_arrays`` (a new buffer of such arrays), ``import_rows`` (push them into a buffer) and
+``set_uses``: cpprb's ``get_all_transitions``, DI-engine's ``export_data`` / ``import_data``.
+
+``export`` and ``pieces`` read the rows that ``save`` would save (``snapshot.py``, consistent while
+writers run): ``export`` copies them into one array of bytes (``snapshot.MemorySink``) and moves
+the rows down over the holes (an export has no holes: ``index`` names each row); ``pieces`` yields
+the pieces without keeping them, holes left out (``shmbuffer inspect``). A buffer with
+``next_of``/``stack`` exports its transitions instead (``reader.gather``), rebuilt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from ..errors import CapacityError, FieldError
+from ..frames import ENDS, Frames, frames_of
+from ..progress import Progress as Line
+from ..protocol import reader
+from ..protocol.layout import Lane
+from ..protocol.rows import lane_of, number_of, row_id
+from ..schema import Schema
+from . import snapshot
+from .format import tensors
+from .snapshot import Buffer, MemorySink, Snapshot, columns, copy_rows
+
+__all__ = ["export", "from_arrays", "import_rows", "pieces", "set_uses"]
+
+
+def pieces(buf: Buffer, *, wait: float = 1.0) -> Iterator[dict[str, np.ndarray]]:
+    """The rows ``save`` would save, a piece at a time (lanes in turn, oldest first; holes left
+    out), each piece copied intact (its fields, and ``_episode`` / ``_leaf`` / ``_uses`` where the
+    buffer has them): for statistics over a buffer too large to copy at once. Unlike ``export``, a
+    piece already given stays given when writers overwrite its rows later."""
+    snap = Snapshot(buf, wait)
+    step = snap.piece_rows(buf.schema.row_bytes)
+    while any(r.at < r.end for r in snap.runs):
+        for run in snap.runs:
+            if run.at < run.end:
+                got = snap.copy(run, step)
+                if got is None:
+                    continue
+                present = got.arrays.pop("_present")
+                if present.all():
+                    yield got.arrays
+                elif present.any():
+                    yield {name: a[present] for name, a in got.arrays.items()}
+
+
+def export(buf: Buffer) -> dict[str, np.ndarray]:
+    """The rows ``save`` would save, as one copy in ``get`` order (lane by lane, oldest first):
+    every field, ``index`` (the row ids) and, when the buffer keeps episodes, ``episode``. Holes
+    (empty rows) are left out: ``index`` says which rows are there. Consistent as ``save`` is
+    while writers run (see "A save while writers run"); the arrays are views of one allocation,
+    made once. A prioritized buffer adds ``priority`` (each row's, as ``update_priorities`` set
+    it; 0 once used up) and a ``max_use`` buffer ``uses``: ``from_arrays`` and ``import_rows``
+    take all of them back. With ``next_of``/``stack``: the transitions that can be read now
+    (``reader.gather``; not an episode's end row, not a lane's newest row still waiting for its
+    next observation), rebuilt."""
+    if buf.options.frames is not None:
+        return _export_transitions(buf)
+    snap = Snapshot(buf, 1.0)
+    keep = ("_episode", "_present", "_leaf", "_uses")
+    files = [t for t in tensors(buf.schema, buf.options) if t.name in buf.schema or t.name in keep]
+    sink = MemorySink()
+    final, _ = copy_rows(snap, files, sink)
+    lanes = len(snap.runs)
+    ids = np.concatenate([row_id(np.arange(r.keep, r.end, dtype=np.int64), r.lane, lanes) for r in snap.runs])
+    at = final.offsets["_present"]
+    present = sink.data[at:at + final.rows].astype(bool)
+    rows = final.rows
+    if not present.all():  # move every tensor's rows down over the holes, in place, front to back
+        there = np.flatnonzero(present)
+        breaks = np.flatnonzero(np.diff(there) != 1) + 1
+        parts = np.split(there, breaks) if there.size else []
+        for t in files:
+            dst = final.offsets[t.name]
+            for part in parts:
+                src, nbytes = final.offsets[t.name] + int(part[0]) * t.row_bytes, part.size * t.row_bytes
+                if src != dst:
+                    sink.move(src, dst, nbytes)
+                dst += nbytes
+        ids, rows = ids[there], int(there.size)
+    out: dict[str, np.ndarray] = {}
+    order = {n: i for i, n in enumerate(buf.schema.names)}
+    for t in sorted(files, key=lambda t: order.get(t.name, len(order))):
+        if t.name == "_present":
+            continue
+        at = final.offsets[t.name]
+        raw = sink.data[at:at + rows * t.row_bytes]
+        out[t.name.lstrip("_")] = raw.view(t.dtype).reshape(rows, *t.shape)
+    leaf = out.pop("leaf", None)
+    prios = buf.priorities
+    if leaf is not None and prios is not None and prios.prioritized:
+        out["priority"] = prios.priorities_of(leaf)
+    if "uses" in out:
+        out["uses"] = out["uses"].astype(np.int64)
+    out["index"] = ids
+    return out
+
+
+def _export_transitions(buf: Buffer) -> dict[str, np.ndarray]:
+    """``export`` of a buffer with ``next_of``/``stack``: its readable transitions, rebuilt."""
+    ring = buf.ring
+    held = ring.held_ids()
+    parts: list[dict[str, np.ndarray]] = []
+    step = max(1, snapshot.CHUNK_BYTES // max(1, buf.schema.row_bytes))
+    for at in range(0, held.size, step):
+        ids = held[at:at + step]
+        rows = reader.gather(buf.block, ring, ids)
+        reader.settle(buf.block, ring, ids, rows)
+        keep = np.flatnonzero(rows.ok)
+        batch = reader.assemble(buf.block, ids[keep], rows.subset(keep))
+        part = {n: np.ascontiguousarray(batch.fields[n]) for n in buf.schema.names}
+        part["index"] = batch.index
+        if "episode" in batch.extras:
+            part["episode"] = batch.extras["episode"]
+        prios = buf.priorities
+        if prios is not None and prios.prioritized:
+            part["priority"] = prios.priorities_of(prios.tree.leaves[ring.slots(batch.index)])
+        parts.append(part)
+    if not parts:
+        out = {f.name: np.empty((0, *f.shape), f.dtype) for f in buf.schema}
+        out["index"] = np.empty(0, np.int64)
+        return out
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def from_arrays(
+    schema: Schema,
+    arrays: Mapping[str, Any],
+    factory: Callable[..., Buffer],
+    capacity: int | None = None,
+    **options: Any,
+) -> Buffer:
+    """A new buffer holding the rows of ``arrays`` (a dict of ``(k, *shape)`` arrays, one per
+    field, as ``export`` gives), pushed in order. ``episode`` (required when ``episodes=True``),
+    ``priority``, ``uses`` (with ``max_use``) and ``lane`` may come along, one per row.
+    ``priority`` and ``uses`` are dropped when the new buffer has no use for them (a uniform
+    sampler, no ``max_use``).
+
+    Ids: with ``index`` (as ``export`` gives) and no ``lane``, the rows keep their ids when the new
+    buffer's lanes allow it (in each lane ``id % lanes``, the row numbers ``id // lanes``
+    increase): each lane starts at its first row number, the numbers in between that have no row
+    are left empty (deleted), so ``take``, ``update_priorities`` and ``update`` with the old ids
+    go on working. Otherwise the rows are numbered from 0: with ``envs=N`` they are whole steps of
+    the N envs, env-major (row ``i`` into lane ``i % N``, as a push without ``lane=``; a row count
+    that is not a multiple of N is refused), else they go into lane 0. ``capacity`` defaults to
+    what the rows need (per lane, times lanes); with fewer slots only the newest rows stay.
+    ``options`` are ``Buffer``'s (lanes, envs, sampler, max_use, episodes, name, seed)."""
+    data = dict(arrays)
+    index = data.pop("index", None)
+    extra: dict[str, Any] = {key: data.pop(key) for key in ("episode", "priority", "lane", "uses") if key in data}
+    k, _ = schema.validate(data)
+    lanes = int(options.get("envs") or options.get("lanes") or 1)
+    lane = np.asarray(extra["lane"], dtype=np.int64).reshape(-1) if "lane" in extra else None
+    if lane is not None and lane.shape != (k,):
+        raise CapacityError(f"from_arrays: lane: expected {k} lane numbers (one per row), got {lane.size}")
+    # next_of/stack: an episode's last row is followed by an end row, so ids cannot be kept and a
+    # push of c rows stores up to 2 c
+    stored_once = options.get("next_of") is not None or options.get("stack") is not None
+    keep = _kept_rows(index, k, lanes) if lane is None and not stored_once else None
+    envs = options.get("envs")
+    envs = envs if isinstance(envs, int) else 1  # a bad envs= is the factory's to refuse
+    spread = lane is None and keep is None and envs > 1  # as a push without lane=
+    if spread and k % envs:
+        raise FieldError(
+            f"from_arrays: envs={envs} spreads rows as whole steps of every env, env-major (row i into lane "
+            f"i % {envs}), so it needs a multiple of {envs} rows, got {k}; pass lane= (one lane number per row)"
+        )
+    if capacity is None:
+        if keep is not None:
+            per_lane = max((int(r[-1] - r[0] + 1) for r in keep.values()), default=1)
+        else:
+            per_lane = int(np.bincount(lane).max()) if lane is not None and k else k // envs if spread else k
+        if stored_once:
+            per_lane += _episode_ends(schema, data)  # at most one end row each (all in one lane at worst)
+            per_lane += _lead_rows(schema, data, options.get("next_of"), options.get("stack"), lane)
+            spec = Frames.make(schema, options.get("next_of"), options.get("stack"))
+            if spec is not None:  # the least a lane of such a buffer may hold (layout.Options)
+                per_lane = max(per_lane, 2 * (spec.depth + spec.ahead + 1))
+        capacity = max(per_lane, 1) * lanes
+    buf = factory(schema, capacity, **options)
+    try:
+        prios = buf.priorities
+        if prios is None or not prios.prioritized:
+            extra.pop("priority", None)
+        uses = extra.pop("uses", None)
+        if keep is not None:
+            _push_keeping_ids(buf, data, extra, keep, np.asarray(index, dtype=np.int64).reshape(-1), k)
+            if uses is not None and k:
+                set_uses(buf, np.asarray(index, dtype=np.int64).reshape(-1), uses)
+            return buf
+        per = buf.lane_capacity if buf.options.frames is None else max(1, buf.lane_capacity // 2)
+        step = per * (envs if spread else 1)  # with envs: whole steps, a lane's capacity each
+        single = k == 1 and all(np.ndim(a) == len(schema[n].shape) for n, a in data.items())
+        line = Line(f"from_arrays into {buf.name!r}", k)
+        for i in range(0, k, step):
+            line.update(i)
+            part = slice(i, i + step)
+            both: dict[str, Any] = {**data, **extra}
+            cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
+            # resume: rows exported from a buffer that lapped an episode's first steps (lead rows)
+            ids = buf.push({n: cut[n] for n in data}, lane=None if spread else 0 if lane is None else lane[part],
+                           episode=cut.get("episode"), priority=cut.get("priority"), resume=True)
+            if uses is not None:
+                set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
+        line.update(k)
+        line.close()
+    except BaseException:
+        buf.__exit__(None, None, None)
+        raise
+    return buf
+
+
+def _episode_ends(schema: Schema, data: dict[str, Any]) -> int:
+    """Rows of ``data`` that end an episode (``frames.ENDS``): each takes an end row with next_of."""
+    final = None
+    for name in ENDS:
+        if name in data:
+            f = np.asarray(data[name]).reshape(-1) != 0
+            final = f if final is None else final | f
+    return 0 if final is None else int(final.sum())
+
+
+def _lead_rows(schema: Schema, data: dict[str, Any], next_of: Any, stack: Any, lane: np.ndarray | None) -> int:
+    """At most how many lead rows the rows of ``data`` take with ``stack`` (``frames.py``): an
+    episode start (the first row, one after an episode's last, a lane's first) whose stacks are
+    not padding resumes an episode cut before it, and its older frames take ``k - 1`` rows."""
+    spec = Frames.make(schema, next_of, stack)
+    if spec is None or not spec.stack:
+        return 0
+    k = int(np.asarray(data[spec.stack[0].name]).shape[0])
+    final = np.zeros(k, bool)
+    for name in spec.ends:
+        if name in data:
+            final |= np.broadcast_to(np.asarray(data[name]).reshape(-1) != 0, (k,))
+    starts = np.concatenate([[True], final[:-1]]) if k else final
+    if lane is not None and k:
+        order = np.argsort(lane, kind="stable")  # a lane's first row starts too
+        firsts = order[np.concatenate([[True], lane[order][1:] != lane[order][:-1]])]
+        starts[firsts] = True
+    at = np.flatnonzero(starts)
+    cut = np.zeros(at.size, bool)
+    for st in spec.stack:
+        fr = frames_of(st, np.asarray(data[st.name])[at])
+        older, newest = fr[:, :-1].reshape(at.size, st.k - 1, -1), fr[:, -1:].reshape(at.size, 1, -1)
+        cut |= ~((older == newest).all(axis=(1, 2)) | (older == 0).all(axis=(1, 2)))
+    return int(cut.sum()) * (max(st.k for st in spec.stack) - 1)
+
+
+def _kept_rows(index: Any, k: int, lanes: int) -> dict[int, np.ndarray] | None:
+    """Per lane of a new buffer with ``lanes`` lanes, the row numbers ``index`` names, when
+    every lane's increase (the ids can be kept); else ``None``."""
+    if index is None:
+        return None
+    ids = np.asarray(index)
+    if ids.dtype.kind not in "iu" or ids.shape != (k,) or not k or ids.min() < 0:
+        return None
+    ids = ids.astype(np.int64)
+    out = {}
+    for lane in np.unique(lane_of(ids, lanes)):
+        rows = number_of(ids[lane_of(ids, lanes) == lane], lanes)
+        if (np.diff(rows) <= 0).any():
+            return None
+        out[int(lane)] = rows
+    return out
+
+
+def _push_keeping_ids(buf: Buffer, data: dict[str, Any], extra: dict[str, Any], keep: dict[int, np.ndarray],
+                      index: np.ndarray, k: int) -> None:
+    """Push each lane's rows at their own row numbers (see ``from_arrays``); the numbers between
+    them get a copy of the row before, deleted once pushed."""
+    lanes = buf.lanes
+    cursors = columns(buf)["_lanes"]
+    with buf.ring.lock:  # a new buffer nobody else has pushed to yet: each lane starts at its first row
+        for lane, rows in keep.items():
+            cursors[lane, Lane.BASE] = int(rows[0])
+            cursors[lane, Lane.CURSOR] = int(rows[0])
+    single = k == 1 and all(np.ndim(a) == len(buf.schema[n].shape) for n, a in data.items())
+    rows_of = {n: np.asarray(a)[np.newaxis] if single else np.asarray(a) for n, a in data.items()}
+    more = {key: np.broadcast_to(np.asarray(v), (k,)) if np.ndim(v) == 0 else np.asarray(v).reshape(k)
+            for key, v in extra.items()}
+    for lane, rows in keep.items():
+        at = np.flatnonzero(lane_of(index, lanes) == lane)  # this lane's rows in the arrays, in order
+        span = int(rows[-1] - rows[0] + 1)
+        pos = rows - rows[0]
+        have = np.zeros(span, bool)
+        have[pos] = True
+        # each row number's source: its own row, or for a hole the row before it
+        src = at[np.searchsorted(pos, np.arange(span), side="right") - 1]
+        step = buf.lane_capacity
+        for i in range(0, span, step):
+            part = src[i:i + step]
+            got = buf.push({n: a[part] for n, a in rows_of.items()}, lane=lane,
+                           episode=more["episode"][part] if "episode" in more else None,
+                           priority=more["priority"][part] if "priority" in more else None)
+            holes = got[~have[i:i + step]]
+            if holes.size:
+                buf.delete(holes)
+
+
+def set_uses(buf: Buffer, ids: np.ndarray, uses: Any) -> None:
+    """Give the rows ``ids`` these use counts (``max_use`` buffers; ignored otherwise); rows that
+    reach ``max_use`` leave the sampling set. Rows gone meanwhile are skipped."""
+    prios = buf.priorities
+    if prios is None or prios.uses is None:
+        return
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    u = np.broadcast_to(np.asarray(uses, dtype=np.int64).reshape(-1) if np.ndim(uses) else np.asarray(uses), ids.shape)
+    if u.size and (u < 0).any():
+        raise CapacityError(f"uses: expected counts >= 0, got {u[u < 0][:3].tolist()}")
+    ring = buf.ring
+    with ring.lock:
+        live = ring.current(ids)
+        prios.set_uses(ring.slots(ids[live]), u[live])
+
+
+def import_rows(buf: Buffer, arrays: Mapping[str, Any]) -> np.ndarray:
+    """Push the rows of ``arrays`` (as ``export`` gives them, from any buffer of the same schema)
+    into the existing buffer ``buf`` (DI-engine's ``import_data``), with their ``episode``,
+    ``priority``, ``uses`` and ``lane`` when given (``priority`` and ``uses`` dropped where ``buf``
+    has no use for them). The rows get new ids, in order (``index`` is ignored: ids never repeat
+    in a buffer); returns them."""
+    data = dict(arrays)
+    data.pop("index", None)
+    extra: dict[str, Any] = {key: data.pop(key) for key in ("episode", "priority", "lane", "uses") if key in data}
+    prios = buf.priorities
+    if prios is None or not prios.prioritized:
+        extra.pop("priority", None)
+    uses = extra.pop("uses", None)
+    k, _ = buf.schema.validate(data)
+    # the pushes go in pieces: check what a later piece could refuse first, so an error changes nothing
+    buf.options.check_episode(extra.get("episode"), k)
+    if extra.get("priority") is not None and prios is not None:
+        prios.check(extra["priority"], k, "import_rows: priority")
+    if uses is not None and prios is not None and prios.uses is not None and (np.asarray(uses) < 0).any():
+        raise CapacityError(f"uses: expected counts >= 0, got {np.asarray(uses)[np.asarray(uses) < 0][:3].tolist()}")
+    lane = np.asarray(extra.get("lane", 0))
+    if lane.size and lane.dtype.kind in "iuf" and (lane.min() < 0 or lane.max() >= buf.lanes):
+        raise CapacityError(f"lane: expected lane numbers in [0, {buf.lanes}), got {lane.min()}..{lane.max()}")
+    step = buf.lane_capacity if buf.options.frames is None else max(1, buf.lane_capacity // 2)  # + end rows
+    if "lane" not in extra and buf.options.envs:
+        step *= buf.options.envs  # env-major steps of every env: lane_capacity rows in each lane
+    single = k == 1 and all(np.ndim(a) == len(buf.schema[n].shape) for n, a in data.items())
+    out = []
+    for i in range(0, k, max(step, 1)):
+        part = slice(i, i + step)
+        both: dict[str, Any] = {**data, **extra}
+        cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
+        opts = {key: cut[key] for key in ("lane", "episode", "priority") if key in cut}
+        # rows exported from a buffer that lapped an episode's first steps resume it (lead rows)
+        ids = buf.push({n: cut[n] for n in data}, resume=True, **opts)
+        if uses is not None:
+            set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
+        out.append(ids)
+    return np.concatenate(out) if out else np.empty(0, np.int64)

@@ -1,0 +1,543 @@
+"""Loading a save: ``load(path, factory)`` makes a new buffer in shared memory with the saved
+schema, options, rows, row ids, priorities and use counts, through the reader of the save's format
+version (``READERS``: ``read_v1``, ``read_v2``; the format is ``format.py``).
+
+What a load checks
+------------------
+``load`` opens both files with ``O_NOFOLLOW | O_NONBLOCK`` and reads only regular files (a link,
+a FIFO or a directory raises ``LayoutError``; a FIFO never blocks it). Before it makes any shared
+memory it checks every entry of ``meta.json``: its type, its range and its agreement with the
+others (``0 <= base <= first <= stop <= first +`` the lane's capacity, ``stop * lanes <=
+MAX_ROW`` so that ids and stamps fit an int64, ``rows`` the sum of the lanes', ``max_priority``
+finite, ``>= 0`` and with a leaf of at most ``priorities.MAX_LEAF``, capacity times a row's bytes
+at most ``MAX_BLOCK``, ``options.frames`` set exactly in a version-2 save, the tensors those of
+the schema and options); and every entry of the safetensors header (object, dtype code, shape,
+offsets that tile the data section, metadata strings, the same ``save_id`` and format version as
+``meta.json``). As it reads the rows it checks ``_present`` (0 or 1), ``_leaf`` (in ``[0,
+MAX_LEAF]``) and ``_uses`` (at most ``max_use``). Whatever is malformed raises ``LayoutError``
+naming the file and the entry; JSON nested too deep to parse is malformed too.
+
+The rows go into their slots a chunk at a time, each with its committed stamp
+(``protocol.rows.committed``); a hole's slot stays empty (stamp 0, leaf 0). The lanes' cursors are
+set last: until then the new buffer reads as empty.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CapacityError, LayoutError
+from ..progress import Progress as Line
+from ..protocol.layout import Counter, Lane, Options
+from ..protocol.priorities import MAX_LEAF
+from ..protocol.rows import committed, slot
+from ..sampling.samplers import Prioritized
+from ..schema import Schema
+from ..shm.segment import human
+from .format import (
+    FORMAT,
+    FORMAT_VERSION_1,
+    FORMAT_VERSION_2,
+    MAX_BLOCK,
+    MAX_HEADER,
+    MAX_ROW,
+    META,
+    ROWS,
+    SIZES,
+    Tensor,
+    tensors,
+)
+from .snapshot import CHUNK_BYTES, Buffer, columns
+
+__all__ = ["READERS", "load", "read_v1", "read_v2"]
+
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_STATS = {"sampled": Counter.SAMPLED, "reclaimed": Counter.RECLAIMED, "inserted": Counter.INSERTED,
+          "sample_calls": Counter.SAMPLE_CALLS, "removed": Counter.REMOVED}
+"""The counters a load restores (lock recoveries belong to the old lock): ``sample_calls`` carries
+the annealing of ``Prioritized.beta`` on, ``removed`` says rows were deleted or used up."""
+
+
+def _pread_into(fd: int, a: np.ndarray, offset: int, file: Path) -> None:
+    view = a.reshape(-1).view(np.uint8).data
+    while view.nbytes:
+        n = os.preadv(fd, [view], offset)
+        if n == 0:
+            raise LayoutError(f"{file} is truncated: it ends at byte {offset}, before the rows it describes")
+        view, offset = view[n:], offset + n
+
+
+def load(
+    path: str | os.PathLike[str],
+    factory: Callable[..., Buffer],
+    *,
+    name: str | None = None,
+    capacity: int | None = None,
+    seed: int | np.random.Generator | None = None,
+) -> Buffer:
+    """A new buffer (made by ``factory``, ``ReplayBuffer``; this process its creator) holding what
+    ``save`` wrote to ``path``: the same
+    schema and options, the same rows at the same row numbers (so the same ids and ``get`` order),
+    priorities, use counts and counters. ``capacity`` may differ from the saved one as long as every
+    lane still holds its saved rows. Files that are damaged, truncated, do not match, are not
+    regular files (a link, a FIFO) or describe a buffer no machine could hold raise ``LayoutError``
+    naming the file, before any shared memory is made; a missing file raises ``FileNotFoundError``;
+    a buffer larger than ``/dev/shm`` has room for raises ``OutOfSharedMemory``, as creating it would."""
+    folder = Path(path)
+    meta_file = folder / META
+    fd = _open_regular(meta_file, f"load: {meta_file} does not exist; expected a directory written by shmbuffer.save")
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_HEADER:
+            raise LayoutError(f"{meta_file}: {size} bytes, expected at most {MAX_HEADER}: not written by shmbuffer.save")
+        text = os.pread(fd, MAX_HEADER, 0)
+    finally:
+        os.close(fd)
+    try:
+        meta = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to parse
+        raise LayoutError(f"{meta_file}: not valid JSON ({type(exc).__name__}: {_clip(str(exc))})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise LayoutError(f"{meta_file}: format {_show(found)}, expected {FORMAT!r}: not written by shmbuffer.save")
+    version = meta.get("format_version")
+    read = READERS.get(version) if type(version) is int else None
+    if read is None:
+        raise LayoutError(
+            f"{meta_file}: format version {_show(version)}; this shmbuffer reads versions "
+            f"{', '.join(map(str, READERS))}: load it with a newer shmbuffer"
+        )
+    return read(folder, meta, factory, name=name, capacity=capacity, seed=seed)
+
+
+def _open_regular(file: Path, missing: str) -> int:
+    """``file`` opened for reading, never through a link and without blocking (a FIFO would
+    block), or ``LayoutError`` when it is not a regular file."""
+    try:
+        fd = os.open(file, _READ)
+    except (FileNotFoundError, NotADirectoryError):  # NotADirectoryError: the path is a file
+        raise FileNotFoundError(missing) from None
+    except OSError:
+        if os.path.islink(file):  # ELOOP
+            raise LayoutError(
+                f"{file} is a symbolic link; expected the regular file shmbuffer.save wrote (copy the "
+                "file itself, a link could point anywhere)"
+            ) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "directory" if stat.S_ISDIR(mode) else "FIFO" if stat.S_ISFIFO(mode) else "special file"
+        raise LayoutError(f"{file} is a {kind}; expected the regular file shmbuffer.save wrote")
+    return fd
+
+
+def _show(value: Any) -> str:
+    """A short description of a JSON value for an error message (never a deep or long repr)."""
+    if isinstance(value, dict):
+        return "a JSON object"
+    if isinstance(value, list):
+        return f"a JSON array of {len(value)}"
+    return _clip(repr(value))
+
+
+def _clip(text: str, most: int = 200) -> str:
+    return text if len(text) <= most else text[:most] + "..."
+
+
+class _Meta:
+    """Reads the entries of a ``meta.json`` object, each checked, or ``LayoutError`` naming it."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+
+    def bad(self, where: str, value: Any, expected: str) -> LayoutError:
+        return LayoutError(
+            f"{self.file}: malformed entry: {where} is {_show(value)}, expected {expected}; the file is damaged or was not "
+            "written by shmbuffer.save: save the buffer again"
+        )
+
+    def get(self, obj: dict[str, Any], key: str, where: str) -> Any:
+        if key not in obj:
+            raise LayoutError(
+                f"{self.file}: missing or malformed entry: {where}{key} is missing; the file is damaged or was "
+                "not written by shmbuffer.save: save the buffer again"
+            )
+        return obj[key]
+
+    def obj(self, obj: dict[str, Any], key: str, where: str = "", keys: set[str] | None = None) -> dict[str, Any]:
+        value = self.get(obj, key, where)
+        if not isinstance(value, dict) or (keys is not None and set(value) != keys):
+            raise self.bad(where + key, value, "an object" + (f" with the keys {sorted(keys)}" if keys else ""))
+        return value
+
+    def array(self, obj: dict[str, Any], key: str, where: str = "") -> list[Any]:
+        value = self.get(obj, key, where)
+        if not isinstance(value, list):
+            raise self.bad(where + key, value, "an array")
+        return value
+
+    def text(self, obj: dict[str, Any], key: str, where: str = "") -> str:
+        value = self.get(obj, key, where)
+        if not isinstance(value, str):
+            raise self.bad(where + key, value, "a string")
+        return value
+
+    def integer(self, obj: dict[str, Any], key: str, where: str = "", lo: int = 0, hi: int = 2**63 - 1) -> int:
+        value = self.get(obj, key, where)
+        if type(value) is not int or not lo <= value <= hi:
+            raise self.bad(where + key, value, f"an int in [{lo}, {hi}]")
+        return value
+
+    def number(self, obj: dict[str, Any], key: str, where: str = "", lo: float = 0.0) -> float:
+        value = self.get(obj, key, where)
+        ok = type(value) is float or (type(value) is int and abs(value) < 2**1000)  # float() of a larger int overflows
+        if not ok or not lo <= float(value) < math.inf:
+            raise self.bad(where + key, value, f"a finite number >= {lo:g}")
+        return float(value)
+
+    def shape(self, value: Any, where: str, lo: int) -> tuple[int, ...]:
+        if not isinstance(value, list) or not all(type(d) is int and lo <= d < 2**48 for d in value):
+            raise self.bad(where, value, f"a list of ints in [{lo}, 2**48)")
+        return tuple(value)
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """What a ``meta.json`` says, checked."""
+
+    schema: Schema
+    opts: Options
+    lanes: list[tuple[int, int, int]]
+    max_priority: float | None
+    stats: dict[str, int]
+    tensors: list[tuple[str, str, tuple[int, ...], str]]
+    rows: int
+    save_id: str
+
+
+def _read_meta(meta_file: Path, meta: dict[str, Any], version: int) -> _Saved:
+    """Check every entry of a ``meta.json`` of format ``version``: its type, its range and its
+    agreement with the others (see the module docstring); ``LayoutError`` naming the first one that
+    is wrong."""
+    m = _Meta(meta_file)
+    save_id = m.text(meta, "save_id")
+    m.text(meta, "name")
+    m.text(meta, "shmbuffer_version")
+    fields = m.array(meta, "schema")
+    spec: dict[str, Any] = {}
+    row_bytes = 0
+    for i, f in enumerate(fields):
+        if not isinstance(f, dict) or set(f) != {"name", "shape", "dtype"}:
+            raise m.bad(f"schema[{i}]", f, "an object with the keys ['dtype', 'name', 'shape']")
+        name, dtype = m.text(f, "name", f"schema[{i}]."), m.text(f, "dtype", f"schema[{i}].")
+        shape = m.shape(f["shape"], f"schema[{i}].shape", 1)
+        try:
+            itemsize = np.dtype(dtype).itemsize
+        except (TypeError, ValueError, SyntaxError):
+            raise m.bad(f"schema[{i}].dtype", dtype, "a numpy dtype") from None
+        row_bytes += math.prod(shape) * itemsize
+        spec[name] = (shape, dtype)
+    o = m.obj(meta, "options")
+    capacity = m.integer(o, "capacity", "options.", 1, MAX_BLOCK)
+    lanes_n = m.integer(o, "lanes", "options.", 1, capacity)
+    if capacity % lanes_n:
+        raise m.bad("options.lanes", lanes_n, f"a divisor of options.capacity {capacity}")
+    if capacity * max(row_bytes, 1) > MAX_BLOCK:
+        raise LayoutError(
+            f"{meta_file}: {capacity} rows of {row_bytes} bytes (options.capacity, schema) need more than "
+            f"{human(MAX_BLOCK)}; the file is damaged: save the buffer again"
+        )
+    sampler = m.obj(o, "sampler", "options.")
+    kind = m.text(sampler, "kind", "options.sampler.")
+    if kind == "prioritized":
+        for key in ("alpha", "beta", "eps"):
+            m.number(sampler, key, "options.sampler.")
+        if m.get(sampler, "beta_steps", "options.sampler.") is not None:
+            m.integer(sampler, "beta_steps", "options.sampler.", 1)
+    if o.get("max_use") is not None:
+        m.integer(o, "max_use", "options.", 1, 2**32 - 1)
+    if type(m.get(o, "episodes", "options.")) is not bool:
+        raise m.bad("options.episodes", o["episodes"], "true or false")
+    if o.get("limiter") is not None:  # a NaN timeout would make every wait endless
+        limiter = m.obj(o, "limiter", "options.", {"samples_per_insert", "min_size", "error", "block_writers", "timeout"})
+        for key in ("samples_per_insert", "error", "timeout"):
+            if key == "timeout" or limiter[key] is not None:
+                m.number(limiter, key, "options.limiter.")
+        m.integer(limiter, "min_size", "options.limiter.", 1)
+        if type(limiter["block_writers"]) is not bool:
+            raise m.bad("options.limiter.block_writers", limiter["block_writers"], "true or false")
+    if (o.get("frames") is not None) != (version == FORMAT_VERSION_2):
+        raise m.bad("options.frames", o.get("frames"), "frames in a version-2 save only")
+    try:
+        schema = Schema(**spec) if len(spec) == len(fields) else None
+        opts = Options.from_json(o)
+        if schema is not None and opts.frames is not None:
+            opts.frames.check(schema)
+    except (KeyError, TypeError, ValueError) as exc:  # SchemaError is a ValueError
+        raise LayoutError(f"{meta_file}: schema or options malformed ({type(exc).__name__}: {_clip(str(exc))})") from None
+    if schema is None:
+        raise LayoutError(f"{meta_file}: schema names a field twice; the file is damaged: save the buffer again")
+    lc = capacity // lanes_n
+    lanes = []
+    listed = m.array(meta, "lanes")
+    if len(listed) != lanes_n:
+        raise LayoutError(f"{meta_file}: {len(listed)} lanes listed, expected {lanes_n} (options.lanes)")
+    for i, ln in enumerate(listed):
+        if not isinstance(ln, dict) or set(ln) != {"first", "stop", "base"}:
+            raise m.bad(f"lanes[{i}]", ln, "an object with the keys ['base', 'first', 'stop']")
+        base, first, stop = (m.integer(ln, k, f"lanes[{i}].", 0, MAX_ROW // lanes_n) for k in ("base", "first", "stop"))
+        if not base <= first <= stop <= first + lc:
+            raise LayoutError(
+                f"{meta_file}: lane {i} has base {base} and rows [{first}, {stop}); expected "
+                f"base <= first <= stop <= first + {lc} (the lane's capacity)"
+            )
+        lanes.append((first, stop, base))
+    rows = m.integer(meta, "rows")
+    if rows != sum(stop - first for first, stop, _ in lanes):
+        raise LayoutError(f"{meta_file}: rows is {rows}, the lanes hold {sum(s - f for f, s, _ in lanes)}")
+    state = m.get(meta, "sampler_state", "")
+    max_priority = None
+    if opts.tree != (state is not None):
+        expected = "the largest priority (the buffer has a tree)" if opts.tree else "null (the buffer has no tree)"
+        raise m.bad("sampler_state", state, expected)
+    if state is not None:
+        if not isinstance(state, dict) or set(state) != {"max_priority"}:
+            raise m.bad("sampler_state", state, "an object with the key 'max_priority'")
+        max_priority = m.number(state, "max_priority", "sampler_state.")
+        s = opts.sampler
+        if isinstance(s, Prioritized):
+            with np.errstate(over="ignore"):
+                leaf = float(np.power(max_priority + s.eps, s.alpha))
+            if not leaf <= MAX_LEAF:
+                raise m.bad("sampler_state.max_priority", max_priority, f"a priority whose leaf (p + eps) ** alpha is <= {MAX_LEAF:g}")
+    stats_in = m.obj(meta, "stats")
+    stats = {key: m.integer(stats_in, key, "stats.") for key in stats_in}
+    if "counters" in meta:  # saves written before the counters existed have none (format.py)
+        counters = m.obj(meta, "counters")
+        stats.update({key: m.integer(counters, key, "counters.") for key in counters})
+    listed = []
+    for i, t in enumerate(m.array(meta, "tensors")):
+        if not isinstance(t, dict) or set(t) != {"name", "dtype", "shape", "numpy"}:
+            raise m.bad(f"tensors[{i}]", t, "an object with the keys ['dtype', 'name', 'numpy', 'shape']")
+        where = f"tensors[{i}]."
+        listed.append((m.text(t, "name", where), m.text(t, "dtype", where), m.shape(t["shape"], where + "shape", 0),
+                        m.text(t, "numpy", where)))
+    return _Saved(schema, opts, lanes, max_priority, stats, listed, rows, save_id)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    code: str
+    shape: list[int]
+    begin: int
+    end: int
+
+
+def _header_entry(e: Any) -> bool:
+    """Whether ``e`` is a safetensors header entry (dtype, shape, data_offsets) of a known dtype."""
+    if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
+        return False
+    code, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+    return (isinstance(code, str) and code in SIZES and isinstance(shape, list)
+            and all(type(d) is int and d >= 0 for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets))
+
+
+def _read_header(file: Path, fd: int) -> tuple[int, dict[str, str], dict[str, _Entry]]:
+    """Check a safetensors file's header against the file; return the data section's offset,
+    the ``__metadata__`` and the tensors."""
+    size = os.fstat(fd).st_size
+    if size < 8:
+        raise LayoutError(f"{file}: {size} bytes, expected at least 8 (a safetensors header length)")
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    if n > size - 8:
+        raise LayoutError(f"{file} is truncated: its header length says {n} bytes follow the first 8, the file has {size - 8}")
+    if n > MAX_HEADER:
+        raise LayoutError(f"{file}: header length {n} bytes, expected at most {MAX_HEADER}")
+    raw = os.pread(fd, n, 8)
+    try:
+        head = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to parse
+        raise LayoutError(f"{file}: its header is not valid JSON ({type(exc).__name__}: {_clip(str(exc))})") from None
+    if not isinstance(head, dict):
+        raise LayoutError(f"{file}: its header is a JSON {type(head).__name__}, expected an object")
+    meta = head.pop("__metadata__", {})
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else meta
+        raise LayoutError(f"{file}: __metadata__ format {_show(found)}, expected {FORMAT!r}: not written by shmbuffer.save")
+    if not all(isinstance(v, str) for v in meta.values()):
+        raise LayoutError(f"{file}: __metadata__ holds values that are not strings; safetensors allows only strings")
+    data = size - 8 - n
+    entries: dict[str, _Entry] = {}
+    for name, e in head.items():
+        if not _header_entry(e):
+            raise LayoutError(f"{file}: tensor {_clip(repr(name))} has a malformed header entry {_show(e)}: expected "
+                              "{'dtype': CODE, 'shape': [ints >= 0], 'data_offsets': [begin, end]}")
+        code, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+        begin, end = offsets
+        need = math.prod(shape) * SIZES[code]
+        if not 0 <= begin <= end or end - begin != need:
+            raise LayoutError(
+                f"{file}: tensor {_clip(repr(name))} ({code} {_clip(str(shape))}) needs {need} bytes, its data_offsets "
+                f"[{begin}, {end}] are out of range"
+            )
+        entries[name] = _Entry(code, shape, begin, end)
+    at = 0
+    for name, e in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if e.begin != at:
+            raise LayoutError(
+                f"{file}: tensor {_clip(repr(name))} starts at data offset {e.begin}, expected {at} (tensors must "
+                "tile the data section): its data_offsets are out of range"
+            )
+        at = e.end
+    if at > data:
+        raise LayoutError(f"{file} is truncated: its header says the data runs to byte {8 + n + at}, the file has {size} bytes")
+    if at < data:
+        raise LayoutError(f"{file}: {data - at} bytes follow the last tensor, expected none")
+    return 8 + n, meta, entries
+
+
+def read_v1(folder: Path, meta: dict[str, Any], factory: Callable[..., Buffer], *, name: str | None,
+            capacity: int | None, seed: Any) -> Buffer:
+    """The reader of format version 1: a buffer without ``next_of``/``stack``. ``meta`` is the
+    parsed ``meta.json``; the other arguments are ``load``'s."""
+    return _read(folder, meta, FORMAT_VERSION_1, factory, name=name, capacity=capacity, seed=seed)
+
+
+def read_v2(folder: Path, meta: dict[str, Any], factory: Callable[..., Buffer], *, name: str | None,
+            capacity: int | None, seed: Any) -> Buffer:
+    """The reader of format version 2: version 1 with ``options.frames`` (the stored fields and
+    ``_kind``, ``format.py``). ``meta`` is the parsed ``meta.json``; the other arguments are ``load``'s."""
+    return _read(folder, meta, FORMAT_VERSION_2, factory, name=name, capacity=capacity, seed=seed)
+
+
+def _read(folder: Path, meta: dict[str, Any], version: int, factory: Callable[..., Buffer], *, name: str | None,
+          capacity: int | None, seed: Any) -> Buffer:
+    """A new buffer holding the save in ``folder`` of format ``version`` (whose ``meta.json`` is ``meta``)."""
+    meta_file, rows_file = folder / META, folder / ROWS
+    saved = _read_meta(meta_file, meta, version)
+    schema, opts, lanes, rows = saved.schema, saved.opts, saved.lanes, saved.rows
+    files = tensors(schema, opts)
+    expected = [(t.name, t.code, tuple(t.file_shape(rows)), t.dtype.str) for t in files]
+    if sorted(saved.tensors) != sorted(expected):
+        raise LayoutError(f"{meta_file}: tensors {_clip(str(saved.tensors), 1000)}, expected {expected} for its schema and options")
+    most = max(stop - first for first, stop, _ in lanes)
+    cap = opts.capacity if capacity is None else capacity
+    if not isinstance(cap, (int, np.integer)) or isinstance(cap, bool) or cap <= 0 or cap % opts.lanes:
+        raise CapacityError(f"load: capacity must be a positive multiple of the {opts.lanes} lanes, got {capacity!r}")
+    if cap // opts.lanes < most:
+        raise CapacityError(
+            f"load: capacity {cap} gives lanes of {cap // opts.lanes} rows, but a lane of {folder} holds "
+            f"{most} rows: expected capacity >= {most * opts.lanes}"
+        )
+    fd = _open_regular(rows_file, f"load: {rows_file} does not exist ({meta_file} does)")
+    try:
+        data_start, head_meta, entries = _read_header(rows_file, fd)
+        if head_meta.get("save_id") != saved.save_id:
+            raise LayoutError(
+                f"{rows_file} and {meta_file} come from different saves (save_id "
+                f"{_show(head_meta.get('save_id'))} vs {saved.save_id!r})"
+            )
+        if head_meta.get("format_version") != str(version):
+            raise LayoutError(f"{rows_file}: __metadata__ format_version {_show(head_meta.get('format_version'))}, "
+                              f"expected '{version}'")
+        found = {n: (e.code, e.shape) for n, e in entries.items()}
+        want = {n: (c, list(s)) for n, c, s, _ in expected}
+        if found != want:
+            raise LayoutError(f"{rows_file} holds tensors {_clip(str(found), 1000)}; {meta_file} says {want}")
+        kwargs = {f.name: getattr(opts, f.name) for f in fields(opts) if f.name not in ("capacity", "frames")}
+        if opts.frames is not None:
+            kwargs.update(opts.frames.arguments())
+        buf = factory(schema, cap, **kwargs, name=name, seed=seed)
+        try:
+            with Line(f"loading {folder}", sum(stop - first for first, stop, _ in lanes)) as line:
+                _fill(buf, fd, rows_file, data_start, entries, files, lanes, line)
+            arrays = columns(buf)
+            if saved.max_priority is not None:
+                arrays["_prio"][0] = saved.max_priority
+            for key, at in _STATS.items():
+                arrays["_stats"][at] = saved.stats.get(key, 0)
+            new_lc = buf.lane_capacity
+            for lane, (first, stop, base) in enumerate(lanes):
+                # the saved base reproduces the bounds unless the lanes grew or rows were dropped
+                arrays["_lanes"][lane, Lane.BASE] = base if max(base, stop - new_lc) == first else first
+                arrays["_lanes"][lane, Lane.CURSOR] = stop  # last: until now the buffer reads as empty
+        except BaseException:
+            buf.__exit__(None, None, None)  # unlink; unmap once the traceback's views are gone
+            raise
+    finally:
+        os.close(fd)
+    return buf
+
+
+def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, _Entry],
+          files: list[Tensor], lanes: list[tuple[int, int, int]], line: Line) -> None:
+    """Read the rows into the new buffer's slots, with their stamps, a chunk at a time; a hole's
+    slot stays empty (stamp 0, leaf 0)."""
+    arrays = columns(buf)
+    lc = buf.lane_capacity
+    targets: dict[str, np.ndarray] = dict(buf.block.fields)
+    for internal in ("_episode", "_uses"):
+        if internal in arrays:
+            targets[internal] = arrays[internal]
+    prios = buf.priorities
+    max_use = buf.options.max_use
+    step = max(1, CHUNK_BYTES // max(1, sum(t.row_bytes for t in files)))
+    pos = 0
+    for lane, (first, stop, _) in enumerate(lanes):
+        n0 = first
+        while n0 < stop:
+            n1 = min(stop, n0 + step, (n0 // lc + 1) * lc)
+            s0 = int(slot(lane, n0, lc))
+            sl = slice(s0, s0 + n1 - n0)
+            flags = np.empty(n1 - n0, np.uint8)
+            _pread_into(fd, flags, data_start + entries["_present"].begin + pos + n0 - first, file)
+            if flags.size and flags.max() > 1:
+                raise LayoutError(f"{file}: tensor '_present' holds {int(flags.max())}, expected 0 or 1")
+            present = flags.astype(bool)
+            for t in files:
+                if t.name == "_present":
+                    continue
+                offset = data_start + entries[t.name].begin + (pos + n0 - first) * t.row_bytes
+                target = targets[t.name][sl] if t.name != "_leaf" else None
+                if target is not None and target.flags.c_contiguous:
+                    _pread_into(fd, target, offset, file)
+                    staged = target
+                else:
+                    staged = np.empty((n1 - n0, *t.shape), t.dtype)
+                    _pread_into(fd, staged, offset, file)
+                if t.name == "_leaf":
+                    staged[~present] = 0.0  # a hole is never drawn
+                    assert prios is not None
+                    if not np.all((staged >= 0) & (staged <= MAX_LEAF)) or not prios.leaves_valid(staged):
+                        raise LayoutError(
+                            f"{file}: tensor '_leaf' holds negative or non-finite priorities, or leaves "
+                            f"above {MAX_LEAF:g} or of no finite priority: expected tree leaves (p + eps) ** alpha "
+                            f"in [0, {MAX_LEAF:g}] of finite priorities p; the file was altered or is not a save"
+                        )
+                    prios.tree.update(np.arange(sl.start, sl.stop), staged)
+                elif t.name == "_uses" and max_use is not None and staged.size and int(staged.max()) > max_use:
+                    raise LayoutError(f"{file}: tensor '_uses' holds {int(staged.max())}, more than max_use={max_use}")
+                elif target is not None and staged is not target:
+                    target[...] = staged
+            stamps = committed(np.arange(n0, n1, dtype=np.int64))
+            stamps[~present] = 0
+            arrays["_stamp"][sl] = stamps
+            line.update(pos + n1 - first)
+            n0 = n1
+        pos += stop - first
+
+
+READERS: dict[int, Callable[..., Buffer]] = {FORMAT_VERSION_1: read_v1, FORMAT_VERSION_2: read_v2}
+"""Format version -> its reader. A later version adds its reader here and keeps the older ones."""

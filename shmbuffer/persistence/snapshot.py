@@ -1,0 +1,356 @@
+"""The rows of a live buffer as of one moment, copied piece by piece while writers go on.
+
+``Snapshot`` chooses each lane's rows and reads them in pieces through the reader's stamped gather
+(``protocol.reader.gather(..., stored=True)``: the rows as stored, each kept only when intact by
+the protocol's rule, ``protocol.rows.intact``); ``copy_rows`` puts the pieces into a sink (the
+save's file, or ``MemorySink`` for ``export``) at the places ``format.Layout`` gives them.
+
+A save while writers run
+------------------------
+The snapshot first reaps the rows of writers that died mid-push (``protocol.ring``: they read as
+empty from then on), reads each lane's bounds ``[first, stop)`` once (``protocol.rows.bounds``)
+and scans their stamps. What it keeps is, per lane, the row numbers ``[F, S)`` where
+
+* ``S`` is ``stop``, or the first row of ``[first, stop)`` that a live writer was still writing
+  ``wait`` seconds after the start: the run stops before it, and the committed rows after it are
+  not kept (they count as dropped). Rows of writers found dead by then are reaped and become
+  holes. Rows reserved after the start (row numbers ``>= stop``) are never kept.
+* ``F >= first`` is one past the last row of ``[first, S)`` that was found overwritten, at the
+  start or when its piece was read: every row before it goes too, intact or not (writers lapping
+  the ring take a lane's slots in row-number order, so those are overwritten next). A hole counts
+  as overwritten once its slot is no longer empty. A row that the gather does not read intact
+  counts as overwritten, and so does one cleared by a ``clear()`` before its piece was read (a
+  cleared row keeps its stamp, and the reader never reads it).
+* every row of ``[F, S)`` that the scan at the start found empty (stamp 0; dead writers' rows are
+  by then), or that was deleted (or reaped) before its piece was read, is a hole; every other one
+  is kept.
+
+So every kept row was committed when the snapshot started (or within ``wait`` of it) and was
+read intact (episode ids with it: they are part of the row), and each lane's kept rows and holes
+are consecutive row numbers: the snapshot of a moment, less a lane's rows up to the newest one that
+writers overwrote while it ran, and less the rows from the first one a live writer was still
+writing. Rows that an update (``ReplayBuffer.update``) spanned are gathered again
+(``reader.settle``), and once more holding the ring's lock (no update can begin) if updates are
+still under way. Tree leaves and use counts are copied under the ring's lock after their piece's
+rows: each as of that moment, not of the start (samplers change them without touching the rows);
+a row overwritten by then (its stamp names a later row) is not kept.
+
+Pieces are at most ``CHUNK_BYTES`` of rows, taken from the lanes in turn. The first piece of every
+lane is held in memory until all lanes have one, so the file's layout (every lane's row count) is
+known before anything is written; if writers still overwrite rows after that (they outran the
+snapshot), the tensors are moved down over the dropped rows at the end: one more pass over the
+sink from the first gap on. Memory: about two pieces, whatever the buffer's size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import closed
+from ..protocol import reader
+from ..protocol.layout import Counter
+from ..protocol.rows import committed, row_id, slot, writing
+from .format import Layout, Tensor
+
+__all__ = ["CHUNK_BYTES", "Buffer", "MemorySink", "Piece", "Run", "Sink", "Snapshot", "columns", "copy_rows"]
+
+CHUNK_BYTES = 64 << 20
+"""Bytes of rows copied (or read) at a time."""
+_WAIT_UPDATES = 1.0
+"""Seconds a read holding the lock waits for the updates under way to end."""
+
+Buffer = Any
+"""A ``ReplayBuffer`` (``buffer.py``, above this package: it is never imported here): what is saved
+is read through its public ``ring``, ``block``, ``priorities``, ``reap``, ``schema`` and ``options``;
+a load makes one with the ``factory`` it is given (``ReplayBuffer`` itself)."""
+
+
+def columns(buf: Buffer) -> dict[str, np.ndarray]:
+    """The buffer's columns by name (``layout.Block.arrays``); ``closed`` raises on a closed buffer."""
+    if buf.closed:
+        raise closed(buf.name)
+    arrays: dict[str, np.ndarray] = buf.block.arrays
+    return arrays
+
+
+@dataclass
+class Run:
+    """One lane's rows: bounds at the start, the run ``[keep, end)`` kept so far, the next row,
+    and the holes (row numbers of empty rows, sorted) of ``[first, end)``."""
+
+    lane: int
+    first: int
+    stop: int
+    base: int
+    end: int
+    keep: int
+    at: int
+    holes: np.ndarray
+
+    def hole_count(self) -> int:
+        """Holes in the run ``[keep, end)``."""
+        return int(self.holes.size - np.searchsorted(self.holes, self.keep))
+
+    def hole_mask(self, n0: int, n1: int) -> np.ndarray:
+        """Which rows of ``[n0, n1)`` are holes."""
+        h = self.holes[np.searchsorted(self.holes, n0):np.searchsorted(self.holes, n1)]
+        mask = np.zeros(n1 - n0, bool)
+        mask[h - n0] = True
+        return mask
+
+
+@dataclass
+class Piece:
+    """Rows ``[start, start + rows)`` of ``lane``: one array per tensor of the file."""
+
+    lane: int
+    start: int
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def rows(self) -> int:
+        """How many rows the piece holds."""
+        return int(next(iter(self.arrays.values())).shape[0])
+
+
+class Snapshot:
+    """The rows of ``buf`` as of now, read piece by piece (the module docstring): ``runs`` one
+    ``Run`` per lane; ``stats``, ``counters`` and ``max_priority`` as of the start."""
+
+    def __init__(self, buf: Buffer, wait: float) -> None:
+        ring = buf.ring
+        self.buf = buf
+        self.arrays = columns(buf)
+        self.lc = ring.lane_capacity
+        buf.reap()  # rows of writers that died mid-push read as empty from now on: holes, not waited for
+        self._reaped = False
+        first, stop = ring.bounds()
+        base = ring.base(np.arange(ring.lanes)).copy()
+        self.stats = ring.stats
+        counters = self.arrays["_stats"]
+        self.counters = {"sample_calls": int(counters[Counter.SAMPLE_CALLS]), "removed": int(counters[Counter.REMOVED])}
+        prios = buf.priorities
+        self.max_priority = prios.max_priority if prios is not None else None
+        deadline = time.monotonic() + wait
+        self.runs = [self._scan(lane, int(first[lane]), int(stop[lane]), min(int(base[lane]), int(first[lane])), deadline)
+                     for lane in range(ring.lanes)]
+
+    def _scan(self, lane: int, first: int, stop: int, base: int, deadline: float) -> Run:
+        """Find the run's end (the first row a live writer is still writing after the wait), the
+        overwritten rows before it and the holes (empty rows) among them."""
+        stamp = self.buf.ring.stamp
+        keep, n0 = first, first
+        holes: list[np.ndarray] = []
+        step = CHUNK_BYTES // 8
+        end = stop
+        while n0 < stop:
+            n1 = min(stop, n0 + step, (n0 // self.lc + 1) * self.lc)
+            sl = self._slots(lane, n0, n1)
+            numbers = np.arange(n0, n1, dtype=np.int64)
+            expect, odd = committed(numbers), writing(numbers)
+            s = stamp[sl].copy()
+            while True:
+                being = s == odd
+                if not being.any() or time.monotonic() > deadline:
+                    break
+                time.sleep(0.001)
+                s[being] = stamp[sl][being]
+            if being.any() and not self._reaped:  # writers that died while we waited
+                self._reaped = True
+                self.buf.reap()
+                s[being] = stamp[sl][being]
+                being = s == odd
+            stuck = np.flatnonzero(being)
+            cut = int(stuck[0]) if stuck.size else n1 - n0
+            over = np.flatnonzero(s[:cut] > expect[:cut])
+            if over.size:
+                keep = n0 + int(over[-1]) + 1
+            holes.append(n0 + np.flatnonzero(s[:cut] < expect[:cut]))
+            if stuck.size:
+                end = n0 + cut
+                break
+            n0 = n1
+        found = np.concatenate(holes) if holes else np.empty(0, np.int64)
+        return Run(lane, first, stop, base, end, keep, keep, found[found >= keep])
+
+    def _slots(self, lane: int, n0: int, n1: int) -> slice:
+        """The slots of rows ``[n0, n1)`` of ``lane``, which do not wrap."""
+        s0 = int(slot(lane, n0, self.lc))
+        return slice(s0, s0 + n1 - n0)
+
+    def _read(self, ids: np.ndarray, sl: slice, numbers: np.ndarray, hole: np.ndarray) -> tuple[reader.Rows, dict[str, np.ndarray], np.ndarray]:
+        """Gather the rows ``ids`` (slots ``sl``) as stored, their leaves and use counts, and
+        their stamps after all of it. Rows that an update spanned are gathered again; if some are
+        still being updated, the whole piece is gathered once more holding the lock."""
+        buf, ring = self.buf, self.buf.ring
+        block, stamp = buf.block, ring.stamp
+        rows = reader.gather(block, ring, ids, stored=True)
+        if not rows.ok.all():
+            reader.settle(block, ring, ids, rows, stored=True)
+        now = stamp[sl].copy()  # one read: the stamps change under us
+        pending = ~rows.ok & ~hole & ((now == committed(numbers)) | (now == writing(numbers)))
+        locked = bool(pending.any())
+        if locked:
+            ring.lock.acquire()
+        try:
+            if locked:  # no update can begin now; wait for those under way (their copies need no lock)
+                until = time.monotonic() + _WAIT_UPDATES
+                while (stamp[sl] == writing(numbers)).any() and time.monotonic() < until:
+                    time.sleep(0.0001)
+                rows = reader.gather(block, ring, ids, stored=True)
+            extra = self._internals(sl, locked)
+            now = stamp[sl].copy()
+        finally:
+            if locked:
+                ring.lock.release()
+        return rows, extra, now
+
+    def _internals(self, sl: slice, locked: bool) -> dict[str, np.ndarray]:
+        """The tree leaves and use counts of slots ``sl``, copied under the ring's lock."""
+        prios = self.buf.priorities
+        out: dict[str, np.ndarray] = {}
+        if prios is not None:
+            if not locked:
+                self.buf.ring.lock.acquire()
+            try:
+                out["_leaf"] = prios.tree.leaves[sl].copy()
+                if prios.uses is not None:
+                    out["_uses"] = prios.uses[sl].copy()
+            finally:
+                if not locked:
+                    self.buf.ring.lock.release()
+        return out
+
+    def copy(self, run: Run, rows: int) -> Piece | None:
+        """Copy the next ``rows`` rows of ``run`` (fewer at the lane's end or where its slots
+        wrap); drop the overwritten ones and those before them. ``None`` when none is left."""
+        buf = self.buf
+        n0 = run.at
+        n1 = min(run.end, n0 + rows, (n0 // self.lc + 1) * self.lc)
+        sl = self._slots(run.lane, n0, n1)
+        numbers = np.arange(n0, n1, dtype=np.int64)
+        ids = row_id(numbers, run.lane, buf.ring.lanes)
+        hole = run.hole_mask(n0, n1)
+        got, extra, now = self._read(ids, sl, numbers, hole)
+        hole = hole | (now == 0)  # a row deleted (or reaped) since the scan is a hole, not a sign of lapping writers
+        # a hole must still be empty (a stamp there means a writer lapped it); a row must have been
+        # read intact and still be there (committed, or being updated) once its leaf was copied
+        there = (now == committed(numbers)) | (now == writing(numbers))
+        bad = np.where(hole, now != 0, ~(got.ok & there))
+        run.at = n1
+        if bad.any():
+            run.keep = max(run.keep, n0 + int(np.flatnonzero(bad)[-1]) + 1)
+        lo = max(run.keep, n0) - n0
+        if lo >= n1 - n0:
+            return None
+        out = dict(got.large)
+        if got.episode is not None:
+            out["_episode"] = got.episode
+        out.update(extra)
+        block = got.packed
+        if hole.any():  # a hole's bytes are zeros in every tensor (see the format)
+            for a in out.values():
+                a[hole] = 0
+            if block is not None:
+                block[hole] = 0
+        if block is not None:
+            for name, view in buf.block.stored_record.views(block).items():
+                out[name] = np.ascontiguousarray(view)
+        out["_present"] = ~hole
+        return Piece(run.lane, n0 + lo, {name: a[lo:] for name, a in out.items()})
+
+    def piece_rows(self, row_bytes: int) -> int:
+        """Rows of a piece: ``CHUNK_BYTES`` over every lane's piece together."""
+        return max(1, CHUNK_BYTES // max(1, row_bytes) // len(self.runs))
+
+
+class Sink(Protocol):
+    """Where ``copy_rows`` puts the rows: bytes at offsets of the data section."""
+
+    def start(self, plan: Layout) -> None:
+        """Make room for the rows of ``plan``."""
+
+    def write(self, offset: int, a: np.ndarray) -> None:
+        """The bytes of ``a`` at ``offset``."""
+
+    def move(self, src: int, dst: int, nbytes: int) -> None:
+        """Move ``nbytes`` from ``src`` down to ``dst``."""
+
+    def finish(self, final: Layout) -> None:
+        """The rows are all there, laid out as ``final``."""
+
+
+class MemorySink:
+    """The rows go to one array of bytes, ``data``; the tensors are views of it (``export``)."""
+
+    data = np.empty(0, np.uint8)
+
+    def start(self, plan: Layout) -> None:
+        """Allocate the bytes of ``plan``."""
+        self.data = np.empty(plan.data_bytes, np.uint8)
+
+    def write(self, offset: int, a: np.ndarray) -> None:
+        """The bytes of ``a`` at ``offset``."""
+        a = np.ascontiguousarray(a)
+        self.data[offset:offset + a.nbytes] = a.reshape(-1).view(np.uint8)
+
+    def move(self, src: int, dst: int, nbytes: int) -> None:
+        """Move ``nbytes`` from ``src`` down to ``dst``, a chunk at a time."""
+        for done in range(0, nbytes, CHUNK_BYTES):
+            k = min(CHUNK_BYTES, nbytes - done)
+            self.data[dst + done:dst + done + k] = self.data[src + done:src + done + k]
+
+    def finish(self, final: Layout) -> None:
+        """Nothing to do: the rows are in ``data``."""
+
+
+def _layout(tensors: list[Tensor], runs: list[Run]) -> Layout:
+    return Layout(tensors, [(r.keep, r.end) for r in runs])
+
+
+def copy_rows(snap: Snapshot, tensors: list[Tensor], sink: Sink, done: Any = None) -> tuple[Layout, bool]:
+    """Copy every run of ``snap`` into ``sink`` (the module docstring); return the final layout and
+    whether the tensors had to be moved over rows dropped after the layout was planned. ``done``:
+    called with the bytes of each piece once written (a progress bar's ``add``)."""
+    runs = snap.runs
+    row_bytes = sum(t.row_bytes for t in tensors)
+    step = snap.piece_rows(row_bytes)
+    held: list[Piece] = []
+    for run in runs:  # the first piece of every lane fixes the layout before anything is written
+        while run.at < run.end:
+            piece = snap.copy(run, step)
+            if piece is not None:
+                held.append(piece)
+                break
+    plan = _layout(tensors, runs)
+    sink.start(plan)
+
+    def write(piece: Piece) -> None:
+        for t in tensors:
+            sink.write(plan.at(t, piece.lane, piece.start), piece.arrays[t.name])
+        if done is not None:
+            done(piece.rows * row_bytes)
+
+    while held:  # popped, so that each piece is freed once written: memory stays at about one piece
+        write(held.pop())
+    while any(r.at < r.end for r in runs):
+        for run in runs:
+            if run.at < run.end:
+                got = snap.copy(run, step)
+                if got is not None:
+                    write(got)
+                    got = None
+    final = _layout(tensors, runs)
+    moved = final.keep != plan.keep
+    if moved:  # writers overwrote rows after the layout was planned: close the gaps, front to back
+        for t in tensors:
+            for lane, count in enumerate(final.counts):
+                src, dst = plan.at(t, lane, final.keep[lane]), final.at(t, lane, final.keep[lane])
+                if src != dst:
+                    sink.move(src, dst, count * t.row_bytes)
+    sink.finish(final)
+    return final, moved

@@ -1,0 +1,167 @@
+"""Rewriting committed rows: update and delete (a push of new rows is ``push.py``'s).
+
+``update`` rewrites fields of current rows in place: under the lock each row's stamp turns odd
+again with its own row number (this process its owner), ``Counter.UPDATES`` counts the update,
+and signal handlers wait; the fields are copied; the stamp turns even again. A reader that meets
+the row meanwhile re-draws it, and since the stamp ends where it began, a reader whose copy spans
+the whole update sees ``UPDATES`` move and reads those rows again (``reader.gather``: no ABA). A copy
+that fails leaves the rows empty (never torn). ``delete`` sets the stamps and tree leaves of
+current rows to 0 under the lock: never sampled, taken, exported or saved again (a save keeps a
+hole). Once a buffer has lost a row this way or by ``max_use`` (``Counter.REMOVED``), ``len``
+scans the held slots (``removed``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..errors import FieldError, ReadOnlyError
+from ..frames import END, KIND, LEAD
+from ..schema import as_numpy
+from ..shm.lock import defer_signals, resume_signals
+from .layout import Counter
+from .reader import Source
+from .rows import slot
+
+OneCall = Callable[[Any, Any, Any], "np.ndarray | None"]
+
+
+def update(src: Source, ids: np.ndarray, fields: dict[str, Any], priority: Any = None) -> int:
+    """``ReplayBuffer.update``: overwrite ``fields`` of the rows ``ids`` (checked ids) that are
+    still current, under the commit protocol (the module docstring); returns how many."""
+    ring = src.ring
+    schema = src.block.schema
+    fields = dict(fields)
+    if "priority" in fields and "priority" not in schema.names:
+        if priority is not None:
+            raise TypeError("update() got a priority both in the row and as priority=; give one")
+        priority = fields.pop("priority")
+    unknown = [n for n in fields if n not in schema.names]
+    if unknown:
+        raise FieldError(f"update: no field {unknown[0]!r}; the schema has {', '.join(schema.names)}")
+    spec = src.block.frames
+    shared = [n for n in fields if spec is not None and n in spec.rebuilt + tuple(s for _, s in spec.next_of)]
+    if shared:
+        raise FieldError(f"update: field {shared[0]!r} is stored once for several rows (next_of/stack): "
+                         "it cannot be rewritten in place; update the other fields")
+    if ring.frozen:
+        raise ReadOnlyError(f"buffer {src.name!r} is frozen (read-only): its rows cannot be updated")
+    k = int(ids.size)
+    prios = src.priorities
+    if priority is not None:
+        if prios is None or not prios.prioritized:
+            raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
+        priority = prios.check(priority, k, "update: priority")
+    arrays: dict[str, np.ndarray] = {}
+    if fields:
+        full: dict[str, Any] = {}
+        for f in schema:
+            if f.name in fields:
+                a = as_numpy(fields[f.name])
+                full[f.name] = np.broadcast_to(a, (k, *a.shape)) if a.shape == f.shape else a
+            else:
+                full[f.name] = np.zeros((k, *f.shape), f.dtype)
+        got, checked = schema.validate(full)
+        if got != k:
+            raise FieldError(f"update: {k} ids but {got} rows of fields")
+        arrays = {n: checked[n] for n in fields}
+    if not k:
+        return 0
+    w = ring.writer_id()
+    with ring.lock:
+        live = ring.current(ids)
+        idx = ids[live]
+        slots = ring.slots(idx)
+        ring.owner[slots] = w  # the owner first: an odd stamp always names its writer
+        ring.stamp[slots] = ring.expected(idx) - 1
+        src.block.counters[Counter.UPDATES] += 1  # after the odd stamps (reader._unless_updated)
+        if priority is not None and prios is not None:
+            prios.set_rows(slots, priority[live], fresh=False)
+        defer_signals()  # outlasts the lock: nothing interrupts until the stamps are even again
+    try:
+        try:
+            for name, a in arrays.items():
+                src.block.fields[name][slots] = a[live]
+        except BaseException:
+            with ring.lock:  # a half-updated row must not be read: it leaves the buffer
+                ring.stamp[slots] = 0
+                if prios is not None:
+                    prios.remove(slots)
+                else:
+                    src.block.arrays["_stats"][Counter.REMOVED] = 1
+            raise
+        ring.stamp[slots] = ring.expected(idx)
+    finally:
+        resume_signals()
+    return int(live.sum())
+
+
+def delete(src: Source, ids: np.ndarray) -> int:
+    """``ReplayBuffer.delete``: remove the rows ``ids`` (checked ids) that are still current;
+    returns how many."""
+    ring = src.ring
+    if ring.frozen:
+        raise ReadOnlyError(f"buffer {src.name!r} is frozen (read-only): its rows cannot be deleted")
+    if src.block.frames is not None:
+        raise FieldError(
+            f"delete: buffer {src.name!r} stores observations once for several rows (next_of/stack): a deleted "
+            "row would take its neighbours' next observations and frames with it; lower the rows' priorities "
+            "(update_priorities) or use max_use instead")
+    prios = src.priorities
+    with ring.lock:
+        live = ring.current(ids)
+        slots = np.unique(ring.slots(ids[live]))
+        if not slots.size:
+            return 0
+        src.block.arrays["_stats"][Counter.REMOVED] = 1  # before the rows go: len never over-counts
+        ring.stamp[slots] = 0
+        if prios is not None:
+            prios.remove(slots)
+    return int(slots.size)
+
+
+def end_rows(src: Source) -> int:
+    """Held slots that are not transitions (``next_of``, ``stack``): end rows holding an episode's
+    final observation, lead rows (``push(resume=True)``, a lane started again after ``clear()``),
+    and with ``next_of`` each lane's newest row while it waits for its next one."""
+    kind = src.block.arrays[KIND]
+    ring = src.ring
+    nexts = src.block.frames is not None and bool(src.block.frames.next_of)
+    first, stop = ring.bounds()
+    lc = ring.lane_capacity
+    count = 0
+    for lane in range(ring.lanes):
+        a, b = int(first[lane]), int(stop[lane])
+        if b - a >= lc:
+            count += int(np.count_nonzero(kind[lane * lc:(lane + 1) * lc] & (END | LEAD)))
+        elif b > a:
+            count += int(np.count_nonzero(kind[slot(lane, np.arange(a, b), lc)] & (END | LEAD)))
+        if nexts and b > a and not kind[slot(lane, (b - 1), lc)] & (END | LEAD):
+            count += 1  # the newest row: its next observation is not pushed yet
+    return count
+
+
+def removed(src: Source) -> int:
+    """Held slots (within the lanes' bounds) that are empty or hold a used-up row."""
+    ring = src.ring
+    first, stop = ring.bounds()
+    lc = ring.lane_capacity
+    gone = 0
+    prios = src.priorities
+    for lane in range(ring.lanes):
+        a, b = int(first[lane]), int(stop[lane])
+        if b <= a:
+            continue
+        if b - a >= lc:
+            slots: slice | np.ndarray = slice(lane * lc, (lane + 1) * lc)
+        else:
+            slots = slot(lane, np.arange(a, b), lc)
+        stamp = ring.stamp[slots]
+        empty = stamp == 0
+        gone += int(empty.sum())
+        if prios is not None and prios.uses is not None and prios.max_use is not None:
+            gone += int(((prios.uses[slots] >= prios.max_use) & ~empty).sum())
+    return gone

@@ -1,0 +1,274 @@
+"""What a buffer's block holds: its options, its column table and named views of the columns.
+
+This module is the one owner of the layout inside a block (``segment.py`` owns the bytes around
+it: header, metadata, alignment). The same table creates a block, checks it at attach, tells
+persistence what to save and the CLI where to read; nothing else names an internal column.
+
+Columns, in block order
+-----------------------
+``_mutex``        64 bytes, the ``RobustLock`` (``lock.py``)
+``_lanes``        ``(lanes, 8)`` int64, one cache line a lane: ``[l, CURSOR]`` rows ever reserved in
+                  lane ``l``, ``[l, BASE]`` the first row number that counts after a ``clear()``
+``_stats``        ``(16,)`` int64, shared counters, never wrapping; index ``Counter``
+``_writer_pid``, ``_writer_start``  ``(WRITERS,)`` the processes that have pushed or sampled (``ring.py``)
+``_sampled``      ``(WRITERS,)`` int64, rows each writer entry's processes sampled without the lock
+``_stamp``        ``(capacity,)`` int64, each slot's commit stamp (``ring.py``)
+``_owner``        ``(capacity,)`` uint16, the writer entry that last reserved each slot
+``_tree_sum``, ``_tree_min``, ``_prio``, ``_uses``  the priority tree, the largest priority and the
+                  use counts (``priorities.py``); only with a ``Prioritized`` sampler or ``max_use``
+                  (``_uses`` only with ``max_use``)
+``_episode``      ``(capacity,)`` int64, each row's episode id; only with ``episodes=True``
+``_kind``         ``(capacity,)`` uint8, what each row is (``frames.py``: an episode's start or end
+                  row); only with ``next_of`` or ``stack``
+``_record``       ``(capacity, itemsize)`` uint8, the packed small fields (``schema.Record``)
+one column per large field, named as the field, ``(capacity, *shape)`` in its dtype
+
+With ``next_of`` or ``stack`` (``Options.frames``) the record and the large columns are those of the
+*stored* schema (``frames.Frames.stored``: stacked fields one frame wide, next fields gone); the
+block's ``schema`` stays the user's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import numpy as np
+
+from ..errors import FieldError, LayoutError
+from ..frames import KIND, Frames
+from ..sampling.limiter import RateLimiter
+from ..sampling.samplers import Prioritized, Sampler, Uniform, sampler_from_json
+from ..sampling.sumtree import SumTree
+from ..schema import Record, Schema
+from ..shm.lock import SIZE as MUTEX_SIZE
+from ..shm.segment import MALFORMED, ColumnSpec
+
+WRITERS = 1024
+UNIFORM = Uniform()
+"""Entries in the writer table: processes that may push to one buffer at once."""
+
+
+class Counter(IntEnum):
+    """Where each shared counter lives in ``_stats`` (readers' and writers' on separate lines)."""
+
+    SAMPLED = 0
+    """rows handed out by samples counted under the lock (a rate limiter's admissions, a loaded
+    buffer's count); the others are in ``_sampled`` (``Ring.sampled`` adds them up)"""
+    SAMPLE_CALLS = 1
+    """sample calls made, all processes (the annealing of ``Prioritized.beta``); counted without
+    the lock, so two processes sampling at the same instant may count once (approximate then)"""
+    UPDATES = 2
+    """updates of stored rows begun (``ReplayBuffer.update``, under the lock, after their rows
+    turned odd): a reader whose copy this count moved across discards it (``reader.gather``)"""
+    RECLAIMED = 8
+    """rows of dead writers reclaimed or reaped"""
+    LOCK_RECOVERIES = 9
+    """times a locker found the lock's holder dead"""
+    INSERTED = 10
+    """rows ever reserved, all lanes; a clear does not move it"""
+    REMOVED = 13
+    """1 once a row was deleted or used up (``max_use``): ``len`` then leaves such rows out"""
+    FROZEN = 11
+    """1 once the buffer is read-only"""
+    INTERLEAVED = 12
+    """1 once a push without ``lane=`` put rows of several episodes into one lane (a vector env's
+    step): windows (n-step, sequences, groups, episodes) are refused from then on"""
+
+
+class Lane(IntEnum):
+    """Where each lane's numbers live in its row of ``_lanes``."""
+
+    CURSOR = 0
+    BASE = 1
+
+
+@dataclass(frozen=True)
+class Options:
+    """What shapes a block besides its schema; stored in its metadata, read back on attach."""
+
+    capacity: int
+    lanes: int = 1
+    sampler: Sampler = UNIFORM
+    max_use: int | None = None
+    episodes: bool = False
+    limiter: RateLimiter | None = None
+    envs: int | None = None
+    """one lane per env: a push without ``lane=`` of ``k`` rows (a multiple of ``envs``, env-major
+    per step) puts row ``i`` into lane ``i % envs``"""
+    frames: Frames | None = None
+    """fields stored once and read from the lane (``frames.py``: ``next_of``, ``stack``)"""
+
+    def __post_init__(self) -> None:
+        cap, lanes, max_use = self.capacity, self.lanes, self.max_use
+        if not _count(cap):
+            raise ValueError(f"capacity: expected a positive int, got {cap!r}")
+        if not _count(lanes) or cap % lanes:
+            raise ValueError(f"lanes: expected a positive divisor of capacity {cap}, got {lanes!r}")
+        if max_use is not None and not _count(max_use):
+            raise ValueError(f"max_use: expected a positive int or None, got {max_use!r}")
+        if not isinstance(self.sampler, (Uniform, Prioritized)):
+            raise ValueError(f"sampler: expected Uniform() or Prioritized(...), got {self.sampler!r}")
+        if self.limiter is not None and not isinstance(self.limiter, RateLimiter):
+            raise ValueError(f"limiter: expected a RateLimiter, got {self.limiter!r}")
+        if self.envs is not None and (not _count(self.envs) or self.envs != lanes):
+            raise ValueError(f"envs: expected a positive int equal to lanes ({lanes!r}), got {self.envs!r}")
+        if self.frames is not None and cap // lanes < 2 * (self.frames.depth + self.frames.ahead + 1):
+            need = 2 * (self.frames.depth + self.frames.ahead + 1)
+            raise ValueError(f"capacity: a transition of this buffer reads {need // 2} rows of its lane (next_of/stack): "
+                             f"expected lanes of {need} rows or more, got {cap // lanes}; raise capacity")
+
+    @property
+    def tree(self) -> bool:
+        """Whether draws go through the priority tree (prioritized, or any sampler with max_use)."""
+        return isinstance(self.sampler, Prioritized) or self.max_use is not None
+
+    def default_lane(self, k: int) -> int | np.ndarray:
+        """The lanes of a push of ``k`` rows that names none (see ``envs`` and ``lanes``)."""
+        envs = self.envs
+        if envs is not None:
+            if k % envs:
+                raise FieldError(
+                    f"lane: this buffer has one lane per env (envs={envs}): a push without lane= takes "
+                    f"whole steps of every env, env-major ({envs}, {2 * envs}, ... rows), got {k} rows; "
+                    "or name the lanes with lane="
+                )
+            return 0 if envs == 1 else np.tile(np.arange(envs, dtype=np.int64), k // envs)
+        if self.lanes > 1:
+            raise FieldError(
+                f"lane: this buffer has {self.lanes} lanes and a push without lane= would fill only "
+                f"lane 0 (1/{self.lanes} of the capacity): pass lane= (one per row or one for all), "
+                "or create the buffer with envs=N to spread a vector env's rows one lane per env"
+            )
+        return 0
+
+    def check_episode(self, episode: Any, k: int) -> np.ndarray | None:
+        """The episode ids of a push of ``k`` rows as int64 (one, or one per row), ``None`` for a
+        buffer that keeps none; ``FieldError`` when they are missing, unwanted or malformed."""
+        if not self.episodes:
+            if episode is not None:
+                raise FieldError("episode: this buffer does not keep episodes; create it with episodes=True")
+            return None
+        if episode is None:
+            raise FieldError("episode: this buffer keeps episodes (episodes=True); push(..., episode=id) is required")
+        e = np.asarray(episode)
+        if e.dtype.kind not in "iu" or e.shape not in ((), (k,)):
+            raise FieldError(f"episode: expected an int or {k} ints, got {e.dtype} of shape {e.shape}")
+        return e.astype(np.int64, copy=False)
+
+    def to_json(self) -> dict[str, Any]:
+        """The options as JSON, kept in the block's metadata."""
+        return {"capacity": int(self.capacity), "lanes": int(self.lanes), "sampler": self.sampler.to_json(),
+                "max_use": None if self.max_use is None else int(self.max_use), "episodes": bool(self.episodes),
+                "limiter": None if self.limiter is None else self.limiter.to_json(),
+                **({} if self.envs is None else {"envs": int(self.envs)}),
+                **({} if self.frames is None else {"frames": self.frames.to_json()})}
+
+    @classmethod
+    def from_json(cls, spec: dict[str, Any]) -> Options:
+        """The options that ``to_json`` gave."""
+        return cls(spec["capacity"], spec["lanes"], sampler_from_json(spec["sampler"]), spec["max_use"],
+                   spec["episodes"], RateLimiter.from_json(spec.get("limiter")), spec.get("envs"),
+                   Frames.from_json(spec.get("frames")))
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and bool(value > 0)
+
+
+def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
+    """The block's columns, in order (the module docstring says what each holds)."""
+    capacity, lanes = int(opts.capacity), int(opts.lanes)
+    i8, u1 = np.dtype(np.int64), np.dtype(np.uint8)
+    cols = [
+        ColumnSpec("_mutex", (MUTEX_SIZE,), u1),
+        ColumnSpec("_lanes", (lanes, 8), i8),
+        ColumnSpec("_stats", (16,), i8),
+        ColumnSpec("_writer_pid", (WRITERS,), i8),
+        ColumnSpec("_writer_start", (WRITERS,), np.dtype(np.float64)),
+        ColumnSpec("_sampled", (WRITERS,), i8),
+        ColumnSpec("_stamp", (capacity,), i8),
+        ColumnSpec("_owner", (capacity,), np.dtype(np.uint16)),
+    ]
+    if opts.tree:
+        size = SumTree.size(capacity)
+        cols += [ColumnSpec("_tree_sum", (size,), np.dtype(np.float64)),
+                 ColumnSpec("_tree_min", (size,), np.dtype(np.float64)),
+                 ColumnSpec("_prio", (8,), np.dtype(np.float64))]
+        if opts.max_use is not None:
+            cols.append(ColumnSpec("_uses", (capacity,), np.dtype(np.uint32)))
+    if opts.episodes:
+        cols.append(ColumnSpec("_episode", (capacity,), i8))
+    if opts.frames is not None:
+        schema = opts.frames.stored(schema)
+        cols.append(ColumnSpec(KIND, (capacity,), u1))
+    if schema.record.itemsize:
+        cols.append(ColumnSpec("_record", (capacity, schema.record.itemsize), u1))
+    cols += [ColumnSpec(f.name, (capacity, *f.shape), f.dtype) for f in schema.columns]
+    return cols
+
+
+def read(name: str, meta: dict[str, Any], fingerprint: str) -> tuple[Schema, Options]:
+    """The schema and options of a block from its metadata, checked: readable, the schema's
+    fingerprint the header's, and the column table the one this release builds for them (another
+    release made the block, or it is damaged: ``LayoutError``)."""
+    try:
+        schema = Schema.from_json(meta["schema"])
+        opts = Options.from_json(meta["options"])
+        if opts.frames is not None:
+            opts.frames.check(schema)
+        expected = [(c.name, list(c.shape), c.dtype.str) for c in columns(schema, opts)]
+        stored = [(c["name"], list(c["shape"]), c["dtype"]) for c in meta["columns"]]
+    except MALFORMED as exc:
+        raise LayoutError(
+            f"buffer {name!r} is damaged: its schema or options cannot be read "
+            f"({type(exc).__name__}: {str(exc)[:200]}); remove it (`shmbuffer gc --force {name}`)"
+        ) from None
+    if schema.fingerprint != fingerprint:
+        raise LayoutError(f"buffer {name!r} is damaged: its schema does not match its fingerprint")
+    if stored != expected:
+        raise LayoutError(
+            f"buffer {name!r} was written with another column layout than this shmbuffer uses; "
+            "use the release that created it"
+        )
+    return schema, opts
+
+
+class Block:
+    """Named views of one block's columns (a segment's)."""
+
+    def __init__(self, schema: Schema, opts: Options, arrays: dict[str, np.ndarray]) -> None:
+        self.schema = schema
+        """The user's fields (what is pushed and read)."""
+        self.options = opts
+        self.arrays = arrays
+        self.frames = opts.frames
+        self.stored = schema if self.frames is None else self.frames.stored(schema)
+        """What a row stores (``frames.py``); the user's schema without ``next_of``/``stack``."""
+        self.stored_record: Record = self.stored.record
+        """Where pushes write the small stored fields."""
+        self.record: Record = self.stored_record if self.frames is None else self.frames.served(self.stored_record)
+        """The small fields a read takes from a row's own record (not the stacked ones)."""
+        self.stamp = arrays["_stamp"]
+        self.counters = arrays["_stats"]
+        """The shared counters, ``Counter`` indexes them (the ring keeps most of them)."""
+        self.episode: np.ndarray | None = arrays.get("_episode")
+        self.packed: np.ndarray | None = arrays.get("_record")
+        """The packed small fields, ``(capacity, itemsize)`` uint8, or ``None``."""
+        self.large = {f.name: arrays[f.name] for f in self.stored.columns}
+        """The stored fields that have a column of their own (and ``_kind`` with ``frames``)."""
+        small = self.stored_record.views(self.packed) if self.packed is not None else {}
+        self.fields = {name: small[name] if name in small else self.large[name] for name in self.stored.names}
+        """Every stored field as a ``(capacity, *shape)`` view, in schema order (and ``_kind``)."""
+        if self.frames is not None:
+            self.large[KIND] = self.fields[KIND] = arrays[KIND]
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether a push without ``lane=`` put rows of several episodes into one lane."""
+        return bool(self.counters[Counter.INTERLEAVED])
+
+    def mark_interleaved(self) -> None:
+        """Note in the block that one lane has received rows of several envs (windows then refuse it)."""
+        self.counters[Counter.INTERLEAVED] = 1

@@ -1,0 +1,119 @@
+"""The row arithmetic of the commit protocol: the only place where these rules are written in Python.
+
+Rows, lanes and ids
+-------------------
+A ring of ``capacity`` slots is split into ``lanes`` lanes of ``lane_capacity`` slots (one lane
+by default). Each lane has a cursor: the count of rows ever reserved in it, a 64-bit number that
+never wraps. Row number ``n`` of lane ``l`` lives in slot ``l * lane_capacity + n % lane_capacity``
+(``slot``) and has the global id ``n * lanes + l`` (``row_id``): ids never repeat, so an id names
+one row forever, and a stale id (its slot has since been overwritten) is detectable. A lane keeps
+one writer's (or one env's) consecutive pushes in consecutive slots, which windows need.
+
+Stamps
+------
+Each slot has a commit stamp. ``0``: empty. ``2n + 1`` (``writing``): row ``n`` is being written
+there. ``2n + 2`` (``committed``): row ``n`` is there, whole. A row read between two loads of its
+stamp is intact (``intact``) when both loads show ``committed(n)``: neither torn, nor half-written,
+nor overwritten. The C extension states the same rules once, in ``native/layout.h``
+(``slot_of``, ``committed_stamp``), and ``tests/test_native.py`` checks the two against each other.
+
+Which rows count
+----------------
+Per lane, the rows from the lane's base (its last ``clear()``) up to its cursor, at most a lane's
+capacity back from the cursor (``bounds``).
+
+Every function takes Python ints or numpy int64 arrays alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .layout import Lane
+
+Ints = Any
+"""An int or an int64 array: every function here takes and gives either."""
+
+_CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
+
+
+def slot(lane: Ints, n: Ints, lane_capacity: int) -> Ints:
+    """The slot (row of the columns) that row number ``n`` of lane ``lane`` lives in."""
+    return lane * lane_capacity + n % lane_capacity
+
+
+def row_id(n: Ints, lane: Ints, lanes: int) -> Ints:
+    """The global id of row number ``n`` of lane ``lane``."""
+    return n * lanes + lane
+
+
+def lane_of(ids: Ints, lanes: int) -> Ints:
+    """The lane of each id."""
+    return ids % lanes
+
+
+def number_of(ids: Ints, lanes: int) -> Ints:
+    """The row number (within its lane) of each id."""
+    return ids // lanes
+
+
+def slot_of_id(ids: Ints, lanes: int, lane_capacity: int) -> Ints:
+    """The slot of each id."""
+    if lanes == 1:
+        return ids % lane_capacity
+    return slot(ids % lanes, (ids // lanes), lane_capacity)
+
+
+def writing(n: Ints) -> Ints:
+    """The stamp of row number ``n`` while it is being written (odd)."""
+    return 2 * n + 1
+
+
+def committed(n: Ints) -> Ints:
+    """The stamp of row number ``n`` once committed (even, never 0)."""
+    return 2 * n + 2
+
+
+def committed_of_id(ids: np.ndarray, lanes: int) -> np.ndarray:
+    """The committed stamp each id must show (a new array)."""
+    out = ids * 2 if lanes == 1 else (ids // lanes) * 2
+    out += 2
+    return out
+
+
+def number_of_stamp(stamp: Ints) -> Ints:
+    """The row number a committed or being-written stamp names (``-1`` for an empty slot)."""
+    return (stamp - 1) // 2
+
+
+def is_committed(stamp: Ints) -> Ints:
+    """Whether a stamp says a row is there whole (even and not empty)."""
+    return (stamp > 0) & (stamp % 2 == 0)
+
+
+def intact(before: np.ndarray, after: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    """The intact-row rule: a row copied between two loads of its stamp, ``before`` and ``after``,
+    is kept only if both equal the stamp its id must show (``expected``)."""
+    ok = before == expected
+    ok &= after == expected
+    return ok
+
+
+def window(anchors: np.ndarray, offsets: np.ndarray, lanes: int, start: np.ndarray,
+           stop: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ids of the rows ``anchor + offset`` of each anchor's lane, ``(len(anchors), len(offsets))``,
+    and whether each lies inside its lane's rows (``start``/``stop``: ``bounds``)."""
+    lane = anchors % lanes
+    n = (anchors // lanes)[:, None] + offsets[None, :]
+    inside = (n >= start[lane][:, None]) & (n < stop[lane][:, None])
+    return n * lanes + lane[:, None], inside
+
+
+def bounds(lanes_table: np.ndarray, lane_capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per lane, the first and one-past-last row numbers that count, from a ``_lanes`` column:
+    rows from the base on (the last ``clear()``), at most a lane's capacity back from the cursor."""
+    cur = lanes_table[:, _CURSOR].copy()
+    start = np.maximum(lanes_table[:, _BASE], cur - lane_capacity)
+    return np.minimum(start, cur), cur

@@ -1,0 +1,3 @@
+"""Which rows to draw, before any row is read: ``sumtree`` (the sum and min tree of prioritized
+replay), ``samplers`` (``Uniform``, ``Prioritized``: draws and importance weights) and ``limiter``
+(``RateLimiter``: the samples-per-insert ratio). Nothing here touches shared memory's rows."""

@@ -1,0 +1,246 @@
+"""The device-resident copy (``shmbuffer.device``), tested with ``device="cpu"`` (torch tensors):
+rows equal ``take()`` of the same ids bit for bit; writers pushing, lapping, killed mid-push and
+``clear()`` while the copy refreshes never yield a torn, cleared or beyond-the-lag row; the draws
+have the shared buffer's distribution. CUDA runs the same code where a device exists."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmbuffer as sb
+from shmbuffer.device import DeviceReplay
+
+from .conftest import MUJOCO, copy_through, seq_of, transition
+
+torch = pytest.importorskip("torch")
+Make = Callable[..., sb.ReplayBuffer]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def whole(batch: sb.Batch) -> np.ndarray:
+    """Check every row is one push's row (``transition``'s payload derives from its number); the numbers."""
+    got = batch.numpy()
+    s = got.reward[:, None]
+    assert np.array_equal(got.obs, s + np.arange(17, dtype=np.float32))
+    assert np.array_equal(got.action, -s + np.arange(6, dtype=np.float32))
+    assert np.array_equal(got.next_obs, got.obs + 1)
+    assert np.array_equal(got.done, got.reward % 2 == 1)
+    return got.reward.astype(np.int64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_equal_take_of_the_same_ids_bit_for_bit(make: Make, name: str, device: str) -> None:
+    buf = make(MUJOCO, 64, name=name, lanes=2, episodes=True)
+    for t in range(0, 80, 5):
+        buf.push(transition(t, 5), lane=(t // 5) % 2, episode=t // 10)
+    dev = DeviceReplay(buf, device, seed=0)
+    assert len(dev) == len(buf) == 64
+    batch = dev.sample(200)
+    assert batch.obs.device.type == device and batch.obs.dtype == torch.float32 and batch.obs.shape == (200, 17)
+    ref = buf.take(batch.index.cpu().numpy())
+    for key in ("obs", "action", "reward", "next_obs", "done", "episode", "index"):
+        assert np.array_equal(batch[key].cpu().numpy(), np.asarray(ref[key])), key
+    assert set(buf.sample(4).keys()) == set(batch.keys())
+
+
+def test_a_sample_syncs_within_the_lag_and_sync_on_demand(make: Make, name: str) -> None:
+    buf = make(MUJOCO, 32, name=name)
+    buf.push(transition(0, 8))
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, seed=1)
+    buf.push(transition(8, 8))
+    assert dev.lag()[0] == 8 and set(seq_of(dev.sample(500))) == set(range(8))  # lagging, by choice
+    assert dev.sync() == 8 and dev.lag()[0] == 0
+    assert set(seq_of(dev.sample(500))) == set(range(16))
+    lagging = DeviceReplay(buf, "cpu", max_lag_rows=4, seed=2)
+    buf.push(transition(16, 4))
+    assert set(seq_of(lagging.sample(500))) == set(range(16))  # 4 rows behind: allowed, not synced
+    buf.push(transition(20, 1))
+    assert set(seq_of(lagging.sample(500))) == set(range(21))  # 5 rows behind: synced first
+    timed = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=0.05, seed=3)
+    buf.push(transition(21, 3))
+    time.sleep(0.1)
+    assert set(seq_of(timed.sample(500))) == set(range(24))
+
+
+def test_overwritten_updated_cleared_and_deleted_rows(make: Make, name: str) -> None:
+    buf = make(MUJOCO, 8, name=name)
+    buf.push(transition(0, 8))
+    dev = DeviceReplay(buf, "cpu", seed=4)
+    buf.push(transition(8, 4))  # laps rows 0..3
+    assert set(seq_of(dev.sample(400))) == set(range(4, 12))
+    buf.update([5], reward=np.float32(99.0))
+    dev.sample(1)
+    got = dev.sample(400)
+    assert set(got.reward.numpy()[got.index.numpy() == 5]) == {99.0}
+    buf.delete([6])
+    dev.sync()  # a delete is lag like any change: gone at the next sync
+    assert 6 not in set(dev.sample(400).index.tolist())
+    buf.clear()
+    with pytest.raises(sb.EmptyBufferError, match="holds no rows"):
+        dev.sample(4)  # synced first: a cleared row is never drawn
+    assert len(dev) == 0
+    with pytest.raises(sb.EmptyBufferError, match="holds no rows"):
+        dev.sample(4)
+    buf.push(transition(100, 2))
+    assert set(seq_of(dev.sample(50))) == {100, 101}
+
+
+def test_a_row_being_written_is_never_usable(make: Make, name: str) -> None:
+    buf = make(MUJOCO, 16, name=name)
+    buf.push(transition(0, 4))
+    res = buf.ring.reserve(2, deferring=False)  # rows 4 and 5: reserved, odd, never copied whole
+    dev = DeviceReplay(buf, "cpu", seed=5)
+    assert len(dev) == 4 and set(seq_of(dev.sample(300))) == set(range(4))
+    buf.ring.abandon(res)
+    buf.push(transition(6, 2))
+    assert set(seq_of(dev.sample(300))) == {0, 1, 2, 3, 6, 7}
+
+
+def test_prioritized_draws_from_the_shared_tree(make: Make, name: str) -> None:
+    buf = make(MUJOCO, 16, name=name, sampler=sb.Prioritized(alpha=1.0, beta=0.5), seed=6)
+    buf.push(transition(0, 4), priority=np.array([1.0, 2.0, 3.0, 4.0]))
+    dev = DeviceReplay(buf, "cpu", seed=6)
+    n = 20000
+    got = dev.sample(n)
+    counts = np.bincount(got.index.numpy(), minlength=4)
+    expect = n * np.array([1, 2, 3, 4]) / 10
+    assert ((counts - expect) ** 2 / expect).sum() < 16.27  # chi-square, 3 dof, p = 0.001
+    ref = buf.sample(400)
+    w, i = got.weight.numpy(), got.index.numpy()
+    assert got.weight.dtype == torch.float32 and ref.weight.dtype == np.float32
+    for row in range(4):  # the shared buffer's weights: (leaf / min leaf) ** -beta
+        assert set(w[i == row].tolist()) == set(ref.weight[ref.index == row].tolist())
+    np.testing.assert_allclose(w[i == 3], 4 ** -0.5, rtol=1e-5)
+    assert np.array_equal(whole(got), got.index.numpy())
+    dev.update_priorities(torch.tensor([0]), torch.tensor([100.0]))  # the shared tree: every process sees it
+    assert buf.priority([0]).tolist() == pytest.approx([100.0])
+
+
+def test_uniform_draws_match_the_shared_buffers(make: Make, name: str) -> None:
+    buf = make(MUJOCO, 64, name=name, lanes=4)
+    for lane in range(4):
+        buf.push(transition(np.arange(lane * 10, lane * 10 + 5)), lane=lane)
+    dev = DeviceReplay(buf, "cpu", seed=7)
+    n = 40000
+    counts = np.bincount(np.searchsorted(np.sort(buf.get(slice(None)).index), dev.sample(n).index.numpy()), minlength=20)
+    expect = n / 20
+    assert ((counts - expect) ** 2 / expect).sum() < 43.82  # chi-square, 19 dof, p = 0.001
+
+
+def test_refused_buffers_name_the_alternative(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    frames = make(sb.Schema(obs=((3,), "float32"), next_obs=((3,), "float32"), done=((), "bool")), 16,
+                  name=name + "f", next_of="obs")
+    with pytest.raises(sb.LayoutError, match=r"next_of/stack.*buf.sample"):
+        DeviceReplay(frames, "cpu")
+    with pytest.raises(ValueError, match="max_lag_rows"):
+        DeviceReplay(make(MUJOCO, 8, name=name + "a"), "cpu", max_lag_rows=-1)
+    big = make(MUJOCO, 4096, name=name + "b")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000, 80_000))
+    with pytest.raises(sb.CapacityError, match=r"needs [\d,]+ bytes on cuda.*1,000 free of 80,000"):
+        DeviceReplay(big, "cuda")
+
+
+def _writer(handle: sb.BufferHandle, lane: int) -> None:
+    buf = sb.ReplayBuffer.attach(handle)
+    for t in range(0, 2**24 - 4, 4):  # until the test stops it
+        buf.push(transition(t, 4), lane=lane)
+
+
+def _killed_writer(handle: sb.BufferHandle) -> None:
+    buf = sb.ReplayBuffer.attach(handle)
+    copy_through(buf, lambda field: os.kill(os.getpid(), 9) if field == "reward" else None)
+    buf.push(transition(-1000, 2), lane=0)  # killed midway through its copy: odd rows of a dead writer
+
+
+@pytest.mark.slow
+def test_writers_lapping_and_killed_while_the_copy_refreshes(make: Make, name: str, procs: list[Any]) -> None:
+    """Two writer processes lap a small ring while the device copy syncs and samples; a third is
+    killed mid-copy; a clear() comes midway: every row drawn is whole, none from before the clear."""
+    buf = make(MUJOCO, 256, name=name, lanes=2)
+    buf.push(transition(0, 2), lane=0)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=64, seed=8)
+    ctx = mp.get_context("fork")
+    k = ctx.Process(target=_killed_writer, args=(buf.handle,))
+    procs.append(k)
+    k.start()
+    k.join(30)
+    writers = [ctx.Process(target=_writer, args=(buf.handle, lane)) for lane in range(2)]
+    for p in writers:
+        procs.append(p)
+        p.start()
+    drawn = 0
+    base = None
+    t0 = time.monotonic()
+    while drawn < 400 and time.monotonic() - t0 < 60:
+        try:
+            batch = dev.sample(128)
+        except sb.EmptyBufferError:
+            continue
+        whole(batch)
+        assert not (batch.reward.numpy() < 0).any()  # the killed writer's rows are never drawn
+        if base is not None:
+            lane = batch.index.numpy() % 2
+            assert (batch.index.numpy() // 2 >= base[lane]).all()
+        drawn += 1
+        if drawn == 200 and base is None:
+            buf.clear()
+            base = buf.ring.bounds()[0].copy()
+            dev.sync()
+    assert drawn == 400 and all(p.is_alive() for p in writers)  # drawn while both wrote
+    for p in writers:
+        p.kill()
+        p.join(10)
+
+
+def test_the_loader_says_which_path_it_took(make: Make, name: str) -> None:
+    buf = make(MUJOCO, 64, name=name)
+    buf.push(transition(0, 64))
+    with sb.Loader(buf, 32, resident=True, batches=3) as loader:
+        assert loader.path == "resident" and loader.why == ""
+        got = list(loader)
+    assert len(got) == 3 and all(b.obs.shape == (32, 17) for b in got)
+    for b in got:
+        assert np.array_equal(whole(b), b.index.numpy())
+    with sb.Loader(buf, 32, batches=1) as host:
+        assert host.path == "host" and "not a CUDA device" in host.why
+    with sb.Loader(buf, 32, resident=False, batches=1) as host:
+        assert host.path == "host" and host.why == "resident=False"
+    with pytest.raises(sb.LayoutError, match=r"sample keywords.*n_step.*resident=False"):
+        sb.Loader(buf, 32, resident=True, n_step=3)
+    frames = make(sb.Schema(obs=((3,), "float32"), next_obs=((3,), "float32"), done=((), "bool")), 16,
+                  name=name + "f", next_of="obs")
+    with pytest.raises(sb.LayoutError, match="next_of/stack"):
+        sb.Loader(frames, 4, resident=True)
+
+
+def test_n_step_on_the_device_equals_the_host_reference(make: Make, name: str) -> None:
+    """The same n-step transitions as ``sequences.add_n_step`` gives for the same ids: episodes that
+    end, lanes, the write head, rows lapped since; refused as on the host without episodes."""
+    from shmbuffer.sequences import add_n_step
+
+    buf = make(MUJOCO, 64, name=name, lanes=2, episodes=True)
+    t = 0
+    for step in range(50):
+        for lane in range(2):
+            rows = transition(t, 1)
+            rows["done"] = np.array([step % 7 == 6])
+            buf.push(rows, lane=lane, episode=(step // 7) * 2 + lane)
+            t += 1
+    dev = DeviceReplay(buf, "cpu", seed=9)
+    got = dev.sample(500, n_step=4, gamma=0.9)
+    ref = buf.take(got.index.numpy())
+    add_n_step(buf, ref, 4, 0.9, None)
+    for key in ("reward", "next_obs", "done", "steps", "obs", "index", "episode"):
+        assert np.array_equal(got[key].numpy(), np.asarray(ref[key])), key
+    assert set(got.steps.tolist()) == {1, 2, 3, 4}
+    with pytest.raises(sb.FieldError, match="episode"):
+        DeviceReplay(make(MUJOCO, 8, name=name + "e"), "cpu").sample(4, n_step=3)
+    with pytest.raises(ValueError, match="n_step"):
+        dev.sample(4, n_step=0)
