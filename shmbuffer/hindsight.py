@@ -299,7 +299,8 @@ class Memo:
     complete: the stop stays right for as long as the row's id is in its slot. Rows before it
     may have been overwritten since (``first`` is clipped to the lane's rows, and every goal
     row is read under its own stamp check). An ``update`` (a done flag set by hand) forgets
-    everything."""
+    everything. It takes 24 bytes a slot of the buffer (24 MB for 1,000,000 rows), in each
+    process that samples with ``hindsight=``, from its first such sample."""
 
     def __init__(self, capacity: int) -> None:
         self.table = np.full((capacity, 3), INVALID, np.int64)
