@@ -47,7 +47,19 @@ def select(names: list[str], only: list[str] | None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from . import cases, compression, distributed, features, frameworks, harness, machine, multiproc, peers, report
+    from . import (
+        cases,
+        compression,
+        distributed,
+        features,
+        frameworks,
+        harness,
+        hindsight,
+        machine,
+        multiproc,
+        peers,
+        report,
+    )
     from .data import SPECS
 
     cases.register(harness.CASES)
@@ -56,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     frameworks.register(harness.CASES)
     distributed.register(harness.CASES)
     compression.register(harness.CASES)
+    hindsight.register(harness.CASES)
     order = sorted(harness.CASES, key=lambda n: GROUPS.index(harness.CASES[n].group))
     if args.list:
         for n in order:

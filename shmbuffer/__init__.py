@@ -23,6 +23,7 @@ from .errors import (
     UnsupportedPlatform,
     WaitTimeout,
 )
+from .hindsight import Hindsight
 from .loader import Loader
 from .mixing import Buffers, Mix
 from .persistence import export, save
@@ -49,6 +50,7 @@ __all__ = [
     "Field",
     "FieldError",
     "ForeignBlock",
+    "Hindsight",
     "LayoutError",
     "Loader",
     "Mix",

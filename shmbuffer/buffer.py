@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import hindsight as her
 from . import hints, native, persistence, sequences
 from .batch import Batch
 from .errors import EmptyBufferError, FieldError, SchemaError, closed
@@ -428,7 +429,7 @@ class ReplayBuffer:
     def sample(
         self, n: int, *, replace: bool = True, n_step: int = 1, gamma: float = 0.99,
         fields: dict[str, str] | None = None, out: dict[str, np.ndarray] | None = None,
-        timeout: float | None = None, **unknown: Any,
+        timeout: float | None = None, hindsight: her.Hindsight | None = None, **unknown: Any,
     ) -> Batch:
         """``n`` rows drawn by the buffer's sampler, as one gathered copy.
 
@@ -440,6 +441,8 @@ class ReplayBuffer:
         :param out: arrays to gather into (``"_block"`` for the packed record, one per large
             field; the loader passes pinned staging memory); the batch then holds their views.
         :param timeout: how long a rate limiter may hold this sample (default: the limiter's).
+        :param hindsight: a ``Hindsight`` spec: rows of complete episodes, part of them with goals
+            relabelled (``hindsight.py``); adds ``batch.relabelled`` and ``batch.goal``.
 
         Rows being written are re-drawn, so the batch always has ``n`` rows. ``batch.index`` holds
         their ids (and ``batch.episode`` their episodes); a prioritized buffer adds
@@ -448,6 +451,13 @@ class ReplayBuffer:
         if unknown:  # another library's keyword (cpprb's beta, SB3's env ...): name ours
             raise hints.keyword_error("sample", unknown)
         n = check_batch_size(n)
+        if hindsight is not None:
+            if not isinstance(hindsight, her.Hindsight):
+                raise TypeError(f"sample: hindsight must be a shmbuffer.Hindsight, got {type(hindsight).__name__}")
+            if n_step != 1 or not replace:
+                raise ValueError("sample: hindsight relabelling draws with replacement and one step a transition; "
+                                 "leave n_step=1 and replace=True")
+            her.plan_for(self, hindsight)
         if n_step != 1:
             if not isinstance(n_step, (int, np.integer)) or n_step < 1:
                 raise ValueError(f"sample: n_step must be an int >= 1, got {n_step!r}")
@@ -467,6 +477,8 @@ class ReplayBuffer:
         def draw() -> Batch:
             prios = self._prios
             calls = prios.next_call() if prios is not None else 0  # shared: attach, load continue it
+            if hindsight is not None:
+                return her.sample(self, hindsight, n, out=out, calls=calls)
             batch = reader.draw(self, n, replace=replace, out=out, calls=calls)
             if n_step > 1:
                 sequences.add_n_step(self, batch, int(n_step), float(gamma), fields)

@@ -26,8 +26,8 @@ def left_by(pid: int) -> list[str]:
 
 
 GROUPS = {
-    "shmbuffer and peers": ["floor.*", "mujoco.*", "atari.*", "gpu.*"],
-    "frameworks": ["sb3.*", "torchrl.*", "ray.*"],
+    "shmbuffer and peers": ["floor.*", "mujoco.*", "atari.*", "gpu.*", "her.sample*"],
+    "frameworks": ["sb3.*", "torchrl.*", "ray.*", "her.sac"],
 }
 """The quick run in two halves (each within its time limit, in parallel under ``pytest -n``); every
 case is in one of them (``test_the_halves_cover_every_case``)."""

@@ -53,12 +53,16 @@ EXAMPLES = {  # tiny sizes; --target 0: a run this short learns nothing, and say
     "r2d2.py": ["--updates", "20", "--capacity", "4000", "--learning-starts", "200", "--target", "0"],
     "ppg_buffers.py": ["--iterations", "2", "--aux-every", "2", "--rollout", "32", "--target", "0"],
     "expert_mix.py": ["--demos", "2", "--updates", "50", "--target", "0"],
+    "her_bit_flipping.py": ["--n-bits", "4", "--capacity", "2000", "--learning-starts", "50", "--max-updates", "20",
+                            "--eval-every", "10", "--eval-episodes", "2", "--target", "0"],
 }
 RESULT = {  # the one line each example ends with
     "quickstart.py": r"OK: 2 workers pushed [\d,]+ rows \([\d,]+ rows/s\) in [\d.]+ s; the learner sampled [\d,]+ batches",
     "r2d2.py": r"LEARNED: mean return of the last 20 episodes [\d.]+ \(the first 20: [\d.]+; target 0\), 20 updates",
     "ppg_buffers.py": r"LEARNING: mean episode return [\d.]+ in iteration 1, [\d.]+ in iteration 2 \(target 0\)",
     "expert_mix.py": r"IMITATED: greedy return [\d.]+ over 5 episodes after 50 updates \(target 0;",
+    "her_bit_flipping.py": r"SOLVED: greedy success rate [\d.]+ over 2 episodes after 10 updates, [\d.]+ s \(target 0; "
+                           r"2 collector processes made [\d,]+ env steps\)",
 }
 
 

@@ -2,9 +2,9 @@
 
 Loaded with ``-p shmbuffer_sb3_swap`` (see README.md). Before collection, every name that SB3's
 modules and the test modules import for ``ReplayBuffer``, ``DictReplayBuffer`` or
-``NStepReplayBuffer`` is bound to ours, so ``from stable_baselines3.common.buffers import
-ReplayBuffer`` in a test module and the default ``replay_buffer_class`` of DQN, SAC, TD3 and DDPG
-both give shmbuffer's classes. ``stable_baselines3.common.buffers`` gets its own names back once
+``NStepReplayBuffer`` (and ``HerReplayBuffer``) is bound to ours, so ``from stable_baselines3.common.buffers import
+ReplayBuffer`` in a test module, ``from stable_baselines3 import HerReplayBuffer`` and the default
+``replay_buffer_class`` of DQN, SAC, TD3 and DDPG all give shmbuffer's classes. ``stable_baselines3.common.buffers`` gets its own names back once
 the tests are collected: SB3's ``DictReplayBuffer`` (which ``HerReplayBuffer`` extends) calls
 ``super(ReplayBuffer, self)`` by that module's name.
 """
@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from stable_baselines3.common import buffers
+from stable_baselines3.her import her_replay_buffer
 
 from shmbuffer import sb3 as ours
 
@@ -24,8 +25,23 @@ SWAP: dict[type, type] = {
     buffers.ReplayBuffer: ours.ReplayBuffer,
     buffers.DictReplayBuffer: ours.DictReplayBuffer,
     buffers.NStepReplayBuffer: ours.NStepReplayBuffer,
+    her_replay_buffer.HerReplayBuffer: ours.HerReplayBuffer,
 }
 ORIGINAL = {cls.__name__: cls for cls in SWAP}
+
+
+class _ChecksAsSB3(type(ours.ReplayBuffer)):  # SB3's buffers are ABCs
+    """``isinstance(x, cls)`` asks SB3's ``ReplayBuffer``: every buffer of ours derives from SB3's."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, ORIGINAL["ReplayBuffer"])
+
+
+class DefaultReplayBuffer(ours.ReplayBuffer, metaclass=_ChecksAsSB3):
+    """``off_policy_algorithm``'s ``ReplayBuffer``: the default buffer it makes is ours, and its
+    ``load_replay_buffer`` check (``isinstance(rb, ReplayBuffer)``) passes for each of ours, as it does
+    without the swap (``shmbuffer.sb3.DictReplayBuffer`` and ``HerReplayBuffer`` derive from SB3's
+    ``DictReplayBuffer``, not from ``shmbuffer.sb3.ReplayBuffer``)."""
 
 
 def _swap_everywhere(*, buffers_too: bool) -> None:
@@ -38,6 +54,8 @@ def _swap_everywhere(*, buffers_too: bool) -> None:
         for attr, value in list(vars(module).items()):
             if isinstance(value, type) and value in SWAP:
                 setattr(module, attr, SWAP[value])
+        if name == "stable_baselines3.common.off_policy_algorithm":
+            module.ReplayBuffer = DefaultReplayBuffer  # type: ignore[attr-defined]
 
 
 _swap_everywhere(buffers_too=False)
@@ -50,7 +68,8 @@ def pytest_collection(session: pytest.Session) -> Iterator[Any]:
         yield
     finally:
         for name, cls in ORIGINAL.items():
-            setattr(buffers, name, cls)
+            if hasattr(buffers, name):
+                setattr(buffers, name, cls)
         _swap_everywhere(buffers_too=False)  # a module first imported by a test module
 
 

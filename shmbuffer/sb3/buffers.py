@@ -66,10 +66,11 @@ from stable_baselines3.common.preprocessing import get_action_dim, get_obs_shape
 from stable_baselines3.common.type_aliases import DictReplayBufferSamples, ReplayBufferSamples
 from stable_baselines3.common.utils import get_device
 
-from .buffer import ReplayBuffer as SharedBuffer
-from .errors import EmptyBufferError, FieldError
-from .protocol.ring import INVALID
-from .schema import Schema
+from ..buffer import ReplayBuffer as SharedBuffer
+from ..errors import EmptyBufferError, FieldError
+from ..protocol.ring import INVALID
+from ..sampling.limiter import RateLimiter
+from ..schema import Schema
 
 __all__ = ["DictReplayBuffer", "NStepReplayBuffer", "ReplayBuffer"]
 
@@ -149,7 +150,8 @@ class _Shared:
     def _init_shared(
         self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space, device: Any,
         n_envs: int, optimize_memory_usage: bool, handle_timeout_termination: bool, name: str | None,
-        stack: Any = None, rows: dict[str, np.ndarray] | None = None,
+        stack: Any = None, rows: dict[str, np.ndarray] | None = None, episodes: bool = False,
+        limiter: RateLimiter | None = None,
     ) -> None:
         if stack is not None and not optimize_memory_usage:
             raise ValueError("stack: frames are stored once only with optimize_memory_usage=True")
@@ -168,19 +170,27 @@ class _Shared:
         self._settings = {"buffer_size": buffer_size, "observation_space": observation_space,
                           "action_space": action_space, "n_envs": n_envs,
                           "handle_timeout_termination": handle_timeout_termination,
-                          "optimize_memory_usage": self.optimize_memory_usage, "stack": stack}
+                          "optimize_memory_usage": self.optimize_memory_usage, "stack": stack,
+                          "episodes": episodes}
         capacity = self.buffer_size * n_envs
-        if self.optimize_memory_usage:
-            # SB3 seeds np.random before it makes the buffer: runs repeat. Episode ids let a
-            # position set done by hand (``dones[pos] = True``) end its lane's episode (_cut).
+        self._episodic = self.optimize_memory_usage or episodes
+        if self._episodic:
+            # Episode ids let a position set done by hand (``dones[pos] = True``) end its lane's
+            # episode (_cut); each env's next add after a done starts a new one.
             self._episode = np.arange(n_envs, dtype=np.int64)
             self._cut = np.zeros(n_envs, bool)
+        if self.optimize_memory_usage:
+            # SB3 seeds np.random before it makes the buffer: runs repeat
             self.buffer = SharedBuffer(self._schema(), capacity, envs=n_envs, name=name, next_of="obs", stack=stack,
                                        episodes=True, seed=int(np.random.randint(2**31 - 1)))
         elif rows is not None:  # unpickling: the rows keep their ids, so their slots and SB3's positions
-            self.buffer = SharedBuffer.from_arrays(self._schema(), rows, capacity, envs=n_envs, name=name)
+            self.buffer = SharedBuffer.from_arrays(self._schema(), rows, capacity, envs=n_envs, name=name,
+                                                   episodes=episodes)
+            if episodes and rows["episode"].size:  # fresh ids for the next adds: none of the saved episodes continues
+                self._episode += (int(rows["episode"].max()) // n_envs + 1) * n_envs
         else:
-            self.buffer = SharedBuffer(self._schema(), capacity, envs=n_envs, name=name)
+            self.buffer = SharedBuffer(self._schema(), capacity, envs=n_envs, name=name, episodes=episodes,
+                                       seed=int(np.random.randint(2**31 - 1)) if episodes else None, limiter=limiter)
 
     # -- the schema ------------------------------------------------------------------------------
     def _obs_fields(self) -> dict[str, tuple[Any, ...]]:
@@ -324,7 +334,7 @@ class _Shared:
             with ring.lock:  # no reservation meanwhile: a slot found free stays free while it is written
                 idle = ((ring.stamp[free] & 1) == 0) & (ring.ids_of_slots(free) == INVALID)
                 raw[free[idle]] = values[idle]
-        if self.optimize_memory_usage and field in ("done", "timeouts"):
+        if self._episodic and field in ("done", "timeouts"):
             # a lane's newest row set done by hand ends its episode: the env's next add starts one
             stop = ring.bounds()[1]
             newest = np.arange(self.n_envs) * self.buffer_size + (stop - 1) % self.buffer_size
@@ -417,7 +427,7 @@ class _Shared:
         rows = {**obs, "action": np.asarray(action).reshape(n, self.action_dim),
                 "reward": np.asarray(reward, np.float32).reshape(n),
                 "done": np.asarray(done, np.float32).reshape(n), "timeouts": timeout}
-        if not self.optimize_memory_usage:
+        if not self._episodic:
             self.buffer.push(rows)
             return
         # a lane whose newest row was set done by hand starts an episode (push.Pusher: a row of
@@ -445,7 +455,7 @@ class _Shared:
         rows = dict(state["rows"])
         self._init_shared(s["buffer_size"], s["observation_space"], s["action_space"], state["device"],
                           s["n_envs"], once, s["handle_timeout_termination"], None, s.get("stack"),
-                          None if once else rows)
+                          None if once else rows, episodes=bool(s.get("episodes", False)))
         self._full_set, self._full_from = state.get("full", (False, 0))
         if not once:
             return
