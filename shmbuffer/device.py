@@ -52,7 +52,7 @@ from .batch import Batch, torch_dtype, torch_views
 from .errors import CapacityError, ClosedError, EmptyBufferError, LayoutError
 from .protocol.layout import Counter, Lane
 from .protocol.reader import Source
-from .protocol.rows import bounds, committed_of_id, intact, is_committed, number_of_stamp
+from .protocol.rows import bounds, committed, committed_of_id, intact, is_committed, number_of_stamp, row_id, slot
 from .sequences import check_n_step, n_step_fields
 
 _UPDATES, _INSERTED = int(Counter.UPDATES), int(Counter.INSERTED)
@@ -237,9 +237,8 @@ class DeviceReplay:
 
     def _ids_of(self, slots: Any) -> Any:
         """The ids of the rows the device copy holds in ``slots`` (a device tensor)."""
-        lc, lanes = self.lane_capacity, self.lanes
-        n = (self._held_dev.index_select(0, slots) - 1) // 2
-        return n * lanes + slots // lc
+        n = number_of_stamp(self._held_dev.index_select(0, slots))
+        return row_id(n, slots // self.lane_capacity, self.lanes)
 
     def close(self) -> None:
         """Drop the views of the shared columns (so that ``buf.close()`` can unmap them) and the
@@ -373,8 +372,8 @@ class DeviceReplay:
         m, lanes, lc = ids.shape[0], self.lanes, self.lane_capacity
         nums = (ids // lanes)[:, None] + torch.arange(1, n_step, device=self.device)[None, :]
         lane = (ids % lanes)[:, None]
-        slots = lane * lc + nums % lc
-        ok = (self._held_dev[slots] == 2 * nums + 2) & (cols["_episode"][slots] == batch.episode[:, None])
+        slots = slot(lane, nums, lc)
+        ok = (self._held_dev[slots] == committed(nums)) & (cols["_episode"][slots] == batch.episode[:, None])
         mask = torch.cat([torch.ones((m, 1), dtype=torch.bool, device=self.device), ok], 1).cumprod(1).bool()
         rewards = torch.cat([batch.fields[reward].reshape(m, 1), cols[reward][slots]], 1).double()
         dones = torch.cat([batch.fields[done].reshape(m, 1), cols[done][slots]], 1).bool()

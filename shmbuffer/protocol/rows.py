@@ -22,7 +22,8 @@ Which rows count
 Per lane, the rows from the lane's base (its last ``clear()``) up to its cursor, at most a lane's
 capacity back from the cursor (``bounds``).
 
-Every function takes Python ints or numpy int64 arrays alike.
+Every function takes Python ints, numpy int64 arrays or torch int64 tensors alike (``device.py``
+does the same arithmetic on the device).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 from .layout import Lane
 
 Ints = Any
-"""An int or an int64 array: every function here takes and gives either."""
+"""An int, an int64 array or an int64 tensor: every function here takes and gives each."""
 
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 
