@@ -102,9 +102,11 @@ class DeviceReplay:
             raise ValueError(f"DeviceReplay: max_lag_s must be a number >= 0, got {max_lag_s!r}")
         self.buf = buf
         self.device = torch.device(device)
-        self.max_lag_rows, self.max_lag_s, self.chunk = max_lag_rows, max_lag_s, chunk
+        self.max_lag_rows, self.max_lag_s = max_lag_rows, max_lag_s
         block, ring = buf.block, buf.ring
         self.capacity, self.lanes, self.lane_capacity = ring.capacity, ring.lanes, ring.lane_capacity
+        self.chunk = min(chunk, self.capacity)
+        """Rows per staging copy (the staging memory holds that many rows)."""
         self.record = block.record if block.packed is not None else None
         self.columns: dict[str, np.ndarray] = {}
         if block.packed is not None:  # copied and selected as its widest whole words: one copy per row
@@ -126,11 +128,14 @@ class DeviceReplay:
         self.rows = {name: torch.zeros(col.shape, dtype=torch_dtype(col.dtype), device=self.device)
                      for name, col in self.columns.items()}
         pin = self.device.type == "cuda"
-        self._staging = {name: torch.empty((chunk, *col.shape[1:]), dtype=torch_dtype(col.dtype), pin_memory=pin)
+        self._staging = {name: torch.empty((self.chunk, *col.shape[1:]), dtype=torch_dtype(col.dtype), pin_memory=pin)
                          for name, col in self.columns.items()}
         self._stream = torch.cuda.Stream(self.device) if pin else None
         self.held = np.zeros(self.capacity, np.int64)
         """The stamp of the row each device slot holds, 0 where it holds none usable (host memory)."""
+        self.seen = np.zeros(self.capacity, np.int64)
+        """The stamp each slot showed when a sync last copied it: a slot is copied again only once
+        its stamp differs (a row cleared or lapped is not copied over and over)."""
         self.usable = np.zeros(self.capacity, bool)
         """Which device slots hold a row that may be drawn (``held`` and inside its lane's bounds)."""
         self._count = 0  # usable slots
@@ -161,15 +166,18 @@ class DeviceReplay:
         inserted = int(counters[_INSERTED])
         updates = int(counters[_UPDATES])
         cursors = ring.cursors[:, _CURSOR].copy()  # rows lapped during the copy still count (lag)
-        everything = updates != self._updates or not np.array_equal(ring.cursors[:, _BASE], self._bases)
+        bases = ring.cursors[:, _BASE].copy()  # a clear() after this read: the next sync checks all again
+        everything = updates != self._updates or not np.array_equal(bases, self._bases)
         if updates != self._updates:
             self.held[:] = 0  # an update puts back the stamp it found: copy every row again
-        todo = np.flatnonzero(ring.stamp != self.held)
+            self.seen[:] = 0
+        todo = np.flatnonzero(ring.stamp != self.seen)
         copied = 0
         for at in range(0, todo.size, self.chunk):
             copied += self._copy(todo[at:at + self.chunk])
         self._updates = updates if int(counters[_UPDATES]) == updates else -1
         self._refresh_usable(cursors, None if everything else todo)
+        self._bases = bases
         self._inserted, self._synced_at = inserted, time.monotonic()
         return copied
 
@@ -192,12 +200,15 @@ class DeviceReplay:
         if int(counters[_UPDATES]) != updates:
             ok[:] = False  # an update ran meanwhile: copied again at the next sync
         self.held[slots] = np.where(ok, first, 0)
+        self.seen[slots] = first  # copied again once the stamp moves on (a row being written commits)
         good = np.flatnonzero(ok)
         if good.size == 0:
             return 0
         whole = run is not None and good.size == k
         where = None if whole else torch.from_numpy(slots[good]).to(self.device)
         pick = None if whole else torch.from_numpy(good)
+        if self._stream is not None:  # gathers of earlier samples queued on the learner's stream read first
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
             for name, dev in self.rows.items():
                 staged = self._staging[name]
@@ -217,9 +228,8 @@ class DeviceReplay:
         torch = _torch()
         ring = self.buf.ring
         lc = self.lane_capacity
-        self._bases = ring.cursors[:, _BASE].copy()
         start, stop = bounds(ring.cursors, lc)
-        start = np.maximum(self._bases, np.minimum(start, cursors - lc))
+        start = np.maximum(ring.cursors[:, _BASE], np.minimum(start, cursors - lc))
         region = np.arange(self.capacity) if changed is None else changed
         held = self.held[region]
         n = number_of_stamp(held)
@@ -294,6 +304,8 @@ class DeviceReplay:
         self._maybe_sync()
         prios = self.buf.priorities
         with self._lock:
+            if self.closed:
+                raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
             if prios is not None and prios.prioritized:
                 batch = self._prioritized(int(n))
             else:
@@ -328,7 +340,11 @@ class DeviceReplay:
         todo = np.arange(n)
         for round_ in range(2 * _ROUNDS):
             if round_ == _ROUNDS:
+                buf.reap()  # a dead writer's odd rows keep the leaves they took until reaped
                 self._sync()  # rows drawn from the tree that the device copy does not hold yet
+                done = np.setdiff1d(np.arange(n), todo)  # the sync may have copied newer rows over them
+                stale = done[self.held[ring.slots(ids[done])] != committed_of_id(ids[done], self.lanes)]
+                todo = np.union1d(todo, stale)
             d = sampler.draw(ring, tree, buf.rng, todo.size, again=round_ > 0)
             got = d.ids
             if d.leaves is None or got.shape[0] != todo.size:

@@ -247,3 +247,90 @@ def test_n_step_on_the_device_equals_the_host_reference(make: Make, name: str) -
         DeviceReplay(make(MUJOCO, 8, name=name + "e"), "cpu").sample(4, n_step=3)
     with pytest.raises(ValueError, match="n_step"):
         dev.sample(4, n_step=0)
+
+
+# -- found by review (each failed before its fix) --------------------------------------------------
+def test_a_prioritized_draw_never_pairs_an_id_with_a_newer_rows_data(make: Make, name: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows accepted early in a prioritized draw whose slots the draw's own sync then refreshed
+    with newer rows are drawn again, not served with the newer data."""
+    buf = make(MUJOCO, 8, name=name, sampler=sb.Prioritized(alpha=1.0, beta=0.5), seed=0)
+    buf.push(transition(0, 8), priority=1.0)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, seed=0)
+    buf.push(transition(8, 4), priority=4.0)  # in slots 0..3; the device copy does not hold them yet
+    sampler = buf.options.sampler
+    real = type(sampler).draw
+    calls = [0]
+
+    def draw(self: Any, *a: Any, **k: Any) -> Any:  # a writer elsewhere pushes between two rounds
+        calls[0] += 1
+        if calls[0] == 2:
+            buf.push(transition(12, 4), priority=1.0)  # over slots 4..7, rows accepted in round 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(type(sampler), "draw", draw)
+    got = dev.sample(32)
+    assert calls[0] > 8  # the draw's own sync ran
+    assert np.array_equal(whole(got), got.index.numpy())
+
+
+def test_a_clear_during_a_sync_is_never_drawn_past(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    buf = make(MUJOCO, 16, name=name)
+    buf.push(transition(0, 8))
+    dev = DeviceReplay(buf, "cpu", seed=0)
+    buf.push(transition(8, 2))
+    real = dev._copy
+
+    def copy(slots: np.ndarray) -> int:  # another process clears while the sync copies
+        buf.clear()
+        return real(slots)
+
+    monkeypatch.setattr(dev, "_copy", copy)
+    dev.sync()
+    monkeypatch.setattr(dev, "_copy", real)
+    with pytest.raises(sb.EmptyBufferError):
+        dev.sample(64)  # synced again first: nothing held is left
+    buf.push(transition(100, 1))
+    assert set(dev.sample(64).index.tolist()) == {16}
+
+
+def _killed_prioritized(handle: sb.BufferHandle) -> None:
+    buf = sb.ReplayBuffer.attach(handle)
+    copy_through(buf, lambda field: os.kill(os.getpid(), 9) if field == "reward" else None)
+    buf.push(transition(1000, 32), priority=50.0)
+
+
+def test_a_prioritized_draw_reaps_a_dead_writers_rows(make: Make, name: str, procs: list[Any]) -> None:
+    """A writer killed mid-copy leaves odd rows with the leaves they took: reaped, as the host's
+    sample reaps them, instead of every draw landing on them."""
+    buf = make(MUJOCO, 64, name=name, sampler=sb.Prioritized(alpha=1.0, beta=0.5), seed=0)
+    buf.push(transition(0, 32), priority=1.0)
+    p = mp.get_context("fork").Process(target=_killed_prioritized, args=(buf.handle,))
+    procs.append(p)
+    p.start()
+    p.join(30)
+    assert p.exitcode == -9 and (buf.ring.stamp & 1).sum() == 32
+    dev = DeviceReplay(buf, "cpu", seed=0)
+    got = dev.sample(64)
+    assert np.array_equal(whole(got), got.index.numpy()) and got.index.max() < 32
+
+
+def test_cleared_rows_are_not_copied_again_at_every_sync(make: Make, name: str) -> None:
+    buf = make(MUJOCO, 4096, name=name)
+    buf.push(transition(0, 4096))
+    dev = DeviceReplay(buf, "cpu", seed=0)
+    buf.clear()
+    for t in range(3):
+        buf.push(transition(5000 + t, 1))
+        assert dev.sync() == 1 and len(dev) == t + 1
+
+
+def test_close_while_sampling_says_closed_and_staging_fits_the_buffer(make: Make, name: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    buf = make(MUJOCO, 100, name=name)
+    buf.push(transition(0, 100))
+    dev = DeviceReplay(buf, "cpu", seed=0)
+    assert dev.chunk == 100 and all(t.shape[0] == 100 for t in dev._staging.values())
+    monkeypatch.setattr(dev, "_maybe_sync", dev.close)  # another thread closes it mid-sample
+    with pytest.raises(sb.ClosedError, match="closed"):
+        dev.sample(4)
