@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -113,7 +114,8 @@ def copy_through(buf: sb.ReplayBuffer, hook: Callable[[str], None]) -> None:
     copier.lib = None if copier.lib is None else _NumpyCopies(copier.lib)  # the numpy copy
     names = [*copier.names, "_episode"]
     real = type(copier).numpy_targets
-    copier.numpy_targets = lambda: [_Hooked(n, c, hook) for n, c in zip(names, real(copier), strict=False)]
+    mine = weakref.ref(copier)  # no cycle through the copier: its views go with the buffer's close()
+    copier.numpy_targets = lambda: [_Hooked(n, c, hook) for n, c in zip(names, real(mine()), strict=False)]
 
 
 def transition(i: int | np.ndarray, k: int | None = None) -> dict[str, np.ndarray]:
