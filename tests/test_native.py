@@ -1265,7 +1265,7 @@ def test_layout_h_states_the_python_layout() -> None:
 
     specs = {c.name: c for c in layout.columns(sb.Schema(x=((), "float32")), layout.Options(capacity=12, lanes=3))}
     python = {
-        "LANE_WORDS": specs["_lanes"].shape[1], "LANE_CURSOR": layout.Lane.CURSOR, "LANE_BASE": layout.Lane.BASE,
+        "LANE_WORDS": layout.LANE_WORDS, "LANE_CURSOR": layout.Lane.CURSOR, "LANE_BASE": layout.Lane.BASE,
         "STATS_WORDS": specs["_stats"].shape[0], "COUNTER_INSERTED": Counter.INSERTED, "COUNTER_FROZEN": Counter.FROZEN,
         "WRITERS": layout.WRITERS, "LOCK_SIZE": lock.SIZE, "LOCK_REPAIR": lock.REPAIR,
         "KIND_END": frames.END, "KIND_START": frames.START, "KIND_ZERO": frames.ZERO,
@@ -1347,3 +1347,10 @@ def test_every_c_file_is_built_and_shipped() -> None:
     assert listed == {p.name for p in LAYOUT_H.parent.glob("*.c")}
     assert {"layout.h", "native.h"} <= set(re.findall(r'"(\w+\.h)"', setup))
     assert "include shmbuffer/native/*.c shmbuffer/native/*.h" in (root / "MANIFEST.in").read_text().splitlines()
+
+
+def test_the_lanes_column_has_lane_words_per_lane() -> None:
+    from shmbuffer.protocol.layout import LANE_WORDS, Options, columns
+
+    specs = {c.name: c for c in columns(sb.Schema(x=((), "float32")), Options(capacity=12, lanes=3))}
+    assert specs["_lanes"].shape == (3, LANE_WORDS)

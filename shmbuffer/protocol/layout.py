@@ -77,6 +77,10 @@ class Counter(IntEnum):
     step): windows (n-step, sequences, groups, episodes) are refused from then on"""
 
 
+LANE_WORDS = 8
+"""Words (int64) of each lane's row of ``_lanes``: one cache line a lane (``native/layout.h`` too)."""
+
+
 class Lane(IntEnum):
     """Where each lane's numbers live in its row of ``_lanes``."""
 
@@ -183,7 +187,7 @@ def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
     i8, u1 = np.dtype(np.int64), np.dtype(np.uint8)
     cols = [
         ColumnSpec("_mutex", (MUTEX_SIZE,), u1),
-        ColumnSpec("_lanes", (lanes, 8), i8),
+        ColumnSpec("_lanes", (lanes, LANE_WORDS), i8),
         ColumnSpec("_stats", (16,), i8),
         ColumnSpec("_writer_pid", (WRITERS,), i8),
         ColumnSpec("_writer_start", (WRITERS,), np.dtype(np.float64)),

@@ -93,7 +93,7 @@ from ..errors import (
 from ..shm.lock import RobustLock, defer_signals
 from ..shm.segment import process_alive, start_time
 from . import rows
-from .layout import WRITERS, Counter, Lane
+from .layout import LANE_WORDS, WRITERS, Counter, Lane
 
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 _SAMPLED, _RECLAIMED, _RECOVERIES = int(Counter.SAMPLED), int(Counter.RECLAIMED), int(Counter.LOCK_RECOVERIES)
@@ -332,14 +332,14 @@ class Ring:
             where: slice | np.ndarray = rows.slot(lane, n, lc)
         else:
             cur = self._cur
-            n0 = max(cur[8 * lane + _CURSOR], cur[8 * lane + _BASE])
+            n0 = max(cur[LANE_WORDS * lane + _CURSOR], cur[LANE_WORDS * lane + _BASE])
             n = np.arange(n0, n0 + k)
             s0 = n0 % lc
             lib = native.lib
             first = rows.slot(lane, n0, lc)
             if lib is not None and s0 + k <= lc and lib.reserve(self.stamp, self.owner, first, k, n0, w, old):
                 # no slot odd: owners, then odd stamps, in one C call (the lapping rules below otherwise)
-                cur[8 * lane + _CURSOR] = n0 + k
+                cur[LANE_WORDS * lane + _CURSOR] = n0 + k
                 self._count[_INSERTED] += k
                 return Reservation(slice(first, first + k), n, lane, self.lanes,
                                    (old, *was, cursors.copy()))
@@ -358,7 +358,7 @@ class Ring:
             cursors[:, _CURSOR] = np.maximum(cursors[:, _CURSOR], cursors[:, _BASE]) + counts
         else:
             self.stamp[where] = rows.writing(n)
-            self._cur[8 * lane + _CURSOR] = n0 + k
+            self._cur[LANE_WORDS * lane + _CURSOR] = n0 + k
         self._count[_INSERTED] += k
         return Reservation(where, n, lane, self.lanes, (old, *was, cursors.copy()))
 
