@@ -81,14 +81,24 @@ def _measure(buf: ReplayBuffer, name: str, uid: int, ident: tuple[int, int],
              before: Reading | None) -> tuple[dict[str, Any], Reading]:
     arrays = buf.block.arrays
     now = time.monotonic()
-    count = len(buf)  # before the counters, so that rows <= inserted while writers go on
-    stats = arrays["_stats"].copy()
-    cursors = arrays["_lanes"][:, Lane.CURSOR].copy()
-    wpid, wstart = arrays["_writer_pid"].copy(), arrays["_writer_start"].copy()
-    wsampled = arrays["_sampled"].copy()
     stamp, owner = arrays["_stamp"], arrays["_owner"]
     capacity, lanes = buf.capacity, buf.lanes
     lc = capacity // lanes
+    # one reading of the lanes for the rows held, in all and per writer, before the counters (so
+    # that rows <= inserted while writers go on)
+    lanes_now = arrays["_lanes"].copy()
+    lo, hi = rows.bounds(lanes_now, lc)
+    held = np.zeros(WRITERS, np.int64)
+    for lane in np.flatnonzero(hi > lo):  # the rows that count (not those before a clear), committed
+        n = np.arange(int(lo[lane]), int(hi[lane]))
+        slots = rows.slot(int(lane), n, lc)
+        held += np.bincount(owner[slots][stamp[slots] == rows.committed(n)], minlength=WRITERS)
+    plain = buf.options.frames is None and not int(arrays["_stats"][Counter.REMOVED])
+    count = int((hi - lo).sum()) if plain else len(buf)  # len: end rows, deleted rows (a scan)
+    stats = arrays["_stats"].copy()
+    cursors = lanes_now[:, Lane.CURSOR].copy()
+    wpid, wstart = arrays["_writer_pid"].copy(), arrays["_writer_start"].copy()
+    wsampled = arrays["_sampled"].copy()
     inserted = int(stats[Counter.INSERTED])
     sampled = int(stats[Counter.SAMPLED]) + int(wsampled.sum())
     waits = int(arrays["_mutex"].reshape(-1)[WAITS:WAITS + 8].view(np.int64)[0])
@@ -98,12 +108,6 @@ def _measure(buf: ReplayBuffer, name: str, uid: int, ident: tuple[int, int],
     odd_owners = owner[odd]
     alive = {int(w): segment.process_alive(int(wpid[w]), float(wstart[w])) for w in np.flatnonzero(wpid)}
     dead_odd = int(sum(1 for o in odd_owners if not alive.get(int(o), False)))
-    held = np.zeros(WRITERS, np.int64)
-    lo, hi = rows.bounds(arrays["_lanes"], lc)
-    for lane in np.flatnonzero(hi > lo):  # the rows that count (not those before a clear), committed
-        n = np.arange(int(lo[lane]), int(hi[lane]))
-        slots = rows.slot(int(lane), n, lc)
-        held += np.bincount(owner[slots][stamp[slots] == rows.committed(n)], minlength=WRITERS)
     header = segment.read_header(name)
     out: dict[str, Any] = {
         "name": name, "owner_uid": uid, "creator_pid": header.creator_pid,
