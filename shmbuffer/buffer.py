@@ -580,7 +580,7 @@ class ReplayBuffer:
         """A ``Loader`` over this buffer: batches on a device, sampled ahead (``loader.py``)."""
         return Loader(self, batch_size, **kwargs)
 
-    # -- persistence (persistence.py) -----------------------------------------------------------
+    # -- persistence (persistence/) -------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], *, progress: bool | Callable[[int, int], None] | None = None,
              wait: float = 1.0, overwrite: bool = False) -> dict[str, Any]:
         """Save to the directory ``path`` (safetensors + JSON) while writers may go on."""

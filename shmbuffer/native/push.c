@@ -221,7 +221,7 @@ static int int64_view(PyObject *obj, Py_buffer *view, int zero_dim) {
     return 1;
 }
 
-/* lane= of a push of k rows: as given (an int, or k int64), else the envs' rule (edits.check):
+/* lane= of a push of k rows: as given (an int, or k int64), else the envs' rule (push.check):
  * 1 taken (ln->each NULL for envs' lanes: lanes_spread makes them), 0 left to Python */
 static int lanes_read(const PushPlan *p, PyObject *lane_o, Py_ssize_t k, Lanes *ln) {
     ln->all = -1;
@@ -277,7 +277,7 @@ typedef struct {
     int held;
 } Episodes;
 
-/* episode= of a push of k rows: 1 taken, 0 left to Python (missing or unwanted: edits.check says
+/* episode= of a push of k rows: 1 taken, 0 left to Python (missing or unwanted: push.check says
  * so; ids per row without lane= or envs: edits.note_interleaving decides) */
 static int episodes_read(const PushPlan *p, PyObject *episode_o, PyObject *lane_o, Py_ssize_t k, Episodes *ep) {
     ep->all = 0;

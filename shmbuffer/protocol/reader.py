@@ -10,7 +10,7 @@ rows are reaped, and for at most ``GIVE_UP`` seconds; with ``unique`` a row appe
 ``claim`` (``max_use``) each row's use is counted under the lock once it is read. ``assemble``
 makes the ``Batch``.
 
-With the C extension (``native.py``) ``gather`` is one C call with real atomics: acquire loads of
+With the C extension (``native``) ``gather`` is one C call with real atomics: acquire loads of
 the first stamps, the copies (without the GIL above a size), an acquire fence, the second stamps.
 
 Everything here works on a ``layout.Block`` and a ``Ring``: the columns and the commit protocol,

@@ -53,7 +53,7 @@ Memory ordering
 ---------------
 The protocol needs a writer's data stores to become visible before its commit stamp, and a reader's
 first stamp load to happen before its data loads and those before its second stamp load. With the
-C extension (``native.py``) these are real atomics: ``commit`` stores each stamp with release
+C extension (``native``) these are real atomics: ``commit`` stores each stamp with release
 semantics after the copies (``push.Copier.copy``), the reservation's odd stamps are release stores after
 the owners, and the reader (``reader.gather``) loads the first stamps with acquire semantics and
 issues an acquire fence before the second loads. On the Python path x86-64 guarantees both

@@ -21,7 +21,7 @@ Readers do not lock: a draw that races an update may land on a leaf that is 0 by
 level being rewritten, on the wrong slot), so callers check the leaves they get (``Prioritized``
 re-draws them); ``find`` never returns a slot outside the tree.
 
-With the C extension (``native.py``) ``find`` and ``update`` are one C call each on the same
+With the C extension (``native``) ``find`` and ``update`` are one C call each on the same
 arrays: ``find`` walks every point down in lockstep, level by level; ``update`` sets the leaves in
 order (the last value of a repeated slot wins) and recomputes their ancestors and the prefix sum
 (a min is carried up, and recomputed from the 16 children only where the smallest one grew, or

@@ -556,7 +556,7 @@ class Segment:
     def create(cls, name: str | None, meta: dict[str, Any], columns: list[ColumnSpec], fingerprint: str) -> Segment:
         """Create block ``name`` (a new name if ``None``) with these columns: space checked and reserved, watched
         by the tracker, magic written last."""
-        native.warn_if_missing()  # first use: say once if the C extension is missing (native.py)
+        native.warn_if_missing()  # first use: say once if the C extension is missing (``native``)
         name = check_name(name) if name is not None else new_name()
         entries, at = [], 0
         for col in columns:
