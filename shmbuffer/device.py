@@ -31,9 +31,16 @@ for the others. ``update_priorities`` writes the shared tree, so every process s
 has the fields, shapes and dtypes of ``ReplayBuffer.sample``'s, as tensors on the device, with
 ``index`` (ids), ``episode`` and ``weight`` as there.
 
-Not done on the device yet, and refused with the alternative named: frames stored once
-(``next_of``/``stack``), ``max_use``, a rate limiter; ``sample_sequences`` and the other windows
-but n-step returns stay ``ReplayBuffer``'s. The device
+With frames stored once (``next_of``/``stack``) the device copy holds the stored rows and a host
+mirror of their kinds; a draw plans each transition on the host by ``frames.py``'s read rules
+(``center``, ``stack_plan``: a window row counts when the copy holds that exact row) and rebuilds
+it on the device (one gather of the planned frames, stacks assembled there); rows that are not
+transitions (end, lead, a lane's newest with ``next_of``) are drawn again. ``len`` counts rows
+held, not transitions.
+
+Not done on the device yet, and refused with the alternative named: n-step returns over frames
+stored once, ``max_use``, a rate limiter; ``sample_sequences`` and the other windows but n-step
+returns stay ``ReplayBuffer``'s. The device
 must hold the copy: on CUDA the bytes needed are checked against ``torch.cuda.mem_get_info``
 before anything is allocated.
 """
@@ -49,10 +56,23 @@ from typing import Any
 import numpy as np
 
 from .batch import Batch, torch_dtype, torch_views
-from .errors import CapacityError, ClosedError, EmptyBufferError, LayoutError
+from .errors import CapacityError, ClosedError, EmptyBufferError, FieldError, LayoutError
+from .frames import KIND, Stack, stack_columns, stack_plan
+from .frames import center as frames_center
 from .protocol.layout import Counter, Lane
 from .protocol.reader import Source
-from .protocol.rows import bounds, committed, committed_of_id, intact, is_committed, number_of_stamp, row_id, slot
+from .protocol.rows import (
+    bounds,
+    committed,
+    committed_of_id,
+    intact,
+    is_committed,
+    number_of_stamp,
+    row_id,
+    slot,
+    slot_of_id,
+    window,
+)
 from .sequences import check_n_step, n_step_fields
 
 _UPDATES, _INSERTED = int(Counter.UPDATES), int(Counter.INSERTED)
@@ -64,6 +84,16 @@ _ROUNDS = 8
 @contextlib.contextmanager
 def _nothing() -> Iterator[None]:
     yield
+
+
+def _assemble(s: Stack, got: Any) -> Any:
+    """Stacks from frames ``(m, k, *frame)`` in the field's layout (``frames.assemble``, in torch)."""
+    m = got.shape[0]
+    if s.axis == 0:
+        return got.reshape(m, s.k * s.width, *got.shape[3:])
+    moved = got.movedim(1, 1 + s.axis)  # (m, ..., k, width, ...)
+    shape = moved.shape
+    return moved.reshape(*shape[:1 + s.axis], s.k * s.width, *shape[3 + s.axis:])
 
 
 def _torch() -> Any:
@@ -89,8 +119,7 @@ class DeviceReplay:
                  max_lag_s: float | None = None, chunk: int = 16384, seed: int | None = None) -> None:
         torch = _torch()
         opts = buf.options
-        refused = [what for what, on in (("frames stored once (next_of/stack)", opts.frames is not None),
-                                        ("max_use", opts.max_use is not None),
+        refused = [what for what, on in (("max_use", opts.max_use is not None),
                                         ("a rate limiter", opts.limiter is not None)) if on]
         if refused:
             raise LayoutError(f"DeviceReplay: buffer {buf.name!r} has {', '.join(refused)}, which the device copy "
@@ -133,6 +162,10 @@ class DeviceReplay:
         self._stream = torch.cuda.Stream(self.device) if pin else None
         self.held = np.zeros(self.capacity, np.int64)
         """The stamp of the row each device slot holds, 0 where it holds none usable (host memory)."""
+        self.spec = opts.frames
+        """The buffer's frames stored once (``next_of``/``stack``), or ``None``."""
+        self.kinds = np.zeros(self.capacity if self.spec is not None else 0, np.uint8)
+        """With frames: each held row's kind (``frames.KIND``), as copied with it (host memory)."""
         self.seen = np.zeros(self.capacity, np.int64)
         """The stamp each slot showed when a sync last copied it: a slot is copied again only once
         its stamp differs (a row cleared or lapped is not copied over and over)."""
@@ -200,6 +233,8 @@ class DeviceReplay:
         if int(counters[_UPDATES]) != updates:
             ok[:] = False  # an update ran meanwhile: copied again at the next sync
         self.held[slots] = np.where(ok, first, 0)
+        if self.spec is not None:
+            self.kinds[slots] = self._staging[KIND][:k].numpy()
         self.seen[slots] = first  # copied again once the stamp moves on (a row being written commits)
         good = np.flatnonzero(ok)
         if good.size == 0:
@@ -299,6 +334,9 @@ class DeviceReplay:
             if not 0 <= gamma <= 1:
                 raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
             check_n_step(self.buf, int(n_step), fields)
+            if self.spec is not None:
+                raise FieldError(f"sample(n_step={n_step}): the device copy does not rebuild n-step returns over "
+                                 "frames stored once (next_of/stack) yet: buf.sample(n, n_step=...) does")
         if self.closed:
             raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
         self._maybe_sync()
@@ -317,6 +355,8 @@ class DeviceReplay:
 
     def _uniform(self, n: int) -> Batch:
         torch = _torch()
+        if self.spec is not None:
+            return self._uniform_transitions(n)
         m = self._count
         if m == 0:
             raise EmptyBufferError(f"sample({n}): the device copy of buffer {self.buf.name!r} holds no rows yet "
@@ -352,6 +392,8 @@ class DeviceReplay:
             ok = got >= 0
             slots = ring.slots(np.where(ok, got, 0))
             ok &= self.held[slots] == committed_of_id(np.where(ok, got, 0), self.lanes)
+            if self.spec is not None:
+                ok &= self._transitions(np.where(ok, got, 0))[0]
             ids[todo[ok]], leaves[todo[ok]] = got[ok], d.leaves[ok]
             todo = todo[~ok]
             if todo.size == 0:
@@ -360,8 +402,10 @@ class DeviceReplay:
             raise EmptyBufferError(f"sample({n}): the device copy of buffer {buf.name!r} holds none of the rows the "
                                    "priorities draw (nothing pushed yet, or every row being written)")
         weights = sampler.weights(tree, leaves, calls)
-        slots_dev = torch.from_numpy(ring.slots(ids)).to(self.device)
         w = None if weights is None else torch.from_numpy(np.ascontiguousarray(weights)).to(self.device)
+        if self.spec is not None:
+            return self._frames_batch(ids, w)
+        slots_dev = torch.from_numpy(ring.slots(ids)).to(self.device)
         return self._batch(slots_dev, torch.from_numpy(ids).to(self.device), w)
 
     def _batch(self, slots: Any, ids: Any, weight: Any) -> Batch:
@@ -414,6 +458,101 @@ class DeviceReplay:
         out: dict[str, Any] = {}
         if "_record" in self.rows and self.record is not None:
             out.update(torch_views(self.rows["_record"].view(torch.uint8), self.record))
+        out.update({name: dev for name, dev in self.rows.items() if name != "_record"})
+        return out
+
+    # -- frames stored once: transitions rebuilt on the device (frames.py's read rules) ------------
+    def _transitions(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
+        """Which of ``ids`` the device copy can serve as transitions, by ``frames.center`` and
+        ``frames.stack_plan`` over their windows (a window row counts when the copy holds that
+        exact row, as a stamp check would pass it); the windows' ids and each stack's plan."""
+        spec = self.spec
+        assert spec is not None
+        lanes = self.lanes
+        win = window(ids, np.arange(-spec.depth, spec.ahead + 1), lanes, np.zeros(lanes, np.int64),
+                     np.full(lanes, np.iinfo(np.int64).max))[0]
+        there = win >= 0
+        safe = np.where(there, win, 0)
+        slots = slot_of_id(safe, lanes, self.lane_capacity)
+        ok = there & (self.held[slots] == committed_of_id(safe, lanes))
+        kind = self.kinds[slots]
+        valid = frames_center(spec, ok, kind)
+        plans = {}
+        for s in spec.stack:
+            for key, last in stack_columns(spec, s).items():
+                cols, zero, fine = stack_plan(ok, kind, last, s.k)
+                valid &= fine
+                plans[key] = (cols, zero)
+        return valid, win, plans
+
+    def _uniform_transitions(self, n: int) -> Batch:
+        """``n`` transitions drawn uniformly over the usable rows that are transitions (end and
+        lead rows, and each lane's newest row with ``next_of``, are drawn again)."""
+        torch = _torch()
+        ids = np.empty(n, np.int64)
+        todo = np.arange(n)
+        for _ in range(4 * _ROUNDS):
+            if self._count == 0:
+                break
+            if self._slots is None:
+                self._slots = torch.from_numpy(np.flatnonzero(self.usable)).to(self.device)
+            pick = torch.randint(self._count, (todo.size,), device=self.device, generator=self._gen)
+            got = self._ids_of(self._slots.index_select(0, pick)).cpu().numpy()
+            ok = self._transitions(got)[0]
+            ids[todo[ok]] = got[ok]
+            todo = todo[~ok]
+            if todo.size == 0:
+                return self._frames_batch(ids, None)
+        raise EmptyBufferError(f"sample({n}): the device copy of buffer {self.buf.name!r} holds no whole "
+                               "transitions yet (an episode's final observation and each lane's newest row, "
+                               "which waits for its next, are not): push, then sync() or sample again")
+
+    def _frames_batch(self, ids: np.ndarray, weight: Any) -> Batch:
+        """The transitions ``ids`` (each servable: ``_transitions``) rebuilt on the device."""
+        torch = _torch()
+        spec = self.spec
+        assert spec is not None
+        block = self.buf.block
+        valid, win, plans = self._transitions(ids)
+        assert valid.all()
+        m, c, lanes, lc = ids.shape[0], spec.depth, self.lanes, self.lane_capacity
+        cols = self._stored_columns(torch)
+
+        def at(column: int) -> Any:
+            return torch.from_numpy(slot_of_id(win[:, column], lanes, lc)).to(self.device)
+
+        center = at(c)
+        packed = self.rows["_record"].view(torch.uint8).index_select(0, center) if "_record" in self.rows else None
+        small = torch_views(packed, self.record) if packed is not None and self.record is not None else {}
+        nexts = {nxt: src for nxt, src in spec.next_of}
+        fields: dict[str, Any] = {}
+        for name in block.schema.names:
+            stack = spec.stacked(name) or (spec.stacked(nexts[name]) if name in nexts else None)
+            if stack is not None:
+                key = stack.name if name == stack.name else "next:" + stack.name
+                chosen, zero = plans[key]
+                where = torch.from_numpy(slot_of_id(win[np.arange(m)[:, None], chosen].reshape(-1), lanes, lc))
+                got = cols[stack.name].index_select(0, where.to(self.device))
+                got = got.reshape(m, stack.k, *got.shape[1:])
+                if zero.any():
+                    got[torch.from_numpy(zero).to(self.device)] = 0
+                fields[name] = _assemble(stack, got)
+            elif name in nexts:
+                fields[name] = cols[nexts[name]].index_select(0, at(c + 1))
+            else:
+                fields[name] = small[name] if name in small else cols[name].index_select(0, center)
+        extras: dict[str, Any] = {"index": torch.from_numpy(ids).to(self.device)}
+        if "_episode" in self.rows:
+            extras["episode"] = self.rows["_episode"].index_select(0, center)
+        if weight is not None:
+            extras["weight"] = weight
+        return Batch(fields, extras, block=packed, record=self.record)
+
+    def _stored_columns(self, torch: Any) -> dict[str, Any]:
+        """Every stored field's whole device column (the small ones views of the packed block)."""
+        out: dict[str, Any] = {}
+        if "_record" in self.rows:
+            out.update(torch_views(self.rows["_record"].view(torch.uint8), self.buf.block.stored_record))
         out.update({name: dev for name, dev in self.rows.items() if name != "_record"})
         return out
 

@@ -138,10 +138,9 @@ def test_uniform_draws_match_the_shared_buffers(make: Make, name: str) -> None:
 
 
 def test_refused_buffers_name_the_alternative(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    frames = make(sb.Schema(obs=((3,), "float32"), next_obs=((3,), "float32"), done=((), "bool")), 16,
-                  name=name + "f", next_of="obs")
-    with pytest.raises(sb.LayoutError, match=r"next_of/stack.*buf.sample"):
-        DeviceReplay(frames, "cpu")
+    used = make(MUJOCO, 16, name=name + "f", max_use=2)
+    with pytest.raises(sb.LayoutError, match=r"max_use.*buf.sample"):
+        DeviceReplay(used, "cpu")
     with pytest.raises(ValueError, match="max_lag_rows"):
         DeviceReplay(make(MUJOCO, 8, name=name + "a"), "cpu", max_lag_rows=-1)
     big = make(MUJOCO, 4096, name=name + "b")
@@ -217,10 +216,9 @@ def test_the_loader_says_which_path_it_took(make: Make, name: str) -> None:
         assert host.path == "host" and host.why == "resident=False"
     with pytest.raises(sb.LayoutError, match=r"sample keywords.*n_step.*resident=False"):
         sb.Loader(buf, 32, resident=True, n_step=3)
-    frames = make(sb.Schema(obs=((3,), "float32"), next_obs=((3,), "float32"), done=((), "bool")), 16,
-                  name=name + "f", next_of="obs")
-    with pytest.raises(sb.LayoutError, match="next_of/stack"):
-        sb.Loader(frames, 4, resident=True)
+    used = make(MUJOCO, 16, name=name + "f", max_use=2)
+    with pytest.raises(sb.LayoutError, match="max_use"):
+        sb.Loader(used, 4, resident=True)
 
 
 def test_n_step_on_the_device_equals_the_host_reference(make: Make, name: str) -> None:
@@ -334,3 +332,76 @@ def test_close_while_sampling_says_closed_and_staging_fits_the_buffer(make: Make
     monkeypatch.setattr(dev, "_maybe_sync", dev.close)  # another thread closes it mid-sample
     with pytest.raises(sb.ClosedError, match="closed"):
         dev.sample(4)
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_frames_stored_once_are_rebuilt_on_the_device_as_take_rebuilds_them(case: int, make: Make, name: str) -> None:
+    """Stacks (padded by reset or zeros, channels first or last) and next observations read from the
+    lane: the same bytes as ``take()`` of the same ids; end rows and a lane's newest row never drawn."""
+    from .test_frames import CASES, same, schema, stepper
+
+    frame, k, axis, pad, next_of, stack, lanes = CASES[case]
+    sch = schema(frame, k, axis)
+    rng = np.random.default_rng(case)
+    buf = make(sch, 40 * lanes, lanes=lanes, episodes=True, next_of=next_of, stack=stack, name=name,
+               sampler=sb.Prioritized() if case % 2 else sb.Uniform(), seed=case)
+    streams = stepper(rng, lanes, frame, k, axis, pad)
+    dev = None
+    for step in range(60):
+        lane = int(rng.integers(lanes))
+        chunk = [next(streams[lane]) for _ in range(int(rng.integers(1, 5)))]
+        buf.push({n: np.stack([np.asarray(r[n]) for r in chunk]) for n in sch.names}, lane=lane,
+                 episode=np.array([r["tag"][1] * lanes + lane for r in chunk]))
+        if step == 20:
+            dev = DeviceReplay(buf, "cpu", seed=case)
+    assert dev is not None
+    got = dev.sample(200)
+    ref = buf.take(got.index.numpy())
+    assert same(got.numpy(), ref, sch.names)
+    assert np.array_equal(got.episode.numpy(), ref.episode)
+    with pytest.raises(sb.FieldError, match="n-step returns over frames"):
+        dev.sample(4, n_step=2)
+
+
+@pytest.mark.slow
+def test_frames_from_writers_killed_and_a_clear_are_never_mixed_on_the_device(make: Make, name: str,
+                                                                              procs: list[Any]) -> None:
+    """Two writer processes push stacked episodes into a small ring, one is killed and replaced,
+    a clear() comes midway: every transition the device copy serves is one episode's, whole."""
+    from .test_frames import FRAME, _expected, _writer, schema
+
+    buf = make(schema(FRAME, 4, 0), 2 * 48, lanes=2, next_of="obs", stack="obs", name=name, seed=5)
+    ctx = mp.get_context("spawn")
+    writers = {lane: ctx.Process(target=_writer, args=(buf.handle, lane, 0, 4.0)) for lane in (0, 1)}
+    for p in writers.values():
+        p.start()
+        procs.append(p)
+    deadline = time.monotonic() + 60
+    while len(buf) < 40 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=8, seed=5)
+    checked, killed, cleared = 0, False, False
+    start = time.monotonic()
+    while any(p.is_alive() for p in writers.values()) and time.monotonic() - start < 30:
+        if not killed and time.monotonic() - start > 0.8:
+            writers[0].kill()
+            writers[0].join(5)
+            writers[0] = ctx.Process(target=_writer, args=(buf.handle, 0, 10_000, 2.0))
+            writers[0].start()
+            procs.append(writers[0])
+            killed = True
+        if not cleared and time.monotonic() - start > 1.5:
+            buf.clear()
+            cleared = True
+        try:
+            batch = dev.sample(32).numpy()
+        except sb.EmptyBufferError:
+            continue
+        for j in range(32):
+            lane, ep, t = batch.tag[j].tolist()
+            obs, nxt = _expected(lane, ep, t)
+            assert np.array_equal(batch.obs[j], obs) and np.array_equal(batch.next_obs[j], nxt), (lane, ep, t)
+            assert batch.action[j] == t and batch.reward[j] == t + 1
+        checked += 32
+    dev.close()
+    assert killed and cleared and checked > 300
