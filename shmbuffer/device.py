@@ -38,9 +38,12 @@ it on the device (one gather of the planned frames, stacks assembled there); row
 transitions (end, lead, a lane's newest with ``next_of``) are drawn again. ``len`` counts rows
 held, not transitions.
 
-Not done on the device yet, and refused with the alternative named: n-step returns over frames
-stored once, ``max_use``, a rate limiter; ``sample_sequences`` and the other windows but n-step
-returns stay ``ReplayBuffer``'s. The device
+``sample_sequences`` serves windows of one lane and episode (burn-in, mask, time major) from the
+rows the copy holds, planned on the host from a mirror of their episode ids.
+
+Not done on the device yet, and refused with the alternative named: n-step returns and sequences
+over frames stored once, ``max_use``, a rate limiter; groups and whole episodes stay
+``ReplayBuffer``'s. The device
 must hold the copy: on CUDA the bytes needed are checked against ``torch.cuda.mem_get_info``
 before anything is allocated.
 """
@@ -73,7 +76,7 @@ from .protocol.rows import (
     slot_of_id,
     window,
 )
-from .sequences import check_n_step, n_step_fields
+from .sequences import check_n_step, check_windows, n_step_fields, window_mask
 
 _UPDATES, _INSERTED = int(Counter.UPDATES), int(Counter.INSERTED)
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
@@ -166,6 +169,8 @@ class DeviceReplay:
         """The buffer's frames stored once (``next_of``/``stack``), or ``None``."""
         self.kinds = np.zeros(self.capacity if self.spec is not None else 0, np.uint8)
         """With frames: each held row's kind (``frames.KIND``), as copied with it (host memory)."""
+        self.episodes = np.zeros(self.capacity if block.episode is not None else 0, np.int64)
+        """With episodes: each held row's episode id, as copied with it (host memory)."""
         self.seen = np.zeros(self.capacity, np.int64)
         """The stamp each slot showed when a sync last copied it: a slot is copied again only once
         its stamp differs (a row cleared or lapped is not copied over and over)."""
@@ -235,6 +240,8 @@ class DeviceReplay:
         self.held[slots] = np.where(ok, first, 0)
         if self.spec is not None:
             self.kinds[slots] = self._staging[KIND][:k].numpy()
+        if self.episodes.size:
+            self.episodes[slots] = self._staging["_episode"][:k].numpy()
         self.seen[slots] = first  # copied again once the stamp moves on (a row being written commits)
         good = np.flatnonzero(ok)
         if good.size == 0:
@@ -555,6 +562,76 @@ class DeviceReplay:
             out.update(torch_views(self.rows["_record"].view(torch.uint8), self.buf.block.stored_record))
         out.update({name: dev for name, dev in self.rows.items() if name != "_record"})
         return out
+
+    def sample_sequences(self, n: int, length: int, *, burn_in: int = 0, time_major: bool = False) -> Batch:
+        """``n`` windows of ``length`` consecutive steps of one lane and episode (plus ``burn_in``
+        before) gathered on the device, as ``ReplayBuffer.sample_sequences`` serves them: fields
+        ``(n, burn_in + length, ...)`` (or time major), ``batch.mask`` the steps that exist (the
+        copy holds them, of the anchor's episode, contiguous from the anchor), zeros elsewhere,
+        ``batch.index`` -1 there. Anchors are drawn uniformly over the rows the copy holds."""
+        torch = _torch()
+        what = f"sample_sequences({n}, {length})"
+        check_windows(self.buf, what, n, length, burn_in)
+        if self.spec is not None:
+            raise FieldError(f"{what}: the device copy does not serve windows over frames stored once "
+                             "(next_of/stack) yet: buf.sample_sequences(...) does")
+        if self.closed:
+            raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
+        self._maybe_sync()
+        offsets = np.arange(-burn_in, length)
+        with self._lock:
+            anchors = np.empty(n, np.int64)
+            todo = np.arange(n)
+            for _ in range(4 * _ROUNDS):
+                if self._count == 0:
+                    break
+                if self._slots is None:
+                    self._slots = torch.from_numpy(np.flatnonzero(self.usable)).to(self.device)
+                pick = torch.randint(self._count, (todo.size,), device=self.device, generator=self._gen)
+                got = self._ids_of(self._slots.index_select(0, pick)).cpu().numpy()
+                ok = self._window(got)[0]
+                anchors[todo[ok]] = got[ok]
+                todo = todo[~ok]
+                if todo.size == 0:
+                    break
+            if todo.size:
+                raise EmptyBufferError(f"{what}: the device copy of buffer {self.buf.name!r} holds no rows yet")
+            ids = window(anchors, offsets, self.lanes, np.zeros(self.lanes, np.int64),
+                         np.full(self.lanes, np.iinfo(np.int64).max))[0]
+            held, slots = self._window(ids)
+            own = self.episodes[slot_of_id(anchors, self.lanes, self.lane_capacity)]
+            mask = window_mask(held & (self.episodes[slots] == own[:, None]), burn_in)
+            batch = self._window_batch(np.where(mask, ids, -1), np.where(mask, slots, 0), mask, time_major)
+        self.buf.ring.count_sampled(n * (length + burn_in))
+        return batch
+
+    def _window(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Which of ``ids`` (any shape) the copy holds as committed, and their slots."""
+        there = ids >= 0
+        safe = np.where(there, ids, 0)
+        slots = slot_of_id(safe, self.lanes, self.lane_capacity)
+        return there & (self.held[slots] == committed_of_id(safe, self.lanes)), slots
+
+    def _window_batch(self, ids: np.ndarray, slots: np.ndarray, mask: np.ndarray, time_major: bool) -> Batch:
+        torch = _torch()
+        order = slots.T if time_major else slots
+        lead = order.shape
+        where = torch.from_numpy(np.ascontiguousarray(order).reshape(-1)).to(self.device)
+        hole = torch.from_numpy(~np.ascontiguousarray(mask.T if time_major else mask).reshape(-1)).to(self.device)
+        got = {name: dev.index_select(0, where) for name, dev in self.rows.items() if name != "_episode"}
+        for col in got.values():
+            col[hole] = 0
+        packed = got.pop("_record", None)
+        if packed is not None:
+            packed = packed.view(torch.uint8)
+        small = torch_views(packed, self.record) if packed is not None and self.record is not None else {}
+        flat = {name: got[name] if name in got else small[name] for name in self.buf.block.schema.names}
+        fields = {name: a.reshape(*lead, *a.shape[1:]) for name, a in flat.items()}
+        index = ids.T if time_major else ids
+        keep = mask.T if time_major else mask
+        extras = {"index": torch.from_numpy(np.ascontiguousarray(index)).to(self.device),
+                  "mask": torch.from_numpy(np.ascontiguousarray(keep)).to(self.device)}
+        return Batch(fields, extras, block=packed, record=self.record, lead=lead)
 
     def update_priorities(self, ids: Any, priorities: Any) -> None:
         """Set the priorities of rows ``ids`` in the shared tree (``ReplayBuffer.update_priorities``:

@@ -185,7 +185,7 @@ def sample_sequences(src: Source, n: int, length: int, *, burn_in: int = 0, time
     """``n`` windows of ``length`` consecutive steps of one lane and episode (plus ``burn_in`` steps before), with
     a mask; ``ReplayBuffer.sample_sequences`` documents it."""
     what = f"sample_sequences({n}, {length})"
-    _check_windows(src, what, n, length, burn_in)
+    check_windows(src, what, n, length, burn_in)
     ids, rows, mask = _windows(src, n, np.arange(-burn_in, length), burn_in, full=False, what=what)
     return _assemble(src, ids, rows, mask, time_major)
 
@@ -194,7 +194,7 @@ def sample_groups(src: Source, groups: int, size: int, *, ordered: bool = True, 
                   short: bool = False) -> Batch:
     """``groups`` groups of ``size`` rows of one episode each; ``ReplayBuffer.sample_groups`` documents it."""
     what = f"sample_groups({groups}, {size})"
-    _check_windows(src, what, groups, size, 0)
+    check_windows(src, what, groups, size, 0)
     if short or not replace:
         return _episode_groups(src, groups, size, ordered=ordered, replace=replace, short=short, what=what)
     if ordered:
@@ -501,7 +501,8 @@ def _need_episodes(src: Source, what: str) -> np.ndarray:
     return src.block.episode
 
 
-def _check_windows(src: Source, what: str, n: int, length: int, burn_in: int) -> None:
+def check_windows(src: Source, what: str, n: int, length: int, burn_in: int) -> None:
+    """Refuse windows the buffer cannot serve (no episodes, bad sizes, longer than a lane)."""
     _need_episodes(src, what)
     for name, value, low in (("n", n, 1), ("length", length, 1), ("burn_in", burn_in, 0)):
         if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:

@@ -405,3 +405,33 @@ def test_frames_from_writers_killed_and_a_clear_are_never_mixed_on_the_device(ma
         checked += 32
     dev.close()
     assert killed and cleared and checked > 300
+
+
+@pytest.mark.parametrize("time_major", [False, True])
+def test_sequences_on_the_device_are_the_episodes_windows(make: Make, name: str, time_major: bool) -> None:
+    """Windows of one lane and episode, masked where the episode ends or the lane's rows stop,
+    burn-in included, the same rows as ``take()``; time major transposes."""
+    buf = make(MUJOCO, 400, name=name, lanes=2, episodes=True)
+    lengths = {0: [7, 3, 12, 5, 9], 1: [4, 11, 6]}
+    first = {}  # id -> (episode, step, length)
+    for lane, eps in lengths.items():
+        for e, n in enumerate(eps):
+            ids = buf.push(transition(1000 * lane + 50 * e, n), lane=lane, episode=10 * lane + e)
+            first.update({int(i): (10 * lane + e, t, n) for t, i in enumerate(ids)})
+    dev = DeviceReplay(buf, "cpu", seed=11)
+    got = dev.sample_sequences(300, 4, burn_in=2, time_major=time_major).numpy()
+    index, mask, reward = got.index, got.mask, got.reward
+    if time_major:
+        assert index.shape == (6, 300)
+        index, mask, reward = index.T, mask.T, reward.T
+    assert index.shape == (300, 6) and got.obs.shape == ((6, 300, 17) if time_major else (300, 6, 17))
+    for w in range(300):
+        anchor = int(index[w, 2])
+        ep, t, n = first[anchor]
+        steps = np.arange(t - 2, t + 4)
+        assert np.array_equal(mask[w], (steps >= 0) & (steps < n)), (w, ep, t, n)
+        assert (index[w][~mask[w]] == -1).all() and (reward[w][~mask[w]] == 0).all()
+        held = index[w][mask[w]]
+        assert np.array_equal(reward[w][mask[w]], buf.take(held).reward)
+    with pytest.raises(sb.FieldError, match="episode"):
+        DeviceReplay(make(MUJOCO, 8, name=name + "e"), "cpu").sample_sequences(4, 2)
