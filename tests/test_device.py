@@ -181,12 +181,16 @@ def test_writers_lapping_and_killed_while_the_copy_refreshes(make: Make, name: s
     base = None
     t0 = time.monotonic()
     while drawn < 400 and time.monotonic() - t0 < 60:
+        before = buf.ring.bounds()[1].copy()  # each lane's cursor
         try:
             batch = dev.sample(128)
         except sb.EmptyBufferError:
             continue
         whole(batch)
         assert not (batch.reward.numpy() < 0).any()  # the killed writer's rows are never drawn
+        # never stale beyond the lag: a row drawn was in its lane's last 128 rows at most 64 inserts ago
+        ids = batch.index.numpy()
+        assert (ids // 2 >= before[ids % 2] - 128 - 64).all()
         if base is not None:
             lane = batch.index.numpy() % 2
             assert (batch.index.numpy() // 2 >= base[lane]).all()
