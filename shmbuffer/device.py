@@ -53,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -370,9 +370,7 @@ class DeviceReplay:
                                    "(push, then sync() or sample again)")
         pick = torch.randint(m, (n,), device=self.device, generator=self._gen)
         if m < self.capacity:  # else every slot is usable: the draw is the slot
-            if self._slots is None:
-                self._slots = torch.from_numpy(np.flatnonzero(self.usable)).to(self.device)
-            pick = self._slots.index_select(0, pick)
+            pick = self._usable_slots().index_select(0, pick)
         return self._batch(pick, self._ids_of(pick), None)
 
     def _prioritized(self, n: int) -> Batch:
@@ -468,6 +466,36 @@ class DeviceReplay:
         out.update({name: dev for name, dev in self.rows.items() if name != "_record"})
         return out
 
+    def _usable_slots(self) -> Any:
+        """The usable slots as a device tensor (made once per sync, when a draw needs it)."""
+        if self._slots is None:
+            self._slots = _torch().from_numpy(np.flatnonzero(self.usable)).to(self.device)
+        return self._slots
+
+    def _draw_held(self, n: int, accept: Callable[[np.ndarray], np.ndarray]) -> np.ndarray | None:
+        """``n`` ids of usable rows drawn uniformly on the device, those ``accept`` refuses drawn
+        again (a bounded number of rounds); ``None`` when they could not all be drawn."""
+        torch = _torch()
+        ids = np.empty(n, np.int64)
+        todo = np.arange(n)
+        for _ in range(4 * _ROUNDS):
+            if self._count == 0:
+                return None
+            pick = torch.randint(self._count, (todo.size,), device=self.device, generator=self._gen)
+            got = self._ids_of(self._usable_slots().index_select(0, pick)).cpu().numpy()
+            ok = accept(got)
+            ids[todo[ok]] = got[ok]
+            todo = todo[~ok]
+            if todo.size == 0:
+                return ids
+        return None
+
+    def _window_ids(self, anchors: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """Ids of the rows ``anchor + offset`` of each anchor's lane (the copy's ``held`` says which
+        it holds: no bounds here)."""
+        lanes = self.lanes
+        return window(anchors, offsets, lanes, np.zeros(lanes, np.int64), np.full(lanes, np.iinfo(np.int64).max))[0]
+
     # -- frames stored once: transitions rebuilt on the device (frames.py's read rules) ------------
     def _transitions(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
         """Which of ``ids`` the device copy can serve as transitions, by ``frames.center`` and
@@ -476,8 +504,7 @@ class DeviceReplay:
         spec = self.spec
         assert spec is not None
         lanes = self.lanes
-        win = window(ids, np.arange(-spec.depth, spec.ahead + 1), lanes, np.zeros(lanes, np.int64),
-                     np.full(lanes, np.iinfo(np.int64).max))[0]
+        win = self._window_ids(ids, np.arange(-spec.depth, spec.ahead + 1))
         there = win >= 0
         safe = np.where(there, win, 0)
         slots = slot_of_id(safe, lanes, self.lane_capacity)
@@ -495,21 +522,9 @@ class DeviceReplay:
     def _uniform_transitions(self, n: int) -> Batch:
         """``n`` transitions drawn uniformly over the usable rows that are transitions (end and
         lead rows, and each lane's newest row with ``next_of``, are drawn again)."""
-        torch = _torch()
-        ids = np.empty(n, np.int64)
-        todo = np.arange(n)
-        for _ in range(4 * _ROUNDS):
-            if self._count == 0:
-                break
-            if self._slots is None:
-                self._slots = torch.from_numpy(np.flatnonzero(self.usable)).to(self.device)
-            pick = torch.randint(self._count, (todo.size,), device=self.device, generator=self._gen)
-            got = self._ids_of(self._slots.index_select(0, pick)).cpu().numpy()
-            ok = self._transitions(got)[0]
-            ids[todo[ok]] = got[ok]
-            todo = todo[~ok]
-            if todo.size == 0:
-                return self._frames_batch(ids, None)
+        ids = self._draw_held(n, lambda got: self._transitions(got)[0])
+        if ids is not None:
+            return self._frames_batch(ids, None)
         raise EmptyBufferError(f"sample({n}): the device copy of buffer {self.buf.name!r} holds no whole "
                                "transitions yet (an episode's final observation and each lane's newest row, "
                                "which waits for its next, are not): push, then sync() or sample again")
@@ -569,7 +584,6 @@ class DeviceReplay:
         ``(n, burn_in + length, ...)`` (or time major), ``batch.mask`` the steps that exist (the
         copy holds them, of the anchor's episode, contiguous from the anchor), zeros elsewhere,
         ``batch.index`` -1 there. Anchors are drawn uniformly over the rows the copy holds."""
-        torch = _torch()
         what = f"sample_sequences({n}, {length})"
         check_windows(self.buf, what, n, length, burn_in)
         if self.spec is not None:
@@ -580,24 +594,10 @@ class DeviceReplay:
         self._maybe_sync()
         offsets = np.arange(-burn_in, length)
         with self._lock:
-            anchors = np.empty(n, np.int64)
-            todo = np.arange(n)
-            for _ in range(4 * _ROUNDS):
-                if self._count == 0:
-                    break
-                if self._slots is None:
-                    self._slots = torch.from_numpy(np.flatnonzero(self.usable)).to(self.device)
-                pick = torch.randint(self._count, (todo.size,), device=self.device, generator=self._gen)
-                got = self._ids_of(self._slots.index_select(0, pick)).cpu().numpy()
-                ok = self._window(got)[0]
-                anchors[todo[ok]] = got[ok]
-                todo = todo[~ok]
-                if todo.size == 0:
-                    break
-            if todo.size:
+            anchors = self._draw_held(n, lambda got: self._window(got)[0])
+            if anchors is None:
                 raise EmptyBufferError(f"{what}: the device copy of buffer {self.buf.name!r} holds no rows yet")
-            ids = window(anchors, offsets, self.lanes, np.zeros(self.lanes, np.int64),
-                         np.full(self.lanes, np.iinfo(np.int64).max))[0]
+            ids = self._window_ids(anchors, offsets)
             held, slots = self._window(ids)
             own = self.episodes[slot_of_id(anchors, self.lanes, self.lane_capacity)]
             mask = window_mask(held & (self.episodes[slots] == own[:, None]), burn_in)
