@@ -17,15 +17,7 @@ static inline void prefetch_pages(const char *row, size_t w) {
 }
 
 /* -- gather ------------------------------------------------------------------------------------ */
-/* a gather's columns: source c is (capacity, width[c] bytes), out c (n, width[c] bytes) */
-typedef struct {
-    Py_ssize_t n;
-    Py_buffer src[MAX_COLS], dst[MAX_COLS];
-    Py_ssize_t width[MAX_COLS];
-    size_t total;
-} Columns;
-
-static void columns_close(Columns *c) {
+void columns_close(Columns *c) {
     for (Py_ssize_t i = 0; i < c->n; i++) {
         PyBuffer_Release(&c->src[i]);
         PyBuffer_Release(&c->dst[i]);
@@ -33,8 +25,7 @@ static void columns_close(Columns *c) {
     c->n = 0;
 }
 
-/* the views of the sources and outs (tuples of as many), checked; -1 with an error, none held */
-static int columns_open(Columns *c, PyObject *src_o, PyObject *out_o, Py_ssize_t capacity, Py_ssize_t n) {
+int columns_open(Columns *c, PyObject *src_o, PyObject *out_o, Py_ssize_t capacity, Py_ssize_t n) {
     Py_ssize_t ncols = PyTuple_GET_SIZE(src_o);
     c->n = 0;
     c->total = 0;
@@ -76,10 +67,7 @@ static void copy_column(char *to, const char *from, size_t w, const int64_t *slo
     }
 }
 
-/* The stamped copy of n rows: each id's slot and first stamp (acquire), the columns' rows, an
- * acquire fence, the second stamps; ok[i]: both equal the stamp the id's row shows once committed.
- * slots and first: scratch of n. Returns the smallest id (INT64_MAX for none). No Python calls. */
-static int64_t gather_rows(const Columns *c, const int64_t *ids, Py_ssize_t n, Py_ssize_t lanes, const int64_t *stamp,
+int64_t gather_rows(const Columns *c, const int64_t *ids, Py_ssize_t n, Py_ssize_t lanes, const int64_t *stamp,
                            int64_t lc, int64_t *slots, int64_t *first, char *ok) {
     /* the columns in local arrays: the stores below cannot change them, so they stay in registers */
     const char *from[MAX_COLS];

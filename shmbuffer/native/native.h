@@ -62,6 +62,24 @@ void copies_run(const Copies *c, Py_ssize_t k, const int64_t *slots, int64_t fir
 /* each slot's stamp from 2n + 1 to 2n + 2 with a release store: the copies become visible first */
 void commit_slots(int64_t *stamp, Py_ssize_t k, const int64_t *slots, int64_t first);
 
+/* -- the reader's gather (gather.c) ----------------------------------------------------------- */
+/* a gather's columns: source c is (capacity, width[c] bytes), out c (n, width[c] bytes) */
+typedef struct {
+    Py_ssize_t n;
+    Py_buffer src[MAX_COLS], dst[MAX_COLS];
+    Py_ssize_t width[MAX_COLS];
+    size_t total;
+} Columns;
+
+/* the views of the sources and outs (tuples of as many), checked; -1 with an error, none held */
+int columns_open(Columns *c, PyObject *src_o, PyObject *out_o, Py_ssize_t capacity, Py_ssize_t n);
+void columns_close(Columns *c);
+/* The stamped copy of n rows: each id's slot and first stamp (acquire), the columns' rows, an
+ * acquire fence, the second stamps; ok[i]: both equal the stamp the id's row shows once committed.
+ * slots and first: scratch of n. Returns the smallest id (INT64_MAX for none). No Python calls. */
+int64_t gather_rows(const Columns *c, const int64_t *ids, Py_ssize_t n, Py_ssize_t lanes, const int64_t *stamp,
+                    int64_t lc, int64_t *slots, int64_t *first, char *ok);
+
 /* -- the push plan (plan.c) and the one-call push (push.c) -------------------------------------- */
 #define PLAN_CAPSULE "shmbuffer.plan"
 
