@@ -98,6 +98,11 @@ class ReplayBuffer:
     _ring: Ring | None = None
     _segment: Segment | None = None
     _push_plan: Any = None
+    _one_call: reader.OneCall | None = None
+    """The one-call sample (``reader.OneCall``), made at the first sample that it serves."""
+    _one_calls = True
+    """Whether samples try the one call (``False`` once it serves none of this buffer's, or to test
+    the Python path)."""
 
     def __init__(
         self,
@@ -231,6 +236,9 @@ class ReplayBuffer:
         self._push_plan = None  # push is the method again, which says closed
         if self._copier is not None:
             self._copier.close()  # the one-call push's views of the block (a held push's too)
+        if self._one_call is not None:
+            self._one_call.close()  # the one-call sample's
+        self._one_call = None
         self._ring = self._prios = self._fast_push = None
         self._block = self._copier = None  # type: ignore[assignment]
         self._segment.close(defer=defer)
@@ -479,12 +487,31 @@ class ReplayBuffer:
             calls = prios.next_call() if prios is not None else 0  # shared: attach, load continue it
             if hindsight is not None:
                 return her.sample(self, hindsight, n, out=out, calls=calls)
-            batch = reader.draw(self, n, replace=replace, out=out, calls=calls)
+            batch = None
+            if replace and self._one_calls:
+                one = self._one_call
+                if one is None or one.rng is not self.rng:  # made at the first sample, again for a new rng
+                    one = self._make_one_call()
+                if one is not None:
+                    batch = one(self, n, out, calls)
+            if batch is None:
+                batch = reader.draw(self, n, replace=replace, out=out, calls=calls)
             if n_step > 1:
                 sequences.add_n_step(self, batch, int(n_step), float(gamma), fields)
             return batch
 
         return self._counted(n, timeout, draw)
+
+    def _make_one_call(self) -> reader.OneCall | None:
+        """The one-call sample of this buffer (``reader.OneCall``), or ``None`` where it serves none."""
+        if self._one_call is not None:
+            self._one_call.close()
+            self._one_call = None
+        if not reader.OneCall.serves(self):
+            self._one_calls = False
+            return None
+        self._one_call = reader.OneCall(native.lib, self)
+        return self._one_call
 
     def _counted(self, rows: int, timeout: float | None, draw: Callable[[], Any]) -> Any:
         """Run a sample, counting its ``rows`` as sampled (through the rate limiter, if any)."""

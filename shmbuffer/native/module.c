@@ -9,7 +9,8 @@
  * The files: layout.h (the block's layout and the row arithmetic, checked against the Python
  * definitions by tests/test_native.py), native.h (what the C files share), common.c (buffer
  * views, the lock), tree.c (the priority tree), priorities.c (prioritized draws and updates),
- * gather.c (the reader's stamped copies, frame stacks), copies.c (a push's copies, commit and
+ * gather.c (the reader's stamped copies, frame stacks), sample.c (the one-call sample: draw, gather,
+ * re-draws, weights), copies.c (a push's copies, commit and
  * reservation as steps Python drives), plan.c and push.c (the one-call push), method.c
  * (ReplayBuffer.push as a method whose usual calls run in C).
  *
@@ -36,6 +37,11 @@ static PyMethodDef methods[] = {
     {"update_priorities", py_update_priorities, METH_VARARGS,
      "update_priorities(lock, ids, priorities, leaves, stamp, cursors, sums, mins, plan, capacity, prio) -> live count or None."},
     {"gather", py_gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok) -> smallest id: rows with the stamp check."},
+    {"read_plan", py_read_plan, METH_VARARGS,
+     "read_plan(stamp, cursors, counters, columns, seed, tree=None) -> a one-call sample's plan; tree: (sums, mins, levels)."},
+    {"read_close", py_read_close, METH_O, "read_close(plan): release a read plan's views of the buffer."},
+    {"sample", (PyCFunction)(void (*)(void))py_sample, METH_FASTCALL,
+     "sample(plan, outs, ids, ok[, leaves, weights, beta]) -> rows not intact, or -1: a whole draw and gather."},
     {"stacks", py_stacks, METH_VARARGS,
      "stacks(win, ok, kind, lanes, stamp, column, k, lasts, outs, valid): frame stacks read with their plan."},
     {"put", py_put, METH_VARARGS,
@@ -59,7 +65,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "shmbuffer.native._na
 static int add_constants(PyObject *m) {
     static const struct { const char *name; long long value; } constants[] = {
         {"LANE_WORDS", LANE_WORDS},   {"LANE_CURSOR", LANE_CURSOR},       {"LANE_BASE", LANE_BASE},
-        {"STATS_WORDS", STATS_WORDS}, {"COUNTER_INSERTED", COUNTER_INSERTED}, {"COUNTER_FROZEN", COUNTER_FROZEN},
+        {"STATS_WORDS", STATS_WORDS}, {"COUNTER_UPDATES", COUNTER_UPDATES}, {"COUNTER_INSERTED", COUNTER_INSERTED}, {"COUNTER_FROZEN", COUNTER_FROZEN},
         {"WRITERS", WRITERS},         {"LOCK_SIZE", LOCK_SIZE},           {"LOCK_REPAIR", LOCK_REPAIR},
         {"KIND_END", KIND_END},       {"KIND_START", KIND_START},         {"KIND_ZERO", KIND_ZERO},
         {"FANOUT", FANOUT},           {"INVALID_ID", INVALID_ID},

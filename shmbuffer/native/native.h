@@ -31,6 +31,20 @@ Py_ssize_t lanes_of(const Py_buffer *cursors, Py_ssize_t capacity, const char *w
 /* lock.py's robust mutex, tried once (common.c): 1 held, 0 not taken */
 int lock_try(void *lock);
 
+/* a lane's cursor and base, loaded with acquire (a writer's release store moved them) */
+static inline int64_t load_cursor(const int64_t *cur, int64_t lane) {
+    return __atomic_load_n(&cur[LANE_WORDS * lane + LANE_CURSOR], __ATOMIC_ACQUIRE);
+}
+static inline int64_t load_base(const int64_t *cur, int64_t lane) {
+    return __atomic_load_n(&cur[LANE_WORDS * lane + LANE_BASE], __ATOMIC_ACQUIRE);
+}
+
+/* the id each slot's stamp names (ring.Ring.ids_of_slots), INVALID_ID where the slot is empty,
+ * being written, older than its lane's bounds or on a leaf of 0: the stamps are loaded first,
+ * then the bounds (priorities.c) */
+void ids_of_slots(const int64_t *stamp, const int64_t *cur, Py_ssize_t lanes, int64_t lc, const int64_t *slots,
+                  const double *leaves, int64_t *ids, Py_ssize_t n);
+
 /* -- the priority tree (tree.c) ---------------------------------------------------------------- */
 typedef struct {
     Py_ssize_t n;               /* levels, leaves first; the last is the top */
@@ -42,6 +56,7 @@ typedef struct {
 
 int levels_read(PyObject *lengths, Py_ssize_t capacity, Py_ssize_t size, Levels *lv);
 void tree_walk(const double *sums, const Levels *lv, Py_ssize_t capacity, double *x, int64_t *node, Py_ssize_t n);
+void weights_of(const double *mins, const Levels *lv, const double *leaves, Py_ssize_t n, double beta, float *out);
 void tree_set(double *sums, double *mins, const Levels *lv, const int64_t *slots, const double *values, double scalar,
               Py_ssize_t n);
 
@@ -79,6 +94,11 @@ void columns_close(Columns *c);
  * slots and first: scratch of n. Returns the smallest id (INT64_MAX for none). No Python calls. */
 int64_t gather_rows(const Columns *c, const int64_t *ids, Py_ssize_t n, Py_ssize_t lanes, const int64_t *stamp,
                     int64_t lc, int64_t *slots, int64_t *first, char *ok);
+
+/* -- the one-call sample (sample.c) ----------------------------------------------------------- */
+PyObject *py_read_plan(PyObject *self, PyObject *args);
+PyObject *py_read_close(PyObject *self, PyObject *capsule);
+PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* -- the push plan (plan.c) and the one-call push (push.c) -------------------------------------- */
 #define PLAN_CAPSULE "shmbuffer.plan"

@@ -5,18 +5,7 @@
 #include <math.h>
 #include <pthread.h>
 
-/* a lane's cursor and base, loaded with acquire (a writer's release store moved them) */
-static inline int64_t load_cursor(const int64_t *cur, int64_t lane) {
-    return __atomic_load_n(&cur[LANE_WORDS * lane + LANE_CURSOR], __ATOMIC_ACQUIRE);
-}
-static inline int64_t load_base(const int64_t *cur, int64_t lane) {
-    return __atomic_load_n(&cur[LANE_WORDS * lane + LANE_BASE], __ATOMIC_ACQUIRE);
-}
-
-/* the id each slot's stamp names (ring.Ring.ids_of_slots), INVALID_ID where the slot is empty,
- * being written, older than its lane's bounds or on a leaf of 0: the stamps are loaded first,
- * then the bounds */
-static void ids_of_slots(const int64_t *stamp, const int64_t *cur, Py_ssize_t lanes, int64_t lc, const int64_t *slots,
+void ids_of_slots(const int64_t *stamp, const int64_t *cur, Py_ssize_t lanes, int64_t lc, const int64_t *slots,
                          const double *leaves, int64_t *ids, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) ids[i] = __atomic_load_n(&stamp[slots[i]], __ATOMIC_ACQUIRE);
     int64_t start0 = lanes == 1 ? first_row(load_cursor(cur, 0), load_base(cur, 0), lc) : 0;

@@ -367,6 +367,23 @@ static double top_min(const double *top, Py_ssize_t m, int *nan) {
     return low;
 }
 
+/* samplers.importance_weights for n leaves: (max(leaf, low) / low) ** -beta as float32, low the
+ * smallest positive leaf (the top level of mins); all ones when low is not a positive finite
+ * number. No Python calls. */
+void weights_of(const double *mins, const Levels *lv, const double *leaves, Py_ssize_t n, double beta, float *out) {
+    int nan;
+    double low = top_min(mins + lv->at[lv->n - 1], lv->len[lv->n - 1], &nan);
+    if (nan || !isfinite(low) || low <= 0) {
+        for (Py_ssize_t i = 0; i < n; i++) out[i] = 1.0f;
+        return;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        double l = leaves[i];
+        if (!(l >= low) && !isnan(l)) l = low; /* np.maximum: NaN propagates */
+        out[i] = (float)pow(l / low, -beta);
+    }
+}
+
 /* weights(mins, plan, capacity, leaves, beta, out): Prioritized.weights into out (float32):
  * (max(leaf, low) / low) ** -beta with low the tree's min (SumTree.min), or 1 where the tree
  * has no positive leaf. pow here is the C library's, numpy's may be a vectorized one: float64
@@ -388,21 +405,7 @@ PyObject *py_weights(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "weights: expected one float32 out per leaf");
         goto done;
     }
-    {
-        const double *leaves = (const double *)lb.buf;
-        float *out = (float *)ob.buf;
-        int nan;
-        double low = top_min((const double *)mb.buf + lv.at[lv.n - 1], lv.len[lv.n - 1], &nan);
-        if (nan || !isfinite(low) || low <= 0) {
-            for (Py_ssize_t i = 0; i < n; i++) out[i] = 1.0f;
-        } else {
-            for (Py_ssize_t i = 0; i < n; i++) {
-                double l = leaves[i];
-                if (!(l >= low) && !isnan(l)) l = low; /* np.maximum: NaN propagates */
-                out[i] = (float)pow(l / low, -beta);
-            }
-        }
-    }
+    weights_of((const double *)mb.buf, &lv, (const double *)lb.buf, n, beta, (float *)ob.buf);
     result = Py_None;
     Py_INCREF(result);
 done:

@@ -29,6 +29,7 @@ import numpy as np
 from .. import frames, native
 from ..batch import Batch
 from ..errors import EmptyBufferError, WaitTimeout
+from ..sampling.samplers import Prioritized
 from .layout import Block, Counter, Options
 from .priorities import Priorities
 from .ring import INVALID, Ring, positions
@@ -316,25 +317,10 @@ _ARENA_BYTES = 1 << 20
 """Large fields' outputs of at least this many bytes in all share one allocation."""
 
 
-def _gather_native(
-    lib: Any, block: Block, ring: Ring, flat: np.ndarray, out: dict[str, np.ndarray] | None,
-    large: tuple[str, ...] | None,
-) -> Rows | None:
-    """``gather`` as one C call (first stamps with acquire loads, the copies, an acquire fence,
-    second stamps); ``None`` when an array is not one the kernel takes (not C-contiguous, another
-    dtype), before anything is copied: the numpy path then runs."""
-    if flat.dtype != np.int64:
-        return None
-    n = flat.shape[0]
-    sources: list[np.ndarray] = []
-    outs: list[np.ndarray] = []
-    packed = block.packed
-    if packed is not None:
-        p = np.empty((n, packed.shape[1]), np.uint8) if out is None else out["_block"]
-        sources.append(packed)
-        outs.append(p)
+def _large_outs(cols: list[tuple[str, np.ndarray]], n: int, out: dict[str, np.ndarray] | None) -> dict[str, np.ndarray] | None:
+    """The arrays ``n`` rows of the large columns ``cols`` are gathered into: ``out``'s, else new
+    ones; ``None`` when an out has another dtype than its column."""
     got = {}
-    cols = [(name, col) for name, col in block.large.items() if large is None or name in large]
     arena, at = None, 0
     if out is None and len(cols) > 1:
         # one allocation for every large field: big blocks freed and allocated again each sample
@@ -352,8 +338,32 @@ def _gather_native(
         if a.dtype != col.dtype:
             return None
         got[name] = a
-        sources.append(col)
-        outs.append(a)
+    return got
+
+
+def _gather_native(
+    lib: Any, block: Block, ring: Ring, flat: np.ndarray, out: dict[str, np.ndarray] | None,
+    large: tuple[str, ...] | None,
+) -> Rows | None:
+    """``gather`` as one C call (first stamps with acquire loads, the copies, an acquire fence,
+    second stamps); ``None`` when an array is not one the kernel takes (not C-contiguous, another
+    dtype), before anything is copied: the numpy path then runs."""
+    if flat.dtype != np.int64:
+        return None
+    n = flat.shape[0]
+    sources: list[np.ndarray] = []
+    outs: list[np.ndarray] = []
+    packed = block.packed
+    if packed is not None:
+        p = np.empty((n, packed.shape[1]), np.uint8) if out is None else out["_block"]
+        sources.append(packed)
+        outs.append(p)
+    cols = [(name, col) for name, col in block.large.items() if large is None or name in large]
+    got = _large_outs(cols, n, out)
+    if got is None:
+        return None
+    sources += [col for _, col in cols]
+    outs += got.values()
     episode = None
     if block.episode is not None:
         episode = np.empty(n, np.int64)
@@ -500,23 +510,7 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
         ids = np.concatenate([ids, more.ids])
         leaves = None if leaves is None or more.leaves is None else np.concatenate([leaves, more.leaves])
 
-    def redraw(k: int, taken: np.ndarray, slow: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        if slow and tree is not None and not replace and np.count_nonzero(tree.leaves) < n:
-            raise EmptyBufferError(
-                f"sample({n}, replace=False): only {np.count_nonzero(tree.leaves)} rows of buffer "
-                f"{src.name!r} can be drawn; the others are used up (max_use={src.options.max_use}) or empty")
-        if slow and tree is None and not replace:
-            held = ring.held_ids()  # deleted rows (stamp 0) still count in len(ring): n may exceed the rest
-            left = np.count_nonzero(ring.stamp.take(ring.slots(held)))
-            if left < n:
-                raise EmptyBufferError(
-                    f"sample({n}, replace=False): only {left} rows of buffer {src.name!r} can be drawn; "
-                    "the others were deleted or are empty")
-        more = sampler.draw(ring, tree, src.rng, k, replace=replace, taken=taken, again=True, slow=slow)
-        if more.ids.size < k:
-            _nothing_to_draw(src, n, final=False)
-        return more.ids, more.leaves
-
+    redraw = _redrawer(src, n, replace)
     if spares:
         rows = gather(block, ring, ids)
         bad = np.flatnonzero(~rows.ok[:n])
@@ -538,6 +532,127 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
         return assemble(block, ids, rows)
     weight = sampler.weights(tree, leaves, calls)
     return assemble(block, ids, rows, {"weight": weight} if weight is not None else None)
+
+
+class OneCall:
+    """``draw`` with replacement as one C call (``_native.sample``, ``native/sample.c``): the draw
+    (uniform, or prioritized from the tree, stratified), the stamped gather of every column, a
+    few rounds of re-draws of rows not intact, and the importance weights, the GIL released
+    around big copies; then the batch of the packed record's views. The draw's random numbers
+    come from a xoshiro256** generator in C seeded from the buffer's ``rng`` (made again when
+    ``rng`` is replaced): another stream than numpy's, the same distribution
+    (``tests/test_one_call.py``). What the call does not serve it says: an empty buffer, an update
+    during the gather (``_unless_updated``) and a closed plan go to ``draw`` (which raises or reads
+    again), and rows still not intact after its rounds to ``fetch``.
+
+    Served: buffers without ``next_of``/``stack`` or ``max_use`` (``OneCall.serves``); the others
+    (and ``replace=False``, hindsight) take ``draw``."""
+
+    def __init__(self, lib: Any, src: Source) -> None:
+        block, ring, prios = src.block, src.ring, src.priorities
+        self.lib = lib
+        self.rng = src.rng
+        cols = [] if block.packed is None else [block.packed]
+        self.large = [(name, col) for name, col in block.large.items()]
+        cols += [col for _, col in self.large]
+        self.episode = block.episode is not None
+        if block.episode is not None:
+            cols.append(block.episode)
+        tree = None if prios is None else (prios.tree.sums, prios.tree.mins, prios.tree.plan)
+        seed = src.rng.integers(0, 1 << 64, size=4, dtype=np.uint64)
+        view = ring.native_view
+        assert view is not None, "serves() checked it"
+        self.plan = lib.read_plan(view[0], view[1], block.counters, tuple(cols), seed, tree)
+        self.record = block.record if block.packed is not None else None
+        self.names = block.schema.names
+        self.prioritized = tree is not None
+
+    @staticmethod
+    def serves(src: Source) -> bool:
+        """Whether ``src``'s samples with replacement can be one call."""
+        prios = src.priorities
+        return (native.lib is not None and src.block.frames is None and (prios is None or prios.uses is None)
+                and getattr(src.ring, "native_view", None) is not None)
+
+    def close(self) -> None:
+        """Release the plan's views of the block (``ReplayBuffer.close``)."""
+        self.lib.read_close(self.plan)
+
+    def __call__(self, src: Source, n: int, out: dict[str, np.ndarray] | None, calls: int) -> Batch | None:
+        """``draw(src, n, out=out, calls=calls)`` in one call, or ``None``: ``draw`` must run."""
+        record = self.record
+        rec = packed = None
+        outs: list[np.ndarray] = []
+        if record is not None:
+            if out is None:
+                rec = np.empty(n, record.dtype)
+                packed = rec.view(np.uint8).reshape(n, record.itemsize)
+            else:
+                packed = out["_block"]
+                rec = packed.view(record.dtype).reshape(n)
+            outs.append(packed)
+        large = _large_outs(self.large, n, out) if self.large else {}
+        if large is None:
+            return None
+        outs += large.values()
+        episode = None
+        if self.episode:
+            episode = np.empty(n, np.int64)
+            outs.append(episode)
+        ids, ok = np.empty(n, np.int64), np.empty(n, np.bool_)
+        sampler = src.options.sampler
+        leaves: np.ndarray | None
+        weight: np.ndarray | None
+        if self.prioritized:
+            assert isinstance(sampler, Prioritized)
+            leaves, weight = np.empty(n), np.empty(n, np.float32)
+            bad = self.lib.sample(self.plan, tuple(outs), ids, ok, leaves, weight, sampler.beta_at(calls))
+        else:
+            leaves = weight = None
+            bad = self.lib.sample(self.plan, tuple(outs), ids, ok)
+        if bad < 0:
+            return None
+        extras: dict[str, np.ndarray] = {"index": ids}
+        if bad:  # rows still not intact after the C rounds: the reader's loop (waits, reaps, gives up)
+            rows = Rows(ok, packed, large, episode)
+            ids, rows, leaves = fetch(src.block, src.ring, ids, _redrawer(src, n, True), reap=src.reap, values=leaves,
+                                      out=out, what=lambda: f"sample({n}) of buffer {src.name!r}", rows=rows)
+            extras["index"] = ids
+            if leaves is not None:
+                prios = src.priorities
+                assert prios is not None
+                weight = sampler.weights(prios.tree, leaves, calls)
+        if episode is not None:
+            extras["episode"] = episode
+        if weight is not None:
+            extras["weight"] = weight
+        fields = {name: large[name] if name in large else rec[name] for name in self.names}  # type: ignore[index]
+        return Batch(fields, extras, block=packed, record=record)
+
+
+def _redrawer(src: Source, n: int, replace: bool) -> Redraw:
+    """The re-draw of ``draw``'s sample of ``n``: ``src``'s sampler again, for ``fetch``."""
+    ring, prios, sampler = src.ring, src.priorities, src.options.sampler
+    tree = prios.tree if prios is not None else None
+
+    def redraw(k: int, taken: np.ndarray, slow: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        if slow and tree is not None and not replace and np.count_nonzero(tree.leaves) < n:
+            raise EmptyBufferError(
+                f"sample({n}, replace=False): only {np.count_nonzero(tree.leaves)} rows of buffer "
+                f"{src.name!r} can be drawn; the others are used up (max_use={src.options.max_use}) or empty")
+        if slow and tree is None and not replace:
+            held = ring.held_ids()  # deleted rows (stamp 0) still count in len(ring): n may exceed the rest
+            left = np.count_nonzero(ring.stamp.take(ring.slots(held)))
+            if left < n:
+                raise EmptyBufferError(
+                    f"sample({n}, replace=False): only {left} rows of buffer {src.name!r} can be drawn; "
+                    "the others were deleted or are empty")
+        more = sampler.draw(ring, tree, src.rng, k, replace=replace, taken=taken, again=True, slow=slow)
+        if more.ids.size < k:
+            _nothing_to_draw(src, n, final=False)
+        return more.ids, more.leaves
+
+    return redraw
 
 
 def _nothing_to_draw(src: Source, n: int, *, final: bool) -> None:

@@ -1,0 +1,392 @@
+/* The one-call sample (protocol/reader.py's fast_draw): a uniform or prioritized draw, the stamped
+ * gather of the rows drawn, re-draws of the rows that were not intact and the importance weights,
+ * in one call on a read plan made once per buffer. The draw's random numbers come from the plan's
+ * xoshiro256** generator (seeded from the buffer's numpy generator): the same distribution as the
+ * Python path (samplers.py), another stream. What the call does not serve (an empty buffer, a
+ * tree with nothing to draw, rows still not intact after the rounds, an update during the gather)
+ * it says, and the Python path takes over. */
+#include "native.h"
+
+#include <string.h>
+
+#define READ_CAPSULE "shmbuffer.read"
+#define REDRAW_ROUNDS 8 /* reader.REDRAW_ROUNDS: rounds of re-draws before Python's slow path */
+
+typedef struct {
+    Py_buffer stamp, cur, stats, sums, mins; /* the ring's stamps, cursors, counters; the tree */
+    Py_buffer src[MAX_COLS];                 /* the columns a sample copies, in the caller's order */
+    Py_ssize_t width[MAX_COLS], ncols;
+    int held, prioritized, closed, busy;     /* held: views of stamp, cur, stats, sums, mins taken */
+    pid_t busy_pid;
+    Py_ssize_t lanes, capacity, lc;
+    Levels lv;
+    uint64_t rng[4]; /* xoshiro256** */
+} ReadPlan;
+
+/* -- the generator ----------------------------------------------------------------------------- */
+static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static inline uint64_t next_u64(uint64_t *s) {
+    uint64_t result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+/* a double in [0, 1) from the top 53 bits, as numpy's random() makes one */
+static inline double next_double(uint64_t *s) { return (double)(next_u64(s) >> 11) * (1.0 / 9007199254740992.0); }
+
+/* -- the plan ---------------------------------------------------------------------------------- */
+static void read_release(ReadPlan *p) {
+    Py_buffer *views[5] = {&p->stamp, &p->cur, &p->stats, &p->sums, &p->mins};
+    for (int i = 0; i < p->held; i++) PyBuffer_Release(views[i]);
+    p->held = 0;
+    for (Py_ssize_t g = 0; g < p->ncols; g++) PyBuffer_Release(&p->src[g]);
+    p->ncols = 0;
+    p->closed = 1;
+}
+
+static void read_capsule_free(PyObject *capsule) {
+    ReadPlan *p = (ReadPlan *)PyCapsule_GetPointer(capsule, READ_CAPSULE);
+    if (!p) return;
+    read_release(p);
+    PyMem_Free(p);
+}
+
+/* read_plan(stamp, cursors, counters, columns, seed, tree=None) -> capsule: what a one-call sample
+ * reads, once per buffer: the ring's stamps (capacity int64), cursors ((lanes, LANE_WORDS) int64),
+ * counters (STATS_WORDS int64), the columns to copy (a tuple of (capacity, row bytes) arrays), the
+ * generator's seed (4 uint64, not all 0) and, for a prioritized buffer, (sums, mins, levels) of its
+ * tree. Its views stay held until read_close or the capsule goes. */
+PyObject *py_read_plan(PyObject *self, PyObject *args) {
+    PyObject *stamp_o, *cur_o, *stats_o, *cols_o, *seed_o, *tree_o = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOO!O|O:read_plan", &stamp_o, &cur_o, &stats_o, &PyTuple_Type, &cols_o, &seed_o, &tree_o))
+        return NULL;
+    Py_ssize_t ncols = PyTuple_GET_SIZE(cols_o);
+    if (ncols < 1 || ncols > MAX_COLS) {
+        PyErr_SetString(PyExc_ValueError, "read_plan: expected 1 to 64 columns");
+        return NULL;
+    }
+    ReadPlan *p = (ReadPlan *)PyMem_Calloc(1, sizeof(ReadPlan));
+    if (!p) return PyErr_NoMemory();
+    Py_buffer sb;
+    if (get_buf(seed_o, &sb, 0, 8, "seed") < 0) goto fail;
+    if (sb.len != 32) {
+        PyBuffer_Release(&sb);
+        PyErr_SetString(PyExc_ValueError, "read_plan: the seed is 4 uint64");
+        goto fail;
+    }
+    memcpy(p->rng, sb.buf, 32);
+    PyBuffer_Release(&sb);
+    if (!(p->rng[0] | p->rng[1] | p->rng[2] | p->rng[3])) p->rng[0] = 1; /* the one state xoshiro cannot leave */
+    if (get_buf(stamp_o, &p->stamp, 0, 8, "stamp") < 0) goto fail;
+    p->held = 1;
+    if (get_buf(cur_o, &p->cur, 0, 8, "cursors") < 0) goto fail;
+    p->held = 2;
+    if (get_buf(stats_o, &p->stats, 0, 8, "counters") < 0) goto fail;
+    p->held = 3;
+    p->capacity = p->stamp.len / 8;
+    p->lanes = lanes_of(&p->cur, p->capacity, "read_plan");
+    if (!p->lanes) goto fail;
+    p->lc = p->capacity / p->lanes;
+    if (p->stats.len != STATS_WORDS * 8) {
+        PyErr_SetString(PyExc_ValueError, "read_plan: the counters do not fit the layout");
+        goto fail;
+    }
+    for (Py_ssize_t g = 0; g < ncols; g++) {
+        if (get_buf(PyTuple_GET_ITEM(cols_o, g), &p->src[g], 0, 0, "read_plan column") < 0) goto fail;
+        p->ncols = g + 1;
+        p->width[g] = p->src[g].len / p->capacity;
+        if (p->src[g].len % p->capacity || !p->width[g]) {
+            PyErr_Format(PyExc_ValueError, "read_plan: column %zd is not (capacity, row bytes)", g);
+            goto fail;
+        }
+    }
+    if (tree_o != Py_None) {
+        PyObject *sums_o, *mins_o, *levels_o;
+        if (!PyArg_ParseTuple(tree_o, "OOO!:read_plan tree", &sums_o, &mins_o, &PyTuple_Type, &levels_o)) goto fail;
+        if (get_buf(sums_o, &p->sums, 0, 8, "sums") < 0) goto fail;
+        p->held = 4;
+        if (get_buf(mins_o, &p->mins, 0, 8, "mins") < 0) goto fail;
+        p->held = 5;
+        if (levels_read(levels_o, p->capacity, p->sums.len / 8, &p->lv) < 0) goto fail;
+        if (p->mins.len != p->sums.len) {
+            PyErr_SetString(PyExc_ValueError, "read_plan: sums and mins differ in size");
+            goto fail;
+        }
+        p->prioritized = 1;
+    }
+    PyObject *capsule = PyCapsule_New(p, READ_CAPSULE, read_capsule_free);
+    if (capsule) return capsule;
+fail:
+    read_release(p);
+    PyMem_Free(p);
+    return NULL;
+}
+
+/* read_close(plan): no sample runs through the plan any more (each says so: None) and its views
+ * of the buffer are released, now or by the last sample in flight in another thread */
+PyObject *py_read_close(PyObject *self, PyObject *capsule) {
+    ReadPlan *p = (ReadPlan *)PyCapsule_GetPointer(capsule, READ_CAPSULE);
+    if (!p) return NULL;
+    p->closed = 1;
+    if (!p->busy || p->busy_pid != push_pid) read_release(p);
+    Py_RETURN_NONE;
+}
+
+/* -- the draws --------------------------------------------------------------------------------- */
+/* the lanes' bounds now: first[l], and ends[l] the running sum of their sizes; the total */
+static int64_t read_bounds(const ReadPlan *p, int64_t *first, int64_t *ends) {
+    const int64_t *cur = (const int64_t *)p->cur.buf;
+    int64_t total = 0;
+    for (Py_ssize_t l = 0; l < p->lanes; l++) {
+        int64_t stop = load_cursor(cur, l), start = first_row(stop, load_base(cur, l), p->lc);
+        first[l] = start;
+        total += stop - start;
+        ends[l] = total;
+    }
+    return total;
+}
+
+/* k ids uniform over the m rows of the bounds (samplers.uniform_ids with replacement: a position
+ * in [0, m), then its lane by the running sums) */
+static void draw_uniform(ReadPlan *p, const int64_t *first, const int64_t *ends, int64_t m, int64_t *ids, Py_ssize_t k) {
+    Py_ssize_t lanes = p->lanes;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        int64_t pos = (int64_t)(next_double(p->rng) * (double)m);
+        if (pos >= m) pos = m - 1;
+        if (lanes == 1) {
+            ids[i] = first[0] + pos;
+            continue;
+        }
+        Py_ssize_t lo = 0, hi = lanes - 1; /* the first lane whose running end is past pos */
+        while (lo < hi) {
+            Py_ssize_t mid = (lo + hi) / 2;
+            if (ends[mid] > pos) hi = mid;
+            else lo = mid + 1;
+        }
+        int64_t before = lo ? ends[lo - 1] : 0;
+        ids[i] = row_id(first[lo] + pos - before, lo, lanes);
+    }
+}
+
+/* k rows in proportion to their leaves (samplers.tree_draw): stratified over k segments of the
+ * total on a first draw, plainly on a re-draw; their leaves and ids (INVALID_ID: not a row now) */
+static void draw_tree(ReadPlan *p, double total, int stratified, int64_t *slots, double *x, double *leaves, int64_t *ids,
+                      Py_ssize_t k) {
+    const double *sums = (const double *)p->sums.buf;
+    double step = total / (double)k;
+    for (Py_ssize_t i = 0; i < k; i++) x[i] = stratified ? (next_double(p->rng) + (double)i) * step : next_double(p->rng) * total;
+    tree_walk(sums, &p->lv, p->capacity, x, slots, k);
+    for (Py_ssize_t i = 0; i < k; i++) leaves[i] = sums[slots[i]];
+    ids_of_slots((const int64_t *)p->stamp.buf, (const int64_t *)p->cur.buf, p->lanes, p->lc, slots, leaves, ids, k);
+}
+
+/* the rows older than their lane's last clear() are not intact (Ring.cleared) */
+static void drop_cleared(const ReadPlan *p, const int64_t *ids, Py_ssize_t n, char *ok) {
+    const int64_t *cur = (const int64_t *)p->cur.buf;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (ok[i] && number_of_id(ids[i], p->lanes) < load_base(cur, lane_of_id(ids[i], p->lanes))) ok[i] = 0;
+}
+
+/* -- the call ---------------------------------------------------------------------------------- */
+/* per call: the outs' views and the scratch */
+typedef struct {
+    Columns c;
+    Py_buffer ids, ok, leaves, weights;
+    int nviews; /* of ids, ok, leaves, weights */
+} Call;
+
+static int64_t gather_into(const ReadPlan *p, Columns *c, const int64_t *ids, Py_ssize_t n, int64_t *scratch, char *ok) {
+    return gather_rows(c, ids, n, p->lanes, (const int64_t *)p->stamp.buf, p->lc, scratch, scratch + n, ok);
+}
+
+/* re-draw and gather again the positions not intact, a few rounds; the positions still not intact */
+static Py_ssize_t redraw(ReadPlan *p, Columns *c, int64_t *ids, char *ok, double *leaves, Py_ssize_t n, double total,
+                         int64_t *first, int64_t *ends) {
+    Py_ssize_t bad = 0;
+    for (Py_ssize_t i = 0; i < n; i++) bad += !ok[i];
+    if (!bad) return 0;
+    /* scratch: positions, ids, slots + first stamps (2 each), oks, leaves, x, and the rows */
+    size_t rowbytes = 0;
+    for (Py_ssize_t g = 0; g < c->n; g++) rowbytes += (size_t)c->width[g];
+    char *mem = (char *)PyMem_Malloc((size_t)bad * (6 * 8 + 1 + rowbytes) + 64);
+    if (!mem) return -1;
+    int64_t *at = (int64_t *)mem, *nid = at + bad, *scratch = nid + bad;
+    double *nleaf = (double *)(scratch + 2 * bad), *x = nleaf + bad;
+    char *nok = (char *)(x + bad), *rows = nok + bad;
+    Columns t;
+    t.n = c->n;
+    t.total = 0;
+    size_t off = 0;
+    for (Py_ssize_t g = 0; g < c->n; g++) {
+        t.src[g].buf = c->src[g].buf;
+        t.width[g] = c->width[g];
+        t.dst[g].buf = rows + off;
+        off += (size_t)c->width[g] * (size_t)bad;
+    }
+    for (int round = 0; round < REDRAW_ROUNDS && bad; round++) {
+        Py_ssize_t k = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (!ok[i]) at[k++] = i;
+        if (p->prioritized) {
+            draw_tree(p, total, 0, scratch, x, nleaf, nid, k);
+        } else {
+            int64_t m = read_bounds(p, first, ends);
+            if (m <= 0) break;
+            draw_uniform(p, first, ends, m, nid, k);
+        }
+        gather_into(p, &t, nid, k, scratch, nok);
+        drop_cleared(p, nid, k, nok);
+        for (Py_ssize_t j = 0; j < k; j++) {
+            Py_ssize_t i = at[j];
+            ids[i] = nid[j];
+            ok[i] = nok[j];
+            if (leaves) leaves[i] = nleaf[j];
+            for (Py_ssize_t g = 0; g < c->n; g++) {
+                size_t w = (size_t)c->width[g];
+                memcpy((char *)c->dst[g].buf + (size_t)i * w, (char *)t.dst[g].buf + (size_t)j * w, w);
+            }
+            bad -= nok[j] != 0;
+        }
+    }
+    PyMem_Free(mem);
+    return bad;
+}
+
+static void call_close(Call *call) {
+    Py_buffer *views[4] = {&call->ids, &call->ok, &call->leaves, &call->weights};
+    for (int i = 0; i < call->nviews; i++) PyBuffer_Release(views[i]);
+    for (Py_ssize_t g = 0; g < call->c.n; g++) PyBuffer_Release(&call->c.dst[g]);
+    call->c.n = 0;
+}
+
+/* the outs of a call: one per plan column ((n, row bytes), writable), ids (n int64), ok (n bool),
+ * and with a tree leaves (n float64) and weights (n float32); -1 with an error */
+static int call_open(const ReadPlan *p, Call *call, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t *n) {
+    PyObject *outs = args[1];
+    call->nviews = 0;
+    call->c.n = 0;
+    if (!PyTuple_Check(outs) || PyTuple_GET_SIZE(outs) != p->ncols) {
+        PyErr_SetString(PyExc_ValueError, "sample: expected one out per column of the plan");
+        return -1;
+    }
+    if (get_buf(args[2], &call->ids, 1, 8, "ids") < 0) return -1;
+    call->nviews = 1;
+    if (get_buf(args[3], &call->ok, 1, 1, "ok") < 0) return -1;
+    call->nviews = 2;
+    *n = call->ids.len / 8;
+    if (call->ok.len != *n || *n < 1) {
+        PyErr_SetString(PyExc_ValueError, "sample: expected at least one id and one ok per id");
+        return -1;
+    }
+    if (p->prioritized) {
+        if (nargs < 6 || get_buf(args[4], &call->leaves, 1, 8, "leaves") < 0) goto no_tree;
+        call->nviews = 3;
+        if (get_buf(args[5], &call->weights, 1, 4, "weights") < 0) return -1;
+        call->nviews = 4;
+        if (call->leaves.len / 8 != *n || call->weights.len / 4 != *n) {
+            PyErr_SetString(PyExc_ValueError, "sample: expected one leaf and one weight per id");
+            return -1;
+        }
+    }
+    call->c.total = 0;
+    for (Py_ssize_t g = 0; g < p->ncols; g++) {
+        if (get_buf(PyTuple_GET_ITEM(outs, g), &call->c.dst[g], 1, 0, "sample out") < 0) return -1;
+        call->c.n = g + 1;
+        call->c.src[g].buf = p->src[g].buf;
+        call->c.width[g] = p->width[g];
+        if (call->c.dst[g].len != p->width[g] * *n) {
+            PyErr_Format(PyExc_ValueError, "sample: out %zd: expected (n, %zd) bytes", g, p->width[g]);
+            return -1;
+        }
+        call->c.total += (size_t)p->width[g] * (size_t)*n;
+    }
+    return 0;
+no_tree:
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "sample: a prioritized plan takes leaves and weights");
+    return -1;
+}
+
+/* sample(plan, outs, ids, ok[, leaves, weights, beta]) -> int: len(ids) rows drawn (uniform, or
+ * with the plan's tree in proportion to their leaves, stratified, and their importance weights
+ * with `beta`), gathered with the stamp check into outs (one per column of the plan), the rows not
+ * intact re-drawn and gathered again (a few rounds). Returns how many positions are still not
+ * intact (ok says which; the caller's slow path takes them), or -1 when the call served nothing:
+ * the plan is closed, the buffer holds no row (or the tree no mass) to draw, or an update
+ * (ReplayBuffer.update) began during the gather. The GIL is released around big copies. */
+PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 4 || nargs > 7) {
+        PyErr_SetString(PyExc_TypeError, "sample(plan, outs, ids, ok[, leaves, weights, beta])");
+        return NULL;
+    }
+    ReadPlan *p = (ReadPlan *)PyCapsule_GetPointer(args[0], READ_CAPSULE);
+    if (!p) return NULL;
+    if (p->closed) return PyLong_FromLong(-1);
+    double beta = 0.0;
+    if (p->prioritized) {
+        if (nargs != 7) {
+            PyErr_SetString(PyExc_TypeError, "sample: a prioritized plan takes leaves, weights and beta");
+            return NULL;
+        }
+        beta = PyFloat_AsDouble(args[6]);
+        if (beta == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    Call call;
+    Py_ssize_t n = 0;
+    PyObject *result = NULL;
+    int64_t *scratch = NULL, *first = NULL;
+    if (call_open(p, &call, args, nargs, &n) < 0) goto done;
+    int64_t *ids = (int64_t *)call.ids.buf;
+    char *ok = (char *)call.ok.buf;
+    double *leaves = p->prioritized ? (double *)call.leaves.buf : NULL;
+    /* scratch: slots and first stamps (2n), the x of a tree draw (n), the lanes' bounds (2 lanes) */
+    scratch = (int64_t *)PyMem_Malloc(((size_t)n * 3 + 2 * (size_t)p->lanes) * sizeof(int64_t));
+    if (!scratch) { PyErr_NoMemory(); goto done; }
+    first = scratch + 3 * n;
+    int64_t *ends = first + p->lanes;
+    const int64_t *counters = (const int64_t *)p->stats.buf;
+    int64_t updates = __atomic_load_n(&counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE);
+    double total = 0.0;
+    if (p->prioritized) {
+        const double *sums = (const double *)p->sums.buf;
+        total = sums[p->lv.size - 1]; /* SumTree.total: the last prefix sum of the top level */
+        if (!(total > 0)) { result = PyLong_FromLong(-1); goto done; }
+        draw_tree(p, total, 1, scratch, (double *)(scratch + n), leaves, ids, n);
+    } else {
+        int64_t m = read_bounds(p, first, ends);
+        if (m <= 0) { result = PyLong_FromLong(-1); goto done; }
+        draw_uniform(p, first, ends, m, ids, n);
+    }
+    if (p->busy_pid != push_pid) { /* the first sample here, or in a forked child: none in flight */
+        p->busy = 0;
+        p->busy_pid = push_pid;
+    }
+    p->busy++; /* the GIL is held here: only a copy without it lets read_close run meanwhile */
+    PyThreadState *ts = call.c.total >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
+    gather_into(p, &call.c, ids, n, scratch, ok);
+    if (ts) PyEval_RestoreThread(ts);
+    p->busy--;
+    if (p->closed) { /* closed meanwhile: the views are ours to release, the rows not to serve */
+        if (!p->busy) read_release(p);
+        result = PyLong_FromLong(-1);
+        goto done;
+    }
+    drop_cleared(p, ids, n, ok);
+    Py_ssize_t bad = redraw(p, &call.c, ids, ok, leaves, n, total, first, ends);
+    if (bad < 0) { PyErr_NoMemory(); goto done; }
+    if (__atomic_load_n(&counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE) != updates) {
+        result = PyLong_FromLong(-1); /* reader._unless_updated: the Python path reads again */
+        goto done;
+    }
+    if (p->prioritized) weights_of((const double *)p->mins.buf, &p->lv, leaves, n, beta, (float *)call.weights.buf);
+    result = PyLong_FromSsize_t(bad);
+done:
+    PyMem_Free(scratch);
+    call_close(&call);
+    return result;
+}

@@ -1,0 +1,302 @@
+"""The one-call sample (``reader.OneCall``, ``native/sample.c``) against the Python path it stands
+in for (``reader.draw``): the same rows for the same ids, the same distribution (chi-square tests
+against the expected counts and against the Python path's counts), the same weights, the same
+refusals; and what only it has: its generator, its plan's life, ``out=``."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmbuffer as sb
+from shmbuffer import native
+from shmbuffer.errors import ClosedError
+from shmbuffer.protocol import reader
+from shmbuffer.sampling.samplers import importance_weights
+
+from .conftest import MUJOCO, seq_of, transition
+
+Make = Callable[..., sb.ReplayBuffer]
+
+pytestmark = pytest.mark.skipif(native.lib is None, reason="the one-call sample is the C extension's")
+
+
+def p_value(chi2: float, dof: int) -> float:
+    """The upper tail of a chi-square of ``dof`` degrees of freedom (Wilson-Hilferty)."""
+    z = ((chi2 / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def counts(buf: sb.ReplayBuffer, ids: np.ndarray, draws: int, n: int = 256) -> np.ndarray:
+    """How often each of ``ids`` was drawn in ``draws`` samples of ``n`` (every drawn id is one of them)."""
+    where = {int(i): k for k, i in enumerate(ids)}
+    seen = np.zeros(ids.size, np.int64)
+    for _ in range(draws):
+        b = buf.sample(n)
+        np.add.at(seen, [where[int(i)] for i in b.index], 1)
+    return seen
+
+
+def python_path(buf: sb.ReplayBuffer) -> None:
+    """Make ``buf``'s samples take ``reader.draw`` (the reference)."""
+    buf._one_calls = False
+
+
+def served(buf: sb.ReplayBuffer) -> reader.OneCall:
+    buf.sample(1)
+    one = buf._one_call
+    assert isinstance(one, reader.OneCall), "this buffer's samples should be one call"
+    return one
+
+
+# -- the same rows, the same distribution --------------------------------------------------------
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_rows_are_the_rows_of_their_ids(lanes: int, make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=60, lanes=lanes, name=name, seed=0, episodes=True)
+    for i in range(0, 150, 5):  # wraps; each lane keeps its newest rows
+        buf.push(transition(i, 5), lane=(i // 5) % lanes, episode=i // 10)
+    one = served(buf)
+    for _ in range(20):
+        batch = buf.sample(64)
+        ref = buf.take(batch.index)  # the Python path's gather of the same ids
+        assert np.array_equal(seq_of(batch), seq_of(ref))
+        for f in MUJOCO.names:
+            assert np.array_equal(batch[f], ref[f])
+        assert np.array_equal(batch.episode, ref.episode)
+        assert batch.block is not None and batch.block.shape == (64, buf.schema.record.itemsize)
+    assert buf._one_call is one
+
+
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_uniform_draws_have_the_python_paths_distribution(lanes: int, make: Make, name: str) -> None:
+    """Lanes of different sizes: every held row equally likely, on both paths (chi-square against
+    the uniform counts, and the two paths' counts against each other)."""
+    buf = make(MUJOCO, capacity=64, lanes=lanes, name=name, seed=1)
+    for lane, k in enumerate([16, 5, 11, 2][:lanes] if lanes > 1 else [40]):
+        buf.push(transition(100 * lane, k), lane=lane)
+    ids = buf.ring.held_ids()
+    served(buf)
+    fast = counts(buf, ids, 400)
+    twin = sb.ReplayBuffer.attach(buf.handle, seed=2)
+    try:
+        python_path(twin)
+        slow = counts(twin, ids, 400)
+    finally:
+        twin.close()
+    dof = ids.size - 1
+    for seen in (fast, slow):
+        expected = seen.sum() / ids.size
+        assert p_value(float(((seen - expected) ** 2 / expected).sum()), dof) > 1e-4
+    table = np.stack([fast, slow])  # homogeneity: the paths draw alike
+    exp = table.sum(0) * table.sum(1)[:, None] / table.sum()
+    assert p_value(float(((table - exp) ** 2 / exp).sum()), dof) > 1e-4
+
+
+def test_a_skewed_draw_fails_the_distribution_check() -> None:
+    """The check above can fail: counts 10% off uniform over 40 rows do."""
+    rng = np.random.default_rng(0)
+    p = np.full(40, 1.0)
+    p[:20] *= 1.2
+    seen = rng.multinomial(102400, p / p.sum())
+    expected = seen.sum() / 40
+    assert p_value(float(((seen - expected) ** 2 / expected).sum()), 39) < 1e-4
+
+
+def test_prioritized_draws_follow_the_priorities_with_their_weights(make: Make, name: str) -> None:
+    alpha, beta = 0.7, 0.5
+    buf = make(MUJOCO, capacity=32, lanes=2, name=name, seed=3, sampler=sb.Prioritized(alpha=alpha, beta=beta, eps=0.0))
+    buf.push(transition(0, 12), lane=0)
+    buf.push(transition(50, 8), lane=1)
+    ids = buf.ring.held_ids()
+    prio = 1.0 + (np.arange(ids.size) % 5)
+    buf.update_priorities(ids, prio)
+    mass = prio ** alpha
+    served(buf)
+    batch = buf.sample(64)
+    low = mass.min()
+    by_id = dict(zip(ids.tolist(), mass.tolist(), strict=True))
+    want = importance_weights(np.array([by_id[i] for i in batch.index.tolist()]), low, beta)
+    np.testing.assert_allclose(batch.weight, want, rtol=1e-6)
+    seen = counts(buf, ids, 400)
+    expected = seen.sum() * mass / mass.sum()
+    assert p_value(float(((seen - expected) ** 2 / expected).sum()), ids.size - 1) > 1e-4
+    # a stratified draw of n covers the mass evenly: a row of at least 2/n of it holds a whole segment
+    b = buf.sample(4 * ids.size)
+    heavy = set(ids[mass / mass.sum() >= 2 / (4 * ids.size)].tolist())
+    assert heavy and set(b.index.tolist()) >= heavy
+
+
+def test_a_prioritized_draw_skips_rows_of_priority_zero(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=16, name=name, seed=0, sampler=sb.Prioritized(alpha=1.0, eps=0.0))
+    buf.push(transition(0, 10))
+    ids = buf.ring.held_ids()
+    buf.update_priorities(ids, np.where(ids % 2 == 0, 1.0, 0.0))
+    served(buf)
+    for _ in range(50):
+        assert set(buf.sample(32).index.tolist()) <= set(ids[ids % 2 == 0].tolist())
+
+
+# -- rows that are not there -----------------------------------------------------------------------
+def test_rows_being_written_or_cleared_are_redrawn(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=32, name=name, seed=0)
+    buf.push(transition(0, 20))
+    served(buf)
+    ring = buf.ring
+    torn = ring.held_ids()[::3]
+    slots = ring.slots(torn)
+    before = ring.stamp[slots].copy()
+    ring.stamp[slots] += 1  # odd: as if a writer were mid-copy of these rows
+    try:
+        for _ in range(30):
+            batch = buf.sample(16)
+            assert len(batch) == 16 and not set(batch.index.tolist()) & set(torn.tolist())
+            seq_of(batch)
+    finally:
+        ring.stamp[slots] = before
+    buf.clear()
+    buf.push(transition(1000, 3))
+    for _ in range(10):
+        assert set(seq_of(buf.sample(8)).tolist()) <= {1000, 1001, 1002}
+
+
+def test_an_empty_buffer_says_so_on_the_one_call_too(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=8, name=name, seed=0)
+    buf.push(transition(0, 2))
+    served(buf)
+    buf.clear()
+    with pytest.raises(sb.EmptyBufferError, match="empty"):
+        buf.sample(4)
+    pri = make(MUJOCO, capacity=8, name=name + "p", sampler=sb.Prioritized(eps=0.0))
+    pri.push(transition(0, 2))
+    served(pri)
+    pri.update_priorities(pri.ring.held_ids(), np.zeros(2))
+    with pytest.raises(sb.EmptyBufferError, match="priority 0"):
+        pri.sample(4)
+
+
+def test_every_row_torn_for_good_times_out_like_the_python_path(make: Make, name: str) -> None:
+    """Rows that stay odd (a writer that hangs): the C rounds give up, the reader's loop waits and
+    raises; nothing is returned half-written."""
+    buf = make(MUJOCO, capacity=8, name=name, seed=0)
+    buf.push(transition(0, 4))
+    served(buf)
+    slots = buf.ring.slots(buf.ring.held_ids())
+    buf.ring.stamp[slots] += 1
+    try:
+        with pytest.raises(sb.WaitTimeout):
+            buf.sample(2)
+    finally:
+        buf.ring.stamp[slots] -= 1
+
+
+# -- the generator, the plan, out= ---------------------------------------------------------------
+def test_a_seed_gives_the_same_batches_and_a_new_rng_is_followed(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=64, name=name, seed=11)
+    buf.push(transition(0, 64))
+    a = [buf.sample(8).index.copy() for _ in range(3)]
+    twin = sb.ReplayBuffer.attach(buf.handle, seed=11)
+    try:
+        assert all(np.array_equal(x, twin.sample(8).index) for x in a)
+        twin.rng = np.random.default_rng(11)  # a new generator: the stream starts again from it
+        assert all(np.array_equal(x, twin.sample(8).index) for x in a)
+    finally:
+        twin.close()
+
+
+def test_out_receives_the_rows_and_the_batch_views_it(make: Make, name: str) -> None:
+    big = sb.Schema(obs=((4, 84, 84), "uint8"), reward=((), "float32"))
+    buf = make(big, capacity=40, name=name, seed=0)
+    obs = np.arange(40, dtype=np.uint8)[:, None, None, None] * np.ones((1, 4, 84, 84), np.uint8)
+    buf.push(obs=obs, reward=np.arange(40, dtype=np.float32))
+    served(buf)
+    out = {"_block": np.empty((16, buf.schema.record.itemsize), np.uint8), "obs": np.empty((16, 4, 84, 84), np.uint8)}
+    batch = buf.sample(16, out=out)
+    assert np.shares_memory(batch.obs, out["obs"]) and np.shares_memory(batch.reward, out["_block"])
+    assert np.array_equal(batch.obs[:, 0, 0, 0], batch.reward.astype(np.uint8))
+    assert np.array_equal(batch.reward, batch.index.astype(np.float32))
+
+
+def test_close_releases_the_plan_and_samples_say_closed(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=8, name=name, seed=0)
+    buf.push(transition(0, 4))
+    one = served(buf)
+    buf.close()  # would raise BufferError while the plan held views of the block
+    assert buf._one_call is None
+    with pytest.raises(ClosedError, match="closed"):
+        buf.sample(2)
+    assert native.lib.sample(one.plan, (np.empty((2, 168), np.uint8),), np.empty(2, np.int64), np.empty(2, bool)) == -1
+
+
+def test_big_samples_from_threads_while_another_thread_closes(make: Make, name: str) -> None:
+    """Big gathers run without the GIL: a close meanwhile waits for none of them to crash."""
+    big = sb.Schema(obs=((64, 64, 16), "uint8"))
+    buf = make(big, capacity=64, name=name, seed=0)
+    buf.push(obs=np.ones((64, 64, 64, 16), np.uint8))
+    served(buf)
+    errors: list[BaseException] = []
+    go = threading.Event()
+
+    def work() -> None:
+        go.wait()
+        for _ in range(200):
+            try:
+                assert buf.sample(32).obs.shape == (32, 64, 64, 16)
+            except Exception as e:  # closed under it: the buffer's own error, nothing else
+                if "closed" not in str(e):
+                    errors.append(e)
+                return
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    go.set()
+    try:
+        buf.close()
+    except BufferError:  # a sample's arrays alive in a thread right now: close once they are gone
+        for t in threads:
+            t.join()
+        buf.close()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_buffers_it_does_not_serve_take_the_python_path(make: Make, name: str) -> None:
+    used = make(MUJOCO, capacity=8, name=name, max_use=2)
+    used.push(transition(0, 4))
+    used.sample(2)
+    assert used._one_call is None and not used._one_calls
+    frames = make(sb.Schema(obs=((2,), "float32"), next_obs=((2,), "float32"), done=((), "bool")), 8, name=name + "f",
+                  next_of="obs")
+    steps = np.arange(5, dtype=np.float32)[:, None] * np.ones(2, np.float32)
+    frames.push(obs=steps[:-1], next_obs=steps[1:], done=np.zeros(4, bool))
+    frames.sample(2)
+    assert frames._one_call is None and not frames._one_calls
+
+
+def test_a_forked_child_samples_through_its_own_plan(make: Make, name: str, procs: list) -> None:
+    import multiprocessing as mp
+
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("no fork here")
+    buf = make(MUJOCO, capacity=32, name=name, seed=0)
+    buf.push(transition(0, 32))
+    served(buf)
+    ctx = mp.get_context("fork")
+    q: Any = ctx.Queue()
+
+    def child() -> None:
+        b = buf.sample(16)
+        q.put(sorted(set(seq_of(b).tolist()) - set(range(32))))
+
+    p = ctx.Process(target=child)
+    procs.append(p)
+    p.start()
+    assert q.get(timeout=30) == []
+    p.join(30)
+    assert p.exitcode == 0
