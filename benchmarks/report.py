@@ -59,6 +59,7 @@ class Target:
     against: str  # a subject's name, or "floor" for the case's best floor
     need: float
     profile: str | None = None  # what ``cases.profile`` shows when it is missed
+    subject: str = OURS  # the subject measured against ``against`` (ours, unless a variant of ours)
 
 
 TARGETS = [
@@ -82,6 +83,21 @@ TARGETS = [
     Target("atari-mp-integrity", "(and 0 torn and 0 lost rows there too)", "atari.multiproc", "integrity", OURS, 0),
     Target("mujoco-per-cpprb", "MuJoCo prioritized sample 256 + update 256 >= 2x cpprb PrioritizedReplayBuffer",
            "mujoco.prioritized", "per", "cpprb.PrioritizedReplayBuffer", 2.0, "mujoco.prioritized"),
+    # issue 24 (a sample is one C call): the same cases, the bars raised
+    Target("mujoco-sample-ring-3x", "MuJoCo sample 256 >= 3x the in-process numpy ring (one C call)",
+           "mujoco.sample256", "numpy", "numpy ring", 3.0, "mujoco.sample256"),
+    Target("mujoco-per-cpprb-8x", "MuJoCo prioritized sample 256 + update 256 >= 8x cpprb (one C call)",
+           "mujoco.prioritized", "per", "cpprb.PrioritizedReplayBuffer", 8.0, "mujoco.prioritized"),
+    Target("atari-sample-take-1.5x", "Atari sample 256 >= 1.5x the single-thread np.take floor (both cores)",
+           "atari.sample256", "numpy", "floor", 1.5, "atari.sample256"),
+    Target("atari-stacked-cpprb", "stacked Atari sample 256, frames stored once, >= 1.5x cpprb next_of + stack_compress",
+           "atari.compressed", "numpy", "cpprb.ReplayBuffer(next_of, stack_compress)", 1.5),
+    Target("atari-stacked-uncompressed", "... and >= 1x our uncompressed buffer's sample", "atari.compressed", "numpy",
+           "shmbuffer, uncompressed", 1.0),
+    Target("mujoco-loader-thread", "CPU loader sampling in its thread >= 1.3x sample() in the loop", "mujoco.loader",
+           "train", "shmbuffer sample().to('cpu'), no prefetch", 1.3, subject="shmbuffer loader(background=True)"),
+    Target("mujoco-mp-learner-8x", "2 writers + learner: our learner samples >= 8x cpprb's", "mujoco.multiproc",
+           "learner", "cpprb.MPReplayBuffer", 8.0, "mujoco.sample256"),
 ]
 
 
@@ -90,7 +106,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     for t in TARGETS:
         row: dict[str, Any] = {"id": t.id, "text": t.text, "need": t.need, "profile": t.profile}
         case = results["cases"].get(t.case)
-        ours = (case or {}).get("subjects", {}).get(OURS)
+        ours = (case or {}).get("subjects", {}).get(t.subject)
         if not case or case.get("status") != "ok" or not ours or ours.get("status") != "ok":
             row.update(status="not measured", detail=f"{t.case} was not run or shmbuffer was not measured there")
         elif t.metric == "integrity":

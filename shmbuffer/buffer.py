@@ -456,6 +456,17 @@ class ReplayBuffer:
         their ids (and ``batch.episode`` their episodes); a prioritized buffer adds
         ``batch.weight`` (importance-sampling weights).
         """
+        one = self._one_call
+        if (one is not None and type(n) is int and n > 0 and replace is True and n_step == 1 and hindsight is None
+                and timeout is None and not unknown and one.rng is self.rng and self.options.limiter is None):
+            # the usual call, as one C call with no checks left to make (the rest below is the same)
+            prios = self._prios
+            calls = prios.next_call() if prios is not None else 0
+            batch = one(self, n, out, calls)
+            if batch is None:  # what the call does not serve (an empty buffer ...): the Python path
+                batch = reader.draw(self, n, out=out, calls=calls)
+            self.ring.count_sampled(n)
+            return batch
         if unknown:  # another library's keyword (cpprb's beta, SB3's env ...): name ours
             raise hints.keyword_error("sample", unknown)
         n = check_batch_size(n)

@@ -250,13 +250,18 @@ class Priorities:
 
     def try_update(self, ring: Ring, ids: Any, values: Any) -> int | None:
         """``ReplayBuffer.update_priorities`` in one C call (``_native.update_priorities``) when
-        that call can decide alone: ``ids`` int64 and ``values`` float64, one-dimensional arrays
+        that call can decide alone: ``ids`` int64 and ``values`` floats (float32 widened to float64: the
+        same numbers, as the Python steps' check makes them), one-dimensional arrays
         of one priority per id, every priority finite, >= 0 and below the bound of ``check``, no
         ``max_use``. The call refuses (``None``, nothing changed: the caller takes the Python
         steps, which raise or wait) an unknown id, a busy lock and a lock whose repairs are owed.
         Otherwise it returns how many rows were current, and set them, as the Python steps do."""
         lib = self._lib
         view = ring.native_view
+        if hasattr(values, "detach"):  # a torch tensor, maybe on a device (as check_priorities takes it)
+            values = values.detach().cpu().numpy()
+        if type(values) is np.ndarray and values.dtype.kind == "f" and values.dtype != np.float64:
+            values = values.astype(np.float64)  # a learner's float32 TD errors: the same values, exactly
         if (lib is None or view is None or self.uses is not None or type(ids) is not np.ndarray
                 or type(values) is not np.ndarray or ids.dtype != np.int64 or values.dtype != np.float64
                 or ids.ndim != 1 or values.shape != ids.shape or not (ids.flags.c_contiguous and values.flags.c_contiguous)
