@@ -229,7 +229,7 @@ def test_close_releases_the_plan_and_samples_say_closed(make: Make, name: str) -
     assert buf._one_call is None
     with pytest.raises(ClosedError, match="closed"):
         buf.sample(2)
-    assert native.lib.sample(one.plan, (np.empty((2, 168), np.uint8),), np.empty(2, np.int64), np.empty(2, bool)) == -1
+    assert native.lib.sample(one.plan, (np.empty((2, 168), np.uint8),), np.empty(2, np.int64), np.empty(2, bool), False) == -1
 
 
 def test_big_samples_from_threads_while_another_thread_closes(make: Make, name: str) -> None:

@@ -41,7 +41,7 @@ static PyMethodDef methods[] = {
      "read_plan(stamp, cursors, counters, columns, seed, tree=None) -> a one-call sample's plan; tree: (sums, mins, levels)."},
     {"read_close", py_read_close, METH_O, "read_close(plan): release a read plan's views of the buffer."},
     {"sample", (PyCFunction)(void (*)(void))py_sample, METH_FASTCALL,
-     "sample(plan, outs, ids, ok[, leaves, weights, beta]) -> rows not intact, or -1: a whole draw and gather."},
+     "sample(plan, outs, ids, ok, nogil[, leaves, weights, beta]) -> rows not intact, or -1: a whole draw and gather."},
     {"stacks", py_stacks, METH_VARARGS,
      "stacks(win, ok, kind, lanes, stamp, column, k, lasts, outs, valid): frame stacks read with their plan."},
     {"put", py_put, METH_VARARGS,

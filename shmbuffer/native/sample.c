@@ -273,7 +273,7 @@ static void call_close(Call *call) {
 }
 
 /* the outs of a call: one per plan column ((n, row bytes), writable), ids (n int64), ok (n bool),
- * and with a tree leaves (n float64) and weights (n float32); -1 with an error */
+ * and with a tree leaves (n float64) and weights (n float32) (args[5], args[6]); -1 with an error */
 static int call_open(const ReadPlan *p, Call *call, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t *n) {
     PyObject *outs = args[1];
     call->nviews = 0;
@@ -292,9 +292,9 @@ static int call_open(const ReadPlan *p, Call *call, PyObject *const *args, Py_ss
         return -1;
     }
     if (p->prioritized) {
-        if (nargs < 6 || get_buf(args[4], &call->leaves, 1, 8, "leaves") < 0) goto no_tree;
+        if (nargs < 7 || get_buf(args[5], &call->leaves, 1, 8, "leaves") < 0) goto no_tree;
         call->nviews = 3;
-        if (get_buf(args[5], &call->weights, 1, 4, "weights") < 0) return -1;
+        if (get_buf(args[6], &call->weights, 1, 4, "weights") < 0) return -1;
         call->nviews = 4;
         if (call->leaves.len / 8 != *n || call->weights.len / 4 != *n) {
             PyErr_SetString(PyExc_ValueError, "sample: expected one leaf and one weight per id");
@@ -319,28 +319,31 @@ no_tree:
     return -1;
 }
 
-/* sample(plan, outs, ids, ok[, leaves, weights, beta]) -> int: len(ids) rows drawn (uniform, or
+/* sample(plan, outs, ids, ok, nogil[, leaves, weights, beta]) -> int: len(ids) rows drawn (uniform, or
  * with the plan's tree in proportion to their leaves, stratified, and their importance weights
  * with `beta`), gathered with the stamp check into outs (one per column of the plan), the rows not
  * intact re-drawn and gathered again (a few rounds). Returns how many positions are still not
  * intact (ok says which; the caller's slow path takes them), or -1 when the call served nothing:
  * the plan is closed, the buffer holds no row (or the tree no mass) to draw, or an update
- * (ReplayBuffer.update) began during the gather. The GIL is released around big copies. */
+ * (ReplayBuffer.update) began during the gather. The GIL is released around the gather when it is
+ * big (NOGIL_BYTES) or `nogil` is true (a thread that samples for another: the loader's). */
 PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 4 || nargs > 7) {
-        PyErr_SetString(PyExc_TypeError, "sample(plan, outs, ids, ok[, leaves, weights, beta])");
+    if (nargs < 5 || nargs > 8) {
+        PyErr_SetString(PyExc_TypeError, "sample(plan, outs, ids, ok, nogil[, leaves, weights, beta])");
         return NULL;
     }
     ReadPlan *p = (ReadPlan *)PyCapsule_GetPointer(args[0], READ_CAPSULE);
     if (!p) return NULL;
     if (p->closed) return PyLong_FromLong(-1);
+    int nogil = PyObject_IsTrue(args[4]);
+    if (nogil < 0) return NULL;
     double beta = 0.0;
     if (p->prioritized) {
-        if (nargs != 7) {
+        if (nargs != 8) {
             PyErr_SetString(PyExc_TypeError, "sample: a prioritized plan takes leaves, weights and beta");
             return NULL;
         }
-        beta = PyFloat_AsDouble(args[6]);
+        beta = PyFloat_AsDouble(args[7]);
         if (beta == -1.0 && PyErr_Occurred()) return NULL;
     }
     Call call;
@@ -374,7 +377,7 @@ PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         p->busy_pid = push_pid;
     }
     p->busy++; /* the GIL is held here: only a copy without it lets read_close run meanwhile */
-    PyThreadState *ts = call.c.total >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
+    PyThreadState *ts = nogil || call.c.total >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
     gather_into(p, &call.c, ids, n, scratch, ok);
     if (ts) PyEval_RestoreThread(ts);
     p->busy--;

@@ -19,6 +19,7 @@ never a ``ReplayBuffer`` (a ``Source`` gives them).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -534,6 +535,21 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
     return assemble(block, ids, rows, {"weight": weight} if weight is not None else None)
 
 
+class _Thread(threading.local):
+    nogil = False
+
+
+_THREAD = _Thread()
+
+
+def sample_for_another(on: bool = True) -> None:
+    """Whether this thread samples for another thread (the loader's does): its one-call samples
+    then release the GIL for the whole gather, however small, so the thread it serves runs its
+    Python meanwhile. Otherwise only big gathers release it: a release while another thread
+    runs Python costs the sampling thread the wait to get the GIL back."""
+    _THREAD.nogil = on
+
+
 class OneCall:
     """``draw`` with replacement as one C call (``_native.sample``, ``native/sample.c``): the draw
     (uniform, or prioritized from the tree, stratified), the stamped gather of every column, a
@@ -606,10 +622,10 @@ class OneCall:
         if self.prioritized:
             assert isinstance(sampler, Prioritized)
             leaves, weight = np.empty(n), np.empty(n, np.float32)
-            bad = self.lib.sample(self.plan, tuple(outs), ids, ok, leaves, weight, sampler.beta_at(calls))
+            bad = self.lib.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil, leaves, weight, sampler.beta_at(calls))
         else:
             leaves = weight = None
-            bad = self.lib.sample(self.plan, tuple(outs), ids, ok)
+            bad = self.lib.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil)
         if bad < 0:
             return None
         extras: dict[str, np.ndarray] = {"index": ids}
