@@ -300,3 +300,55 @@ def test_a_forked_child_samples_through_its_own_plan(make: Make, name: str, proc
     assert q.get(timeout=30) == []
     p.join(30)
     assert p.exitcode == 0
+
+
+def test_float32_priorities_take_the_one_call_and_set_the_same_leaves(make: Make, name: str) -> None:
+    """A learner's float32 TD errors: the one-call update, the leaves the float64 values give."""
+    per = sb.Prioritized(alpha=0.6, eps=1e-3)
+    a = make(MUJOCO, capacity=32, name=name, seed=0, sampler=per)
+    b = make(MUJOCO, capacity=32, name=name + "b", seed=0, sampler=per)
+    for buf in (a, b):
+        buf.push(transition(0, 20))
+    ids = a.ring.held_ids()
+    p32 = (np.arange(ids.size, dtype=np.float32) + 0.5) / 3
+    prios = a.priorities
+    assert prios is not None and prios.try_update(a.ring, ids, p32) == ids.size  # the one call took it
+    assert b.update_priorities(ids, p32.astype(np.float64)) == ids.size
+    assert np.array_equal(prios.tree.sums, b.priorities.tree.sums)
+    torch = pytest.importorskip("torch")
+    assert a.update_priorities(ids, torch.from_numpy(p32 * 2)) == ids.size
+    b.update_priorities(ids, (p32 * 2).astype(np.float64))
+    assert np.array_equal(prios.tree.sums, b.priorities.tree.sums)
+
+
+def test_a_thread_sampling_for_another_reads_whole_rows_while_rows_are_written(make: Make, name: str) -> None:
+    """``sample_for_another``: the gather without the GIL, rows written meanwhile by this process."""
+    buf = make(MUJOCO, capacity=64, name=name, seed=0)
+    buf.push(transition(0, 64))
+    served(buf)
+    seen: list[np.ndarray] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def learner_side() -> None:
+        reader.sample_for_another()
+        try:
+            while not stop.is_set():
+                seen.append(seq_of(buf.sample(32)))  # every value of every row checked
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+        finally:
+            reader.sample_for_another(False)
+
+    t = threading.Thread(target=learner_side)
+    t.start()
+    try:
+        i, start = 64, len(seen)
+        while (len(seen) - start < 50 or i < 64 * 4) and i < 64 * 100_000:  # until it read the rows' writes
+            buf.push(transition(i, 16))
+            i += 16
+    finally:
+        stop.set()
+        t.join(30)
+    assert not errors and seen
+    assert max(int(s.max()) for s in seen) >= 64  # it read rows pushed meanwhile
