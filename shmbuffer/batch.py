@@ -79,8 +79,14 @@ class Batch:
     @property
     def block(self) -> Any:
         """The packed small fields of these rows, ``(rows, itemsize)`` uint8 (``schema.Record``),
-        when the batch was gathered from them; the small fields are views of it."""
-        return self._block
+        when the batch was gathered from them; the small fields are views of it. (A batch may be
+        made with the record as the structured array it was gathered into: its bytes are made
+        here, when asked for, not on every sample.)"""
+        b = self._block
+        if b is not None and b.ndim == 1 and b.dtype.names is not None:
+            b = b.view(np.uint8).reshape(b.shape[0], b.dtype.itemsize)
+            _set(self, "_block", b)
+        return b
 
     @property
     def record(self) -> Record | None:
@@ -231,7 +237,7 @@ class Batch:
         fields: dict[str, Any] = {}
         block = None
         if self._block is not None and self._record is not None:
-            block = move(self._block)
+            block = move(self.block)
             fields = torch_views(block, self._record)
             if self._lead is not None:
                 fields = {k: v.view(*self._lead, *v.shape[1:]) for k, v in fields.items()}

@@ -567,6 +567,7 @@ class OneCall:
     def __init__(self, lib: Any, src: Source) -> None:
         block, ring, prios = src.block, src.ring, src.priorities
         self.lib = lib
+        self.sample = lib.sample
         self.rng = src.rng
         cols = [] if block.packed is None else [block.packed]
         self.large = [(name, col) for name, col in block.large.items()]
@@ -597,53 +598,50 @@ class OneCall:
     def __call__(self, src: Source, n: int, out: dict[str, np.ndarray] | None, calls: int) -> Batch | None:
         """``draw(src, n, out=out, calls=calls)`` in one call, or ``None``: ``draw`` must run."""
         record = self.record
-        rec = packed = None
+        rec = None
         outs: list[np.ndarray] = []
-        if record is not None:
-            if out is None:
-                rec = np.empty(n, record.dtype)
-                packed = rec.view(np.uint8).reshape(n, record.itemsize)
-            else:
-                packed = out["_block"]
-                rec = packed.view(record.dtype).reshape(n)
-            outs.append(packed)
+        if record is not None:  # the packed record, gathered as a structured array: its fields are views
+            rec = np.empty(n, record.dtype) if out is None else out["_block"].view(record.dtype).reshape(n)
+            outs.append(rec)
         large = _large_outs(self.large, n, out) if self.large else {}
         if large is None:
             return None
-        outs += large.values()
+        if large:
+            outs += large.values()
         episode = None
         if self.episode:
             episode = np.empty(n, np.int64)
             outs.append(episode)
         ids, ok = np.empty(n, np.int64), np.empty(n, np.bool_)
-        sampler = src.options.sampler
-        leaves: np.ndarray | None
-        weight: np.ndarray | None
+        leaves: np.ndarray | None = None
+        weight: np.ndarray | None = None
         if self.prioritized:
+            sampler = src.options.sampler
             assert isinstance(sampler, Prioritized)
             leaves, weight = np.empty(n), np.empty(n, np.float32)
-            bad = self.lib.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil, leaves, weight, sampler.beta_at(calls))
+            bad = self.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil, leaves, weight, sampler.beta_at(calls))
         else:
-            leaves = weight = None
-            bad = self.lib.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil)
+            bad = self.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil)
         if bad < 0:
             return None
-        extras: dict[str, np.ndarray] = {"index": ids}
         if bad:  # rows still not intact after the C rounds: the reader's loop (waits, reaps, gives up)
-            rows = Rows(ok, packed, large, episode)
+            rows = Rows(ok, None if rec is None else rec.view(np.uint8).reshape(n, -1), large, episode)
             ids, rows, leaves = fetch(src.block, src.ring, ids, _redrawer(src, n, True), reap=src.reap, values=leaves,
                                       out=out, what=lambda: f"sample({n}) of buffer {src.name!r}", rows=rows)
-            extras["index"] = ids
             if leaves is not None:
                 prios = src.priorities
                 assert prios is not None
-                weight = sampler.weights(prios.tree, leaves, calls)
+                weight = src.options.sampler.weights(prios.tree, leaves, calls)
+        extras = {"index": ids}
         if episode is not None:
             extras["episode"] = episode
         if weight is not None:
             extras["weight"] = weight
-        fields = {name: large[name] if name in large else rec[name] for name in self.names}  # type: ignore[index]
-        return Batch(fields, extras, block=packed, record=record)
+        if large:
+            fields = {name: large[name] if name in large else rec[name] for name in self.names}  # type: ignore[index]
+        else:
+            fields = {name: rec[name] for name in self.names}  # type: ignore[index]
+        return Batch(fields, extras, block=rec, record=record)  # the block's bytes when asked (Batch.block)
 
 
 def _redrawer(src: Source, n: int, replace: bool) -> Redraw:
