@@ -267,10 +267,6 @@ def test_big_samples_from_threads_while_another_thread_closes(make: Make, name: 
 
 
 def test_buffers_it_does_not_serve_take_the_python_path(make: Make, name: str) -> None:
-    used = make(MUJOCO, capacity=8, name=name, max_use=2)
-    used.push(transition(0, 4))
-    used.sample(2)
-    assert used._one_call is None and not used._one_calls
     frames = make(sb.Schema(obs=((2,), "float32"), next_obs=((2,), "float32"), done=((), "bool")), 8, name=name + "f",
                   next_of="obs")
     steps = np.arange(5, dtype=np.float32)[:, None] * np.ones(2, np.float32)
@@ -352,3 +348,58 @@ def test_a_thread_sampling_for_another_reads_whole_rows_while_rows_are_written(m
         t.join(30)
     assert not errors and seen
     assert max(int(s.max()) for s in seen) >= 64  # it read rows pushed meanwhile
+
+
+# -- max_use: each row returned counts a use, under the lock ------------------------------------------
+@pytest.mark.parametrize("sampler", [sb.Uniform(), sb.Prioritized(alpha=0.5)])
+def test_max_use_one_returns_every_row_once_then_says_so(sampler: Any, make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=64, lanes=2, name=name, seed=0, sampler=sampler, max_use=1)
+    buf.push(transition(0, 32), lane=0)
+    buf.push(transition(100, 32), lane=1)
+    got = np.concatenate([seq_of(buf.sample(8)) for _ in range(8)])
+    assert isinstance(buf._one_call, reader.OneCall)
+    assert sorted(got.tolist()) == list(range(32)) + list(range(100, 132))
+    with pytest.raises(sb.EmptyBufferError, match="max_use=1"):
+        buf.sample(1)
+
+
+def test_max_use_counts_every_row_returned_and_no_other(make: Make, name: str, monkeypatch: Any) -> None:
+    buf = make(MUJOCO, capacity=40, name=name, seed=1, sampler=sb.Prioritized(), max_use=3)
+    buf.push(transition(0, 40))
+    ids = buf.ring.held_ids()
+    python_claims: list[int] = []
+    real = reader.claim
+    monkeypatch.setattr(reader, "claim", lambda *a: python_claims.append(1) or real(*a))
+    returned: dict[int, int] = {}
+    for _ in range(12):  # 120 draws of the 120 uses there are
+        for i in buf.sample(10).index.tolist():
+            returned[i] = returned.get(i, 0) + 1
+    uses = dict(zip(ids.tolist(), buf.uses(ids).tolist(), strict=True))
+    assert all(returned.get(i, 0) == uses[i] <= 3 for i in ids.tolist())
+    assert sum(returned.values()) == 120 and isinstance(buf._one_call, reader.OneCall)
+    assert not python_claims  # the C call counted every use (the Python steps: test below)
+
+
+def test_max_use_with_the_lock_busy_waits_for_it_and_loses_no_row(make: Make, name: str) -> None:
+    """The C claim tries the lock once; held elsewhere, the Python steps wait for it: every row is
+    still returned exactly once."""
+    buf = make(MUJOCO, capacity=32, name=name, seed=0, max_use=1)
+    buf.push(transition(0, 32))
+    got: list[int] = seq_of(buf.sample(8)).tolist()  # the plan is made
+    assert isinstance(buf._one_call, reader.OneCall)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with buf.ring.lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait(10)
+    threading.Timer(0.2, release.set).start()
+    got += seq_of(buf.sample(8)).tolist()  # waits for the lock in the Python steps
+    t.join(10)
+    for _ in range(2):
+        got += seq_of(buf.sample(8)).tolist()
+    assert sorted(got) == list(range(32))

@@ -26,6 +26,7 @@
 #define COUNTER_UPDATES 2   /* Counter.UPDATES: row updates begun (ReplayBuffer.update) */
 #define COUNTER_INSERTED 10 /* Counter.INSERTED: rows ever reserved, all lanes */
 #define COUNTER_FROZEN 11   /* Counter.FROZEN: 1 once the buffer is read-only */
+#define COUNTER_REMOVED 13  /* Counter.REMOVED: 1 once a row was deleted or used up (max_use) */
 
 #define WRITERS 1024 /* layout.WRITERS: entries of the writer table (_writer_pid, int64) */
 

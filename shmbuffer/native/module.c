@@ -65,7 +65,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "shmbuffer.native._na
 static int add_constants(PyObject *m) {
     static const struct { const char *name; long long value; } constants[] = {
         {"LANE_WORDS", LANE_WORDS},   {"LANE_CURSOR", LANE_CURSOR},       {"LANE_BASE", LANE_BASE},
-        {"STATS_WORDS", STATS_WORDS}, {"COUNTER_UPDATES", COUNTER_UPDATES}, {"COUNTER_INSERTED", COUNTER_INSERTED}, {"COUNTER_FROZEN", COUNTER_FROZEN},
+        {"STATS_WORDS", STATS_WORDS}, {"COUNTER_UPDATES", COUNTER_UPDATES}, {"COUNTER_INSERTED", COUNTER_INSERTED}, {"COUNTER_FROZEN", COUNTER_FROZEN}, {"COUNTER_REMOVED", COUNTER_REMOVED},
         {"WRITERS", WRITERS},         {"LOCK_SIZE", LOCK_SIZE},           {"LOCK_REPAIR", LOCK_REPAIR},
         {"KIND_END", KIND_END},       {"KIND_START", KIND_START},         {"KIND_ZERO", KIND_ZERO},
         {"FANOUT", FANOUT},           {"INVALID_ID", INVALID_ID},

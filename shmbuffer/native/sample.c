@@ -7,16 +7,21 @@
  * it says, and the Python path takes over. */
 #include "native.h"
 
+#include <pthread.h>
 #include <string.h>
 
 #define READ_CAPSULE "shmbuffer.read"
 #define REDRAW_ROUNDS 8 /* reader.REDRAW_ROUNDS: rounds of re-draws before Python's slow path */
 
 typedef struct {
-    Py_buffer stamp, cur, stats, sums, mins; /* the ring's stamps, cursors, counters; the tree */
+    Py_buffer stamp, cur, stats, sums, mins, lock, uses; /* the ring's stamps, cursors, counters; the tree; max_use's */
     Py_buffer src[MAX_COLS];                 /* the columns a sample copies, in the caller's order */
     Py_ssize_t width[MAX_COLS], ncols;
-    int held, prioritized, closed, busy;     /* held: views of stamp, cur, stats, sums, mins taken */
+    int held;        /* views of stamp, cur, stats, sums, mins, lock, uses taken, in this order */
+    int tree;        /* rows are drawn from the tree (prioritized, or uniform under max_use) */
+    int counting;    /* max_use: each row returned counts a use, under the lock */
+    int closed, busy;
+    int64_t max_use;
     pid_t busy_pid;
     Py_ssize_t lanes, capacity, lc;
     Levels lv;
@@ -42,7 +47,7 @@ static inline double next_double(uint64_t *s) { return (double)(next_u64(s) >> 1
 
 /* -- the plan ---------------------------------------------------------------------------------- */
 static void read_release(ReadPlan *p) {
-    Py_buffer *views[5] = {&p->stamp, &p->cur, &p->stats, &p->sums, &p->mins};
+    Py_buffer *views[7] = {&p->stamp, &p->cur, &p->stats, &p->sums, &p->mins, &p->lock, &p->uses};
     for (int i = 0; i < p->held; i++) PyBuffer_Release(views[i]);
     p->held = 0;
     for (Py_ssize_t g = 0; g < p->ncols; g++) PyBuffer_Release(&p->src[g]);
@@ -57,14 +62,17 @@ static void read_capsule_free(PyObject *capsule) {
     PyMem_Free(p);
 }
 
-/* read_plan(stamp, cursors, counters, columns, seed, tree=None) -> capsule: what a one-call sample
- * reads, once per buffer: the ring's stamps (capacity int64), cursors ((lanes, LANE_WORDS) int64),
- * counters (STATS_WORDS int64), the columns to copy (a tuple of (capacity, row bytes) arrays), the
- * generator's seed (4 uint64, not all 0) and, for a prioritized buffer, (sums, mins, levels) of its
- * tree. Its views stay held until read_close or the capsule goes. */
+/* read_plan(stamp, cursors, counters, columns, seed, tree=None, claim=None) -> capsule: what a
+ * one-call sample reads, once per buffer: the ring's stamps (capacity int64), cursors ((lanes,
+ * LANE_WORDS) int64), counters (STATS_WORDS int64), the columns to copy (a tuple of (capacity, row
+ * bytes) arrays), the generator's seed (4 uint64, not all 0), for a buffer that draws from its
+ * tree (sums, mins, levels), and under max_use (lock, uses, max_use): the lock's column, the
+ * uses (capacity uint32) and the bound (the draws are then from the tree). Its views stay held
+ * until read_close or the capsule goes. */
 PyObject *py_read_plan(PyObject *self, PyObject *args) {
-    PyObject *stamp_o, *cur_o, *stats_o, *cols_o, *seed_o, *tree_o = Py_None;
-    if (!PyArg_ParseTuple(args, "OOOO!O|O:read_plan", &stamp_o, &cur_o, &stats_o, &PyTuple_Type, &cols_o, &seed_o, &tree_o))
+    PyObject *stamp_o, *cur_o, *stats_o, *cols_o, *seed_o, *tree_o = Py_None, *claim_o = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOO!O|OO:read_plan", &stamp_o, &cur_o, &stats_o, &PyTuple_Type, &cols_o, &seed_o, &tree_o,
+                          &claim_o))
         return NULL;
     Py_ssize_t ncols = PyTuple_GET_SIZE(cols_o);
     if (ncols < 1 || ncols > MAX_COLS) {
@@ -87,7 +95,7 @@ PyObject *py_read_plan(PyObject *self, PyObject *args) {
     p->held = 1;
     if (get_buf(cur_o, &p->cur, 0, 8, "cursors") < 0) goto fail;
     p->held = 2;
-    if (get_buf(stats_o, &p->stats, 0, 8, "counters") < 0) goto fail;
+    if (get_buf(stats_o, &p->stats, 1, 8, "counters") < 0) goto fail;
     p->held = 3;
     p->capacity = p->stamp.len / 8;
     p->lanes = lanes_of(&p->cur, p->capacity, "read_plan");
@@ -109,16 +117,35 @@ PyObject *py_read_plan(PyObject *self, PyObject *args) {
     if (tree_o != Py_None) {
         PyObject *sums_o, *mins_o, *levels_o;
         if (!PyArg_ParseTuple(tree_o, "OOO!:read_plan tree", &sums_o, &mins_o, &PyTuple_Type, &levels_o)) goto fail;
-        if (get_buf(sums_o, &p->sums, 0, 8, "sums") < 0) goto fail;
+        if (get_buf(sums_o, &p->sums, 1, 8, "sums") < 0) goto fail;
         p->held = 4;
-        if (get_buf(mins_o, &p->mins, 0, 8, "mins") < 0) goto fail;
+        if (get_buf(mins_o, &p->mins, 1, 8, "mins") < 0) goto fail;
         p->held = 5;
         if (levels_read(levels_o, p->capacity, p->sums.len / 8, &p->lv) < 0) goto fail;
         if (p->mins.len != p->sums.len) {
             PyErr_SetString(PyExc_ValueError, "read_plan: sums and mins differ in size");
             goto fail;
         }
-        p->prioritized = 1;
+        p->tree = 1;
+    }
+    if (claim_o != Py_None) {
+        PyObject *lock_o, *uses_o;
+        long long max_use;
+        if (!p->tree) {
+            PyErr_SetString(PyExc_ValueError, "read_plan: max_use draws from the tree: give it");
+            goto fail;
+        }
+        if (!PyArg_ParseTuple(claim_o, "OOL:read_plan claim", &lock_o, &uses_o, &max_use)) goto fail;
+        if (get_buf(lock_o, &p->lock, 1, 0, "lock") < 0) goto fail;
+        p->held = 6;
+        if (get_buf(uses_o, &p->uses, 1, 4, "uses") < 0) goto fail;
+        p->held = 7;
+        if (p->lock.len < LOCK_SIZE || ((uintptr_t)p->lock.buf & 7) || p->uses.len / 4 != p->capacity || max_use < 1) {
+            PyErr_SetString(PyExc_ValueError, "read_plan: the lock, the uses or max_use do not fit the ring");
+            goto fail;
+        }
+        p->max_use = max_use;
+        p->counting = 1;
     }
     PyObject *capsule = PyCapsule_New(p, READ_CAPSULE, read_capsule_free);
     if (capsule) return capsule;
@@ -193,6 +220,15 @@ static void draw_tree(ReadPlan *p, double total, int stratified, int64_t *slots,
     ids_of_slots((const int64_t *)p->stamp.buf, (const int64_t *)p->cur.buf, p->lanes, p->lc, slots, leaves, ids, k);
 }
 
+/* reader._unless_updated: an update (ReplayBuffer.update) turns its rows odd and back to the same
+ * committed stamp, so a copy across it passes the stamp check half old, half new; every update
+ * counts itself first, so when the count moved since `before` (loaded before the first stamps)
+ * no row of this gather counts. They are re-drawn (an update anywhere rejects them all, whichever
+ * they are: the distribution stays) */
+static void unless_updated(const ReadPlan *p, int64_t before, char *ok, Py_ssize_t n) {
+    if (__atomic_load_n(&((const int64_t *)p->stats.buf)[COUNTER_UPDATES], __ATOMIC_ACQUIRE) != before) memset(ok, 0, (size_t)n);
+}
+
 /* the rows older than their lane's last clear() are not intact (Ring.cleared) */
 static void drop_cleared(const ReadPlan *p, const int64_t *ids, Py_ssize_t n, char *ok) {
     const int64_t *cur = (const int64_t *)p->cur.buf;
@@ -212,7 +248,41 @@ static int64_t gather_into(const ReadPlan *p, Columns *c, const int64_t *ids, Py
     return gather_rows(c, ids, n, p->lanes, (const int64_t *)p->stamp.buf, p->lc, scratch, scratch + n, ok);
 }
 
-/* re-draw and gather again the positions not intact, a few rounds; the positions still not intact */
+/* Under max_use (reader.claim, Priorities.claim): under the lock, count a use of each of the k rows
+ * `ids` whose ok is set, in order, while it is still current and has uses left; the ok of the
+ * others is cleared (they are re-drawn). A row that reaches max_use leaves the tree (`done`:
+ * scratch of k slots). Returns 0, or -1 when the lock is not taken at once (busy, its holder
+ * died, repairs owed: Python's steps wait or repair): then nothing is counted and every ok is
+ * cleared. No Python calls. */
+static int claim_rows(ReadPlan *p, const int64_t *ids, char *ok, Py_ssize_t k, int64_t *done) {
+    if (!lock_try(p->lock.buf)) {
+        memset(ok, 0, (size_t)k);
+        return -1;
+    }
+    const int64_t *stamp = (const int64_t *)p->stamp.buf, *cur = (const int64_t *)p->cur.buf;
+    uint32_t *uses = (uint32_t *)p->uses.buf;
+    Py_ssize_t m = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (!ok[i]) continue;
+        int64_t lane = lane_of_id(ids[i], p->lanes), row = number_of_id(ids[i], p->lanes), slot = slot_of(lane, row, p->lc);
+        int current = __atomic_load_n(&stamp[slot], __ATOMIC_ACQUIRE) == committed_stamp(row) && row >= load_base(cur, lane);
+        if (!current || uses[slot] >= (uint64_t)p->max_use) {
+            ok[i] = 0;
+            continue;
+        }
+        if (++uses[slot] >= (uint64_t)p->max_use) done[m++] = slot;
+    }
+    if (m) {
+        tree_set((double *)p->sums.buf, (double *)p->mins.buf, &p->lv, done, NULL, 0.0, m);
+        ((int64_t *)p->stats.buf)[COUNTER_REMOVED] = 1;
+    }
+    pthread_mutex_unlock((pthread_mutex_t *)p->lock.buf);
+    return 0;
+}
+
+/* re-draw and gather again the positions not intact (or not claimed), a few rounds; the
+ * positions still not intact (or not claimed: under max_use every position that is ok has been
+ * counted, every other not) */
 static Py_ssize_t redraw(ReadPlan *p, Columns *c, int64_t *ids, char *ok, double *leaves, Py_ssize_t n, double total,
                          int64_t *first, int64_t *ends) {
     Py_ssize_t bad = 0;
@@ -222,7 +292,7 @@ static Py_ssize_t redraw(ReadPlan *p, Columns *c, int64_t *ids, char *ok, double
     size_t rowbytes = 0;
     for (Py_ssize_t g = 0; g < c->n; g++) rowbytes += (size_t)c->width[g];
     char *mem = (char *)PyMem_Malloc((size_t)bad * (6 * 8 + 1 + rowbytes) + 64);
-    if (!mem) return -1;
+    if (!mem) return bad; /* the caller's slow path re-draws them (nothing counted for them) */
     int64_t *at = (int64_t *)mem, *nid = at + bad, *scratch = nid + bad;
     double *nleaf = (double *)(scratch + 2 * bad), *x = nleaf + bad;
     char *nok = (char *)(x + bad), *rows = nok + bad;
@@ -240,15 +310,18 @@ static Py_ssize_t redraw(ReadPlan *p, Columns *c, int64_t *ids, char *ok, double
         Py_ssize_t k = 0;
         for (Py_ssize_t i = 0; i < n; i++)
             if (!ok[i]) at[k++] = i;
-        if (p->prioritized) {
+        if (p->tree) {
             draw_tree(p, total, 0, scratch, x, nleaf, nid, k);
         } else {
             int64_t m = read_bounds(p, first, ends);
             if (m <= 0) break;
             draw_uniform(p, first, ends, m, nid, k);
         }
+        int64_t updates = __atomic_load_n(&((const int64_t *)p->stats.buf)[COUNTER_UPDATES], __ATOMIC_ACQUIRE);
         gather_into(p, &t, nid, k, scratch, nok);
+        unless_updated(p, updates, nok, k);
         drop_cleared(p, nid, k, nok);
+        int stop = p->counting && claim_rows(p, nid, nok, k, scratch) < 0;
         for (Py_ssize_t j = 0; j < k; j++) {
             Py_ssize_t i = at[j];
             ids[i] = nid[j];
@@ -260,6 +333,7 @@ static Py_ssize_t redraw(ReadPlan *p, Columns *c, int64_t *ids, char *ok, double
             }
             bad -= nok[j] != 0;
         }
+        if (stop) break; /* the lock is busy: Python's loop claims the rest */
     }
     PyMem_Free(mem);
     return bad;
@@ -291,14 +365,20 @@ static int call_open(const ReadPlan *p, Call *call, PyObject *const *args, Py_ss
         PyErr_SetString(PyExc_ValueError, "sample: expected at least one id and one ok per id");
         return -1;
     }
-    if (p->prioritized) {
+    if (p->tree) {
         if (nargs < 7 || get_buf(args[5], &call->leaves, 1, 8, "leaves") < 0) goto no_tree;
         call->nviews = 3;
-        if (get_buf(args[6], &call->weights, 1, 4, "weights") < 0) return -1;
-        call->nviews = 4;
-        if (call->leaves.len / 8 != *n || call->weights.len / 4 != *n) {
-            PyErr_SetString(PyExc_ValueError, "sample: expected one leaf and one weight per id");
+        if (call->leaves.len / 8 != *n) {
+            PyErr_SetString(PyExc_ValueError, "sample: expected one leaf per id");
             return -1;
+        }
+        if (args[6] != Py_None) { /* weights: None for a uniform draw from the tree (max_use) */
+            if (get_buf(args[6], &call->weights, 1, 4, "weights") < 0) return -1;
+            call->nviews = 4;
+            if (call->weights.len / 4 != *n) {
+                PyErr_SetString(PyExc_ValueError, "sample: expected one weight per id");
+                return -1;
+            }
         }
     }
     call->c.total = 0;
@@ -323,9 +403,10 @@ no_tree:
  * with the plan's tree in proportion to their leaves, stratified, and their importance weights
  * with `beta`), gathered with the stamp check into outs (one per column of the plan), the rows not
  * intact re-drawn and gathered again (a few rounds). Returns how many positions are still not
- * intact (ok says which; the caller's slow path takes them), or -1 when the call served nothing:
- * the plan is closed, the buffer holds no row (or the tree no mass) to draw, or an update
- * (ReplayBuffer.update) began during the gather. The GIL is released around the gather when it is
+ * intact (ok says which; the caller's slow path takes them; under max_use exactly the positions
+ * that are ok counted a use), or -1 when the call served nothing and counted nothing: the plan is
+ * closed, the buffer holds no row (or the tree no mass) to draw, or the lock was busy for the
+ * first claim. The GIL is released around the gather when it is
  * big (NOGIL_BYTES) or `nogil` is true (a thread that samples for another: the loader's). */
 PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 5 || nargs > 8) {
@@ -338,7 +419,7 @@ PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int nogil = PyObject_IsTrue(args[4]);
     if (nogil < 0) return NULL;
     double beta = 0.0;
-    if (p->prioritized) {
+    if (p->tree) {
         if (nargs != 8) {
             PyErr_SetString(PyExc_TypeError, "sample: a prioritized plan takes leaves, weights and beta");
             return NULL;
@@ -353,7 +434,7 @@ PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (call_open(p, &call, args, nargs, &n) < 0) goto done;
     int64_t *ids = (int64_t *)call.ids.buf;
     char *ok = (char *)call.ok.buf;
-    double *leaves = p->prioritized ? (double *)call.leaves.buf : NULL;
+    double *leaves = p->tree ? (double *)call.leaves.buf : NULL;
     /* scratch: slots and first stamps (2n), the x of a tree draw (n), the lanes' bounds (2 lanes) */
     scratch = (int64_t *)PyMem_Malloc(((size_t)n * 3 + 2 * (size_t)p->lanes) * sizeof(int64_t));
     if (!scratch) { PyErr_NoMemory(); goto done; }
@@ -362,7 +443,7 @@ PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     const int64_t *counters = (const int64_t *)p->stats.buf;
     int64_t updates = __atomic_load_n(&counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE);
     double total = 0.0;
-    if (p->prioritized) {
+    if (p->tree) {
         const double *sums = (const double *)p->sums.buf;
         total = sums[p->lv.size - 1]; /* SumTree.total: the last prefix sum of the top level */
         if (!(total > 0)) { result = PyLong_FromLong(-1); goto done; }
@@ -386,14 +467,14 @@ PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         result = PyLong_FromLong(-1);
         goto done;
     }
+    unless_updated(p, updates, ok, n);
     drop_cleared(p, ids, n, ok);
-    Py_ssize_t bad = redraw(p, &call.c, ids, ok, leaves, n, total, first, ends);
-    if (bad < 0) { PyErr_NoMemory(); goto done; }
-    if (__atomic_load_n(&counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE) != updates) {
-        result = PyLong_FromLong(-1); /* reader._unless_updated: the Python path reads again */
+    if (p->counting && claim_rows(p, ids, ok, n, scratch) < 0) { /* nothing counted: Python's steps */
+        result = PyLong_FromLong(-1);
         goto done;
     }
-    if (p->prioritized) weights_of((const double *)p->mins.buf, &p->lv, leaves, n, beta, (float *)call.weights.buf);
+    Py_ssize_t bad = redraw(p, &call.c, ids, ok, leaves, n, total, first, ends);
+    if (call.nviews == 4) weights_of((const double *)p->mins.buf, &p->lv, leaves, n, beta, (float *)call.weights.buf);
     result = PyLong_FromSsize_t(bad);
 done:
     PyMem_Free(scratch);

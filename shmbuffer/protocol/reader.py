@@ -385,12 +385,13 @@ def fetch(
     block: Block, ring: Ring, ids: np.ndarray, redraw: Redraw, *, reap: Callable[[], object],
     values: np.ndarray | None = None, accept: Accept | None = None, unique: bool = False,
     claim: Claim | None = None, out: dict[str, np.ndarray] | None = None, what: str | Callable[[], str] = "sample",
-    rows: Rows | None = None,
+    rows: Rows | None = None, unclaimed: np.ndarray | None = None,
 ) -> tuple[np.ndarray, Rows, np.ndarray | None]:
     """Read ``ids`` (``(n,)`` rows or ``(n, width)`` windows) and re-draw every unit that is not
     accepted (default: every row intact) until all are; returns the final ids, rows and values
     (``values`` are the draw's per-unit numbers, e.g. tree leaves, re-drawn along). ``rows``: what
-    a gather of ``ids`` already read."""
+    a gather of ``ids`` already read; ``unclaimed``: the positions whose use is not counted yet
+    (default: all of them, with a ``claim``)."""
     if rows is None:
         rows = gather(block, ring, ids, out=out)
 
@@ -399,7 +400,10 @@ def fetch(
         return ~keep
 
     bad = np.flatnonzero(rejected(ids, rows))
-    unclaimed = np.arange(ids.shape[0]) if claim is not None else NONE
+    if claim is None:
+        unclaimed = NONE
+    elif unclaimed is None:
+        unclaimed = np.arange(ids.shape[0])
     rounds, deadline, calm = 0, 0.0, 0.0
     frames_ = block.frames is not None and ids.ndim == 1
     while True:
@@ -561,8 +565,9 @@ class OneCall:
     during the gather (``_unless_updated``) and a closed plan go to ``draw`` (which raises or reads
     again), and rows still not intact after its rounds to ``fetch``.
 
-    Served: buffers without ``next_of``/``stack`` or ``max_use`` (``OneCall.serves``); the others
-    (and ``replace=False``, hindsight) take ``draw``."""
+    Served: buffers without ``next_of``/``stack`` (``OneCall.serves``), ``max_use`` included (each
+    row returned counts its use in C, under the lock tried once); the others (and
+    ``replace=False``, hindsight) take ``draw``."""
 
     def __init__(self, lib: Any, src: Source) -> None:
         block, ring, prios = src.block, src.ring, src.priorities
@@ -576,20 +581,22 @@ class OneCall:
         if block.episode is not None:
             cols.append(block.episode)
         tree = None if prios is None else (prios.tree.sums, prios.tree.mins, prios.tree.plan)
+        counting = prios is not None and prios.uses is not None
+        claim = (ring.lock.memory, prios.uses, prios.max_use) if counting else None  # type: ignore[union-attr]
         seed = src.rng.integers(0, 1 << 64, size=4, dtype=np.uint64)
         view = ring.native_view
         assert view is not None, "serves() checked it"
-        self.plan = lib.read_plan(view[0], view[1], block.counters, tuple(cols), seed, tree)
+        self.plan = lib.read_plan(view[0], view[1], block.counters, tuple(cols), seed, tree, claim)
         self.record = block.record if block.packed is not None else None
         self.names = block.schema.names
-        self.prioritized = tree is not None
+        self.tree = tree is not None
+        self.counting = counting
+        self.prioritized = isinstance(src.options.sampler, Prioritized)
 
     @staticmethod
     def serves(src: Source) -> bool:
         """Whether ``src``'s samples with replacement can be one call."""
-        prios = src.priorities
-        return (native.lib is not None and src.block.frames is None and (prios is None or prios.uses is None)
-                and getattr(src.ring, "native_view", None) is not None)
+        return native.lib is not None and src.block.frames is None and getattr(src.ring, "native_view", None) is not None
 
     def close(self) -> None:
         """Release the plan's views of the block (``ReplayBuffer.close``)."""
@@ -615,20 +622,26 @@ class OneCall:
         ids, ok = np.empty(n, np.int64), np.empty(n, np.bool_)
         leaves: np.ndarray | None = None
         weight: np.ndarray | None = None
-        if self.prioritized:
+        if self.tree:  # prioritized, or uniform under max_use (leaf 1 for each row with uses left)
             sampler = src.options.sampler
-            assert isinstance(sampler, Prioritized)
-            leaves, weight = np.empty(n), np.empty(n, np.float32)
-            bad = self.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil, leaves, weight, sampler.beta_at(calls))
+            leaves = np.empty(n)
+            beta = 0.0
+            if isinstance(sampler, Prioritized):
+                weight = np.empty(n, np.float32)
+                beta = sampler.beta_at(calls)
+            bad = self.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil, leaves, weight, beta)
         else:
             bad = self.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil)
         if bad < 0:
             return None
         if bad:  # rows still not intact after the C rounds: the reader's loop (waits, reaps, gives up)
             rows = Rows(ok, None if rec is None else rec.view(np.uint8).reshape(n, -1), large, episode)
+            # under max_use the positions that are ok have counted their use, the others not
             ids, rows, leaves = fetch(src.block, src.ring, ids, _redrawer(src, n, True), reap=src.reap, values=leaves,
-                                      out=out, what=lambda: f"sample({n}) of buffer {src.name!r}", rows=rows)
-            if leaves is not None:
+                                      out=out, what=lambda: f"sample({n}) of buffer {src.name!r}", rows=rows,
+                                      claim=(lambda ids, at: claim(src, ids, at)) if self.counting else None,
+                                      unclaimed=np.flatnonzero(~ok) if self.counting else None)
+            if weight is not None:
                 prios = src.priorities
                 assert prios is not None
                 weight = src.options.sampler.weights(prios.tree, leaves, calls)
