@@ -39,7 +39,7 @@ import numpy as np
 
 from . import peers
 from .data import MUJOCO, Lanes, Spec
-from .harness import BATCH, PROFILES, Case, Config, Metric, Op, Subject, case_result, fill, measure
+from .harness import BATCH, PROFILES, Case, Config, Metric, Op, Pool, Subject, case_result, fill, measure, take_floor
 from .peers import Unavailable
 
 LANES = 8
@@ -173,8 +173,14 @@ def prioritized_case(cfg: Config) -> dict[str, Any]:
     spec = MUJOCO
     cap = cfg.capacity(spec)
     metrics = {"per": Metric(f"prioritized sample {BATCH} + update {BATCH}", "iterations/s", 1, BATCH * spec.row_bytes)}
-    subjects = [prioritized_subject(c, spec, cap) for c in peers.PSTORES] + no_equivalent("mujoco.prioritized")
-    res = measure(subjects, metrics, cfg)
+    pool = Pool(spec, cap)
+    # the floor: the gather part alone (np.take of 256 random rows of the same bytes; no draw, no update)
+    subjects = [prioritized_subject(c, spec, cap) for c in peers.PSTORES] + [take_floor(pool, True, ("per",))]
+    subjects += no_equivalent("mujoco.prioritized")
+    try:
+        res = measure(subjects, metrics, cfg)
+    finally:
+        pool.free()
     res = {s.name: res[s.name] for s in subjects}
     return case_result(f"{spec.title}: prioritized sample {BATCH} + update of their {BATCH} priorities "
                        f"(alpha {peers.ALPHA}, beta {peers.BETA}) at capacity {cap:,}", spec, cfg, metrics, res)
