@@ -457,8 +457,9 @@ class ReplayBuffer:
         ``batch.weight`` (importance-sampling weights).
         """
         one = self._one_call
-        if (one is not None and type(n) is int and n > 0 and replace is True and n_step == 1 and hindsight is None
-                and timeout is None and not unknown and one.rng is self.rng and self.options.limiter is None):
+        if (one is not None and self._one_calls and type(n) is int and n > 0 and replace is True and n_step == 1
+                and hindsight is None and timeout is None and not unknown and one.rng is self.rng
+                and self.options.limiter is None):
             # the usual call, as one C call with no checks left to make (the rest below is the same)
             prios = self._prios
             calls = prios.next_call() if prios is not None else 0

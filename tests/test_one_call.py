@@ -6,7 +6,9 @@ refusals; and what only it has: its generator, its plan's life, ``out=``."""
 from __future__ import annotations
 
 import math
+import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +20,7 @@ from shmbuffer import native
 from shmbuffer.errors import ClosedError
 from shmbuffer.protocol import reader
 from shmbuffer.sampling.samplers import importance_weights
+from shmbuffer.schema import PACK_LIMIT
 
 from .conftest import MUJOCO, seq_of, transition
 
@@ -403,3 +406,93 @@ def test_max_use_with_the_lock_busy_waits_for_it_and_loses_no_row(make: Make, na
     for _ in range(2):
         got += seq_of(buf.sample(8)).tolist()
     assert sorted(got) == list(range(32))
+
+
+# -- found by review: re-draws over the total of now, outs the C gather refuses, 65 columns, the switch --
+def _later(call: Callable[[np.ndarray], None], arg: np.ndarray) -> None:
+    time.sleep(0.002)
+    call(arg)
+
+
+def test_prioritized_redraws_use_the_total_of_now(make: Make, name: str) -> None:
+    """sample.c redraw() draws masses over the total read before the first gather; the Python
+    path's re-draw (tree_draw) reads tree.total again. When the total shrank meanwhile, every mass
+    past it is clamped by tree_walk onto the last positive leaf."""
+    w = 512 * 1024  # big rows: the first gather (nogil) runs for milliseconds
+    buf = make(sb.Schema(obs=((w,), "uint8"), reward=((), "float32")), 64, name=name, seed=0,
+               sampler=sb.Prioritized(alpha=1.0, eps=0.0))
+    buf.push(obs=np.zeros((64, w), np.uint8), reward=np.arange(64, dtype=np.float32))
+    ids = buf.ring.held_ids()
+    buf.update_priorities(ids, np.ones(64))
+    buf.sample(1)
+    one = buf._one_call
+    assert isinstance(one, reader.OneCall)
+    ring, prios = buf.ring, buf.priorities
+    assert prios is not None
+    remove = prios.remove
+    tslots = ring.slots(ids[32:])  # rows 32..63 being written: drawn first, then re-drawn
+    n, got = 128, []
+    try:
+        for _ in range(3):
+            prios.tree.update(tslots, 1.0)
+            ring.stamp[tslots] += 1
+            t = threading.Thread(target=_later, args=(remove, tslots))  # meanwhile: their leaves to 0
+            rec, big = np.empty(n, buf.block.record.dtype), np.empty((n, w), np.uint8)
+            got_ids, ok, leaves, weight = np.empty(n, np.int64), np.empty(n, bool), np.empty(n), np.empty(n, np.float32)
+            t.start()
+            one.sample(one.plan, (rec, big), got_ids, ok, True, leaves, weight, 0.4)
+            t.join()
+            ring.stamp[tslots] -= 1
+            got.append(int(np.count_nonzero(got_ids[ok] == ids[31])))
+    finally:
+        del ring, prios, one, remove
+    # re-draws over the current total (32): row 31 is drawn 2 (stratified) + ~2 (of 64 re-draws) times
+    assert max(got) < 16, f"row 31 drawn {got} times of {n}: the re-draws' masses past the new total land on it"
+
+
+def test_out_arrays_numpy_takes_are_taken_by_the_one_call_too(make: Make, name: str) -> None:
+    """reader._gather_native falls back to numpy for outs the C gather refuses (not C-contiguous);
+    OneCall passes them to _native.sample, whose TypeError reaches the caller."""
+    big = sb.Schema(obs=((4, 84, 84), "uint8"), reward=((), "float32"))
+    buf = make(big, capacity=40, name=name, seed=0)
+    buf.push(obs=np.arange(40, dtype=np.uint8)[:, None, None, None] * np.ones((1, 4, 84, 84), np.uint8),
+             reward=np.arange(40, dtype=np.float32))
+    buf.sample(1)
+    assert isinstance(buf._one_call, reader.OneCall)
+    stage = np.empty((32, 4, 84, 84), np.uint8)
+    out = {"_block": np.empty((16, buf.schema.record.itemsize), np.uint8), "obs": stage[::2]}
+    batch = buf.sample(16, out=out)  # TypeError: sample out: expected a C-contiguous writable buffer
+    assert np.array_equal(batch.obs[:, 0, 0, 0], batch.reward.astype(np.uint8))
+
+
+def test_a_schema_of_65_columns_samples(make: Make, name: str) -> None:
+    """The push takes 63 large fields + the record (64 sources) and the Python path gathers them
+    with the episode ids (numpy past 64 columns); read_plan raises for 65 columns, out of sample()."""
+    w = PACK_LIMIT + 1
+    schema = sb.Schema(**{f"f{i}": ((w,), "uint8") for i in range(63)}, r=((), "float32"))
+    buf = make(schema, 8, name=name, seed=0, episodes=True)
+    buf.push(**{f"f{i}": np.full((4, w), i, np.uint8) for i in range(63)}, r=np.arange(4, dtype=np.float32), episode=0)
+    b = buf.sample(2)  # ValueError: read_plan: expected 1 to 64 columns
+    assert (np.asarray(b["f62"]) == 62).all()
+
+
+def test_one_calls_false_takes_the_python_path(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """buffer.py: _one_calls 'False ... to test the Python path'; the fast path at the top of
+    sample() never looks at it once a one call was made."""
+    buf = make(MUJOCO, 64, name=name, seed=0)
+    buf.push(transition(0, 40))
+    buf.sample(1)
+    buf._one_calls = False
+    ran: list[int] = []
+    real = reader.draw
+    monkeypatch.setattr(reader, "draw", lambda *a, **k: (ran.append(1), real(*a, **k))[1])
+    buf.sample(4)
+    assert ran
+
+
+def test_the_column_limit_is_the_c_gathers() -> None:
+    from pathlib import Path
+
+    header = (Path(native.__file__).parent / "native.h").read_text()
+    found = re.search(r"#define MAX_COLS (\d+)", header)
+    assert found and int(found.group(1)) == reader.MAX_COLUMNS

@@ -280,11 +280,12 @@ static int claim_rows(ReadPlan *p, const int64_t *ids, char *ok, Py_ssize_t k, i
     return 0;
 }
 
-/* re-draw and gather again the positions not intact (or not claimed), a few rounds; the
- * positions still not intact (or not claimed: under max_use every position that is ok has been
- * counted, every other not) */
-static Py_ssize_t redraw(ReadPlan *p, Columns *c, int64_t *ids, char *ok, double *leaves, Py_ssize_t n, double total,
-                         int64_t *first, int64_t *ends) {
+/* re-draw and gather again the positions not intact (or not claimed), a few rounds, each drawn
+ * from the bounds or the tree's total of now (as the Python re-draw reads them: rows written,
+ * updated or used up meanwhile move them); the positions still not intact (or not claimed: under
+ * max_use every position that is ok has been counted, every other not) */
+static Py_ssize_t redraw(ReadPlan *p, Columns *c, int64_t *ids, char *ok, double *leaves, Py_ssize_t n, int64_t *first,
+                         int64_t *ends) {
     Py_ssize_t bad = 0;
     for (Py_ssize_t i = 0; i < n; i++) bad += !ok[i];
     if (!bad) return 0;
@@ -311,6 +312,8 @@ static Py_ssize_t redraw(ReadPlan *p, Columns *c, int64_t *ids, char *ok, double
         for (Py_ssize_t i = 0; i < n; i++)
             if (!ok[i]) at[k++] = i;
         if (p->tree) {
+            double total = ((const double *)p->sums.buf)[p->lv.size - 1];
+            if (!(total > 0)) break;
             draw_tree(p, total, 0, scratch, x, nleaf, nid, k);
         } else {
             int64_t m = read_bounds(p, first, ends);
@@ -473,7 +476,7 @@ PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         result = PyLong_FromLong(-1);
         goto done;
     }
-    Py_ssize_t bad = redraw(p, &call.c, ids, ok, leaves, n, total, first, ends);
+    Py_ssize_t bad = redraw(p, &call.c, ids, ok, leaves, n, first, ends);
     if (call.nviews == 4) weights_of((const double *)p->mins.buf, &p->lv, leaves, n, beta, (float *)call.weights.buf);
     result = PyLong_FromSsize_t(bad);
 done:

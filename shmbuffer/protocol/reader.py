@@ -539,6 +539,11 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
     return assemble(block, ids, rows, {"weight": weight} if weight is not None else None)
 
 
+MAX_COLUMNS = 64
+"""Columns (the packed record, each large field, the episode ids) the C gather copies in one call
+(``native.h``'s ``MAX_COLS``); a buffer with more samples through ``draw`` (numpy past them)."""
+
+
 class _Thread(threading.local):
     nogil = False
 
@@ -596,7 +601,10 @@ class OneCall:
     @staticmethod
     def serves(src: Source) -> bool:
         """Whether ``src``'s samples with replacement can be one call."""
-        return native.lib is not None and src.block.frames is None and getattr(src.ring, "native_view", None) is not None
+        block = src.block
+        columns = (block.packed is not None) + len(block.large) + (block.episode is not None)
+        return (native.lib is not None and block.frames is None and getattr(src.ring, "native_view", None) is not None
+                and columns <= MAX_COLUMNS)
 
     def close(self) -> None:
         """Release the plan's views of the block (``ReplayBuffer.close``)."""
@@ -608,12 +616,20 @@ class OneCall:
         rec = None
         outs: list[np.ndarray] = []
         if record is not None:  # the packed record, gathered as a structured array: its fields are views
-            rec = np.empty(n, record.dtype) if out is None else out["_block"].view(record.dtype).reshape(n)
+            if out is None:
+                rec = np.empty(n, record.dtype)
+            else:
+                block = out["_block"]
+                if not (block.flags.c_contiguous and block.dtype == np.uint8 and block.shape == (n, record.itemsize)):
+                    return None  # the reader's numpy gather takes it
+                rec = block.view(record.dtype).reshape(n)
             outs.append(rec)
         large = _large_outs(self.large, n, out) if self.large else {}
         if large is None:
             return None
         if large:
+            if out is not None and not all(a.flags.c_contiguous and a.flags.writeable for a in large.values()):
+                return None  # the reader's numpy gather takes what the C gather does not
             outs += large.values()
         episode = None
         if self.episode:
