@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(LIB is None, reason=f"the C extension is not loa
 CAP, LANES = 64, 2
 LC = CAP // LANES
 WIDE = 64 * 1024
-"""Rows of 64 KiB: 200 of them are 12.5 MiB, well past the pool's threshold (1 MiB)."""
+"""Rows of 64 KiB: 200 of them are 12.5 MiB, well past the pool's threshold (POOL_BYTES, 4 MiB)."""
 
 
 @pytest.fixture(autouse=True)

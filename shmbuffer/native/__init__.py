@@ -12,7 +12,7 @@ The Python code stays the reference and the fallback: every caller checks ``lib`
 numpy code when it is ``None``. ``SHMBUFFER_PURE=1`` in the environment forces the Python path
 (CI runs the protocol tests both ways).
 
-Big gathers (a sample's or a read's copies of at least ``POOL_BYTES``, 1 MiB, in all, such as 256
+Big gathers (a sample's or a read's copies of at least ``POOL_BYTES``, 4 MiB, in all, such as 256
 Atari rows; frame stacks too) split their copies over a small pool of native threads
 (``pool.c``), the calling thread included: at most as many as the CPUs the process may use
 (``sched_getaffinity``) and at most 4, created at the first big gather, idle on a condition
