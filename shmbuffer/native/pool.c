@@ -30,6 +30,7 @@ typedef struct {
     pool_fn fn;
     void *arg;
     Py_ssize_t n, chunks;
+    int k; /* threads that take part, the caller included: workers 1 to k - 1 */
 } Job;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -62,11 +63,11 @@ static void claim(const Job *j, int who) {
 static void *worker(void *arg) {
     int who = (int)(intptr_t)arg;
     pthread_mutex_lock(&mu);
-    uint64_t seen = gen;
+    uint64_t seen = busy ? gen - 1 : gen; /* created for the job in progress: it takes part */
     for (;;) {
         while (gen == seen) pthread_cond_wait(&work_cv, &mu);
         seen = gen;
-        if (!busy) continue; /* woke after the job ended: nothing to claim */
+        if (!busy || who >= job.k) continue; /* woke after the job ended, or not one of its threads */
         Job j = job;
         active++;
         pthread_mutex_unlock(&mu);
@@ -154,6 +155,7 @@ void pool_run(pool_fn fn, void *arg, Py_ssize_t n, size_t bytes) {
     job.arg = arg;
     job.n = n;
     job.chunks = chunks;
+    job.k = k;
     next_chunk = 0;
     busy = 1;
     gen++;
