@@ -6,10 +6,12 @@ gather only (never for small ones) and not at all with ``set_threads(1)`` or
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -131,6 +133,38 @@ def test_a_sample_of_wide_rows_is_the_same_on_one_thread_and_on_two(make: Make, 
         assert np.array_equal(a.large["obs"][a.ok], buf.block.large["obs"][buf.ring.slots(ids[a.ok])])
     finally:
         buf.ring.commit(res)
+
+
+def _lapper(handle: sb.BufferHandle, seconds: float) -> None:
+    """Push wide rows, every byte of a row its step mod 251, as fast as it can: the ring laps."""
+    buf = sb.ReplayBuffer.attach(handle)
+    step, stop = 0, time.monotonic() + seconds
+    while time.monotonic() < stop:
+        steps = np.arange(step, step + 4)
+        buf.push(obs=np.repeat((steps % 251).astype(np.uint8)[:, None], WIDE, axis=1), step=steps)
+        step += 4
+    buf.close()
+
+
+def test_big_samples_on_two_threads_while_a_writer_laps_the_ring(make: Make, name: str, procs: list) -> None:
+    """A writer overwrites rows as fast as it can while big samples (96 rows of 64 KiB, 6 MiB)
+    copy on two threads: every row sampled is whole (each byte its step's), none torn."""
+    threads(2)
+    buf = make(sb.Schema(obs=((WIDE,), "uint8"), step=((), "int64")), capacity=160, name=name)
+    p = mp.get_context("spawn").Process(target=_lapper, args=(buf.handle, 4.0))
+    p.start()
+    procs.append(p)
+    deadline = time.monotonic() + 60
+    while len(buf) < 160 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    checked = 0
+    while p.is_alive():
+        batch = buf.sample(96)
+        want = (batch.step % 251).astype(np.uint8)
+        assert (batch.obs == want[:, None]).all(), "a torn row"
+        checked += 96
+    p.join(30)
+    assert p.exitcode == 0 and checked > 96 * 20
 
 
 FRAME = (84, 84)
