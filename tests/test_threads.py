@@ -2,7 +2,8 @@
 big enough to use them gives the same bytes and the same intact marks with one thread and with
 several, rows not intact and ids that name no row included; the threads start at the first big
 gather only (never for small ones) and not at all with ``set_threads(1)`` or
-``SHMBUFFER_THREADS=1``; a forked child gathers big batches on threads of its own."""
+``SHMBUFFER_THREADS=1``; a forked child gathers big batches on threads of its own; big samples on
+two threads while a writer laps the ring are never torn."""
 
 from __future__ import annotations
 
