@@ -18,7 +18,8 @@ Atari rows; frame stacks too) split their copies over a small pool of native thr
 (``sched_getaffinity``) and at most 4, created at the first big gather, idle on a condition
 variable, renewed in a forked child. Smaller copies (256 MuJoCo rows) stay on the calling thread.
 ``lib.set_threads(k)`` sets the count (``k = 1``: off, ``0``: automatic; it returns the count in
-effect) and ``lib.threads()`` says it; ``SHMBUFFER_THREADS=k`` in the environment does the same
+effect; fewer threads than there are ends them, so that a process back on one thread forks without
+Python's warning about forking with threads) and ``lib.threads()`` says it; ``SHMBUFFER_THREADS=k`` in the environment does the same
 once, at import (``THREADS``).
 
 ``ACTIVE`` is ``"native"`` or ``"python"``; ``REASON`` says why; the choice is logged once, at

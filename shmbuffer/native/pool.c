@@ -14,8 +14,10 @@
  *   is not scheduled in time finds none left and the caller has copied them all itself; it waits
  *   only for chunks a worker has claimed.
  * - One job at a time: a second thread calling while the pool is busy copies on its own thread.
- * - Idle workers block on a condition variable (no spinning); they are detached and block every
- *   signal, so they neither keep the interpreter from exiting nor take its signals.
+ * - Idle workers block on a condition variable (no spinning) and block every signal (they take
+ *   none of the interpreter's); a process's exit ends them. set_threads(k) with fewer threads than
+ *   there are ends and joins them all (pool_stop): a process back on one thread can fork without
+ *   Python 3.12's warning about forking with threads; the next big gather starts what it needs.
  * - Fork: pthread_atfork holds the mutex across fork(); the child has no workers, so it resets
  *   the pool (count 0, fresh mutex and condition variables) and creates new ones when it needs them.
  *   A worker that cannot be created leaves the pool with those it has (at worst none: the caller
@@ -25,6 +27,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
+#include <string.h>
 
 typedef struct {
     pool_fn fn;
@@ -36,8 +39,11 @@ typedef struct {
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t work_cv = PTHREAD_COND_INITIALIZER; /* a new job (gen changed) */
 static pthread_cond_t done_cv = PTHREAD_COND_INITIALIZER; /* a worker left the job */
-static int workers;          /* created (and alive) workers */
+static pthread_cond_t idle_cv = PTHREAD_COND_INITIALIZER; /* a job ended (busy 0) */
+static pthread_t tids[POOL_MAX];
+static int workers;          /* created (and alive) workers: tids[0, workers) */
 static int busy;             /* a caller owns the pool */
+static int stopping;         /* pool_stop is ending the workers: callers copy alone meanwhile */
 static int active;           /* workers inside the current job */
 static uint64_t gen;         /* the job's generation */
 static Job job;              /* the current job (under mu) */
@@ -65,7 +71,8 @@ static void *worker(void *arg) {
     pthread_mutex_lock(&mu);
     uint64_t seen = busy ? gen - 1 : gen; /* created for the job in progress: it takes part */
     for (;;) {
-        while (gen == seen) pthread_cond_wait(&work_cv, &mu);
+        while (gen == seen && !stopping) pthread_cond_wait(&work_cv, &mu);
+        if (stopping) break;
         seen = gen;
         if (!busy || who >= job.k) continue; /* woke after the job ended, or not one of its threads */
         Job j = job;
@@ -75,6 +82,7 @@ static void *worker(void *arg) {
         pthread_mutex_lock(&mu);
         if (--active == 0) pthread_cond_signal(&done_cv);
     }
+    pthread_mutex_unlock(&mu);
     return NULL;
 }
 
@@ -85,8 +93,10 @@ static void child_after_fork(void) {
     pthread_mutex_init(&mu, NULL);
     pthread_cond_init(&work_cv, NULL);
     pthread_cond_init(&done_cv, NULL);
+    pthread_cond_init(&idle_cv, NULL);
     workers = 0;
     busy = 0;
+    stopping = 0;
     active = 0;
 }
 
@@ -119,14 +129,13 @@ static int grow(int k) {
         sigset_t all, old;
         pthread_t t;
         if (pthread_attr_init(&attr)) break;
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         sigfillset(&all);
         pthread_sigmask(SIG_SETMASK, &all, &old);
         int err = pthread_create(&t, &attr, worker, (void *)(intptr_t)(workers + 1));
         pthread_sigmask(SIG_SETMASK, &old, NULL);
         pthread_attr_destroy(&attr);
         if (err) break;
-        workers++;
+        tids[workers++] = t;
     }
     return workers;
 }
@@ -136,7 +145,7 @@ void pool_run(pool_fn fn, void *arg, Py_ssize_t n, size_t bytes) {
     if (k > n) k = (int)n;
     if (k > 1) {
         pthread_mutex_lock(&mu);
-        if (busy) { /* another thread's job: copy alone */
+        if (busy || stopping) { /* another thread's job, or the workers ending: copy alone */
             pthread_mutex_unlock(&mu);
             k = 1;
         } else {
@@ -156,7 +165,7 @@ void pool_run(pool_fn fn, void *arg, Py_ssize_t n, size_t bytes) {
     job.n = n;
     job.chunks = chunks;
     job.k = k;
-    next_chunk = 0;
+    __atomic_store_n(&next_chunk, 0, __ATOMIC_RELAXED);
     busy = 1;
     gen++;
     Job j = job;
@@ -166,6 +175,25 @@ void pool_run(pool_fn fn, void *arg, Py_ssize_t n, size_t bytes) {
     pthread_mutex_lock(&mu);
     while (active > 0) pthread_cond_wait(&done_cv, &mu);
     busy = 0;
+    pthread_cond_broadcast(&idle_cv);
+    pthread_mutex_unlock(&mu);
+}
+
+/* end the workers (joined) once no job is in flight; the next big gather starts new ones */
+static void pool_stop(void) {
+    pthread_mutex_lock(&mu);
+    while (busy || stopping) pthread_cond_wait(&idle_cv, &mu);
+    int n = workers;
+    pthread_t t[POOL_MAX];
+    memcpy(t, tids, sizeof(t));
+    stopping = 1;
+    pthread_cond_broadcast(&work_cv);
+    pthread_mutex_unlock(&mu);
+    for (int i = 0; i < n; i++) pthread_join(t[i], NULL);
+    pthread_mutex_lock(&mu);
+    workers = 0;
+    stopping = 0;
+    pthread_cond_broadcast(&idle_cv);
     pthread_mutex_unlock(&mu);
 }
 
@@ -179,7 +207,17 @@ PyObject *py_set_threads(PyObject *self, PyObject *arg) {
         return NULL;
     }
     pool_set_threads(k > POOL_MAX ? POOL_MAX : (int)k);
-    return PyLong_FromLong(pool_threads());
+    int now = pool_threads();
+    pthread_mutex_lock(&mu);
+    int more = workers > now - 1;
+    pthread_mutex_unlock(&mu);
+    if (more) { /* fewer threads than there are: end them all (a process back to one thread can fork
+                 * without Python's warning about threads); the next big gather starts what it needs */
+        Py_BEGIN_ALLOW_THREADS
+        pool_stop();
+        Py_END_ALLOW_THREADS
+    }
+    return PyLong_FromLong(now);
 }
 
 /* threads() -> the threads a big gather uses now, the caller included (1: the pool is off) */
