@@ -14,6 +14,10 @@
  *   is not scheduled in time finds none left and the caller has copied them all itself; it waits
  *   only for chunks a worker has claimed.
  * - One job at a time: a second thread calling while the pool is busy copies on its own thread.
+ * - Stragglers: a worker descheduled mid-chunk (its CPU taken by other work) makes the caller wait
+ *   for it, which can cost more than the threads save; in automatic mode (no set_threads count)
+ *   the caller then copies alone for a while (8 to 256 big jobs) before it tries again. An
+ *   explicit count (set_threads, SHMBUFFER_THREADS) always uses its threads.
  * - Idle workers block on a condition variable (no spinning) and block every signal (they take
  *   none of the interpreter's); a process's exit ends them. set_threads(k) with fewer threads than
  *   there are ends and joins them all (pool_stop): a process back on one thread can fork without
@@ -28,6 +32,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <string.h>
+#include <time.h>
 
 typedef struct {
     pool_fn fn;
@@ -49,7 +54,14 @@ static uint64_t gen;         /* the job's generation */
 static Job job;              /* the current job (under mu) */
 static Py_ssize_t next_chunk; /* the next chunk to claim (atomic) */
 static int wanted;           /* threads asked for (set_threads); 0: automatic */
+static int skip, backoff;    /* automatic: big jobs still to run alone, and the next such run's length */
 static int atfork_done;
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
 
 static void chunk_bounds(const Job *j, Py_ssize_t c, Py_ssize_t *lo, Py_ssize_t *hi) {
     *lo = j->n * c / j->chunks;
@@ -143,9 +155,12 @@ static int grow(int k) {
 void pool_run(pool_fn fn, void *arg, Py_ssize_t n, size_t bytes) {
     int k = bytes >= POOL_BYTES && n > 1 ? pool_threads() : 1;
     if (k > n) k = (int)n;
+    int automatic = __atomic_load_n(&wanted, __ATOMIC_RELAXED) == 0;
     if (k > 1) {
         pthread_mutex_lock(&mu);
-        if (busy || stopping) { /* another thread's job, or the workers ending: copy alone */
+        if (busy || stopping || (automatic && skip > 0)) { /* another thread's job, the workers
+                                                             * ending, or backing off: copy alone */
+            if (!busy && !stopping) skip--;
             pthread_mutex_unlock(&mu);
             k = 1;
         } else {
@@ -171,9 +186,21 @@ void pool_run(pool_fn fn, void *arg, Py_ssize_t n, size_t bytes) {
     Job j = job;
     pthread_cond_broadcast(&work_cv);
     pthread_mutex_unlock(&mu);
+    double t0 = now();
     claim(&j, 0);
+    double t1 = now();
     pthread_mutex_lock(&mu);
     while (active > 0) pthread_cond_wait(&done_cv, &mu);
+    double t2 = now();
+    /* a straggler: the caller waited for a worker longer than half its own share took (a worker
+     * descheduled mid-chunk, its CPU busy with other work). Automatic mode then copies alone for
+     * the next 8, 16, ... 256 big jobs, and tries the threads again; a job without one resets it. */
+    if (t2 - t1 > (t1 - t0) / 2 + 20e-6) {
+        backoff = backoff ? (backoff < 256 ? backoff * 2 : 256) : 8;
+        skip = backoff;
+    } else {
+        backoff = 0;
+    }
     busy = 0;
     pthread_cond_broadcast(&idle_cv);
     pthread_mutex_unlock(&mu);
