@@ -17,6 +17,8 @@ Atari rows; frame stacks too) split their copies over a small pool of native thr
 (``pool.c``), the calling thread included: at most as many as the CPUs the process may use
 (``sched_getaffinity``) and at most 4, created at the first big gather, idle on a condition
 variable, renewed in a forked child. Smaller copies (256 MuJoCo rows) stay on the calling thread.
+Left automatic, a gather that had to wait for a worker whose CPU was taken by other work makes the
+next big gathers (8 to 256) copy on the calling thread alone before the threads are tried again.
 ``lib.set_threads(k)`` sets the count (``k = 1``: off, ``0``: automatic; it returns the count in
 effect; fewer threads than there are ends them, so that a process back on one thread forks without
 Python's warning about forking with threads) and ``lib.threads()`` says it; ``SHMBUFFER_THREADS=k`` in the environment does the same
