@@ -12,6 +12,18 @@ The Python code stays the reference and the fallback: every caller checks ``lib`
 numpy code when it is ``None``. ``SHMBUFFER_PURE=1`` in the environment forces the Python path
 (CI runs the protocol tests both ways).
 
+Big gathers (a sample's or a read's copies of at least ``POOL_BYTES``, 4 MiB, in all, such as 256
+Atari rows; frame stacks too) split their copies over a small pool of native threads
+(``pool.c``), the calling thread included: at most as many as the CPUs the process may use
+(``sched_getaffinity``) and at most 4, created at the first big gather, idle on a condition
+variable, renewed in a forked child. Smaller copies (256 MuJoCo rows) stay on the calling thread.
+Left automatic, a gather that had to wait for a worker whose CPU was taken by other work makes the
+next big gathers (8 to 256) copy on the calling thread alone before the threads are tried again.
+``lib.set_threads(k)`` sets the count (``k = 1``: off, ``0``: automatic; it returns the count in
+effect; fewer threads than there are ends them, so that a process back on one thread forks without
+Python's warning about forking with threads) and ``lib.threads()`` says it; ``SHMBUFFER_THREADS=k`` in the environment does the same
+once, at import (``THREADS``).
+
 ``ACTIVE`` is ``"native"`` or ``"python"``; ``REASON`` says why; the choice is logged once, at
 debug level, on the ``shmbuffer`` logger, and ``shmbuffer info`` prints both. When the extension is
 missing and ``SHMBUFFER_PURE`` did not ask for the Python path, the first buffer a process tree
@@ -51,6 +63,27 @@ MISSING = lib is None and not PURE
 ACTIVE = "native" if lib is not None else "python"
 """``"native"`` (the C extension runs the hot path) or ``"python"`` (its pure-Python fallback)."""
 logging.getLogger("shmbuffer").debug("shmbuffer hot path: %s (%s)", ACTIVE, REASON)
+
+
+def _threads_from_env() -> int | None:
+    """``SHMBUFFER_THREADS`` applied to the extension's copy threads (``set_threads``): the count
+    in effect, or ``None`` when it is unset, not a whole number >= 0, or the extension is missing."""
+    value = os.environ.get("SHMBUFFER_THREADS", "").strip()
+    if not value or lib is None:
+        return None
+    try:
+        k = int(value)
+        if k < 0:
+            raise ValueError(value)
+    except ValueError:
+        logging.getLogger("shmbuffer").warning("SHMBUFFER_THREADS=%r ignored: expected a whole number >= 0", value)
+        return None
+    return int(lib.set_threads(k))
+
+
+THREADS = _threads_from_env()
+"""The copy threads ``SHMBUFFER_THREADS`` asked for (the count in effect, the caller included), or
+``None`` when it is unset (automatic: ``lib.threads()`` says the count)."""
 
 WARNED = "SHMBUFFER_WARNED_NO_EXTENSION"
 """The environment variable set once the warning is given, so that the worker processes a program

@@ -67,6 +67,21 @@ static void copy_column(char *to, const char *from, size_t w, const int64_t *slo
     }
 }
 
+/* the copies of a gather, rows [lo, hi) of every column: one chunk of a pool job */
+typedef struct {
+    const Columns *c;
+    const int64_t *slots;
+} RowsJob;
+
+static void rows_chunk(void *arg, Py_ssize_t lo, Py_ssize_t hi, int who) {
+    const RowsJob *j = (const RowsJob *)arg;
+    (void)who;
+    for (Py_ssize_t g = 0; g < j->c->n; g++) {
+        size_t w = (size_t)j->c->width[g];
+        copy_column((char *)j->c->dst[g].buf + (size_t)lo * w, (const char *)j->c->src[g].buf, w, j->slots + lo, hi - lo);
+    }
+}
+
 int64_t gather_rows(const Columns *c, const int64_t *ids, Py_ssize_t n, Py_ssize_t lanes, const int64_t *stamp,
                            int64_t lc, int64_t *slots, int64_t *first, char *ok) {
     /* the columns in local arrays: the stores below cannot change them, so they stay in registers */
@@ -91,7 +106,10 @@ int64_t gather_rows(const Columns *c, const int64_t *ids, Py_ssize_t n, Py_ssize
             if (width[g] > 128) __builtin_prefetch(row + 128);
         }
     }
-    for (Py_ssize_t g = 0; g < ncols; g++) copy_column((char *)c->dst[g].buf, from[g], width[g], slots, n);
+    /* every first stamp is loaded: the copies, on the pool's threads when they are big (pool.c),
+     * all done and visible to this thread when pool_run returns */
+    RowsJob job = {c, slots};
+    pool_run(rows_chunk, &job, n, c->total);
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t second = __atomic_load_n(&stamp[slots[i]], __ATOMIC_RELAXED);
@@ -165,10 +183,11 @@ typedef struct {
     char *to[MAX_STACKS];        /* each stack's out, (m, k, w bytes) */
 } Stacks;
 
-/* the frames copied so far, for the second stamp loads: slot, first stamp, id, transition */
+/* the frames copied, for the second stamp loads: slot, first stamp, id; transition i's are the
+ * count[i] entries from i * per (per = k * stacks, the most one transition copies) */
 typedef struct {
-    int64_t *slots, *firsts, *rowids, *owner;
-    Py_ssize_t copied;
+    int64_t *slots, *firsts, *rowids, *count;
+    Py_ssize_t per;
 } Copied;
 
 /* stack t of transition i, newest frame first: each chronological position's slot (-1: zeros)
@@ -201,8 +220,9 @@ static int stack_plan(const Stacks *s, Py_ssize_t i, Py_ssize_t t, int64_t *psl,
 /* the copies of stack t of transition i by its plan, oldest first, each frame's first stamp
  * (acquire) loaded before it is copied: frames of consecutive slots (a stack within its lane) are
  * one copy, read forward as a whole row is (faster than frame by frame, newest first) */
-static void stack_copy(const Stacks *s, Py_ssize_t i, Py_ssize_t t, const int64_t *psl, const int64_t *pid, Copied *cp) {
+static void stack_copy(const Stacks *s, Py_ssize_t i, Py_ssize_t t, const int64_t *psl, const int64_t *pid, const Copied *cp) {
     size_t w = (size_t)s->w;
+    Py_ssize_t at = i * cp->per + cp->count[i];
     char *to = s->to[t] + (size_t)i * (size_t)s->k * w;
     for (Py_ssize_t p = 0; p < s->k;) {
         if (psl[p] < 0) {
@@ -212,32 +232,53 @@ static void stack_copy(const Stacks *s, Py_ssize_t i, Py_ssize_t t, const int64_
         }
         Py_ssize_t q = p + 1;
         while (q < s->k && psl[q] == psl[q - 1] + 1) q++;
-        for (Py_ssize_t r = p; r < q; r++) {
-            cp->firsts[cp->copied] = __atomic_load_n(&s->stamp[psl[r]], __ATOMIC_ACQUIRE);
-            cp->slots[cp->copied] = psl[r];
-            cp->rowids[cp->copied] = pid[r];
-            cp->owner[cp->copied] = i;
-            cp->copied++;
+        for (Py_ssize_t r = p; r < q; r++, at++) {
+            cp->firsts[at] = __atomic_load_n(&s->stamp[psl[r]], __ATOMIC_ACQUIRE);
+            cp->slots[at] = psl[r];
+            cp->rowids[at] = pid[r];
         }
         memcpy(to + (size_t)p * w, s->from + (size_t)psl[p] * w, (size_t)(q - p) * w);
         p = q;
     }
+    cp->count[i] = at - i * cp->per;
 }
 
-/* every stack of every valid transition: plans and copies, an acquire fence, the second stamps;
- * a frame not intact makes its transition not valid. plan: scratch of 2k. No Python calls. */
-static void stacks_run(const Stacks *s, char *valid, Copied *cp, int64_t *plan) {
-    int64_t *psl = plan, *pid = plan + s->k;
-    for (Py_ssize_t i = 0; i < s->m; i++) {
-        for (Py_ssize_t t = 0; t < s->nst && valid[i]; t++) {
-            if (!stack_plan(s, i, t, psl, pid)) valid[i] = 0;
-            else stack_copy(s, i, t, psl, pid, cp);
+/* a stacks job: transitions [lo, hi), their plans and copies (first stamps, acquire, loaded
+ * before each copy); one chunk of a pool job. plan: scratch of 2k per thread (who). */
+typedef struct {
+    const Stacks *s;
+    char *valid;
+    const Copied *cp;
+    int64_t *plan;
+} StacksJob;
+
+static void stacks_chunk(void *arg, Py_ssize_t lo, Py_ssize_t hi, int who) {
+    const StacksJob *j = (const StacksJob *)arg;
+    const Stacks *s = j->s;
+    int64_t *psl = j->plan + (size_t)who * 2 * (size_t)s->k, *pid = psl + s->k;
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        j->cp->count[i] = 0;
+        for (Py_ssize_t t = 0; t < s->nst && j->valid[i]; t++) {
+            if (!stack_plan(s, i, t, psl, pid)) j->valid[i] = 0;
+            else stack_copy(s, i, t, psl, pid, j->cp);
         }
     }
+}
+
+/* every stack of every valid transition: plans and copies (on the pool's threads when they are
+ * big, pool.c: all done and visible here when pool_run returns), an acquire fence, the second
+ * stamps; a frame not intact makes its transition not valid. plan: scratch of 2k * POOL_MAX. No
+ * Python calls. */
+static void stacks_run(const Stacks *s, char *valid, const Copied *cp, int64_t *plan) {
+    StacksJob job = {s, valid, cp, plan};
+    pool_run(stacks_chunk, &job, s->m, (size_t)s->m * (size_t)s->k * (size_t)s->nst * (size_t)s->w);
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    for (Py_ssize_t c = 0; c < cp->copied; c++) {
-        int64_t second = __atomic_load_n(&s->stamp[cp->slots[c]], __ATOMIC_RELAXED);
-        if (!intact(cp->firsts[c], second, committed_stamp_of_id(cp->rowids[c], s->lanes))) valid[cp->owner[c]] = 0;
+    for (Py_ssize_t i = 0; i < s->m; i++) {
+        const int64_t *sl = cp->slots + i * cp->per, *fi = cp->firsts + i * cp->per, *ri = cp->rowids + i * cp->per;
+        for (Py_ssize_t c = 0; c < cp->count[i]; c++) {
+            int64_t second = __atomic_load_n(&s->stamp[sl[c]], __ATOMIC_RELAXED);
+            if (!intact(fi[c], second, committed_stamp_of_id(ri[c], s->lanes))) valid[i] = 0;
+        }
     }
 }
 
@@ -291,6 +332,7 @@ PyObject *py_stacks(PyObject *self, PyObject *args) {
     Py_ssize_t nbuf = 0, got = 0;
     PyObject *result = NULL;
     Copied cp = {NULL, NULL, NULL, NULL, 0};
+    int64_t *plan;
     for (; nbuf < 6; nbuf++)
         if (get_buf(objs[nbuf], &b[nbuf], writable[nbuf], itemsize[nbuf], names[nbuf]) < 0) goto done;
     s.m = b[5].len;
@@ -312,14 +354,16 @@ PyObject *py_stacks(PyObject *self, PyObject *args) {
     s.stamp = (const int64_t *)b[3].buf;
     s.from = (const char *)b[4].buf;
     s.lc = capacity / s.lanes;
-    size_t most = (size_t)(s.m ? s.m : 1) * (size_t)s.k * (size_t)s.nst;
-    cp.slots = (int64_t *)PyMem_Malloc((most * 4 + 2 * (size_t)s.k) * sizeof(int64_t));
+    cp.per = s.k * s.nst;
+    size_t m1 = (size_t)(s.m ? s.m : 1), most = m1 * (size_t)cp.per;
+    cp.slots = (int64_t *)PyMem_Malloc((most * 3 + m1 + 2 * (size_t)s.k * POOL_MAX) * sizeof(int64_t));
     if (!cp.slots) { PyErr_NoMemory(); goto done; }
     cp.firsts = cp.slots + most;
     cp.rowids = cp.firsts + most;
-    cp.owner = cp.rowids + most;
+    cp.count = cp.rowids + most;
+    plan = cp.count + m1;
     PyThreadState *ts = (size_t)s.m * (size_t)s.k * (size_t)s.nst * (size_t)s.w >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
-    stacks_run(&s, (char *)b[5].buf, &cp, cp.owner + most);
+    stacks_run(&s, (char *)b[5].buf, &cp, plan);
     if (ts) PyEval_RestoreThread(ts);
     result = Py_None;
     Py_INCREF(result);

@@ -10,7 +10,7 @@
  * definitions by tests/test_native.py), native.h (what the C files share), common.c (buffer
  * views, the lock), tree.c (the priority tree), priorities.c (prioritized draws and updates),
  * gather.c (the reader's stamped copies, frame stacks), sample.c (the one-call sample: draw, gather,
- * re-draws, weights), copies.c (a push's copies, commit and
+ * re-draws, weights), pool.c (the threads that share a big gather's copies), copies.c (a push's copies, commit and
  * reservation as steps Python drives), plan.c and push.c (the one-call push), method.c
  * (ReplayBuffer.push as a method whose usual calls run in C).
  *
@@ -55,6 +55,10 @@ static PyMethodDef methods[] = {
     {"plan_close", py_plan_close, METH_O, "plan_close(plan): release a push plan's views of the buffer."},
     {"check", py_check, METH_VARARGS, "check(plan, data) -> (k, single) or None: a push's fast checks, no casts."},
     {"push", (PyCFunction)(void (*)(void))py_push, METH_FASTCALL, "push(plan, data, lane, episode) -> ids, or None where Python decides."},
+    {"set_threads", py_set_threads, METH_O,
+     "set_threads(k) -> threads: the threads of a big gather's copies, the caller included (1: off, 0: automatic; "
+     "capped at the CPUs this process may use and at 4)."},
+    {"threads", py_threads, METH_NOARGS, "threads() -> the threads a big gather's copies use now, the caller included."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -100,6 +100,31 @@ PyObject *py_read_plan(PyObject *self, PyObject *args);
 PyObject *py_read_close(PyObject *self, PyObject *capsule);
 PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* -- the copy threads (pool.c) ----------------------------------------------------------------- */
+/* Big gathers (gather_rows, stacks) split their copies over up to POOL_MAX threads, the caller
+ * included, never more than the CPUs the process may use; only copies of at least POOL_BYTES in
+ * all (-DPOOL_BYTES=... overrides it for a measurement). Measured on the 2-core VM (shared with
+ * other work, random Atari rows from /dev/shm): the hand-off costs 5-10 us at the median, 2 threads
+ * were 0.85-0.9x of one at 1.7-3.5 MiB and break even from about 7 MiB; 256 MuJoCo rows (42 KiB)
+ * never come near it. Each thread claims contiguous chunks, POOL_CHUNKS per thread in all. */
+#ifndef POOL_BYTES
+#define POOL_BYTES (4 * 1024 * 1024)
+#endif
+#ifndef POOL_MAX
+#define POOL_MAX 4
+#endif
+#ifndef POOL_CHUNKS
+#define POOL_CHUNKS 4
+#endif
+/* one chunk of a pool job: items [lo, hi) of it, on thread `who` (0: the caller; < POOL_MAX) */
+typedef void (*pool_fn)(void *arg, Py_ssize_t lo, Py_ssize_t hi, int who);
+/* fn over [0, n) in contiguous chunks, on the pool's threads when `bytes` (the job's copies) is at
+ * least POOL_BYTES, else on this thread alone; returns once every chunk is done, all its writes
+ * visible to the caller (a mutex join). Never calls Python; safe without the GIL and in a forked child. */
+void pool_run(pool_fn fn, void *arg, Py_ssize_t n, size_t bytes);
+int pool_threads(void);       /* threads a big gather uses now, the caller included */
+void pool_set_threads(int k); /* k >= 1 threads (1: off), 0: automatic */
+
 /* -- the push plan (plan.c) and the one-call push (push.c) -------------------------------------- */
 #define PLAN_CAPSULE "shmbuffer.plan"
 
@@ -147,5 +172,7 @@ PyObject *py_plan(PyObject *self, PyObject *args, PyObject *kwds);
 PyObject *py_plan_close(PyObject *self, PyObject *capsule);
 PyObject *py_check(PyObject *self, PyObject *args);
 PyObject *py_push(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *py_set_threads(PyObject *self, PyObject *arg);
+PyObject *py_threads(PyObject *self, PyObject *unused);
 
 #endif
