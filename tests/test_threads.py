@@ -340,3 +340,40 @@ def test_a_forked_child_gathers_big_batches() -> None:
         print("ok")
     """, {"SHMBUFFER_THREADS": ""})
     assert out.split() == ["ok"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or not os.path.isdir("/proc/self/task"), reason="needs fork and /proc")
+def test_a_fork_ends_the_copy_threads_first() -> None:
+    """The workers are joined before os.fork(): the parent forks with no thread of ours (Python
+    3.12 warns about forking a process with threads, counting every one), and the next big gather
+    starts them again."""
+    if LIB is None or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    out = run("""
+        import warnings
+        warnings.simplefilter("error")  # Python 3.12's DeprecationWarning about threads, raised
+        lib.set_threads(2)
+
+        def ours():  # the pool's workers, by name (numpy's BLAS has threads of its own)
+            names = []
+            for tid in os.listdir("/proc/self/task"):
+                try:
+                    with open(f"/proc/self/task/{tid}/comm") as f:
+                        names.append(f.read().strip())
+                except FileNotFoundError:
+                    pass
+            return names.count("shmbuffer-copy")
+
+        gather(src)
+        print(ours())
+        pid = os.fork()
+        if pid == 0:
+            gather(src)
+            os._exit(0)
+        print(ours())  # joined before the fork
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+        gather(src)
+        print(ours())
+    """, {"SHMBUFFER_THREADS": ""})
+    assert out.split() == ["1", "0", "1"]

@@ -20,8 +20,9 @@ variable, renewed in a forked child. Smaller copies (256 MuJoCo rows) stay on th
 Left automatic, a gather that had to wait for a worker whose CPU was taken by other work makes the
 next big gathers (8 to 256) copy on the calling thread alone before the threads are tried again.
 ``lib.set_threads(k)`` sets the count (``k = 1``: off, ``0``: automatic; it returns the count in
-effect; fewer threads than there are ends them, so that a process back on one thread forks without
-Python's warning about forking with threads) and ``lib.threads()`` says it; ``SHMBUFFER_THREADS=k`` in the environment does the same
+effect; fewer threads than there are ends them) and ``lib.threads()`` says it; every ``os.fork()``
+first ends them (``os.register_at_fork``), so that a process forks without Python's warning about
+forking with threads being about ours; ``SHMBUFFER_THREADS=k`` in the environment does the same
 once, at import (``THREADS``).
 
 ``ACTIVE`` is ``"native"`` or ``"python"``; ``REASON`` says why; the choice is logged once, at
@@ -84,6 +85,11 @@ def _threads_from_env() -> int | None:
 THREADS = _threads_from_env()
 """The copy threads ``SHMBUFFER_THREADS`` asked for (the count in effect, the caller included), or
 ``None`` when it is unset (automatic: ``lib.threads()`` says the count)."""
+if lib is not None and hasattr(os, "register_at_fork"):
+    # the copy threads are joined before every fork: a process forks with no thread of ours (so
+    # Python 3.12's warning about forking with threads is not about them); the next big gather
+    # starts them again, in the parent and in the child
+    os.register_at_fork(before=lib.stop_threads)
 
 WARNED = "SHMBUFFER_WARNED_NO_EXTENSION"
 """The environment variable set once the warning is given, so that the worker processes a program

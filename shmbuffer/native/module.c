@@ -58,6 +58,7 @@ static PyMethodDef methods[] = {
     {"set_threads", py_set_threads, METH_O,
      "set_threads(k) -> threads: the threads of a big gather's copies, the caller included (1: off, 0: automatic; "
      "capped at the CPUs this process may use and at 4)."},
+    {"stop_threads", py_stop_threads, METH_NOARGS, "stop_threads(): end the copy threads (joined); the next big gather starts them."},
     {"threads", py_threads, METH_NOARGS, "threads() -> the threads a big gather's copies use now, the caller included."},
     {NULL, NULL, 0, NULL},
 };

@@ -173,6 +173,7 @@ PyObject *py_plan_close(PyObject *self, PyObject *capsule);
 PyObject *py_check(PyObject *self, PyObject *args);
 PyObject *py_push(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_set_threads(PyObject *self, PyObject *arg);
+PyObject *py_stop_threads(PyObject *self, PyObject *unused);
 PyObject *py_threads(PyObject *self, PyObject *unused);
 
 #endif

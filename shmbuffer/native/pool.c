@@ -26,6 +26,7 @@
  *   the pool (count 0, fresh mutex and condition variables) and creates new ones when it needs them.
  *   A worker that cannot be created leaves the pool with those it has (at worst none: the caller
  *   copies alone). */
+#define _GNU_SOURCE /* pthread_setname_np */
 #include "native.h"
 
 #include <pthread.h>
@@ -147,6 +148,9 @@ static int grow(int k) {
         pthread_sigmask(SIG_SETMASK, &old, NULL);
         pthread_attr_destroy(&attr);
         if (err) break;
+#ifdef __linux__
+        pthread_setname_np(t, "shmbuffer-copy"); /* what ps -L, top and /proc/<pid>/task/<tid>/comm show */
+#endif
         tids[workers++] = t;
     }
     return workers;
@@ -245,6 +249,23 @@ PyObject *py_set_threads(PyObject *self, PyObject *arg) {
         Py_END_ALLOW_THREADS
     }
     return PyLong_FromLong(now);
+}
+
+/* stop_threads(): end the workers (joined) once no job is in flight; the next big gather starts
+ * new ones. native/__init__.py calls it before every os.fork() (os.register_at_fork): the parent
+ * then forks with no thread of ours, so Python 3.12's warning about forking a multi-threaded
+ * process (which counts every thread of the process) is not about them, and the child needs none
+ * renewed. A no-op when there are none. */
+PyObject *py_stop_threads(PyObject *self, PyObject *unused) {
+    pthread_mutex_lock(&mu);
+    int some = workers > 0;
+    pthread_mutex_unlock(&mu);
+    if (some) {
+        Py_BEGIN_ALLOW_THREADS
+        pool_stop();
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
 }
 
 /* threads() -> the threads a big gather uses now, the caller included (1: the pool is off) */
