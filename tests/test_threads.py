@@ -377,3 +377,37 @@ def test_a_fork_ends_the_copy_threads_first() -> None:
         print(ours())
     """, {"SHMBUFFER_THREADS": ""})
     assert out.split() == ["1", "0", "1"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_worker_that_cannot_be_created_leaves_the_pool_usable() -> None:
+    """(Found by review.) pthread_create fails (no address space for a thread stack) at the first big gather: the
+    gather copies alone, and then set_threads, the next big gather and os.fork() still return."""
+    if LIB is None or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    code = textwrap.dedent("""
+        import os, resource, numpy as np
+        from shmbuffer.native import lib
+        lib.set_threads(2)
+        cap, n = 64, 200
+        stamp = np.arange(cap, dtype=np.int64) * 2 + 2
+        ids = np.random.default_rng(0).integers(0, cap, n).astype(np.int64)
+        src = np.random.default_rng(1).integers(0, 255, (cap, 64 * 1024), dtype=np.uint8)
+        out = np.zeros((n, src.shape[1]), np.uint8); ok = np.zeros(n, np.bool_)
+        vm = [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmSize")][0]
+        resource.setrlimit(resource.RLIMIT_AS, (vm + 4 * 2**20, resource.RLIM_INFINITY))
+        lib.gather(ids, 1, stamp, (src,), (out,), ok)
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        assert ok.all() and np.array_equal(out, src[ids])
+        lib.set_threads(1); lib.set_threads(2)
+        lib.gather(ids, 1, stamp, (src,), (out,), ok)
+        pid = os.fork()
+        if pid == 0: os._exit(0)
+        os.waitpid(pid, 0)
+        print("ok")
+    """)
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlock: pool_run left `mu` locked when grow() created no worker")
+    assert proc.returncode == 0 and proc.stdout.split() == ["ok"], proc.stderr

@@ -88,6 +88,7 @@ static int add_constants(PyObject *m) {
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (push_init() < 0) return NULL;
+    pool_init(); /* failing, the copy threads stay off: big gathers copy on the calling thread */
     if (PyType_Ready(&BoundPushType) < 0 || PyType_Ready(&PushMethodType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

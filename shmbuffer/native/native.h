@@ -122,6 +122,7 @@ typedef void (*pool_fn)(void *arg, Py_ssize_t lo, Py_ssize_t hi, int who);
  * least POOL_BYTES, else on this thread alone; returns once every chunk is done, all its writes
  * visible to the caller (a mutex join). Never calls Python; safe without the GIL and in a forked child. */
 void pool_run(pool_fn fn, void *arg, Py_ssize_t n, size_t bytes);
+int pool_init(void);          /* the fork handlers, at import (module.c); -1: the pool stays off */
 int pool_threads(void);       /* threads a big gather uses now, the caller included */
 void pool_set_threads(int k); /* k >= 1 threads (1: off), 0: automatic */
 

@@ -50,6 +50,7 @@ static pthread_t tids[POOL_MAX];
 static int workers;          /* created (and alive) workers: tids[0, workers) */
 static int busy;             /* a caller owns the pool */
 static int stopping;         /* pool_stop is ending the workers: callers copy alone meanwhile */
+static int stops;            /* pool_stops waiting for the job in flight to end: no new job starts */
 static int active;           /* workers inside the current job */
 static uint64_t gen;         /* the job's generation */
 static Job job;              /* the current job (under mu) */
@@ -131,12 +132,20 @@ int pool_threads(void) {
 
 void pool_set_threads(int k) { __atomic_store_n(&wanted, k < 0 ? 0 : k, __ATOMIC_RELAXED); }
 
+/* the fork handlers, once, at the module's import (module.c): registered there, not at the first
+ * big gather, so that no fork can start before them and give its child the parent's pool state
+ * (glibc takes the handlers that exist when a fork starts; a gather in another thread could
+ * register them, start a worker and run a job while the fork runs the prepare handlers of others).
+ * -1 when they cannot be registered: the pool then never starts a thread. */
+int pool_init(void) {
+    if (pthread_atfork(before_fork, parent_after_fork, child_after_fork)) return -1;
+    atfork_done = 1;
+    return 0;
+}
+
 /* up to k - 1 workers (mu held); returns how many there are */
 static int grow(int k) {
-    if (!atfork_done) {
-        if (pthread_atfork(before_fork, parent_after_fork, child_after_fork)) return workers;
-        atfork_done = 1;
-    }
+    if (!atfork_done) return workers; /* no fork handlers: no threads (a child could inherit them half-made) */
     while (workers < k - 1) {
         pthread_attr_t attr;
         sigset_t all, old;
@@ -162,14 +171,15 @@ void pool_run(pool_fn fn, void *arg, Py_ssize_t n, size_t bytes) {
     int automatic = __atomic_load_n(&wanted, __ATOMIC_RELAXED) == 0;
     if (k > 1) {
         pthread_mutex_lock(&mu);
-        if (busy || stopping || (automatic && skip > 0)) { /* another thread's job, the workers
-                                                             * ending, or backing off: copy alone */
-            if (!busy && !stopping) skip--;
+        if (busy || stopping || stops || (automatic && skip > 0)) { /* another thread's job, the workers
+                                                                      * ending or to end, or backing off: copy alone */
+            if (!busy && !stopping && !stops) skip--;
             pthread_mutex_unlock(&mu);
             k = 1;
         } else {
             int have = grow(k);
             if (have < k - 1) k = have + 1;
+            if (k <= 1) pthread_mutex_unlock(&mu); /* no worker could be created: copy alone, the pool usable */
         }
     }
     if (k <= 1) {
@@ -199,7 +209,9 @@ void pool_run(pool_fn fn, void *arg, Py_ssize_t n, size_t bytes) {
     /* a straggler: the caller waited for a worker longer than half its own share took (a worker
      * descheduled mid-chunk, its CPU busy with other work). Automatic mode then copies alone for
      * the next 8, 16, ... 256 big jobs, and tries the threads again; a job without one resets it. */
-    if (t2 - t1 > (t1 - t0) / 2 + 20e-6) {
+    if (!automatic) {
+        /* an explicit count always uses its threads: nothing to back off from */
+    } else if (t2 - t1 > (t1 - t0) / 2 + 20e-6) {
         backoff = backoff ? (backoff < 256 ? backoff * 2 : 256) : 8;
         skip = backoff;
     } else {
@@ -213,7 +225,9 @@ void pool_run(pool_fn fn, void *arg, Py_ssize_t n, size_t bytes) {
 /* end the workers (joined) once no job is in flight; the next big gather starts new ones */
 static void pool_stop(void) {
     pthread_mutex_lock(&mu);
+    stops++; /* no new job starts on the workers meanwhile: a caller gathering back to back cannot keep this waiting */
     while (busy || stopping) pthread_cond_wait(&idle_cv, &mu);
+    stops--;
     int n = workers;
     pthread_t t[POOL_MAX];
     memcpy(t, tids, sizeof(t));
