@@ -596,7 +596,6 @@ class OneCall:
         self.names = block.schema.names
         self.tree = tree is not None
         self.counting = counting
-        self.prioritized = isinstance(src.options.sampler, Prioritized)
 
     @staticmethod
     def serves(src: Source) -> bool:
