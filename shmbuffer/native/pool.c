@@ -111,6 +111,7 @@ static void child_after_fork(void) {
     workers = 0;
     busy = 0;
     stopping = 0;
+    stops = 0; /* a stop waiting in another thread of the parent is not in the child */
     active = 0;
 }
 
