@@ -465,6 +465,7 @@ class ReplayBuffer:
             calls = prios.next_call() if prios is not None else 0
             batch = one(self, n, out, calls)
             if batch is None:  # what the call does not serve (an empty buffer ...): the Python path
+                self._check_transitions(n, True)
                 batch = reader.draw(self, n, out=out, calls=calls)
             self.ring.count_sampled(n)
             return batch
@@ -484,15 +485,7 @@ class ReplayBuffer:
             if not 0 <= gamma <= 1:
                 raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
             sequences.check_n_step(self, n_step, fields)
-        frames = self.options.frames
-        if frames is not None and frames.next_of and (not replace or len(self.ring) <= 2 * self.lanes):
-            # len scans the lanes (O(capacity)): only where it can say no (few rows, or distinct ones)
-            held = len(self)  # rows that are whole transitions (frames.py)
-            if held == 0 or (not replace and n > held):
-                raise EmptyBufferError(
-                    f"sample({n}{'' if replace else ', replace=False'}): buffer {self.name!r} holds {held} whole "
-                    "transitions (an episode's final observation and each lane's newest row, which waits for "
-                    "its next, are not)")
+        self._check_transitions(n, replace)
 
         def draw() -> Batch:
             prios = self._prios
@@ -513,6 +506,19 @@ class ReplayBuffer:
             return batch
 
         return self._counted(n, timeout, draw)
+
+    def _check_transitions(self, n: int, replace: bool) -> None:
+        """With ``next_of``: refuse a sample of more whole transitions than the buffer holds
+        (``frames.py``: an episode's final observation and each lane's newest row are not)."""
+        frames = self.options.frames
+        if frames is not None and frames.next_of and (not replace or len(self.ring) <= 2 * self.lanes):
+            # len scans the lanes (O(capacity)): only where it can say no (few rows, or distinct ones)
+            held = len(self)  # rows that are whole transitions (frames.py)
+            if held == 0 or (not replace and n > held):
+                raise EmptyBufferError(
+                    f"sample({n}{'' if replace else ', replace=False'}): buffer {self.name!r} holds {held} whole "
+                    "transitions (an episode's final observation and each lane's newest row, which waits for "
+                    "its next, are not)")
 
     def _make_one_call(self) -> reader.OneCall | None:
         """The one-call sample of this buffer (``reader.OneCall``), or ``None`` where it serves none."""

@@ -1268,7 +1268,7 @@ def test_layout_h_states_the_python_layout() -> None:
         "LANE_WORDS": layout.LANE_WORDS, "LANE_CURSOR": layout.Lane.CURSOR, "LANE_BASE": layout.Lane.BASE,
         "STATS_WORDS": specs["_stats"].shape[0], "COUNTER_UPDATES": Counter.UPDATES, "COUNTER_INSERTED": Counter.INSERTED, "COUNTER_FROZEN": Counter.FROZEN, "COUNTER_REMOVED": Counter.REMOVED,
         "WRITERS": layout.WRITERS, "LOCK_SIZE": lock.SIZE, "LOCK_REPAIR": lock.REPAIR,
-        "KIND_END": frames.END, "KIND_START": frames.START, "KIND_ZERO": frames.ZERO,
+        "KIND_END": frames.END, "KIND_START": frames.START, "KIND_ZERO": frames.ZERO, "KIND_LEAD": frames.LEAD,
         "FANOUT": sumtree.FANOUT, "INVALID_ID": ring.INVALID,
     }
     assert specs["_writer_pid"].shape == (layout.WRITERS,) and specs["_mutex"].shape == (lock.SIZE,)

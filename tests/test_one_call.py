@@ -269,13 +269,15 @@ def test_big_samples_from_threads_while_another_thread_closes(make: Make, name: 
     assert not errors
 
 
-def test_buffers_it_does_not_serve_take_the_python_path(make: Make, name: str) -> None:
+def test_a_next_of_buffer_samples_in_one_call(make: Make, name: str) -> None:
     frames = make(sb.Schema(obs=((2,), "float32"), next_obs=((2,), "float32"), done=((), "bool")), 8, name=name + "f",
                   next_of="obs")
     steps = np.arange(5, dtype=np.float32)[:, None] * np.ones(2, np.float32)
     frames.push(obs=steps[:-1], next_obs=steps[1:], done=np.zeros(4, bool))
-    frames.sample(2)
-    assert frames._one_call is None and not frames._one_calls
+    b = frames.sample(64)
+    assert frames._one_call is not None and frames._one_calls
+    assert set(b.index.tolist()) == {0, 1, 2}  # row 3 waits for its next observation
+    assert np.array_equal(b.next_obs, b.obs + 1) and np.array_equal(b.obs[:, 0], b.index.astype(np.float32))
 
 
 def test_a_forked_child_samples_through_its_own_plan(make: Make, name: str, procs: list) -> None:

@@ -4,18 +4,6 @@
 
 #include <string.h>
 
-#define GATHER_PAGE 4096
-#define GATHER_AHEAD 2 /* rows */
-
-/* The first line of each 4 KiB page of a row still to copy: /dev/shm maps 4 KiB pages, and the
- * hardware prefetcher stops at each page's end, so without this every page of a random row
- * starts with a TLB walk and a miss that the copy waits for (benchmarks/README.md, "Huge pages") */
-static inline void prefetch_pages(const char *row, size_t w) {
-    uintptr_t at = (uintptr_t)row, end = at + w;
-    __builtin_prefetch(row);
-    for (uintptr_t page = (at | (GATHER_PAGE - 1)) + 1; page < end; page += GATHER_PAGE) __builtin_prefetch((const char *)page);
-}
-
 /* -- gather ------------------------------------------------------------------------------------ */
 void columns_close(Columns *c) {
     for (Py_ssize_t i = 0; i < c->n; i++) {
@@ -190,29 +178,39 @@ typedef struct {
     Py_ssize_t per;
 } Copied;
 
-/* stack t of transition i, newest frame first: each chronological position's slot (-1: zeros)
- * and id into psl and pid; 0 when the transition is not valid (a real frame other than the newest
- * from a row not intact or an end row) */
-static int stack_plan(const Stacks *s, Py_ssize_t i, Py_ssize_t t, int64_t *psl, int64_t *pid) {
-    const int64_t *wi = s->win + i * s->width;
-    const char *oki = s->ok + i * s->width;
-    const uint8_t *ki = s->kind + i * s->width;
-    Py_ssize_t first = s->last[t];
+/* -- frames.py's read rules, the one place C has them ------------------------------------------ */
+int frames_center(const uint8_t *kind, Py_ssize_t c, int ahead) {
+    return !(kind[c] & (KIND_END | KIND_LEAD)) && !(ahead && (kind[c + 1] & KIND_START));
+}
+
+int frames_stack(const uint8_t *kind, Py_ssize_t last, Py_ssize_t k, int64_t *cols) {
+    Py_ssize_t first = last;
     int started = 0;
-    for (Py_ssize_t j = 0; j < s->k; j++) { /* j frames back from the newest */
-        Py_ssize_t col = s->last[t] - j, p = s->k - 1 - j;
-        if (!started && j && (!oki[col] || (ki[col] & KIND_END))) return 0;
-        Py_ssize_t use = started ? first : col;
-        if (started && (ki[first] & KIND_ZERO)) {
-            psl[p] = -1;
-        } else {
-            pid[p] = wi[use];
-            psl[p] = slot_of_id(wi[use], s->lanes, s->lc);
-        }
-        if (!started && (ki[col] & KIND_START)) {
+    for (Py_ssize_t j = 0; j < k; j++) { /* j frames back from the newest */
+        Py_ssize_t col = last - j, p = k - 1 - j;
+        if (!started && j && (kind[col] & KIND_END)) return 0;
+        cols[p] = started ? ((kind[first] & KIND_ZERO) ? -1 : first) : col;
+        if (!started && (kind[col] & KIND_START)) {
             started = 1;
             first = col;
         }
+    }
+    return 1;
+}
+
+/* stack t of transition i: each chronological position's slot (-1: zeros) and id into psl and
+ * pid (frames_stack); 0 when the transition is not valid (frames_stack says so, or a real frame
+ * other than the newest is from a row not intact) */
+static int stack_plan(const Stacks *s, Py_ssize_t i, Py_ssize_t t, int64_t *psl, int64_t *pid) {
+    const int64_t *wi = s->win + i * s->width;
+    const char *oki = s->ok + i * s->width;
+    if (!frames_stack(s->kind + i * s->width, s->last[t], s->k, psl)) return 0;
+    for (Py_ssize_t p = 0; p < s->k; p++) {
+        int64_t col = psl[p];
+        if (col < 0) continue;
+        if (col != s->last[t] && !oki[col]) return 0;
+        pid[p] = wi[col];
+        psl[p] = slot_of_id(wi[col], s->lanes, s->lc);
     }
     return 1;
 }

@@ -38,6 +38,7 @@
 #define KIND_END 1   /* frames.END: the row holds an episode's final observation */
 #define KIND_START 2 /* frames.START: the row is its episode's first */
 #define KIND_ZERO 4  /* frames.ZERO: with START, stacks are padded with zeros */
+#define KIND_LEAD 8  /* frames.LEAD: the row holds an older frame of a resumed episode, not a transition */
 
 #define FANOUT 16 /* sumtree.FANOUT: children per node of the priority tree */
 

@@ -72,7 +72,7 @@ static int add_constants(PyObject *m) {
         {"LANE_WORDS", LANE_WORDS},   {"LANE_CURSOR", LANE_CURSOR},       {"LANE_BASE", LANE_BASE},
         {"STATS_WORDS", STATS_WORDS}, {"COUNTER_UPDATES", COUNTER_UPDATES}, {"COUNTER_INSERTED", COUNTER_INSERTED}, {"COUNTER_FROZEN", COUNTER_FROZEN}, {"COUNTER_REMOVED", COUNTER_REMOVED},
         {"WRITERS", WRITERS},         {"LOCK_SIZE", LOCK_SIZE},           {"LOCK_REPAIR", LOCK_REPAIR},
-        {"KIND_END", KIND_END},       {"KIND_START", KIND_START},         {"KIND_ZERO", KIND_ZERO},
+        {"KIND_END", KIND_END},       {"KIND_START", KIND_START},         {"KIND_ZERO", KIND_ZERO}, {"KIND_LEAD", KIND_LEAD},
         {"FANOUT", FANOUT},           {"INVALID_ID", INVALID_ID},
     };
     for (size_t i = 0; i < sizeof(constants) / sizeof(constants[0]); i++) {

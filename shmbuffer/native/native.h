@@ -95,6 +95,28 @@ void columns_close(Columns *c);
 int64_t gather_rows(const Columns *c, const int64_t *ids, Py_ssize_t n, Py_ssize_t lanes, const int64_t *stamp,
                     int64_t lc, int64_t *slots, int64_t *first, char *ok);
 
+#define GATHER_PAGE 4096
+#define GATHER_AHEAD 2 /* rows (transitions) ahead whose pages are asked for */
+
+/* The first line of each 4 KiB page of a row still to copy: /dev/shm maps 4 KiB pages, and the
+ * hardware prefetcher stops at each page's end, so without this every page of a random row
+ * starts with a TLB walk and a miss that the copy waits for (benchmarks/README.md, "Huge pages") */
+static inline void prefetch_pages(const char *row, size_t w) {
+    uintptr_t at = (uintptr_t)row, end = at + w;
+    __builtin_prefetch(row);
+    for (uintptr_t page = (at | (GATHER_PAGE - 1)) + 1; page < end; page += GATHER_PAGE) __builtin_prefetch((const char *)page);
+}
+
+/* frames.py's read rules on one transition's window of rows (their _kind bits, oldest first; the
+ * transition's own row is column c). frames.center's part that the kinds decide: row c is not an
+ * end or lead row, and with `ahead` (next_of) row c + 1 does not start another episode. */
+int frames_center(const uint8_t *kind, Py_ssize_t c, int ahead);
+/* frames.stack_plan: the window column of each of the k frames (chronological) of the stack whose
+ * newest frame is column `last` (>= k - 1), -1 for a zero: real back to and including the first row
+ * that starts an episode, older ones that row's frame (or zeros where it is marked ZERO). 0 when a
+ * real frame other than the newest is an end row. Every column named must be an intact row. */
+int frames_stack(const uint8_t *kind, Py_ssize_t last, Py_ssize_t k, int64_t *cols);
+
 /* -- the one-call sample (sample.c) ----------------------------------------------------------- */
 PyObject *py_read_plan(PyObject *self, PyObject *args);
 PyObject *py_read_close(PyObject *self, PyObject *capsule);

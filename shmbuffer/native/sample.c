@@ -8,10 +8,21 @@
 #include "native.h"
 
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define READ_CAPSULE "shmbuffer.read"
 #define REDRAW_ROUNDS 8 /* reader.REDRAW_ROUNDS: rounds of re-draws before Python's slow path */
+
+#define MAX_WINDOW 64 /* rows of a transition's window (frames): a bit each in a uint64 */
+
+/* what a transition's read copies into one out (frames: next_of, stack): from column `col` of the
+ * plan, `width` bytes at `offset` of a row; a row part (k 0) from window column `wcol`, a stack
+ * part k frames (frames_stack) whose newest is window column `wcol`. Stack parts of one source
+ * (the observation's stack and the next one's) are next to each other and share `group`. */
+typedef struct {
+    Py_ssize_t col, offset, width, wcol, k, group;
+} Part;
 
 typedef struct {
     Py_buffer stamp, cur, stats, sums, mins, lock, uses; /* the ring's stamps, cursors, counters; the tree; max_use's */
@@ -26,6 +37,12 @@ typedef struct {
     Py_ssize_t lanes, capacity, lc;
     Levels lv;
     uint64_t rng[4]; /* xoshiro256** */
+    /* frames (next_of/stack): each id drawn is a transition read from its window of rows, the
+     * depth rows before it and `ahead` after it, into one out per part */
+    int frames;
+    Py_buffer kind; /* _kind, held when frames */
+    Py_ssize_t depth, ahead, window, nparts;
+    Part part[MAX_COLS];
 } ReadPlan;
 
 /* -- the generator ----------------------------------------------------------------------------- */
@@ -52,6 +69,8 @@ static void read_release(ReadPlan *p) {
     p->held = 0;
     for (Py_ssize_t g = 0; g < p->ncols; g++) PyBuffer_Release(&p->src[g]);
     p->ncols = 0;
+    if (p->frames) PyBuffer_Release(&p->kind);
+    p->frames = 0;
     p->closed = 1;
 }
 
@@ -62,6 +81,40 @@ static void read_capsule_free(PyObject *capsule) {
     PyMem_Free(p);
 }
 
+/* the frames of a read plan: (kind, depth, ahead, parts), parts a tuple of (column, offset,
+ * width, window column, k) (Part); -1 with an error */
+static int frames_read(ReadPlan *p, PyObject *frames_o) {
+    PyObject *kind_o, *parts_o;
+    if (!PyArg_ParseTuple(frames_o, "OnnO!:read_plan frames", &kind_o, &p->depth, &p->ahead, &PyTuple_Type, &parts_o)) return -1;
+    p->window = p->depth + p->ahead + 1;
+    p->nparts = PyTuple_GET_SIZE(parts_o);
+    if (p->depth < 0 || p->ahead < 0 || p->ahead > 1 || p->window > MAX_WINDOW || p->nparts < 1 || p->nparts > MAX_COLS) {
+        PyErr_SetString(PyExc_ValueError, "read_plan: frames: expected depth >= 0, ahead 0 or 1, a window of at most 64 rows, 1 to 64 parts");
+        return -1;
+    }
+    for (Py_ssize_t g = 0; g < p->nparts; g++) {
+        Part *t = &p->part[g];
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(parts_o, g), "nnnnn:read_plan part", &t->col, &t->offset, &t->width, &t->wcol, &t->k))
+            return -1;
+        int bad = t->col < 0 || t->col >= p->ncols || t->offset < 0 || t->width < 1 || t->wcol < 0 || t->wcol >= p->window;
+        if (!bad) bad = t->offset + t->width > p->width[t->col] || t->k < 0 || t->k == 1 || (t->k && t->wcol < t->k - 1);
+        if (bad) {
+            PyErr_Format(PyExc_ValueError, "read_plan: frames: part %zd does not fit its column or the window", g);
+            return -1;
+        }
+        const Part *before = g ? &p->part[g - 1] : NULL;
+        t->group = t->k && before && before->k && before->col == t->col && before->offset == t->offset && before->width == t->width
+                       ? before->group : g;
+    }
+    if (get_buf(kind_o, &p->kind, 0, 1, "kind") < 0) return -1;
+    p->frames = 1;
+    if (p->kind.len != p->capacity) {
+        PyErr_SetString(PyExc_ValueError, "read_plan: frames: the kinds are not one byte a slot");
+        return -1;
+    }
+    return 0;
+}
+
 /* read_plan(stamp, cursors, counters, columns, seed, tree=None, claim=None) -> capsule: what a
  * one-call sample reads, once per buffer: the ring's stamps (capacity int64), cursors ((lanes,
  * LANE_WORDS) int64), counters (STATS_WORDS int64), the columns to copy (a tuple of (capacity, row
@@ -70,9 +123,9 @@ static void read_capsule_free(PyObject *capsule) {
  * uses (capacity uint32) and the bound (the draws are then from the tree). Its views stay held
  * until read_close or the capsule goes. */
 PyObject *py_read_plan(PyObject *self, PyObject *args) {
-    PyObject *stamp_o, *cur_o, *stats_o, *cols_o, *seed_o, *tree_o = Py_None, *claim_o = Py_None;
-    if (!PyArg_ParseTuple(args, "OOOO!O|OO:read_plan", &stamp_o, &cur_o, &stats_o, &PyTuple_Type, &cols_o, &seed_o, &tree_o,
-                          &claim_o))
+    PyObject *stamp_o, *cur_o, *stats_o, *cols_o, *seed_o, *tree_o = Py_None, *claim_o = Py_None, *frames_o = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOO!O|OOO:read_plan", &stamp_o, &cur_o, &stats_o, &PyTuple_Type, &cols_o, &seed_o, &tree_o,
+                          &claim_o, &frames_o))
         return NULL;
     Py_ssize_t ncols = PyTuple_GET_SIZE(cols_o);
     if (ncols < 1 || ncols > MAX_COLS) {
@@ -147,6 +200,7 @@ PyObject *py_read_plan(PyObject *self, PyObject *args) {
         p->max_use = max_use;
         p->counting = 1;
     }
+    if (frames_o != Py_None && frames_read(p, frames_o) < 0) goto fail;
     PyObject *capsule = PyCapsule_New(p, READ_CAPSULE, read_capsule_free);
     if (capsule) return capsule;
 fail:
@@ -236,6 +290,155 @@ static void drop_cleared(const ReadPlan *p, const int64_t *ids, Py_ssize_t n, ch
         if (ok[i] && number_of_id(ids[i], p->lanes) < load_base(cur, lane_of_id(ids[i], p->lanes))) ok[i] = 0;
 }
 
+/* -- transitions (frames.py) ------------------------------------------------------------------ */
+/* a transitions read's copies: the outs (one per part), each transition's window slots (-1: not a
+ * row of its lane now) and what it found: ok cleared where the kinds rule it out, used the window
+ * columns whose rows must be intact */
+typedef struct {
+    const ReadPlan *p;
+    const Columns *c;
+    const int64_t *slots;
+    char *ok;
+    uint64_t *used;
+} FramesJob;
+
+/* the first lines of the big rows a transition copies (its window's frames, its own large fields) */
+static void frames_prefetch(const ReadPlan *p, const int64_t *sl) {
+    for (Py_ssize_t g = 0; g < p->nparts; g++) {
+        const Part *t = &p->part[g];
+        if (t->width < 256 || (t->k && t->group != g)) continue;
+        const char *base = (const char *)p->src[t->col].buf + t->offset;
+        size_t stride = (size_t)p->width[t->col];
+        for (Py_ssize_t w = t->k ? t->wcol - t->k + 1 : t->wcol; w <= t->wcol; w++)
+            if (sl[w] >= 0) prefetch_pages(base + (size_t)sl[w] * stride, (size_t)t->width);
+    }
+}
+
+/* transitions [lo, hi): their kinds, frames_center, and the parts' copies: a row part from its
+ * window row, a stack part by frames_stack, each frame copied from the block once per transition
+ * and source (the next observation's stack copies the frames it shares with the observation's
+ * from the out, where they are in cache). One chunk of a pool job; no Python calls. */
+static void frames_chunk(void *arg, Py_ssize_t lo, Py_ssize_t hi, int who) {
+    const FramesJob *j = (const FramesJob *)arg;
+    const ReadPlan *p = j->p;
+    Py_ssize_t W = p->window, c = p->depth;
+    const uint8_t *kinds = (const uint8_t *)p->kind.buf;
+    uint8_t kind[MAX_WINDOW];
+    int64_t cols[MAX_WINDOW];
+    const char *seen[MAX_WINDOW];
+    (void)who;
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        const int64_t *sl = j->slots + i * W;
+        if (i + GATHER_AHEAD < hi) frames_prefetch(p, sl + GATHER_AHEAD * W);
+        int fine = sl[c] >= 0 && (!p->ahead || sl[c + 1] >= 0);
+        for (Py_ssize_t w = 0; w < W; w++) kind[w] = sl[w] >= 0 ? kinds[sl[w]] : 0;
+        fine = fine && frames_center(kind, c, (int)p->ahead);
+        uint64_t used = ((uint64_t)1 << c) | (p->ahead ? (uint64_t)1 << (c + 1) : 0);
+        Py_ssize_t group = -1;
+        for (Py_ssize_t g = 0; g < p->nparts && fine; g++) {
+            const Part *t = &p->part[g];
+            const char *base = (const char *)p->src[t->col].buf + t->offset;
+            size_t stride = (size_t)p->width[t->col], w = (size_t)t->width;
+            char *to = (char *)j->c->dst[g].buf + (size_t)i * (size_t)j->c->width[g];
+            if (!t->k) {
+                if (sl[t->wcol] < 0) fine = 0;
+                else memcpy(to, base + (size_t)sl[t->wcol] * stride, w);
+                used |= (uint64_t)1 << t->wcol;
+                continue;
+            }
+            if (t->group != group) {
+                group = t->group;
+                memset(seen, 0, sizeof(seen));
+            }
+            if (!frames_stack(kind, t->wcol, t->k, cols)) {
+                fine = 0;
+                break;
+            }
+            for (Py_ssize_t q = 0; q < t->k;) {
+                int64_t col = cols[q];
+                if (col < 0) {
+                    memset(to + (size_t)q * w, 0, w);
+                    q++;
+                    continue;
+                }
+                if (sl[col] < 0) {
+                    fine = 0;
+                    break;
+                }
+                Py_ssize_t r = q + 1;
+                if (seen[col]) { /* copied already: from the out, consecutive frames as one */
+                    while (r < t->k && cols[r] == cols[r - 1] + 1 && seen[cols[r]] == seen[cols[r - 1]] + w) r++;
+                    memcpy(to + (size_t)q * w, seen[col], (size_t)(r - q) * w);
+                } else { /* from the block: frames of consecutive slots of a column of frames as one */
+                    if (stride == w)
+                        while (r < t->k && cols[r] == cols[r - 1] + 1 && !seen[cols[r]] && sl[cols[r]] == sl[cols[r - 1]] + 1) r++;
+                    memcpy(to + (size_t)q * w, base + (size_t)sl[col] * stride, (size_t)(r - q) * w);
+                    for (Py_ssize_t x = q; x < r; x++) seen[cols[x]] = to + (size_t)x * w;
+                }
+                for (Py_ssize_t x = q; x < r; x++) used |= (uint64_t)1 << cols[x];
+                q = r;
+            }
+        }
+        if (!fine) j->ok[i] = 0;
+        j->used[i] = used;
+    }
+}
+
+/* the transitions `ids` (frames.py's reads, protocol/reader.py's _transitions): each id's window
+ * of rows in its lane (within the lane's rows now), their first stamps (acquire), the copies of
+ * the parts (frames_chunk, on the pool's threads when big), an acquire fence, the second stamps
+ * of the rows used; ok[i]: the transition is whole, every row it used intact. No Python calls. */
+static void read_transitions(const ReadPlan *p, const Columns *c, const int64_t *ids, Py_ssize_t n, char *ok) {
+    Py_ssize_t W = p->window, lanes = p->lanes;
+    size_t mw = (size_t)n * (size_t)W;
+    int64_t *slots = (int64_t *)malloc((2 * mw + (size_t)n) * sizeof(int64_t));
+    if (!slots) { /* the rows are re-drawn, and Python's path reads them in the end */
+        memset(ok, 0, (size_t)n);
+        return;
+    }
+    int64_t *firsts = slots + mw;
+    uint64_t *used = (uint64_t *)(firsts + mw);
+    const int64_t *cur = (const int64_t *)p->cur.buf, *stamp = (const int64_t *)p->stamp.buf;
+    const uint8_t *kinds = (const uint8_t *)p->kind.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t lane = lane_of_id(ids[i], lanes), num = number_of_id(ids[i], lanes);
+        int64_t stop = load_cursor(cur, lane), start = first_row(stop, load_base(cur, lane), p->lc);
+        int64_t *sl = slots + (size_t)i * (size_t)W, *fi = firsts + (size_t)i * (size_t)W;
+        ok[i] = 1;
+        for (Py_ssize_t w = 0; w < W; w++) {
+            int64_t r = wrap_madd(1, num, w - p->depth);
+            if (r < start || r >= stop) {
+                sl[w] = -1;
+                continue;
+            }
+            sl[w] = slot_of(lane, r, p->lc);
+            fi[w] = __atomic_load_n(&stamp[sl[w]], __ATOMIC_ACQUIRE);
+            __builtin_prefetch(kinds + sl[w]);
+        }
+        for (Py_ssize_t g = 0; g < p->nparts; g++) { /* the rows are random: their first lines now */
+            const Part *t = &p->part[g];
+            if (sl[t->wcol] >= 0) __builtin_prefetch((const char *)p->src[t->col].buf + (size_t)sl[t->wcol] * (size_t)p->width[t->col] + t->offset);
+        }
+    }
+    FramesJob job = {p, c, slots, ok, used};
+    pool_run(frames_chunk, &job, n, c->total);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!ok[i]) continue;
+        int64_t num = number_of_id(ids[i], lanes);
+        const int64_t *sl = slots + (size_t)i * (size_t)W, *fi = firsts + (size_t)i * (size_t)W;
+        for (Py_ssize_t w = 0; w < W; w++) {
+            if (!(used[i] >> w & 1)) continue;
+            int64_t second = __atomic_load_n(&stamp[sl[w]], __ATOMIC_RELAXED);
+            if (!intact(fi[w], second, committed_stamp(wrap_madd(1, num, w - p->depth)))) {
+                ok[i] = 0;
+                break;
+            }
+        }
+    }
+    free(slots);
+}
+
 /* -- the call ---------------------------------------------------------------------------------- */
 /* per call: the outs' views and the scratch */
 typedef struct {
@@ -244,8 +447,10 @@ typedef struct {
     int nviews; /* of ids, ok, leaves, weights */
 } Call;
 
-static int64_t gather_into(const ReadPlan *p, Columns *c, const int64_t *ids, Py_ssize_t n, int64_t *scratch, char *ok) {
-    return gather_rows(c, ids, n, p->lanes, (const int64_t *)p->stamp.buf, p->lc, scratch, scratch + n, ok);
+/* the rows (or with frames the transitions) `ids` into the outs, ok[i]: intact; scratch of 2n */
+static void read_rows(const ReadPlan *p, Columns *c, const int64_t *ids, Py_ssize_t n, int64_t *scratch, char *ok) {
+    if (p->frames) read_transitions(p, c, ids, n, ok);
+    else gather_rows(c, ids, n, p->lanes, (const int64_t *)p->stamp.buf, p->lc, scratch, scratch + n, ok);
 }
 
 /* Under max_use (reader.claim, Priorities.claim): under the lock, count a use of each of the k rows
@@ -321,7 +526,7 @@ static Py_ssize_t redraw(ReadPlan *p, Columns *c, int64_t *ids, char *ok, double
             draw_uniform(p, first, ends, m, nid, k);
         }
         int64_t updates = __atomic_load_n(&((const int64_t *)p->stats.buf)[COUNTER_UPDATES], __ATOMIC_ACQUIRE);
-        gather_into(p, &t, nid, k, scratch, nok);
+        read_rows(p, &t, nid, k, scratch, nok);
         unless_updated(p, updates, nok, k);
         drop_cleared(p, nid, k, nok);
         int stop = p->counting && claim_rows(p, nid, nok, k, scratch) < 0;
@@ -355,8 +560,9 @@ static int call_open(const ReadPlan *p, Call *call, PyObject *const *args, Py_ss
     PyObject *outs = args[1];
     call->nviews = 0;
     call->c.n = 0;
-    if (!PyTuple_Check(outs) || PyTuple_GET_SIZE(outs) != p->ncols) {
-        PyErr_SetString(PyExc_ValueError, "sample: expected one out per column of the plan");
+    Py_ssize_t nouts = p->frames ? p->nparts : p->ncols;
+    if (!PyTuple_Check(outs) || PyTuple_GET_SIZE(outs) != nouts) {
+        PyErr_SetString(PyExc_ValueError, "sample: expected one out per column (with frames: per part) of the plan");
         return -1;
     }
     if (get_buf(args[2], &call->ids, 1, 8, "ids") < 0) return -1;
@@ -385,16 +591,17 @@ static int call_open(const ReadPlan *p, Call *call, PyObject *const *args, Py_ss
         }
     }
     call->c.total = 0;
-    for (Py_ssize_t g = 0; g < p->ncols; g++) {
+    for (Py_ssize_t g = 0; g < nouts; g++) {
         if (get_buf(PyTuple_GET_ITEM(outs, g), &call->c.dst[g], 1, 0, "sample out") < 0) return -1;
         call->c.n = g + 1;
-        call->c.src[g].buf = p->src[g].buf;
-        call->c.width[g] = p->width[g];
-        if (call->c.dst[g].len != p->width[g] * *n) {
-            PyErr_Format(PyExc_ValueError, "sample: out %zd: expected (n, %zd) bytes", g, p->width[g]);
+        const Part *t = &p->part[g];
+        call->c.src[g].buf = p->frames ? NULL : p->src[g].buf;
+        call->c.width[g] = p->frames ? t->width * (t->k ? t->k : 1) : p->width[g];
+        if (call->c.dst[g].len != call->c.width[g] * *n) {
+            PyErr_Format(PyExc_ValueError, "sample: out %zd: expected (n, %zd) bytes", g, call->c.width[g]);
             return -1;
         }
-        call->c.total += (size_t)p->width[g] * (size_t)*n;
+        call->c.total += (size_t)call->c.width[g] * (size_t)*n;
     }
     return 0;
 no_tree:
@@ -409,7 +616,7 @@ no_tree:
  * intact (ok says which; the caller's slow path takes them; under max_use exactly the positions
  * that are ok counted a use), or -1 when the call served nothing and counted nothing: the plan is
  * closed, the buffer holds no row (or the tree no mass) to draw, or the lock was busy for the
- * first claim. The GIL is released around the gather when it is
+ * first claim, or (frames) no position holds a whole transition. The GIL is released around the gather when it is
  * big (NOGIL_BYTES) or `nogil` is true (a thread that samples for another: the loader's). */
 PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs < 5 || nargs > 8) {
@@ -462,7 +669,7 @@ PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     }
     p->busy++; /* the GIL is held here: only a copy without it lets read_close run meanwhile */
     PyThreadState *ts = nogil || call.c.total >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
-    gather_into(p, &call.c, ids, n, scratch, ok);
+    read_rows(p, &call.c, ids, n, scratch, ok);
     if (ts) PyEval_RestoreThread(ts);
     p->busy--;
     if (p->closed) { /* closed meanwhile: the views are ours to release, the rows not to serve */
@@ -477,6 +684,10 @@ PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         goto done;
     }
     Py_ssize_t bad = redraw(p, &call.c, ids, ok, leaves, n, first, ends);
+    if (p->frames && bad == n) { /* no whole transition (frames.py): maybe none is held; nothing counted */
+        result = PyLong_FromLong(-1);
+        goto done;
+    }
     if (call.nviews == 4) weights_of((const double *)p->mins.buf, &p->lv, leaves, n, beta, (float *)call.weights.buf);
     result = PyLong_FromSsize_t(bad);
 done:

@@ -318,26 +318,33 @@ _ARENA_BYTES = 1 << 20
 """Large fields' outputs of at least this many bytes in all share one allocation."""
 
 
-def _large_outs(cols: list[tuple[str, np.ndarray]], n: int, out: dict[str, np.ndarray] | None) -> dict[str, np.ndarray] | None:
-    """The arrays ``n`` rows of the large columns ``cols`` are gathered into: ``out``'s, else new
-    ones; ``None`` when an out has another dtype than its column."""
+Out = tuple[str, tuple[int, ...], np.dtype]
+"""An array a gather fills, ``(name, row shape, dtype)``."""
+
+
+def _large_outs(cols: list[Out], n: int, out: dict[str, np.ndarray] | None) -> dict[str, np.ndarray] | None:
+    """The arrays ``n`` rows of ``cols`` are gathered into: ``out``'s, else new ones; ``None``
+    when an out has another dtype or size, or is not C-contiguous and writable (the C copies
+    take bytes; its shape is the caller's)."""
     got = {}
     arena, at = None, 0
-    if out is None and len(cols) > 1:
+    sizes = [-(-n * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // 64) * 64 for _, shape, dtype in cols]
+    if out is None and len(cols) > 1 and sum(sizes) >= _ARENA_BYTES:
         # one allocation for every large field: big blocks freed and allocated again each sample
         # stay in the heap (malloc keeps one block this size), where separate ones are handed
         # back to the kernel and fault their pages in again on every sample
-        sizes = [-(-n * col[0].nbytes // 64) * 64 for _, col in cols]
-        if sum(sizes) >= _ARENA_BYTES:
-            arena = np.empty(sum(sizes), np.uint8)
-    for name, col in cols:
+        arena = np.empty(sum(sizes), np.uint8)
+    for (name, shape, dtype), size in zip(cols, sizes, strict=True):
         if arena is not None:
-            a = arena[at:at + n * col[0].nbytes].view(col.dtype).reshape(n, *col.shape[1:])
-            at += -(-n * col[0].nbytes // 64) * 64
+            a = arena[at:at + size].view(dtype)[:n * int(np.prod(shape, dtype=np.int64))].reshape(n, *shape)
+            at += size
+        elif out is None:
+            a = np.empty((n, *shape), dtype)
         else:
-            a = np.empty((n, *col.shape[1:]), col.dtype) if out is None else out[name]
-        if a.dtype != col.dtype:
-            return None
+            a = out.get(name)
+            if a is None or a.dtype != dtype or a.size != n * int(np.prod(shape, dtype=np.int64)) or not (
+                    a.flags.c_contiguous and a.flags.writeable):
+                return None
         got[name] = a
     return got
 
@@ -360,7 +367,7 @@ def _gather_native(
         sources.append(packed)
         outs.append(p)
     cols = [(name, col) for name, col in block.large.items() if large is None or name in large]
-    got = _large_outs(cols, n, out)
+    got = _large_outs([(name, col.shape[1:], col.dtype) for name, col in cols], n, out)
     if got is None:
         return None
     sources += [col for _, col in cols]
@@ -561,18 +568,19 @@ def sample_for_another(on: bool = True) -> None:
 
 class OneCall:
     """``draw`` with replacement as one C call (``_native.sample``, ``native/sample.c``): the draw
-    (uniform, or prioritized from the tree, stratified), the stamped gather of every column, a
-    few rounds of re-draws of rows not intact, and the importance weights, the GIL released
-    around big copies; then the batch of the packed record's views. The draw's random numbers
-    come from a xoshiro256** generator in C seeded from the buffer's ``rng`` (made again when
-    ``rng`` is replaced): another stream than numpy's, the same distribution
-    (``tests/test_one_call.py``). What the call does not serve it says: an empty buffer, an update
-    during the gather (``_unless_updated``) and a closed plan go to ``draw`` (which raises or reads
-    again), and rows still not intact after its rounds to ``fetch``.
+    (uniform, or prioritized from the tree, stratified), the stamped gather of every column (with
+    ``next_of``/``stack``: of each transition's window of rows, ``frames.py``'s rules in C), a few
+    rounds of re-draws of rows not intact, and the importance weights, the GIL released around big
+    copies; then the batch of the packed record's views. The draw's random numbers come from a
+    xoshiro256** generator in C seeded from the buffer's ``rng`` (made again when ``rng`` is
+    replaced): another stream than numpy's, the same distribution (``tests/test_one_call.py``).
+    What the call does not serve it says: an empty buffer, an update during the gather
+    (``_unless_updated``) and a closed plan go to ``draw`` (which raises or reads again), and rows
+    still not intact after its rounds to ``fetch``.
 
-    Served: buffers without ``next_of``/``stack`` (``OneCall.serves``), ``max_use`` included (each
-    row returned counts its use in C, under the lock tried once); the others (and
-    ``replace=False``, hindsight) take ``draw``."""
+    Served (``OneCall.serves``): every buffer of at most ``MAX_COLUMNS`` columns (and a frames
+    window of at most 64 rows), ``max_use`` included (each row returned counts its use in C, under
+    the lock tried once); ``replace=False`` and hindsight take ``draw``."""
 
     def __init__(self, lib: Any, src: Source) -> None:
         block, ring, prios = src.block, src.ring, src.priorities
@@ -580,30 +588,83 @@ class OneCall:
         self.sample = lib.sample
         self.rng = src.rng
         cols = [] if block.packed is None else [block.packed]
-        self.large = [(name, col) for name, col in block.large.items()]
-        cols += [col for _, col in self.large]
+        large = {name: col for name, col in block.large.items() if name != frames.KIND}
+        cols += large.values()
         self.episode = block.episode is not None
         if block.episode is not None:
             cols.append(block.episode)
+        spec = block.frames
+        self.stacks: dict[str, frames.Stack] = {}
+        """the outs that hold stacks' frames ``(n, k, *frame)``, for ``frames.assemble``"""
+        if spec is None:
+            self.large: list[Out] = [(name, col.shape[1:], col.dtype) for name, col in large.items()]
+            frames_plan = None
+        else:
+            self.large, parts = self._frames(block, large)
+            frames_plan = (block.arrays[frames.KIND], spec.depth, spec.ahead, tuple(parts))
         tree = None if prios is None else (prios.tree.sums, prios.tree.mins, prios.tree.plan)
         counting = prios is not None and prios.uses is not None
         claim = (ring.lock.memory, prios.uses, prios.max_use) if counting else None  # type: ignore[union-attr]
         seed = src.rng.integers(0, 1 << 64, size=4, dtype=np.uint64)
         view = ring.native_view
         assert view is not None, "serves() checked it"
-        self.plan = lib.read_plan(view[0], view[1], block.counters, tuple(cols), seed, tree, claim)
+        self.plan = lib.read_plan(view[0], view[1], block.counters, tuple(cols), seed, tree, claim, frames_plan)
         self.record = block.record if block.packed is not None else None
         self.names = block.schema.names
         self.tree = tree is not None
         self.counting = counting
 
+    def _frames(self, block: Block, large: dict[str, np.ndarray]) -> tuple[list[Out], list[tuple[int, ...]]]:
+        """The outs after the record's (in order) and the C parts that fill them, the record's and
+        the episode's included, of a buffer with ``next_of``/``stack``: what ``_transitions`` reads
+        (``Part`` in ``native/sample.c``: column, offset, bytes, window column, frames)."""
+        spec = block.frames
+        assert spec is not None
+        stored, record = block.stored, block.stored_record
+        index = {name: at + (block.packed is not None) for at, name in enumerate(large)}
+        c = spec.depth
+
+        def source(name: str) -> tuple[int, int, int]:
+            f = stored[name]
+            if name in record.offsets:
+                return 0, record.offsets[name], f.row_bytes
+            return index[name], 0, f.row_bytes
+
+        outs: list[Out] = []
+        parts: list[tuple[int, ...]] = []
+        if block.packed is not None:
+            parts.append((0, 0, record.itemsize, c, 0))
+        for nxt, src in spec.next_of:  # a source stored whole: the next row's
+            if spec.stacked(src) is None:
+                parts.append((*source(src), c + 1, 0))
+                outs.append((nxt, stored[src].shape, stored[src].dtype))
+        for s in spec.stack:
+            then = next((n for n, src in spec.next_of if src == s.name), None)
+            for key, last in frames.stack_columns(spec, s).items():
+                name = s.name if key == s.name else then
+                assert name is not None
+                parts.append((*source(s.name), last, s.k))
+                outs.append((name, (s.k, *stored[s.name].shape), stored[s.name].dtype))
+                self.stacks[name] = s
+        for name, col in large.items():  # the rest, the row's own
+            if spec.stacked(name) is None:
+                parts.append((index[name], 0, col[0].nbytes, c, 0))
+                outs.append((name, col.shape[1:], col.dtype))
+        if block.episode is not None:
+            parts.append((len(index) + (block.packed is not None), 0, 8, c, 0))
+        return outs, parts
+
     @staticmethod
     def serves(src: Source) -> bool:
         """Whether ``src``'s samples with replacement can be one call."""
         block = src.block
+        spec = block.frames
         columns = (block.packed is not None) + len(block.large) + (block.episode is not None)
-        return (native.lib is not None and block.frames is None and getattr(src.ring, "native_view", None) is not None
-                and columns <= MAX_COLUMNS)
+        if spec is not None:  # the parts: at most the columns, and a second stack of each
+            columns += len(spec.stack)
+            if spec.depth + spec.ahead + 1 > MAX_COLUMNS:
+                return False
+        return native.lib is not None and getattr(src.ring, "native_view", None) is not None and columns <= MAX_COLUMNS
 
     def close(self) -> None:
         """Release the plan's views of the block (``ReplayBuffer.close``)."""
@@ -611,6 +672,8 @@ class OneCall:
 
     def __call__(self, src: Source, n: int, out: dict[str, np.ndarray] | None, calls: int) -> Batch | None:
         """``draw(src, n, out=out, calls=calls)`` in one call, or ``None``: ``draw`` must run."""
+        if out is not None and any(s.axis and name in out for name, s in self.stacks.items()):
+            return None  # the C call writes a stack's frames in a row; the field interleaves them
         record = self.record
         rec = None
         outs: list[np.ndarray] = []
@@ -625,11 +688,8 @@ class OneCall:
             outs.append(rec)
         large = _large_outs(self.large, n, out) if self.large else {}
         if large is None:
-            return None
-        if large:
-            if out is not None and not all(a.flags.c_contiguous and a.flags.writeable for a in large.values()):
-                return None  # the reader's numpy gather takes what the C gather does not
-            outs += large.values()
+            return None  # an out the C copies do not take: the reader's path
+        outs += large.values()
         episode = None
         if self.episode:
             episode = np.empty(n, np.int64)
@@ -649,6 +709,11 @@ class OneCall:
             bad = self.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil)
         if bad < 0:
             return None
+        for name, s in self.stacks.items():  # frames (n, k, *frame) in the field's layout
+            if out is None or name not in out:
+                large[name] = frames.assemble(s, large[name])
+            else:
+                large[name] = out[name]
         if bad:  # rows still not intact after the C rounds: the reader's loop (waits, reaps, gives up)
             rows = Rows(ok, None if rec is None else rec.view(np.uint8).reshape(n, -1), large, episode)
             # under max_use the positions that are ok have counted their use, the others not
