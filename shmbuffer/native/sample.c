@@ -417,7 +417,9 @@ static void read_transitions(const ReadPlan *p, const Columns *c, const int64_t 
         }
         for (Py_ssize_t g = 0; g < p->nparts; g++) { /* the rows are random: their first lines now */
             const Part *t = &p->part[g];
-            if (sl[t->wcol] >= 0) __builtin_prefetch((const char *)p->src[t->col].buf + (size_t)sl[t->wcol] * (size_t)p->width[t->col] + t->offset);
+            if (sl[t->wcol] < 0) continue;
+            const char *row = (const char *)p->src[t->col].buf + (size_t)sl[t->wcol] * (size_t)p->width[t->col] + t->offset;
+            for (Py_ssize_t b = 0; b < t->width && b < 256; b += 64) __builtin_prefetch(row + b);
         }
     }
     FramesJob job = {p, c, slots, ok, used};

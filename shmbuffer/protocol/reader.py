@@ -19,6 +19,7 @@ never a ``ReplayBuffer`` (a ``Source`` gives them).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -327,25 +328,24 @@ def _large_outs(cols: list[Out], n: int, out: dict[str, np.ndarray] | None) -> d
     when an out has another dtype or size, or is not C-contiguous and writable (the C copies
     take bytes; its shape is the caller's)."""
     got = {}
-    arena, at = None, 0
-    sizes = [-(-n * int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // 64) * 64 for _, shape, dtype in cols]
-    if out is None and len(cols) > 1 and sum(sizes) >= _ARENA_BYTES:
-        # one allocation for every large field: big blocks freed and allocated again each sample
-        # stay in the heap (malloc keeps one block this size), where separate ones are handed
-        # back to the kernel and fault their pages in again on every sample
-        arena = np.empty(sum(sizes), np.uint8)
-    for (name, shape, dtype), size in zip(cols, sizes, strict=True):
-        if arena is not None:
-            a = arena[at:at + size].view(dtype)[:n * int(np.prod(shape, dtype=np.int64))].reshape(n, *shape)
-            at += size
-        elif out is None:
-            a = np.empty((n, *shape), dtype)
-        else:
+    if out is not None:
+        for name, shape, dtype in cols:
             a = out.get(name)
-            if a is None or a.dtype != dtype or a.size != n * int(np.prod(shape, dtype=np.int64)) or not (
+            if a is None or a.dtype != dtype or a.size != n * math.prod(shape) or not (
                     a.flags.c_contiguous and a.flags.writeable):
                 return None
-        got[name] = a
+            got[name] = a
+        return got
+    sizes = [-(-n * math.prod(shape) * dtype.itemsize // 64) * 64 for _, shape, dtype in cols]
+    if len(cols) == 1 or sum(sizes) < _ARENA_BYTES:
+        return {name: np.empty((n, *shape), dtype) for name, shape, dtype in cols}
+    # one allocation for every large field: big blocks freed and allocated again each sample
+    # stay in the heap (malloc keeps one block this size), where separate ones are handed
+    # back to the kernel and fault their pages in again on every sample
+    arena, at = np.empty(sum(sizes), np.uint8), 0
+    for (name, shape, dtype), size in zip(cols, sizes, strict=True):
+        got[name] = arena[at:at + size].view(dtype)[:n * math.prod(shape)].reshape(n, *shape)
+        at += size
     return got
 
 
