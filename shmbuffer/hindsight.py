@@ -422,7 +422,7 @@ def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] |
                 raise EmptyBufferError(f"{what}: no row can be drawn (every row has priority 0 or is used up)")
         try:
             return reader.fetch(block, ring, first.ids, redraw, reap=src.reap, values=first.leaves, accept=accept,
-                                claim=(lambda ids, at: reader.claim(src, ids, at)) if counting else None,
+                                claim=reader.Uses(src) if counting else None,
                                 out=out if k == n else None, what=what)
         except WaitTimeout:
             if not _any_complete(src, plan):

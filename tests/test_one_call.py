@@ -368,13 +368,37 @@ def test_max_use_one_returns_every_row_once_then_says_so(sampler: Any, make: Mak
         buf.sample(1)
 
 
+@pytest.mark.parametrize("one_call", [True, False])
+@pytest.mark.parametrize("sampler", [sb.Uniform(), sb.Prioritized(alpha=0.5)])
+def test_a_sample_that_raises_gives_back_the_uses_it_counted(one_call: bool, sampler: Any, make: Make,
+                                                             name: str) -> None:
+    """Asking for more rows than have uses left raises, and loses none of them: the rows the
+    failed sample had counted can still be drawn, their priorities as they were."""
+    buf = make(MUJOCO, capacity=16, name=name, seed=0, sampler=sampler, max_use=1)
+    buf._one_calls = one_call
+    buf.push(transition(0, 10))
+    ids = buf.ring.held_ids()
+    if isinstance(sampler, sb.Prioritized):
+        buf.update_priorities(ids, 1.0 + np.arange(10))
+    leaves = buf.priority(ids)
+    first = buf.sample(7)
+    assert isinstance(buf._one_call, reader.OneCall) == one_call
+    left = np.setdiff1d(ids, first.index)
+    assert left.size >= 3  # with repeats, 7 draws used up at most 7 rows
+    with pytest.raises(sb.EmptyBufferError, match="max_use=1"):
+        buf.sample(left.size + 1)
+    assert not buf.uses(left).any()
+    np.testing.assert_array_equal(buf.priority(left), leaves[np.isin(ids, left)])
+    assert set(buf.sample(1).index.tolist()) <= set(left.tolist())
+
+
 def test_max_use_counts_every_row_returned_and_no_other(make: Make, name: str, monkeypatch: Any) -> None:
     buf = make(MUJOCO, capacity=40, name=name, seed=1, sampler=sb.Prioritized(), max_use=3)
     buf.push(transition(0, 40))
     ids = buf.ring.held_ids()
     python_claims: list[int] = []
-    real = reader.claim
-    monkeypatch.setattr(reader, "claim", lambda *a: python_claims.append(1) or real(*a))
+    real = reader.Uses.claim
+    monkeypatch.setattr(reader.Uses, "claim", lambda *a: python_claims.append(1) or real(*a))
     returned: dict[int, int] = {}
     for _ in range(12):  # 120 draws of the 120 uses there are
         for i in buf.sample(10).index.tolist():

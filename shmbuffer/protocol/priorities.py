@@ -293,6 +293,17 @@ class Priorities:
             self._stats[Counter.REMOVED] = 1
         return ok
 
+    def give_back(self, slots: np.ndarray, leaves: np.ndarray) -> None:
+        """Under the lock: one use less for each slot (a read counted them, then raised before it
+        returned their rows: ``reader.fetch``); a slot that left the tree at ``max_use`` gets
+        its leaf back (``leaves``: theirs when they were drawn)."""
+        assert self.uses is not None and self.max_use is not None
+        full = self.uses[slots] >= self.max_use
+        np.subtract.at(self.uses, slots, 1)
+        back = full & (self.uses[slots] < self.max_use) & (self.tree.leaves[slots] == 0)
+        if back.any():
+            self.tree.update(slots[back], leaves[back])
+
     def repair(self) -> None:
         """Under the lock, once a holder of it died (``Ring.repairs``): zero the leaves of slots
         that hold no row that counts, or a used-up one, and recompute the tree (see the module

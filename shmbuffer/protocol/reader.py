@@ -50,8 +50,6 @@ leave out when drawing distinct rows), ``slow`` is true once the slow path start
 ``k`` ids means nothing can be drawn right now (the reader waits); raise when that is final."""
 Accept = Callable[[np.ndarray, "Rows"], np.ndarray]
 """``accept(ids, rows) -> bool per unit``: which rows (or windows) are kept."""
-Claim = Callable[[np.ndarray, np.ndarray], np.ndarray]
-"""``claim(ids, positions) -> positions to re-draw``: count a use of each row, under the lock."""
 
 
 class Source(Protocol):
@@ -391,14 +389,15 @@ def _gather_native(
 def fetch(
     block: Block, ring: Ring, ids: np.ndarray, redraw: Redraw, *, reap: Callable[[], object],
     values: np.ndarray | None = None, accept: Accept | None = None, unique: bool = False,
-    claim: Claim | None = None, out: dict[str, np.ndarray] | None = None, what: str | Callable[[], str] = "sample",
+    claim: Uses | None = None, out: dict[str, np.ndarray] | None = None, what: str | Callable[[], str] = "sample",
     rows: Rows | None = None, unclaimed: np.ndarray | None = None,
 ) -> tuple[np.ndarray, Rows, np.ndarray | None]:
     """Read ``ids`` (``(n,)`` rows or ``(n, width)`` windows) and re-draw every unit that is not
     accepted (default: every row intact) until all are; returns the final ids, rows and values
     (``values`` are the draw's per-unit numbers, e.g. tree leaves, re-drawn along). ``rows``: what
     a gather of ``ids`` already read; ``unclaimed``: the positions whose use is not counted yet
-    (default: all of them, with a ``claim``)."""
+    (default: all of them, with a ``claim``). When it raises, every use counted for ``ids``
+    (before it or in it) is given back: the rows stay as they were."""
     if rows is None:
         rows = gather(block, ring, ids, out=out)
 
@@ -413,47 +412,54 @@ def fetch(
         unclaimed = np.arange(ids.shape[0])
     rounds, deadline, calm = 0, 0.0, 0.0
     frames_ = block.frames is not None and ids.ndim == 1
-    while True:
-        while bad.size:
-            if frames_ and ring.current(ids[bad]).all():
-                # committed rows that are not whole transitions (frames.py: end rows, a lane's newest
-                # row): nothing to wait for or reap, so no slow path; bounded by time alone
-                calm = calm or time.monotonic() + GIVE_UP
-                if time.monotonic() > calm:
+    try:
+        while True:
+            while bad.size:
+                if frames_ and ring.current(ids[bad]).all():
+                    # committed rows that are not whole transitions (frames.py: end rows, a lane's newest
+                    # row): nothing to wait for or reap, so no slow path; bounded by time alone
+                    calm = calm or time.monotonic() + GIVE_UP
+                    if time.monotonic() > calm:
+                        raise WaitTimeout(
+                            f"{what() if callable(what) else what}: {bad.size} of {ids.shape[0]} could not be drawn in "
+                            f"{GIVE_UP:.0f} s: the rows drawn are not whole transitions ({_NOT_A_TRANSITION})")
+                    rounds = min(rounds, REDRAW_ROUNDS - 1)
+                rounds += 1
+                if rounds == REDRAW_ROUNDS + 1:
+                    deadline = time.monotonic() + GIVE_UP
+                    with ring.lock:  # a dead holder's half-done work is repaired by the next locker
+                        pass
+                    reap()
+                elif rounds > REDRAW_ROUNDS and time.monotonic() > deadline:
                     raise WaitTimeout(
-                        f"{what() if callable(what) else what}: {bad.size} of {ids.shape[0]} could not be drawn in "
-                        f"{GIVE_UP:.0f} s: the rows drawn are not whole transitions ({_NOT_A_TRANSITION})")
-                rounds = min(rounds, REDRAW_ROUNDS - 1)
-            rounds += 1
-            if rounds == REDRAW_ROUNDS + 1:
-                deadline = time.monotonic() + GIVE_UP
-                with ring.lock:  # a dead holder's half-done work is repaired by the next locker
-                    pass
-                reap()
-            elif rounds > REDRAW_ROUNDS and time.monotonic() > deadline:
-                raise WaitTimeout(
-                    f"{what() if callable(what) else what}: {bad.size} of {ids.shape[0]} could not be drawn in {GIVE_UP:.0f} s "
-                    f"({rounds} rounds): rows are being written or used up"
-                )
-            new, more = redraw(bad.size, ids, rounds > REDRAW_ROUNDS)
-            if new.shape[0] < bad.size:  # nothing to draw from right now
-                time.sleep(0.0005)
-                continue
-            ids[bad] = new
-            if values is not None and more is not None:
-                values[bad] = more
-            got = gather(block, ring, new)
-            rows.put(bad, got)
-            bad = bad[rejected(new, got)]
-        if unique:
-            bad = repeats(ids, unclaimed if claim is not None else None)
-            if bad.size:
-                continue
-        if claim is not None and unclaimed.size:
-            bad = unclaimed = claim(ids, unclaimed)
-            if bad.size:
-                continue
-        return ids, rows, values
+                        f"{what() if callable(what) else what}: {bad.size} of {ids.shape[0]} could not be drawn in {GIVE_UP:.0f} s "
+                        f"({rounds} rounds): rows are being written or used up"
+                    )
+                new, more = redraw(bad.size, ids, rounds > REDRAW_ROUNDS)
+                if new.shape[0] < bad.size:  # nothing to draw from right now
+                    time.sleep(0.0005)
+                    continue
+                ids[bad] = new
+                if values is not None and more is not None:
+                    values[bad] = more
+                got = gather(block, ring, new)
+                rows.put(bad, got)
+                bad = bad[rejected(new, got)]
+            if unique:
+                bad = repeats(ids, unclaimed if claim is not None else None)
+                if bad.size:
+                    continue
+            if claim is not None and unclaimed.size:
+                bad = unclaimed = claim.claim(ids, unclaimed)
+                if bad.size:
+                    continue
+            return ids, rows, values
+    except BaseException:
+        if claim is not None:  # the positions not in `unclaimed` now have counted a use: give it back
+            counted = np.setdiff1d(np.arange(ids.shape[0]), unclaimed)
+            if counted.size:
+                claim.give_back(ids, counted, values)
+        raise
 
 
 def repeats(ids: np.ndarray, fresh: np.ndarray | None) -> np.ndarray:
@@ -538,7 +544,7 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
         rows = gather(block, ring, ids, out=out)
     if counting or not replace or not rows.ok.all():  # else the usual case: every row intact at once
         ids, rows, leaves = fetch(block, ring, ids, redraw, reap=src.reap, values=leaves, unique=not replace,
-                                  claim=(lambda ids, at: claim(src, ids, at)) if counting else None, out=out,
+                                  claim=Uses(src) if counting else None, out=out,
                                   what=lambda: f"sample({n}) of buffer {src.name!r}", rows=rows)
     if leaves is None:  # drawn without a tree: no weights
         return assemble(block, ids, rows)
@@ -719,7 +725,7 @@ class OneCall:
             # under max_use the positions that are ok have counted their use, the others not
             ids, rows, leaves = fetch(src.block, src.ring, ids, _redrawer(src, n, True), reap=src.reap, values=leaves,
                                       out=out, what=lambda: f"sample({n}) of buffer {src.name!r}", rows=rows,
-                                      claim=(lambda ids, at: claim(src, ids, at)) if self.counting else None,
+                                      claim=Uses(src) if self.counting else None,
                                       unclaimed=np.flatnonzero(~ok) if self.counting else None)
             if weight is not None:
                 prios = src.priorities
@@ -776,17 +782,35 @@ def _nothing_to_draw(src: Source, n: int, *, final: bool) -> None:
         raise EmptyBufferError(_too_few(src.name, n, len(src.ring)))
 
 
-def claim(src: Source, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """Count a use (``max_use``) for the rows at ``positions``, under the lock, for those still
-    current; return the positions to re-draw (used up meanwhile, or gone)."""
-    ring, prios = src.ring, src.priorities
-    assert prios is not None
-    with ring.lock:
-        mine = ids[positions]
-        live = ring.current(mine)
-        ok = np.zeros(positions.size, bool)
-        ok[live] = prios.claim(ring.slots(mine[live]))
-    return positions[~ok]
+class Uses:
+    """``max_use``'s count of a read's rows (``fetch``): each row read counts a use, under the
+    lock; a read that raises gives back the uses it counted (nothing is lost to it)."""
+
+    def __init__(self, src: Source) -> None:
+        self.src = src
+
+    def claim(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Count a use for the rows at ``positions`` that are still current; return the positions
+        to re-draw (used up meanwhile, or gone)."""
+        ring, prios = self.src.ring, self.src.priorities
+        assert prios is not None
+        with ring.lock:
+            mine = ids[positions]
+            live = ring.current(mine)
+            ok = np.zeros(positions.size, bool)
+            ok[live] = prios.claim(ring.slots(mine[live]))
+        return positions[~ok]
+
+    def give_back(self, ids: np.ndarray, positions: np.ndarray, leaves: np.ndarray | None) -> None:
+        """Undo the count of the rows at ``positions`` (``leaves``: every position's, from the
+        draw) that are still current."""
+        ring, prios = self.src.ring, self.src.priorities
+        assert prios is not None
+        leaves = np.ones(ids.shape[0]) if leaves is None else leaves
+        with ring.lock:
+            mine = ids[positions]
+            live = ring.current(mine)
+            prios.give_back(ring.slots(mine[live]), leaves[positions][live])
 
 
 def epoch(src: Source, batch_size: int, *, shuffle: bool, drop_last: bool) -> Iterator[Batch]:
@@ -812,7 +836,7 @@ def epoch(src: Source, batch_size: int, *, shuffle: bool, drop_last: bool) -> It
             settle(src.block, ring, chunk, rows)
         keep = np.flatnonzero(rows.ok)
         if counting:
-            keep = np.setdiff1d(keep, claim(src, chunk, keep), assume_unique=True)
+            keep = np.setdiff1d(keep, Uses(src).claim(chunk, keep), assume_unique=True)
         if keep.size < chunk.size:
             chunk, rows = chunk[keep], rows.subset(keep)
         if chunk.size:
