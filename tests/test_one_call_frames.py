@@ -182,3 +182,16 @@ def test_a_buffer_without_a_whole_transition_says_so(make: Make, name: str) -> N
     comp.push(**row)  # its next observation is not pushed: no transition yet
     with pytest.raises(sb.EmptyBufferError, match="0 whole transitions"):
         comp.sample(4)
+
+
+def test_out_arrays_without_the_record(make: Make, name: str) -> None:
+    """``out=`` with the stacks' and next observations' arrays but no ``"_block"``: the Python
+    reading makes the record's array (``reader._into``), so the one call must not refuse it
+    (it raised KeyError)."""
+    full, comp, to_full = filled(1, 2, make, name)
+    first = comp.sample(16)
+    out = {n: np.empty_like(first[n]) for n in ("obs", "next_obs")}
+    for _ in range(3):
+        batch = comp.sample(16, out=out)
+        assert all(np.shares_memory(batch[n], out[n]) for n in ("obs", "next_obs"))
+        assert same(batch, full.take([to_full[i] for i in batch.index.tolist()]), comp.schema.names)

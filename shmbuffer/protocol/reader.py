@@ -687,8 +687,9 @@ class OneCall:
             if out is None:
                 rec = np.empty(n, record.dtype)
             else:
-                block = out["_block"]
-                if not (block.flags.c_contiguous and block.dtype == np.uint8 and block.shape == (n, record.itemsize)):
+                block = out.get("_block")  # none given: the reader's path (a frames buffer's makes one)
+                if block is None or not (
+                        block.flags.c_contiguous and block.dtype == np.uint8 and block.shape == (n, record.itemsize)):
                     return None  # the reader's numpy gather takes it
                 rec = block.view(record.dtype).reshape(n)
             outs.append(rec)
