@@ -195,3 +195,33 @@ def test_out_arrays_without_the_record(make: Make, name: str) -> None:
         batch = comp.sample(16, out=out)
         assert all(np.shares_memory(batch[n], out[n]) for n in ("obs", "next_obs"))
         assert same(batch, full.take([to_full[i] for i in batch.index.tolist()]), comp.schema.names)
+
+
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_transitions_still_torn_after_the_c_rounds_go_to_fetch(case: int, make: Make, name: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Most rows being written: positions still not whole after the C rounds are handed to
+    ``reader.fetch`` with the call's rows (``Rows.large`` keyed and shaped as ``_transitions``'s,
+    stacks in the field's layout), which re-draws them: every transition returned is whole."""
+    full, comp, to_full = filled(case, 13, make, name)
+    served(comp)
+    ring = comp.ring
+    held = ring.held_ids()
+    torn = held[held // ring.lanes // 6 % 3 != 0]  # runs of 6 rows of a lane stay intact: few whole windows
+    slots = ring.slots(torn)
+    ring.stamp[slots] += 1
+    fetched = []
+    real = reader.fetch
+    monkeypatch.setattr(reader, "fetch", lambda *a, **k: fetched.append(1) or real(*a, **k))
+    monkeypatch.setattr(reader, "draw", None)  # the call serves each sample (no fallback to draw)
+    try:
+        ids = reader.transitions(comp)
+        whole = set(ids[reader.gather(comp.block, ring, ids).ok].tolist())
+        assert whole
+        for _ in range(10):
+            batch = comp.sample(16)
+            assert set(batch.index.tolist()) <= whole
+            assert same(batch, full.take([to_full[i] for i in batch.index.tolist()]), comp.schema.names)
+    finally:
+        ring.stamp[slots] -= 1
+    assert fetched
