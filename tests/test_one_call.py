@@ -45,6 +45,27 @@ def counts(buf: sb.ReplayBuffer, ids: np.ndarray, draws: int, n: int = 256) -> n
     return seen
 
 
+def uniform_on_both_paths(buf: sb.ReplayBuffer, ids: np.ndarray, draws: int) -> None:
+    """Every one of ``ids`` equally likely (and no other drawn) in ``draws`` samples on the one
+    call and on the Python path (a twin attached with another seed): chi-square against the
+    uniform counts, and the two paths' counts against each other (homogeneity)."""
+    served(buf)
+    fast = counts(buf, ids, draws)
+    twin = sb.ReplayBuffer.attach(buf.handle, seed=2)
+    try:
+        python_path(twin)
+        slow = counts(twin, ids, draws)
+    finally:
+        twin.close()
+    dof = ids.size - 1
+    for seen in (fast, slow):
+        expected = seen.sum() / ids.size
+        assert p_value(float(((seen - expected) ** 2 / expected).sum()), dof) > 1e-4
+    table = np.stack([fast, slow])
+    exp = table.sum(0) * table.sum(1)[:, None] / table.sum()
+    assert p_value(float(((table - exp) ** 2 / exp).sum()), dof) > 1e-4
+
+
 def python_path(buf: sb.ReplayBuffer) -> None:
     """Make ``buf``'s samples take ``reader.draw`` (the reference)."""
     buf._one_calls = False
@@ -82,22 +103,7 @@ def test_uniform_draws_have_the_python_paths_distribution(lanes: int, make: Make
     buf = make(MUJOCO, capacity=64, lanes=lanes, name=name, seed=1)
     for lane, k in enumerate([16, 5, 11, 2][:lanes] if lanes > 1 else [40]):
         buf.push(transition(100 * lane, k), lane=lane)
-    ids = buf.ring.held_ids()
-    served(buf)
-    fast = counts(buf, ids, 400)
-    twin = sb.ReplayBuffer.attach(buf.handle, seed=2)
-    try:
-        python_path(twin)
-        slow = counts(twin, ids, 400)
-    finally:
-        twin.close()
-    dof = ids.size - 1
-    for seen in (fast, slow):
-        expected = seen.sum() / ids.size
-        assert p_value(float(((seen - expected) ** 2 / expected).sum()), dof) > 1e-4
-    table = np.stack([fast, slow])  # homogeneity: the paths draw alike
-    exp = table.sum(0) * table.sum(1)[:, None] / table.sum()
-    assert p_value(float(((table - exp) ** 2 / exp).sum()), dof) > 1e-4
+    uniform_on_both_paths(buf, buf.ring.held_ids(), 400)
 
 
 def test_a_skewed_draw_fails_the_distribution_check() -> None:

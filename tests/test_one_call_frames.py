@@ -19,7 +19,7 @@ from shmbuffer.protocol import reader
 from shmbuffer.sampling.samplers import importance_weights
 
 from .test_frames import CASES, same, schema, stepper
-from .test_one_call import counts, p_value, python_path, served
+from .test_one_call import counts, p_value, served, uniform_on_both_paths
 
 Make = Callable[..., sb.ReplayBuffer]
 
@@ -72,21 +72,7 @@ def test_draws_are_uniform_over_the_whole_transitions_on_both_paths(case: int, m
     _, comp, _ = filled(case, 7, make, name)
     ids = readable(comp)  # counts() fails on an id outside them
     assert 0 < ids.size < len(comp.ring)
-    served(comp)
-    fast = counts(comp, ids, 300)
-    twin = sb.ReplayBuffer.attach(comp.handle, seed=5)
-    try:
-        python_path(twin)
-        slow = counts(twin, ids, 300)
-    finally:
-        twin.close()
-    dof = ids.size - 1
-    for seen in (fast, slow):
-        expected = seen.sum() / ids.size
-        assert p_value(float(((seen - expected) ** 2 / expected).sum()), dof) > 1e-4
-    table = np.stack([fast, slow])
-    exp = table.sum(0) * table.sum(1)[:, None] / table.sum()
-    assert p_value(float(((table - exp) ** 2 / exp).sum()), dof) > 1e-4
+    uniform_on_both_paths(comp, ids, 300)
 
 
 def test_prioritized_transitions_follow_their_priorities_with_their_weights(make: Make, name: str) -> None:
