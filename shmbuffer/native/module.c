@@ -38,7 +38,8 @@ static PyMethodDef methods[] = {
      "update_priorities(lock, ids, priorities, leaves, stamp, cursors, sums, mins, plan, capacity, prio) -> live count or None."},
     {"gather", py_gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok) -> smallest id: rows with the stamp check."},
     {"read_plan", py_read_plan, METH_VARARGS,
-     "read_plan(stamp, cursors, counters, columns, seed, tree=None) -> a one-call sample's plan; tree: (sums, mins, levels)."},
+     "read_plan(stamp, cursors, counters, columns, seed, tree=None, claim=None, frames=None) -> a one-call sample's plan; "
+     "tree: (sums, mins, levels); claim: (lock, uses, max_use); frames: (kind, depth, ahead, parts)."},
     {"read_close", py_read_close, METH_O, "read_close(plan): release a read plan's views of the buffer."},
     {"sample", (PyCFunction)(void (*)(void))py_sample, METH_FASTCALL,
      "sample(plan, outs, ids, ok, nogil[, leaves, weights, beta]) -> rows not intact, or -1: a whole draw and gather."},
