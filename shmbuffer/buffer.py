@@ -333,7 +333,8 @@ class ReplayBuffer:
     # -- writing -------------------------------------------------------------------------------
     def push(
         self, data: Mapping[str, Any] | None = None, /, *, lane: int | Any = None, episode: int | Any = None,
-        priority: float | Any = None, timeout: float | None = None, resume: bool = False, **fields: Any,
+        priority: float | Any = None, timeout: float | None = None, resume: bool = False,
+        flush: bool | Any = False, **fields: Any,
     ) -> np.ndarray:
         """Append one row, or ``k`` rows given with a leading dimension; return their ids.
 
@@ -351,16 +352,21 @@ class ReplayBuffer:
             (imported from a buffer that lapped them, a collector restarted mid-episode). They are
             stored in lead rows before it, never drawn (``frames.py``). Without it such a row is
             refused, as a sign of steps pushed out of order.
+        :param flush: with ``next_of``, store the next observation of each lane's last row of this
+            push now (``True``; or one flag per row), in an end row after it, so that row is a
+            transition at once instead of waiting for the lane's next push (a collector that stops
+            mid-episode, an import); the lane's next row then starts an episode. Rows keep their
+            ``done``. Without ``next_of`` it changes nothing.
 
         Everything is checked before the buffer is touched: on any error it is exactly as it was.
         """
         one = self._fast_push  # the usual push as one C call (push.fast_push); None: the steps decide
-        if one is not None and priority is None and not resume and (data is None or not fields):
+        if one is not None and priority is None and not resume and flush is False and (data is None or not fields):
             ids = one(fields if data is None else data, lane, episode)
             if ids is not None:
                 return ids
         return push.push(self, self._copier, data, lane=lane, episode=episode, priority=priority,
-                         timeout=timeout, fields=fields, pusher=self._pusher, resume=resume, fast=one)
+                         timeout=timeout, fields=fields, pusher=self._pusher, resume=resume, fast=one, flush=flush)
 
     add = push
 

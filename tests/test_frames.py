@@ -698,3 +698,71 @@ def test_stacks_without_next_of_count_as_get_indexes(make: Make, name: str) -> N
     ids = _push_all(buf, rows[3:5])
     assert len(buf) == 2 and np.array_equal(buf.get(slice(None)).index, ids)
     assert np.array_equal(buf.get(-1).obs, rows[4]["obs"]) and np.array_equal(buf.get(len(buf) - 1).obs, rows[4]["obs"])
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_an_import_of_an_export_is_the_same_buffer(case: int, make: Make, name: str) -> None:
+    """``from_arrays`` and ``import_rows`` of an export hold every exported transition, in order and
+    samplable, however many round trips: each lane's last one keeps the next observation it was
+    exported with (an end row after it, ``push(flush=)``), instead of waiting for a next row."""
+    frame, k, axis, pad, next_of, stack, lanes = CASES[case]
+    sch = schema(frame, k, axis)
+    rng = np.random.default_rng(case)
+    src = make(sch, 60 * lanes, lanes=lanes, next_of=next_of, stack=stack, name=name + "s")
+    streams = stepper(rng, lanes, frame, k, axis, pad)
+    for _ in range(12):
+        lane = int(rng.integers(lanes))
+        chunk = [next(streams[lane]) for _ in range(int(rng.integers(1, 5)))]
+        src.push({n: np.stack([np.asarray(r[n]) for r in chunk]) for n in sch.names}, lane=lane)
+    out = src.export()
+    assert out["index"].size == len(src)
+    tags = sorted(tuple(t) for t in out["tag"].tolist())
+    opts = dict(lanes=lanes, next_of=next_of, stack=stack)
+    current = out
+    for trip in range(3):
+        new = sb.ReplayBuffer.from_arrays(sch, current, name=f"{name}r{trip}", **opts)
+        try:
+            assert len(new) == len(src), trip
+            back = new.export()
+            for n in sch.names:
+                assert np.array_equal(back[n], out[n]), (trip, n)
+            drawn = new.sample(64 * len(tags))
+            assert sorted({tuple(t) for t in drawn.tag.tolist()}) == tags, trip  # every one samplable
+            current = back
+        finally:
+            new.close()
+            new.unlink()
+    into = make(sch, 60 * lanes, name=name + "i", **opts)
+    persistence.import_rows(into, {**out, "lane": out["index"] % lanes})
+    assert len(into) == len(src)
+    assert sorted({tuple(t) for t in into.sample(64 * len(tags)).tag.tolist()}) == tags
+    again = into.export()
+    for n in sch.names:
+        assert np.array_equal(again[n], out[n]), n
+
+
+def test_flush_makes_a_lanes_last_row_a_transition_at_once(make: Make, name: str) -> None:
+    """``push(flush=True)`` stores the next observation of each lane's last row now: counted and
+    drawn with its own next_obs and done; the lane's next row starts an episode. A bad ``flush``
+    changes nothing."""
+    frame, k = (1, 12, 12), 4
+    sch = schema(frame, k, 0)
+    buf = make(sch, 80, lanes=2, next_of="obs", stack="obs", name=name)
+    rows = episode(0, 0, 5, "truncated", frame, k, 0, "reset")[:3]  # an episode cut before its end
+    pushed = {n: np.stack([np.asarray(r[n]) for r in rows]) for n in sch.names}
+    with pytest.raises(FieldError, match="flush"):
+        buf.push(pushed, lane=0, flush=np.ones(2, bool))
+    assert len(buf) == 0 and int(buf.ring.cursors[0, 0]) == 0
+    buf.push(pushed, lane=0)
+    assert len(buf) == 2  # the newest waits for its next observation
+    buf.push({n: np.stack([np.asarray(r[n]) for r in episode(1, 0, 5, "truncated", frame, k, 0, "zero")[:3]])
+              for n in sch.names}, lane=1, flush=True)
+    assert len(buf) == 5
+    got = buf.sample(400)
+    newest = got.tag[:, 0] == 1
+    assert {tuple(t) for t in got.tag[newest].tolist()} == {(1, 0, 0), (1, 0, 1), (1, 0, 2)}
+    last = np.flatnonzero((got.tag == [1, 0, 2]).all(axis=1))[0]
+    want = episode(1, 0, 5, "truncated", frame, k, 0, "zero")[2]
+    assert np.array_equal(got.next_obs[last], want["next_obs"]) and not got.done[last] and not got.truncated[last]
+    with pytest.raises(FieldError, match="starts an episode"):  # the next row of lane 1 starts one
+        buf.push(episode(1, 0, 5, "truncated", frame, k, 0, "zero")[3], lane=1)

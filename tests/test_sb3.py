@@ -772,3 +772,48 @@ def test_sample_reads_the_positions_again_when_a_writer_laps_them(name: str, ope
     assert time.monotonic() - t0 < ours.WAIT and lapped
     newest = np.stack([np.asarray(s[0]).reshape(4) for s in steps[8:]])
     assert all((newest == row).all(axis=1).any() for row in got.observations.numpy())
+
+
+def test_optimize_memory_usage_round_trips_lose_nothing(name: str, opened: list[Any], tmp_path: Any) -> None:
+    """Pickling, deepcopy and save_replay_buffer/load_replay_buffer of an optimize_memory_usage
+    buffer keep every transition it could sample, however many times, and each env's newest one
+    stays samplable (it keeps the next observation it was saved with); later adds go on."""
+    import copy as copying
+
+    from stable_baselines3 import DQN
+
+    box = spaces.Box(-10, 10, (3,), np.float32)
+    mine = ours.ReplayBuffer(64, box, spaces.Discrete(2), "cpu", n_envs=2, optimize_memory_usage=True, name=name)
+    opened.append(mine)
+    obs = np.zeros((2, 3), np.float32)
+    for t in range(13):
+        nxt = np.stack([np.full(3, 100 * e + t + 1, np.float32) for e in range(2)])
+        mine.add(obs, nxt, np.array([0, 1]), np.array([t, t], np.float32), np.array([False, t == 6]), [{}, {}])
+        obs = nxt
+    want = {(o.tobytes(), n.tobytes()) for o, n in zip(*(mine.buffer.export()[k] for k in ("obs", "next_obs")), strict=True)}
+    assert len(want) == 24 and mine.size() == 12  # per env the newest step waits for its next observation
+
+    def pairs(rb: Any) -> set[tuple[bytes, bytes]]:
+        got = rb.sample(2000)
+        return {(o.tobytes(), n.tobytes()) for o, n in zip(got.observations.numpy(), got.next_observations.numpy(),
+                                                           strict=True)}
+
+    model = DQN("MlpPolicy", "CartPole-v1", buffer_size=64, seed=0, device="cpu")
+    rb = mine
+    for trip in range(3):
+        for how in ("pickle", "deepcopy", "save"):
+            if how == "pickle":
+                rb = pickle.loads(pickle.dumps(rb))
+            elif how == "deepcopy":
+                rb = copying.deepcopy(rb)
+            else:
+                model.replay_buffer = rb
+                model.save_replay_buffer(tmp_path / "rb.pkl")
+                model.load_replay_buffer(tmp_path / "rb.pkl")
+                rb = model.replay_buffer
+            opened.append(rb)
+            assert rb.size() == 12, (trip, how)
+            assert pairs(rb) == want, (trip, how)
+    nxt = np.full((2, 3), 7.5, np.float32)
+    rb.add(np.full((2, 3), 6.5, np.float32), nxt, np.array([0, 1]), np.zeros(2, np.float32), np.ones(2, bool), [{}, {}])
+    assert rb.size() == 13 and pairs(rb) >= want

@@ -21,6 +21,7 @@ from ..frames import ENDS, Frames, frames_of
 from ..progress import Progress as Line
 from ..protocol import reader
 from ..protocol.layout import Lane
+from ..protocol.push import last_of_lanes
 from ..protocol.rows import lane_of, number_of, row_id
 from ..schema import Schema
 from . import snapshot
@@ -146,7 +147,10 @@ def from_arrays(
     buffer's lanes allow it (in each lane ``id % lanes``, the row numbers ``id // lanes``
     increase): each lane starts at its first row number, the numbers in between that have no row
     are left empty (deleted), so ``take``, ``update_priorities`` and ``update`` with the old ids
-    go on working. Otherwise the rows are numbered from 0: with ``envs=N`` they are whole steps of
+    go on working. With ``next_of``/``stack`` ids cannot be kept (end and lead rows take row
+    numbers), but each row goes into its lane (``id % lanes``) and each lane's last transition
+    keeps the next observation it came with (``push(flush=)``): an import of an export holds every
+    exported transition, in order. Otherwise the rows are numbered from 0: with ``envs=N`` they are whole steps of
     the N envs, env-major (row ``i`` into lane ``i % N``, as a push without ``lane=``; a row count
     that is not a multiple of N is refused), else they go into lane 0. ``capacity`` defaults to
     what the rows need (per lane, times lanes); with fewer slots only the newest rows stay.
@@ -162,6 +166,8 @@ def from_arrays(
     # next_of/stack: an episode's last row is followed by an end row, so ids cannot be kept and a
     # push of c rows stores up to 2 c
     stored_once = options.get("next_of") is not None or options.get("stack") is not None
+    if stored_once and lane is None and lanes > 1 and _kept_rows(index, k, lanes) is not None:
+        lane = np.asarray(index, np.int64) % lanes  # ids cannot be kept, but each row's lane can
     keep = _kept_rows(index, k, lanes) if lane is None and not stored_once else None
     envs = options.get("envs")
     envs = envs if isinstance(envs, int) else 1  # a bad envs= is the factory's to refuse
@@ -177,7 +183,7 @@ def from_arrays(
         else:
             per_lane = int(np.bincount(lane).max()) if lane is not None and k else k // envs if spread else k
         if stored_once:
-            per_lane += _episode_ends(schema, data)  # at most one end row each (all in one lane at worst)
+            per_lane += _episode_ends(schema, data) + 1  # an end row each (all in one lane at worst), and the flushed
             per_lane += _lead_rows(schema, data, options.get("next_of"), options.get("stack"), lane)
             spec = Frames.make(schema, options.get("next_of"), options.get("stack"))
             if spec is not None:  # the least a lane of such a buffer may hold (layout.Options)
@@ -197,6 +203,9 @@ def from_arrays(
         per = buf.lane_capacity if buf.options.frames is None else max(1, buf.lane_capacity // 2)
         step = per * (envs if spread else 1)  # with envs: whole steps, a lane's capacity each
         single = k == 1 and all(np.ndim(a) == len(schema[n].shape) for n, a in data.items())
+        # each lane's last row is a whole transition (its next observation came with it): stored now
+        flush = _lasts(lane if lane is not None else np.arange(k) % envs if spread else np.zeros(k, np.int64),
+                       stored_once)
         line = Line(f"from_arrays into {buf.name!r}", k)
         for i in range(0, k, step):
             line.update(i)
@@ -205,7 +214,8 @@ def from_arrays(
             cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
             # resume: rows exported from a buffer that lapped an episode's first steps (lead rows)
             ids = buf.push({n: cut[n] for n in data}, lane=None if spread else 0 if lane is None else lane[part],
-                           episode=cut.get("episode"), priority=cut.get("priority"), resume=True)
+                           episode=cut.get("episode"), priority=cut.get("priority"), resume=True,
+                           flush=False if flush is None else flush[part])
             if uses is not None:
                 set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
         line.update(k)
@@ -214,6 +224,11 @@ def from_arrays(
         buf.__exit__(None, None, None)
         raise
     return buf
+
+
+def _lasts(lanes: np.ndarray, stored_once: bool) -> np.ndarray | None:
+    """With ``next_of``/``stack``, each lane's last row of an import, to flush (``push(flush=)``)."""
+    return last_of_lanes(np.asarray(lanes, np.int64).reshape(-1)) if stored_once else None
 
 
 def _episode_ends(schema: Schema, data: dict[str, Any]) -> int:
@@ -346,6 +361,11 @@ def import_rows(buf: Buffer, arrays: Mapping[str, Any]) -> np.ndarray:
     if "lane" not in extra and buf.options.envs:
         step *= buf.options.envs  # env-major steps of every env: lane_capacity rows in each lane
     single = k == 1 and all(np.ndim(a) == len(buf.schema[n].shape) for n, a in data.items())
+    flush = None
+    if buf.options.frames is not None and k:
+        lanes = np.broadcast_to(lane, (k,)) if "lane" in extra else \
+            np.arange(k) % buf.options.envs if buf.options.envs else np.zeros(k, np.int64)
+        flush = _lasts(lanes, True)
     out = []
     for i in range(0, k, max(step, 1)):
         part = slice(i, i + step)
@@ -353,7 +373,8 @@ def import_rows(buf: Buffer, arrays: Mapping[str, Any]) -> np.ndarray:
         cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
         opts = {key: cut[key] for key in ("lane", "episode", "priority") if key in cut}
         # rows exported from a buffer that lapped an episode's first steps resume it (lead rows)
-        ids = buf.push({n: cut[n] for n in data}, resume=True, **opts)
+        ids = buf.push({n: cut[n] for n in data}, resume=True,
+                       flush=False if flush is None else flush[part], **opts)
         if uses is not None:
             set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
         out.append(ids)

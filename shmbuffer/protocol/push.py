@@ -206,22 +206,24 @@ class _Cleared(FieldError):
 def push(
     src: Source, copier: Copier, data: Any, *, lane: Any, episode: Any, priority: Any, timeout: float | None,
     fields: dict[str, Any], pusher: Pusher | None = None, resume: bool = False, fast: FastPush | None = None,
+    flush: Any = False,
 ) -> np.ndarray:
     """``_push_once``; a frames push that a ``clear()`` overtook (undone, nothing stored) is checked and
     laid out again against the cleared lane, up to three times."""
     for _ in range(2):
         try:
             return _push_once(src, copier, data, lane=lane, episode=episode, priority=priority, timeout=timeout,
-                         fields=fields, pusher=pusher, resume=resume, fast=fast)
+                         fields=fields, pusher=pusher, resume=resume, fast=fast, flush=flush)
         except _Cleared:
             pass  # checked again, against the lane as the clear left it
     return _push_once(src, copier, data, lane=lane, episode=episode, priority=priority, timeout=timeout,
-                 fields=fields, pusher=pusher, resume=resume, fast=fast)
+                 fields=fields, pusher=pusher, resume=resume, fast=fast, flush=flush)
 
 
 def _push_once(
     src: Source, copier: Copier, data: Any, *, lane: Any, episode: Any, priority: Any, timeout: float | None,
     fields: dict[str, Any], pusher: Pusher | None = None, resume: bool = False, fast: FastPush | None = None,
+    flush: Any = False,
 ) -> np.ndarray:
     """``ReplayBuffer.push``, whose usual case ``fast`` took first where it could: check
     everything (``check``); with ``fast`` the checked rows (cast, reshaped) take it; else reserve (marking the rows
@@ -239,7 +241,7 @@ def _push_once(
         return np.empty(0, np.int64)
     ex = None
     if pusher is not None:
-        ex = pusher.expand(arrays, k, lane, episodes, ring.bounds(), resume)
+        ex = pusher.expand(arrays, k, lane, episodes, ring.bounds(), resume, flush)
         arrays, episodes = ex.arrays, ex.episodes
         k = ex.lanes.shape[0]
         lane = int(ex.lanes[0]) if (ex.lanes == ex.lanes[0]).all() else ex.lanes
@@ -399,6 +401,26 @@ def _newer(s: Stack, stacks: np.ndarray) -> np.ndarray:
     return stacks[tuple(at)]
 
 
+def last_of_lanes(lanes: np.ndarray) -> np.ndarray:
+    """Which rows of a push with these lane numbers (one a row) are their lane's last."""
+    k = lanes.shape[0]
+    out = np.zeros(k, bool)
+    _, last = np.unique(lanes[::-1], return_index=True)
+    out[k - 1 - last] = True
+    return out
+
+
+def _flushed(flush: Any, lanes: np.ndarray) -> np.ndarray:
+    """The rows ``flush`` names (``Pusher.expand``): ``True``, each lane's last row; else one flag a row."""
+    k = lanes.shape[0]
+    if flush is True:
+        return last_of_lanes(lanes)
+    flags = np.asarray(flush)
+    if flags.dtype != bool or flags.shape != (k,):
+        raise FieldError(f"flush: expected True or one bool a row ({k}), got {flags.dtype} of shape {flags.shape}")
+    return flags
+
+
 def _first_unequal(a: np.ndarray, b: np.ndarray, rows: np.ndarray) -> int | None:
     """The first of ``rows`` whose ``a`` and ``b`` rows differ (bit for bit), or ``None``."""
     if not rows.size:
@@ -460,11 +482,14 @@ class Pusher:
         self.pid = os.getpid()
 
     def expand(self, arrays: dict[str, np.ndarray], k: int, lane: int | np.ndarray, episodes: np.ndarray | None,
-               bounds: tuple[np.ndarray, np.ndarray], resume: bool = False) -> Expanded:
+               bounds: tuple[np.ndarray, np.ndarray], resume: bool = False, flush: Any = False) -> Expanded:
         """Check a push of ``k`` checked rows and lay it out as stored rows (nothing is touched).
         The walk over the rows decides which continue which; the data checks then run on all the
         rows at once. With ``resume`` a row that starts an episode may hold real older frames:
-        they go into lead rows before it (the module docstring)."""
+        they go into lead rows before it (the module docstring). With ``next_of``, ``flush``
+        (``True``: each lane's last row of the push; or one flag per row) stores those rows' next
+        observations now, in an end row after each, as after an episode's last step: the lane's
+        next row starts an episode, and the flushed rows are transitions at once."""
         spec = self.spec
         if self.pid != os.getpid():  # a forked child: the parent's rows are not this process's
             self.last, self.pid = {}, os.getpid()
@@ -475,6 +500,8 @@ class Pusher:
         for name in spec.ends:
             final |= full[name].reshape(k) != 0
         nexts = bool(spec.next_of)
+        if nexts and flush is not False:
+            final |= _flushed(flush, lanes)
         start_, stop_ = bounds
         kinds = np.zeros(k, np.uint8)
         firsts: dict[int, tuple[int, bool]] = {}

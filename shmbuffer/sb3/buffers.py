@@ -474,7 +474,8 @@ class _Shared:
                 # has no memory of the lane, so its first row does (push.Pusher)
                 writer = SharedBuffer.attach(self.buffer.handle)
                 try:
-                    writer.push({k: v[run] for k, v in rows.items()}, lane=ln, episode=episode[run])
+                    # flushed: the run's last transition keeps the next observation it was saved with
+                    writer.push({k: v[run] for k, v in rows.items()}, lane=ln, episode=episode[run], flush=True)
                 finally:
                     writer.close()
 
