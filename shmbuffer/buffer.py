@@ -594,23 +594,48 @@ class ReplayBuffer:
         """Rows by logical index: 0 is the oldest, -1 the newest (lane by lane when there are
         several lanes). An int gives single-row fields (no leading dimension); a slice or an
         array of ints gives rows. A row being written is waited for (up to a second); a row whose
-        writer died mid-push raises ``EmptyBufferError``. With ``next_of``/``stack`` the positions
-        are those of the transitions ``len`` counts (end and lead rows, and with ``next_of`` each
-        lane's newest row, left out), found by a scan of the held rows' kinds: O(capacity) a call,
-        so read many rows with one ``get(slice)``, ``take`` or ``export``."""
+        writer died mid-push raises ``EmptyBufferError``. Positions are those of the rows ``len``
+        counts (``reader.counted``), ``0 .. len - 1``: rows deleted or used up (``max_use``) are
+        skipped, and with ``next_of``/``stack`` so are end and lead rows and, with ``next_of``, each
+        lane's newest row. Once the buffer has lost a row, or with ``next_of``/``stack``, they are
+        found by a scan of the held rows: O(capacity) a call, so read many rows with one
+        ``get(slice)``, ``take`` or ``export``."""
         return reader.get(self, index)
 
     def view(self, start: int, stop: int, *, lane: int = 0) -> Batch:
         """Zero-copy, read-only views of logical rows ``[start, stop)`` of ``lane``.
 
         Live memory: writers coming round the ring overwrite it, and rows being written are not
-        skipped (use ``get`` for stamped copies). Raises ``ValueError`` when the rows wrap past
-        the lane's end (two pieces cannot be one view).
+        skipped (use ``get`` for stamped copies). Positions are ``get``'s, within the lane: the
+        rows ``len`` counts, oldest first. Raises ``ValueError`` when the rows wrap past the
+        lane's end (two pieces cannot be one view), or when rows between them are gone
+        (``delete``, ``max_use``), which a view cannot skip.
         """
         self._whole("view")
+        if self._block.counters[Counter.REMOVED]:
+            start, stop = self._positions_with_holes(start, stop, lane)
         where, ids = self.ring.contiguous(start, stop, lane)
         fields = {name: _readonly(col[where]) for name, col in self._block.fields.items()}
         return Batch(fields, {"index": ids})
+
+    def _positions_with_holes(self, start: int, stop: int, lane: int) -> tuple[int, int]:
+        """``view``'s positions among the rows of ``lane`` that count (``reader.counted``) as
+        positions among all its held slots; ``ValueError`` when rows between them are gone."""
+        ring = self.ring
+        if not 0 <= lane < ring.lanes:
+            raise ValueError(f"lane: expected a lane in [0, {ring.lanes}), got {lane}")
+        ids = reader.counted(self)
+        mine = ids[ids % ring.lanes == lane] // ring.lanes
+        lo, hi, step = slice(start, stop).indices(mine.size)
+        if step != 1 or hi < lo:
+            raise ValueError(f"view({start}, {stop}): expected 0 <= start <= stop within {mine.size} rows")
+        first = int(ring.bounds()[0][lane])
+        if hi == lo:
+            return 0, 0
+        if int(mine[hi - 1] - mine[lo]) != hi - lo - 1:
+            raise ValueError(f"view({start}, {stop}): rows between them were deleted or used up, and a view "
+                             "cannot skip them: take get(slice) for a copy of the rows that are there")
+        return int(mine[lo]) - first, int(mine[lo]) - first + hi - lo
 
     def column(self, name: str) -> np.ndarray:
         """A zero-copy, read-only view of a whole field, ``(capacity, *shape)``, in slot order."""

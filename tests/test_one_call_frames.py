@@ -47,8 +47,8 @@ def filled(case: int, seed: int, make: Make, name: str, pushes: int = 60, **opti
 
 def readable(buf: sb.ReplayBuffer) -> np.ndarray:
     """The ids of the transitions ``buf`` can read now (not those whose stack reaches rows
-    overwritten: ``reader.transitions`` counts them)."""
-    ids = reader.transitions(buf)
+    overwritten: ``reader.counted`` counts them)."""
+    ids = reader.counted(buf)
     return ids[reader.gather(buf.block, buf.ring, ids).ok]
 
 
@@ -115,9 +115,9 @@ def test_no_transition_uses_a_row_being_written(case: int, make: Make, name: str
             assert reader.gather(comp.block, ring, batch.index).ok.all()  # the Python reading: none torn
             uses = np.concatenate([uses, batch.index])
         # some transitions were refused for a torn row other than their own
-        refused = ~reader.gather(comp.block, ring, reader.transitions(comp)).ok
+        refused = ~reader.gather(comp.block, ring, reader.counted(comp)).ok
         assert refused.sum() > torn.size // 2
-        assert not np.isin(uses, reader.transitions(comp)[refused]).any()
+        assert not np.isin(uses, reader.counted(comp)[refused]).any()
     finally:
         ring.stamp[slots] -= 1
     batch = comp.sample(64)
@@ -201,7 +201,7 @@ def test_transitions_still_torn_after_the_c_rounds_go_to_fetch(case: int, make: 
     monkeypatch.setattr(reader, "fetch", lambda *a, **k: fetched.append(1) or real(*a, **k))
     monkeypatch.setattr(reader, "draw", None)  # the call serves each sample (no fallback to draw)
     try:
-        ids = reader.transitions(comp)
+        ids = reader.counted(comp)
         whole = set(ids[reader.gather(comp.block, ring, ids).ok].tolist())
         assert whole
         for _ in range(10):

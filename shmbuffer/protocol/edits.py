@@ -23,7 +23,7 @@ from ..frames import END, KIND, LEAD
 from ..schema import as_numpy
 from ..shm.lock import defer_signals, resume_signals
 from .layout import Counter
-from .reader import Source
+from .reader import Source, gone
 from .rows import slot
 
 OneCall = Callable[[Any, Any, Any], "np.ndarray | None"]
@@ -126,42 +126,39 @@ def delete(src: Source, ids: np.ndarray) -> int:
 def end_rows(src: Source) -> int:
     """Held slots that are not transitions (``next_of``, ``stack``): end rows holding an episode's
     final observation, lead rows (``push(resume=True)``, a lane started again after ``clear()``),
-    and with ``next_of`` each lane's newest row while it waits for its next one."""
+    and with ``next_of`` each lane's newest row while it waits for its next one; slots that
+    ``removed`` counts are not counted again (``reader.counted`` is the rule both follow)."""
     kind = src.block.arrays[KIND]
     ring = src.ring
     nexts = src.block.frames is not None and bool(src.block.frames.next_of)
+    lost = bool(src.block.counters[Counter.REMOVED])
     first, stop = ring.bounds()
     lc = ring.lane_capacity
     count = 0
     for lane in range(ring.lanes):
         a, b = int(first[lane]), int(stop[lane])
-        if b - a >= lc:
-            count += int(np.count_nonzero(kind[lane * lc:(lane + 1) * lc] & (END | LEAD)))
-        elif b > a:
-            count += int(np.count_nonzero(kind[slot(lane, np.arange(a, b), lc)] & (END | LEAD)))
-        if nexts and b > a and not kind[slot(lane, (b - 1), lc)] & (END | LEAD):
+        if b <= a:
+            continue
+        slots: slice | np.ndarray = slice(lane * lc, (lane + 1) * lc) if b - a >= lc else slot(lane, np.arange(a, b), lc)
+        other = (kind[slots] & (END | LEAD)) != 0
+        if lost:
+            other &= ~gone(src, slots)
+        count += int(np.count_nonzero(other))
+        newest = slot(lane, b - 1, lc)
+        if nexts and not kind[newest] & (END | LEAD) and not (lost and gone(src, newest)):
             count += 1  # the newest row: its next observation is not pushed yet
     return count
 
 
 def removed(src: Source) -> int:
-    """Held slots (within the lanes' bounds) that are empty or hold a used-up row."""
+    """Held slots (within the lanes' bounds) whose row is gone (``reader.gone``: deleted, lost or used up)."""
     ring = src.ring
     first, stop = ring.bounds()
     lc = ring.lane_capacity
-    gone = 0
-    prios = src.priorities
+    count = 0
     for lane in range(ring.lanes):
         a, b = int(first[lane]), int(stop[lane])
-        if b <= a:
-            continue
-        if b - a >= lc:
-            slots: slice | np.ndarray = slice(lane * lc, (lane + 1) * lc)
-        else:
-            slots = slot(lane, np.arange(a, b), lc)
-        stamp = ring.stamp[slots]
-        empty = stamp == 0
-        gone += int(empty.sum())
-        if prios is not None and prios.uses is not None and prios.max_use is not None:
-            gone += int(((prios.uses[slots] >= prios.max_use) & ~empty).sum())
-    return gone
+        if b > a:
+            slots = slice(lane * lc, (lane + 1) * lc) if b - a >= lc else slot(lane, np.arange(a, b), lc)
+            count += int(np.count_nonzero(gone(src, slots)))
+    return count

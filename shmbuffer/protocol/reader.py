@@ -754,10 +754,12 @@ def _redrawer(src: Source, n: int, replace: bool) -> Redraw:
             raise EmptyBufferError(
                 f"sample({n}, replace=False): only {np.count_nonzero(tree.leaves)} rows of buffer "
                 f"{src.name!r} can be drawn; the others are used up (max_use={src.options.max_use}) or empty")
-        if slow and tree is None and not replace:
+        if slow and tree is None and src.block.counters[Counter.REMOVED]:
             held = ring.held_ids()  # deleted rows (stamp 0) still count in len(ring): n may exceed the rest
             left = np.count_nonzero(ring.stamp.take(ring.slots(held)))
-            if left < n:
+            if left == 0:
+                _nothing_to_draw(src, n, final=True)
+            if left < n and not replace:
                 raise EmptyBufferError(
                     f"sample({n}, replace=False): only {left} rows of buffer {src.name!r} can be drawn; "
                     "the others were deleted or are empty")
@@ -770,17 +772,36 @@ def _redrawer(src: Source, n: int, replace: bool) -> Redraw:
 
 
 def _nothing_to_draw(src: Source, n: int, *, final: bool) -> None:
-    """Raise when no row can be drawn now or ever; return to let the reader wait a moment."""
+    """Raise when no row can be drawn now or ever, saying why; return to let the reader wait a moment."""
     if len(src.ring) == 0:
         why = "is empty; push rows first" if final else "was emptied (cleared) while sampling"
         raise EmptyBufferError(f"sample({n}): buffer {src.name!r} {why}")
     prios = src.priorities
-    if prios is not None and prios.tree.total <= 0:
-        why = (f"has been drawn max_use={prios.max_use} times" if prios.max_use is not None
-               else "has priority 0 (a prioritized buffer with eps=0 draws no row of priority 0)")
-        raise EmptyBufferError(f"sample({n}): every row of buffer {src.name!r} {why}")
+    if (prios is not None and prios.tree.total <= 0) or (final and src.block.counters[Counter.REMOVED]):
+        raise EmptyBufferError(f"sample({n}): buffer {src.name!r} {_why_none(src)}")
     if final:
         raise EmptyBufferError(_too_few(src.name, n, len(src.ring)))
+
+
+def _why_none(src: Source) -> str:
+    """Why no held row of ``src`` can be drawn: deleted, used up, or of priority 0."""
+    ring, prios = src.ring, src.priorities
+    slots = ring.slots(ring.held_ids())
+    there = ring.stamp[slots] != 0
+    deleted = int(slots.size - np.count_nonzero(there))
+    used = 0
+    if prios is not None and prios.uses is not None and prios.max_use is not None:
+        used = int(np.count_nonzero(prios.uses[slots][there] >= prios.max_use))
+    if deleted == slots.size:
+        return ("holds no row: every row was deleted (delete()) or lost (a writer died mid-push); "
+                "push rows first")
+    parts = [f"{used} have been drawn max_use={src.options.max_use} times"] if used else []
+    if deleted:
+        parts.append(f"{deleted} were deleted (delete()) or lost")
+    rest = slots.size - deleted - used
+    if rest:
+        parts.append(f"{rest} have priority 0 (a prioritized buffer with eps=0 draws no row of priority 0)")
+    return f"has no row that can be drawn: of its {slots.size} rows, " + ", ".join(parts)
 
 
 class Uses:
@@ -875,18 +896,35 @@ _LOST = ("a row was lost: its writer died mid-push, its push failed after anothe
          "after it, or it was deleted")
 
 
-def transitions(src: Source) -> np.ndarray:
-    """With ``next_of``/``stack``: the ids of the held rows that are transitions, lane by lane,
-    oldest first (``get``'s positions, as many as ``len`` when no row was removed): not end or
-    lead rows, and with ``next_of`` not a lane's newest row (its next observation is not pushed)."""
+def gone(src: Source, slots: Any) -> np.ndarray:
+    """Which held ``slots`` lost their row: deleted or lost (stamp 0: ``edits.delete``, a dead
+    writer's reaped row) or used up (``max_use``). ``len`` leaves them out, and ``get``'s positions."""
+    out = src.ring.stamp[slots] == 0
+    prios = src.priorities
+    if prios is not None and prios.uses is not None and prios.max_use is not None:
+        out |= prios.uses[slots] >= prios.max_use
+    return out
+
+
+def counted(src: Source) -> np.ndarray:
+    """The ids of the rows ``len`` counts, lane by lane, oldest first: ``get``'s positions (and
+    the order of ``export``, which also keeps used-up rows with their uses). Rows being written
+    count (a read waits for them); rows that are gone (``gone``, once the buffer has lost one:
+    ``Counter.REMOVED``) do not; with ``next_of``/``stack`` only transitions count: not end or
+    lead rows, and with ``next_of`` not a lane's newest row (its next observation is not pushed).
+    O(rows held) a call."""
     ring = src.ring
     ids = ring.held_ids()
-    keep = (src.block.arrays[frames.KIND][ring.slots(ids)] & (frames.END | frames.LEAD)) == 0
+    keep = np.ones(ids.size, bool)
+    if src.block.counters[Counter.REMOVED]:
+        keep &= ~gone(src, ring.slots(ids))
     spec = src.block.frames
-    if spec is not None and spec.next_of:
-        first, stop = ring.bounds()
-        lanes = np.flatnonzero(stop > first)
-        keep &= ~np.isin(ids, (stop[lanes] - 1) * ring.lanes + lanes)
+    if spec is not None:
+        keep &= (src.block.arrays[frames.KIND][ring.slots(ids)] & (frames.END | frames.LEAD)) == 0
+        if spec.next_of:
+            first, stop = ring.bounds()
+            lanes = np.flatnonzero(stop > first)
+            keep &= ~np.isin(ids, (stop[lanes] - 1) * ring.lanes + lanes)
     return ids[keep]
 
 
@@ -895,10 +933,10 @@ def get(src: Source, index: Any) -> Batch:
     ring = src.ring
     deadline = time.monotonic() + 1.0
     while True:
-        if src.block.frames is None:
-            ids = ring.ids_at(index)
+        if src.block.frames is None and not src.block.counters[Counter.REMOVED]:
+            ids = ring.ids_at(index)  # every held row counts: positions are arithmetic
         else:
-            held = transitions(src)
+            held = counted(src)
             ids = np.asarray(held[positions(index, held.size)])
         flat = ids.reshape(-1)
         rows = gather(src.block, ring, flat)
