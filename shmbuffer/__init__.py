@@ -20,6 +20,7 @@ from .errors import (
     UnknownKey,
     UnknownKeyword,
     UnknownName,
+    UnsafePickle,
     UnsupportedPlatform,
     WaitTimeout,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "UnknownIdError",
     "UnknownKey",
     "UnknownKeyword",
+    "UnsafePickle",
     "UnknownName",
     "UnsupportedPlatform",
     "WaitTimeout",

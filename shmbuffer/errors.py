@@ -7,6 +7,8 @@ derives from the builtin a caller would naturally catch (``ValueError`` for bad 
 
 from __future__ import annotations
 
+import pickle
+
 
 class ShmBufferError(Exception):
     """Base class of every exception raised on purpose by shmbuffer."""
@@ -80,6 +82,11 @@ class UnknownName(ShmBufferError, AttributeError):
 
 class UnknownKeyword(ShmBufferError, TypeError):
     """A keyword a call does not take, often another library's (``hints.py``)."""
+
+
+class UnsafePickle(FieldError, pickle.UnpicklingError):
+    """A stored object's pickle names a type the restricted unpickler does not load, or is not a
+    pickle the buffer wrote (``shmbuffer.compat.ding``: ``trusted_pickles``)."""
 
 
 class UnknownKey(ShmBufferError, KeyError):

@@ -497,3 +497,74 @@ def test_unroll_len_groups_are_consecutive_steps(deque: Callable[..., DequeBuffe
     for group in buffer.sample(3, groupby="env", unroll_len=4, replace=True):
         assert len(group) == 4 and isinstance(
             functools.reduce(lambda a, b: a and a.data + 1 == b.data and b, group), BufferedData)
+
+
+# -- stored objects are plain data unless the buffer trusts its writers ---------------------------
+class _Payload:
+    """A class whose unpickling would run code: ``os.system`` on a marker file."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+class Point:
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Point) and other.x == self.x
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_a_crafted_slot_cannot_run_code_in_the_reader(deque: Callable[..., DequeBuffer], tmp_path: Any) -> None:
+    """A process that can write the shared block puts a crafted pickle in a row's object slot:
+    the learner's next sample refuses it (naming what it named), and nothing ran."""
+    import pickle
+
+    from shmbuffer import UnsafePickle
+    from shmbuffer.compat.ding.row import OBJECT
+
+    buffer = deque(size=4)
+    item = buffer.push({"obs": np.zeros(2), "note": "plain"})
+    store = buffer.buffer
+    assert store is not None
+    marker = tmp_path / "ran"
+    raw = pickle.dumps(("rest", _Payload(str(marker)), None), protocol=5)
+    slot = np.zeros(store.schema[OBJECT].shape, np.uint8)
+    slot[:len(raw)] = np.frombuffer(raw, np.uint8)
+    store.update(np.array([item.index]), {OBJECT: slot})  # what any attached process can do
+    with pytest.raises(UnsafePickle, match=r"posix\.system|os\.system") as e:
+        buffer.sample(indices=[item.index])
+    assert "trusted_pickles=True" in str(e.value) and str(item.index) in str(e.value)
+    assert not marker.exists()
+    garbage = np.zeros_like(slot)
+    garbage[:4] = [0x80, 0x80, 1, 2]
+    store.update(np.array([item.index]), {OBJECT: garbage})
+    with pytest.raises(UnsafePickle, match="does not hold a pickle this buffer wrote"):
+        buffer.sample(1)
+
+
+def test_classes_need_trusted_pickles(deque: Callable[..., DequeBuffer]) -> None:
+    """A user's class is refused at the push by default (the error names it and the opt-in,
+    nothing is stored), and stored and read back with ``trusted_pickles=True``; plain data,
+    arrays, scalars and tensors need no opt-in (test_any_data_reads_back_as_pushed)."""
+    from shmbuffer import UnsafePickle
+
+    plain = deque(size=4)
+    plain.push({"obs": np.zeros(2)})
+    with pytest.raises(UnsafePickle, match=r"Point.*trusted_pickles=True") as e:
+        plain.push({"obs": np.zeros(2), "where": Point(3)})
+    assert "nothing was stored" in str(e.value) and plain.count() == 1
+    with pytest.raises(UnsafePickle, match="Point"):
+        plain.push({"obs": np.zeros(2)}, meta={"origin": Point(1)})
+    assert plain.count() == 1
+    with pytest.raises(TypeError, match="trusted_pickles"):
+        deque(size=4, trusted_pickles="yes")
+    trusting = deque(size=4, trusted_pickles=True)
+    item = trusting.push({"obs": np.zeros(2), "where": Point(3)}, meta={"origin": Point(1)})
+    [got] = trusting.sample(indices=[item.index])
+    assert got.data["where"] == Point(3) and got.meta["origin"] == Point(1)

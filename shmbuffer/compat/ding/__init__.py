@@ -30,8 +30,12 @@ Every row reads back as pushed: a value of a column in its Python type (``int``,
 numpy, torch), the rest unpickled. The slots live in the row, under the row's commit stamp like
 every field, so a reader never sees a half-written object. A slot's bytes are a pickle (its
 first byte non-zero) followed by zeros, which ``pickle.loads`` ignores; an empty slot is zeros.
-Unpickling runs code: share buffers (and ``save_data`` files) only with processes you trust, as
-with DI-engine's hickle files.
+Unpickling can run code, and any process that can attach to the block can write its bytes, so
+slots are read by a restricted unpickler (``row._Unpickler``): builtins and containers, numpy
+arrays, scalars and dtypes, torch tensors (their storage through ``torch.load(weights_only=True)``),
+the facade's own types. Anything else raises ``UnsafePickle`` naming it, at the push already (nothing
+is stored); ``DequeBuffer(size, trusted_pickles=True)`` loads any class, for buffers whose every
+writer is trusted. A slot that holds no pickle this facade wrote raises ``UnsafePickle`` too.
 
 **Middleware** has DI-engine's signature, ``mw(action, chain, *args, **kwargs)`` for the actions
 ``push``, ``sample``, ``update``, ``delete`` and ``clear``; the first middleware used is the

@@ -119,8 +119,9 @@ class _Store:
     """What a ``DequeBuffer`` and its views share: the ``ReplayBuffer``, its layout, the sampler."""
 
     def __init__(self, size: int, object_bytes: int | None, meta_bytes: int | None, name: str | None,
-                 seed: int | None) -> None:
+                 seed: int | None, trusted: bool = False) -> None:
         self.size = size
+        self.trusted = trusted
         self.object_bytes, self.meta_bytes = object_bytes, meta_bytes
         self.name, self.seed = name, seed
         self.buffer: ReplayBuffer | None = None
@@ -148,10 +149,16 @@ class DequeBuffer(Facade):
     :param meta_bytes: bytes of each row's meta slot.
     :param name: the shared-memory block's name.
     :param seed: seeds the sampling.
+    :param trusted_pickles: load any class from the object and meta slots. By default only plain
+        data is unpickled (builtins, containers, numpy arrays and scalars, torch tensors, the
+        facade's own types) and anything else raises ``UnsafePickle``: a process that can attach
+        to the shared block can write any bytes into a slot, and unpickling runs code. Turn it
+        on only when every process that can attach to the buffer is trusted.
     """
 
     def __init__(self, size: int, sliced: bool = False, *, object_bytes: int | None = None,
-                 meta_bytes: int | None = None, name: str | None = None, seed: int | None = None) -> None:
+                 meta_bytes: int | None = None, name: str | None = None, seed: int | None = None,
+                 trusted_pickles: bool = False) -> None:
         if type(size) is not int or size < 1:
             raise ValueError(f"DequeBuffer: size must be an int >= 1, got {size!r}")
         for option, given in (("object_bytes", object_bytes), ("meta_bytes", meta_bytes)):
@@ -160,7 +167,9 @@ class DequeBuffer(Facade):
         self.size = size
         self.sliced = sliced
         self._middleware: list[Callable[..., Any]] = []
-        self._store = _Store(size, object_bytes, meta_bytes, name, seed)
+        if type(trusted_pickles) is not bool:
+            raise TypeError(f"DequeBuffer: trusted_pickles must be True or False, got {trusted_pickles!r}")
+        self._store = _Store(size, object_bytes, meta_bytes, name, seed, trusted_pickles)
         self._viewed = False
 
     @property
@@ -224,7 +233,7 @@ class DequeBuffer(Facade):
                 stored["priority"] = 1.0 if store.buffer is None else store.buffer.priorities.max_priority  # type: ignore[union-attr]
             priority = float(check_priorities(stored["priority"], 1, "push: meta['priority']")[0])
         layout = store.layout or Layout.first(data, stored, store.object_bytes, store.meta_bytes)
-        row = layout.row(data, stored)  # raises before anything is stored
+        row = layout.row(data, stored, store.trusted)  # raises before anything is stored
         buf = store.make(layout)
         index = int(buf.push(row, priority=priority)[0])
         if self._prioritized:
@@ -241,14 +250,14 @@ class DequeBuffer(Facade):
         fields: dict[str, np.ndarray] = {}
         priority = None
         if data is not None:
-            fields.update(layout.data_fields(data))
+            fields.update(layout.data_fields(data, self._store.trusted))
         if meta is not None:
             if not isinstance(meta, Mapping):
                 raise TypeError(f"update: meta must be a dict (or None to keep the row's), got {type(meta).__name__}")
             stored = {k: v for k, v in meta.items() if k not in DERIVED}
             if self._prioritized and stored.get("priority") is not None:
                 priority = float(check_priorities(stored["priority"], 1, "update: meta['priority']")[0])
-            fields.update(layout.meta_fields(stored))
+            fields.update(layout.meta_fields(stored, self._store.trusted))
         if not fields and priority is None:
             return self.indices.has(index)
         return buf.update(np.array([index], np.int64), fields, priority=priority) == 1
@@ -344,7 +353,8 @@ class DequeBuffer(Facade):
         assert layout is not None and buf is not None
         ids = np.asarray(batch.index)
         rows = list(range(ids.size)) if at is None else at
-        metas = layout.metas(batch.fields, rows)
+        trusted = self._store.trusted
+        metas = layout.metas(batch.fields, rows, ids[rows], trusted)
         if self._prioritized:
             slots = buf.ring.slots(ids[rows]).tolist()
             weight = batch.extras.get("weight") if self._store.is_weight else None
@@ -354,7 +364,7 @@ class DequeBuffer(Facade):
                 meta["priority_idx"] = slots[j]
                 if weight is not None:
                     meta["priority_IS"] = float(weight[rows[j]])
-        datas = layout.datas(batch.fields, rows)
+        datas = layout.datas(batch.fields, rows, ids[rows], trusted)
         return [BufferedData(d, int(ids[r]), m) for d, r, m in zip(datas, rows, metas, strict=True)]
 
     def _everything(self, sample_range: slice | None = None) -> tuple[Batch | None, np.ndarray]:
@@ -380,7 +390,7 @@ class DequeBuffer(Facade):
         if batch is None or layout is None:
             return []
         groups: dict[Any, list[int]] = {}
-        for i, meta in enumerate(layout.metas(batch.fields, list(range(ids.size)))):
+        for i, meta in enumerate(layout.metas(batch.fields, list(range(ids.size)), ids, self._store.trusted)):
             if groupby in meta:
                 try:
                     groups.setdefault(meta[groupby], []).append(i)

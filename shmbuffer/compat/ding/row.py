@@ -5,6 +5,7 @@ object and meta slots (a pickle in a fixed-size ``uint8`` field) that take the r
 
 from __future__ import annotations
 
+import io
 import keyword
 import pickle
 import sys
@@ -15,6 +16,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ...buffer import ReplayBuffer
+from ...errors import UnsafePickle
 from ...schema import RESERVED, Schema
 
 DATA, OBJECT, META = "ding_data", "ding_object", "ding_meta"
@@ -106,8 +108,9 @@ def _nameable(key: Any) -> bool:
             and key not in RESERVED and not key.startswith("ding_"))
 
 
-def _slot(payload: Any, size: int, what: str) -> np.ndarray:
-    """``payload`` pickled into a slot of ``size`` bytes (zeros for ``None``), or ``ValueError``."""
+def _slot(payload: Any, size: int, what: str, trusted: bool) -> np.ndarray:
+    """``payload`` pickled into a slot of ``size`` bytes (zeros for ``None``), or ``ValueError``;
+    untrusted, a payload that ``_Unpickler`` would refuse to read back is refused now."""
     out = np.zeros(size, np.uint8)
     if payload is None:
         return out
@@ -116,6 +119,11 @@ def _slot(payload: Any, size: int, what: str) -> np.ndarray:
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         raise TypeError(f"DequeBuffer: the {what} cannot be pickled into the row ({e}); push picklable objects "
                         "(numbers, arrays, tensors, str, lists and dicts of them, dataclasses); nothing was stored") from None
+    if not trusted:
+        try:
+            _Unpickler(io.BytesIO(raw)).load()
+        except UnsafePickle as e:
+            raise UnsafePickle(f"DequeBuffer: the {what} cannot be stored: {e}; nothing was stored") from None
     if len(raw) > size:
         option = "object_bytes" if what == "data" else "meta_bytes"
         raise ValueError(
@@ -126,11 +134,66 @@ def _slot(payload: Any, size: int, what: str) -> np.ndarray:
     return out
 
 
-def _unslots(slots: np.ndarray) -> list[Any]:
+_SAFE = {
+    "builtins": {"complex", "set", "frozenset", "bytearray", "slice", "range", "bool", "int", "float", "str",
+                 "bytes", "list", "dict", "tuple"},
+    "collections": {"OrderedDict", "deque", "Counter", "defaultdict"},
+    "numpy": {"dtype", "ndarray"},
+    "numpy.core.multiarray": {"_reconstruct", "scalar"},
+    "numpy._core.multiarray": {"_reconstruct", "scalar"},
+    "numpy.core.numeric": {"_frombuffer"},
+    "numpy._core.numeric": {"_frombuffer"},
+    "torch": {"Size", "device"} | {f"{d}" for d in ("float16", "bfloat16", "float32", "float64", "int8", "int16",
+                                                    "int32", "int64", "uint8", "bool", "complex64", "complex128")},
+    "torch._utils": {"_rebuild_tensor_v2", "_rebuild_tensor"},
+    "torch.storage": {"_load_from_bytes"},
+    __name__: {"BufferedData"},
+}
+"""What a slot may name by default (``_Unpickler``): plain data, numpy arrays, scalars and dtypes,
+torch tensors, the facade's own row type."""
+
+
+class _Unpickler(pickle.Unpickler):
+    """Loads only what ``_SAFE`` names: a process that can write the shared block cannot run code in
+    a reader through a crafted slot. A torch storage's bytes are loaded with
+    ``torch.load(weights_only=True)`` (torch's own restricted unpickler), not as pickles."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _SAFE.get(module, ()):
+            if (module, name) == ("torch.storage", "_load_from_bytes"):
+                return _storage
+            return super().find_class(module, name)
+        raise UnsafePickle(
+            f"a stored object names {module}.{name}, which DequeBuffer does not unpickle by default (plain data, "
+            "numpy arrays and scalars, torch tensors only): a process that can write the shared buffer could "
+            "otherwise run code here. Push plain data, or create the buffer with DequeBuffer(size, "
+            "trusted_pickles=True) if every process that can attach to it is trusted")
+
+
+def _storage(raw: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(raw), weights_only=True)
+
+
+def _unslots(slots: np.ndarray, trusted: bool, ids: np.ndarray, what: str) -> list[Any]:
     """Each slot's object (``None`` when empty): a pickle always starts with a non-zero byte, and
-    ``pickle.loads`` ignores the zeros after its end."""
+    unpickling ignores the zeros after its end. Untrusted (the default), only ``_SAFE``'s types."""
     full = (slots[:, 0] != 0).tolist()
-    return [pickle.loads(slots[j]) if full[j] else None for j in range(len(full))]
+    out: list[Any] = []
+    for j in range(len(full)):
+        if not full[j]:
+            out.append(None)
+            continue
+        try:
+            out.append(pickle.loads(slots[j]) if trusted else _Unpickler(io.BytesIO(slots[j].tobytes())).load())
+        except UnsafePickle as e:
+            raise UnsafePickle(f"DequeBuffer: row {int(ids[j])}'s {what}: {e}") from None
+        except Exception as e:  # garbage in the slot: not a pickle this facade wrote
+            raise UnsafePickle(f"DequeBuffer: row {int(ids[j])}'s {what} slot does not hold a pickle this buffer "
+                               f"wrote ({type(e).__name__}: {e}); another process wrote bytes into it directly. "
+                               "Delete the row (buffer.delete) or clear the buffer") from None
+    return out
 
 
 class Layout:
@@ -197,36 +260,37 @@ class Layout:
             return cols, None
         return cols, ("rest", rest, None if list(data) == natural else list(data))
 
-    def data_fields(self, data: Any) -> dict[str, np.ndarray]:
+    def data_fields(self, data: Any, trusted: bool) -> dict[str, np.ndarray]:
         """The fields that store ``data`` (an update writes these); ``ValueError`` when too big."""
         cols, payload = self.split(data)
         if payload is not None and not self.object_bytes:
             raise ValueError(f"DequeBuffer: this buffer has no object slot (object_bytes=0), so its data must fit "
                              f"the columns {self.describe()}; got {type(data).__name__}")
         if self.object_bytes:
-            cols[OBJECT] = _slot(payload, self.object_bytes, "data")
+            cols[OBJECT] = _slot(payload, self.object_bytes, "data", trusted)
         return cols
 
-    def meta_fields(self, meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    def meta_fields(self, meta: Mapping[str, Any], trusted: bool) -> dict[str, np.ndarray]:
         """The meta slot's field for ``meta`` (pickled); ``ValueError`` when it does not fit."""
         if not self.meta_bytes:
             if meta:
                 raise ValueError(f"DequeBuffer: this buffer has no meta slot (meta_bytes=0); got meta keys {list(meta)}")
             return {}
-        return {META: _slot(dict(meta) if meta else None, self.meta_bytes, "meta")}
+        return {META: _slot(dict(meta) if meta else None, self.meta_bytes, "meta", trusted)}
 
-    def row(self, data: Any, meta: Mapping[str, Any]) -> dict[str, Any]:
+    def row(self, data: Any, meta: Mapping[str, Any], trusted: bool) -> dict[str, Any]:
         """A whole row to push: a row whose data went to the object slot has zeros in the columns."""
-        out = self.data_fields(data)
+        out = self.data_fields(data, trusted)
         for name, c in self.columns.items():
             if name not in out:
                 out[name] = np.zeros(c.shape, c.dtype)
-        out.update(self.meta_fields(meta))
+        out.update(self.meta_fields(meta, trusted))
         return out
 
-    def datas(self, fields: Mapping[str, np.ndarray], rows: list[int]) -> list[Any]:
-        """Rows ``rows`` of gathered ``fields``, each as it was pushed."""
-        payloads = _unslots(fields[OBJECT][rows]) if self.object_bytes else [None] * len(rows)
+    def datas(self, fields: Mapping[str, np.ndarray], rows: list[int], ids: np.ndarray, trusted: bool) -> list[Any]:
+        """Rows ``rows`` of gathered ``fields`` (``ids`` theirs), each as it was pushed; ``trusted``:
+        any pickled class is loaded, else only plain data (``_Unpickler``)."""
+        payloads = _unslots(fields[OBJECT][rows], trusted, ids, "data") if self.object_bytes else [None] * len(rows)
         columns = {name: _values(c, fields[name][rows]) for name, c in self.columns.items()}
         out = []
         for j, payload in enumerate(payloads):
@@ -244,11 +308,12 @@ class Layout:
                 out.append(values if order is None else {k: values[k] for k in order})
         return out
 
-    def metas(self, fields: Mapping[str, np.ndarray], rows: list[int]) -> list[dict[str, Any]]:
-        """The meta of rows ``rows`` of gathered ``fields``, each as it was pushed."""
+    def metas(self, fields: Mapping[str, np.ndarray], rows: list[int], ids: np.ndarray,
+              trusted: bool) -> list[dict[str, Any]]:
+        """The meta of rows ``rows`` of gathered ``fields`` (``ids`` theirs), each as it was pushed."""
         if not self.meta_bytes:
             return [{} for _ in rows]
-        return [{} if m is None else m for m in _unslots(fields[META][rows])]
+        return [{} if m is None else m for m in _unslots(fields[META][rows], trusted, ids, "meta")]
 
     def describe(self) -> str:
         """The columns, for error messages."""
