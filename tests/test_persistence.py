@@ -124,7 +124,7 @@ def test_prioritized_round_trip(make: Make, loaded: list, name: str, tmp_path: P
     assert meta["sampler_state"] == {"max_priority": buf.priorities.max_priority}
     tensors = load_file(str(tmp_path / "p" / "rows.safetensors"))
     ring, prios = buf.ring, buf.priorities
-    ids = buf.get(slice(None)).index
+    ids = buf.export()["index"]  # every row saved, used-up ones too (get's positions skip those)
     slots = ring.slots(ids)
     assert np.array_equal(tensors["_leaf"], prios.tree.leaves[slots])
     assert np.array_equal(tensors["_uses"], prios.uses[slots]) and tensors["_uses"].max() > 0
@@ -133,7 +133,8 @@ def test_prioritized_round_trip(make: Make, loaded: list, name: str, tmp_path: P
     new = sb.load(tmp_path / "p", seed=9)
     loaded.append(new)
     assert new.options == buf.options and new.stats == buf.stats
-    assert np.array_equal(new.get(slice(None)).index, ids)
+    assert np.array_equal(sb.export(new)["index"], ids)
+    assert np.array_equal(new.get(slice(None)).index, buf.get(slice(None)).index) and len(new) == len(buf)
     assert np.array_equal(new.priorities.tree.leaves[new.ring.slots(ids)], tensors["_leaf"])
     assert new.priorities.tree.total == prios.tree.total and new.priorities.max_priority == prios.max_priority
     assert np.array_equal(sb.export(new)["episode"], tensors["_episode"])
@@ -1154,3 +1155,33 @@ def test_a_save_while_another_process_updates_every_row_keeps_every_row_whole(
     new = sb.load(tmp_path / "u")
     loaded.append(new)
     assert np.array_equal(new.get(slice(None)).reward, buf.get(slice(None)).reward)
+
+
+@pytest.mark.parametrize("case", ["undefined bits", "zeroed", "no end row", "all holes", "one hole"])
+def test_a_tampered_frames_save_is_refused(case: str, tmp_path: Path, name: str) -> None:
+    """Every column the readers trust is checked on load: ``_kind`` (defined values, end rows where
+    episodes end, episodes starting after them) and ``_present`` (a hole's bytes are zeros)."""
+    import shutil
+
+    path = tmp_path / "frames"
+    shutil.copytree(GOLDEN_V2 / "frames", path)
+    tensors = load_file(str(path / "rows.safetensors"))
+    kinds = tensors["_kind"]
+    at = _tensor_at(path, "_kind")
+    if case == "undefined bits":
+        _poke(path, at + 1, b"\xff")
+        message = "'_kind' holds 255"
+    elif case == "zeroed":
+        _poke(path, at, bytes(kinds.size))
+        message = "last step is not followed by its end row"
+    elif case == "no end row":
+        end = int(np.flatnonzero(kinds == 1)[0])
+        _poke(path, at + end, b"\x00")
+        message = "last step is not followed by its end row"
+    else:
+        present = _tensor_at(path, "_present")
+        _poke(path, present, bytes(kinds.size) if case == "all holes" else b"\x00")
+        message = "marks row 0 of lane 0 a hole"
+    with pytest.raises(sb.LayoutError, match=message):
+        sb.load(path, name=name)
+    assert not os.path.exists(segment.path_of(name))

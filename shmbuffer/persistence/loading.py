@@ -14,7 +14,9 @@ at most ``MAX_BLOCK``, ``options.frames`` set exactly in a version-2 save, the t
 the schema and options); and every entry of the safetensors header (object, dtype code, shape,
 offsets that tile the data section, metadata strings, the same ``save_id`` and format version as
 ``meta.json``). As it reads the rows it checks ``_present`` (0 or 1), ``_leaf`` (in ``[0,
-MAX_LEAF]``) and ``_uses`` (at most ``max_use``). Whatever is malformed raises ``LayoutError``
+MAX_LEAF]``), ``_uses`` (at most ``max_use``) and that a hole's bytes are zeros in every tensor;
+once they are read, a version-2 save's ``_kind`` (``_check_kinds``: defined kinds only, end rows
+where episodes end, episodes starting after them). Whatever is malformed raises ``LayoutError``
 naming the file and the entry; JSON nested too deep to parse is malformed too.
 
 The rows go into their slots a chunk at a time, each with its committed stamp
@@ -37,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CapacityError, LayoutError
+from ..frames import END, KIND, LEAD, START, ZERO
 from ..progress import Progress as Line
 from ..protocol.layout import Counter, Lane, Options
 from ..protocol.priorities import MAX_LEAF
@@ -463,6 +466,8 @@ def _read(folder: Path, meta: dict[str, Any], version: int, factory: Callable[..
         try:
             with Line(f"loading {folder}", sum(stop - first for first, stop, _ in lanes)) as line:
                 _fill(buf, fd, rows_file, data_start, entries, files, lanes, line)
+            if opts.frames is not None:
+                _check_kinds(buf, lanes, rows_file)
             arrays = columns(buf)
             if saved.max_priority is not None:
                 arrays["_prio"][0] = saved.max_priority
@@ -517,8 +522,12 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
                 else:
                     staged = np.empty((n1 - n0, *t.shape), t.dtype)
                     _pread_into(fd, staged, offset, file)
+                if not present.all() and staged[~present].any():
+                    hole = int(np.flatnonzero(~present)[0]) + n0
+                    raise LayoutError(
+                        f"{file}: tensor '_present' marks row {hole} of lane {lane} a hole, but its {t.name!r} is "
+                        "not zeros (a save writes zeros in every tensor of a hole): the file was altered")
                 if t.name == "_leaf":
-                    staged[~present] = 0.0  # a hole is never drawn
                     assert prios is not None
                     if not np.all((staged >= 0) & (staged <= MAX_LEAF)) or not prios.leaves_valid(staged):
                         raise LayoutError(
@@ -537,6 +546,55 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
             line.update(pos + n1 - first)
             n0 = n1
         pos += stop - first
+
+
+_KINDS = {0, START, START | ZERO, END, LEAD, LEAD | START}
+"""The values of ``_kind`` a save can hold (``frames.py``): a step, an episode's first step (padded
+with copies or with zeros), an end row, a lead row (the first of a resumed episode's)."""
+
+
+def _check_kinds(buf: Buffer, lanes: list[tuple[int, int, int]], file: Path) -> None:
+    """The ``_kind`` of a loaded frames save against its rows, which every reader trusts: only
+    ``_KINDS``; with ``next_of`` an episode's last step is followed by its end row, and an end row
+    follows a step; the row after an episode's end (its end row, or its last step without
+    ``next_of``) starts an episode. Checked in the new buffer's slots, lane by lane."""
+    spec = buf.options.frames
+    assert spec is not None
+    kind = columns(buf)[KIND]
+    stamp = columns(buf)["_stamp"]
+    fields_ = buf.block.fields
+    lc = buf.lane_capacity
+    for lane, (first, stop, _) in enumerate(lanes):
+        if stop <= first:
+            continue
+        slots = slot(lane, np.arange(first, stop, dtype=np.int64), lc)
+        k = kind[slots]
+        odd = ~np.isin(k, list(_KINDS))
+        if odd.any():
+            at = int(np.flatnonzero(odd)[0])
+            raise LayoutError(f"{file}: tensor '_kind' holds {int(k[at])} at row {first + at} of lane {lane}, expected "
+                              f"one of {sorted(_KINDS)} (frames.py): the file was altered")
+        there = stamp[slots] != 0
+        step = there & ((k & (END | LEAD)) == 0)
+        final = np.zeros(slots.size, bool)
+        for name in spec.ends:
+            if name in fields_:
+                final |= fields_[name][slots].reshape(slots.size) != 0
+        final &= step
+        pair = there[:-1] & there[1:]  # two rows in a row, both saved
+        end = there & ((k & END) != 0)
+        ended = end if spec.next_of else final
+        why = None
+        if spec.next_of and (bad := pair & final[:-1] & ~end[1:]).any():
+            why = "an episode's last step is not followed by its end row"
+        elif spec.next_of and (bad := pair & end[1:] & ~step[:-1]).any():
+            why = "an end row does not follow a step"
+        elif (bad := pair & ended[:-1] & ((k[1:] & START) == 0)).any():
+            why = "the row after an episode's end does not start an episode"
+        if why is not None:
+            at = int(np.flatnonzero(bad)[0])
+            raise LayoutError(f"{file}: tensor '_kind' at rows {first + at}-{first + at + 1} of lane {lane}: {why} "
+                              "(frames.py); the file was altered")
 
 
 READERS: dict[int, Callable[..., Buffer]] = {FORMAT_VERSION_1: read_v1, FORMAT_VERSION_2: read_v2}
