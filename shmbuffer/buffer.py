@@ -462,6 +462,9 @@ class ReplayBuffer:
         their ids (and ``batch.episode`` their episodes); a prioritized buffer adds
         ``batch.weight`` (importance-sampling weights).
         """
+        if out is not None:
+            check_batch_size(n)
+            out = reader.check_out(self._block, n, out)
         one = self._one_call
         if (one is not None and self._one_calls and type(n) is int and n > 0 and replace is True and n_step == 1
                 and hindsight is None and timeout is None and not unknown and one.rng is self.rng

@@ -153,6 +153,8 @@ class _Staging:
         for key, a in arrays.items():
             self.pinned[key] = torch.empty(a.shape, dtype=torch.from_numpy(a[:0]).dtype, pin_memory=True)
         self.host = {key: t.numpy() for key, t in self.pinned.items()}
+        self.gathered = {key: a for key, a in self.host.items() if not key.startswith("extra:")}
+        """What a sample gathers into (``sample(out=)``): the block and the large fields."""
         self.event: Any = None
 
 
@@ -320,7 +322,7 @@ class Loader:
         if stage is not None and stage.event is not None:
             stage.event.synchronize()  # its previous copy to the device has finished
         if stage is not None and not self._custom:  # gather straight into pinned memory
-            batch = self._draw(out=stage.host)
+            batch = self._draw(out=stage.gathered)
             copy_rows = False
         else:
             batch = self._draw()

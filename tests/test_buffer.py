@@ -429,3 +429,33 @@ def test_take_refuses_ids_that_never_existed(make: Make, name: str) -> None:
         buf.take([0, 3])
     assert not isinstance(gone.value, sb.FieldError)
     assert seq_of(buf.take(np.array([10, 3], np.uint8))).tolist() == [10, 6]
+
+
+@pytest.mark.parametrize("one_call", [True, False])
+def test_sample_out_is_checked_and_may_be_partial(one_call: bool, make: Callable[..., sb.ReplayBuffer], name: str) -> None:
+    """``sample(n, out=)``: any of the batch's arrays (the others made), each checked before
+    anything is read: a clear ``FieldError`` for an unknown key, a wrong shape or dtype, a
+    read-only array or not an array, on the C path and the Python path alike."""
+    schema = sb.Schema(obs=((4,), "float32"), img=((3, 84, 84), "uint8"), a=((), "int64"))
+    buf = make(schema, 64, name=name)
+    buf._one_calls = one_call
+    buf.push(obs=np.ones((20, 4)), img=np.full((20, 3, 84, 84), 7, np.uint8), a=np.arange(20))
+    first = buf.sample(8)
+    block, img = np.empty_like(first.block), np.empty_like(first.img)
+    for out in ({}, {"_block": block}, {"img": img}, {"_block": block, "img": img}):
+        got = buf.sample(8, out=out)
+        assert (got.img == 7).all() and np.array_equal(got.a, got.index) and (got.obs == 1).all()
+        assert all(np.shares_memory(got.block if k == "_block" else got[k], a) for k, a in out.items())
+    ro = np.empty_like(img)
+    ro.flags.writeable = False
+    bad = {
+        "unknown": ({"foo": img}, r"expected a dict of any of \{'_block': \(8, \d+\) uint8, 'img': \(8, 3, 84, 84\) uint8\}.*got \['foo'\]"),
+        "dtype": ({"_block": block.view(np.int8)}, r"out\['_block'\]: expected \(8, \d+\) uint8, got \(8, \d+\) int8"),
+        "shape": ({"img": img[:4]}, r"out\['img'\]: expected \(8, 3, 84, 84\) uint8, got \(4, 3, 84, 84\) uint8"),
+        "read-only": ({"img": ro}, r"out\['img'\] is read-only"),
+        "tensor": ({"img": torch.from_numpy(img)}, r"must be a numpy array .*tensor\.numpy\(\)"),
+        "not a dict": ([img], r"got a list"),
+    }
+    for out, message in bad.values():
+        with pytest.raises(sb.FieldError, match=message):
+            buf.sample(8, out=out)  # type: ignore[arg-type]

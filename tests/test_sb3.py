@@ -817,3 +817,17 @@ def test_optimize_memory_usage_round_trips_lose_nothing(name: str, opened: list[
     nxt = np.full((2, 3), 7.5, np.float32)
     rb.add(np.full((2, 3), 6.5, np.float32), nxt, np.array([0, 1]), np.zeros(2, np.float32), np.ones(2, bool), [{}, {}])
     assert rb.size() == 13 and pairs(rb) >= want
+
+
+@pytest.mark.parametrize("kind", ["plain", "optimize_memory_usage", "dict"])
+def test_sample_of_zero_is_an_empty_batch_as_in_sb3(kind: str, name: str, opened: list[Any]) -> None:
+    box = spaces.Box(-1, 1, (3,), np.float32)
+    space = spaces.Dict({"a": box}) if kind == "dict" else box
+    cls = ours.DictReplayBuffer if kind == "dict" else ours.ReplayBuffer
+    mine = cls(16, space, spaces.Discrete(2), "cpu", optimize_memory_usage=kind == "optimize_memory_usage", name=name)
+    opened.append(mine)
+    obs = {"a": np.zeros((1, 3), np.float32)} if kind == "dict" else np.zeros((1, 3), np.float32)
+    mine.add(obs, obs, np.array([0]), np.array([1.0]), np.array([True]), [{}])
+    got = mine.sample(0)
+    observations = got.observations["a"] if kind == "dict" else got.observations
+    assert observations.shape == (0, 3) and got.actions.shape[0] == 0 and got.rewards.shape == (0, 1)

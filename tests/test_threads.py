@@ -411,3 +411,16 @@ def test_a_worker_that_cannot_be_created_leaves_the_pool_usable() -> None:
     except subprocess.TimeoutExpired:
         pytest.fail("deadlock: pool_run left `mu` locked when grow() created no worker")
     assert proc.returncode == 0 and proc.stdout.split() == ["ok"], proc.stderr
+
+
+@pytest.mark.parametrize("value", [str(2**70), "-1", "two"])
+def test_a_bad_threads_setting_is_ignored_with_a_warning(value: str) -> None:
+    """``SHMBUFFER_THREADS`` out of range or not a number: ``import shmbuffer`` works, says why
+    on the log, and the copy threads stay automatic."""
+    proc = subprocess.run([sys.executable, "-c", "import logging; logging.basicConfig(); import shmbuffer.native as n; "
+                           "print(n.THREADS)"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SHMBUFFER_THREADS": value})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["None"]
+    if LIB is not None:
+        assert f"SHMBUFFER_THREADS={value!r} ignored" in proc.stderr

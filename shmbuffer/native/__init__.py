@@ -66,6 +66,10 @@ ACTIVE = "native" if lib is not None else "python"
 logging.getLogger("shmbuffer").debug("shmbuffer hot path: %s (%s)", ACTIVE, REASON)
 
 
+MAX_THREADS = 1024
+"""The most copy threads ``SHMBUFFER_THREADS`` may ask for (the extension uses at most 4)."""
+
+
 def _threads_from_env() -> int | None:
     """``SHMBUFFER_THREADS`` applied to the extension's copy threads (``set_threads``): the count
     in effect, or ``None`` when it is unset, not a whole number >= 0, or the extension is missing."""
@@ -74,10 +78,11 @@ def _threads_from_env() -> int | None:
         return None
     try:
         k = int(value)
-        if k < 0:
+        if not 0 <= k <= MAX_THREADS:
             raise ValueError(value)
     except ValueError:
-        logging.getLogger("shmbuffer").warning("SHMBUFFER_THREADS=%r ignored: expected a whole number >= 0", value)
+        logging.getLogger("shmbuffer").warning("SHMBUFFER_THREADS=%r ignored: expected a whole number in [0, %d]",
+                                               value, MAX_THREADS)
         return None
     return int(lib.set_threads(k))
 

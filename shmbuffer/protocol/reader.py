@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import frames, native
 from ..batch import Batch
-from ..errors import EmptyBufferError, WaitTimeout
+from ..errors import EmptyBufferError, FieldError, WaitTimeout
 from ..sampling.samplers import Prioritized
 from .layout import Block, Counter, Options
 from .priorities import Priorities
@@ -292,6 +292,41 @@ def _transitions(
         valid = np.zeros_like(valid)
     rows = Rows(valid, packed, got, episode)
     return rows if len(shape) <= 1 else _shaped(rows, shape)
+
+
+def check_out(block: Block, n: int, out: Any) -> dict[str, np.ndarray]:
+    """``sample(n, out=)``'s arrays, checked before anything is read, and completed: any of
+    ``"_block"`` (the packed record, ``(n, itemsize)`` uint8, when the buffer packs its small
+    fields) and one array per other field, ``(n, *shape)`` in its dtype, each a writable numpy
+    array (else ``FieldError`` naming the key, what was expected and what came); the keys not
+    given get new arrays."""
+    want: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
+    rec = block.record
+    if rec is not None:
+        want["_block"] = ((n, rec.itemsize), np.dtype(np.uint8))
+    for f in block.schema:
+        if rec is None or f.name not in rec.offsets:
+            want[f.name] = ((n, *f.shape), f.dtype)
+    if not isinstance(out, dict) or not set(out) <= set(want):
+        show = ", ".join(f"{k!r}: {shape} {dtype}" for k, (shape, dtype) in want.items())
+        got = sorted(map(str, set(out) - set(want))) if isinstance(out, dict) else f"a {type(out).__name__}"
+        raise FieldError(f"sample({n}, out=...): expected a dict of any of {{{show}}} (a batch's block and its "
+                         f"large fields), got {got}")
+    full = {}
+    for key, (shape, dtype) in want.items():
+        a = out.get(key)
+        if a is None:
+            full[key] = np.empty(shape, dtype)
+            continue
+        if not isinstance(a, np.ndarray):
+            raise FieldError(f"sample({n}, out=...): out[{key!r}] must be a numpy array {shape} {dtype}, got a "
+                             f"{type(a).__name__} (for a torch tensor pass tensor.numpy())")
+        if a.shape != shape or a.dtype != dtype:
+            raise FieldError(f"sample({n}, out=...): out[{key!r}]: expected {shape} {dtype}, got {a.shape} {a.dtype}")
+        if not a.flags.writeable:
+            raise FieldError(f"sample({n}, out=...): out[{key!r}] is read-only; pass writable arrays")
+        full[key] = a
+    return full
 
 
 def _into(out: dict[str, np.ndarray] | None, name: str, a: np.ndarray) -> np.ndarray:

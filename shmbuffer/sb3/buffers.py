@@ -410,11 +410,10 @@ class _Shared:
                 got = batch[name]
                 out[name] = np.empty((ids.size, *got.shape[1:]), got.dtype)
                 out[name][~empty] = got
-        if empty.any():
-            slots = ring.slots(ids[empty])
-            for name in self.buffer.schema.names:
-                raw = self.buffer.block.fields[name]
-                out.setdefault(name, np.empty((ids.size, *raw.shape[1:]), raw.dtype))[empty] = raw[slots]
+        slots = ring.slots(ids[empty])
+        for name in self.buffer.schema.names:  # every field, also for no position (SB3's sample(0))
+            raw = self.buffer.block.fields[name]
+            out.setdefault(name, np.empty((ids.size, *raw.shape[1:]), raw.dtype))[empty] = raw[slots]
         return out
 
     def _push(self, obs: dict[str, np.ndarray], action: np.ndarray, reward: np.ndarray, done: np.ndarray,
@@ -551,6 +550,8 @@ class ReplayBuffer(_Shared, sb3_buffers.ReplayBuffer):
         """SB3's ``sample``: positions and envs drawn with ``np.random`` as SB3 draws them, the rows
         read as one stamped copy (never torn); ``env`` a ``VecNormalize`` normalizes them."""
         if self.optimize_memory_usage:  # uniform over whole transitions (the module docstring)
+            if batch_size == 0:  # SB3 returns an empty batch
+                return self._samples({f.name: np.empty((0, *f.shape), f.dtype) for f in self.buffer.schema}, env)
             return self._samples(self.buffer.sample(batch_size), env)  # EmptyBufferError when none
         upper_bound = self._upper_bound()
         if upper_bound == 0:
