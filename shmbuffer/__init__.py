@@ -29,7 +29,7 @@ from .loader import Loader
 from .mixing import Buffers, Mix
 from .persistence import export, save
 from .sampling.limiter import RateLimiter
-from .sampling.samplers import Prioritized, Uniform
+from .sampling.samplers import Draw, Prioritized, Sampler, Uniform
 from .schema import Field, Schema
 
 __version__ = "0.1.0"
@@ -45,6 +45,7 @@ __all__ = [
     "Buffers",
     "CapacityError",
     "DeviceReplay",
+    "Draw",
     "ClosedError",
     "Collector",
     "EmptyBufferError",
@@ -64,6 +65,7 @@ __all__ = [
     "SchemaError",
     "SegmentNotFound",
     "ShmBufferError",
+    "Sampler",
     "Uniform",
     "UnknownIdError",
     "UnknownKey",

@@ -41,7 +41,6 @@ from .batch import Batch
 from .buffer import BufferHandle, ReplayBuffer
 from .errors import EmptyBufferError, SchemaError, WaitTimeout
 from .protocol.priorities import check_priorities
-from .sampling.samplers import Prioritized
 
 
 class Buffers(Mapping[str, ReplayBuffer]):
@@ -174,7 +173,7 @@ class Mix:
             raise SchemaError("Mix: the buffers share no field (same name, shape and dtype)")
         self.fields = tuple(f.name for f in shared)
         self._packed = all(b.schema == first for b in self.buffers)
-        self._weighted = any(isinstance(b.options.sampler, Prioritized) for b in self.buffers)
+        self._weighted = any(b.options.sampler.weighted for b in self.buffers)
 
     def shares(self, n: int) -> np.ndarray:
         """How many rows each source gives to the next batch of ``n`` (advances the carry)."""

@@ -711,7 +711,7 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
                                 "timeout": float("nan")})),
                             r"options\.limiter\.timeout is nan, expected a finite number >= 0"),
     "alpha a huge int": (lambda p: edit_meta(p, lambda m: m["options"]["sampler"].update(alpha=10**400)),
-                         r"options\.sampler\.alpha is 1000.*\.\.\., expected a finite number >= 0"),
+                         r"options\.sampler: Prioritized: alpha must be a finite number >= 0, got 1000.*\.\.\."),
     "version true": (lambda p: edit_meta(p, lambda m: m.update(format_version=True)), r"format version True; this"),
     "stats overflow": (lambda p: edit_meta(p, lambda m: m["stats"].update(sampled=2**64)),
                        r"stats\.sampled is 18446744073709551616, expected an int in \[0, 9223372036854775807\]"),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -16,12 +17,28 @@ from .conftest import MUJOCO, seq_of, transition
 
 Make = Callable[..., sb.ReplayBuffer]
 
+
+@dataclass(frozen=True)
+class NewestK(sb.Sampler):
+    """Uniform over each lane's newest ``k`` rows (docs/samplers.md writes the same)."""
+
+    k: int = 8
+    kind: ClassVar[str] = "test-newest"
+
+    def draw(self, ring: Any, tree: Any, rng: np.random.Generator, n: int, *, replace: bool = True,
+             taken: np.ndarray | None = None, again: bool = False, slow: bool = False) -> sb.Draw:
+        first, stop = ring.bounds()
+        return sb.Draw(uniform_ids(rng, n, np.maximum(first, stop - self.k), stop, replace=replace, taken=taken))
+
+
+
 SAMPLERS: dict[str, dict[str, Any]] = {
     "uniform": {},
     "uniform-lanes": {"lanes": 4},
     "uniform-max-use": {"max_use": 1000},
     "prioritized": {"sampler": sb.Prioritized(alpha=0.6, beta=0.4)},
     "prioritized-max-use": {"sampler": sb.Prioritized(), "max_use": 1000},
+    "users-newest-k": {"sampler": NewestK(10_000)},  # a user's sampler (docs/samplers.md), drawing in Python
 }
 
 
@@ -211,7 +228,7 @@ def test_bad_sampler_options() -> None:
     assert sb.Prioritized(beta=0.4, beta_steps=0).beta_at(10**6) == 0.4
     with pytest.raises(ValueError, match="max_use: expected a positive int"):
         sb.ReplayBuffer(MUJOCO, 8, max_use=0)
-    with pytest.raises(ValueError, match="sampler: expected Uniform"):
+    with pytest.raises(ValueError, match=r"sampler: expected a Sampler \(Uniform\(\), Prioritized\(\.\.\.\) or a subclass"):
         sb.ReplayBuffer(MUJOCO, 8, sampler="per")  # type: ignore[arg-type]
 
 
@@ -556,3 +573,69 @@ def test_a_sample_size_is_a_positive_int(n: Any) -> None:
 def test_a_sample_size_may_be_a_numpy_int() -> None:
     assert check_batch_size(np.int32(5)) == 5 and type(check_batch_size(np.int64(5))) is int
 
+
+
+# -- a sampler of the user's: every path asks it ----------------------------------------------------
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_a_users_sampler_draws_on_every_path(lanes: int, make: Make, name: str, tmp_path: Any) -> None:
+    """Its own draw, never a built-in one in its place: the C one-call path leaves it to the reader;
+    the batches, distinct rows, max_use, a save and load, and an attach all keep it."""
+    from shmbuffer.protocol.reader import OneCall
+
+    buf = make(sb.Schema(x=((), "int64")), 120, lanes=lanes, sampler=NewestK(5), seed=0, name=name)
+    for ln in range(lanes):
+        buf.push(x=np.arange(40) + 100 * ln, lane=ln)
+    newest = {100 * ln + i for ln in range(lanes) for i in range(35, 40)}
+    assert not OneCall.serves(buf)
+    got = buf.sample(2000).x.tolist()
+    assert set(got) == newest  # each of them, and nothing else
+    counts = np.bincount(np.array(got) % 100 - 35 + 5 * (np.array(got) // 100))
+    assert counts.min() > 2000 / len(newest) * 0.7  # about uniform over them
+    assert set(buf.sample(len(newest), replace=False).x.tolist()) == newest
+    with pytest.raises(sb.EmptyBufferError):
+        buf.sample(len(newest) + 1, replace=False)
+    again = sb.ReplayBuffer.attach(buf.handle)
+    try:
+        assert again.options.sampler == NewestK(5) and set(again.sample(200).x.tolist()) <= newest
+    finally:
+        again.close()
+    buf.save(tmp_path / "s")
+    loaded = sb.load(tmp_path / "s")
+    try:
+        assert loaded.options.sampler == NewestK(5) and set(loaded.sample(200).x.tolist()) <= newest
+    finally:
+        loaded.close()
+        loaded.unlink()
+    used = make(sb.Schema(x=((), "int64")), 40, sampler=NewestK(4), max_use=1, name=name + "u")
+    used.push(x=np.arange(10))
+    assert sorted(used.sample(4, replace=False).x.tolist()) == [6, 7, 8, 9]
+    with pytest.raises(sb.WaitTimeout):  # the newest rows are used up; older ones are not its to draw
+        used.sample(1)
+
+
+def test_what_cannot_serve_a_users_sampler_says_so(name: str) -> None:
+    pytest.importorskip("ray")
+    from shmbuffer.ray import ShardedBuffer
+
+    with pytest.raises(ValueError, match=r"own draw only.*Uniform\(\) or Prioritized\(\)"):
+        ShardedBuffer(sb.Schema(x=((), "int64")), 100, sampler=NewestK(5))
+
+
+def test_a_sampler_kind_unknown_to_the_process_is_named(make: Make, name: str) -> None:
+    """A process that attaches without the sampler's class is told which kind to import."""
+    import subprocess
+    import sys
+
+    buf = make(sb.Schema(x=((), "int64")), 16, sampler=NewestK(2), name=name)
+    code = f"import shmbuffer as sb\ntry:\n    sb.ReplayBuffer.attach({buf.name!r})\nexcept Exception as e:\n    print(e)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60).stdout
+    assert "sampler kind 'test-newest' is not known in this process" in out
+
+
+def test_sampler_declarations_are_checked() -> None:
+    with pytest.raises(TypeError, match="sets kind"):
+        type("NoKind", (sb.Sampler,), {})
+    with pytest.raises(TypeError, match="already"):
+        type("Other", (sb.Sampler,), {"kind": "uniform"})
+    with pytest.raises(TypeError, match="subclass Prioritized"):
+        type("Fake", (sb.Sampler,), {"kind": "test-fake", "prioritized": True, "served": "tree"})

@@ -34,7 +34,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -44,7 +44,7 @@ from ..progress import Progress as Line
 from ..protocol.layout import Counter, Lane, Options
 from ..protocol.priorities import MAX_LEAF
 from ..protocol.rows import committed, slot
-from ..sampling.samplers import Prioritized
+from ..sampling.samplers import Prioritized, sampler_from_json
 from ..schema import Schema
 from ..shm.segment import human
 from .format import (
@@ -261,13 +261,11 @@ def _read_meta(meta_file: Path, meta: dict[str, Any], version: int) -> _Saved:
             f"{meta_file}: {capacity} rows of {row_bytes} bytes (options.capacity, schema) need more than "
             f"{human(MAX_BLOCK)}; the file is damaged: save the buffer again"
         )
-    sampler = m.obj(o, "sampler", "options.")
-    kind = m.text(sampler, "kind", "options.sampler.")
-    if kind == "prioritized":
-        for key in ("alpha", "beta", "eps"):
-            m.number(sampler, key, "options.sampler.")
-        if m.get(sampler, "beta_steps", "options.sampler.") is not None:
-            m.integer(sampler, "beta_steps", "options.sampler.", 1)
+    m.text(m.obj(o, "sampler", "options."), "kind", "options.sampler.")
+    try:  # the sampler checks its own settings
+        sampler_from_json(o["sampler"])
+    except (TypeError, ValueError) as exc:
+        raise LayoutError(f"{meta_file}: options.sampler: {_clip(str(exc))}") from None
     if o.get("max_use") is not None:
         m.integer(o, "max_use", "options.", 1, 2**32 - 1)
     if type(m.get(o, "episodes", "options.")) is not bool:
@@ -318,8 +316,8 @@ def _read_meta(meta_file: Path, meta: dict[str, Any], version: int) -> _Saved:
         if not isinstance(state, dict) or set(state) != {"max_priority"}:
             raise m.bad("sampler_state", state, "an object with the key 'max_priority'")
         max_priority = m.number(state, "max_priority", "sampler_state.")
-        s = opts.sampler
-        if isinstance(s, Prioritized):
+        if opts.sampler.prioritized:
+            s = cast(Prioritized, opts.sampler)
             with np.errstate(over="ignore"):
                 leaf = float(np.power(max_priority + s.eps, s.alpha))
             if not leaf <= MAX_LEAF:

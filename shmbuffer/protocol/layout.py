@@ -39,7 +39,7 @@ import numpy as np
 from ..errors import FieldError, LayoutError
 from ..frames import KIND, Frames
 from ..sampling.limiter import RateLimiter
-from ..sampling.samplers import Prioritized, Sampler, Uniform, sampler_from_json
+from ..sampling.samplers import Sampler, Uniform, sampler_from_json
 from ..sampling.sumtree import SumTree
 from ..schema import Record, Schema
 from ..shm.lock import SIZE as MUTEX_SIZE
@@ -112,8 +112,9 @@ class Options:
             raise ValueError(f"lanes: expected a positive divisor of capacity {cap}, got {lanes!r}")
         if max_use is not None and not _count(max_use):
             raise ValueError(f"max_use: expected a positive int or None, got {max_use!r}")
-        if not isinstance(self.sampler, (Uniform, Prioritized)):
-            raise ValueError(f"sampler: expected Uniform() or Prioritized(...), got {self.sampler!r}")
+        if not isinstance(self.sampler, Sampler):
+            raise ValueError(f"sampler: expected a Sampler (Uniform(), Prioritized(...) or a subclass of "
+                             f"shmbuffer.Sampler, docs/samplers.md), got {self.sampler!r}")
         if self.limiter is not None and not isinstance(self.limiter, RateLimiter):
             raise ValueError(f"limiter: expected a RateLimiter, got {self.limiter!r}")
         if self.envs is not None and (not _count(self.envs) or self.envs != lanes):
@@ -126,7 +127,7 @@ class Options:
     @property
     def tree(self) -> bool:
         """Whether draws go through the priority tree (prioritized, or any sampler with max_use)."""
-        return isinstance(self.sampler, Prioritized) or self.max_use is not None
+        return self.sampler.prioritized or self.max_use is not None
 
     def default_lane(self, k: int) -> int | np.ndarray:
         """The lanes of a push of ``k`` rows that names none (see ``envs`` and ``lanes``)."""

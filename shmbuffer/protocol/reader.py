@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 
@@ -697,7 +697,10 @@ class OneCall:
 
     @staticmethod
     def serves(src: Source) -> bool:
-        """Whether ``src``'s samples with replacement can be one call."""
+        """Whether ``src``'s samples with replacement can be one call: its sampler's draw is one
+        the C call makes (``Sampler.served``), and the columns fit a plan."""
+        if src.options.sampler.served is None:
+            return False  # only its own draw: never a built-in one in its place
         block = src.block
         spec = block.frames
         columns = (block.packed is not None) + len(block.large) + (block.episode is not None)
@@ -743,9 +746,9 @@ class OneCall:
             sampler = src.options.sampler
             leaves = np.empty(n)
             beta = 0.0
-            if isinstance(sampler, Prioritized):
+            if sampler.prioritized:  # served "tree": Prioritized's weights
                 weight = np.empty(n, np.float32)
-                beta = sampler.beta_at(calls)
+                beta = cast(Prioritized, sampler).beta_at(calls)
             bad = self.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil, leaves, weight, beta)
         else:
             bad = self.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil)

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import ray
@@ -83,6 +83,10 @@ class ShardedBuffer:
         force_remote: bool = False, seed: int | None = None, timeout: float = 120.0,
         sources: Sequence[str] | None = None, **options: Any,
     ) -> None:
+        if sampler.served is None:
+            raise ValueError(f"ShardedBuffer: sampler {sampler!r} draws with its own draw only (served=None), and a "
+                             "batch split over shards by their sizes would not be its distribution: sample such a "
+                             "buffer on one machine (ReplayBuffer), or use Uniform() or Prioritized()")
         if not ray.is_initialized():
             raise RuntimeError("ShardedBuffer: connect to a Ray cluster first (ray.init(address=...))")
         schema = schema if isinstance(schema, Schema) else Schema(schema)
@@ -213,7 +217,7 @@ class ShardedBuffer:
 
     # -- sampling --------------------------------------------------------------------------
     def _mass(self, state: dict[str, Any]) -> float:
-        return float(state["total"]) if isinstance(self.sampler, Prioritized) else float(state["len"])
+        return float(state["total"]) if self.sampler.prioritized else float(state["len"])
 
     def _wait_limiter(self, n: int, timeout: float | None) -> None:
         limiter = self.limiter
@@ -372,11 +376,11 @@ class ShardedBuffer:
         shard = np.concatenate([np.full(len(p["index"]), i, np.int16) for i, p in parts])
         extras: dict[str, Any] = {"index": index, "shard": shard}
         sampler = self.sampler
-        if isinstance(sampler, Prioritized):
+        if sampler.prioritized:
             leaves = np.concatenate([p["leaves"] for _, p in parts])
             mins = [s["min"] for s in states.values() if s["len"] and np.isfinite(s["min"]) and s["min"] > 0]
             low = min(mins) if mins else float("inf")
-            extras["weight"] = importance_weights(leaves, low, sampler.beta_at(self._calls - 1))
+            extras["weight"] = importance_weights(leaves, low, cast(Prioritized, sampler).beta_at(self._calls - 1))
         return Batch(fields, extras)
 
     def update_priorities(self, rows: Batch | Any, priorities: Any) -> int:

@@ -9,18 +9,35 @@ gathers and checks the rows, so every sampler here is tested on plain arrays.
   the paper), with ``beta`` annealed linearly to 1 over ``beta_steps`` sample calls.
 * ``max_use`` (a buffer option, for both): a row drawn ``max_use`` times leaves the sampling set.
 
-Each sampler draws on its own: ``draw(ring, tree, rng, k, ...) -> Draw`` gives row ids (and,
-from the tree, their leaves); ``weights`` turns leaves into importance weights. A sampler reads
-the ring (bounds, ids of slots; ``ring.py``) and the ``SumTree`` (``sumtree.py``) and never data:
-the reader (``reader.py``) reads the rows and asks for more where they were not intact. A new
-sampler is a new class with these two methods. The shared state they draw from under
-``Prioritized`` and ``max_use`` is ``priorities.py``.
+The interface (``Sampler``)
+---------------------------
+A sampler is a subclass of ``Sampler`` (a frozen dataclass of its settings). It says what it is,
+and every path asks it instead of checking its class:
+
+* ``kind``: its name in the block's metadata and in saves (``to_json``/``sampler_from_json``);
+  defining the subclass registers it (``SAMPLERS``), so another process that imports the same
+  module attaches to, loads and saves buffers that use it.
+* ``prioritized``: it draws in proportion to the priorities ``update_priorities`` sets (a sum tree
+  in shared memory, ``priorities.py``); only ``Prioritized`` is, and the tree's leaf formula is
+  its own (``leaf``).
+* ``served``: which built-in draw the C one-call sample (``reader.OneCall``) and the device copy
+  (``device.py``) may run in its place: ``"uniform"`` (uniform over the lanes' rows), ``"tree"``
+  (from the priority tree), or ``None`` (only its own ``draw``, in Python: the C path leaves such
+  a sampler to the reader, never substituting another draw).
+* ``draw(ring, tree, rng, k, ...) -> Draw`` gives row ids (and, from a tree, their leaves);
+  ``weights`` turns leaves into importance weights (``None``: the batch has none).
+
+A sampler reads the ring (bounds, ids of slots; ``ring.py``) and the ``SumTree``
+(``sumtree.py``), never data: the reader (``reader.py``) reads the rows and asks for more where
+they were not intact. ``docs/samplers.md`` writes a sampler of the newest rows this way. The
+shared state ``Prioritized`` and ``max_use`` draw from is ``priorities.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple, Protocol
+import math
+from dataclasses import asdict, dataclass, is_dataclass
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import numpy as np
 
@@ -58,10 +75,71 @@ class RingView(Protocol):
     # without it (or without the extension) ``tree_draw`` runs the numpy code and ``ids_of_slots``
 
 
+SAMPLERS: dict[str, type[Sampler]] = {}
+"""Every ``Sampler`` subclass by its ``kind``: what ``sampler_from_json`` builds."""
+
+
+class Sampler:
+    """What every sampler is (see "The interface" in the module docstring). Subclass it as a frozen
+    dataclass of the sampler's settings, set ``kind`` (and ``served``, ``prioritized`` where they
+    apply) and write ``draw``; ``weights`` defaults to none."""
+
+    kind: ClassVar[str] = ""
+    """The sampler's name in metadata and saves; unique among the subclasses."""
+    prioritized: ClassVar[bool] = False
+    """Draws in proportion to the priorities ``update_priorities`` sets (the shared sum tree), by
+    ``Prioritized``'s formulas: only ``Prioritized`` and its subclasses set it."""
+    weighted: ClassVar[bool] = False
+    """Its batches carry importance weights (``weights`` gives them)."""
+    served: ClassVar[str | None] = None
+    """The built-in draw that may run in its place: ``"uniform"``, ``"tree"`` or ``None``."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.kind:
+            raise TypeError(f"{cls.__name__}: a Sampler subclass sets kind, its name in metadata and saves")
+        if cls.prioritized and not any(c.__name__ == "Prioritized" and c.__module__ == __name__ for c in cls.__mro__):
+            raise TypeError(f"{cls.__name__}: prioritized samplers follow Prioritized's formulas: subclass Prioritized")
+        if cls.served not in (None, "uniform", "tree") or (cls.served == "tree") != cls.prioritized:
+            raise TypeError(f"{cls.__name__}: served must be None, 'uniform' or, for a prioritized sampler, 'tree'; "
+                            f"got {cls.served!r}")
+        known = SAMPLERS.get(cls.kind)
+        if known is not None and known.__qualname__ != cls.__qualname__:
+            raise TypeError(f"{cls.__name__}: kind {cls.kind!r} is already {known.__module__}.{known.__qualname__}'s")
+        SAMPLERS[cls.kind] = cls
+
+    def draw(
+        self, ring: RingView, tree: SumTree | None, rng: np.random.Generator, k: int, *, replace: bool = True,
+        taken: np.ndarray | None = None, again: bool = False, slow: bool = False,
+    ) -> Draw:
+        """``k`` ids of rows to read (``ring.INVALID`` for a draw to throw away; fewer when there are
+        not enough rows). ``tree`` is the priority tree when the buffer has one (``prioritized``, or
+        ``max_use``: leaf 0 once a row is used up, so draw from it then); ``replace=False`` wants
+        distinct ids, none of ``taken``; ``again``: the reader re-draws rows that were not intact;
+        ``slow``: they kept failing (draw from ``ring.committed_ids()``)."""
+        raise NotImplementedError(f"{type(self).__name__}.draw")
+
+    def weights(self, tree: SumTree | None, leaves: np.ndarray | None, calls: int) -> np.ndarray | None:
+        """Importance weights for drawn ``leaves`` after ``calls`` samples; ``None``: no weights."""
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        """As JSON, for the block's metadata and saves: the kind and the settings."""
+        return {"kind": self.kind, **(asdict(self) if is_dataclass(self) else {})}
+
+    @classmethod
+    def from_json(cls, spec: dict[str, Any]) -> Sampler:
+        """The sampler ``to_json`` gave (the kind already taken out of ``spec``)."""
+        return cls(**spec)
+
+
 @dataclass(frozen=True)
-class Uniform:
+class Uniform(Sampler):
     """Every committed row equally likely (``sample(n, replace=False)`` for distinct rows); under
     ``max_use`` every row with uses left (leaf 1 in the tree)."""
+
+    kind: ClassVar[str] = "uniform"
+    served: ClassVar[str | None] = "uniform"
 
     def draw(
         self, ring: RingView, tree: SumTree | None, rng: np.random.Generator, k: int, *, replace: bool = True,
@@ -88,18 +166,16 @@ class Uniform:
         first, last = ring.bounds()
         return Draw(uniform_ids(rng, k, first, last, replace=replace, taken=taken))
 
-    def weights(self, tree: SumTree | None, leaves: np.ndarray | None, calls: int) -> np.ndarray | None:
-        """No importance weights: ``None``."""
-        return None
-
-    def to_json(self) -> dict[str, Any]:
-        """As JSON, for the block's metadata."""
-        return {"kind": "uniform"}
 
 
 @dataclass(frozen=True)
-class Prioritized:
+class Prioritized(Sampler):
     """Proportional prioritized replay; see the module docstring for the formulas."""
+
+    kind: ClassVar[str] = "prioritized"
+    prioritized: ClassVar[bool] = True
+    weighted: ClassVar[bool] = True
+    served: ClassVar[str | None] = "tree"
 
     alpha: float = 0.6
     beta: float = 0.4
@@ -107,9 +183,9 @@ class Prioritized:
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        for name, value, lo in (("alpha", self.alpha, 0.0), ("beta", self.beta, 0.0), ("eps", self.eps, 0.0)):
-            if not np.isfinite(value) or value < lo:
-                raise ValueError(f"Prioritized: {name} must be a finite number >= {lo}, got {value!r}")
+        for name, value in (("alpha", self.alpha), ("beta", self.beta), ("eps", self.eps)):
+            if not _finite(value) or value < 0:
+                raise ValueError(f"Prioritized: {name} must be a finite number >= 0, got {value!r}")
         if self.beta > 1:
             raise ValueError(f"Prioritized: beta must be in [0, 1], got {self.beta}")
         if self.beta_steps is not None and (not isinstance(self.beta_steps, (int, np.integer)) or self.beta_steps < 0):
@@ -140,12 +216,16 @@ class Prioritized:
             return out
         return importance_weights(leaves, tree.min, self.beta_at(calls))
 
-    def to_json(self) -> dict[str, Any]:
-        """As JSON, for the block's metadata: the kind and the parameters."""
-        return {"kind": "prioritized", **asdict(self)}
 
 
-Sampler = Uniform | Prioritized
+def _finite(value: Any) -> bool:
+    """``value`` is a real number (not a bool) that a float holds finitely."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def importance_weights(leaves: np.ndarray, low: float, beta: float) -> np.ndarray:
@@ -174,14 +254,15 @@ def check_batch_size(n: Any, what: str = "sample") -> int:
 
 
 def sampler_from_json(spec: dict[str, Any]) -> Sampler:
-    """The sampler that a sampler's ``to_json`` gave."""
+    """The sampler that a sampler's ``to_json`` gave, by its kind (``SAMPLERS``); ``ValueError``
+    naming the kind when no class of that kind is defined in this process."""
     spec = dict(spec)
-    kind = spec.pop("kind")
-    if kind == "uniform":
-        return Uniform()
-    if kind == "prioritized":
-        return Prioritized(**spec)
-    raise ValueError(f"unknown sampler kind {kind!r}")
+    kind = spec.pop("kind", None)
+    cls = SAMPLERS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"sampler kind {kind!r} is not known in this process (known: {sorted(SAMPLERS)}): import "
+                         "the module that defines that Sampler subclass first (defining it registers its kind)")
+    return cls.from_json(spec)
 
 
 def uniform_ids(

@@ -214,7 +214,7 @@ class DequeBuffer(Facade):
 
     @property
     def _prioritized(self) -> bool:
-        return isinstance(self._store.sampler, Prioritized)
+        return self._store.sampler.prioritized
 
     # -- writing -----------------------------------------------------------------------------------
     @apply_middleware("push")
