@@ -70,6 +70,7 @@ from .protocol import reader
 from .protocol.layout import Counter
 from .protocol.reader import GIVE_UP, Rows, Source
 from .protocol.ring import INVALID, Ring
+from .protocol.rows import lane_of, number_of, row_id, slot
 
 __all__ = ["STRATEGIES", "Hindsight", "sample"]
 
@@ -204,13 +205,13 @@ class Plan:
 
 # -- episode extents --------------------------------------------------------------------------------
 
-def _same(episode: np.ndarray, ring: Ring, base: np.ndarray, r: np.ndarray, own: np.ndarray,
+def _same(episode: np.ndarray, ring: Ring, lane: np.ndarray, r: np.ndarray, own: np.ndarray,
           lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Whether row ``r`` of each lane (slots from ``base``) lies in ``[lo, hi)`` and shows episode
-    ``own`` (a read without the stamp check: callers confirm what they use)."""
+    """Whether row ``r`` of each ``lane`` lies in ``[lo, hi)`` and shows episode ``own`` (a read
+    without the stamp check: callers confirm what they use)."""
     inside = (r >= lo) & (r < hi)
     at = np.clip(r, lo, np.maximum(hi - 1, lo))
-    return inside & (episode.take(base + at % ring.lane_capacity) == own)
+    return inside & (episode.take(slot(lane, at, ring.lane_capacity)) == own)
 
 
 def edge(episode: np.ndarray, ring: Ring, ids: np.ndarray, own: np.ndarray, direction: int) -> np.ndarray:
@@ -218,27 +219,24 @@ def edge(episode: np.ndarray, ring: Ring, ids: np.ndarray, own: np.ndarray, dire
     ``own`` or lies outside its lane's rows: the episode's ``stop`` forwards, ``first - 1``
     backwards. The rows ``t ± 1 .. t ± WINDOW`` are read in one take; beyond that a galloping
     search (``t ± 2W, 4W, ...`` until a row is not the episode's), then a binary search."""
-    lanes = ring.lanes
-    lane = ids % lanes
-    row = ids // lanes
+    lane, row = lane_of(ids, ring.lanes), number_of(ids, ring.lanes)
     start, stop = ring.bounds()
     lo, hi = start[lane], stop[lane]
-    base = lane * ring.lane_capacity
     span = np.arange(1, WINDOW + 1) * direction
     probe = row[:, None] + span
-    near = _same(episode, ring, base[:, None], probe, own[:, None], lo[:, None], hi[:, None])
+    near = _same(episode, ring, lane[:, None], probe, own[:, None], lo[:, None], hi[:, None])
     out = row + (np.argmin(near, axis=1) + 1) * direction
     todo = np.flatnonzero(near[:, -1])
     if not todo.size:
         return out
-    base, row, own, lo, hi = base[todo], row[todo], own[todo], lo[todo], hi[todo]
+    lane, row, own, lo, hi = lane[todo], row[todo], own[todo], lo[todo], hi[todo]
     inner = row + WINDOW * direction
     outer = inner.copy()
     pending = np.ones(todo.size, bool)
     step = 2 * WINDOW
     while pending.any():
         p = row + step * direction
-        s = _same(episode, ring, base, p, own, lo, hi)
+        s = _same(episode, ring, lane, p, own, lo, hi)
         inner = np.where(pending & s, p, inner)
         outer = np.where(pending & ~s, p, outer)
         pending &= s
@@ -248,7 +246,7 @@ def edge(episode: np.ndarray, ring: Ring, ids: np.ndarray, own: np.ndarray, dire
         if not gap.any():
             break
         mid = (inner + outer) // 2
-        s = _same(episode, ring, base, mid, own, lo, hi)
+        s = _same(episode, ring, lane, mid, own, lo, hi)
         inner = np.where(gap & s, mid, inner)
         outer = np.where(gap & ~s, mid, outer)
     out[todo] = np.clip(outer, lo - 1, hi)  # a probe past the lane's rows stands for its end
@@ -263,10 +261,10 @@ def ends(src: Source, plan: Plan, ids: np.ndarray, own: np.ndarray) -> tuple[np.
     episode = block.episode
     assert episode is not None
     lanes = ring.lanes
-    lane = ids % lanes
+    lane = lane_of(ids, lanes)
     stop = edge(episode, ring, ids, own, +1)
-    last = (stop - 1) * lanes + lane
-    after = np.where(stop < ring.bounds()[1][lane], stop * lanes + lane, INVALID)
+    last = row_id(stop - 1, lane, lanes)
+    after = np.where(stop < ring.bounds()[1][lane], row_id(stop, lane, lanes), INVALID)
     both = np.concatenate([last, after])
     updates = int(block.counters[Counter.UPDATES])
     before = ring.current(both)
@@ -288,7 +286,7 @@ def ends(src: Source, plan: Plan, ids: np.ndarray, own: np.ndarray) -> tuple[np.
     if plan.end_rows:
         complete = mine & flag
         stop = stop - 1  # the end row holds the final observation; the transitions stop before it
-    return stop, complete & (stop > ids // lanes)
+    return stop, complete & (stop > number_of(ids, lanes))
 
 
 class Memo:
@@ -318,12 +316,12 @@ class Memo:
     def put(self, ring: Ring, ids: np.ndarray, stop: np.ndarray, first: np.ndarray | None) -> None:
         """Remember ``stop`` (and ``first``) for ``ids`` and for every later row of each one's episode."""
         lanes = ring.lanes
-        row = ids // lanes
+        row = number_of(ids, lanes)
         length = np.maximum(stop - row, 0)
         which = np.repeat(np.arange(ids.size), length)
         offset = np.arange(which.size) - np.repeat(np.cumsum(length) - length, length)
         rows = row[which] + offset
-        every = rows * lanes + (ids % lanes)[which]
+        every = row_id(rows, lane_of(ids, lanes)[which], lanes)
         slots = ring.slots(every)
         self.table[slots, 1] = stop[which]
         self.table[slots, 2] = INVALID if first is None else first[which]
@@ -398,7 +396,7 @@ def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] |
             done = ids[miss][complete]
             if done.size:  # the whole episode at once: its first row found too
                 first = edge(episode_col, ring, done, own[complete], -1) + 1
-                known.put(ring, first * ring.lanes + done % ring.lanes, stop[complete], first)
+                known.put(ring, row_id(first, lane_of(done, ring.lanes), ring.lanes), stop[complete], first)
         return ok
 
     def redraw(k: int, taken: np.ndarray, slow: bool) -> tuple[np.ndarray, np.ndarray | None]:
@@ -482,8 +480,7 @@ def _goals(src: Source, plan: Plan, known: Memo, ids: np.ndarray, own: np.ndarra
     episodes ``own``, read under the stamp check: their ids, which are fine, and their goals."""
     ring, rng = src.ring, src.rng
     lanes = ring.lanes
-    lane = ids % lanes
-    row = ids // lanes
+    lane, row = lane_of(ids, lanes), number_of(ids, lanes)
     slots = ring.slots(ids)
     entry = known.lookup(slots)
     stop = np.maximum(entry[:, 1], row + 1)
@@ -502,7 +499,7 @@ def _goals(src: Source, plan: Plan, known: Memo, ids: np.ndarray, own: np.ndarra
             known.put(ring, ids[unknown], stop[unknown], np.full(unknown.size, 0, np.int64) + found)
         first = np.maximum(first, ring.bounds()[0][lane])
         g = first + (rng.random(row.shape[0]) * (stop - first)).astype(np.int64)
-    gid = g * lanes + lane
+    gid = row_id(g, lane, lanes)
     got = reader.gather(src.block, ring, gid, large=plan.large)
     assert got.episode is not None
     fine = got.ok & (got.episode == own)

@@ -24,7 +24,7 @@ from .frames import KIND, LEAD, START
 from .protocol import reader
 from .protocol.reader import GIVE_UP, Rows, Source
 from .protocol.ring import INVALID, Ring
-from .protocol.rows import lane_of, number_of, slot, window
+from .protocol.rows import lane_of, number_of, row_id, slot, window
 from .sampling.samplers import uniform_ids
 
 
@@ -217,7 +217,7 @@ def _shuffled_groups(src: Source, groups: int, size: int, what: str) -> Batch:
         rows = np.full((k, size), INVALID, np.int64)
         for g, (lo, hi, lane) in enumerate(zip(first, stop, lanes, strict=True)):
             if hi - lo >= size:
-                rows[g] = (lo + src.rng.choice(hi - lo, size=size, replace=False)) * ring.lanes + lane
+                rows[g] = row_id(lo + src.rng.choice(hi - lo, size=size, replace=False), lane, ring.lanes)
         return rows
 
     def accept(ids: np.ndarray, rows: Rows) -> np.ndarray:
@@ -260,7 +260,7 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
             ok[0] = a == int(ring.base(np.array([lane]))[0])
             ok[-1] = False  # nothing follows the newest run yet
             if ok.any():
-                ok[ok] = ring.current(stop[ok] * ring.lanes + lane)
+                ok[ok] = ring.current(row_id(stop[ok], lane, ring.lanes))
             first, stop = first[ok], stop[ok]
         frames = src.block.frames
         if frames is not None and kinds is not None and frames.stack and first.size and not kinds[slot(lane, first[0], lc)] & START:
@@ -322,7 +322,7 @@ def _episode_groups(src: Source, groups: int, size: int, *, ordered: bool, repla
                 at = lo + int(src.rng.integers(0, length[r] - m + 1)) + np.arange(m)
             else:
                 at = lo + src.rng.choice(int(length[r]), size=m, replace=False)
-            rows[g, :m] = at * ring.lanes + lane[r]
+            rows[g, :m] = row_id(at, lane[r], ring.lanes)
         real = rows != INVALID
         got = reader.gather(src.block, ring, rows)
         assert got.episode is not None
@@ -358,12 +358,12 @@ def sample_episodes(src: Source, n: int, *, replace: bool = False) -> list[Batch
         # episode's, and a committed row of another episode follows its last
         before = (first > start[lanes]) | (start[lanes] == ring.base(lanes))
         after = stop < end[lanes]
-        after[after] = ring.current(stop[after] * ring.lanes + lanes[after])
+        after[after] = ring.current(row_id(stop[after], lanes[after], ring.lanes))
         if _ends_in_own_row(src):  # the row after the last transition is the episode's end row
             stop = stop - 1
             after &= stop > first
         for lo, hi, lane in zip(first[before & after], stop[before & after], lanes[before & after], strict=True):
-            ids = np.arange(lo, hi) * ring.lanes + lane
+            ids = row_id(np.arange(lo, hi), lane, ring.lanes)
             rows = reader.gather(src.block, ring, ids)
             assert rows.episode is not None
             if rows.ok.all() and (rows.episode == rows.episode[0]).all():
@@ -386,7 +386,7 @@ def _distinct_episodes(src: Source, n: int) -> list[Batch]:
             )
         out = []
         for r in _pick_runs(src, (stop - first).astype(np.float64), n, False):
-            ids = np.arange(first[r], stop[r]) * ring.lanes + lane[r]
+            ids = row_id(np.arange(first[r], stop[r]), lane[r], ring.lanes)
             rows = reader.gather(src.block, ring, ids)
             assert rows.episode is not None
             if not (rows.ok.all() and (rows.episode == rows.episode[0]).all()):

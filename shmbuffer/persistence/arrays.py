@@ -20,13 +20,12 @@ from ..errors import CapacityError, FieldError
 from ..frames import ENDS, Frames, frames_of
 from ..progress import Progress as Line
 from ..protocol import reader
-from ..protocol.layout import Lane
 from ..protocol.push import last_of_lanes
 from ..protocol.rows import lane_of, number_of, row_id
 from ..schema import Schema
 from . import snapshot
 from .format import tensors
-from .snapshot import Buffer, MemorySink, Snapshot, columns, copy_rows
+from .snapshot import Buffer, MemorySink, Snapshot, copy_rows
 
 __all__ = ["export", "from_arrays", "import_rows", "pieces", "set_uses"]
 
@@ -290,11 +289,8 @@ def _push_keeping_ids(buf: Buffer, data: dict[str, Any], extra: dict[str, Any], 
     """Push each lane's rows at their own row numbers (see ``from_arrays``); the numbers between
     them get a copy of the row before, deleted once pushed."""
     lanes = buf.lanes
-    cursors = columns(buf)["_lanes"]
-    with buf.ring.lock:  # a new buffer nobody else has pushed to yet: each lane starts at its first row
-        for lane, rows in keep.items():
-            cursors[lane, Lane.BASE] = int(rows[0])
-            cursors[lane, Lane.CURSOR] = int(rows[0])
+    for lane, rows in keep.items():  # a new buffer nobody else has pushed to yet: each lane starts at its first row
+        buf.ring.place(lane, int(rows[0]), int(rows[0]))
     single = k == 1 and all(np.ndim(a) == len(buf.schema[n].shape) for n, a in data.items())
     rows_of = {n: np.asarray(a)[np.newaxis] if single else np.asarray(a) for n, a in data.items()}
     more = {key: np.broadcast_to(np.asarray(v), (k,)) if np.ndim(v) == 0 else np.asarray(v).reshape(k)

@@ -41,7 +41,7 @@ import numpy as np
 from ..errors import CapacityError, LayoutError
 from ..frames import END, KIND, LEAD, START, ZERO
 from ..progress import Progress as Line
-from ..protocol.layout import Counter, Lane, Options
+from ..protocol.layout import Counter, Options
 from ..protocol.priorities import MAX_LEAF
 from ..protocol.rows import committed, slot
 from ..sampling.samplers import Prioritized, sampler_from_json
@@ -474,8 +474,7 @@ def _read(folder: Path, meta: dict[str, Any], version: int, factory: Callable[..
             new_lc = buf.lane_capacity
             for lane, (first, stop, base) in enumerate(lanes):
                 # the saved base reproduces the bounds unless the lanes grew or rows were dropped
-                arrays["_lanes"][lane, Lane.BASE] = base if max(base, stop - new_lc) == first else first
-                arrays["_lanes"][lane, Lane.CURSOR] = stop  # last: until now the buffer reads as empty
+                buf.ring.place(lane, base if max(base, stop - new_lc) == first else first, stop)
         except BaseException:
             buf.__exit__(None, None, None)  # unlink; unmap once the traceback's views are gone
             raise

@@ -618,6 +618,22 @@ class Ring:
             ids = (start[lane] + flat - (ends[lane] - sizes[lane])) * self.lanes + lane
         return ids.reshape(pos.shape)
 
+    def place(self, lane: int, base: int, cursor: int) -> None:
+        """Set ``lane``'s base and cursor in a buffer no process writes to yet (a load, an import
+        that keeps ids): under the lock, the base first and the cursor last, so the lane reads as
+        empty until its rows count (the clear's order, "every prefix" in the module docstring)."""
+        with self.lock:
+            self._lanes[lane, _BASE] = base
+            self._lanes[lane, _CURSOR] = cursor
+
+    def write_free(self, slots: np.ndarray, column: np.ndarray, values: np.ndarray) -> None:
+        """Write ``values`` into ``column`` at those of ``slots`` that hold no row and are not being
+        written (SB3's arrays written where no row is, ``sb3/buffers.py``): under the lock, so no
+        reservation takes such a slot while it is written."""
+        with self.lock:
+            idle = ((self.stamp[slots] & 1) == 0) & (self.ids_of_slots(slots) == INVALID)
+            column[slots[idle]] = values[idle]
+
     def contiguous(self, start: int, stop: int, lane: int) -> tuple[slice, np.ndarray]:
         """The slots of logical rows ``[start, stop)`` of ``lane`` as one slice, and their ids;
         ``ValueError`` when they wrap past the lane's end (two pieces cannot be one view)."""

@@ -60,6 +60,12 @@ def number_of(ids: Ints, lanes: int) -> Ints:
     return ids // lanes
 
 
+def newest_at(position: Ints, newest: Ints, lane_capacity: int) -> Ints:
+    """The newest row number, at most ``newest``, that lives at ``position`` of its lane (its
+    slot is ``slot(lane, n, ...)``, its position ``n % lane_capacity``): SB3's ``pos`` as a row."""
+    return newest - (newest - position) % lane_capacity
+
+
 def slot_of_id(ids: Ints, lanes: int, lane_capacity: int) -> Ints:
     """The slot of each id."""
     if lanes == 1:

@@ -69,6 +69,7 @@ from stable_baselines3.common.utils import get_device
 from ..buffer import ReplayBuffer as SharedBuffer
 from ..errors import EmptyBufferError, FieldError
 from ..protocol.ring import INVALID
+from ..protocol.rows import lane_of, newest_at, row_id, slot
 from ..sampling.limiter import RateLimiter
 from ..schema import Schema
 
@@ -330,14 +331,11 @@ class _Shared:
         if live.any():
             self.buffer.update(ids[live], {field: rows[live]})
         if not live.all():
-            free, values = slots[~live], rows[~live]
-            with ring.lock:  # no reservation meanwhile: a slot found free stays free while it is written
-                idle = ((ring.stamp[free] & 1) == 0) & (ring.ids_of_slots(free) == INVALID)
-                raw[free[idle]] = values[idle]
+            ring.write_free(slots[~live], raw, rows[~live])
         if self._episodic and field in ("done", "timeouts"):
             # a lane's newest row set done by hand ends its episode: the env's next add starts one
             stop = ring.bounds()[1]
-            newest = np.arange(self.n_envs) * self.buffer_size + (stop - 1) % self.buffer_size
+            newest = slot(np.arange(self.n_envs), stop - 1, ring.lane_capacity)
             ended = (self.buffer.block.fields["done"][newest] != 0) | (self.buffer.block.fields["timeouts"][newest] != 0)
             self._cut |= ended & (stop > ring.base(np.arange(self.n_envs)))
 
@@ -384,9 +382,7 @@ class _Shared:
         ring = self.buffer.ring
         stop = ring.bounds()[1]
         lane = np.asarray(env_indices, np.int64)
-        last = stop[lane] - 1
-        row = last - (last - np.asarray(batch_inds, np.int64)) % ring.lane_capacity
-        return row * ring.lanes + lane
+        return row_id(newest_at(np.asarray(batch_inds, np.int64), stop[lane] - 1, ring.lane_capacity), lane, ring.lanes)
 
     def _take(self, batch_inds: np.ndarray, env_indices: np.ndarray) -> dict[str, np.ndarray]:
         """The rows at those positions: stamped copies, read again (up to ``WAIT`` seconds) while
@@ -461,7 +457,7 @@ class _Shared:
         index = np.asarray(rows.pop("index"), np.int64)
         episode = np.asarray(rows.pop("episode"), np.int64)
         lanes = int(state["lanes"])
-        lane = index % lanes
+        lane = lane_of(index, lanes)
         if episode.size:  # fresh ids for the next adds: none of the saved episodes continues
             self._episode = np.arange(lanes, dtype=np.int64) + (int(episode.max()) // lanes + 1) * lanes
         for ln in range(lanes):  # each lane's rows oldest first
