@@ -69,7 +69,7 @@ def main() -> None:
     stamp = 2 * np.arange(cap, dtype=np.int64) + 2  # every row committed once
     ok = np.empty(batch, np.bool_)
 
-    def arena() -> tuple[np.ndarray, ...]:  # as reader._gather_native allocates
+    def arena() -> tuple[np.ndarray, ...]:  # as gather._gather_native allocates
         out = np.empty(sum(-(-batch * w // 64) * 64 for w in widths), np.uint8)
         views, at = [], 0
         for w in widths:

@@ -38,7 +38,9 @@ from .errors import EmptyBufferError, FieldError, SchemaError, closed
 from .frames import Frames
 from .loader import Loader
 from .protocol import edits, push, reader
+from .protocol.gather import check_out
 from .protocol.layout import UNIFORM, Block, Counter, Options, columns, read
+from .protocol.one_call import OneCall
 from .protocol.priorities import Priorities
 from .protocol.push import Copier, Pusher
 from .protocol.ring import Ring, check_platform
@@ -98,8 +100,8 @@ class ReplayBuffer:
     _ring: Ring | None = None
     _segment: Segment | None = None
     _push_plan: Any = None
-    _one_call: reader.OneCall | None = None
-    """The one-call sample (``reader.OneCall``), made at the first sample that it serves."""
+    _one_call: OneCall | None = None
+    """The one-call sample (``OneCall``), made at the first sample that it serves."""
     _one_calls = True
     """Whether samples try the one call (``False`` once it serves none of this buffer's, or to test
     the Python path)."""
@@ -413,7 +415,7 @@ class ReplayBuffer:
         for it as for a row being pushed. The stamp ends as it was, so a reader whose copy spans
         the whole update would pass the stamp check: every update counts itself
         (``Counter.UPDATES``) once its rows are odd, and rows gathered while the count moved
-        are read again (``reader.gather``). A ``priority`` (or a ``"priority"`` key that is not a
+        are read again (``gather.gather``). A ``priority`` (or a ``"priority"`` key that is not a
         field) sets the rows' priorities too. A process killed mid-update leaves its rows empty
         (reaped, never torn). Everything is checked first: on any error nothing changed."""
         ids = self.ring.check_ids(rows.index if isinstance(rows, Batch) else rows, "update")
@@ -464,7 +466,7 @@ class ReplayBuffer:
         """
         if out is not None:
             check_batch_size(n)
-            out = reader.check_out(self._block, n, out)
+            out = check_out(self._block, n, out)
         one = self._one_call
         if (one is not None and self._one_calls and type(n) is int and n > 0 and replace is True and n_step == 1
                 and hindsight is None and timeout is None and not unknown and one.rng is self.rng
@@ -529,15 +531,15 @@ class ReplayBuffer:
                     "transitions (an episode's final observation and each lane's newest row, which waits for "
                     "its next, are not)")
 
-    def _make_one_call(self) -> reader.OneCall | None:
-        """The one-call sample of this buffer (``reader.OneCall``), or ``None`` where it serves none."""
+    def _make_one_call(self) -> OneCall | None:
+        """The one-call sample of this buffer (``OneCall``), or ``None`` where it serves none."""
         if self._one_call is not None:
             self._one_call.close()
             self._one_call = None
-        if not reader.OneCall.serves(self):
+        if not OneCall.serves(self):
             self._one_calls = False
             return None
-        self._one_call = reader.OneCall(native.lib, self)
+        self._one_call = OneCall(native.lib, self)
         return self._one_call
 
     def _counted(self, rows: int, timeout: float | None, draw: Callable[[], Any]) -> Any:

@@ -32,7 +32,7 @@ Pushes: ``protocol/push.py`` checks frames pushes and lays them out as stored (i
 Reads (``center``, ``stack_plan``; the window's ids are ``protocol/rows.window``'s)
 ----------------------------
 A transition read for row ``n`` uses the rows ``n - k + 1 .. n + 1`` of its lane, each under its
-own stamp check (``reader.gather``): row ``n`` intact and not an end row; row ``n + 1`` intact
+own stamp check (``gather.gather``): row ``n`` intact and not an end row; row ``n + 1`` intact
 and not the start of another episode; every row a stack uses intact, inside the lane's rows and
 of the episode (no end row before the episode's start). A row that fails any of these is not
 intact for the reader, which re-draws it — a transition is never assembled from mixed rows. The

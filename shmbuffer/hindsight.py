@@ -31,7 +31,7 @@ sample with a ``Hindsight`` spec:
    where ``last`` is the episode's last transition. The goal is the ``achieved`` field of row
    ``g`` (by default ``next_achieved_goal``: the goal reached by the step, SB3's
    ``next_observations["achieved_goal"]``);
-3. reads the goal rows with ``reader.gather`` (the stamp check: committed before and after the
+3. reads the goal rows with ``gather.gather`` (the stamp check: committed before and after the
    copy) and keeps a goal only when its row is intact and shows the transition's episode as read
    with the transition. A goal row being written, or overwritten since the transition was read,
    fails; the transition is then drawn again (step 1), so a goal never comes from another
@@ -67,8 +67,9 @@ from .batch import Batch
 from .errors import EmptyBufferError, FieldError, WaitTimeout
 from .frames import END, KIND
 from .protocol import reader
+from .protocol.gather import Rows, assemble, gather
 from .protocol.layout import Counter
-from .protocol.reader import GIVE_UP, Rows, Source
+from .protocol.reader import GIVE_UP, Source
 from .protocol.ring import INVALID, Ring
 from .protocol.rows import lane_of, number_of, row_id, slot
 
@@ -198,7 +199,7 @@ class Plan:
     reward: str
     done: tuple[str, ...]
     large: tuple[str, ...]
-    """What ``reader.gather`` copies of a goal row besides the packed record."""
+    """What ``gather.gather`` copies of a goal row besides the packed record."""
     end_rows: bool
     """``next_of``: an episode's last row is its end row (``frames.py``), not a transition."""
 
@@ -468,7 +469,7 @@ def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] |
             extras["weight"] = weight
     extras["relabelled"] = goal_ids >= 0
     extras["goal"] = goal_ids
-    batch = reader.assemble(block, ids, rows, extras)
+    batch = assemble(block, ids, rows, extras)
     if goals is not None:
         _relabel(spec, plan, batch, pos, cut, goals, what)
     return batch
@@ -500,7 +501,7 @@ def _goals(src: Source, plan: Plan, known: Memo, ids: np.ndarray, own: np.ndarra
         first = np.maximum(first, ring.bounds()[0][lane])
         g = first + (rng.random(row.shape[0]) * (stop - first)).astype(np.int64)
     gid = row_id(g, lane, lanes)
-    got = reader.gather(src.block, ring, gid, large=plan.large)
+    got = gather(src.block, ring, gid, large=plan.large)
     assert got.episode is not None
     fine = got.ok & (got.episode == own)
     if plan.achieved in got.large:

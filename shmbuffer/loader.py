@@ -61,8 +61,8 @@ import numpy as np
 from .batch import Batch, torch_views
 from .device import DeviceReplay
 from .errors import CapacityError, FieldError, LayoutError, WaitTimeout
-from .protocol import reader
 from .protocol.layout import Block
+from .protocol.one_call import sample_for_another
 
 SLICE = 0.1
 """Seconds a default-path sample may wait for a rate limiter before the thread looks at ``close()``."""
@@ -253,7 +253,7 @@ class Loader:
     # -- the background thread ----------------------------------------------------------------
     def _produce(self) -> None:
         made = 0
-        reader.sample_for_another()  # this thread's gathers leave the GIL to the learner
+        sample_for_another()  # this thread's gathers leave the GIL to the learner
         try:
             while not self._stop.is_set() and (self._limit is None or made < self._limit):
                 item = self._to_device(made) if self.cuda and self._resident is None else self._to_cpu()

@@ -22,7 +22,8 @@ from .batch import Batch
 from .errors import CapacityError, EmptyBufferError, FieldError
 from .frames import KIND, LEAD, START
 from .protocol import reader
-from .protocol.reader import GIVE_UP, Rows, Source
+from .protocol.gather import Rows, assemble, gather
+from .protocol.reader import GIVE_UP, Source
 from .protocol.ring import INVALID, Ring
 from .protocol.rows import lane_of, number_of, row_id, slot, window
 from .sampling.samplers import uniform_ids
@@ -178,7 +179,7 @@ def _assemble(src: Source, ids: np.ndarray, rows: Rows, mask: np.ndarray | None,
                     {k: v.swapaxes(0, 1).copy() for k, v in rows.large.items()},
                     rows.episode.T.copy() if rows.episode is not None else None)
     rows.episode = None  # the extras of a window are its index and mask
-    return reader.assemble(src.block, ids, rows, {"mask": mask} if mask is not None else None)
+    return assemble(src.block, ids, rows, {"mask": mask} if mask is not None else None)
 
 
 def sample_sequences(src: Source, n: int, length: int, *, burn_in: int = 0, time_major: bool = False) -> Batch:
@@ -239,7 +240,7 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
     a committed row of another episode follows: the episode still being written in each lane is
     left out. Without it every run counts, the open episode with the rows it has so far and the
     oldest one with the rows not yet overwritten. Rows being written may still show the episode
-    of the row they replace: readers check every row they copy (``reader.gather``)."""
+    of the row they replace: readers check every row they copy (``gather.gather``)."""
     ring = src.ring
     episodes = _need_episodes(src, "episode_runs")
     kinds = src.block.arrays.get(KIND)
@@ -324,7 +325,7 @@ def _episode_groups(src: Source, groups: int, size: int, *, ordered: bool, repla
                 at = lo + src.rng.choice(int(length[r]), size=m, replace=False)
             rows[g, :m] = row_id(at, lane[r], ring.lanes)
         real = rows != INVALID
-        got = reader.gather(src.block, ring, rows)
+        got = gather(src.block, ring, rows)
         assert got.episode is not None
         valid = got.ok & (got.episode == got.episode[:, :1]) & real
         if (valid == real).all():
@@ -364,10 +365,10 @@ def sample_episodes(src: Source, n: int, *, replace: bool = False) -> list[Batch
             after &= stop > first
         for lo, hi, lane in zip(first[before & after], stop[before & after], lanes[before & after], strict=True):
             ids = row_id(np.arange(lo, hi), lane, ring.lanes)
-            rows = reader.gather(src.block, ring, ids)
+            rows = gather(src.block, ring, ids)
             assert rows.episode is not None
             if rows.ok.all() and (rows.episode == rows.episode[0]).all():
-                out.append(reader.assemble(src.block, ids, rows))
+                out.append(assemble(src.block, ids, rows))
     ring.count_sampled(sum(len(b) for b in out))
     return out
 
@@ -387,11 +388,11 @@ def _distinct_episodes(src: Source, n: int) -> list[Batch]:
         out = []
         for r in _pick_runs(src, (stop - first).astype(np.float64), n, False):
             ids = row_id(np.arange(first[r], stop[r]), lane[r], ring.lanes)
-            rows = reader.gather(src.block, ring, ids)
+            rows = gather(src.block, ring, ids)
             assert rows.episode is not None
             if not (rows.ok.all() and (rows.episode == rows.episode[0]).all()):
                 break
-            out.append(reader.assemble(src.block, ids, rows))
+            out.append(assemble(src.block, ids, rows))
         if len(out) == n:
             ring.count_sampled(sum(len(b) for b in out))
             return out
@@ -434,7 +435,7 @@ def add_n_step(src: Source, batch: Batch, n_step: int, gamma: float, names: dict
     while todo.size:
         m = todo.size
         ids, _ = window_ids(src.ring, batch.index[todo], np.arange(1, n_step))
-        rows = reader.gather(src.block, src.ring, ids, large=())
+        rows = gather(src.block, src.ring, ids, large=())
         valid = np.ones((m, n_step), bool)
         valid[:, 1:] = rows.ok & (rows.episode == own_episode[todo, None])
         mask = window_mask(valid, 0)
@@ -455,7 +456,7 @@ def add_n_step(src: Source, batch: Batch, n_step: int, gamma: float, names: dict
             following[todo[more]] = got[more, k[more] - 2]
             break
         # a large field: read for the last rows only, under its own stamp check
-        last = reader.gather(src.block, src.ring, ids[more, k[more] - 2], large=(next_obs,))
+        last = gather(src.block, src.ring, ids[more, k[more] - 2], large=(next_obs,))
         fine = last.ok & (last.episode == own_episode[todo[more]])
         following[todo[more[fine]]] = last.large[next_obs][fine]
         todo = todo[more[~fine]]

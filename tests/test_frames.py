@@ -424,7 +424,7 @@ def test_every_next_stack_must_continue_its_stack(make: Make, name: str) -> None
 
 def test_an_update_between_the_reads_of_a_transition_is_not_torn(make: Make, name: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    from shmbuffer.protocol import reader
+    from shmbuffer.protocol import gather
 
     sch = sb.Schema(obs=((2,), "float32"), next_obs=((2,), "float32"), goal=((600,), "float32"),
                     reward=((), "float32"), done=((), "bool"))
@@ -432,7 +432,7 @@ def test_an_update_between_the_reads_of_a_transition_is_not_torn(make: Make, nam
     for t in range(3):
         buf.push(obs=np.full(2, t, np.float32), next_obs=np.full(2, t + 1, np.float32), goal=np.zeros(600, np.float32),
                  reward=0.0, done=t == 2)
-    real, calls = reader._gather, []
+    real, calls = gather._gather, []
 
     def between(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
@@ -440,7 +440,7 @@ def test_an_update_between_the_reads_of_a_transition_is_not_torn(make: Make, nam
             buf.update([1], goal=np.ones(600, np.float32), reward=1.0)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(reader, "_gather", between)
+    monkeypatch.setattr(gather, "_gather", between)
     got = buf.take([1])
     assert (got.reward[0] == 1.0) == bool(got.goal[0].all()) and (got.reward[0] == 0.0) == (not got.goal[0].any())
 

@@ -21,8 +21,8 @@ import pytest
 import shmbuffer as sb
 from shmbuffer import native
 from shmbuffer.protocol import push, ring
+from shmbuffer.protocol.gather import gather
 from shmbuffer.protocol.layout import Counter, Lane
-from shmbuffer.protocol.reader import gather
 from shmbuffer.sampling import sumtree
 from shmbuffer.sampling.sumtree import SumTree
 

@@ -1,6 +1,6 @@
 """The one-call sample of buffers with ``next_of``/``stack`` (``native/sample.c``'s transitions,
 ``frames.py``'s read rules in C) against the Python reading it stands in for
-(``reader._transitions``) and against a buffer that stores every observation whole: the same
+(``gather._transitions``) and against a buffer that stores every observation whole: the same
 transitions for the same ids over both paddings, stack axes, lanes and wrap-around; the same
 distribution (uniform over the whole transitions, prioritized by their priorities); nothing read
 from a row being written; ``out=``, ``max_use`` and an empty buffer's refusal."""
@@ -15,7 +15,7 @@ import pytest
 
 import shmbuffer as sb
 from shmbuffer import native
-from shmbuffer.protocol import reader
+from shmbuffer.protocol import gather, one_call, reader
 from shmbuffer.sampling.samplers import importance_weights
 
 from .test_frames import CASES, same, schema, stepper
@@ -49,7 +49,7 @@ def readable(buf: sb.ReplayBuffer) -> np.ndarray:
     """The ids of the transitions ``buf`` can read now (not those whose stack reaches rows
     overwritten: ``reader.counted`` counts them)."""
     ids = reader.counted(buf)
-    return ids[reader.gather(buf.block, buf.ring, ids).ok]
+    return ids[gather.gather(buf.block, buf.ring, ids).ok]
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -112,10 +112,10 @@ def test_no_transition_uses_a_row_being_written(case: int, make: Make, name: str
         for _ in range(30):
             batch = comp.sample(32)
             assert len(batch) == 32
-            assert reader.gather(comp.block, ring, batch.index).ok.all()  # the Python reading: none torn
+            assert gather.gather(comp.block, ring, batch.index).ok.all()  # the Python reading: none torn
             uses = np.concatenate([uses, batch.index])
         # some transitions were refused for a torn row other than their own
-        refused = ~reader.gather(comp.block, ring, reader.counted(comp)).ok
+        refused = ~gather.gather(comp.block, ring, reader.counted(comp)).ok
         assert refused.sum() > torn.size // 2
         assert not np.isin(uses, reader.counted(comp)[refused]).any()
     finally:
@@ -142,7 +142,7 @@ def test_max_use_counts_each_transition_returned(make: Make, name: str) -> None:
     _, comp, _ = filled(1, 4, make, name, max_use=2)
     ids = readable(comp)
     got: list[int] = comp.sample(1).index.tolist()
-    assert isinstance(comp._one_call, reader.OneCall)
+    assert isinstance(comp._one_call, one_call.OneCall)
     for _ in range(ids.size // 8):  # half their uses: every sample finds rows left
         got += comp.sample(8).index.tolist()
     drawn, times = np.unique(got, return_counts=True)
@@ -172,7 +172,7 @@ def test_a_buffer_without_a_whole_transition_says_so(make: Make, name: str) -> N
 
 def test_out_arrays_without_the_record(make: Make, name: str) -> None:
     """``out=`` with the stacks' and next observations' arrays but no ``"_block"``: the Python
-    reading makes the record's array (``reader._into``), so the one call must not refuse it
+    reading makes the record's array (``gather._into``), so the one call must not refuse it
     (it raised KeyError)."""
     full, comp, to_full = filled(1, 2, make, name)
     first = comp.sample(16)
@@ -197,12 +197,12 @@ def test_transitions_still_torn_after_the_c_rounds_go_to_fetch(case: int, make: 
     slots = ring.slots(torn)
     ring.stamp[slots] += 1
     fetched = []
-    real = reader.fetch
-    monkeypatch.setattr(reader, "fetch", lambda *a, **k: fetched.append(1) or real(*a, **k))
+    real = one_call.fetch
+    monkeypatch.setattr(one_call, "fetch", lambda *a, **k: fetched.append(1) or real(*a, **k))
     monkeypatch.setattr(reader, "draw", None)  # the call serves each sample (no fallback to draw)
     try:
         ids = reader.counted(comp)
-        whole = set(ids[reader.gather(comp.block, ring, ids).ok].tolist())
+        whole = set(ids[gather.gather(comp.block, ring, ids).ok].tolist())
         assert whole
         for _ in range(10):
             batch = comp.sample(16)

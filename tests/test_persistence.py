@@ -1125,16 +1125,16 @@ def test_a_save_while_another_process_updates_every_row_keeps_every_row_whole(
     spans is gathered again, at last under the lock), each row of one update, both fields."""
     import multiprocessing as mp
 
-    from shmbuffer.protocol import reader
+    from shmbuffer.persistence import snapshot
 
     gathered: list[bool] = []
-    real = reader.gather
+    real = snapshot.gather
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         gathered.append(kwargs.get("stored", False))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(reader, "gather", spy)
+    monkeypatch.setattr(snapshot, "gather", spy)
     schema = sb.Schema(obs=((300,), "float32"), reward=((), "float32"))
     buf = make(schema, 8, name=name)
     buf.push(obs=np.zeros((8, 300)), reward=np.zeros(8))

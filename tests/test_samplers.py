@@ -580,7 +580,7 @@ def test_a_sample_size_may_be_a_numpy_int() -> None:
 def test_a_users_sampler_draws_on_every_path(lanes: int, make: Make, name: str, tmp_path: Any) -> None:
     """Its own draw, never a built-in one in its place: the C one-call path leaves it to the reader;
     the batches, distinct rows, max_use, a save and load, and an attach all keep it."""
-    from shmbuffer.protocol.reader import OneCall
+    from shmbuffer.protocol.one_call import OneCall
 
     buf = make(sb.Schema(x=((), "int64")), 120, lanes=lanes, sampler=NewestK(5), seed=0, name=name)
     for ln in range(lanes):

@@ -114,7 +114,7 @@ def test_a_big_gather_is_the_same_on_one_thread_and_on_several(n: int) -> None:
 def test_a_sample_of_wide_rows_is_the_same_on_one_thread_and_on_two(make: Make, name: str) -> None:
     """A buffer of 64 KiB rows, the same ids gathered by the reader with 1 and 2 threads; rows
     being written read as not intact either way."""
-    from shmbuffer.protocol.reader import gather as read
+    from shmbuffer.protocol.gather import gather as read
 
     schema = sb.Schema(obs=((WIDE,), "uint8"), step=((), "int64"))
     buf = make(schema, capacity=48, lanes=2, name=name)

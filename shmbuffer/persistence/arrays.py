@@ -6,7 +6,7 @@
 writers run): ``export`` copies them into one array of bytes (``snapshot.MemorySink``) and moves
 the rows down over the holes (an export has no holes: ``index`` names each row); ``pieces`` yields
 the pieces without keeping them, holes left out (``shmbuffer inspect``). A buffer with
-``next_of``/``stack`` exports its transitions instead (``reader.gather``), rebuilt.
+``next_of``/``stack`` exports its transitions instead (``gather.gather``), rebuilt.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from ..errors import CapacityError, FieldError
 from ..frames import ENDS, Frames, frames_of
 from ..progress import Progress as Line
-from ..protocol import reader
+from ..protocol.gather import assemble, gather, settle
 from ..protocol.push import last_of_lanes
 from ..protocol.rows import lane_of, number_of, row_id
 from ..schema import Schema
@@ -58,7 +58,7 @@ def export(buf: Buffer) -> dict[str, np.ndarray]:
     made once. A prioritized buffer adds ``priority`` (each row's, as ``update_priorities`` set
     it; 0 once used up) and a ``max_use`` buffer ``uses``: ``from_arrays`` and ``import_rows``
     take all of them back. With ``next_of``/``stack``: the transitions that can be read now
-    (``reader.gather``; not an episode's end row, not a lane's newest row still waiting for its
+    (``gather.gather``; not an episode's end row, not a lane's newest row still waiting for its
     next observation), rebuilt."""
     if buf.options.frames is not None:
         return _export_transitions(buf)
@@ -110,10 +110,10 @@ def _export_transitions(buf: Buffer) -> dict[str, np.ndarray]:
     step = max(1, snapshot.CHUNK_BYTES // max(1, buf.schema.row_bytes))
     for at in range(0, held.size, step):
         ids = held[at:at + step]
-        rows = reader.gather(buf.block, ring, ids)
-        reader.settle(buf.block, ring, ids, rows)
+        rows = gather(buf.block, ring, ids)
+        settle(buf.block, ring, ids, rows)
         keep = np.flatnonzero(rows.ok)
-        batch = reader.assemble(buf.block, ids[keep], rows.subset(keep))
+        batch = assemble(buf.block, ids[keep], rows.subset(keep))
         part = {n: np.ascontiguousarray(batch.fields[n]) for n in buf.schema.names}
         part["index"] = batch.index
         if "episode" in batch.extras:

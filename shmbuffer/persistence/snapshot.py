@@ -1,7 +1,7 @@
 """The rows of a live buffer as of one moment, copied piece by piece while writers go on.
 
 ``Snapshot`` chooses each lane's rows and reads them in pieces through the reader's stamped gather
-(``protocol.reader.gather(..., stored=True)``: the rows as stored, each kept only when intact by
+(``protocol.gather(..., stored=True)``: the rows as stored, each kept only when intact by
 the protocol's rule, ``protocol.rows.intact``); ``copy_rows`` puts the pieces into a sink (the
 save's file, or ``MemorySink`` for ``export``) at the places ``format.Layout`` gives them.
 
@@ -30,7 +30,7 @@ read intact (episode ids with it: they are part of the row), and each lane's kep
 are consecutive row numbers: the snapshot of a moment, less a lane's rows up to the newest one that
 writers overwrote while it ran, and less the rows from the first one a live writer was still
 writing. Rows that an update (``ReplayBuffer.update``) spanned are gathered again
-(``reader.settle``), and once more holding the ring's lock (no update can begin) if updates are
+(``gather.settle``), and once more holding the ring's lock (no update can begin) if updates are
 still under way. Tree leaves and use counts are copied under the ring's lock after their piece's
 rows: each as of that moment, not of the start (samplers change them without touching the rows);
 a row overwritten by then (its stamp names a later row) is not kept.
@@ -51,7 +51,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import closed
-from ..protocol import reader
+from ..protocol.gather import Rows, gather, settle
 from ..protocol.layout import Counter
 from ..protocol.rows import committed, row_id, slot, writing
 from .format import Layout, Tensor
@@ -182,15 +182,15 @@ class Snapshot:
         s0 = int(slot(lane, n0, self.lc))
         return slice(s0, s0 + n1 - n0)
 
-    def _read(self, ids: np.ndarray, sl: slice, numbers: np.ndarray, hole: np.ndarray) -> tuple[reader.Rows, dict[str, np.ndarray], np.ndarray]:
+    def _read(self, ids: np.ndarray, sl: slice, numbers: np.ndarray, hole: np.ndarray) -> tuple[Rows, dict[str, np.ndarray], np.ndarray]:
         """Gather the rows ``ids`` (slots ``sl``) as stored, their leaves and use counts, and
         their stamps after all of it. Rows that an update spanned are gathered again; if some are
         still being updated, the whole piece is gathered once more holding the lock."""
         buf, ring = self.buf, self.buf.ring
         block, stamp = buf.block, ring.stamp
-        rows = reader.gather(block, ring, ids, stored=True)
+        rows = gather(block, ring, ids, stored=True)
         if not rows.ok.all():
-            reader.settle(block, ring, ids, rows, stored=True)
+            settle(block, ring, ids, rows, stored=True)
         now = stamp[sl].copy()  # one read: the stamps change under us
         pending = ~rows.ok & ~hole & ((now == committed(numbers)) | (now == writing(numbers)))
         locked = bool(pending.any())
@@ -201,7 +201,7 @@ class Snapshot:
                 until = time.monotonic() + _WAIT_UPDATES
                 while (stamp[sl] == writing(numbers)).any() and time.monotonic() < until:
                     time.sleep(0.0001)
-                rows = reader.gather(block, ring, ids, stored=True)
+                rows = gather(block, ring, ids, stored=True)
             extra = self._internals(sl, locked)
             now = stamp[sl].copy()
         finally:

@@ -4,7 +4,7 @@
 again with its own row number (this process its owner), ``Counter.UPDATES`` counts the update,
 and signal handlers wait; the fields are copied; the stamp turns even again. A reader that meets
 the row meanwhile re-draws it, and since the stamp ends where it began, a reader whose copy spans
-the whole update sees ``UPDATES`` move and reads those rows again (``reader.gather``: no ABA). A copy
+the whole update sees ``UPDATES`` move and reads those rows again (``gather.gather``: no ABA). A copy
 that fails leaves the rows empty (never torn). ``delete`` sets the stamps and tree leaves of
 current rows to 0 under the lock: never sampled, taken, exported or saved again (a save keeps a
 hole). Once a buffer has lost a row this way or by ``max_use`` (``Counter.REMOVED``), ``len``

@@ -61,7 +61,7 @@ class Counter(IntEnum):
     the lock, so two processes sampling at the same instant may count once (approximate then)"""
     UPDATES = 2
     """updates of stored rows begun (``ReplayBuffer.update``, under the lock, after their rows
-    turned odd): a reader whose copy this count moved across discards it (``reader.gather``)"""
+    turned odd): a reader whose copy this count moved across discards it (``gather.gather``)"""
     RECLAIMED = 8
     """rows of dead writers reclaimed or reaped"""
     LOCK_RECOVERIES = 9

@@ -55,7 +55,7 @@ The protocol needs a writer's data stores to become visible before its commit st
 first stamp load to happen before its data loads and those before its second stamp load. With the
 C extension (``native``) these are real atomics: ``commit`` stores each stamp with release
 semantics after the copies (``push.Copier.copy``), the reservation's odd stamps are release stores after
-the owners, and the reader (``reader.gather``) loads the first stamps with acquire semantics and
+the owners, and the reader (``gather.gather``) loads the first stamps with acquire semantics and
 issues an acquire fence before the second loads. On the Python path x86-64 guarantees both
 (stores are not reordered with stores, loads not with loads), and each step is a separate numpy
 call, so no compiler reorders them. Weakly ordered CPUs (ARM, POWER) would need those fences on

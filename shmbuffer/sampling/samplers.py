@@ -20,7 +20,7 @@ and every path asks it instead of checking its class:
 * ``prioritized``: it draws in proportion to the priorities ``update_priorities`` sets (a sum tree
   in shared memory, ``priorities.py``); only ``Prioritized`` is, and the tree's leaf formula is
   its own (``leaf``).
-* ``served``: which built-in draw the C one-call sample (``reader.OneCall``) and the device copy
+* ``served``: which built-in draw the C one-call sample (``one_call.OneCall``) and the device copy
   (``device.py``) may run in its place: ``"uniform"`` (uniform over the lanes' rows), ``"tree"``
   (from the priority tree), or ``None`` (only its own ``draw``, in Python: the C path leaves such
   a sampler to the reader, never substituting another draw).
