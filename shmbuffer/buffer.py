@@ -106,6 +106,12 @@ class ReplayBuffer:
     """Whether samples try the one call (``False`` once it serves none of this buffer's, or to test
     the Python path)."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> ReplayBuffer:
+        error = hints.constructor_error(args, kwargs)  # cpprb's, SB3's, TorchRL's forms: name ours
+        if error is not None:
+            raise error
+        return super().__new__(cls)
+
     def __init__(
         self,
         schema: Schema | Mapping[str, Any],
