@@ -260,3 +260,26 @@ def test_bench() -> None:
     out: dict[str, Any] = json.loads(cli("bench", "--seconds", "0.05", "--json").stdout)
     assert out["memcpy_gb_s"] > 0 and out["sample_batches_s_of_256"] > 0
     assert out["push_rows_s_batches_of_256"] > out["push_rows_s_one_at_a_time"] > 0
+
+
+def test_python_dash_m_shmbuffer_runs_the_command() -> None:
+    out = subprocess.run([sys.executable, "-m", "shmbuffer", "--version"], capture_output=True, text=True,
+                         timeout=60, env=ENV, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.startswith("shmbuffer ") and out.stderr == "", out
+
+
+@pytest.mark.parametrize("command", ["ls", "inspect", "gc", "save", "load", "bench", "info", "top"])
+def test_every_subcommand_help_says_what_it_does_and_what_each_argument_is(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from shmbuffer import cli as command_line
+
+    with pytest.raises(SystemExit) as done:
+        command_line.main([command, "--help"])
+    assert done.value.code == 0
+    usage, description, *rest = capsys.readouterr().out.split("\n\n")
+    assert description.strip()[0].isupper() and description.strip().endswith("."), description
+    arguments = "\n".join(rest)
+    # argparse lists an argument without help text on a line of its own name only
+    bare = [line for line in arguments.splitlines() if line.strip() and len(line.split()) == 1
+            and not line.endswith(":")]
+    assert not bare, f"arguments of {command} without help: {bare}"
