@@ -276,7 +276,7 @@ def test_every_subcommand_help_says_what_it_does_and_what_each_argument_is(
     with pytest.raises(SystemExit) as done:
         command_line.main([command, "--help"])
     assert done.value.code == 0
-    usage, description, *rest = capsys.readouterr().out.split("\n\n")
+    _usage, description, *rest = capsys.readouterr().out.split("\n\n")
     assert description.strip()[0].isupper() and description.strip().endswith("."), description
     arguments = "\n".join(rest)
     # argparse lists an argument without help text on a line of its own name only
