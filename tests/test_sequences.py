@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import time
 from collections.abc import Callable
@@ -9,7 +10,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 import shmbuffer as sb
 from shmbuffer.sequences import n_step_return, window_mask
@@ -26,8 +26,9 @@ def seq_of(batch: Any) -> np.ndarray:
 
 STRIDE = 1_000_000
 """Lane ``l``'s rows are sequence numbers ``l * STRIDE + t``: apart while ``t < STRIDE``."""
-REPLAYED = 150_000
-"""Steps of each writer's stream the learner replays to know every row's episode (a writer stops there)."""
+REPLAYED = 60_000
+"""Steps of each writer's stream the learner replays to know every row's episode (a writer stops
+there): over 1,800 laps of the tests' rings of 32 rows a lane."""
 
 
 class Lane:
@@ -60,7 +61,18 @@ class Lane:
             buf.push(row, lane=self.lane, episode=episode)
 
 
-def episode_of(lanes: list[Lane]) -> dict[int, int]:
+@functools.cache
+def replayed() -> tuple[Lane, Lane]:
+    """The two writers' streams (lanes 0 and 1, seeded as ``_lane_writer`` seeds them), replayed
+    once a process: every test that runs those writers reads the same rows."""
+    lanes = (Lane(0, 0), Lane(1, 1))
+    for lane in lanes:
+        for _ in range(REPLAYED):
+            lane.step()
+    return lanes
+
+
+def episode_of(lanes: tuple[Lane, ...] | list[Lane]) -> dict[int, int]:
     return {seq: ep for lane in lanes for seq, ep, _ in lane.rows}
 
 
@@ -126,11 +138,7 @@ def _lane_writer(handle: sb.BufferHandle, lane: int, seconds: float) -> None:
 def test_sequences_while_writers_push(make: Make, name: str, procs: list) -> None:
     """Flashbax's check under load: writers push increasing values into their lanes while the
     learner samples windows; every window is strictly increasing, one episode, never torn."""
-    replay = [Lane(0, 0), Lane(1, 1)]  # the writers' deterministic streams, to know each episode
-    for lane in replay:
-        for _ in range(REPLAYED):
-            lane.step()
-    episodes = episode_of(replay)
+    episodes = episode_of(replayed())  # the writers' deterministic streams, to know each episode
     buf = make(MUJOCO, capacity=2 * 64, lanes=2, episodes=True, name=name)
     ctx = mp.get_context("spawn")
     for lane in (0, 1):
@@ -316,6 +324,8 @@ def test_episode_ids_are_checked(make: Make, name: str) -> None:
 
 
 def test_sequence_batch_to_torch(make: Make, name: str) -> None:
+    import torch  # here, not at the top: the writer processes this module spawns need no torch
+
     buf = make(MUJOCO, capacity=32, episodes=True, name=name)
     Lane(0, 0).fill(buf, 32)
     t = buf.sample_sequences(4, 3).to("cpu")
@@ -386,11 +396,7 @@ def test_n_step_while_writers_push(sampler: Any, make: Make, name: str, procs: l
     """Two writer processes, one env a lane, episodes ending by termination or by truncation (a
     new episode id without done), a small ring that laps all the time: every sampled n-step
     transition equals the one computed from the rows it was built from."""
-    replay = [Lane(0, 0), Lane(1, 1)]
-    for lane in replay:
-        for _ in range(REPLAYED):
-            lane.step()
-    rows = {seq: (ep, d) for lane in replay for seq, ep, d in lane.rows}
+    rows = {seq: (ep, d) for lane in replayed() for seq, ep, d in lane.rows}
     buf = make(MUJOCO, capacity=2 * 16, lanes=2, episodes=True, sampler=sampler, name=name)
     ctx = mp.get_context("spawn")
     for lane in (0, 1):
