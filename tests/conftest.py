@@ -118,6 +118,15 @@ def copy_through(buf: sb.ReplayBuffer, hook: Callable[[str], None]) -> None:
     copier.numpy_targets = lambda: [_Hooked(n, c, hook) for n, c in zip(names, real(mine()), strict=False)]
 
 
+SMALL = sb.Schema(obs=((3,), "float32"), reward=((), "float32"))
+"""A schema of two small fields, for tests of what a row carries besides its fields."""
+
+
+def small_row(i: float) -> dict[str, Any]:
+    """A row of ``SMALL`` that names ``i``."""
+    return {"obs": np.full(3, i, np.float32), "reward": float(i)}
+
+
 def transition(i: int | np.ndarray, k: int | None = None) -> dict[str, np.ndarray]:
     """Self-verifying MuJoCo-like rows: every value derives from the row's sequence number
     (below 2**24, which float32 holds exactly)."""

@@ -23,7 +23,7 @@ from shmbuffer import persistence
 from shmbuffer.protocol.layout import Options
 from shmbuffer.shm import segment
 
-from .conftest import MUJOCO, copy_through, discard, seq_of, transition
+from .conftest import MUJOCO, SMALL, copy_through, discard, seq_of, small_row, transition
 from .golden import make_golden
 
 Make = Callable[..., sb.ReplayBuffer]
@@ -1185,3 +1185,49 @@ def test_a_tampered_frames_save_is_refused(case: str, tmp_path: Path, name: str)
     with pytest.raises(sb.LayoutError, match=message):
         sb.load(path, name=name)
     assert not os.path.exists(segment.path_of(name))
+
+
+def test_import_rows_in_pieces_changes_nothing_on_error_and_fills_env_lanes(make: Make, name: str) -> None:
+    # import_rows pushes a lane's capacity at a time: a bad value in a later piece must be refused
+    # before the first piece goes in, and a buffer with envs= takes whole env steps per piece
+    x = sb.Schema(x=((), "int64"))
+    buf = make(x, 4, sampler=sb.Prioritized(), max_use=3, name=name)
+    with pytest.raises(sb.FieldError, match="nothing was changed"):
+        persistence.import_rows(buf, {"x": np.arange(6), "priority": [1.0] * 5 + [-1.0]})
+    with pytest.raises(sb.CapacityError, match="uses"):
+        persistence.import_rows(buf, {"x": np.arange(6), "uses": [0] * 5 + [-1]})
+    assert len(buf) == 0 and buf.stats["inserted"] == 0
+    envs = make(x, 6, envs=2, name=name + "e")
+    assert persistence.import_rows(envs, {"x": np.arange(4)}).tolist() == [0, 1, 2, 3]
+    assert envs.get(slice(None)).x.tolist() == [0, 2, 1, 3]                # lane 0, then lane 1
+
+
+def test_export_and_import_carry_priorities_uses_and_ids(make: Make, name: str) -> None:
+    s = sb.Prioritized(alpha=0.5, eps=0.0)
+    buf = make(SMALL, 6, sampler=s, max_use=3, name=name, seed=0)
+    buf.push(obs=np.zeros((9, 3))[:6], reward=np.arange(6.0), priority=np.arange(1.0, 7.0))
+    buf.push(obs=np.zeros((3, 3)), reward=np.arange(6.0, 9.0), priority=[7.0, 8.0, 9.0])   # ids 3..8 held
+    buf.delete([5])
+    buf.sample(4, replace=False)
+    out = sb.export(buf)
+    assert out["index"].tolist() == [3, 4, 6, 7, 8]
+    assert np.allclose(out["priority"], [4, 5, 7, 8, 9])
+    uses = out["uses"].copy()
+    assert uses.sum() == 4
+    copy = sb.ReplayBuffer.from_arrays(SMALL, out, sampler=s, max_use=3, name=name + "c")
+    try:
+        again = sb.export(copy)
+        assert again["index"].tolist() == [3, 4, 6, 7, 8]                # the same ids
+        assert np.allclose(again["priority"], out["priority"]) and again["uses"].tolist() == uses.tolist()
+        assert copy.take([6]).reward.tolist() == [6.0] and len(copy) == 5
+        with pytest.raises(sb.EmptyBufferError):
+            copy.take([5])                                              # the deleted row stays a hole
+    finally:
+        copy.close()
+        copy.unlink()
+    target = make(SMALL, 20, sampler=s, max_use=3, name=name + "t")
+    target.push(small_row(100))
+    new = persistence.import_rows(target, out)                          # into an existing buffer
+    assert new.tolist() == [1, 2, 3, 4, 5]
+    assert np.allclose(sb.export(target)["priority"][1:], out["priority"])
+    assert target.uses(new).tolist() == uses.tolist()
