@@ -122,6 +122,11 @@ SMALL = sb.Schema(obs=((3,), "float32"), reward=((), "float32"))
 """A schema of two small fields, for tests of what a row carries besides its fields."""
 
 
+STEP = sb.Schema(obs=((3,), "float32"), action=((), "int64"), reward=((), "float32"),
+                 next_obs=((3,), "float32"), done=((), "bool"))
+"""A transition of small fields (a vector env's step, one row per env)."""
+
+
 def small_row(i: float) -> dict[str, Any]:
     """A row of ``SMALL`` that names ``i``."""
     return {"obs": np.full(3, i, np.float32), "reward": float(i)}

@@ -413,7 +413,7 @@ def test_a_copy_that_fails_gives_the_rows_back(make: Make, name: str) -> None:
 
 
 def test_take_refuses_ids_that_never_existed(make: Make, name: str) -> None:
-    """A huge id's stamp 2 * id + 2 wraps to 0, an empty slot's: it must never be read (issue 10)."""
+    """A huge id's stamp 2 * id + 2 wraps to 0, an empty slot's: it must never be read."""
     buf = make(MUJOCO, capacity=10, lanes=2, name=name)
     buf.push(transition(0, 5), lane=0)  # ids 0 2 4 6 8
     buf.push(transition(5, 2), lane=1)  # ids 1 3

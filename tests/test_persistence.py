@@ -686,7 +686,7 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
                    r"come from different saves"),
     "bad priorities": (lambda p: _poke(p, _tensor_at(p, "_leaf"), struct.pack("<d", -1.0)),
                        r"'_leaf' holds negative or non-finite priorities"),
-    # issue 10: files that raised other exceptions, hung, or loaded a buffer that could not be read
+    # files that raised other exceptions, hung, or loaded a buffer that could not be read
     "first 2**62": (lambda p: edit_meta(p, lambda m: m["lanes"][0].update(first=2**62, stop=2**62 + 10, base=2**62)),
                     r"lanes\[0\]\.base is 4611686018427387904, expected an int in \[0, 2305843009213693952\]"),
     "negative first": (lambda p: edit_meta(p, lambda m: m["lanes"][0].update(first=-1, stop=9, base=-1)),
@@ -703,7 +703,7 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
                          r"sampler_state is None, expected the largest priority \(the buffer has a tree\)"),
     "leaf too large": (lambda p: _poke(p, _tensor_at(p, "_leaf"), struct.pack("<d", 1e300)),
                        r"'_leaf' holds .* leaves above 1e\+280"),
-    # issue 22: a leaf below the bound whose priority overflows (alpha 0.6): export() warned
+    # a leaf below the bound whose priority overflows (alpha 0.6): export() warned
     "leaf of no finite priority": (lambda p: _poke(p, _tensor_at(p, "_leaf"), struct.pack("<d", 1e250)),
                                    r"'_leaf' holds .* of no finite priority"),
     "limiter timeout NaN": (lambda p: edit_meta(p, lambda m: m["options"].update(limiter={
@@ -888,7 +888,7 @@ def test_the_buffer_methods(make: Any, name: str, tmp_path: Path) -> None:
         again.unlink()
 
 
-# -- malformed saves, fuzzed (issue 10) ------------------------------------------------------------------
+# -- malformed saves, fuzzed ------------------------------------------------------------------
 POOL: list[Any] = [None, True, False, -1, 0, 1, 2, 3, 7, 16, 2**31, 2**62, 2**63, 2**64, -(2**63), 0.5, -0.0, 1e308,
                    float("nan"), float("inf"), "", "x", "<f4", "F32", "prioritized", [], {}, [1], [[]], [-1], {"a": 1}]
 """Values a corrupted JSON entry may take."""
@@ -987,7 +987,7 @@ def test_fuzzed_saves_load_correctly_or_raise_layout_error(make: Make, name: str
     assert seen["loaded"] > 10 and seen["refused"] > 500, seen
 
 
-# -- files and other users (issue 10) ------------------------------------------------------------------
+# -- files and other users ------------------------------------------------------------------
 @pytest.mark.parametrize("umask", [0o000, 0o022, 0o277])
 def test_saves_are_private_whatever_the_umask(umask: int, make: Make, loaded: list, name: str, tmp_path: Path) -> None:
     buf = make(MUJOCO, capacity=8, name=name)

@@ -385,7 +385,7 @@ def test_a_clear_between_draw_and_gather(sampler: Any, make: Make, name: str, mo
     assert cleared
 
 
-# -- ids that never existed, priorities too large for the tree, a clear killed half-way (issue 10) ------
+# -- ids that never existed, priorities too large for the tree, a clear killed half-way ------
 
 
 def test_update_priorities_refuses_ids_that_never_existed(make: Make, name: str) -> None:
@@ -662,3 +662,11 @@ def test_annealing_continues_after_attach_and_load(make: Make, name: str, tmp_pa
         assert back.priorities.calls == 5
         batch = back.sample(64)                                        # the 6th call: beta 5 / 10
         assert np.allclose(batch.weight, np.where(batch.index == 0, 1.0, 4.0 ** -0.5))
+
+
+def test_update_priorities_with_ids_that_never_existed(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=16, sampler=sb.Prioritized(), name=name)
+    buf.push(transition(0, 4))
+    for ids in ([-1], [12345]):
+        with pytest.raises(sb.UnknownIdError, match="never named a row"):
+            buf.update_priorities(ids, [1.0])

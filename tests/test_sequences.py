@@ -255,7 +255,7 @@ def test_groups(make: Make, name: str) -> None:
 
 def test_shuffled_groups_of_large_fields_only(make: Make, name: str) -> None:
     """Every field large (no packed record, so no block): the groups re-drawn in later rounds go
-    into the first round's batch instead of replacing it (r05)."""
+    into the first round's batch instead of replacing it."""
     schema = sb.Schema(obs=((300,), "float32"))
     assert schema.record.itemsize == 0
     buf = make(schema, capacity=256, episodes=True, name=name, seed=1)
