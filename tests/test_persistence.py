@@ -875,7 +875,7 @@ def test_the_buffer_methods(make: Any, name: str, tmp_path: Path) -> None:
     try:
         assert np.array_equal(back.get(slice(None)).index, buf.get(slice(None)).index)
         assert seq_of(back.get(slice(None))).tolist() == list(range(12))
-        assert np.array_equal(buf.get_all_transitions()["obs"], back.export_data()["obs"])
+        assert np.array_equal(buf.export()["obs"], sb.export(back)["obs"])
     finally:
         back.close()
         back.unlink()
