@@ -190,7 +190,8 @@ int main(void) {
     for (size_t i = 0; i < NV; i++) {
         int64_t v = V[i], w = V[(i + 3) %% NV];
         OUT(writing_stamp(v)); OUT(committed_stamp(v)); OUT(commit_stamp(writing_stamp(v))); OUT(number_of_stamp(v));
-        OUT(is_committed(v)); OUT(next_row(v, w)); OUT(intact(v, w, v)); OUT(intact(v, v, v)); OUT(intact(w, v, v));
+        OUT(is_committed(v)); OUT(is_writing(v)); OUT(next_row(v, w)); OUT(intact(v, w, v)); OUT(intact(v, v, v));
+        OUT(intact(w, v, v));
     }
     return 0;
 }
@@ -226,7 +227,7 @@ def test_layout_h_does_the_row_arithmetic_of_rows_py(tmp_path: Path) -> None:
             expected.append(np.stack([np.broadcast_to(np.asarray(x, np.int64), v.shape) for x in per], axis=1).reshape(-1))
     w = np.roll(v, -3)
     per = [rows.writing(v), rows.committed(v), rows.committed(v), rows.number_of_stamp(v), rows.is_committed(v),
-           np.maximum(v, w),  # ring.py's reservation: a lane's next row, max(cursor, base)
+           rows.is_writing(v), np.maximum(v, w),  # ring.py's reservation: a lane's next row, max(cursor, base)
            rows.intact(v, w, v), rows.intact(v, v, v), rows.intact(w, v, v)]
     expected.append(np.stack([np.asarray(x, np.int64) for x in per], axis=1).reshape(-1))
     assert got == np.concatenate(expected).tolist()

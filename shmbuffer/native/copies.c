@@ -176,7 +176,7 @@ static int reserve_slots(int64_t *stamp, uint16_t *owner, const int64_t *slots, 
                          const int64_t *n, int64_t n0, uint16_t writer, int64_t *was) {
     int64_t odd = 0;
     for (Py_ssize_t i = 0; i < k; i++) odd |= __atomic_load_n(&stamp[SLOT(i)], __ATOMIC_RELAXED);
-    if (odd & 1) return 0;
+    if (is_writing(odd)) return 0;
     for (Py_ssize_t i = 0; i < k; i++) was[i] = stamp[SLOT(i)];
     for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&owner[SLOT(i)], writer, __ATOMIC_RELAXED);
     for (Py_ssize_t i = 0; i < k; i++)

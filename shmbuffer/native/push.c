@@ -412,7 +412,7 @@ static int reserve_rows(const PushPlan *p, const Lanes *ln, Py_ssize_t k, uint16
         ids[i] = row_id(row, l, lanes);
         odd |= __atomic_load_n(&stamp[slots[i]], __ATOMIC_RELAXED);
     }
-    if (!fits || (odd & 1)) goto unlock;
+    if (!fits || is_writing(odd)) goto unlock;
     for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&owner[slots[i]], writer, __ATOMIC_RELAXED);
     for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&stamp[slots[i]], writing_stamp(rows[i]), __ATOMIC_RELEASE);
     for (Py_ssize_t l = 0; l < lanes; l++)

@@ -311,7 +311,7 @@ class Priorities:
         being written) lies within its lane's bounds, as ``Ring.bounds`` computes them."""
         stamp, cursors, leaves, uses = self._stamp, self._lanes, self.tree.leaves, self.uses
         lanes = cursors.shape[0]
-        lc = stamp.shape[0] // lanes
+        lc = rows.lane_capacity(stamp.shape[0], lanes)
         first, stop = rows.bounds(cursors, lc)
         for lane in range(lanes):
             start, cur = int(first[lane]), int(stop[lane])

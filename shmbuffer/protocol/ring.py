@@ -186,7 +186,7 @@ class Ring:
         self.owner = arrays["_owner"]
         self.lanes = int(self._lanes.shape[0])
         self.capacity = int(self.stamp.shape[0])
-        self.lane_capacity = self.capacity // self.lanes
+        self.lane_capacity = rows.lane_capacity(self.capacity, self.lanes)
         contiguous = all(a.dtype == np.int64 and a.flags.c_contiguous for a in (self.stamp, self._lanes))
         self._lib = native.lib if contiguous else None
         self.native_view = (self.stamp, self._lanes) if self._lib is not None else None
@@ -235,7 +235,7 @@ class Ring:
     def _reclaim_writer(self) -> int:
         for w in range(WRITERS):
             if not process_alive(int(self._wpid[w]), float(self._wstart[w])):
-                lost = (self.owner == w) & (self.stamp & 1).astype(bool)
+                lost = (self.owner == w) & rows.is_writing(self.stamp)
                 self.stamp[lost] = 0
                 if lost.any():
                     # their tree leaves were set inside the reservation: zero them as reap() does,
@@ -346,7 +346,7 @@ class Ring:
             where = slice(first, first + k) if s0 + k <= lc else rows.slot(lane, n, lc)
         stamps = self.stamp[where]
         if (stamps[0] if k == 1 else np.bitwise_or.reduce(stamps)) & 1:  # some slot is odd: being written
-            busy = (stamps & 1).astype(bool)
+            busy = rows.is_writing(stamps)
             held = np.unique(self.owner[where][busy])
             if any(self._alive(int(o)) for o in held):
                 return None
@@ -470,14 +470,14 @@ class Ring:
     def reap(self, also: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """Mark rows whose writer died mid-copy as empty; return their slots. ``also`` runs on
         them inside the same critical section."""
-        odd = np.flatnonzero(self.stamp & 1)
+        odd = np.flatnonzero(rows.is_writing(self.stamp))
         if not odd.size:
             return odd
         dead = [int(o) for o in np.unique(self.owner[odd]) if not self._alive(int(o))]
         if not dead:
             return odd[:0]
         with self.lock:
-            odd = np.flatnonzero(self.stamp & 1)
+            odd = np.flatnonzero(rows.is_writing(self.stamp))
             lost = odd[np.isin(self.owner[odd], dead)]
             self.stamp[lost] = 0
             self._stats[_RECLAIMED] += lost.size
@@ -631,7 +631,7 @@ class Ring:
         written (SB3's arrays written where no row is, ``sb3/buffers.py``): under the lock, so no
         reservation takes such a slot while it is written."""
         with self.lock:
-            idle = ((self.stamp[slots] & 1) == 0) & (self.ids_of_slots(slots) == INVALID)
+            idle = ~rows.is_writing(self.stamp[slots]) & (self.ids_of_slots(slots) == INVALID)
             column[slots[idle]] = values[idle]
 
     def contiguous(self, start: int, stop: int, lane: int) -> tuple[slice, np.ndarray]:
