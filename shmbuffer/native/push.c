@@ -385,41 +385,20 @@ static PyObject *ids_new(const PushPlan *p, Py_ssize_t k, Py_buffer *ib) {
     return ids;
 }
 
-/* the reservation, under the lock (tried once: 0 when busy or a repair is owed) and unless frozen:
- * each row's number (rows), slot (slots), id (ids) from its lane's next row; 0 when a slot is odd
- * (nothing written); else ring.py's order: owners, writing stamps (release), the lanes' cursors
- * (release), the inserted count, and 1. at, count: scratch of one per lane. ln->each may be
- * `slots` itself: each row's lane is read before its slot is written. */
+/* the reservation (copies.c's reserve_in_lanes), under the lock tried once (0 when busy or a
+ * repair is owed) and unless frozen (0), with the inserted count: 1 reserved; 0 nothing written */
 static int reserve_rows(const PushPlan *p, const Lanes *ln, Py_ssize_t k, uint16_t writer, int64_t *slots, int64_t *rows,
                         int64_t *at, int64_t *count, int64_t *ids) {
     pthread_mutex_t *mutex = (pthread_mutex_t *)p->lock.buf;
-    int64_t *cur = (int64_t *)p->cur.buf, *stats = (int64_t *)p->stats.buf, *stamp = (int64_t *)p->stamp.buf;
-    uint16_t *owner = (uint16_t *)p->owner.buf;
-    Py_ssize_t lanes = p->lanes;
-    int pushed = 0, fits = 1;
+    int64_t *stats = (int64_t *)p->stats.buf;
+    int pushed = 0;
     if (!lock_try(mutex)) return 0;
-    if (stats[COUNTER_FROZEN]) goto unlock;
-    for (Py_ssize_t l = 0; l < lanes; l++) {
-        at[l] = next_row(cur[LANE_WORDS * l + LANE_CURSOR], cur[LANE_WORDS * l + LANE_BASE]);
-        fits &= at[l] >= 0 && at[l] <= INT64_MAX / 4;
-        count[l] = 0;
+    if (!stats[COUNTER_FROZEN] &&
+        reserve_in_lanes((int64_t *)p->cur.buf, p->lanes, p->lc, (int64_t *)p->stamp.buf, (uint16_t *)p->owner.buf, ln->each,
+                         ln->all, k, writer, rows, slots, ids, NULL, at, count) == 1) {
+        stats[COUNTER_INSERTED] += k;
+        pushed = 1;
     }
-    int64_t odd = 0;
-    for (Py_ssize_t i = 0; i < k && fits; i++) {
-        int64_t l = ln->each ? ln->each[i] : ln->all, row = at[l] + count[l]++;
-        rows[i] = row;
-        slots[i] = slot_of(l, row, p->lc);
-        ids[i] = row_id(row, l, lanes);
-        odd |= __atomic_load_n(&stamp[slots[i]], __ATOMIC_RELAXED);
-    }
-    if (!fits || is_writing(odd)) goto unlock;
-    for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&owner[slots[i]], writer, __ATOMIC_RELAXED);
-    for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&stamp[slots[i]], writing_stamp(rows[i]), __ATOMIC_RELEASE);
-    for (Py_ssize_t l = 0; l < lanes; l++)
-        if (count[l]) __atomic_store_n(&cur[LANE_WORDS * l + LANE_CURSOR], at[l] + count[l], __ATOMIC_RELEASE);
-    stats[COUNTER_INSERTED] += k;
-    pushed = 1;
-unlock:
     pthread_mutex_unlock(mutex);
     return pushed;
 }
