@@ -81,7 +81,6 @@ import numpy as np
 
 from .. import native
 from ..errors import (
-    CapacityError,
     EmptyBufferError,
     FieldError,
     ReadOnlyError,
@@ -93,7 +92,7 @@ from ..errors import (
 from ..shm.lock import RobustLock, defer_signals
 from ..shm.segment import process_alive, start_time
 from . import rows
-from .layout import LANE_WORDS, WRITERS, Counter, Lane
+from .layout import LANE_WORDS, WRITERS, Counter, Lane, check_lanes
 
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 _SAMPLED, _RECLAIMED, _RECOVERIES = int(Counter.SAMPLED), int(Counter.RECLAIMED), int(Counter.LOCK_RECOVERIES)
@@ -681,26 +680,6 @@ class Ring:
         return np.flatnonzero(ids // self.lanes < self._lanes[ids % self.lanes, _BASE])
 
     def check_push(self, k: int, lane: int | np.ndarray) -> None:
-        """Refuse, before touching anything, a push the ring can never hold."""
-        lc = self.lane_capacity
-        if isinstance(lane, np.ndarray):
-            lib = native.lib
-            if lib is not None and lane.shape == (k,) and lane.dtype == np.int64 and lane.flags.c_contiguous:
-                if 0 <= lib.lanes_worst(lane, self.lanes) <= lc:
-                    return  # the usual case, in one C call; the checks below say what is wrong
-            if lane.shape != (k,):
-                raise CapacityError(f"lane: expected one lane per row ({k}), got shape {lane.shape}")
-            if lane.size and (lane.min() < 0 or lane.max() >= self.lanes):
-                raise CapacityError(f"lane: expected lane numbers in [0, {self.lanes}), got {lane.min()}..{lane.max()}")
-            worst = int(np.bincount(lane).max()) if lane.size else 0
-        else:
-            if not 0 <= lane < self.lanes:
-                raise CapacityError(f"lane: expected a lane in [0, {self.lanes}), got {lane}")
-            worst = k
-        if worst > lc:
-            where = "the buffer's capacity" if self.lanes == 1 else f"a lane's capacity ({self.lanes} lanes)"
-            raise CapacityError(
-                f"a push of {worst} rows into one lane is larger than {where} of {lc} rows; "
-                "push in smaller batches or raise capacity"
-            )
+        """Refuse, before touching anything, a push the ring can never hold (``layout.check_lanes``)."""
+        check_lanes(k, lane, self.lanes, self.lane_capacity)
 
