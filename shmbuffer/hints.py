@@ -32,6 +32,10 @@ def page(whose: str) -> str:
 
 # name: (whose, what to use here). Methods and attributes of their buffers.
 METHODS: dict[str, tuple[str, str]] = {
+    "add": ("cpprb", "push(**fields), or shmbuffer.compat.cpprb.ReplayBuffer(size, env_dict) with cpprb's names"),
+    "get_all_transitions": ("cpprb", "export() (a dict of the fields, index, ...) or get(slice(None))"),
+    "export_data": ("DI-engine", "export(), or shmbuffer.compat.ding.DequeBuffer's export_data()"),
+    "reset": ("MindSpore RL", "clear()"),
     "get_stored_size": ("cpprb", "len(buf) or buf.size"),
     "get_buffer_size": ("cpprb", "buf.capacity"),
     "get_next_index": ("cpprb", "no equivalent; buf.stats['inserted'] counts the rows ever reserved"),
@@ -83,9 +87,11 @@ KEYWORDS: dict[str, tuple[str, str]] = {
                     "ReplayBuffer(schema, capacity) with a Schema written from the spaces, or "
                     "shmbuffer.sb3.ReplayBuffer(buffer_size, observation_space, action_space) as a drop-in"),
     "size": ("cpprb's ReplayBuffer(size, env_dict)",
-             "ReplayBuffer(env_dict, capacity): the schema first (an env_dict is one), the capacity second"),
+             "ReplayBuffer(env_dict, capacity): the schema first (an env_dict is one), the capacity second; "
+             "or shmbuffer.compat.cpprb.ReplayBuffer(size, env_dict), cpprb's names on a shared buffer"),
     "env_dict": ("cpprb's ReplayBuffer(size, env_dict)",
-                 "ReplayBuffer(env_dict, capacity): the schema first (an env_dict is one), the capacity second"),
+                 "ReplayBuffer(env_dict, capacity): the schema first (an env_dict is one), the capacity second; "
+                 "or shmbuffer.compat.cpprb.ReplayBuffer(size, env_dict), cpprb's names on a shared buffer"),
     "n_envs": ("Stable-Baselines3's n_envs", "envs=n_envs: one lane per env"),
     "device": ("the device keyword", "batch.to(device), or Loader(buf, batch_size, device=...)"),
     "handle_timeout_termination": ("Stable-Baselines3's handle_timeout_termination",
@@ -151,7 +157,8 @@ def constructor_error(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> TypeE
                 f"shmbuffer.sb3.ReplayBuffer({size}, observation_space, action_space) as a drop-in")
     elif len(args) == 2 and isinstance(args[1], Mapping):
         whose = "cpprb's ReplayBuffer(size, env_dict)"
-        ours = f"ReplayBuffer(env_dict, {size}): the schema first (an env_dict is one), the capacity second"
+        ours = (f"ReplayBuffer(env_dict, {size}): the schema first (an env_dict is one), the capacity second; "
+                f"or shmbuffer.compat.cpprb.ReplayBuffer({size}, env_dict), cpprb's names on a shared buffer")
     else:
         return ForeignCall(f"ReplayBuffer({size}, ...): the capacity came first; here the schema comes first, "
                            f"ReplayBuffer(schema, {size}). See {DOCS}index.md.")

@@ -110,7 +110,8 @@ BOX = {"obs": {"shape": 4}}
     (lambda: sb.ReplayBuffer(1000, env_dict=BOX), sb.UnknownKeyword,
      r"takes no 'env_dict' \(cpprb's ReplayBuffer\(size, env_dict\)\); here: ReplayBuffer\(env_dict, capacity\).*cpprb\.md"),
     (lambda: sb.ReplayBuffer(1000, BOX), sb.ForeignCall,
-     r"is cpprb's ReplayBuffer\(size, env_dict\); here: ReplayBuffer\(env_dict, 1000\).*cpprb\.md"),
+     r"is cpprb's ReplayBuffer\(size, env_dict\); here: ReplayBuffer\(env_dict, 1000\).*"
+     r"shmbuffer\.compat\.cpprb\.ReplayBuffer\(1000, env_dict\).*cpprb\.md"),
     (lambda: sb.ReplayBuffer(size=1000, env_dict=BOX), sb.UnknownKeyword, r"takes no 'size' .*cpprb\.md"),
     (lambda: sb.ReplayBuffer(1000, "obs_space", "act_space"), sb.ForeignCall,
      r"Stable-Baselines3's ReplayBuffer\(buffer_size, observation_space, action_space\); here: "
@@ -257,3 +258,8 @@ def test_ls_lists_only_your_buffers_unless_all(make: Make, name: str, monkeypatc
     assert cli.main(["ls", "--all", "--json"]) == 0
     theirs = next(e for e in json.loads(capsys.readouterr().out) if e["name"] == name)
     assert "not to this process's user" in theirs["error"]  # listed, never read
+
+
+def test_cpprb_argument_order_says_schema_first(name: str) -> None:
+    with pytest.raises(sb.SchemaError, match=r"got int \(the schema comes first: ReplayBuffer\(schema, capacity\)\)"):
+        sb.ReplayBuffer(32, {"obs": {"shape": 3}}, name=name)  # type: ignore[arg-type]
