@@ -261,5 +261,5 @@ def test_ls_lists_only_your_buffers_unless_all(make: Make, name: str, monkeypatc
 
 
 def test_cpprb_argument_order_says_schema_first(name: str) -> None:
-    with pytest.raises(sb.SchemaError, match=r"got int \(the schema comes first: ReplayBuffer\(schema, capacity\)\)"):
+    with pytest.raises(sb.ForeignCall, match=r"cpprb's ReplayBuffer\(size, env_dict\); here: ReplayBuffer\(env_dict, 32\)"):
         sb.ReplayBuffer(32, {"obs": {"shape": 3}}, name=name)  # type: ignore[arg-type]
