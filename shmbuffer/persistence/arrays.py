@@ -59,7 +59,7 @@ def export(buf: Buffer) -> dict[str, np.ndarray]:
     it; 0 once used up) and a ``max_use`` buffer ``uses``: ``from_arrays`` and ``import_rows``
     take all of them back. With ``next_of``/``stack``: the transitions that can be read now
     (``gather.gather``; not an episode's end row, not a lane's newest row still waiting for its
-    next observation), rebuilt."""
+    next observation), rebuilt, with their ``priority`` and ``uses`` as above."""
     if buf.options.frames is not None:
         return _export_transitions(buf)
     snap = Snapshot(buf, 1.0)
@@ -121,6 +121,8 @@ def _export_transitions(buf: Buffer) -> dict[str, np.ndarray]:
         prios = buf.priorities
         if prios is not None and prios.prioritized:
             part["priority"] = prios.priorities_of(prios.tree.leaves[ring.slots(batch.index)])
+        if prios is not None and prios.uses is not None:  # as export's: a copy draws no row used up here
+            part["uses"] = prios.uses[ring.slots(batch.index)].astype(np.int64)
         parts.append(part)
     if not parts:
         out = {f.name: np.empty((0, *f.shape), f.dtype) for f in buf.schema}
