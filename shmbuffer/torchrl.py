@@ -536,11 +536,11 @@ class ShmStorage(StoreStorage):
         if self.buffer is None:
             self.buffer = SharedBuffer(Schema.from_json(state_dict["schema"]), self.max_size, name=self.name)
             self._keys(self.buffer.schema)
-        else:
-            self._empty()
+        k, *_ = self.buffer.check(rows)  # before the rows held go: rows it refuses leave the storage as it was
+        self._empty()
         self.kind, self.classes = kind, classes
         self.row_batch = tuple(state_dict.get("row_batch") or ())
-        if len(next(iter(rows.values()))):
+        if k:
             self.buffer.push(rows)
         self._seen = self.buffer.ring.span()[1]
         self._bump_mutation_revision()

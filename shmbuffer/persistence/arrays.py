@@ -332,12 +332,13 @@ def set_uses(buf: Buffer, ids: np.ndarray, uses: Any) -> None:
         prios.set_uses(ring.slots(ids[live]), u[live])
 
 
-def import_rows(buf: Buffer, arrays: Mapping[str, Any]) -> np.ndarray:
+def import_rows(buf: Buffer, arrays: Mapping[str, Any], *, replace: bool = False) -> np.ndarray:
     """Push the rows of ``arrays`` (as ``export`` gives them, from any buffer of the same schema)
     into the existing buffer ``buf`` (DI-engine's ``import_data``), with their ``episode``,
     ``priority``, ``uses`` and ``lane`` when given (``priority`` and ``uses`` dropped where ``buf``
     has no use for them). The rows get new ids, in order (``index`` is ignored: ids never repeat
-    in a buffer); returns them."""
+    in a buffer); returns them. With ``replace`` the buffer's rows are cleared first, once the
+    rows have passed every check: rows that are refused leave the buffer as it was (a load)."""
     data = dict(arrays)
     data.pop("index", None)
     extra: dict[str, Any] = {key: data.pop(key) for key in ("episode", "priority", "lane", "uses") if key in data}
@@ -355,6 +356,8 @@ def import_rows(buf: Buffer, arrays: Mapping[str, Any]) -> np.ndarray:
     lane = np.asarray(extra.get("lane", 0))
     if lane.size and lane.dtype.kind in "iuf" and (lane.min() < 0 or lane.max() >= buf.lanes):
         raise CapacityError(f"lane: expected lane numbers in [0, {buf.lanes}), got {lane.min()}..{lane.max()}")
+    if replace:
+        buf.clear()
     step = buf.lane_capacity if buf.options.frames is None else max(1, buf.lane_capacity // 2)  # + end rows
     if "lane" not in extra and buf.options.envs:
         step *= buf.options.envs  # env-major steps of every env: lane_capacity rows in each lane
