@@ -870,6 +870,18 @@ def test_an_export_of_a_next_of_buffer_carries_the_use_counts(make: Make, loaded
     assert copy.export()["uses"].tolist() == out["uses"].tolist()
 
 
+def test_import_rows_of_an_export_keeps_each_row_in_its_lane(make: Make, name: str) -> None:
+    """An export lists lane after lane; ``import_rows`` puts each row back into its lane (its id's),
+    not spread over the lanes as a push without ``lane=``, which would put one env's steps into
+    several lanes (windows such as n-step returns would then mix envs)."""
+    src = make(MUJOCO, 24, envs=2, name=name)
+    src.push(transition(0, 12))                                            # row i into lane i % 2
+    into = make(MUJOCO, 24, envs=2, name=name + "i")
+    persistence.import_rows(into, src.export())
+    assert seq_of(into.get(slice(None))).tolist() == seq_of(src.get(slice(None))).tolist()
+    assert (into.get(slice(None)).index % 2).tolist() == (src.get(slice(None)).index % 2).tolist()
+
+
 def test_export_drops_rows_overwritten_meanwhile(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     buf = make(MUJOCO, capacity=200, lanes=2, name=name)
     for ln in (0, 1):

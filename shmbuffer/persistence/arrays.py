@@ -336,17 +336,23 @@ def import_rows(buf: Buffer, arrays: Mapping[str, Any], *, replace: bool = False
     """Push the rows of ``arrays`` (as ``export`` gives them, from any buffer of the same schema)
     into the existing buffer ``buf`` (DI-engine's ``import_data``), with their ``episode``,
     ``priority``, ``uses`` and ``lane`` when given (``priority`` and ``uses`` dropped where ``buf``
-    has no use for them). The rows get new ids, in order (``index`` is ignored: ids never repeat
-    in a buffer); returns them. With ``replace`` the buffer's rows are cleared first, once the
+    has no use for them). The rows get new ids, in order (ids never repeat in a buffer); returns
+    them. Without ``lane``, each row goes into its lane of ``index`` (``id % lanes``, as
+    ``from_arrays``) when the ids allow it (increasing in each lane), else as a push without
+    ``lane=`` spreads them. With ``replace`` the buffer's rows are cleared first, once the
     rows have passed every check: rows that are refused leave the buffer as it was (a load)."""
     data = dict(arrays)
-    data.pop("index", None)
+    index = data.pop("index", None)
     extra: dict[str, Any] = {key: data.pop(key) for key in ("episode", "priority", "lane", "uses") if key in data}
     prios = buf.priorities
     if prios is None or not prios.prioritized:
         extra.pop("priority", None)
     uses = extra.pop("uses", None)
     k, _ = buf.schema.validate(data)
+    if "lane" not in extra and buf.lanes > 1 and _kept_rows(index, k, buf.lanes) is not None:
+        # an export lists lane after lane: spread over the lanes as a push would, a lane's steps
+        # would go into several lanes, and windows (n-step, sequences) would mix envs
+        extra["lane"] = np.asarray(index, np.int64) % buf.lanes
     # the pushes go in pieces: check what a later piece could refuse first, so an error changes nothing
     buf.options.check_episode(extra.get("episode"), k)
     if extra.get("priority") is not None and prios is not None:
