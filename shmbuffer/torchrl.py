@@ -178,6 +178,9 @@ def _import_class(name: str) -> type:
         raise TypeError(f"ShmStorage: the rows were written as tensorclass {name}, which cannot be imported here "
                         "(a class defined inside a function cannot): write one row of that class into this "
                         "storage before loading") from None
+    if not (isinstance(obj, type) and is_tensorclass(obj)):  # a name from a file: nothing else is built from it
+        raise TypeError(f"ShmStorage: the rows name {name} as their tensorclass, which is a {type(obj).__name__}, "
+                        "not a tensorclass: the state or dump is not one ShmStorage wrote")
     return obj
 
 

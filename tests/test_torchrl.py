@@ -115,6 +115,20 @@ def test_a_state_that_load_state_dict_refuses_leaves_the_rows(name: str, storage
     assert check(storage.get(slice(None))).tolist() == [0, 1, 2, 3, 4]
 
 
+def test_a_state_naming_a_class_that_is_no_tensorclass_is_refused(name: str, storages: list[ShmStorage]) -> None:
+    """The tensorclass a state (or a dump's metadata) names is imported by name: anything but a
+    tensorclass is refused at the load, not called at the first get."""
+    storage = ShmStorage(8, name=name)
+    storages.append(storage)
+    storage.set(range(2), rows(0, 2))
+    state = {**storage.state_dict(), "kind": "tensorclass", "tensorclass": {"": "os:system"}}
+    fresh = ShmStorage(8, name=name + "c")
+    storages.append(fresh)
+    with pytest.raises(TypeError, match="os:system as their tensorclass, which is a builtin_function_or_method"):
+        fresh.load_state_dict(state)
+    assert fresh.buffer is None
+
+
 def _writer(shared: Any, start: int, pushes: int, k: int) -> None:
     rb = shared if isinstance(shared, ReplayBuffer) else ReplayBuffer(storage=shared, collate_fn=identity)
     for p in range(pushes):
