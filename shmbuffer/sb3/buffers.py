@@ -187,8 +187,16 @@ class _Shared:
         elif rows is not None:  # unpickling: the rows keep their ids, so their slots and SB3's positions
             self.buffer = SharedBuffer.from_arrays(self._schema(), rows, capacity, envs=n_envs, name=name,
                                                    episodes=episodes)
-            if episodes and rows["episode"].size:  # fresh ids for the next adds: none of the saved episodes continues
+            if episodes and rows["episode"].size:  # fresh ids for the lanes whose saved episodes all ended...
                 self._episode += (int(rows["episode"].max()) // n_envs + 1) * n_envs
+                index = np.asarray(rows["index"], np.int64)
+                lane = lane_of(index, n_envs)
+                for ln in np.unique(lane).tolist():
+                    at = int(np.flatnonzero(lane == ln)[np.argmax(index[lane == ln])])  # the lane's newest step
+                    if not (rows["done"][at] or rows["timeouts"][at]):
+                        # ...the others' next adds go on with their episode, as the original's would:
+                        # else it would never end (hindsight draws complete episodes only)
+                        self._episode[ln] = int(rows["episode"][at])
         else:
             self.buffer = SharedBuffer(self._schema(), capacity, envs=n_envs, name=name, episodes=episodes,
                                        seed=int(np.random.randint(2**31 - 1)) if episodes else None, limiter=limiter)
