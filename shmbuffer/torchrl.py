@@ -178,6 +178,9 @@ def _import_class(name: str) -> type:
         raise TypeError(f"ShmStorage: the rows were written as tensorclass {name}, which cannot be imported here "
                         "(a class defined inside a function cannot): write one row of that class into this "
                         "storage before loading") from None
+    if not (isinstance(obj, type) and is_tensorclass(obj)):  # a name from a file: nothing else is built from it
+        raise TypeError(f"ShmStorage: the rows name {name} as their tensorclass, which is a {type(obj).__name__}, "
+                        "not a tensorclass: the state or dump is not one ShmStorage wrote")
     return obj
 
 
@@ -536,11 +539,11 @@ class ShmStorage(StoreStorage):
         if self.buffer is None:
             self.buffer = SharedBuffer(Schema.from_json(state_dict["schema"]), self.max_size, name=self.name)
             self._keys(self.buffer.schema)
-        else:
-            self._empty()
+        k, *_ = self.buffer.check(rows)  # before the rows held go: rows it refuses leave the storage as it was
+        self._empty()
         self.kind, self.classes = kind, classes
         self.row_batch = tuple(state_dict.get("row_batch") or ())
-        if len(next(iter(rows.values()))):
+        if k:
             self.buffer.push(rows)
         self._seen = self.buffer.ring.span()[1]
         self._bump_mutation_revision()

@@ -82,6 +82,17 @@ def test_used_up_and_deleted_rows_are_told_apart(make: Make, name: str) -> None:
         buf.sample(1)
 
 
+def test_a_batch_larger_than_the_uses_left_says_so(make: Make, name: str) -> None:
+    """Two fresh rows under ``max_use=2`` serve 4 draws: a sample of 5 says that, not that the rows
+    "have been drawn max_use=2 times" (they were, by the refused batch itself, and given back)."""
+    buf = make(SCHEMA, 8, max_use=2, name=name)
+    buf.push(_rows(2))
+    with pytest.raises(sb.EmptyBufferError, match=r"has 4 draws left \(max_use=2, 2 rows\), fewer than the batch's 5") as e:
+        buf.sample(5)
+    assert "have been drawn" not in str(e.value)
+    assert buf.uses(buf.get(slice(None)).index).tolist() == [0, 0] and len(buf.sample(4)) == 4
+
+
 def test_update_rows_by_id(make: Make, name: str) -> None:
     buf = make(SMALL, 4, sampler=sb.Prioritized(alpha=1.0, eps=0.0), name=name)
     ids = buf.push(obs=np.zeros((3, 3)), reward=np.zeros(3))

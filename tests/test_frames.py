@@ -740,6 +740,37 @@ def test_an_import_of_an_export_is_the_same_buffer(case: int, make: Make, name: 
         assert np.array_equal(again[n], out[n]), n
 
 
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_pending_is_each_lanes_waiting_step_as_pushed(case: int, make: Make, name: str) -> None:
+    """``pending()``: each lane's newest step that waits for its next observation, as this process
+    pushed it; with ``export`` it is every pushed transition. None in another process, in a lane
+    whose newest step ended its episode, nor without ``next_of``."""
+    frame, k, axis, pad, next_of, stack, lanes = CASES[case]
+    sch = schema(frame, k, axis)
+    buf = make(sch, 60 * lanes, lanes=lanes, next_of=next_of, stack=stack, name=name)
+    pushed: list[dict[str, Any]] = []
+    for lane in range(lanes):
+        rows = episode(lane, 0, 6, "terminated", frame, k, axis, pad)
+        rows = rows if lane == 0 else rows[:3]  # lane 0's episode ended; the others wait
+        pushed += rows
+        _push_all(buf, rows, lane=lane)
+    waiting = buf.pending()
+    if next_of is None:
+        assert waiting["index"].size == 0 and set(waiting) == set(buf.export())
+        return
+    assert sorted(waiting) == sorted(buf.export()) and (waiting["index"] % lanes).tolist() == list(range(1, lanes))
+    both = {n: np.concatenate([buf.export()[n], waiting[n]]) for n in waiting}
+    assert sorted(map(tuple, both["tag"].tolist())) == sorted(tuple(r["tag"].tolist()) for r in pushed)
+    for r in pushed:
+        at = np.flatnonzero((both["tag"] == r["tag"]).all(axis=1))[0]
+        assert all(np.array_equal(both[n][at], r[n]) for n in sch.names)
+    other = sb.ReplayBuffer.attach(buf.handle)
+    try:
+        assert other.pending()["index"].size == 0
+    finally:
+        other.close()
+
+
 def test_flush_makes_a_lanes_last_row_a_transition_at_once(make: Make, name: str) -> None:
     """``push(flush=True)`` stores the next observation of each lane's last row now: counted and
     drawn with its own next_obs and done; the lane's next row starts an episode. A bad ``flush``

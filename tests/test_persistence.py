@@ -853,6 +853,35 @@ def test_from_arrays_spreads_rows_over_env_lanes(loaded: list, name: str) -> Non
     assert not os.path.exists(segment.path_of(name + "x"))
 
 
+def test_an_export_of_a_next_of_buffer_carries_the_use_counts(make: Make, loaded: list, name: str) -> None:
+    """With ``next_of`` and ``max_use``, an export has ``uses`` as any other buffer's: a copy made
+    from it draws no row the original had used up."""
+    sch = sb.Schema(obs=((2,), "float32"), next_obs=((2,), "float32"), done=((), "bool"))
+    obs = np.stack([np.zeros(8), np.arange(8)], axis=1).astype(np.float32)
+    buf = make(sch, 32, next_of={"next_obs": "obs"}, max_use=2, name=name)
+    buf.push(obs=obs, next_obs=obs + np.float32([0, 1]), done=np.zeros(8, bool), flush=True)
+    buf.sample(8, replace=False)
+    buf.sample(5, replace=False)  # 5 rows used up, 3 drawn once
+    out = buf.export()
+    assert out["uses"].tolist() == buf.uses(out["index"]).tolist() and out["uses"].sum() == 13
+    copy = sb.ReplayBuffer.from_arrays(sch, out, next_of={"next_obs": "obs"}, max_use=2, name=name + "c")
+    loaded.append(copy)
+    assert len(copy) == len(buf) == 3
+    assert copy.export()["uses"].tolist() == out["uses"].tolist()
+
+
+def test_import_rows_of_an_export_keeps_each_row_in_its_lane(make: Make, name: str) -> None:
+    """An export lists lane after lane; ``import_rows`` puts each row back into its lane (its id's),
+    not spread over the lanes as a push without ``lane=``, which would put one env's steps into
+    several lanes (windows such as n-step returns would then mix envs)."""
+    src = make(MUJOCO, 24, envs=2, name=name)
+    src.push(transition(0, 12))                                            # row i into lane i % 2
+    into = make(MUJOCO, 24, envs=2, name=name + "i")
+    persistence.import_rows(into, src.export())
+    assert seq_of(into.get(slice(None))).tolist() == seq_of(src.get(slice(None))).tolist()
+    assert (into.get(slice(None)).index % 2).tolist() == (src.get(slice(None)).index % 2).tolist()
+
+
 def test_export_drops_rows_overwritten_meanwhile(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     buf = make(MUJOCO, capacity=200, lanes=2, name=name)
     for ln in (0, 1):

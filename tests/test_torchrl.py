@@ -9,6 +9,7 @@ import pickle
 from collections.abc import Iterator
 from typing import Any, cast
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from tensordict import TensorDict, tensorclass
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.data.replay_buffers.samplers import RandomSampler, SamplerWithoutReplacement
 
+from shmbuffer import CapacityError, FieldError
 from shmbuffer.torchrl import ShmStorage, identity
 
 
@@ -93,6 +95,38 @@ def test_add_single_rows_and_state_dict(name: str, storages: list[ShmStorage]) -
     assert check(copy.get(slice(None))).tolist() == [0, 1, 2]
     rb.empty()
     assert len(storage) == 0
+
+
+def test_a_state_that_load_state_dict_refuses_leaves_the_rows(name: str, storages: list[ShmStorage]) -> None:
+    """The rows of a state are checked before the storage's rows are replaced: a state it refuses
+    (too many rows, a field missing) raises and the storage keeps its rows."""
+    storage = ShmStorage(8, name=name)
+    storages.append(storage)
+    storage.set(range(5), rows(0, 5))
+    state = storage.state_dict()
+    big = {**state, "rows": {n: np.concatenate([a, a]) for n, a in state["rows"].items()}}
+    with pytest.raises(CapacityError):
+        storage.load_state_dict(big)
+    missing = {**state, "rows": {n: a for n, a in state["rows"].items() if n != "action"}}
+    with pytest.raises(FieldError, match="missing field 'action'"):
+        storage.load_state_dict(missing)
+    assert len(storage) == 5 and check(storage.get(slice(None))).tolist() == [0, 1, 2, 3, 4]
+    storage.load_state_dict(state)
+    assert check(storage.get(slice(None))).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_a_state_naming_a_class_that_is_no_tensorclass_is_refused(name: str, storages: list[ShmStorage]) -> None:
+    """The tensorclass a state (or a dump's metadata) names is imported by name: anything but a
+    tensorclass is refused at the load, not called at the first get."""
+    storage = ShmStorage(8, name=name)
+    storages.append(storage)
+    storage.set(range(2), rows(0, 2))
+    state = {**storage.state_dict(), "kind": "tensorclass", "tensorclass": {"": "os:system"}}
+    fresh = ShmStorage(8, name=name + "c")
+    storages.append(fresh)
+    with pytest.raises(TypeError, match="os:system as their tensorclass, which is a builtin_function_or_method"):
+        fresh.load_state_dict(state)
+    assert fresh.buffer is None
 
 
 def _writer(shared: Any, start: int, pushes: int, k: int) -> None:
