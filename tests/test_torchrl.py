@@ -442,3 +442,12 @@ def test_collectors_fill_it_from_their_workers(collector: str, name: str, storag
         col.shutdown()
     _check_collected(rb[:], len(rb), 1 if single else 2)
     assert len(rb) >= 240
+
+
+@pytest.mark.slow
+def test_the_collector_example_runs() -> None:
+    from .test_vector import run_example
+
+    out = run_example("torchrl_collector.py", ["--total-frames", "400", "--frames-per-batch", "50"])
+    assert "OK: 400 frames in the shared storage from 2 collector workers" in out, out
+    assert "every row whole: True" in out

@@ -8,10 +8,14 @@ episode are all there, in order."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -21,6 +25,7 @@ from gymnasium.vector import AutoresetMode
 
 import shmbuffer as sb
 from shmbuffer.errors import SchemaError
+from shmbuffer.shm import segment
 from shmbuffer.vector import AsyncVectorEnv, RecordTransitions
 
 from .envs import LIMIT, EpisodeEnv
@@ -235,3 +240,33 @@ def test_a_worker_killed_mid_push_leaves_no_torn_row() -> None:
                 assert n[0] == o[0] + 1
             batch = buf.sample(32)
             assert (batch.obs == batch.obs[:, :1]).all()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_example(name: str, args: list[str]) -> str:
+    """Run ``examples/name`` as a subprocess (warnings as errors), killing its process group if it
+    hangs; returns its stdout and checks it left no segment behind."""
+    env = {**os.environ, "PYTHONWARNINGS": "error", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "examples" / name), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:  # timed out: kill it and its worker processes
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, out + err
+    assert not [n for n in segment.list_names() if n.startswith(f"{proc.pid}-")]
+    return out
+
+
+@pytest.mark.slow
+def test_the_cleanrl_example_runs_with_writing_workers() -> None:
+    out = run_example("cleanrl_dqn_vector.py", ["--total-timesteps", "3000", "--learning-starts", "1000",
+                                                "--num-envs", "4", "--eval-episodes", "1", "--target", "0"])
+    done = re.search(r"OK: 3,000 env steps by 4 writing workers, ([\d,]+) rows pushed, ([\d,]+) updates", out)
+    assert done, out
+    assert 2_500 <= int(done.group(1).replace(",", "")) < 3_000  # a row per step but the reset steps
+    assert int(done.group(2).replace(",", "")) == 500
