@@ -17,9 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass, field, fields
-
 import warnings
+from dataclasses import dataclass, field, fields
 
 import torch
 
