@@ -314,8 +314,6 @@ class ReplayBuffer:
         prios = self._prios
         self.ring.clear(also=prios.clear if prios is not None else None)
 
-    reset = clear
-
     def freeze(self) -> None:
         """Make the buffer read-only for every process (expert data): pushes and clears raise
         ``ReadOnlyError``; sampling and priority updates go on. There is no unfreezing."""
@@ -342,7 +340,7 @@ class ReplayBuffer:
 
         :param data: the fields as one mapping (DI-engine's ``push``), or a list of row mappings
             with the same keys (a collector's transitions), or give them as keywords (cpprb's
-            ``add``). A ``"priority"`` key that is not a field is the rows' priority (Ape-X).
+            ``add``, ``shmbuffer.compat.cpprb``). A ``"priority"`` key that is not a field is the rows' priority (Ape-X).
         :param lane: a lane number, or one per row; required with several lanes unless the buffer
             was made with ``envs`` (then row ``i`` goes to lane ``i % envs``).
         :param episode: the rows' episode id (one, or one per row); required with ``episodes``.
@@ -369,8 +367,6 @@ class ReplayBuffer:
                 return ids
         return push.push(self, self._copier, data, lane=lane, episode=episode, priority=priority,
                          timeout=timeout, fields=fields, pusher=self._pusher, resume=resume, fast=one, flush=flush)
-
-    add = push
 
     def check(
         self, data: Mapping[str, Any] | None = None, /, *, lane: int | Any = None, episode: int | Any = None,
@@ -677,8 +673,6 @@ class ReplayBuffer:
         """All rows as numpy arrays in ``get`` order, plus ``index`` (and ``episode``)."""
         return persistence.export(self)
 
-    get_all_transitions = export  # cpprb
-    export_data = export  # DI-engine
 
     @classmethod
     def from_arrays(cls, schema: Schema | Mapping[str, Any], arrays: Mapping[str, Any],
@@ -700,4 +694,4 @@ def _attach_by_handle(handle: BufferHandle) -> ReplayBuffer:
 if native.lib is not None:
     # push(...) in C for its usual calls (``_native.PushMethod``): a bound method like any other,
     # whose calls on a uniform buffer the one call serves (``_push_plan``) skip the Python method
-    ReplayBuffer.push = ReplayBuffer.add = native.lib.PushMethod(ReplayBuffer.push)  # type: ignore[method-assign]
+    ReplayBuffer.push = native.lib.PushMethod(ReplayBuffer.push)  # type: ignore[method-assign]

@@ -110,7 +110,7 @@ def _rows(h: segment.Header) -> tuple[int, int, list[tuple[int, int]]]:
         raise LayoutError(f"buffer {h.name!r} is damaged: its _lanes and _stamp columns do not match capacity "
                           f"{capacity} in {lanes} lanes")
     raw = segment.read_data(h, col["offset"], lanes * 8 * 8)
-    first, cur = rows.bounds(np.frombuffer(raw, np.int64).reshape(lanes, LANE_WORDS), capacity // lanes)
+    first, cur = rows.bounds(np.frombuffer(raw, np.int64).reshape(lanes, LANE_WORDS), rows.lane_capacity(capacity, lanes))
     bounds = [(int(a), int(b)) for a, b in zip(first, cur, strict=True)]
     return int((cur - first).sum()), capacity, bounds
 

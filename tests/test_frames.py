@@ -382,7 +382,7 @@ def _push_all(buf: sb.ReplayBuffer, rows: list[dict[str, Any]], **kw: Any) -> li
 def test_a_clear_mid_episode_keeps_the_writer_going(make: Make, name: str) -> None:
     """A writer that goes on with its episode after ``clear()`` starts its lane again: the older
     frames of its first stack go into lead rows, so every row it pushes is a whole transition,
-    readable, sampled and counted alike (issue 22: they were counted but their stacks reached into
+    readable, sampled and counted alike (they were counted but their stacks reached into
     the cleared rows, and ``sample`` timed out)."""
     sch = schema((1, 4, 4), 4, 0)
     buf = make(sch, 16, next_of="obs", stack="obs", name=name)
@@ -635,8 +635,7 @@ def test_a_forked_child_starts_its_own_rows(make: Make, name: str, procs: list) 
 
 def test_a_clear_between_the_checks_and_the_reservation_is_checked_again(make: Make, name: str) -> None:
     """A clear() that comes after the pusher decided a row continues its lane (no lead rows) but
-    before the reservation: stored so, the row would reach into the cleared rows (found by review,
-    issue 22). The reservation is undone and the push checked again: it starts the lane anew."""
+    before the reservation: stored so, the row would reach into the cleared rows. The reservation is undone and the push checked again: it starts the lane anew."""
     from shmbuffer.protocol.ring import Ring
 
     sch = schema((1, 4, 4), 4, 0)
@@ -689,7 +688,7 @@ def test_a_push_clears_overtake_again_and_again_is_refused_with_nothing_stored(
 
 def test_stacks_without_next_of_count_as_get_indexes(make: Make, name: str) -> None:
     """``stack`` alone: lead rows (a lane started again after clear(), or resume) are not
-    transitions; ``len`` left them in while ``get`` left them out (found by review, issue 22)."""
+    transitions; ``len`` left them in while ``get`` left them out."""
     sch = schema((1, 4, 4), 4, 0)
     buf = make(sch, 16, stack="obs", name=name)
     rows = episode(0, 0, 12, "terminated", (1, 4, 4), 4, 0, "reset")

@@ -213,3 +213,8 @@ def test_ls_lists_only_your_buffers_unless_all(make: Make, name: str, monkeypatc
     assert cli.main(["ls", "--all", "--json"]) == 0
     theirs = next(e for e in json.loads(capsys.readouterr().out) if e["name"] == name)
     assert "not to this process's user" in theirs["error"]  # listed, never read
+
+
+def test_cpprb_argument_order_says_schema_first(name: str) -> None:
+    with pytest.raises(sb.SchemaError, match=r"got int \(the schema comes first: ReplayBuffer\(schema, capacity\)\)"):
+        sb.ReplayBuffer(32, {"obs": {"shape": 3}}, name=name)  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ import torch
 import shmbuffer as sb
 from shmbuffer.sequences import n_step_return, window_mask
 
-from .conftest import MUJOCO, transition
+from .conftest import MUJOCO, SMALL, small_row, transition
 from .conftest import seq_of as checked_seq_of
 
 Make = Callable[..., sb.ReplayBuffer]
@@ -255,7 +255,7 @@ def test_groups(make: Make, name: str) -> None:
 
 def test_shuffled_groups_of_large_fields_only(make: Make, name: str) -> None:
     """Every field large (no packed record, so no block): the groups re-drawn in later rounds go
-    into the first round's batch instead of replacing it (r05)."""
+    into the first round's batch instead of replacing it."""
     schema = sb.Schema(obs=((300,), "float32"))
     assert schema.record.itemsize == 0
     buf = make(schema, capacity=256, episodes=True, name=name, seed=1)
@@ -408,3 +408,36 @@ def test_n_step_while_writers_push(sampler: Any, make: Make, name: str, procs: l
         p.join(10)
         assert p.exitcode == 0
     assert sampled > 2000 and longer > sampled // 10
+
+
+def test_distinct_episodes_and_short_groups(make: Make, name: str) -> None:
+    # DI-engine's example: push("a", {"episode": 1}), push("b", {"episode": 2}), push("c", {"episode": 2})
+    buf = make(SMALL, 10, episodes=True, name=name, seed=0)
+    for value, episode in ((0, 1), (1, 2), (2, 2)):
+        buf.push(small_row(value), episode=episode)
+    for _ in range(50):
+        groups = buf.sample_groups(2, 2, replace=False, short=True)
+        assert sorted(groups.reward[:, 0].tolist()) == [0, 1]        # one group of each episode
+        short = int(np.flatnonzero(groups.reward[:, 0] == 0)[0])
+        assert groups.mask[short].tolist() == [True, False]            # episode 1 kept, truncated
+        assert groups.mask[1 - short].tolist() == [True, True]
+        assert groups.index[short].tolist() == [0, -1]
+    with pytest.raises(sb.EmptyBufferError, match="holds 2 episodes, fewer than the 3"):
+        buf.sample_groups(3, 2, replace=False, short=True)
+    # whole episodes: the one still being written (episode 2) is not complete
+    assert [e.reward.tolist() for e in buf.sample_episodes(1, replace=False)] == [[0.0]]
+    with pytest.raises(sb.EmptyBufferError, match="holds 1 complete episodes"):
+        buf.sample_episodes(2, replace=False)
+
+
+def test_episodes_are_distinct_in_a_call(make: Make, name: str) -> None:
+    buf = make(SMALL, 100, episodes=True, name=name, seed=3)
+    for episode, length in enumerate([3, 5, 2, 7, 4, 6]):
+        buf.push(obs=np.full((length, 3), episode), reward=np.full(length, episode), episode=episode)
+    for _ in range(50):
+        got = buf.sample_episodes(5, replace=False)                   # the 6th is still open
+        assert sorted(int(e.reward[0]) for e in got) == [0, 1, 2, 3, 4]
+        groups = buf.sample_groups(6, 3, ordered=False, replace=False, short=True)
+        assert sorted(groups.reward[:, 0].tolist()) == [0, 1, 2, 3, 4, 5]
+        ordered = buf.sample_groups(4, 4, replace=False)              # only episodes of 4 rows or more
+        assert sorted(ordered.reward[:, 0].tolist()) == [1, 3, 4, 5] and "mask" not in ordered

@@ -28,6 +28,7 @@ from .gather import REDRAW_ROUNDS, Rows, assemble, gather, settle
 from .layout import Block, Counter, Options
 from .priorities import Priorities
 from .ring import Ring, positions
+from .rows import is_writing
 
 NONE = np.empty(0, np.int64)
 GIVE_UP = 1.0
@@ -413,13 +414,13 @@ def get(src: Source, index: Any) -> Batch:
         now = ring.stamp.take(ring.slots(flat))
         if src.block.frames is not None and (now == expect).all():
             raise EmptyBufferError(f"get({index!r}): {_NOT_A_TRANSITION}")
-        if np.any(now < expect) and not np.any(now[now < expect] & 1):
+        if np.any(now < expect) and not np.any(is_writing(now[now < expect])):
             raise EmptyBufferError(f"get({index!r}): {_LOST}")
         if time.monotonic() > deadline:
             if src.reap().size:
                 raise EmptyBufferError(f"get({index!r}): {_LOST}")
             raise WaitTimeout(f"get({index!r}): a row is still being written after 1 s")
-        if np.any(now & 1):
+        if np.any(is_writing(now)):
             time.sleep(0.0005)  # being written: wait; overwritten: look the index up again
     batch = assemble(src.block, flat, rows)
     if ids.ndim == 0:
