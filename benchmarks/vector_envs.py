@@ -20,8 +20,10 @@ TorchRL: ``MultiSyncCollector`` (2 workers, CartPole, ``replay_buffer=``) into a
 on ``ShmStorage`` or on ``LazyTensorStorage`` (shared by the collector): frames per second and rows
 lost (frames collected minus rows held; the storage is larger than the run).
 
-Rounds interleave the subjects; medians and same-run ratios are reported. Timing is wall-clock on
-whatever machine runs it: say how loaded it was.
+Rounds interleave the subjects; medians and same-run ratios are reported, of env steps per
+wall-clock second and per CPU-second (user + system time of the main process and every worker
+during the timed steps: on a machine loaded by other work, the cost that the wall clock hides).
+Say how loaded the machine was.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import psutil
 from gymnasium import spaces
 
 import shmbuffer as sb
@@ -84,7 +87,7 @@ def factories(env_id: str) -> list[Any]:
     return [lambda: make(env_id)] * ENVS
 
 
-def run_ours(env_id: str, seconds: float) -> float:
+def run_ours(env_id: str, seconds: float) -> tuple[float, float]:
     from shmbuffer.vector import AsyncVectorEnv
 
     with sb.ReplayBuffer(schema_of(env_id), 200_000, envs=ENVS) as buf:
@@ -95,7 +98,7 @@ def run_ours(env_id: str, seconds: float) -> float:
             envs.close()
 
 
-def run_gymnasium(env_id: str, seconds: float) -> float:
+def run_gymnasium(env_id: str, seconds: float) -> tuple[float, float]:
     from shmbuffer.vector import RecordTransitions
 
     with sb.ReplayBuffer(schema_of(env_id), 200_000, envs=ENVS) as buf:
@@ -106,19 +109,33 @@ def run_gymnasium(env_id: str, seconds: float) -> float:
             envs.close()
 
 
-def _steps_per_second(envs: Any, seconds: float) -> float:
+def cpu_seconds() -> float:
+    """CPU time (user + system) of this process and its live children: what a run costs, which a
+    loaded machine changes less than the wall clock."""
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def _steps_per_second(envs: Any, seconds: float) -> tuple[float, float]:
     rng = np.random.default_rng(0)
     envs.reset(seed=0)
     for _ in range(20):  # warm up: workers started, first pushes made
         envs.step(rng.integers(0, 2, ENVS))
-    steps, t0 = 0, time.perf_counter()
+    steps, t0, c0 = 0, time.perf_counter(), cpu_seconds()
     while (now := time.perf_counter()) - t0 < seconds:
         envs.step(rng.integers(0, 2, ENVS))
         steps += ENVS
-    return steps / (now - t0)
+    return steps / (now - t0), steps / (cpu_seconds() - c0)
 
 
-def run_sb3(env_id: str, seconds: float) -> float:
+def run_sb3(env_id: str, seconds: float) -> tuple[float, float]:
     from stable_baselines3.common.buffers import ReplayBuffer
     from stable_baselines3.common.vec_env import SubprocVecEnv
 
@@ -128,10 +145,10 @@ def run_sb3(env_id: str, seconds: float) -> float:
                           handle_timeout_termination=True)
         rng = np.random.default_rng(0)
         obs = envs.reset()
-        steps, t0 = 0, 0.0
+        steps, t0, c0 = 0, 0.0, 0.0
         for i in range(10**9):
             if i == 20:
-                steps, t0 = 0, time.perf_counter()
+                steps, t0, c0 = 0, time.perf_counter(), cpu_seconds()
             actions = rng.integers(0, 2, ENVS)
             next_obs, rewards, dones, infos = envs.step(actions)
             real_next = next_obs.copy()  # SB3's loop: the final observation of an ended env from info
@@ -141,7 +158,7 @@ def run_sb3(env_id: str, seconds: float) -> float:
             obs = next_obs
             steps += ENVS
             if t0 and (now := time.perf_counter()) - t0 >= seconds:
-                return steps / (now - t0)
+                return steps / (now - t0), steps / (cpu_seconds() - c0)
         raise AssertionError("unreachable")
     finally:
         envs.close()
@@ -186,22 +203,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rounds, seconds, frames = (1, 1.0, 1_024) if args.quick else (args.rounds, args.seconds, args.frames)
     subjects = {"writing workers": run_ours, "gymnasium + push": run_gymnasium, "sb3 + add": run_sb3}
     rates: dict[str, dict[str, list[float]]] = {e: {s: [] for s in subjects} for e in ("CartPole-v1", "Pixels")}
+    per_cpu: dict[str, dict[str, list[float]]] = {e: {s: [] for s in subjects} for e in rates}
     for r in range(rounds):
         for env_id, by in rates.items():
             order = list(subjects) if r % 2 == 0 else list(reversed(subjects))
             for name in order:
-                by[name].append(subjects[name](env_id, seconds))
-                print(f"round {r + 1} {env_id:12s} {name:18s} {by[name][-1]:10,.0f} env steps/s", flush=True)
+                wall, cpu = subjects[name](env_id, seconds)
+                by[name].append(wall)
+                per_cpu[env_id][name].append(cpu)
+                print(f"round {r + 1} {env_id:12s} {name:18s} {wall:10,.0f} env steps/s, {cpu:10,.0f} per CPU-second",
+                      flush=True)
     results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                            "platform": platform.platform(), "load": os.getloadavg()},
-                               "envs": ENVS, "rounds": rounds, "seconds": seconds, "env_steps_per_s": {}}
-    print(f"\n{'env':12s} {'path':18s} {'median steps/s':>15s} {'ratio ours/it':>14s}")
+                               "envs": ENVS, "rounds": rounds, "seconds": seconds, "env_steps_per_s": {},
+                               "env_steps_per_cpu_s": {}}
+    print(f"\n{'env':12s} {'path':18s} {'median steps/s':>15s} {'ratio ours/it':>14s} {'per CPU-s':>10s} {'ratio':>6s}")
     for env_id, by in rates.items():
         med = {n: statistics.median(v) for n, v in by.items()}
+        cpu = {n: statistics.median(v) for n, v in per_cpu[env_id].items()}
         results["env_steps_per_s"][env_id] = {"median": med, "all": by}
+        results["env_steps_per_cpu_s"][env_id] = {"median": cpu, "all": per_cpu[env_id]}
         for name, m in med.items():
-            ratio = med["writing workers"] / m
-            print(f"{env_id:12s} {name:18s} {m:15,.0f} {ratio:14.2f}")
+            print(f"{env_id:12s} {name:18s} {m:15,.0f} {med['writing workers'] / m:14.2f} {cpu[name]:10,.0f} "
+                  f"{cpu['writing workers'] / cpu[name]:6.2f}")
     if not args.no_torchrl:
         torchrl: dict[str, list[dict[str, float]]] = {"ShmStorage": [], "LazyTensorStorage": []}
         for r in range(rounds):
