@@ -30,6 +30,10 @@ class EmptyBufferError(ShmBufferError, LookupError):
     """Sampling or reading rows that are not there (an empty buffer, too few rows, a bad index)."""
 
 
+class PositionError(EmptyBufferError, IndexError):
+    """``get(i)`` past the rows held: an ``IndexError`` too, as a sequence's index is."""
+
+
 class UnknownIdError(FieldError, EmptyBufferError):
     """Ids that never named a row of the buffer: negative, or beyond every row pushed so far.
     Both a ``FieldError`` (bad input) and an ``EmptyBufferError`` (what ``take`` raised for them

@@ -81,8 +81,8 @@ import numpy as np
 
 from .. import native
 from ..errors import (
-    EmptyBufferError,
     FieldError,
+    PositionError,
     ReadOnlyError,
     ShmBufferError,
     UnknownIdError,
@@ -135,7 +135,7 @@ def positions(index: object, total: int) -> np.ndarray:
         raise TypeError(f"get: expected an int, a slice or an array of ints, got {pos.dtype}")
     pos = np.where(pos < 0, pos + total, pos)
     if pos.size and (pos.min() < 0 or pos.max() >= total):
-        raise EmptyBufferError(f"get({index!r}): index out of range for {total} row{'' if total == 1 else 's'}")
+        raise PositionError(f"get({index!r}): index out of range for {total} row{'' if total == 1 else 's'}")
     return pos
 
 
