@@ -367,6 +367,8 @@ def test_push_itself_runs_in_c_for_its_usual_calls_and_the_method_for_the_rest(m
     for args, kwargs in (((), {**rows, "lane": 0, "episode": 1}), ((rows,), {"lane": 1, "episode": np.array([3, 4])}),
                          ((one,), {"lane": 0, "episode": 5}), ((), {**one, "episode": 6, "lane": np.array([1])})):
         assert np.array_equal(buf.push(*args, **kwargs), ref.push(*args, **kwargs))
+    for lane in (np.int64(1), np.array(0)):  # a numpy integer lane, as an env's index often is
+        assert np.array_equal(buf.push(rows, lane=lane, episode=2), ref.push(rows, lane=lane, episode=2))
     for args, kwargs, error in (
         ((), {**rows, "episode": 1}, "lane: this buffer has 2 lanes"),
         ((), {**rows, "lane": 0}, "episode: this buffer keeps episodes"),

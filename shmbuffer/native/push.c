@@ -246,10 +246,16 @@ static int lanes_read(const PushPlan *p, PyObject *lane_o, Py_ssize_t k, Lanes *
         }
         ln->all = l;
     } else {
-        if (!int64_view(lane_o, &ln->view, 0)) return 0;
+        if (!int64_view(lane_o, &ln->view, 1)) return 0;
         ln->held = 1;
-        if (ln->view.shape[0] != k) return 0;
-        ln->each = (const int64_t *)ln->view.buf;
+        if (ln->view.ndim == 0) { /* a numpy int64 (an env's index from an array): one lane for all */
+            int64_t l = *(const int64_t *)ln->view.buf;
+            if (l < 0 || l >= p->lanes) return 0;
+            ln->all = l;
+        } else {
+            if (ln->view.shape[0] != k) return 0;
+            ln->each = (const int64_t *)ln->view.buf;
+        }
     }
     return ln->each || k <= p->lc; /* more rows than a lane holds: check_push explains */
 }

@@ -366,7 +366,8 @@ def normalise(
     if lane is None:
         lane = options.default_lane(k)
     if type(lane) is not int or not 0 <= lane < options.lanes or k > options.lane_capacity:  # the usual case is cheap
-        lane = int(lane) if isinstance(lane, (int, np.integer)) else np.asarray(lane, dtype=np.int64)
+        given = np.asarray(lane)
+        lane = int(given) if given.ndim == 0 and given.dtype.kind in "iu" else np.asarray(lane, dtype=np.int64)
         check_lanes(k, lane, options.lanes, options.lane_capacity)
     episodes = options.check_episode(episode, k)
     if priority is not None:
