@@ -403,3 +403,27 @@ def test_push_itself_runs_in_c_for_its_usual_calls_and_the_method_for_the_rest(m
         held(**rows, lane=0, episode=1)
     with pytest.raises(sb.ClosedError):
         buf.push(**rows, lane=0, episode=1)
+
+
+@needs_lib
+def test_push_called_through_the_buffer_and_bound_pushes_reused_push_into_their_own_buffer(make: Make, name: str) -> None:
+    """``buf.push(obs=...)`` written out is called with the buffer first (no bound push made), and
+    a bound push made after another was freed is the new buffer's: each row lands where it was sent."""
+    a = make(MUJOCO, capacity=8, name=name + "a")
+    b = make(MUJOCO, capacity=8, name=name + "b")
+    r = {k: v[0] for k, v in transition(0, 1).items()}
+    ids = a.push(obs=r["obs"], action=r["action"], reward=r["reward"], next_obs=r["next_obs"], done=r["done"])
+    assert ids.tolist() == [0] and len(a) == 1 and len(b) == 0
+    with pytest.raises(sb.FieldError, match="unknown field 'obz'"):  # the method for the rest, as bound
+        a.push(obz=r["obs"], action=r["action"], reward=r["reward"], next_obs=r["next_obs"], done=r["done"])
+    sb.ReplayBuffer.push(b, **r)  # through the class: the function
+    for _ in range(3):
+        bound_a = a.push
+        del bound_a  # its object is kept for the next bound push
+        bound_b = b.push
+        assert bound_b.__self__ is b
+        bound_b(**r)
+    kept = a.push
+    b.push(**r)
+    kept(**r)
+    assert (len(a), len(b)) == (2, 5)

@@ -12,6 +12,7 @@
 typedef struct {
     PyObject_HEAD
     PyObject *func;
+    vectorcallfunc vectorcall;
 } PushMethod;
 
 typedef struct {
@@ -49,9 +50,17 @@ static int bound_clear(BoundPush *b) {
     return 0;
 }
 
+/* one BoundPush kept from its dealloc for the next method_get: `buffer.push(**row)` binds one per
+ * call, and reusing it spares the allocation and the GC's count toward its next collection */
+static BoundPush *spare;
+
 static void bound_dealloc(BoundPush *b) {
     PyObject_GC_UnTrack(b);
     bound_clear(b);
+    if (!spare && Py_TYPE(b) == &BoundPushType) {
+        spare = b;
+        return;
+    }
     PyObject_GC_Del(b);
 }
 
@@ -111,6 +120,22 @@ static Py_hash_t bound_hash(BoundPush *b) {
     return h == -1 ? -2 : h;
 }
 
+/* the plan `obj._push_plan` holds (a new reference), or NULL (no error set) when it holds none */
+static PyObject *plan_on(PyObject *obj) {
+    static PyObject *s_plan;
+    if (!s_plan && !(s_plan = PyUnicode_InternFromString("_push_plan"))) return NULL;
+    /* the generic lookup: ReplayBuffer's __getattr__ (hints for other libraries' names) would
+     * otherwise wrap every push's lookup, though it never answers for this name */
+    PyObject *plan = PyObject_GenericGetAttr(obj, s_plan);
+    if (!plan) {
+        if (PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear();
+        return NULL;
+    }
+    if (PyCapsule_IsValid(plan, PLAN_CAPSULE)) return plan;
+    Py_DECREF(plan);
+    return NULL;
+}
+
 static PyObject *method_get(PushMethod *m, PyObject *obj, PyObject *type);
 
 /* BoundPush(func, buffer): func bound to buffer, as PushMethod binds it (weakref.WeakMethod
@@ -165,8 +190,6 @@ PyTypeObject BoundPushType = {
 };
 
 static PyObject *method_get(PushMethod *m, PyObject *obj, PyObject *type) {
-    static PyObject *s_plan;
-    if (!s_plan && !(s_plan = PyUnicode_InternFromString("_push_plan"))) return NULL;
     if (!m->func) {
         PyErr_SetString(PyExc_TypeError, "PushMethod: made without its function (PushMethod(func))");
         return NULL;
@@ -175,17 +198,13 @@ static PyObject *method_get(PushMethod *m, PyObject *obj, PyObject *type) {
         Py_INCREF(m->func);
         return m->func;
     }
-    PyObject *plan = PyObject_GetAttr(obj, s_plan);
-    if (!plan) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
-        PyErr_Clear();
-    }
-    if (!plan || !PyCapsule_IsValid(plan, PLAN_CAPSULE)) {
-        Py_XDECREF(plan);
-        return PyMethod_New(m->func, obj);
-    }
-    BoundPush *b = PyObject_GC_New(BoundPush, &BoundPushType);
-    if (!b) {
+    PyObject *plan = plan_on(obj);
+    if (!plan) return PyErr_Occurred() ? NULL : PyMethod_New(m->func, obj);
+    BoundPush *b = spare;
+    if (b) {
+        spare = NULL;
+        _Py_NewReference((PyObject *)b);
+    } else if (!(b = PyObject_GC_New(BoundPush, &BoundPushType))) {
         Py_DECREF(plan);
         return NULL;
     }
@@ -197,6 +216,29 @@ static PyObject *method_get(PushMethod *m, PyObject *obj, PyObject *type) {
     b->vectorcall = bound_call;
     PyObject_GC_Track(b);
     return (PyObject *)b;
+}
+
+/* buffer.push(...) itself: the type is a method descriptor, so a call through an instance comes
+ * here with the instance first and no BoundPush is made (an allocation per call, each counted
+ * toward the GC's next collection); the same calls as bound_call */
+static PyObject *method_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    PushMethod *m = (PushMethod *)callable;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (!m->func) {
+        PyErr_SetString(PyExc_TypeError, "PushMethod: made without its function (PushMethod(func))");
+        return NULL;
+    }
+    PyObject *plan = nargs ? plan_on(args[0]) : NULL;
+    if (plan) {
+        PushPlan *p = plan_of(plan);
+        PyObject *ids = p ? push_from_args(p, args + 1, nargs - 1, kwnames) : NULL;
+        Py_DECREF(plan);
+        if (ids != Py_None) return ids; /* the ids, or NULL with an error */
+        Py_DECREF(ids);
+    } else if (PyErr_Occurred()) {
+        return NULL;
+    }
+    return PyObject_Vectorcall(m->func, args, (size_t)nargs, kwnames);
 }
 
 static int method_init(PushMethod *m, PyObject *args, PyObject *kwds) {
@@ -212,6 +254,7 @@ static int method_init(PushMethod *m, PyObject *args, PyObject *kwds) {
     }
     Py_INCREF(func);
     Py_XSETREF(m->func, func);
+    m->vectorcall = method_call;
     return 0;
 }
 
@@ -249,7 +292,9 @@ PyTypeObject PushMethodType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "shmbuffer.native._native.PushMethod",
     .tp_basicsize = sizeof(PushMethod),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(PushMethod, vectorcall),
+    .tp_call = PyVectorcall_Call,
     .tp_doc = "PushMethod(func): ReplayBuffer.push on the class; a BoundPush on an instance with a push plan.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)method_init,

@@ -344,7 +344,7 @@ class Ring:
                                    (old, *was, cursors.copy()))
             where = slice(first, first + k) if s0 + k <= lc else rows.slot(lane, n, lc)
         stamps = self.stamp[where]
-        if (stamps[0] if k == 1 else np.bitwise_or.reduce(stamps)) & 1:  # some slot is odd: being written
+        if rows.is_writing(stamps[0] if k == 1 else np.bitwise_or.reduce(stamps)):  # some slot's row is being written
             busy = rows.is_writing(stamps)
             held = np.unique(self.owner[where][busy])
             if any(self._alive(int(o)) for o in held):
@@ -401,7 +401,8 @@ class Ring:
         old, cursors, inserted, after = res.before
         # put back only while nobody reserved or cleared since, no byte differs from the rows the
         # slots held, and no slot held a dead writer's odd row (reclaimed: its owner is gone)
-        if (mine.all() and np.array_equal(self._lanes, after) and not res.dirty and not (old & 1).any()):
+        if (mine.all() and np.array_equal(self._lanes, after) and not res.dirty
+                and not rows.is_writing(old).any()):
             # a reader whose copy spans the reservation and this undo sees the same stamp before
             # and after: the count makes it read again (reader._unless_updated), as for update()
             self._stats[_UPDATES] += 1
@@ -586,7 +587,7 @@ class Ring:
         else:
             ids = a.astype(np.int64, copy=False)
             lane = ids % lanes  # in [0, lanes), also for negative ids
-            never = ids[(ids < 0) | (ids // lanes >= stop[lane])]
+            never = ids[(ids < 0) | (rows.number_of(ids, lanes) >= stop[lane])]
             if not never.size:
                 return ids
         below = f"id < {int(stop[0])}" if lanes == 1 else f"id // {lanes} < {stop.tolist()}[id % {lanes}]"
