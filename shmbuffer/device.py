@@ -88,7 +88,11 @@ _ROUNDS = 8
 DEFAULT_MAX_LAG_S = 0.01
 """``max_lag_s`` by default: a sample refreshes first when the last refresh began longer ago."""
 DEFAULT_PACE_S = 0.001
-"""Seconds the background refresher waits after each refresh."""
+"""Seconds the background refresher waits between looks at the lag."""
+REFRESH_AT = 0.5
+"""The background refresher refreshes once the lag reaches this share of a bound (of ``max_lag_s``:
+a refresh every 5 ms at most by default, each copying the rows of those 5 ms in a few copies), so
+that a sample seldom finds a bound broken; without bounds, whenever rows came in."""
 
 _live: weakref.WeakSet[DeviceReplay] = weakref.WeakSet()
 """The device copies of this process whose refresher may run (stopped before a fork, at exit)."""
@@ -102,10 +106,11 @@ def _refresher(ref: weakref.ref[DeviceReplay], stop: threading.Event) -> None:
         if dev is None or dev.closed:
             return
         try:
-            with dev._refreshing:
-                if stop.is_set() or dev.closed:
-                    return
-                dev._refresh()
+            if dev._behind(REFRESH_AT):
+                with dev._refreshing:
+                    if stop.is_set() or dev.closed:
+                        return
+                    dev._refresh()
         except Exception as exc:  # handed to the learner's next sample
             dev._failed = exc
             return
@@ -285,32 +290,31 @@ class DeviceReplay:
                 self._forget()
                 self._next = start.copy()
                 self.pending = self.pending[:0]
-            first = np.maximum(self._next, start)
-            runs = self._runs(first, cursors)
-            for slot0, _, k in runs:  # rows lapped: their slots are not drawn while they are copied into
-                self._drop(np.arange(slot0, slot0 + k))
+            runs = self._runs(np.maximum(self._next, start), cursors)
+            slots = np.concatenate([np.arange(s0, s0 + k) for s0, _, k in runs]) if runs else self.pending[:0]
+            self._drop(slots)  # rows lapped: their slots are not drawn while they are copied into
             retry = self.pending
             if retry.size:
                 retry = retry[number_of(retry, lanes) >= start[lane_of(retry, lanes)]]
-        oks = [self._copy_run(slot0, n0, k) for slot0, n0, k in runs]
-        ready = ring.stamp[ring.slots(retry)] == committed_of_id(retry, lanes) if retry.size else np.zeros(0, bool)
-        again = retry[ready]
-        got = self._copy_rows(again)
+        ok = np.concatenate([self._copy_run(s0, n0, k) for s0, n0, k in runs]) if runs else np.zeros(0, bool)
+        numbers = np.concatenate([np.arange(n0, n0 + k) for _, n0, k in runs]) if runs else slots
+        again = retry
+        if retry.size:
+            ready = ring.stamp[ring.slots(retry)] == committed_of_id(retry, lanes)
+            again, retry = retry[ready], retry[~ready]
+        got = self._copy_rows(again) if again.size else np.zeros(0, bool)
         with self._lock:
-            self.pending = np.concatenate(
-                [row_id(n0 + np.flatnonzero(~ok), (slot0 // lc), lanes) for (slot0, n0, _), ok in zip(runs, oks, strict=True)]
-                + [again[~got], retry[~ready]])
+            bad = ~ok
+            self.pending = np.concatenate([row_id(numbers[bad], slots[bad] // lc, lanes), again[~got], retry])
             copied = 0
             if int(counters[_UPDATES]) != updates:  # an update spanned the copies (no ABA): all again next time
                 self._updates = -1
             else:
                 self._updates, self._deletes = updates, deletes
-                for (slot0, n0, _), ok in zip(runs, oks, strict=True):
-                    good = np.flatnonzero(ok)
-                    self._hold(slot0 + good, committed(n0 + good))
-                    copied += good.size
-                self._hold(ring.slots(again[got]), committed_of_id(again[got], lanes))
-                copied += int(np.count_nonzero(got))
+                self._hold(slots[ok], committed(numbers[ok]))
+                if again.size:
+                    self._hold(ring.slots(again[got]), committed_of_id(again[got], lanes))
+                copied = int(np.count_nonzero(ok)) + int(np.count_nonzero(got))
             self._next = cursors
             self._bases = bases
             self._inserted, self._synced_at = inserted, at / 1e9
@@ -499,16 +503,31 @@ class DeviceReplay:
         inserted = int(self.buf.block.counters[_INSERTED])
         return inserted - self._inserted, time.monotonic() - self._synced_at
 
+    def _behind(self, share: float) -> bool:
+        """Whether the copy is more than ``share`` of a bound behind: rows came in (or rows were
+        updated or deleted) and the last refresh began longer ago than ``share * max_lag_s``, or
+        more than ``share * max_lag_rows`` rows came in, or (under a row bound) an ``update()``
+        ran; or a ``clear()`` happened since. Without bounds (``share < 1``: the refresher's
+        question) whenever something changed."""
+        counters = self.buf.block.counters
+        if not np.array_equal(self.buf.ring.cursors[:, _BASE], self._bases):
+            return True
+        rows, seconds = self.lag()
+        edited = int(counters[_UPDATES]) != self._updates or int(counters[_DELETES]) != self._deletes
+        rows_bound, seconds_bound = self.max_lag_rows, self.max_lag_s
+        if rows_bound is not None and (rows > share * rows_bound or int(counters[_UPDATES]) != self._updates):
+            return True
+        changed = rows > 0 or edited
+        if changed and seconds_bound is not None and seconds > share * seconds_bound:
+            return True
+        return changed and rows_bound is None and seconds_bound is None and share < 1
+
     def _maybe_sync(self) -> None:
         """Refresh before a sample where a bound would break (the rows then are those behind)."""
         if self._failed is not None:
             failed, self._failed = self._failed, None
             raise failed
-        rows, seconds = self.lag()
-        cleared = not np.array_equal(self.buf.ring.cursors[:, _BASE], self._bases)
-        updated = self.max_lag_rows is not None and int(self.buf.block.counters[_UPDATES]) != self._updates
-        if cleared or updated or (self.max_lag_rows is not None and rows > self.max_lag_rows) or (
-                self.max_lag_s is not None and seconds > self.max_lag_s):
+        if self._behind(1.0):
             self.sync()
 
     def __len__(self) -> int:
