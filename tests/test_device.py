@@ -5,6 +5,7 @@ have the shared buffer's distribution. CUDA runs the same code where a device ex
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -439,3 +440,136 @@ def test_sequences_on_the_device_are_the_episodes_windows(make: Make, name: str,
         assert np.array_equal(reward[w][mask[w]], buf.take(held).reward)
     with pytest.raises(sb.FieldError, match="episode"):
         DeviceReplay(make(MUJOCO, 8, name=name + "e"), "cpu").sample_sequences(4, 2)
+
+
+def _paced_writer(handle: sb.BufferHandle, lane: int, per_s: float) -> None:
+    """Push 4-row batches at a fixed rate, lapping the ring (until the test stops it)."""
+    buf = sb.ReplayBuffer.attach(handle)
+    t0 = time.monotonic()
+    for i, t in enumerate(range(0, 2**24 - 4, 4)):
+        buf.push(transition(t, 4), lane=lane)
+        ahead = 4 * (i + 1) / per_s - (time.monotonic() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
+def test_the_background_refresher_keeps_rows_whole_current_and_never_cleared(
+        make: Make, name: str, procs: list[Any]) -> None:
+    """Writers at a fixed rate lap the ring, one is killed mid-push, and a clear() comes while the
+    refresher runs: every row drawn equals take() of its id when both still hold it, is whole, was
+    in its lane within the row bound, and none from before the clear; the usable slots kept per
+    change are exactly the held ones."""
+    buf = make(MUJOCO, 512, name=name, lanes=2)
+    buf.push(transition(0, 2), lane=0)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=64, max_lag_s=0.02, seed=12)
+    assert dev.refreshing
+    ctx = mp.get_context("fork")
+    k = ctx.Process(target=_killed_writer, args=(buf.handle,))
+    procs.append(k)
+    k.start()
+    k.join(30)
+    writers = [ctx.Process(target=_paced_writer, args=(buf.handle, lane, 20_000.0)) for lane in range(2)]
+    for p in writers:
+        procs.append(p)
+        p.start()
+    drawn, base, t0 = 0, None, time.monotonic()
+    while drawn < 300 and time.monotonic() - t0 < 60:
+        before = buf.ring.bounds()[1].copy()
+        try:
+            batch = dev.sample(64)
+        except sb.EmptyBufferError:
+            continue
+        whole(batch)
+        ids = batch.index.numpy()
+        assert not (batch.reward.numpy() < 0).any()
+        assert (ids // 2 >= before[ids % 2] - 256 - 64).all()  # within a lane, 64 rows of lag at most
+        live = np.flatnonzero(buf.ring.current(ids))
+        with contextlib.suppress(sb.EmptyBufferError):  # a writer lapped one of them meanwhile
+            ref = buf.take(ids[live])
+            assert np.array_equal(batch.obs.numpy()[live], np.asarray(ref.obs))
+        if base is not None:
+            assert (ids // 2 >= base[ids % 2]).all()
+        drawn += 1
+        if drawn == 150:
+            buf.clear()
+            base = buf.ring.bounds()[0].copy()
+        with dev._lock:
+            assert set(dev._dense[:len(dev)].tolist()) == set(np.flatnonzero(dev.usable).tolist())
+            assert (dev.held[dev.usable] > 0).all() and not dev.held[~dev.usable].any()
+    assert drawn == 300 and all(p.is_alive() for p in writers)
+    for p in writers:
+        p.kill()
+        p.join(10)
+    dev.close()
+    assert not dev.refreshing
+
+
+def test_a_refresh_copies_the_new_rows_not_every_slot(make: Make, name: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows copied are the lanes' new rows (found from the cursors), in at most two runs a lane."""
+    buf = make(MUJOCO, 128, name=name, lanes=2)
+    buf.push(transition(0, 62), lane=0)
+    buf.push(transition(64, 32), lane=1)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
+    runs: list[tuple[int, int, int]] = []
+    real = dev._copy_run
+    monkeypatch.setattr(dev, "_copy_run", lambda s0, n0, k: runs.append((s0, n0, k)) or real(s0, n0, k))
+    buf.push(transition(100, 5), lane=0)  # lane 0 wraps: rows 62..66, slots 62, 63 and 0..2
+    buf.push(transition(200, 3), lane=1)  # rows 32..34 of lane 1, slots 96..98
+    assert dev.sync() == 8
+    assert sorted(runs) == [(0, 64, 3), (62, 62, 2), (96, 32, 3)]
+    runs.clear()
+    assert dev.sync() == 0 and runs == []
+
+
+def test_gather_run_native_equals_python(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shmbuffer import native
+    from shmbuffer.protocol.gather import gather_run
+
+    buf = make(MUJOCO, 16, name=name)
+    buf.push(transition(0, 16))
+    buf.ring.stamp[5] += 1  # row 5 being written again: not intact
+    col = buf.block.large["obs"] if "obs" in buf.block.large else buf.block.packed
+    got = []
+    for lib in (native.lib, None):
+        monkeypatch.setattr(native, "lib", lib)
+        out, ok = np.zeros((6, *col.shape[1:]), col.dtype), np.zeros(6, bool)
+        got.append((gather_run(buf.ring.stamp, (col,), 2, 2, (out,), ok), out, ok))
+    buf.ring.stamp[5] -= 1
+    assert got[0][0] == got[1][0] == 5 and np.array_equal(got[0][2], got[1][2]) and not got[0][2][3]
+    assert np.array_equal(got[0][1], got[1][1]) and np.array_equal(got[0][1], col[2:8])
+
+
+def test_the_refresher_stops_with_close_and_before_a_fork(make: Make, name: str) -> None:
+    buf = make(MUJOCO, 32, name=name)
+    buf.push(transition(0, 8))
+    dev = DeviceReplay(buf, "cpu", seed=0)
+    first = dev._thread
+    assert first is not None and first.is_alive()
+    pid = os.fork()
+    if pid == 0:  # the child: no refresher, and none of the parent's threads
+        os._exit(0 if dev._thread is None and not dev._wanted else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not first.is_alive() and dev.refreshing and dev._thread is not first  # joined, started again
+    buf.push(transition(8, 8))
+    t0 = time.monotonic()
+    while dev.lag()[0] and time.monotonic() - t0 < 10:
+        time.sleep(0.005)
+    assert dev.lag()[0] == 0  # the refresher took them in
+    dev.close()
+    dev.close()
+    assert not dev.refreshing and not first.is_alive()
+
+
+def test_the_refresher_ends_with_its_process_and_leaves_nothing(name: str) -> None:
+    import subprocess
+    import sys
+
+    code = (f"import shmbuffer as sb, numpy as np\nfrom shmbuffer.device import DeviceReplay\n"
+            f"buf = sb.ReplayBuffer(sb.Schema(x=((3,), 'float32')), 64, name={name!r})\n"
+            "buf.push(x=np.ones((10, 3), np.float32))\ndev = DeviceReplay(buf, 'cpu')\n"
+            "assert dev.refreshing\nprint('ok', flush=True)\n")  # exits without close()
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "ok\n" and done.stderr == "", done.stderr
+    assert not os.path.exists(f"/dev/shm/{name}")
