@@ -3,26 +3,45 @@
 ``DeviceReplay(buf, device="cuda")`` holds every field's column in device memory in the ring's
 slot layout (``protocol/rows.py``; the packed small fields as one block, as the shared
 memory holds them, so a batch's small fields are views of one gathered block), and beside it, on the host, the stamp of the row each device
-slot holds (``held``; 0: nothing usable). ``sync()`` brings it up to date:
+slot holds (``held``; 0: nothing usable). A refresh (``sync()``, the background refresher, or a
+sample whose bound would break) brings it up to date:
 
-1. the slots to copy are those whose shared stamp differs from ``held`` (new rows, rows
-   overwritten, rows being written); after an ``update()`` anywhere (``Counter.UPDATES`` moved)
-   every slot is copied again, since an update puts back the stamp it found;
-2. in chunks, the reader's rule (``protocol/reader.py``): stamps read, rows copied into reused
-   staging memory (pinned for CUDA), stamps read again; a row counts when both reads show it
-   committed (``rows.intact``) and no update ran meanwhile; else its slot is marked unusable and
-   copied again at the next sync. So a torn, half-written or overwritten row is never marked
-   usable on the device;
-3. the rows that count go to the device (on a side stream for CUDA, then waited for), and their
-   stamps into ``held``; slots whose row left the lanes' bounds (lapped, ``clear()``) turn
-   unusable.
+1. the rows to copy are found from the lanes' cursors: each lane's rows since the last refresh
+   (at most two runs of consecutive slots, the lane's end between them), and the ``pending``
+   rows of earlier refreshes whose stamps now say committed. No slot is scanned: a refresh costs
+   the rows that came in. A ``clear()``, an ``update()`` or a ``delete()`` since the last refresh
+   (``Counter.UPDATES``/``DELETES``, the lanes' bases) makes it a full one: every row of the
+   lanes copied again (an update puts back the stamp it found, so only a full copy sees it);
+2. the slots of a run stop being drawn, then the run is copied by the reader's rule
+   (``gather.gather_run``, one C call: stamps read, one copy a column, stamps read again), on the
+   CPU straight into the device columns, on CUDA into reused pinned staging and then one copy to
+   the device on a side stream; pending rows go through the stamped ``gather``. A row counts when
+   both reads show it committed (``rows.intact``) and no update ran meanwhile; the others stay
+   ``pending`` and are tried again by the next refresh until they leave their lane. So a torn,
+   half-written or overwritten row is never marked usable on the device;
+3. the rows that count become usable: ``held`` keeps their stamps, and the usable slots are a
+   dense list changed per slot (a slot leaving takes the last one's place), so the uniform draw
+   (``torch.randint`` over that list) and each refresh cost what changed, never the capacity.
 
-Between syncs the device copy lags the shared buffer: the rows committed since the last sync are
-not drawn yet, and a row overwritten or deleted since (or during the sync) is still drawn from the
-device copy (whole: the row as it was committed). ``max_lag_rows`` and ``max_lag_s`` bound that lag: a ``sample`` syncs
-first when more rows were inserted since the last sync, or more time went by (``lag()`` measures
-both), or, under a row bound, when an ``update()`` ran (a full refresh: an update does not say
-which rows). A ``clear()`` always makes the next sample sync: a cleared row is never drawn.
+A background thread (``refresher=True``, the default) looks at the lag every millisecond and
+refreshes once it reaches half a bound; the copies run without the GIL (C, above 256 KiB), and a
+sample takes the copy's lock only to draw and gather, so it waits for a refresh only while that
+refresh marks slots. The thread is stopped by ``close()``, joined before every ``os.fork()`` (and
+started again in the parent; a forked child's copy refreshes only when its samples need it) and at
+exit; a copy nobody holds ends it too. Each refresh publishes ``INSERTED`` and the time it began in
+the block (``Counter.DEVICE_ROWS``/``DEVICE_AT``), which ``shmbuffer top`` shows as the copy's lag.
+
+Between refreshes the device copy lags the shared buffer: the rows committed since the last one
+are not drawn yet, and a row overwritten, updated or deleted since (or during it) is still drawn
+from the device copy (whole: the row as it was committed). ``max_lag_rows`` and ``max_lag_s``
+bound that lag: a ``sample`` refreshes first (the rows behind only) when more rows were inserted
+since the last refresh began than ``max_lag_rows``, or when rows came in and it began more than
+``max_lag_s`` ago (``lag()`` measures both), or, under a row bound, when an ``update()`` ran. The
+default is ``max_lag_s=0.01`` and no row bound: the refresher keeps the lag near 5 ms, which a
+training loop cannot tell from none (measured in ``benchmarks/README.md``), and a sample waits only
+when the refresher fell behind. ``max_lag_rows=0`` makes every sample see every row committed
+before it (each sample then refreshes while writers push). A ``clear()`` always makes the next
+sample refresh: a cleared row is never drawn.
 
 ``sample(n)`` draws on the device: uniformly over the usable slots (``torch.randint``), or, with a
 prioritized sampler, from the shared sum tree (the same draw and importance weights as
