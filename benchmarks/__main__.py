@@ -6,7 +6,8 @@
     python -m benchmarks --list
 
 Writes the results as JSON (``--out``), a Markdown report next to it (same name, ``.md``) and,
-with matplotlib, plots (``<name>-push.png`` ...). See benchmarks/README.md.
+with matplotlib, plots (``<name>-push.png`` ...). Written to the default file, the run also
+rewrites the pages that state the current results (``page.py``). See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -134,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     out.with_suffix(".md").write_text(md)
     print("\n" + report.ratio_table(results) + "\n\n" + report.target_table(results) + "\n")
     print(f"wrote {out}, {out.with_suffix('.md')}" + (f", {len(files)} plots" if files else f" ({why})"))
+    if out.resolve() == DEFAULT_OUT.resolve():  # the results file the pages state: rewrite them from it
+        from . import page
+
+        print("wrote " + ", ".join(str(p.relative_to(page.ROOT)) for p in page.write()))
     return 0
 
 

@@ -408,7 +408,7 @@ def _mp_learn(spec: RB, capacity: int, seconds: float, name: str) -> dict[str, A
 def multiproc_case(cfg: Config) -> dict[str, Any]:
     spec = MUJOCO
     cap = min(cfg.capacity(spec), 100_000)
-    seconds = max(2.0, cfg.mp_seconds / 2)
+    seconds = cfg.mp_seconds / 2 if cfg.quick else max(2.0, cfg.mp_seconds / 2)  # --quick: 1 s, a smoke run
     out: dict[str, dict[str, Any]] = {}
     avail: list[RB] = []
     for s in MULTI_PROCESS:

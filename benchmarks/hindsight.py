@@ -377,7 +377,7 @@ def sac_ours(n: int, seed: int, budget: float) -> dict[str, Any]:
 
 def sac_case(cfg: Config) -> dict[str, Any]:
     n = SAC_QUICK_BITS if cfg.quick else SAC_BITS
-    budget = 10.0 if cfg.quick else 600.0  # --quick: a smoke run, success or not
+    budget = 3.0 if cfg.quick else 600.0  # --quick: a smoke run, success or not
     rounds = 1 if cfg.quick else max(1, min(cfg.repeat, 3))
     runs: dict[str, list[dict[str, Any]]] = {"shmbuffer": [], "sb3": []}
     subjects: dict[str, dict[str, Any]] = {}

@@ -106,6 +106,12 @@ class ReplayBuffer:
     """Whether samples try the one call (``False`` once it serves none of this buffer's, or to test
     the Python path)."""
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> ReplayBuffer:
+        error = hints.constructor_error(args, kwargs)  # cpprb's, SB3's, TorchRL's forms: name ours
+        if error is not None:
+            raise error
+        return super().__new__(cls)
+
     def __init__(
         self,
         schema: Schema | Mapping[str, Any],
@@ -314,8 +320,6 @@ class ReplayBuffer:
         prios = self._prios
         self.ring.clear(also=prios.clear if prios is not None else None)
 
-    reset = clear
-
     def freeze(self) -> None:
         """Make the buffer read-only for every process (expert data): pushes and clears raise
         ``ReadOnlyError``; sampling and priority updates go on. There is no unfreezing."""
@@ -342,7 +346,7 @@ class ReplayBuffer:
 
         :param data: the fields as one mapping (DI-engine's ``push``), or a list of row mappings
             with the same keys (a collector's transitions), or give them as keywords (cpprb's
-            ``add``). A ``"priority"`` key that is not a field is the rows' priority (Ape-X).
+            ``add``, ``shmbuffer.compat.cpprb``). A ``"priority"`` key that is not a field is the rows' priority (Ape-X).
         :param lane: a lane number, or one per row; required with several lanes unless the buffer
             was made with ``envs`` (then row ``i`` goes to lane ``i % envs``).
         :param episode: the rows' episode id (one, or one per row); required with ``episodes``.
@@ -369,8 +373,6 @@ class ReplayBuffer:
                 return ids
         return push.push(self, self._copier, data, lane=lane, episode=episode, priority=priority,
                          timeout=timeout, fields=fields, pusher=self._pusher, resume=resume, fast=one, flush=flush)
-
-    add = push
 
     def check(
         self, data: Mapping[str, Any] | None = None, /, *, lane: int | Any = None, episode: int | Any = None,
@@ -677,8 +679,45 @@ class ReplayBuffer:
         """All rows as numpy arrays in ``get`` order, plus ``index`` (and ``episode``)."""
         return persistence.export(self)
 
-    get_all_transitions = export  # cpprb
-    export_data = export  # DI-engine
+    def pending(self) -> dict[str, np.ndarray]:
+        """With ``next_of``: each lane's newest row that waits for its next observation, as the
+        transition this process pushed (it alone holds that observation until the lane's next
+        push): the rows ``export`` leaves out, with ``export``'s keys, for a copy of the buffer
+        that loses nothing (the SB3 adapter's pickling). Lanes whose newest row another process
+        pushed, or that ended its episode, have none."""
+        ring, spec, pusher = self.ring, self.options.frames, self._pusher
+        names = self.schema.names
+        ids: list[int] = []
+        rows: dict[str, list[Any]] = {n: [] for n in names}
+        episodes: list[int] = []
+        if spec is not None and spec.next_of and pusher is not None and pusher.pid == os.getpid():
+            first, stop = ring.bounds()
+            for lane, last in sorted(pusher.last.items()):
+                row = int(stop[lane]) - 1
+                if last.final or row < int(first[lane]) or last.row != row:
+                    continue
+                at = np.array([row * ring.lanes + lane], np.int64)
+                slot, expect = int(ring.slots(at)[0]), int(ring.expected(at)[0])
+                if int(ring.stamp[slot]) != expect:
+                    continue  # being written over
+                got = {n: last.values[n] if n in last.values else self._block.fields[n][slot].copy() for n in names}
+                if int(ring.stamp[slot]) != expect:
+                    continue  # lapped while copied: the row is gone
+                ids.append(int(at[0]))
+                episodes.append(-1 if last.episode is None else int(last.episode))
+                for n in names:
+                    rows[n].append(got[n])
+        out = {n: np.array(rows[n], f.dtype).reshape(len(ids), *f.shape) for n, f in zip(names, self.schema, strict=True)}
+        out["index"] = np.array(ids, np.int64)
+        if self.options.episodes:
+            out["episode"] = np.array(episodes, np.int64)
+        slots = ring.slots(out["index"])
+        prios = self._prios
+        if prios is not None and prios.prioritized:
+            out["priority"] = prios.priorities_of(prios.tree.leaves[slots])
+        if prios is not None and prios.uses is not None:
+            out["uses"] = prios.uses[slots].astype(np.int64)
+        return out
 
     @classmethod
     def from_arrays(cls, schema: Schema | Mapping[str, Any], arrays: Mapping[str, Any],
@@ -700,4 +739,4 @@ def _attach_by_handle(handle: BufferHandle) -> ReplayBuffer:
 if native.lib is not None:
     # push(...) in C for its usual calls (``_native.PushMethod``): a bound method like any other,
     # whose calls on a uniform buffer the one call serves (``_push_plan``) skip the Python method
-    ReplayBuffer.push = ReplayBuffer.add = native.lib.PushMethod(ReplayBuffer.push)  # type: ignore[method-assign]
+    ReplayBuffer.push = native.lib.PushMethod(ReplayBuffer.push)  # type: ignore[method-assign]

@@ -110,7 +110,7 @@ def _rows(h: segment.Header) -> tuple[int, int, list[tuple[int, int]]]:
         raise LayoutError(f"buffer {h.name!r} is damaged: its _lanes and _stamp columns do not match capacity "
                           f"{capacity} in {lanes} lanes")
     raw = segment.read_data(h, col["offset"], lanes * 8 * 8)
-    first, cur = rows.bounds(np.frombuffer(raw, np.int64).reshape(lanes, LANE_WORDS), capacity // lanes)
+    first, cur = rows.bounds(np.frombuffer(raw, np.int64).reshape(lanes, LANE_WORDS), rows.lane_capacity(capacity, lanes))
     bounds = [(int(a), int(b)) for a, b in zip(first, cur, strict=True)]
     return int((cur - first).sum()), capacity, bounds
 
@@ -330,8 +330,13 @@ def _top(args: argparse.Namespace) -> int:
     return top.run(args.names, every=args.all, once=args.once, as_json=args.json, interval=args.interval)
 
 
+def _command(sub: Any, name: str, text: str, **kwargs: Any) -> argparse.ArgumentParser:
+    """Subcommand ``name``: ``text`` is its line in ``shmbuffer --help`` and opens its own ``--help``."""
+    return sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".", **kwargs)
+
+
 def _add_top(sub: Any) -> None:
-    p = sub.add_parser("top", help="a live view of the buffers on this host: fill, rows in and out per second, writers")
+    p = _command(sub, "top", "a live view of the buffers on this host: fill, rows in and out per second, writers")
     p.add_argument("names", nargs="*", metavar="NAME", type=_name, help="only these buffers (default: yours)")
     p.add_argument("--all", action="store_true", help="every user's buffers, not only yours")
     p.add_argument("--once", action="store_true", help="measure once (two reads --interval apart), print, exit")
@@ -491,38 +496,39 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shmbuffer", description="A replay buffer in shared memory.")
     parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the demo (shmbuffer demo --help: its settings)", add_help=False)
+    demo = _command(sub, "demo", "run the demo (shmbuffer demo --help: its settings)", add_help=False)
     demo.set_defaults(run=_demo)
-    p = sub.add_parser("ls", help="list your buffers in /dev/shm (--all: every user's)")
+    p = _command(sub, "ls", "list your buffers in /dev/shm (--all: every user's)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--all", action="store_true", help="every user's buffers, not only yours")
     p.set_defaults(run=_ls)
-    p = sub.add_parser("inspect", help="a buffer's header, options, counters, lanes and field statistics")
+    p = _command(sub, "inspect", "a buffer's header, options, counters, lanes and field statistics")
     p.add_argument("name", type=_name, help="a name, or /dev/shm/shmbuffer-NAME")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_inspect)
-    p = sub.add_parser("gc", help="remove buffers whose creating process is dead")
+    p = _command(sub, "gc", "remove buffers whose creating process is dead")
     p.add_argument("names", nargs="*", metavar="NAME", type=_name, help="only these buffers (default: all)")
     p.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
     p.add_argument("--force", action="store_true",
                    help="also remove blocks of yours that cannot be read, and those named here whose "
                         "creator is in another pid namespace")
     p.set_defaults(run=_gc)
-    p = sub.add_parser("save", help="save a live buffer to a directory")
-    p.add_argument("name", type=_name)
-    p.add_argument("path")
+    p = _command(sub, "save", "save a live buffer to a directory")
+    p.add_argument("name", type=_name, help="the live buffer's name, or /dev/shm/shmbuffer-NAME")
+    p.add_argument("path", help="the directory to write (safetensors + JSON); refused if it holds a save")
     p.add_argument("--force", action="store_true", help="replace a save already in PATH")
     p.set_defaults(run=_save)
-    p = sub.add_parser("load", help="load a saved buffer and hold it in shared memory until interrupted")
-    p.add_argument("path")
-    p.add_argument("--name", required=True, type=_new_name)
-    p.add_argument("--capacity", type=int, default=None)
+    p = _command(sub, "load", "load a saved buffer and hold it in shared memory until interrupted")
+    p.add_argument("path", help="a directory written by `shmbuffer save` or buf.save()")
+    p.add_argument("--name", required=True, type=_new_name, help="the name of the new buffer in /dev/shm")
+    p.add_argument("--capacity", type=int, default=None,
+                   help="rows the new buffer holds (default: the saved capacity; each lane must still hold its saved rows)")
     p.set_defaults(run=_load)
-    p = sub.add_parser("bench", help="a quick probe: memcpy, push and sample rates")
+    p = _command(sub, "bench", "a quick probe: memcpy, push and sample rates")
     p.add_argument("--seconds", type=float, default=0.5, help="seconds per measurement")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_bench)
-    p = sub.add_parser("info", help="versions, the hot path (C extension or Python) and why, /dev/shm, CPU, GPU")
+    p = _command(sub, "info", "versions, the hot path (C extension or Python) and why, /dev/shm, CPU, GPU")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=_info)
     _add_top(sub)

@@ -84,6 +84,11 @@ class UnknownKeyword(ShmBufferError, TypeError):
     """A keyword a call does not take, often another library's (``hints.py``)."""
 
 
+class ForeignCall(ShmBufferError, TypeError):
+    """A constructor called in another library's form, such as cpprb's ``ReplayBuffer(size, env_dict)``
+    or Stable-Baselines3's ``ReplayBuffer(buffer_size, observation_space, action_space)`` (``hints.py``)."""
+
+
 class UnsafePickle(FieldError, pickle.UnpicklingError):
     """A stored object's pickle names a type the restricted unpickler does not load, or is not a
     pickle the buffer wrote (``shmbuffer.compat.ding``: ``trusted_pickles``)."""

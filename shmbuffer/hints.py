@@ -10,7 +10,11 @@ each error names that page.
 
 from __future__ import annotations
 
-from .errors import UnknownKeyword, UnknownName
+from collections.abc import Mapping
+from numbers import Integral
+from typing import Any
+
+from .errors import ForeignCall, UnknownKeyword, UnknownName
 
 DOCS = "docs/migration/"
 PAGES = {"cpprb": "cpprb", "TorchRL": "torchrl", "MindSpore RL": "mindspore", "DI-engine": "ding", "nerveX": "ding",
@@ -28,6 +32,10 @@ def page(whose: str) -> str:
 
 # name: (whose, what to use here). Methods and attributes of their buffers.
 METHODS: dict[str, tuple[str, str]] = {
+    "add": ("cpprb", "push(**fields), or shmbuffer.compat.cpprb.ReplayBuffer(size, env_dict) with cpprb's names"),
+    "get_all_transitions": ("cpprb", "export() (a dict of the fields, index, ...) or get(slice(None))"),
+    "export_data": ("DI-engine", "export(), or shmbuffer.compat.ding.DequeBuffer's export_data()"),
+    "reset": ("MindSpore RL", "clear()"),
     "get_stored_size": ("cpprb", "len(buf) or buf.size"),
     "get_buffer_size": ("cpprb", "buf.capacity"),
     "get_next_index": ("cpprb", "no equivalent; buf.stats['inserted'] counts the rows ever reserved"),
@@ -75,7 +83,15 @@ KEYWORDS: dict[str, tuple[str, str]] = {
                           "write a Schema from the spaces, or use shmbuffer.sb3.ReplayBuffer"),
     "action_space": ("Stable-Baselines3's ReplayBuffer(buffer_size, observation_space, action_space)",
                      "write a Schema from the spaces, or use shmbuffer.sb3.ReplayBuffer"),
-    "buffer_size": ("Stable-Baselines3's buffer_size", "ReplayBuffer(schema, capacity)"),
+    "buffer_size": ("Stable-Baselines3's buffer_size",
+                    "ReplayBuffer(schema, capacity) with a Schema written from the spaces, or "
+                    "shmbuffer.sb3.ReplayBuffer(buffer_size, observation_space, action_space) as a drop-in"),
+    "size": ("cpprb's ReplayBuffer(size, env_dict)",
+             "ReplayBuffer(env_dict, capacity): the schema first (an env_dict is one), the capacity second; "
+             "or shmbuffer.compat.cpprb.ReplayBuffer(size, env_dict), cpprb's names on a shared buffer"),
+    "env_dict": ("cpprb's ReplayBuffer(size, env_dict)",
+                 "ReplayBuffer(env_dict, capacity): the schema first (an env_dict is one), the capacity second; "
+                 "or shmbuffer.compat.cpprb.ReplayBuffer(size, env_dict), cpprb's names on a shared buffer"),
     "n_envs": ("Stable-Baselines3's n_envs", "envs=n_envs: one lane per env"),
     "device": ("the device keyword", "batch.to(device), or Loader(buf, batch_size, device=...)"),
     "handle_timeout_termination": ("Stable-Baselines3's handle_timeout_termination",
@@ -121,6 +137,32 @@ def keyword_error(call: str, unknown: dict[str, object]) -> TypeError:
         return UnknownKeyword(f"{call}() got an unexpected keyword argument {name!r}; see help({call}) and {DOCS}index.md")
     whose, ours = hint
     return UnknownKeyword(f"{call}() takes no {name!r} ({whose}); here: {ours}. See {page(whose)}.")
+
+
+def constructor_error(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> TypeError | None:
+    """The error for ``ReplayBuffer(*args, **kwargs)`` called in another library's form, or ``None``.
+
+    Checked before Python binds the arguments, which would otherwise answer cpprb's
+    ``ReplayBuffer(1000, env_dict={...})`` with "missing 1 required positional argument".
+    """
+    foreign = {k: v for k, v in kwargs.items() if k in KEYWORDS}
+    if foreign:  # SB3's buffer_size=, TorchRL's storage=, cpprb's env_dict= ...
+        return keyword_error("ReplayBuffer", foreign)
+    if not args or not isinstance(args[0], Integral) or isinstance(args[0], bool):
+        return None
+    size = args[0]
+    if len(args) >= 3:
+        whose = "Stable-Baselines3's ReplayBuffer(buffer_size, observation_space, action_space)"
+        ours = (f"ReplayBuffer(schema, {size}, envs=n_envs) with a Schema written from the spaces, or "
+                f"shmbuffer.sb3.ReplayBuffer({size}, observation_space, action_space) as a drop-in")
+    elif len(args) == 2 and isinstance(args[1], Mapping):
+        whose = "cpprb's ReplayBuffer(size, env_dict)"
+        ours = (f"ReplayBuffer(env_dict, {size}): the schema first (an env_dict is one), the capacity second; "
+                f"or shmbuffer.compat.cpprb.ReplayBuffer({size}, env_dict), cpprb's names on a shared buffer")
+    else:
+        return ForeignCall(f"ReplayBuffer({size}, ...): the capacity came first; here the schema comes first, "
+                           f"ReplayBuffer(schema, {size}). See {DOCS}index.md.")
+    return ForeignCall(f"ReplayBuffer({size}, ...) is {whose}; here: {ours}. See {page(whose)}.")
 
 
 def key_hint(name: str) -> str:

@@ -85,7 +85,7 @@ def _measure(buf: ReplayBuffer, name: str, uid: int, ident: tuple[int, int],
     now = time.monotonic()
     stamp, owner = arrays["_stamp"], arrays["_owner"]
     capacity, lanes = buf.capacity, buf.lanes
-    lc = capacity // lanes
+    lc = rows.lane_capacity(capacity, lanes)
     # one reading of the lanes for the rows held, in all and per writer, before the counters (so
     # that rows <= inserted while writers go on)
     lanes_now = arrays["_lanes"].copy()
@@ -106,7 +106,7 @@ def _measure(buf: ReplayBuffer, name: str, uid: int, ident: tuple[int, int],
     waits = int(arrays["_mutex"].reshape(-1)[WAITS:WAITS + 8].view(np.int64)[0])
     reading = Reading(now, ident, cursors, inserted, sampled, wsampled, waits)
 
-    odd = np.flatnonzero(stamp & 1)
+    odd = np.flatnonzero(rows.is_writing(stamp))
     odd_owners = owner[odd]
     alive = {int(w): segment.process_alive(int(wpid[w]), float(wstart[w])) for w in np.flatnonzero(wpid)}
     dead_odd = int(sum(1 for o in odd_owners if not alive.get(int(o), False)))

@@ -24,9 +24,17 @@ The contract is TorchRL's ``Storage`` one, as ``LazyTensorStorage`` keeps it (``
   batch dims of their own: a TensorDict of batch size ``[k, 4]`` is ``k`` rows of batch size
   ``[4]``. Anything else (pytrees, non-tensor leaves such as strings, ragged lazy stacks, a key
   the first write did not have) is refused with ``TypeError`` (``KeyError``): shared memory holds
-  fixed-shape numeric columns. ``ndim > 1`` is refused (``ValueError``): flatten the leading
-  dims (``td.reshape(-1)``), keep ``LazyTensorStorage(max_size, ndim=2)``, or use shmbuffer's
-  ``ReplayBuffer(..., envs=n)``, which keeps each env's steps in a lane of its own.
+  fixed-shape numeric columns.
+- ``ndim=2`` (TorchRL's layout for ``[envs, time]`` batches: its ``ReplayBuffer`` extends along
+  time, so the storage is ``[time, envs]``): a storage index along dim 0 is one shmbuffer row whose
+  fields hold every env of that step (``(envs, *shape)``), ``max_size`` counts elements (steps of
+  one env), ``len`` too, and ``shape`` is ``[rows, envs]``. All envs of a step are one row, so
+  they commit together: a sampled ``(step, env)`` never comes from a step half-written, and the
+  ring orders concurrent writers' steps as it orders rows. Not a lane per env: TorchRL writes
+  the envs of a step in one call and addresses an element by ``(step, env)``, which is index
+  arithmetic on one row. ``rb[:]`` (and so ``rb[i, j] = td``, which TorchRL writes through it)
+  gives views of the shared columns, unstamped like ``buf.view()``; ``rb.extend`` and
+  ``storage.set`` are stamped. ``ndim > 2`` is refused (``ValueError``).
 - TorchRL's base ``Storage`` arguments (``checkpointer``, ``compilable``) are accepted;
   ``shared_init=True`` is refused: the rows are always shared, but the schema comes from the first
   write, so write once before the storage goes to other processes.
@@ -178,6 +186,9 @@ def _import_class(name: str) -> type:
         raise TypeError(f"ShmStorage: the rows were written as tensorclass {name}, which cannot be imported here "
                         "(a class defined inside a function cannot): write one row of that class into this "
                         "storage before loading") from None
+    if not (isinstance(obj, type) and is_tensorclass(obj)):  # a name from a file: nothing else is built from it
+        raise TypeError(f"ShmStorage: the rows name {name} as their tensorclass, which is a {type(obj).__name__}, "
+                        "not a tensorclass: the state or dump is not one ShmStorage wrote")
     return obj
 
 
@@ -188,7 +199,7 @@ class ShmStorage(StoreStorage):
     :param buffer: an existing ``shmbuffer.ReplayBuffer`` to store into (its fields are the keys).
     :param name: the shared buffer's name in ``/dev/shm`` when this storage creates it.
     :param device: where ``get`` puts the tensors (CPU by default; ``"auto"``: the first data's).
-    :param ndim: 1 only (see the module docstring for what to do with ``[envs, steps]`` data).
+    :param ndim: 1, or 2 for TorchRL's ``[time, envs]`` layout (see the module docstring).
     :param checkpointer: as TorchRL's ``Storage``: when set, ``dumps``/``loads`` go through it.
     :param compilable: as TorchRL's ``Storage`` (its bookkeeping in tensors rather than shared values).
     :param shared_init: ``LazyTensorStorage``'s; the rows are always shared, but the schema comes
@@ -205,12 +216,15 @@ class ShmStorage(StoreStorage):
             raise ValueError("ShmStorage: give max_size, or an existing shmbuffer as buffer=")
         if buffer is not None and buffer.lanes != 1:
             raise ValueError(f"ShmStorage: expected a buffer with one lane, got {buffer.lanes}")
-        if ndim != 1:
+        if ndim not in (1, 2):
             raise ValueError(
-                f"ShmStorage: ndim={ndim} is not supported, only ndim=1 (one row per index): flatten the leading "
+                f"ShmStorage: ndim={ndim} is not supported, only 1 or 2 ([time, envs]): flatten the leading "
                 "dims before writing (td.reshape(-1)), use LazyTensorStorage(max_size, ndim=...), or shmbuffer's "
                 "own ReplayBuffer(schema, capacity, envs=n), which keeps each env's steps in a lane"
             )
+        if ndim == 2 and buffer is not None:
+            raise ValueError("ShmStorage: ndim=2 makes its own buffer from the first write (its rows hold every env "
+                             "of a step); give max_size, not buffer=")
         if shared_init:
             raise ValueError(
                 "ShmStorage: shared_init=True is not supported: its rows are always in shared memory, but their "
@@ -222,6 +236,7 @@ class ShmStorage(StoreStorage):
         # none of its code runs: the methods TorchRL calls are ShmStorage's, its __init__ is skipped
         Storage.__init__(self, buffer.capacity if buffer is not None else int(max_size),  # type: ignore[arg-type]
                          checkpointer=checkpointer, compilable=compilable)
+        self.ndim = ndim
         self.buffer = buffer
         self.name = name
         self.device: Any = device if device == "auto" else torch.device(device)
@@ -234,6 +249,12 @@ class ShmStorage(StoreStorage):
         if buffer is not None:
             self._keys(buffer.schema)
             self._seen = buffer.ring.span()[1]
+
+    @property
+    def initialized(self) -> bool:
+        """Whether the shared buffer exists (TorchRL's collectors write a first row before sharing
+        a storage that is not, which is what this storage needs)."""
+        return self.buffer is not None
 
     def _init(self, data: Any) -> None:
         raise NotImplementedError("ShmStorage: the shared buffer is made by the first set() (its schema from the data)")
@@ -266,7 +287,7 @@ class ShmStorage(StoreStorage):
             return self._as_tensordict(data, single)
         elif isinstance(data, torch.Tensor):
             kind, classes = "tensor", {}
-            td = TensorDict({TENSOR: data}, batch_size=data.shape[:0 if single else 1])
+            td = TensorDict({TENSOR: data}, batch_size=data.shape[:self.ndim - 1 if single else self.ndim])
         elif is_tensorclass(data):
             kind, classes, td = "tensorclass", _classes(data), data.to_tensordict()
         elif isinstance(data, TensorDictBase):
@@ -284,6 +305,21 @@ class ShmStorage(StoreStorage):
                             f"{_class_name(type(data))}")
         return kind, classes, td
 
+    def _cap(self, row_batch: tuple[int, ...] | None = None) -> int:
+        """The rows the storage holds (with ``ndim=2``, ``max_size`` elements over a row's envs)."""
+        if self.buffer is not None:
+            return self.buffer.capacity
+        if self.ndim == 1:
+            return self.max_size
+        row_batch = row_batch if row_batch is not None else self.row_batch
+        if not row_batch:
+            raise ValueError("ShmStorage(ndim=2): expected rows of batch size [envs] (the storage's second dim), got "
+                             "no second dim; write data of batch size [k, envs]")
+        return -(self.max_size // -int(np.prod(row_batch[: self.ndim - 1])))
+
+    def _rows(self) -> int:
+        return 0 if self.buffer is None else len(self.buffer)
+
     def _slots(self, cursor: Any) -> tuple[np.ndarray, bool]:
         """The indices of a cursor (an int, a slice, ints, a tensor) as given (``_in_range``
         checks them), and whether it names one row."""
@@ -294,7 +330,7 @@ class ShmStorage(StoreStorage):
         elif isinstance(cursor, (int, np.integer)):
             return np.array([int(cursor)], np.int64), True
         elif isinstance(cursor, slice):
-            return np.arange(self.max_size, dtype=np.int64)[cursor], False
+            return np.arange(self._cap(), dtype=np.int64)[cursor], False
         else:
             if isinstance(cursor, tuple) and any(not isinstance(c, (int, np.integer)) for c in cursor):
                 raise IndexError(f"ShmStorage: expected a 1-D index (ndim=1), got a tuple {cursor!r}")
@@ -308,18 +344,20 @@ class ShmStorage(StoreStorage):
         range ones raise ``IndexError``."""
         if not slots.size:
             return slots
-        lo, hi = int(slots.min()), int(slots.max())
+        lo, hi, cap = int(slots.min()), int(slots.max()), self._cap()
         if lo < 0:
-            slots = np.where(slots < 0, slots + self.max_size, slots)
+            slots = np.where(slots < 0, slots + cap, slots)
             lo = int(slots.min())
-        if lo < 0 or hi >= self.max_size:
-            raise IndexError(f"ShmStorage: indices {lo}..{hi} out of range for max_size {self.max_size}")
+        if lo < 0 or hi >= cap:
+            raise IndexError(f"ShmStorage: indices {lo}..{hi} out of range for {cap} rows (max_size {self.max_size})")
         return slots
 
     # -- the Storage contract -------------------------------------------------------------------
     def set(self, cursor: Any, data: Any, *, set_cursor: bool = True) -> None:
         """Write row ``i`` of ``data`` into slot ``cursor[i]`` (an int cursor: one row): a held
         slot is overwritten, the next empty ones are filled (see the module docstring)."""
+        if self.ndim == 2 and isinstance(cursor, tuple) and len(cursor) == 2:
+            return self._set_elements(cursor, data)
         slots, single = self._slots(cursor)
         kind, classes, td = self._as_tensordict(data, single)
         k = slots.size
@@ -333,7 +371,7 @@ class ShmStorage(StoreStorage):
         rows = _flat(td)
         if single:
             rows = {n: a[None] for n, a in rows.items()}
-        cap = self.max_size
+        cap = self._cap(row_batch)
         head = 0 if self.buffer is None else self.buffer.ring.span()[1] % cap
         appends = _run_from(slots, head, cap)
         if not appends:
@@ -399,7 +437,7 @@ class ShmStorage(StoreStorage):
         if not _run_from(slots[empty], stop % cap, cap):
             raise IndexError(
                 f"ShmStorage.set: slots {slots[empty][:5].tolist()} hold no row and are not the next ones "
-                f"({len(self)} rows held): write at held slots to overwrite them, or at slot {stop % cap} and "
+                f"({self._rows()} rows held): write at held slots to overwrite them, or at slot {stop % cap} and "
                 "on to add rows"
             )
         fresh = {n: a[empty] for n, a in rows.items()}
@@ -427,7 +465,7 @@ class ShmStorage(StoreStorage):
                     td: TensorDictBase, row_batch: tuple[int, ...]) -> SharedBuffer:
         if self.buffer is None:
             fields = {k: (a.shape[1:], a.dtype) for k, a in rows.items()}
-            self.buffer = SharedBuffer(Schema(**fields), self.max_size, name=self.name)
+            self.buffer = SharedBuffer(Schema(**fields), self._cap(row_batch), name=self.name)
             self._keys(self.buffer.schema)
         if self.kind is None:
             self.kind, self.classes, self.row_batch = kind, classes, row_batch
@@ -438,12 +476,14 @@ class ShmStorage(StoreStorage):
     def get(self, index: Any) -> Any:
         """The rows in slots ``index`` (an int, ints, a tensor or a slice), as the type written."""
         buf = self._need()
+        if self.ndim == 2 and isinstance(index, tuple):
+            return self._get_elements(index)
         single = isinstance(index, (int, np.integer)) or (isinstance(index, torch.Tensor) and index.ndim == 0)
         if isinstance(index, slice):
-            slots = np.arange(len(self))[index]
+            slots = np.arange(self._rows())[index]
         else:
             slots = np.asarray(index.cpu() if isinstance(index, torch.Tensor) else index, np.int64).reshape(-1)
-        n = len(self)
+        n = self._rows()
         if slots.size and (slots.min() < -n or slots.max() >= n):
             raise IndexError(f"ShmStorage.get: slots {slots.min()}..{slots.max()} out of range for {n} rows")
         slots = np.where(slots < 0, slots + n, slots)
@@ -481,7 +521,77 @@ class ShmStorage(StoreStorage):
         return out
 
     def __len__(self) -> int:
-        return 0 if self.buffer is None else len(self.buffer)
+        """Elements held: rows, times a row's envs with ``ndim=2`` (TorchRL's ``len``)."""
+        return self._rows() * (int(np.prod(self.row_batch)) if self.ndim == 2 and self.row_batch else 1)
+
+    # -- ndim=2: [time, envs] -------------------------------------------------------------------
+    @property
+    def _len_along_dim0(self) -> int:
+        return self._rows()
+
+    def _max_size_along_dim0(self, *, single_data: Any = None, batched_data: Any = None) -> int:
+        if self.ndim == 1 or self.buffer is not None or self.row_batch is not None:
+            return self._cap()
+        if single_data is not None:
+            return self._cap(tuple(single_data.shape[: self.ndim - 1]))
+        if batched_data is None:
+            raise ValueError("single_data or batched_data must be passed.")
+        return self._cap(tuple(batched_data.shape[1: self.ndim]))
+
+    @property
+    def shape(self) -> torch.Size | None:
+        """``[rows, envs]`` (``ndim=2``) or ``[rows]``; ``None`` before the first write with ``ndim=2``."""
+        if self.ndim == 1:
+            return torch.Size([self._rows()])
+        if self.row_batch is None:
+            return None
+        return torch.Size([self._rows(), *self.row_batch])
+
+    def _rand_given_ndim(self, batch_size: int) -> Any:
+        if self.ndim == 1:
+            return torch.randint(0, len(self), (batch_size,), generator=self._rng)
+        return tuple(torch.randint(int(d), (batch_size,), generator=self._rng) for d in self.shape or ())
+
+    def _views(self) -> TensorDictBase:
+        """Zero-copy, writable views of the held rows, ``[rows, envs]`` (not stamped)."""
+        buf = self._need()
+        rows = self._rows()
+        tree: dict[str, Any] = {}
+        for name, column in buf.block.fields.items():
+            if name not in self.nested:
+                continue
+            *outer, last = self.nested[name]
+            node = tree
+            for part in outer:
+                node = node.setdefault(part, {})
+            node[last] = torch.from_numpy(column[:rows])
+        return TensorDict(tree, batch_size=[rows, *(self.row_batch or ())])
+
+    def _get_elements(self, index: tuple[Any, ...]) -> Any:
+        """``get`` of ``(steps, envs)``: two index tensors pair up (a sampler's draw); a whole-range
+        index gives views (TorchRL writes ``rb[i, j] = td`` through them)."""
+        if len(index) == 1:
+            return self.get(index[0])
+        rows, cols = index
+        if all(isinstance(i, slice) and i == slice(None) for i in index) and self.kind == "tensordict":
+            return self._views()
+        if isinstance(rows, torch.Tensor) and isinstance(cols, torch.Tensor) and rows.ndim == cols.ndim == 1:
+            out = self.get(rows)
+            return out[torch.arange(rows.numel()), cols]
+        out = self.get(rows)
+        single = isinstance(rows, (int, np.integer)) or (isinstance(rows, torch.Tensor) and rows.ndim == 0)
+        return out[cols] if single else out[:, cols]
+
+    def _set_elements(self, index: tuple[Any, Any], data: Any) -> None:
+        """``set`` of ``(steps, envs)``: the rows read, changed and written back whole."""
+        rows_at, cols = index
+        current = self.get(rows_at)
+        single = isinstance(rows_at, (int, np.integer)) or (isinstance(rows_at, torch.Tensor) and rows_at.ndim == 0)
+        if single:
+            current[cols] = data
+        else:
+            current[:, cols] = data
+        self.set(rows_at, current, set_cursor=False)
 
     def _need(self) -> SharedBuffer:
         if self.buffer is None:
@@ -490,10 +600,11 @@ class ShmStorage(StoreStorage):
 
     def contains(self, item: Any) -> Any:
         """TorchRL's ``contains``: whether a storage index holds a row (an int, or per index)."""
+        n = self._rows()
         if isinstance(item, (int, np.integer)):
-            return -len(self) <= item < len(self)
+            return -n <= item < n
         t = torch.as_tensor(item)
-        return (t >= -len(self)) & (t < len(self))
+        return (t >= -n) & (t < n)
 
     def _empty(self) -> None:
         if self.buffer is not None:
@@ -534,13 +645,14 @@ class ShmStorage(StoreStorage):
             self._empty()
             return
         if self.buffer is None:
-            self.buffer = SharedBuffer(Schema.from_json(state_dict["schema"]), self.max_size, name=self.name)
+            self.row_batch = tuple(state_dict.get("row_batch") or ())
+            self.buffer = SharedBuffer(Schema.from_json(state_dict["schema"]), self._cap(), name=self.name)
             self._keys(self.buffer.schema)
-        else:
-            self._empty()
+        k, *_ = self.buffer.check(rows)  # before the rows held go: rows it refuses leave the storage as it was
+        self._empty()
         self.kind, self.classes = kind, classes
         self.row_batch = tuple(state_dict.get("row_batch") or ())
-        if len(next(iter(rows.values()))):
+        if k:
             self.buffer.push(rows)
         self._seen = self.buffer.ring.span()[1]
         self._bump_mutation_revision()

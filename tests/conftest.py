@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
+from shmbuffer import native
+from shmbuffer.sampling.sumtree import SumTree
 from shmbuffer.shm import segment
 
 MUJOCO = sb.Schema(
@@ -118,6 +120,20 @@ def copy_through(buf: sb.ReplayBuffer, hook: Callable[[str], None]) -> None:
     copier.numpy_targets = lambda: [_Hooked(n, c, hook) for n, c in zip(names, real(mine()), strict=False)]
 
 
+SMALL = sb.Schema(obs=((3,), "float32"), reward=((), "float32"))
+"""A schema of two small fields, for tests of what a row carries besides its fields."""
+
+
+STEP = sb.Schema(obs=((3,), "float32"), action=((), "int64"), reward=((), "float32"),
+                 next_obs=((3,), "float32"), done=((), "bool"))
+"""A transition of small fields (a vector env's step, one row per env)."""
+
+
+def small_row(i: float) -> dict[str, Any]:
+    """A row of ``SMALL`` that names ``i``."""
+    return {"obs": np.full(3, i, np.float32), "reward": float(i)}
+
+
 def transition(i: int | np.ndarray, k: int | None = None) -> dict[str, np.ndarray]:
     """Self-verifying MuJoCo-like rows: every value derives from the row's sequence number
     (below 2**24, which float32 holds exactly)."""
@@ -158,3 +174,30 @@ def run_seed(code: str, ns: dict[str, Any], imports: dict[str, str], label: str)
         code = code.replace(theirs, ours)
     exec(compile(code, label, "exec"), ns)
     return ns
+
+
+LIB = native.lib
+
+
+needs_lib = pytest.mark.skipif(LIB is None, reason=f"the C extension is not loaded: {native.REASON}")
+
+
+def python_tree(capacity: int, sums: np.ndarray | None = None, mins: np.ndarray | None = None) -> SumTree:
+    """A SumTree that runs the numpy code whatever is loaded."""
+    saved = native.lib
+    native.lib = None
+    try:
+        return SumTree(capacity, sums, mins)
+    finally:
+        native.lib = saved
+
+
+@pytest.fixture(params=["native", "python"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Run a test on the C path and on the Python path (buffers made inside see the choice)."""
+    if request.param == "native":
+        if LIB is None:
+            pytest.skip(f"the C extension is not loaded: {native.REASON}")
+    else:
+        monkeypatch.setattr(native, "lib", None)
+    yield request.param

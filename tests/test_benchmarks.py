@@ -149,3 +149,15 @@ def test_the_circle_check_sees_one(tmp_path: Path) -> None:
     assert circle({"cases": {"features", "data"}, "features": {"data", "cases"}, "data": set()}) == [
         "cases", "features", "cases"]
     assert circle({"cases": {"harness"}, "features": {"harness"}, "harness": set()}) is None
+
+
+def test_the_pages_state_the_results_file() -> None:
+    """benchmarks/README.md's block and the README's table are what ``python -m benchmarks.page`` writes
+    from the committed results file: a number edited by hand, or a new run whose pages were not
+    rewritten, fails here."""
+    from benchmarks import page
+
+    for path, text in page.pages(json.loads(page.RESULTS.read_text())).items():
+        assert path.read_text() == text, f"{path.relative_to(ROOT)} differs from {page.RESULTS.relative_to(ROOT)}: " \
+                                         "run python -m benchmarks.page"
+    assert page.PLOT.exists()

@@ -161,7 +161,7 @@ CREATING = """
 
 def test_gc_removes_a_block_whose_creator_died_creating_it(name: str, cleanup: list[str]) -> None:
     """No magic yet, but the header names the creator: gc keeps the block while its creator is
-    alive (it is being created) and removes it once the creator is dead, without --force (r22)."""
+    alive (it is being created) and removes it once the creator is dead, without --force."""
     cleanup.append(name)
     path = segment.path_of(name)
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CREATING.format(name=name))],
@@ -234,7 +234,7 @@ def test_save_and_load(make: Make, name: str, tmp_path: Path, cleanup: list[str]
 
 def test_demo_gives_every_env_its_own_lane(make: Make, name: str) -> None:
     """``--workers 3`` makes 12 envs, which do not divide the default capacity: the demo used one
-    lane for all, the envs' steps interleaved, and every 3-step return was a 1-step one (r18).
+    lane for all, the envs' steps interleaved, and every 3-step return was a 1-step one.
     It rounds the capacity up instead."""
     from shmbuffer import demo
 
@@ -260,3 +260,68 @@ def test_bench() -> None:
     out: dict[str, Any] = json.loads(cli("bench", "--seconds", "0.05", "--json").stdout)
     assert out["memcpy_gb_s"] > 0 and out["sample_batches_s_of_256"] > 0
     assert out["push_rows_s_batches_of_256"] > out["push_rows_s_one_at_a_time"] > 0
+
+
+def test_python_dash_m_shmbuffer_runs_the_command() -> None:
+    out = subprocess.run([sys.executable, "-m", "shmbuffer", "--version"], capture_output=True, text=True,
+                         timeout=60, env=ENV, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.startswith("shmbuffer ") and out.stderr == "", out
+
+
+@pytest.mark.parametrize("command", ["ls", "inspect", "gc", "save", "load", "bench", "info", "top"])
+def test_every_subcommand_help_says_what_it_does_and_what_each_argument_is(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from shmbuffer import cli as command_line
+
+    with pytest.raises(SystemExit) as done:
+        command_line.main([command, "--help"])
+    assert done.value.code == 0
+    _usage, description, *rest = capsys.readouterr().out.split("\n\n")
+    assert description.strip()[0].isupper() and description.strip().endswith("."), description
+    arguments = "\n".join(rest)
+    # argparse lists an argument without help text on a line of its own name only
+    bare = [line for line in arguments.splitlines() if line.strip() and len(line.split()) == 1
+            and not line.endswith(":")]
+    assert not bare, f"arguments of {command} without help: {bare}"
+
+
+def _cli(*args: str, stdout: Any = None) -> Any:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, "-m", "shmbuffer.cli", *args], stdout=stdout if stdout is not None else subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, cwd=root, timeout=120)
+
+
+def test_cli_output_into_a_closed_pipe_is_quiet(make: Make, name: str) -> None:
+    """`shmbuffer inspect NAME --json | head` ended in a BrokenPipeError traceback. The reader end
+    is closed before the command writes, so every write fails (no race with the pipe's buffer)."""
+    import os
+
+    buf = make(MUJOCO, capacity=16, name=name)
+    buf.push(transition(0, 4))
+    for args in (("inspect", name, "--json"), ("inspect", name), ("ls", "--json")):
+        r, w = os.pipe()
+        os.close(r)
+        try:
+            out = _cli(*args, stdout=w)
+        finally:
+            os.close(w)
+        assert out.returncode == 0 and out.stderr == "", (args, out.stderr)
+
+
+def test_cli_inspect_by_path_and_save_refuses_to_overwrite(make: Make, name: str, tmp_path: Any) -> None:
+    import json
+
+    from shmbuffer.shm import segment
+
+    buf = make(MUJOCO, capacity=16, name=name)
+    buf.push(transition(0, 4))
+    info = json.loads(_cli("inspect", segment.path_of(name), "--json").stdout)
+    assert info["rows"] == 4
+    assert _cli("save", name, str(tmp_path / "s")).returncode == 0
+    again = _cli("save", name, str(tmp_path / "s"))
+    assert again.returncode == 1 and "--force" in again.stderr and "Traceback" not in again.stderr
+    assert _cli("save", name, str(tmp_path / "s"), "--force").returncode == 0

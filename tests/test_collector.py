@@ -180,3 +180,65 @@ def test_bad_arguments(make: Make, name: str) -> None:
     buf = make(SCHEMA, capacity=10, name=name)
     with pytest.raises(ValueError, match="must be positive"):
         Collector(CountingEnv, buf, workers=0)
+
+
+COLLECTED = sb.Schema(obs=((3,), "float32"), action=((), "int64"), reward=((), "float32"),
+                      next_obs=((3,), "float32"), done=((), "bool"))
+
+
+def test_collector_refuses_lanes_that_break_windows_or_stay_empty(make: Make, name: str) -> None:
+    from shmbuffer.collector import Collector
+
+    from .envs import CountingEnv
+
+    shared = make(COLLECTED, capacity=60, episodes=True, name=name)
+    with pytest.raises(ValueError, match=r"4 envs into 1 lane\(s\).*interleave.*envs=4"):
+        Collector(CountingEnv, shared, workers=2, envs_per_worker=2)
+    wide = make(COLLECTED, capacity=60, lanes=6, name=name + "w")
+    with pytest.raises(ValueError, match=r"6 lanes but 4 envs.*2 lanes would stay empty.*envs=4"):
+        Collector(CountingEnv, wide, workers=2, envs_per_worker=2)
+
+
+def test_collector_with_cpprb_names_hints_at_transition(make: Make, name: str) -> None:
+    from shmbuffer.collector import Collector
+
+    from .envs import CountingEnv
+
+    cpprb = make(sb.Schema({"obs": {"shape": 3}, "act": {"dtype": np.int64}, "rew": {}, "next_obs": {"shape": 3},
+                            "done": {}}), capacity=10, name=name)
+    with pytest.raises(ValueError, match=r"field\(s\) 'act', 'rew' are not among the default transition's.*transition=lambda"):
+        Collector(CountingEnv, cpprb, workers=1)
+
+
+def test_collector_policy_knows_its_worker_and_envs(make: Make, name: str) -> None:
+    """Ape-X's per-actor epsilons need each worker's and env's index: a policy taking ``worker``
+    and ``envs`` gets them (here it writes them into the actions, read back from the rows)."""
+    from shmbuffer.collector import Collector
+
+    from .envs import CountingEnv
+
+    def policy(model: Any, obs: np.ndarray, step: int, *, worker: int, envs: np.ndarray) -> np.ndarray:
+        assert envs.tolist() == [2 * worker, 2 * worker + 1]
+        return (envs % 2).astype(np.int64)  # CountingEnv takes 0/1 actions
+
+    def transition(obs: Any, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any) -> dict[str, Any]:
+        return {"obs": obs, "action": action, "reward": reward, "next_obs": next_obs, "done": terminated}
+
+    buf = make(COLLECTED, capacity=4 * 50, envs=4, name=name)
+    with Collector(CountingEnv, buf, workers=2, envs_per_worker=2, policy=policy, transition=transition) as col:
+        deadline = time.monotonic() + 60
+        while min(stop - start for start, stop in zip(*buf.ring.bounds(), strict=True)) < 5:
+            col.check()  # every worker has pushed (a loaded machine starts them slowly)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        col.warm(200)
+        col.stop()
+        last = col.stats(window=1)
+        with pytest.raises(ValueError, match=r"window must be in \[1, 100\]"):
+            col.stats(window=0)
+    # CountingEnv's episodes last n = 3..8 steps with rewards 1..n: the last one's return alone
+    triangular = {n * (n + 1) / 2 for n in range(3, 9)}
+    assert all(w["recent_return"] in triangular for w in last["workers"])
+    rows = buf.get(slice(None))
+    seen = sorted(set(zip((rows.index % 4).tolist(), rows.action.tolist(), strict=True)))
+    assert {lane: action for lane, action in seen} == {0: 0, 1: 1, 2: 0, 3: 1}  # env g in lane g

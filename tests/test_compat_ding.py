@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from shmbuffer import FieldError
 from shmbuffer.compat import ding
 from shmbuffer.compat.ding import BufferedData, DequeBuffer
 
@@ -476,6 +477,30 @@ def test_save_and_load_data(deque: Callable[..., DequeBuffer], tmp_path: Any) ->
     with pytest.raises(ValueError, match="load it into a new DequeBuffer"):
         mismatched.load_data(path)
     assert mismatched.count() == 1
+
+
+def test_a_file_that_load_data_refuses_leaves_the_rows(deque: Callable[..., DequeBuffer], tmp_path: Any) -> None:
+    """``load_data`` replaces the rows only once the file's rows passed every check: a damaged
+    file raises and the buffer keeps what it held (it was emptied first)."""
+    buffer = deque(size=10)
+    for i in range(4):
+        buffer.push({"obs": np.full(2, i, np.float32)})
+    path = os.path.join(tmp_path, "data.npz")
+    buffer.save_data(path)
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["obs"] = arrays["obs"][:2]                                       # fewer rows than the rest
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+    with pytest.raises(FieldError, match="ragged batch"):
+        buffer.load_data(path)
+    assert buffer.count() == 4 and [r.data["obs"][0] for r in buffer.export_data()] == [0, 1, 2, 3]
+    arrays["obs"] = np.zeros((0, 2), np.float32)
+    arrays = {k: v[:0] if k != "ding_layout" else v for k, v in arrays.items()}
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+    buffer.load_data(path)                                                  # a save of no rows: none
+    assert buffer.count() == 0
 
 
 def test_export_and_import_data(deque: Callable[..., DequeBuffer]) -> None:

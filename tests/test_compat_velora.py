@@ -3,6 +3,7 @@ only their import lines changed, checked against what the guide says they do."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from shmbuffer.compat.velora import BatchExperience, ReplayBuffer
+from shmbuffer.shm import segment
 
 from .conftest import run_seed
 
@@ -224,3 +226,24 @@ def test_save_and_load(ns: dict[str, Any], tmp_path: Path, monkeypatch: pytest.M
         assert back.buffer.get(slice(None)).rewards.flatten().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
         assert back.sample(5).states.shape == (5, 2)
         assert np.array_equal(back.buffer.get(slice(None)).states, np.arange(10.0).reshape(5, 2))
+
+
+def test_load_checks_the_metadata_against_the_save(tmp_path: Path) -> None:
+    """The metadata sizes the buffer's adds and ``metadata()``: one that does not describe the save
+    (hand-edited, or another save's) is refused, naming both, and leaves nothing in shared memory."""
+    buffer = ReplayBuffer(10, 3, 2, 4)
+    try:
+        buffer.add(np.zeros(3), np.zeros(2), 1.0, np.ones(3), False)
+        buffer.save(tmp_path)
+        good = buffer.metadata()
+    finally:
+        buffer.close()
+    for key, value in (("state_dim", 5), ("hidden_dim", 0), ("capacity", 20)):
+        with pytest.raises(ValueError, match=r"the metadata says capacity .*the save at .* holds capacity 10"):
+            ReplayBuffer.load(tmp_path / "buffer_state", {**good, key: value}, name=f"v{os.getpid()}-{key}")
+        assert not os.path.exists(segment.path_of(f"v{os.getpid()}-{key}"))
+    back = ReplayBuffer.load(tmp_path / "buffer_state", good)
+    try:
+        assert len(back) == 1 and back.metadata() == good
+    finally:
+        back.close()

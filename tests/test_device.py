@@ -252,7 +252,7 @@ def test_n_step_on_the_device_equals_the_host_reference(make: Make, name: str) -
         dev.sample(4, n_step=0)
 
 
-# -- found by review (each failed before its fix) --------------------------------------------------
+# -- edge cases, each failing before its fix --------------------------------------------------
 def test_a_prioritized_draw_never_pairs_an_id_with_a_newer_rows_data(make: Make, name: str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows accepted early in a prioritized draw whose slots the draw's own sync then refreshed

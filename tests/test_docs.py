@@ -89,8 +89,9 @@ def test_an_example_that_falls_short_exits_non_zero() -> None:
     assert out.returncode == 1 and out.stdout.strip().splitlines()[-1].startswith("NOT LEARNING:"), out.stdout + out.stderr
 
 
-ELSEWHERE = {"atari.py": "test_atari_example.py", "ray_cluster.py": "test_ray.py"}
-"""Examples that need an extra (ale-py, Ray), smoke-tested by the tests of that extra."""
+ELSEWHERE = {"atari.py": "test_atari_example.py", "ray_cluster.py": "test_ray.py",
+             "cleanrl_dqn_vector.py": "test_vector.py", "torchrl_collector.py": "test_torchrl.py"}
+"""Examples that need an extra (ale-py, Ray, TorchRL) or belong to a module's tests, smoke-tested there."""
 
 
 def test_every_example_is_smoke_tested() -> None:

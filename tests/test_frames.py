@@ -382,7 +382,7 @@ def _push_all(buf: sb.ReplayBuffer, rows: list[dict[str, Any]], **kw: Any) -> li
 def test_a_clear_mid_episode_keeps_the_writer_going(make: Make, name: str) -> None:
     """A writer that goes on with its episode after ``clear()`` starts its lane again: the older
     frames of its first stack go into lead rows, so every row it pushes is a whole transition,
-    readable, sampled and counted alike (issue 22: they were counted but their stacks reached into
+    readable, sampled and counted alike (they were counted but their stacks reached into
     the cleared rows, and ``sample`` timed out)."""
     sch = schema((1, 4, 4), 4, 0)
     buf = make(sch, 16, next_of="obs", stack="obs", name=name)
@@ -635,8 +635,7 @@ def test_a_forked_child_starts_its_own_rows(make: Make, name: str, procs: list) 
 
 def test_a_clear_between_the_checks_and_the_reservation_is_checked_again(make: Make, name: str) -> None:
     """A clear() that comes after the pusher decided a row continues its lane (no lead rows) but
-    before the reservation: stored so, the row would reach into the cleared rows (found by review,
-    issue 22). The reservation is undone and the push checked again: it starts the lane anew."""
+    before the reservation: stored so, the row would reach into the cleared rows. The reservation is undone and the push checked again: it starts the lane anew."""
     from shmbuffer.protocol.ring import Ring
 
     sch = schema((1, 4, 4), 4, 0)
@@ -689,7 +688,7 @@ def test_a_push_clears_overtake_again_and_again_is_refused_with_nothing_stored(
 
 def test_stacks_without_next_of_count_as_get_indexes(make: Make, name: str) -> None:
     """``stack`` alone: lead rows (a lane started again after clear(), or resume) are not
-    transitions; ``len`` left them in while ``get`` left them out (found by review, issue 22)."""
+    transitions; ``len`` left them in while ``get`` left them out."""
     sch = schema((1, 4, 4), 4, 0)
     buf = make(sch, 16, stack="obs", name=name)
     rows = episode(0, 0, 12, "terminated", (1, 4, 4), 4, 0, "reset")
@@ -739,6 +738,37 @@ def test_an_import_of_an_export_is_the_same_buffer(case: int, make: Make, name: 
     again = into.export()
     for n in sch.names:
         assert np.array_equal(again[n], out[n]), n
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_pending_is_each_lanes_waiting_step_as_pushed(case: int, make: Make, name: str) -> None:
+    """``pending()``: each lane's newest step that waits for its next observation, as this process
+    pushed it; with ``export`` it is every pushed transition. None in another process, in a lane
+    whose newest step ended its episode, nor without ``next_of``."""
+    frame, k, axis, pad, next_of, stack, lanes = CASES[case]
+    sch = schema(frame, k, axis)
+    buf = make(sch, 60 * lanes, lanes=lanes, next_of=next_of, stack=stack, name=name)
+    pushed: list[dict[str, Any]] = []
+    for lane in range(lanes):
+        rows = episode(lane, 0, 6, "terminated", frame, k, axis, pad)
+        rows = rows if lane == 0 else rows[:3]  # lane 0's episode ended; the others wait
+        pushed += rows
+        _push_all(buf, rows, lane=lane)
+    waiting = buf.pending()
+    if next_of is None:
+        assert waiting["index"].size == 0 and set(waiting) == set(buf.export())
+        return
+    assert sorted(waiting) == sorted(buf.export()) and (waiting["index"] % lanes).tolist() == list(range(1, lanes))
+    both = {n: np.concatenate([buf.export()[n], waiting[n]]) for n in waiting}
+    assert sorted(map(tuple, both["tag"].tolist())) == sorted(tuple(r["tag"].tolist()) for r in pushed)
+    for r in pushed:
+        at = np.flatnonzero((both["tag"] == r["tag"]).all(axis=1))[0]
+        assert all(np.array_equal(both[n][at], r[n]) for n in sch.names)
+    other = sb.ReplayBuffer.attach(buf.handle)
+    try:
+        assert other.pending()["index"].size == 0
+    finally:
+        other.close()
 
 
 def test_flush_makes_a_lanes_last_row_a_transition_at_once(make: Make, name: str) -> None:

@@ -402,6 +402,35 @@ def test_sb3_her_before_an_episode_ends(name: str) -> None:
         rb.close()
 
 
+def test_sb3_her_pickled_mid_episode_goes_on_with_the_episode(name: str) -> None:
+    """A copy pickled while each env's episode runs continues those episodes with its next adds,
+    as the original does: the steps before the pickle end with them and are drawn (hindsight
+    draws complete episodes only), instead of waiting for an end that never comes."""
+    venv = _bit_env(2)
+    rb = _her(venv, name)
+    clone = None
+    try:
+        obs = venv.reset()
+        action = np.zeros((2, 4), np.float32)
+        for _ in range(4):  # the dones are the test's: no info says the episode was cut
+            nxt, r, _, _ = venv.step(action)
+            rb.add(obs, nxt, action, r, np.array([False, False]), [{}, {}])
+            obs = nxt
+        clone = pickle.loads(pickle.dumps(rb))
+        clone.set_env(venv)
+        nxt, r, _, _ = venv.step(action)
+        for buf in (rb, clone):
+            buf.add(obs, nxt, action, r, np.array([True, True]), [{}, {}])
+        want, got = rb.buffer.export(), clone.buffer.export()
+        assert got["episode"].tolist() == want["episode"].tolist()
+        assert len(set(want["episode"].tolist())) == 2                     # one episode per env, whole
+        assert set(clone.buffer.sample(400, hindsight=clone.hindsight).index.tolist()) == set(got["index"].tolist())
+    finally:
+        rb.close()
+        if clone is not None:
+            clone.close()
+
+
 def _sb3_writer(handle: sb.BufferHandle, lanes: int) -> None:
     """Another process writing whole episodes into env 1's lane of an SB3 HerReplayBuffer."""
     buf = sb.ReplayBuffer.attach(handle)

@@ -103,6 +103,51 @@ def test_another_librarys_constructor_keyword_names_ours(name: str) -> None:
     assert not os.path.exists(segment.path_of(name))  # refused before the block was made
 
 
+BOX = {"obs": {"shape": 4}}
+
+
+@pytest.mark.parametrize(("call", "error", "says"), [
+    (lambda: sb.ReplayBuffer(1000, env_dict=BOX), sb.UnknownKeyword,
+     r"takes no 'env_dict' \(cpprb's ReplayBuffer\(size, env_dict\)\); here: ReplayBuffer\(env_dict, capacity\).*cpprb\.md"),
+    (lambda: sb.ReplayBuffer(1000, BOX), sb.ForeignCall,
+     r"is cpprb's ReplayBuffer\(size, env_dict\); here: ReplayBuffer\(env_dict, 1000\).*"
+     r"shmbuffer\.compat\.cpprb\.ReplayBuffer\(1000, env_dict\).*cpprb\.md"),
+    (lambda: sb.ReplayBuffer(size=1000, env_dict=BOX), sb.UnknownKeyword, r"takes no 'size' .*cpprb\.md"),
+    (lambda: sb.ReplayBuffer(1000, "obs_space", "act_space"), sb.ForeignCall,
+     r"Stable-Baselines3's ReplayBuffer\(buffer_size, observation_space, action_space\); here: "
+     r"ReplayBuffer\(schema, 1000, envs=n_envs\).*shmbuffer\.sb3\.ReplayBuffer.*sb3\.md"),
+    (lambda: sb.ReplayBuffer(buffer_size=1000, observation_space="o", action_space="a"), sb.UnknownKeyword,
+     r"takes no 'buffer_size' .*shmbuffer\.sb3\.ReplayBuffer.*sb3\.md"),
+    (lambda: sb.ReplayBuffer(observation_space="o", action_space="a"), sb.UnknownKeyword,
+     r"takes no 'observation_space' .*sb3\.md"),
+    (lambda: sb.ReplayBuffer(storage=None, batch_size=8), sb.UnknownKeyword,
+     r"takes no 'storage' \(TorchRL's ReplayBuffer\(storage=...\)\).*ShmStorage.*torchrl\.md"),
+    (lambda: sb.ReplayBuffer(1000), sb.ForeignCall,
+     r"the capacity came first; here the schema comes first, ReplayBuffer\(schema, 1000\).*migration/index\.md"),
+], ids=["cpprb-env_dict=", "cpprb-positional", "cpprb-keywords", "sb3-positional", "sb3-buffer_size=",
+        "sb3-spaces=", "torchrl-storage=", "capacity-first"])
+def test_another_librarys_constructor_form_names_ours(call: Callable[[], object], error: type[Exception],
+                                                      says: str) -> None:
+    """cpprb's, SB3's and TorchRL's constructors, positional or keyword, end in our error naming our
+    call and the migration page, not in Python's "missing 1 required positional argument"."""
+    before = set(segment.list_names())
+    with pytest.raises(error, match=says) as info:
+        call()
+    assert isinstance(info.value, TypeError)
+    assert set(segment.list_names()) == before  # refused before a block was made
+
+
+def test_no_constructor_hint_hides_a_real_keyword() -> None:
+    import inspect
+    real = set(inspect.signature(sb.ReplayBuffer.__init__).parameters)
+    assert not real & set(hints.KEYWORDS), real & set(hints.KEYWORDS)
+
+
+def test_our_own_constructor_forms_are_untouched(make: Make, name: str) -> None:
+    assert len(make(BOX, 10, name=name)) == 0
+    assert make(schema=MUJOCO, capacity=10, name=f"{name}-kw").capacity == 10
+
+
 def test_another_librarys_batch_key_names_ours(make: Make, name: str) -> None:
     buf = make(MUJOCO, capacity=10, name=name, sampler=sb.Prioritized())
     buf.push(transition(0, 4))
@@ -213,3 +258,8 @@ def test_ls_lists_only_your_buffers_unless_all(make: Make, name: str, monkeypatc
     assert cli.main(["ls", "--all", "--json"]) == 0
     theirs = next(e for e in json.loads(capsys.readouterr().out) if e["name"] == name)
     assert "not to this process's user" in theirs["error"]  # listed, never read
+
+
+def test_cpprb_argument_order_says_schema_first(name: str) -> None:
+    with pytest.raises(sb.ForeignCall, match=r"cpprb's ReplayBuffer\(size, env_dict\); here: ReplayBuffer\(env_dict, 32\)"):
+        sb.ReplayBuffer(32, {"obs": {"shape": 3}}, name=name)  # type: ignore[arg-type]

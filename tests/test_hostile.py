@@ -1,4 +1,4 @@
-"""A hostile or careless local user (issue 10): files under our names that are not ours (another
+"""A hostile or careless local user: files under our names that are not ours (another
 user's, a FIFO, a directory, a symbolic link, a file open to others), names that reach outside
 /dev/shm, blocks made in another pid namespace, a name reused after its creator died, and damaged
 or crafted blocks, which must raise our errors only, never crash or hang a command."""

@@ -141,3 +141,17 @@ def private_reads(path: Path) -> list[str]:
 @pytest.mark.parametrize("module", modules())
 def test_no_module_reads_another_objects_private_names(module: str) -> None:
     assert not private_reads(module_paths()[module])
+
+
+def test_compat_sits_on_top() -> None:
+    """Nothing in the package imports ``shmbuffer.compat``; the facades read no other object's
+    underscored names (the rules tests/test_layers.py holds for the package's modules)."""
+    from .test_layers import imports, module_paths, private_reads
+
+    paths = module_paths()
+    known = set(paths)
+    facades = {m for m in paths if m.split(".")[0] == "compat"}
+    below = [m for m, p in paths.items() if m not in facades and imports(p, known) & facades]
+    assert not below, f"{below} import shmbuffer.compat"
+    assert {"compat", "compat.ding", "compat.mindspore", "compat.nervex", "compat.velora"} <= facades
+    assert not [r for m in facades for r in private_reads(paths[m])]

@@ -139,7 +139,7 @@ def test_cpu_device_is_refused_for_cuda_without_gpu(make: Make, name: str) -> No
 
 @pytest.mark.parametrize("background", [True, False])
 def test_next_after_the_end_does_not_hang(background: bool, make: Make, name: str) -> None:
-    """After the last batch, close() or an error, next() answers at once, again (r01)."""
+    """After the last batch, close() or an error, next() answers at once, again."""
     buf = make(MUJOCO, capacity=64, name=name)
     buf.push(transition(0, 32))
     loader = Loader(buf, 4, batches=2, background=background)
@@ -229,7 +229,7 @@ def _until(cond: Callable[[], bool], seconds: float = 5.0) -> bool:
 
 def test_close_while_a_rate_limiter_holds_the_sample(make: Make, name: str) -> None:
     """close() returns at once with the thread joined, and the thread admits no sample after it:
-    nobody would receive it, yet it would count in the shared window (r12)."""
+    nobody would receive it, yet it would count in the shared window."""
     limiter = sb.RateLimiter(min_size=20, timeout=30.0)
     buf = make(MUJOCO, capacity=64, limiter=limiter, name=name)
     buf.push(transition(0, 10))
@@ -388,7 +388,7 @@ def test_the_consumer_stream_waits_then_marks_every_tensor(make: Make, name: str
 
 def test_staging_is_made_for_the_first_batchs_keys(make: Make, name: str) -> None:
     """A later batch with other keys or shapes is refused by name, never a KeyError or a key
-    silently dropped (r13)."""
+    silently dropped."""
     buf = images(make(IMAGES, capacity=64, name=name, seed=0))
     plan: Iterator[sb.Batch] = iter([])
 

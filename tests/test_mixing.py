@@ -75,7 +75,7 @@ def test_mix_priority_updates_go_home(make: Make, name: str) -> None:
 
 
 def test_mix_priority_update_checks_every_priority_first(make: Make, name: str) -> None:
-    """A bad priority for source 1's rows changes no source, source 0 included (r09)."""
+    """A bad priority for source 1's rows changes no source, source 0 included."""
     per = sb.Prioritized(alpha=1.0, eps=0.0)
     a = make(MUJOCO, capacity=64, name=name + "a", sampler=per, seed=0)
     b = make(MUJOCO, capacity=64, name=name + "b", sampler=per, seed=1)
@@ -97,7 +97,7 @@ def test_mix_priority_update_checks_every_priority_first(make: Make, name: str) 
 
 
 def test_a_mix_with_a_prioritized_source_always_gives_weight(make: Make, name: str) -> None:
-    """Also in a batch to which the prioritized source gave no row (r13): every batch of a mix
+    """Also in a batch to which the prioritized source gave no row: every batch of a mix
     has the same keys."""
     agent = make(MUJOCO, capacity=64, name=name + "a", seed=0)
     expert = make(MUJOCO, capacity=64, name=name + "e", sampler=sb.Prioritized(), seed=1)

@@ -441,7 +441,7 @@ def test_max_use_with_the_lock_busy_waits_for_it_and_loses_no_row(make: Make, na
     assert sorted(got) == list(range(32))
 
 
-# -- found by review: re-draws over the total of now, outs the C gather refuses, 65 columns, the switch --
+# -- re-draws over the total of now, outs the C gather refuses, 65 columns, the switch --
 def _later(call: Callable[[np.ndarray], None], arg: np.ndarray) -> None:
     time.sleep(0.002)
     call(arg)

@@ -23,7 +23,7 @@ from shmbuffer import persistence
 from shmbuffer.protocol.layout import Options
 from shmbuffer.shm import segment
 
-from .conftest import MUJOCO, copy_through, discard, seq_of, transition
+from .conftest import MUJOCO, SMALL, copy_through, discard, seq_of, small_row, transition
 from .golden import make_golden
 
 Make = Callable[..., sb.ReplayBuffer]
@@ -686,7 +686,7 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
                    r"come from different saves"),
     "bad priorities": (lambda p: _poke(p, _tensor_at(p, "_leaf"), struct.pack("<d", -1.0)),
                        r"'_leaf' holds negative or non-finite priorities"),
-    # issue 10: files that raised other exceptions, hung, or loaded a buffer that could not be read
+    # files that raised other exceptions, hung, or loaded a buffer that could not be read
     "first 2**62": (lambda p: edit_meta(p, lambda m: m["lanes"][0].update(first=2**62, stop=2**62 + 10, base=2**62)),
                     r"lanes\[0\]\.base is 4611686018427387904, expected an int in \[0, 2305843009213693952\]"),
     "negative first": (lambda p: edit_meta(p, lambda m: m["lanes"][0].update(first=-1, stop=9, base=-1)),
@@ -703,7 +703,7 @@ DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
                          r"sampler_state is None, expected the largest priority \(the buffer has a tree\)"),
     "leaf too large": (lambda p: _poke(p, _tensor_at(p, "_leaf"), struct.pack("<d", 1e300)),
                        r"'_leaf' holds .* leaves above 1e\+280"),
-    # issue 22: a leaf below the bound whose priority overflows (alpha 0.6): export() warned
+    # a leaf below the bound whose priority overflows (alpha 0.6): export() warned
     "leaf of no finite priority": (lambda p: _poke(p, _tensor_at(p, "_leaf"), struct.pack("<d", 1e250)),
                                    r"'_leaf' holds .* of no finite priority"),
     "limiter timeout NaN": (lambda p: edit_meta(p, lambda m: m["options"].update(limiter={
@@ -853,6 +853,35 @@ def test_from_arrays_spreads_rows_over_env_lanes(loaded: list, name: str) -> Non
     assert not os.path.exists(segment.path_of(name + "x"))
 
 
+def test_an_export_of_a_next_of_buffer_carries_the_use_counts(make: Make, loaded: list, name: str) -> None:
+    """With ``next_of`` and ``max_use``, an export has ``uses`` as any other buffer's: a copy made
+    from it draws no row the original had used up."""
+    sch = sb.Schema(obs=((2,), "float32"), next_obs=((2,), "float32"), done=((), "bool"))
+    obs = np.stack([np.zeros(8), np.arange(8)], axis=1).astype(np.float32)
+    buf = make(sch, 32, next_of={"next_obs": "obs"}, max_use=2, name=name)
+    buf.push(obs=obs, next_obs=obs + np.float32([0, 1]), done=np.zeros(8, bool), flush=True)
+    buf.sample(8, replace=False)
+    buf.sample(5, replace=False)  # 5 rows used up, 3 drawn once
+    out = buf.export()
+    assert out["uses"].tolist() == buf.uses(out["index"]).tolist() and out["uses"].sum() == 13
+    copy = sb.ReplayBuffer.from_arrays(sch, out, next_of={"next_obs": "obs"}, max_use=2, name=name + "c")
+    loaded.append(copy)
+    assert len(copy) == len(buf) == 3
+    assert copy.export()["uses"].tolist() == out["uses"].tolist()
+
+
+def test_import_rows_of_an_export_keeps_each_row_in_its_lane(make: Make, name: str) -> None:
+    """An export lists lane after lane; ``import_rows`` puts each row back into its lane (its id's),
+    not spread over the lanes as a push without ``lane=``, which would put one env's steps into
+    several lanes (windows such as n-step returns would then mix envs)."""
+    src = make(MUJOCO, 24, envs=2, name=name)
+    src.push(transition(0, 12))                                            # row i into lane i % 2
+    into = make(MUJOCO, 24, envs=2, name=name + "i")
+    persistence.import_rows(into, src.export())
+    assert seq_of(into.get(slice(None))).tolist() == seq_of(src.get(slice(None))).tolist()
+    assert (into.get(slice(None)).index % 2).tolist() == (src.get(slice(None)).index % 2).tolist()
+
+
 def test_export_drops_rows_overwritten_meanwhile(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     buf = make(MUJOCO, capacity=200, lanes=2, name=name)
     for ln in (0, 1):
@@ -875,7 +904,7 @@ def test_the_buffer_methods(make: Any, name: str, tmp_path: Path) -> None:
     try:
         assert np.array_equal(back.get(slice(None)).index, buf.get(slice(None)).index)
         assert seq_of(back.get(slice(None))).tolist() == list(range(12))
-        assert np.array_equal(buf.get_all_transitions()["obs"], back.export_data()["obs"])
+        assert np.array_equal(buf.export()["obs"], sb.export(back)["obs"])
     finally:
         back.close()
         back.unlink()
@@ -888,7 +917,7 @@ def test_the_buffer_methods(make: Any, name: str, tmp_path: Path) -> None:
         again.unlink()
 
 
-# -- malformed saves, fuzzed (issue 10) ------------------------------------------------------------------
+# -- malformed saves, fuzzed ------------------------------------------------------------------
 POOL: list[Any] = [None, True, False, -1, 0, 1, 2, 3, 7, 16, 2**31, 2**62, 2**63, 2**64, -(2**63), 0.5, -0.0, 1e308,
                    float("nan"), float("inf"), "", "x", "<f4", "F32", "prioritized", [], {}, [1], [[]], [-1], {"a": 1}]
 """Values a corrupted JSON entry may take."""
@@ -987,7 +1016,7 @@ def test_fuzzed_saves_load_correctly_or_raise_layout_error(make: Make, name: str
     assert seen["loaded"] > 10 and seen["refused"] > 500, seen
 
 
-# -- files and other users (issue 10) ------------------------------------------------------------------
+# -- files and other users ------------------------------------------------------------------
 @pytest.mark.parametrize("umask", [0o000, 0o022, 0o277])
 def test_saves_are_private_whatever_the_umask(umask: int, make: Make, loaded: list, name: str, tmp_path: Path) -> None:
     buf = make(MUJOCO, capacity=8, name=name)
@@ -1185,3 +1214,49 @@ def test_a_tampered_frames_save_is_refused(case: str, tmp_path: Path, name: str)
     with pytest.raises(sb.LayoutError, match=message):
         sb.load(path, name=name)
     assert not os.path.exists(segment.path_of(name))
+
+
+def test_import_rows_in_pieces_changes_nothing_on_error_and_fills_env_lanes(make: Make, name: str) -> None:
+    # import_rows pushes a lane's capacity at a time: a bad value in a later piece must be refused
+    # before the first piece goes in, and a buffer with envs= takes whole env steps per piece
+    x = sb.Schema(x=((), "int64"))
+    buf = make(x, 4, sampler=sb.Prioritized(), max_use=3, name=name)
+    with pytest.raises(sb.FieldError, match="nothing was changed"):
+        persistence.import_rows(buf, {"x": np.arange(6), "priority": [1.0] * 5 + [-1.0]})
+    with pytest.raises(sb.CapacityError, match="uses"):
+        persistence.import_rows(buf, {"x": np.arange(6), "uses": [0] * 5 + [-1]})
+    assert len(buf) == 0 and buf.stats["inserted"] == 0
+    envs = make(x, 6, envs=2, name=name + "e")
+    assert persistence.import_rows(envs, {"x": np.arange(4)}).tolist() == [0, 1, 2, 3]
+    assert envs.get(slice(None)).x.tolist() == [0, 2, 1, 3]                # lane 0, then lane 1
+
+
+def test_export_and_import_carry_priorities_uses_and_ids(make: Make, name: str) -> None:
+    s = sb.Prioritized(alpha=0.5, eps=0.0)
+    buf = make(SMALL, 6, sampler=s, max_use=3, name=name, seed=0)
+    buf.push(obs=np.zeros((9, 3))[:6], reward=np.arange(6.0), priority=np.arange(1.0, 7.0))
+    buf.push(obs=np.zeros((3, 3)), reward=np.arange(6.0, 9.0), priority=[7.0, 8.0, 9.0])   # ids 3..8 held
+    buf.delete([5])
+    buf.sample(4, replace=False)
+    out = sb.export(buf)
+    assert out["index"].tolist() == [3, 4, 6, 7, 8]
+    assert np.allclose(out["priority"], [4, 5, 7, 8, 9])
+    uses = out["uses"].copy()
+    assert uses.sum() == 4
+    copy = sb.ReplayBuffer.from_arrays(SMALL, out, sampler=s, max_use=3, name=name + "c")
+    try:
+        again = sb.export(copy)
+        assert again["index"].tolist() == [3, 4, 6, 7, 8]                # the same ids
+        assert np.allclose(again["priority"], out["priority"]) and again["uses"].tolist() == uses.tolist()
+        assert copy.take([6]).reward.tolist() == [6.0] and len(copy) == 5
+        with pytest.raises(sb.EmptyBufferError):
+            copy.take([5])                                              # the deleted row stays a hole
+    finally:
+        copy.close()
+        copy.unlink()
+    target = make(SMALL, 20, sampler=s, max_use=3, name=name + "t")
+    target.push(small_row(100))
+    new = persistence.import_rows(target, out)                          # into an existing buffer
+    assert new.tolist() == [1, 2, 3, 4, 5]
+    assert np.allclose(sb.export(target)["priority"][1:], out["priority"])
+    assert target.uses(new).tolist() == uses.tolist()

@@ -477,7 +477,7 @@ def test_one_process_keeps_its_writer_entry_while_any_of_its_buffers_is_open(mak
 def test_an_interrupted_push_gives_its_rows_back(make: Make, name: str) -> None:
     """Ctrl-C after the copy but before the commit: the rows must not stay odd under a live owner
     (every writer coming round would wait 30 s on them); they were copied whole, so they are
-    committed (never a hole: issue 22)."""
+    committed (never a hole)."""
     buf = make(MUJOCO, capacity=8, name=name, sampler=sb.Prioritized())
     buf.push(transition(0, 4))
     real = buf.ring.commit

@@ -1,4 +1,4 @@
-"""A push that fails anywhere between its reservation and its commit leaves no hole (issue 22).
+"""A push that fails anywhere between its reservation and its commit leaves no hole.
 
 A failure is injected at each step of a push (the priorities set inside the reservation, the
 frames pusher's confirmation, the start of the copy, midway through the copy, the commit, the
@@ -168,7 +168,7 @@ def test_a_failed_push_after_another_writer_reserved_leaves_empty_rows_never_tor
 
 def test_a_packed_records_field_is_pushed_whole(make: Make, name: str) -> None:
     """A field of a packed structured array is C-contiguous but unaligned: it is stored, on every
-    path, and leaves no hole (issue 22: the C push raised AssertionError after the reservation)."""
+    path, and leaves no hole (the C push raised AssertionError after the reservation)."""
     schema = sb.Schema(obs=((3,), "float32"), r=((), "float64"), n=((), "int64"))
     rec = np.zeros(5, dtype=[("pad", "u1"), ("obs", "<f4", (3,)), ("r", "<f8"), ("n", "<i8")])
     rec["obs"] = np.arange(15).reshape(5, 3)
@@ -187,7 +187,7 @@ def test_a_packed_records_field_is_pushed_whole(make: Make, name: str) -> None:
 
 def test_a_push_through_a_buffer_nobody_else_holds_goes_in(name: str, path: str) -> None:
     """A bound method keeps its object alive: ``ReplayBuffer(...).push(...)`` and a held
-    ``ReplayBuffer.attach(h).push`` push, on every path (issue 22: the C path raised ClosedError)."""
+    ``ReplayBuffer.attach(h).push`` push, on every path (the C path raised ClosedError)."""
     owner = sb.ReplayBuffer(MUJOCO, 8, name=name)
     try:
         held = sb.ReplayBuffer.attach(owner.handle).push
@@ -202,7 +202,7 @@ def test_a_push_through_a_buffer_nobody_else_holds_goes_in(name: str, path: str)
         owner.unlink()
 
 
-# -- found by review (each failed before its fix) --------------------------------------------------
+# -- edge cases, each failing before its fix --------------------------------------------------
 def _failing_put(monkeypatch: pytest.MonkeyPatch, then: Callable[[], None] = lambda: None) -> None:
     def put(*args: Any, **kwargs: Any) -> None:
         then()

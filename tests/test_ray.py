@@ -366,6 +366,13 @@ class TestOneCluster:
             with sb.ReplayBuffer.attach(s.name) as local, pytest.raises(FieldError) as here:
                 local.push(rows(0, 2), priority=1.0)
             assert str(remote.value) == str(here.value)
+            both = {**rows(0, 2), "priority": np.ones(2)}  # one normaliser: the same refusals, word for word
+            for kwargs, error in (({"priority": 1.0}, TypeError), ({"lane": 5}, sb.CapacityError)):
+                with pytest.raises(error) as remote:
+                    writer.push(both if error is TypeError else rows(0, 2), **kwargs)
+                with sb.ReplayBuffer.attach(s.name) as local, pytest.raises(error) as here:
+                    local.push(both if error is TypeError else rows(0, 2), **kwargs)
+                assert str(remote.value) == str(here.value)
             writer.push(rows(0, 3))
             writer.close()
             assert writer.calls == 1 and buf.stats["shards"][s.index]["inserted"] == 3  # nothing of the bad pushes

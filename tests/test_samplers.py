@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 import shmbuffer as sb
 from shmbuffer.sampling.samplers import check_batch_size, importance_weights, uniform_ids
 
-from .conftest import MUJOCO, seq_of, transition
+from .conftest import MUJOCO, SMALL, seq_of, transition
 
 Make = Callable[..., sb.ReplayBuffer]
 
@@ -384,7 +385,7 @@ def test_a_clear_between_draw_and_gather(sampler: Any, make: Make, name: str, mo
     assert cleared
 
 
-# -- ids that never existed, priorities too large for the tree, a clear killed half-way (issue 10) ------
+# -- ids that never existed, priorities too large for the tree, a clear killed half-way ------
 
 
 def test_update_priorities_refuses_ids_that_never_existed(make: Make, name: str) -> None:
@@ -639,3 +640,33 @@ def test_sampler_declarations_are_checked() -> None:
         type("Other", (sb.Sampler,), {"kind": "uniform"})
     with pytest.raises(TypeError, match="subclass Prioritized"):
         type("Fake", (sb.Sampler,), {"kind": "test-fake", "prioritized": True, "served": "tree"})
+
+
+def test_annealing_continues_after_attach_and_load(make: Make, name: str, tmp_path: Path) -> None:
+    s = sb.Prioritized(alpha=1.0, beta=0.0, beta_steps=10, eps=0.0)
+    buf = make(SMALL, 10, sampler=s, name=name, seed=0)
+    buf.push(obs=np.zeros((2, 3)), reward=np.zeros(2), priority=[1.0, 4.0])
+    for _ in range(4):
+        buf.sample(2)
+    other = sb.ReplayBuffer.attach(buf.handle, seed=1)
+    try:
+        assert other.priorities.calls == 4
+        batch = other.sample(64)                                       # the 5th call: beta 4 / 10
+        expected = np.where(batch.index == 0, 1.0, 4.0 ** -0.4)
+        assert np.allclose(batch.weight, expected)
+        assert buf.priorities.calls == 5
+    finally:
+        other.close()
+    buf.save(tmp_path / "s")
+    with sb.load(tmp_path / "s", name=name + "l", seed=2) as back:
+        assert back.priorities.calls == 5
+        batch = back.sample(64)                                        # the 6th call: beta 5 / 10
+        assert np.allclose(batch.weight, np.where(batch.index == 0, 1.0, 4.0 ** -0.5))
+
+
+def test_update_priorities_with_ids_that_never_existed(make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=16, sampler=sb.Prioritized(), name=name)
+    buf.push(transition(0, 4))
+    for ids in ([-1], [12345]):
+        with pytest.raises(sb.UnknownIdError, match="never named a row"):
+            buf.update_priorities(ids, [1.0])

@@ -776,8 +776,9 @@ def test_sample_reads_the_positions_again_when_a_writer_laps_them(name: str, ope
 
 def test_optimize_memory_usage_round_trips_lose_nothing(name: str, opened: list[Any], tmp_path: Any) -> None:
     """Pickling, deepcopy and save_replay_buffer/load_replay_buffer of an optimize_memory_usage
-    buffer keep every transition it could sample, however many times, and each env's newest one
-    stays samplable (it keeps the next observation it was saved with); later adds go on."""
+    buffer keep every transition it could sample, however many times, and each env's newest step,
+    still waiting for the env's next add, with the next observation it was added with: the copy
+    goes on from it as the original does."""
     import copy as copying
 
     from stable_baselines3 import DQN
@@ -814,9 +815,12 @@ def test_optimize_memory_usage_round_trips_lose_nothing(name: str, opened: list[
             opened.append(rb)
             assert rb.size() == 12, (trip, how)
             assert pairs(rb) == want, (trip, how)
+    # each env's newest step went along with its next observation: the copy goes on from it as
+    # the original does (the next add continues it), and both hold the same transitions
     nxt = np.full((2, 3), 7.5, np.float32)
-    rb.add(np.full((2, 3), 6.5, np.float32), nxt, np.array([0, 1]), np.zeros(2, np.float32), np.ones(2, bool), [{}, {}])
-    assert rb.size() == 13 and pairs(rb) >= want
+    for buf in (mine, rb):
+        buf.add(obs, nxt, np.array([0, 1]), np.zeros(2, np.float32), np.ones(2, bool), [{}, {}])
+    assert rb.size() == mine.size() == 14 and pairs(rb) == pairs(mine) > want
 
 
 @pytest.mark.parametrize("kind", ["plain", "optimize_memory_usage", "dict"])

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 import pytest
+import torch
 
 import shmbuffer as sb
 from shmbuffer.schema import PACK_LIMIT
 
-from .conftest import MUJOCO, transition
+from .conftest import MUJOCO, STEP, transition
+
+Make = Callable[..., sb.ReplayBuffer]
 
 
 def test_forms_agree() -> None:
@@ -172,3 +176,30 @@ def test_push_options_are_reserved_names() -> None:
     for name in ("timeout", "episode", "priority", "lane"):
         with pytest.raises(sb.SchemaError, match="reserved"):
             sb.Schema(**{name: ((), "f4")})
+
+
+def test_reset_tuple_names_the_field(make: Make, name: str) -> None:
+    buf = make(STEP, capacity=8, name=name)
+    reset = (np.zeros(3, np.float32), {})
+    with pytest.raises(sb.FieldError, match=r"field 'obs': .*\(obs, info\).*obs, info = env.reset\(\)"):
+        buf.push(obs=reset, action=0, reward=0.0, next_obs=np.zeros(3), done=False)
+    with pytest.raises(sb.FieldError, match=r"field 'obs': cannot be made an array"):
+        buf.push(obs=[np.zeros(3), np.zeros(2)], action=0, reward=0.0, next_obs=np.zeros(3), done=False)
+    assert len(buf) == 0
+
+
+def test_tensor_that_requires_grad_names_the_field(make: Make, name: str) -> None:
+    buf = make(STEP, capacity=8, name=name)
+    q = torch.zeros(3, requires_grad=True) * 2
+    with pytest.raises(sb.FieldError, match=r"field 'next_obs': got a tensor that requires grad; push value.detach\(\)"):
+        buf.push(obs=np.zeros(3), action=0, reward=0.0, next_obs=q, done=False)
+    buf.push(obs=np.zeros(3), action=0, reward=0.0, next_obs=q.detach(), done=False)
+    assert len(buf) == 1
+
+
+def test_float_done_into_bool_is_refused(make: Make, name: str) -> None:
+    buf = make(STEP, capacity=8, name=name)
+    with pytest.raises(sb.FieldError, match=r"field 'done': expected bool, got float64: a float flag is refused"):
+        buf.push(obs=np.zeros(3), action=0, reward=0.0, next_obs=np.zeros(3), done=1.0)
+    buf.push(obs=np.zeros(3), action=0, reward=0.0, next_obs=np.zeros(3), done=1)  # ints 0/1 are fine
+    assert len(buf) == 1

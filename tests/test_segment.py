@@ -147,7 +147,7 @@ CREATING = """
 
 def test_a_creator_killed_while_creating_leaves_nothing(name: str) -> None:
     """Registered with its watchdog before its pages are reserved: a creator killed then has its
-    block removed by its watchdog (r22)."""
+    block removed by its watchdog."""
     path = segment.path_of(name)
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CREATING.format(name=name))],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV, cwd=ROOT)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import time
 from collections.abc import Callable
@@ -9,12 +10,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 import shmbuffer as sb
 from shmbuffer.sequences import n_step_return, window_mask
 
-from .conftest import MUJOCO, transition
+from .conftest import MUJOCO, SMALL, small_row, transition
 from .conftest import seq_of as checked_seq_of
 
 Make = Callable[..., sb.ReplayBuffer]
@@ -26,8 +26,9 @@ def seq_of(batch: Any) -> np.ndarray:
 
 STRIDE = 1_000_000
 """Lane ``l``'s rows are sequence numbers ``l * STRIDE + t``: apart while ``t < STRIDE``."""
-REPLAYED = 150_000
-"""Steps of each writer's stream the learner replays to know every row's episode (a writer stops there)."""
+REPLAYED = 60_000
+"""Steps of each writer's stream the learner replays to know every row's episode (a writer stops
+there): over 1,800 laps of the tests' rings of 32 rows a lane."""
 
 
 class Lane:
@@ -60,7 +61,18 @@ class Lane:
             buf.push(row, lane=self.lane, episode=episode)
 
 
-def episode_of(lanes: list[Lane]) -> dict[int, int]:
+@functools.cache
+def replayed() -> tuple[Lane, Lane]:
+    """The two writers' streams (lanes 0 and 1, seeded as ``_lane_writer`` seeds them), replayed
+    once a process: every test that runs those writers reads the same rows."""
+    lanes = (Lane(0, 0), Lane(1, 1))
+    for lane in lanes:
+        for _ in range(REPLAYED):
+            lane.step()
+    return lanes
+
+
+def episode_of(lanes: tuple[Lane, ...] | list[Lane]) -> dict[int, int]:
     return {seq: ep for lane in lanes for seq, ep, _ in lane.rows}
 
 
@@ -126,11 +138,7 @@ def _lane_writer(handle: sb.BufferHandle, lane: int, seconds: float) -> None:
 def test_sequences_while_writers_push(make: Make, name: str, procs: list) -> None:
     """Flashbax's check under load: writers push increasing values into their lanes while the
     learner samples windows; every window is strictly increasing, one episode, never torn."""
-    replay = [Lane(0, 0), Lane(1, 1)]  # the writers' deterministic streams, to know each episode
-    for lane in replay:
-        for _ in range(REPLAYED):
-            lane.step()
-    episodes = episode_of(replay)
+    episodes = episode_of(replayed())  # the writers' deterministic streams, to know each episode
     buf = make(MUJOCO, capacity=2 * 64, lanes=2, episodes=True, name=name)
     ctx = mp.get_context("spawn")
     for lane in (0, 1):
@@ -255,7 +263,7 @@ def test_groups(make: Make, name: str) -> None:
 
 def test_shuffled_groups_of_large_fields_only(make: Make, name: str) -> None:
     """Every field large (no packed record, so no block): the groups re-drawn in later rounds go
-    into the first round's batch instead of replacing it (r05)."""
+    into the first round's batch instead of replacing it."""
     schema = sb.Schema(obs=((300,), "float32"))
     assert schema.record.itemsize == 0
     buf = make(schema, capacity=256, episodes=True, name=name, seed=1)
@@ -316,6 +324,8 @@ def test_episode_ids_are_checked(make: Make, name: str) -> None:
 
 
 def test_sequence_batch_to_torch(make: Make, name: str) -> None:
+    import torch  # here, not at the top: the writer processes this module spawns need no torch
+
     buf = make(MUJOCO, capacity=32, episodes=True, name=name)
     Lane(0, 0).fill(buf, 32)
     t = buf.sample_sequences(4, 3).to("cpu")
@@ -386,11 +396,7 @@ def test_n_step_while_writers_push(sampler: Any, make: Make, name: str, procs: l
     """Two writer processes, one env a lane, episodes ending by termination or by truncation (a
     new episode id without done), a small ring that laps all the time: every sampled n-step
     transition equals the one computed from the rows it was built from."""
-    replay = [Lane(0, 0), Lane(1, 1)]
-    for lane in replay:
-        for _ in range(REPLAYED):
-            lane.step()
-    rows = {seq: (ep, d) for lane in replay for seq, ep, d in lane.rows}
+    rows = {seq: (ep, d) for lane in replayed() for seq, ep, d in lane.rows}
     buf = make(MUJOCO, capacity=2 * 16, lanes=2, episodes=True, sampler=sampler, name=name)
     ctx = mp.get_context("spawn")
     for lane in (0, 1):
@@ -408,3 +414,36 @@ def test_n_step_while_writers_push(sampler: Any, make: Make, name: str, procs: l
         p.join(10)
         assert p.exitcode == 0
     assert sampled > 2000 and longer > sampled // 10
+
+
+def test_distinct_episodes_and_short_groups(make: Make, name: str) -> None:
+    # DI-engine's example: push("a", {"episode": 1}), push("b", {"episode": 2}), push("c", {"episode": 2})
+    buf = make(SMALL, 10, episodes=True, name=name, seed=0)
+    for value, episode in ((0, 1), (1, 2), (2, 2)):
+        buf.push(small_row(value), episode=episode)
+    for _ in range(50):
+        groups = buf.sample_groups(2, 2, replace=False, short=True)
+        assert sorted(groups.reward[:, 0].tolist()) == [0, 1]        # one group of each episode
+        short = int(np.flatnonzero(groups.reward[:, 0] == 0)[0])
+        assert groups.mask[short].tolist() == [True, False]            # episode 1 kept, truncated
+        assert groups.mask[1 - short].tolist() == [True, True]
+        assert groups.index[short].tolist() == [0, -1]
+    with pytest.raises(sb.EmptyBufferError, match="holds 2 episodes, fewer than the 3"):
+        buf.sample_groups(3, 2, replace=False, short=True)
+    # whole episodes: the one still being written (episode 2) is not complete
+    assert [e.reward.tolist() for e in buf.sample_episodes(1, replace=False)] == [[0.0]]
+    with pytest.raises(sb.EmptyBufferError, match="holds 1 complete episodes"):
+        buf.sample_episodes(2, replace=False)
+
+
+def test_episodes_are_distinct_in_a_call(make: Make, name: str) -> None:
+    buf = make(SMALL, 100, episodes=True, name=name, seed=3)
+    for episode, length in enumerate([3, 5, 2, 7, 4, 6]):
+        buf.push(obs=np.full((length, 3), episode), reward=np.full(length, episode), episode=episode)
+    for _ in range(50):
+        got = buf.sample_episodes(5, replace=False)                   # the 6th is still open
+        assert sorted(int(e.reward[0]) for e in got) == [0, 1, 2, 3, 4]
+        groups = buf.sample_groups(6, 3, ordered=False, replace=False, short=True)
+        assert sorted(groups.reward[:, 0].tolist()) == [0, 1, 2, 3, 4, 5]
+        ordered = buf.sample_groups(4, 4, replace=False)              # only episodes of 4 rows or more
+        assert sorted(ordered.reward[:, 0].tolist()) == [1, 3, 4, 5] and "mask" not in ordered

@@ -381,7 +381,7 @@ def test_a_fork_ends_the_copy_threads_first() -> None:
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_worker_that_cannot_be_created_leaves_the_pool_usable() -> None:
-    """(Found by review.) pthread_create fails (no address space for a thread stack) at the first big gather: the
+    """pthread_create fails (no address space for a thread stack) at the first big gather: the
     gather copies alone, and then set_threads, the next big gather and os.fork() still return."""
     if LIB is None or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs 2 CPUs")

@@ -9,6 +9,7 @@ import pickle
 from collections.abc import Iterator
 from typing import Any, cast
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from tensordict import TensorDict, tensorclass
 from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.data.replay_buffers.samplers import RandomSampler, SamplerWithoutReplacement
 
+from shmbuffer import CapacityError, FieldError
 from shmbuffer.torchrl import ShmStorage, identity
 
 
@@ -93,6 +95,38 @@ def test_add_single_rows_and_state_dict(name: str, storages: list[ShmStorage]) -
     assert check(copy.get(slice(None))).tolist() == [0, 1, 2]
     rb.empty()
     assert len(storage) == 0
+
+
+def test_a_state_that_load_state_dict_refuses_leaves_the_rows(name: str, storages: list[ShmStorage]) -> None:
+    """The rows of a state are checked before the storage's rows are replaced: a state it refuses
+    (too many rows, a field missing) raises and the storage keeps its rows."""
+    storage = ShmStorage(8, name=name)
+    storages.append(storage)
+    storage.set(range(5), rows(0, 5))
+    state = storage.state_dict()
+    big = {**state, "rows": {n: np.concatenate([a, a]) for n, a in state["rows"].items()}}
+    with pytest.raises(CapacityError):
+        storage.load_state_dict(big)
+    missing = {**state, "rows": {n: a for n, a in state["rows"].items() if n != "action"}}
+    with pytest.raises(FieldError, match="missing field 'action'"):
+        storage.load_state_dict(missing)
+    assert len(storage) == 5 and check(storage.get(slice(None))).tolist() == [0, 1, 2, 3, 4]
+    storage.load_state_dict(state)
+    assert check(storage.get(slice(None))).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_a_state_naming_a_class_that_is_no_tensorclass_is_refused(name: str, storages: list[ShmStorage]) -> None:
+    """The tensorclass a state (or a dump's metadata) names is imported by name: anything but a
+    tensorclass is refused at the load, not called at the first get."""
+    storage = ShmStorage(8, name=name)
+    storages.append(storage)
+    storage.set(range(2), rows(0, 2))
+    state = {**storage.state_dict(), "kind": "tensorclass", "tensorclass": {"": "os:system"}}
+    fresh = ShmStorage(8, name=name + "c")
+    storages.append(fresh)
+    with pytest.raises(TypeError, match="os:system as their tensorclass, which is a builtin_function_or_method"):
+        fresh.load_state_dict(state)
+    assert fresh.buffer is None
 
 
 def _writer(shared: Any, start: int, pushes: int, k: int) -> None:
@@ -238,7 +272,7 @@ def test_base_storage_arguments_are_accepted(name: str, storages: list[ShmStorag
     assert storage._last_cursor_index == 2 and storage.get(slice(None)).tolist() == [0, 1, 2]
 
 
-@pytest.mark.parametrize("kwargs, match", [({"ndim": 2}, r"ndim=2 .*reshape\(-1\).*LazyTensorStorage"),
+@pytest.mark.parametrize("kwargs, match", [({"ndim": 3}, r"ndim=3 .*reshape\(-1\).*LazyTensorStorage"),
                                            ({"shared_init": True}, "write once .* before")])
 def test_ndim_and_shared_init_are_refused_with_what_to_do(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -356,3 +390,98 @@ def test_copies_writers_with_colliding_cursors_lose_nothing(name: str, storages:
     finally:
         for copy in (a, b):
             copy.buffer.close()
+
+
+def steps(start: int, envs: int, t: int) -> TensorDict:
+    """A ``[envs, t]`` batch as a collector gives it: element ``(e, s)`` holds ``e * 1000 + start + s``
+    in every key, so an element read back names where it was written."""
+    value = torch.arange(envs)[:, None] * 1000 + start + torch.arange(t)
+    return TensorDict({"a": value, ("b", "c"): value.float()[..., None].expand(envs, t, 3)}, [envs, t])
+
+
+@pytest.mark.parametrize("extends", [3, 9])  # without and with wrapping round
+def test_ndim2_matches_lazy_tensor_storage(extends: int, name: str, storages: list[ShmStorage]) -> None:
+    ours = ShmStorage(60, ndim=2, name=name)
+    storages.append(ours)
+    rbs = [ReplayBuffer(storage=ours), ReplayBuffer(storage=LazyTensorStorage(60, ndim=2))]
+    for rb in rbs:
+        for i in range(extends):
+            rb.extend(steps(i * 5, 4, 5))
+    mine, theirs = (rb[:] for rb in rbs)
+    assert len(rbs[0]) == len(rbs[1]) and ours.shape == rbs[1].storage.shape == torch.Size([15, 4])  # [time, envs]
+    assert mine.batch_size == theirs.batch_size
+    assert torch.equal(mine["a"], theirs["a"]) and torch.equal(mine["b", "c"], theirs["b", "c"])
+    sample = rbs[0].sample(64)
+    assert sample.batch_size == torch.Size([64])
+    assert torch.equal(sample["b", "c"], sample["a"].float()[:, None].expand(64, 3))
+    env, step = sample["a"] // 1000, sample["a"] % 1000
+    held = set(theirs["a"].reshape(-1).tolist())
+    assert set(sample["a"].tolist()) <= held and (env < 4).all() and (step < 5 * extends).all()
+
+
+def test_ndim2_elements_are_written_in_place(name: str, storages: list[ShmStorage]) -> None:
+    storage = ShmStorage(40, ndim=2, name=name)
+    storages.append(storage)
+    rb = ReplayBuffer(storage=storage)
+    rb.extend(steps(0, 2, 10))
+    rb[1, 3:5] = TensorDict({"a": torch.tensor([-1, -1]), ("b", "c"): -torch.ones(2, 3)}, [2])
+    assert (rb[1, 3:5]["a"] == -1).all() and (rb[0, :]["a"] != -1).all()
+    storage.set((2, 1), TensorDict({"a": torch.tensor(-7), ("b", "c"): -torch.ones(3)}, []))
+    assert storage.get((2, 1))["a"].item() == -7 and storage.get((2, 0))["a"].item() == 2
+    with pytest.raises(ValueError, match="ndim=3 is not supported"):
+        ShmStorage(8, ndim=3)
+
+
+def _env(ident: int) -> Any:
+    """A TorchRL env over ``tests.envs.EpisodeEnv`` whose observations name env ``ident``."""
+    from torchrl.envs import GymWrapper
+
+    from .envs import EpisodeEnv
+
+    env = EpisodeEnv()
+    env.env = ident
+    return GymWrapper(env)
+
+
+def _check_collected(td: TensorDict, total: int, envs: int) -> None:
+    """Every env step is there once, whole: its next observation is the same episode a step on."""
+    obs, nxt = td["observation"].reshape(-1, 4), td["next", "observation"].reshape(-1, 4)
+    assert obs.shape[0] == total, "rows lost (or too many)"
+    assert torch.equal(nxt[:, :2], obs[:, :2]) and torch.equal(nxt[:, 2], obs[:, 2] + 1), "a torn row"
+    keys = {tuple(row) for row in obs[:, :3].long().tolist()}
+    assert len(keys) == total, "a step written twice"
+    assert {k[0] for k in keys} == set(range(envs))
+
+
+@pytest.mark.filterwarnings("ignore:Creating .* WeightUpdaterBase is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("collector", ["Collector", "MultiSyncCollector", "MultiAsyncCollector"])
+def test_collectors_fill_it_from_their_workers(collector: str, name: str, storages: list[ShmStorage]) -> None:
+    """TorchRL's collectors given ``replay_buffer=``: the workers extend the shared storage; every
+    frame arrives, once, whole (SyncDataCollector / MultiSyncDataCollector /
+    MultiaSyncDataCollector are these classes' former names)."""
+    import functools
+
+    import torchrl.collectors as collectors
+
+    storage = ShmStorage(2000, name=name)
+    storages.append(storage)
+    rb = ReplayBuffer(storage=storage)
+    single = collector == "Collector"
+    envs = functools.partial(_env, 0) if single else [functools.partial(_env, i) for i in range(2)]
+    col = getattr(collectors, collector)(envs, policy=None, frames_per_batch=40, total_frames=240, replay_buffer=rb)
+    try:
+        for _ in col:
+            pass
+    finally:
+        col.shutdown()
+    _check_collected(rb[:], len(rb), 1 if single else 2)
+    assert len(rb) >= 240
+
+
+@pytest.mark.slow
+def test_the_collector_example_runs() -> None:
+    from .test_vector import run_example
+
+    out = run_example("torchrl_collector.py", ["--total-frames", "400", "--frames-per-batch", "50"])
+    assert "OK: 400 frames in the shared storage from 2 collector workers" in out, out
+    assert "every row whole: True" in out

@@ -3,7 +3,7 @@
 - Before the build, every gap that ``tools/docs_check.py`` finds (a public name without a
   docstring, a public module without an API page) is logged as a warning, so ``mkdocs build
   --strict`` fails on it.
-- ``benchmarks/README.md`` and its results (plots, tables) join the site as ``benchmarks/``, and
+- ``benchmarks/README.md``, ``benchmarks/HISTORY.md`` and their results (plots, tables) join the site as ``benchmarks/``, and
   links from the docs pages into ``benchmarks/`` (right on GitHub) are rewritten to the site's.
 - ``<!-- shmbuffer-help -->`` in a page becomes the ``--help`` of every ``shmbuffer`` subcommand,
   ``<!-- shmbuffer-all -->`` a table of ``shmbuffer.__all__`` with cross-references to where each
@@ -39,7 +39,7 @@ def on_pre_build(config: Any) -> None:
 
 def on_files(files: Files, config: Any) -> Files:
     results = ROOT / "benchmarks" / "results"
-    paths = [ROOT / "benchmarks" / "README.md", *sorted(results.glob("*.md")), *sorted(results.rglob("*.png")),
+    paths = [ROOT / "benchmarks" / "README.md", ROOT / "benchmarks" / "HISTORY.md", *sorted(results.glob("*.md")), *sorted(results.rglob("*.png")),
              *sorted(results.rglob("*.json"))]  # the reports in results/ subfolders are not pages
     for path in paths:
         if path.is_file():

@@ -3,6 +3,7 @@
 One thin module per library, each giving its class names, constructors, method names, defaults
 and return types, and doing nothing a ``ReplayBuffer`` does not do itself:
 
+``shmbuffer.compat.cpprb``      cpprb's ``ReplayBuffer(size, env_dict)`` and ``PrioritizedReplayBuffer``
 ``shmbuffer.compat.ding``       DI-engine's ``DequeBuffer`` and its middleware
 ``shmbuffer.compat.nervex``     nerveX's ``AdvancedReplayBuffer`` from its config dict
 ``shmbuffer.compat.velora``     Velora's ``ReplayBuffer(capacity, state_dim, action_dim, hidden_dim, device)``

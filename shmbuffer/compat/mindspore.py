@@ -79,7 +79,7 @@ class ReplayBuffer(Facade):
 
     def reset(self) -> None:
         """Remove every row (MindSpore RL's name for ``clear``)."""
-        self.buffer.reset()
+        self.buffer.clear()
 
     def size(self) -> int:
         """Rows held now."""

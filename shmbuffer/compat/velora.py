@@ -172,8 +172,19 @@ class ReplayBuffer(Facade):
         """A new buffer holding what ``save`` wrote (``state_path`` is ``dirpath/{prefix}state``)."""
         core = persistence.load(Path(state_path), _Core, name=name)
         try:
-            return cls(metadata["capacity"], metadata["state_dim"], metadata["action_dim"], metadata["hidden_dim"],
+            made = cls(metadata["capacity"], metadata["state_dim"], metadata["action_dim"], metadata["hidden_dim"],
                        metadata.get("device", "cpu"), _core=core)
+            # the metadata describes the rows: trusted unchecked, it would size later adds (and
+            # metadata()) wrong, and an add would be refused for a shape the save never had
+            held = [(f.name, f.shape, f.dtype) for f in core.schema]
+            dims = (made.state_dim, made.action_dim, 1, made.state_dim, 1, made.hidden_dim)
+            if made.capacity != core.capacity or held != [(n, (d,), np.float32) for n, d in zip(ITEMS, dims, strict=True)]:
+                raise ValueError(
+                    f"ReplayBuffer.load: the metadata says capacity {made.capacity} and dims (state {made.state_dim}, "
+                    f"action {made.action_dim}, hidden {made.hidden_dim}), the save at {state_path} holds capacity "
+                    f"{core.capacity} and fields {', '.join(f'{f.name} {f.describe()}' for f in core.schema)}: "
+                    "pass the metadata save() wrote with it")
+            return made
         except BaseException:
             core.__exit__(None, None, None)
             raise

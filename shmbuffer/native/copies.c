@@ -168,16 +168,17 @@ PyObject *py_put(PyObject *self, PyObject *args) {
 
 /* -- the reservation --------------------------------------------------------------------------- */
 /* Under the ring's lock, rows n[i] into slots[i]: 0 (nothing written) when one of the slots is
- * odd (being written: the caller's lapping rules decide); else each slot's stamp into `was` (what
- * Ring.undo puts back), each slot's owner, then its stamp writing_stamp(n) (release: ring.py's
+ * odd (being written: the caller's lapping rules decide); else each slot's stamp into `was` (if not
+ * NULL: what Ring.undo puts back), each slot's owner, then its stamp writing_stamp(n) (release: ring.py's
  * order, the owner before the stamp) and 1. slots NULL: `first` and the k - 1 after it; n NULL:
  * rows n0, n0 + 1, ... */
 static int reserve_slots(int64_t *stamp, uint16_t *owner, const int64_t *slots, int64_t first, Py_ssize_t k,
                          const int64_t *n, int64_t n0, uint16_t writer, int64_t *was) {
     int64_t odd = 0;
     for (Py_ssize_t i = 0; i < k; i++) odd |= __atomic_load_n(&stamp[SLOT(i)], __ATOMIC_RELAXED);
-    if (odd & 1) return 0;
-    for (Py_ssize_t i = 0; i < k; i++) was[i] = stamp[SLOT(i)];
+    if (is_writing(odd)) return 0;
+    if (was)
+        for (Py_ssize_t i = 0; i < k; i++) was[i] = stamp[SLOT(i)];
     for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&owner[SLOT(i)], writer, __ATOMIC_RELAXED);
     for (Py_ssize_t i = 0; i < k; i++)
         __atomic_store_n(&stamp[SLOT(i)], writing_stamp(n ? n[i] : n0 + (int64_t)i), __ATOMIC_RELEASE);
@@ -215,36 +216,34 @@ done:
     return result;
 }
 
-/* reserve_lanes's work, its arrays checked: row numbers from each lane's next_row in order (into
- * n), their slots (into slots); reserve_slots; then, if it reserved, every lane's cursor to its
- * next row + its rows (release: ring.py's order, stamps odd before the cursor moves). -1 with an
- * error (a cursor out of range), 0 not reserved, 1 reserved. */
-static int reserve_in_lanes(int64_t *cur, Py_ssize_t lanes, int64_t lc, int64_t *stamp, uint16_t *owner, const int64_t *lane,
-                            Py_ssize_t k, uint16_t writer, int64_t *n, int64_t *slots, int64_t *was) {
-    int64_t *base = (int64_t *)PyMem_Calloc((size_t)lanes * 2, sizeof(int64_t));
-    if (!base) { PyErr_NoMemory(); return -1; }
-    int64_t *count = base + lanes;
-    int got = -1;
+/* The reservation in lanes, the only one (the one-call push's, push.c, and reserve_lanes's):
+ * under the ring's lock, which the caller holds, each of the k rows takes the next row number of
+ * its lane (each[i], or `all` for every row when each is NULL) from the lane's next_row (its
+ * cursor and base, load_cursor/load_base): its number into rows, its slot into slots, its id into
+ * ids (if not NULL). -1 when a lane's next row is out of range (nothing written), 0 when one of the
+ * slots is odd (being written: nothing written, the caller's lapping rules decide); else
+ * reserve_slots (each slot's stamp into `was` if not NULL, owners, writing stamps with release),
+ * then every lane's cursor to its next row + its rows (release: ring.py's order, stamps odd
+ * before the cursor moves), and 1. at, count: scratch of one per lane. `each` may be `slots`
+ * itself: each row's lane is read before its slot is written. */
+int reserve_in_lanes(int64_t *cur, Py_ssize_t lanes, int64_t lc, int64_t *stamp, uint16_t *owner, const int64_t *each,
+                     int64_t all, Py_ssize_t k, uint16_t writer, int64_t *rows, int64_t *slots, int64_t *ids, int64_t *was,
+                     int64_t *at, int64_t *count) {
     for (Py_ssize_t l = 0; l < lanes; l++) {
-        base[l] = next_row(__atomic_load_n(&cur[LANE_WORDS * l + LANE_CURSOR], __ATOMIC_RELAXED),
-                           __atomic_load_n(&cur[LANE_WORDS * l + LANE_BASE], __ATOMIC_RELAXED));
-        if (base[l] < 0 || base[l] > INT64_MAX / 4) {
-            PyErr_SetString(PyExc_ValueError, "reserve_lanes: a cursor out of range");
-            goto done;
-        }
+        at[l] = next_row(load_cursor(cur, l), load_base(cur, l));
+        if (at[l] < 0 || at[l] > INT64_MAX / 4) return -1;
+        count[l] = 0;
     }
     for (Py_ssize_t i = 0; i < k; i++) {
-        int64_t l = lane[i];
-        n[i] = base[l] + count[l]++;
-        slots[i] = slot_of(l, n[i], lc);
+        int64_t l = each ? each[i] : all, row = at[l] + count[l]++;
+        rows[i] = row;
+        slots[i] = slot_of(l, row, lc);
+        if (ids) ids[i] = row_id(row, l, lanes);
     }
-    got = reserve_slots(stamp, owner, slots, 0, k, n, 0, writer, was);
-    if (got)
-        for (Py_ssize_t l = 0; l < lanes; l++)
-            __atomic_store_n(&cur[LANE_WORDS * l + LANE_CURSOR], base[l] + count[l], __ATOMIC_RELEASE);
-done:
-    PyMem_Free(base);
-    return got;
+    if (!reserve_slots(stamp, owner, slots, 0, k, rows, 0, writer, was)) return 0;
+    for (Py_ssize_t l = 0; l < lanes; l++)
+        if (count[l]) __atomic_store_n(&cur[LANE_WORDS * l + LANE_CURSOR], at[l] + count[l], __ATOMIC_RELEASE);
+    return 1;
 }
 
 /* reserve_lanes(cursors, stamp, owner, lane, writer, n, slots, old) -> bool: under the ring's lock,
@@ -275,9 +274,16 @@ PyObject *py_reserve_lanes(PyObject *self, PyObject *args) {
             goto done;
         }
     }
+    int64_t *scratch = (int64_t *)PyMem_Malloc((size_t)lanes * 2 * sizeof(int64_t));
+    if (!scratch) { PyErr_NoMemory(); goto done; }
     int got = reserve_in_lanes((int64_t *)b[0].buf, lanes, capacity / lanes, (int64_t *)b[1].buf, (uint16_t *)b[2].buf, lane,
-                               k, (uint16_t)writer, (int64_t *)b[4].buf, (int64_t *)b[5].buf, (int64_t *)b[6].buf);
-    if (got < 0) goto done;
+                               0, k, (uint16_t)writer, (int64_t *)b[4].buf, (int64_t *)b[5].buf, NULL, (int64_t *)b[6].buf,
+                               scratch, scratch + lanes);
+    PyMem_Free(scratch);
+    if (got < 0) {
+        PyErr_SetString(PyExc_ValueError, "reserve_lanes: a cursor out of range");
+        goto done;
+    }
     result = got ? Py_True : Py_False;
     Py_INCREF(result);
 done:

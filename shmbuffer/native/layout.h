@@ -99,6 +99,9 @@ static inline int64_t number_of_stamp(int64_t stamp) { return floordiv(wrap_madd
 /* rows.is_committed: the stamp says a row is there, whole */
 static inline int is_committed(int64_t stamp) { return stamp > 0 && !(stamp & 1); }
 
+/* rows.is_writing: the stamp says its row is being written (odd) */
+static inline int is_writing(int64_t stamp) { return (stamp & 1) != 0; }
+
 /* rows.intact: a row copied between two loads of its stamp is whole and the one expected */
 static inline int intact(int64_t before, int64_t after, int64_t expected) { return before == expected && after == expected; }
 

@@ -1,6 +1,6 @@
 /* ReplayBuffer.push as a method whose usual calls run in C.
  *
- * PushMethod(func) stands for ReplayBuffer.push (and add) on the class (buffer.py). Read from an
+ * PushMethod(func) stands for ReplayBuffer.push on the class (buffer.py). Read from an
  * instance whose `_push_plan` is a plan (ReplayBuffer._setup: a uniform buffer the one call
  * serves), it gives a BoundPush: a bound method, holding its buffer as any bound method does,
  * whose usual calls are push_from_args (push.c) and every other call func(buffer, ...). Read

@@ -27,6 +27,11 @@
 int same_format(const char *f, const char *want);
 int get_buf(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, const char *what);
 Py_ssize_t lanes_of(const Py_buffer *cursors, Py_ssize_t capacity, const char *what);
+/* the reservation in lanes, under the ring's lock (copies.c): -1 a cursor out of range, 0 a slot
+ * odd (nothing written), 1 reserved */
+int reserve_in_lanes(int64_t *cur, Py_ssize_t lanes, int64_t lc, int64_t *stamp, uint16_t *owner, const int64_t *each,
+                     int64_t all, Py_ssize_t k, uint16_t writer, int64_t *rows, int64_t *slots, int64_t *ids, int64_t *was,
+                     int64_t *at, int64_t *count);
 
 /* lock.py's robust mutex, tried once (common.c): 1 held, 0 not taken */
 int lock_try(void *lock);

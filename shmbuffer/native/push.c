@@ -18,6 +18,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#define SMALL_WORDS 192 /* int64 words of the stack buffers a push of a few rows uses instead of the heap */
+
 pid_t push_pid;
 static void after_fork(void) { push_pid = getpid(); }
 
@@ -244,10 +246,16 @@ static int lanes_read(const PushPlan *p, PyObject *lane_o, Py_ssize_t k, Lanes *
         }
         ln->all = l;
     } else {
-        if (!int64_view(lane_o, &ln->view, 0)) return 0;
+        if (!int64_view(lane_o, &ln->view, 1)) return 0;
         ln->held = 1;
-        if (ln->view.shape[0] != k) return 0;
-        ln->each = (const int64_t *)ln->view.buf;
+        if (ln->view.ndim == 0) { /* a numpy int64 (an env's index from an array): one lane for all */
+            int64_t l = *(const int64_t *)ln->view.buf;
+            if (l < 0 || l >= p->lanes) return 0;
+            ln->all = l;
+        } else {
+            if (ln->view.shape[0] != k) return 0;
+            ln->each = (const int64_t *)ln->view.buf;
+        }
     }
     return ln->each || k <= p->lc; /* more rows than a lane holds: check_push explains */
 }
@@ -307,20 +315,25 @@ static int episodes_read(const PushPlan *p, PyObject *episode_o, PyObject *lane_
 }
 
 /* -- the copies, the reservation, the commit ---------------------------------------------------- */
-/* the push's copies (Copies) from its sources: the casts into scratch first (*scratch, to free),
- * so nothing can fail once rows are odd; -1 with an error */
-static int stage_copies(const PushPlan *p, const Source *src, Py_ssize_t k, Copies *c, int64_t **scratch) {
+/* the push's copies (Copies) from its sources: the casts into scratch first (`small`, SMALL_WORDS
+ * words on the caller's stack, or *scratch, to free), so nothing can fail once rows are odd; -1
+ * with an error */
+static int stage_copies(const PushPlan *p, const Source *src, Py_ssize_t k, Copies *c, int64_t **scratch,
+                        int64_t *small) {
     c->n = p->n;
     c->total = 0;
     size_t need = 0;
     for (Py_ssize_t g = 0; g < p->n; g++)
         if (src[g].convert || !src[g].held) need += (size_t)(k * p->width[g] + 7) / 8;
     *scratch = NULL;
-    if (need && !(*scratch = (int64_t *)PyMem_Malloc(need * 8))) {
-        PyErr_NoMemory();
-        return -1;
+    int64_t *free_at = small;
+    if (need > SMALL_WORDS) {
+        if (!(*scratch = (int64_t *)PyMem_Malloc(need * 8))) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        free_at = *scratch;
     }
-    int64_t *free_at = *scratch;
     for (Py_ssize_t g = 0; g < p->n; g++) {
         const Source *s = &src[g];
         c->to[g] = (char *)p->dst[g].buf + p->offset[g];
@@ -378,41 +391,20 @@ static PyObject *ids_new(const PushPlan *p, Py_ssize_t k, Py_buffer *ib) {
     return ids;
 }
 
-/* the reservation, under the lock (tried once: 0 when busy or a repair is owed) and unless frozen:
- * each row's number (rows), slot (slots), id (ids) from its lane's next row; 0 when a slot is odd
- * (nothing written); else ring.py's order: owners, writing stamps (release), the lanes' cursors
- * (release), the inserted count, and 1. at, count: scratch of one per lane. ln->each may be
- * `slots` itself: each row's lane is read before its slot is written. */
+/* the reservation (copies.c's reserve_in_lanes), under the lock tried once (0 when busy or a
+ * repair is owed) and unless frozen (0), with the inserted count: 1 reserved; 0 nothing written */
 static int reserve_rows(const PushPlan *p, const Lanes *ln, Py_ssize_t k, uint16_t writer, int64_t *slots, int64_t *rows,
                         int64_t *at, int64_t *count, int64_t *ids) {
     pthread_mutex_t *mutex = (pthread_mutex_t *)p->lock.buf;
-    int64_t *cur = (int64_t *)p->cur.buf, *stats = (int64_t *)p->stats.buf, *stamp = (int64_t *)p->stamp.buf;
-    uint16_t *owner = (uint16_t *)p->owner.buf;
-    Py_ssize_t lanes = p->lanes;
-    int pushed = 0, fits = 1;
+    int64_t *stats = (int64_t *)p->stats.buf;
+    int pushed = 0;
     if (!lock_try(mutex)) return 0;
-    if (stats[COUNTER_FROZEN]) goto unlock;
-    for (Py_ssize_t l = 0; l < lanes; l++) {
-        at[l] = next_row(cur[LANE_WORDS * l + LANE_CURSOR], cur[LANE_WORDS * l + LANE_BASE]);
-        fits &= at[l] >= 0 && at[l] <= INT64_MAX / 4;
-        count[l] = 0;
+    if (!stats[COUNTER_FROZEN] &&
+        reserve_in_lanes((int64_t *)p->cur.buf, p->lanes, p->lc, (int64_t *)p->stamp.buf, (uint16_t *)p->owner.buf, ln->each,
+                         ln->all, k, writer, rows, slots, ids, NULL, at, count) == 1) {
+        stats[COUNTER_INSERTED] += k;
+        pushed = 1;
     }
-    int64_t odd = 0;
-    for (Py_ssize_t i = 0; i < k && fits; i++) {
-        int64_t l = ln->each ? ln->each[i] : ln->all, row = at[l] + count[l]++;
-        rows[i] = row;
-        slots[i] = slot_of(l, row, p->lc);
-        ids[i] = row_id(row, l, lanes);
-        odd |= __atomic_load_n(&stamp[slots[i]], __ATOMIC_RELAXED);
-    }
-    if (!fits || (odd & 1)) goto unlock;
-    for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&owner[slots[i]], writer, __ATOMIC_RELAXED);
-    for (Py_ssize_t i = 0; i < k; i++) __atomic_store_n(&stamp[slots[i]], writing_stamp(rows[i]), __ATOMIC_RELEASE);
-    for (Py_ssize_t l = 0; l < lanes; l++)
-        if (count[l]) __atomic_store_n(&cur[LANE_WORDS * l + LANE_CURSOR], at[l] + count[l], __ATOMIC_RELEASE);
-    stats[COUNTER_INSERTED] += k;
-    pushed = 1;
-unlock:
     pthread_mutex_unlock(mutex);
     return pushed;
 }
@@ -443,6 +435,7 @@ static int registered(const PushPlan *p) {
 static PyObject *push_held(const PushPlan *p, PyObject *const *vals, PyObject *lane_o, PyObject *episode_o) {
     if (!registered(p)) Py_RETURN_NONE;
     Source src[MAX_COLS];
+    int64_t small[SMALL_WORDS], scratch_small[SMALL_WORDS]; /* a usual push allocates nothing */
     Lanes ln = {0};
     Episodes ep = {0};
     Copies c;
@@ -452,12 +445,13 @@ static PyObject *push_held(const PushPlan *p, PyObject *const *vals, PyObject *l
     PyObject *ids_o = NULL, *result = NULL;
     Py_ssize_t opened = 0, k = sources_open(p, vals, src, &opened, &single);
     if (k <= 0 || !lanes_read(p, lane_o, k, &ln) || !episodes_read(p, episode_o, lane_o, k, &ep)) goto done;
-    slots = (int64_t *)PyMem_Malloc((size_t)(2 * k + 2 * p->lanes) * sizeof(int64_t));
+    size_t words = (size_t)(2 * k + 2 * p->lanes);
+    slots = words <= SMALL_WORDS ? small : (int64_t *)PyMem_Malloc(words * sizeof(int64_t));
     if (!slots) { PyErr_NoMemory(); goto done; }
     int64_t *rows = slots + k, *at = rows + k, *count = at + p->lanes;
     /* the lanes go into `slots` first, then (during the reservation) the slots */
     if (!lanes_spread(p, &ln, lane_o, k, slots, count)) goto done;
-    if (stage_copies(p, src, k, &c, &scratch) < 0) goto done;
+    if (stage_copies(p, src, k, &c, &scratch, scratch_small) < 0) goto done;
     if (!(ids_o = ids_new(p, k, &ib))) goto done;
     ib_held = 1;
     if (reserve_rows(p, &ln, k, (uint16_t)((const int64_t *)p->me.buf)[1], slots, rows, at, count, (int64_t *)ib.buf)) {
@@ -473,7 +467,7 @@ done:
     if (ib_held) PyBuffer_Release(&ib);
     Py_XDECREF(ids_o);
     PyMem_Free(scratch);
-    PyMem_Free(slots);
+    if (slots != small) PyMem_Free(slots);
     if (ln.held) PyBuffer_Release(&ln.view);
     if (ep.held) PyBuffer_Release(&ep.view);
     sources_close(src, opened);

@@ -59,7 +59,7 @@ def export(buf: Buffer) -> dict[str, np.ndarray]:
     it; 0 once used up) and a ``max_use`` buffer ``uses``: ``from_arrays`` and ``import_rows``
     take all of them back. With ``next_of``/``stack``: the transitions that can be read now
     (``gather.gather``; not an episode's end row, not a lane's newest row still waiting for its
-    next observation), rebuilt."""
+    next observation), rebuilt, with their ``priority`` and ``uses`` as above."""
     if buf.options.frames is not None:
         return _export_transitions(buf)
     snap = Snapshot(buf, 1.0)
@@ -121,6 +121,8 @@ def _export_transitions(buf: Buffer) -> dict[str, np.ndarray]:
         prios = buf.priorities
         if prios is not None and prios.prioritized:
             part["priority"] = prios.priorities_of(prios.tree.leaves[ring.slots(batch.index)])
+        if prios is not None and prios.uses is not None:  # as export's: a copy draws no row used up here
+            part["uses"] = prios.uses[ring.slots(batch.index)].astype(np.int64)
         parts.append(part)
     if not parts:
         out = {f.name: np.empty((0, *f.shape), f.dtype) for f in buf.schema}
@@ -330,20 +332,27 @@ def set_uses(buf: Buffer, ids: np.ndarray, uses: Any) -> None:
         prios.set_uses(ring.slots(ids[live]), u[live])
 
 
-def import_rows(buf: Buffer, arrays: Mapping[str, Any]) -> np.ndarray:
+def import_rows(buf: Buffer, arrays: Mapping[str, Any], *, replace: bool = False) -> np.ndarray:
     """Push the rows of ``arrays`` (as ``export`` gives them, from any buffer of the same schema)
     into the existing buffer ``buf`` (DI-engine's ``import_data``), with their ``episode``,
     ``priority``, ``uses`` and ``lane`` when given (``priority`` and ``uses`` dropped where ``buf``
-    has no use for them). The rows get new ids, in order (``index`` is ignored: ids never repeat
-    in a buffer); returns them."""
+    has no use for them). The rows get new ids, in order (ids never repeat in a buffer); returns
+    them. Without ``lane``, each row goes into its lane of ``index`` (``id % lanes``, as
+    ``from_arrays``) when the ids allow it (increasing in each lane), else as a push without
+    ``lane=`` spreads them. With ``replace`` the buffer's rows are cleared first, once the
+    rows have passed every check: rows that are refused leave the buffer as it was (a load)."""
     data = dict(arrays)
-    data.pop("index", None)
+    index = data.pop("index", None)
     extra: dict[str, Any] = {key: data.pop(key) for key in ("episode", "priority", "lane", "uses") if key in data}
     prios = buf.priorities
     if prios is None or not prios.prioritized:
         extra.pop("priority", None)
     uses = extra.pop("uses", None)
     k, _ = buf.schema.validate(data)
+    if "lane" not in extra and buf.lanes > 1 and _kept_rows(index, k, buf.lanes) is not None:
+        # an export lists lane after lane: spread over the lanes as a push would, a lane's steps
+        # would go into several lanes, and windows (n-step, sequences) would mix envs
+        extra["lane"] = np.asarray(index, np.int64) % buf.lanes
     # the pushes go in pieces: check what a later piece could refuse first, so an error changes nothing
     buf.options.check_episode(extra.get("episode"), k)
     if extra.get("priority") is not None and prios is not None:
@@ -353,6 +362,8 @@ def import_rows(buf: Buffer, arrays: Mapping[str, Any]) -> np.ndarray:
     lane = np.asarray(extra.get("lane", 0))
     if lane.size and lane.dtype.kind in "iuf" and (lane.min() < 0 or lane.max() >= buf.lanes):
         raise CapacityError(f"lane: expected lane numbers in [0, {buf.lanes}), got {lane.min()}..{lane.max()}")
+    if replace:
+        buf.clear()
     step = buf.lane_capacity if buf.options.frames is None else max(1, buf.lane_capacity // 2)  # + end rows
     if "lane" not in extra and buf.options.envs:
         step *= buf.options.envs  # env-major steps of every env: lane_capacity rows in each lane

@@ -43,7 +43,7 @@ from ..frames import END, KIND, LEAD, START, ZERO
 from ..progress import Progress as Line
 from ..protocol.layout import Counter, Options
 from ..protocol.priorities import MAX_LEAF
-from ..protocol.rows import committed, slot
+from ..protocol.rows import committed, lane_capacity, slot
 from ..sampling.samplers import Prioritized, sampler_from_json
 from ..schema import Schema
 from ..shm.segment import human
@@ -289,7 +289,7 @@ def _read_meta(meta_file: Path, meta: dict[str, Any], version: int) -> _Saved:
         raise LayoutError(f"{meta_file}: schema or options malformed ({type(exc).__name__}: {_clip(str(exc))})") from None
     if schema is None:
         raise LayoutError(f"{meta_file}: schema names a field twice; the file is damaged: save the buffer again")
-    lc = capacity // lanes_n
+    lc = lane_capacity(capacity, lanes_n)
     lanes = []
     listed = m.array(meta, "lanes")
     if len(listed) != lanes_n:

@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import FieldError, LayoutError
+from .. import native
+from ..errors import CapacityError, FieldError, LayoutError
 from ..frames import KIND, Frames
 from ..sampling.limiter import RateLimiter
 from ..sampling.samplers import Sampler, Uniform, sampler_from_json
@@ -134,6 +135,11 @@ class Options:
                              f"expected lanes of {need} rows or more, got {cap // lanes}; raise capacity")
 
     @property
+    def lane_capacity(self) -> int:
+        """The slots of each lane."""
+        return int(self.capacity) // int(self.lanes)
+
+    @property
     def tree(self) -> bool:
         """Whether draws go through the priority tree (prioritized, or any sampler with max_use)."""
         return self.sampler.prioritized or self.max_use is not None
@@ -185,6 +191,34 @@ class Options:
         return cls(spec["capacity"], spec["lanes"], sampler_from_json(spec["sampler"]), spec["max_use"],
                    spec["episodes"], RateLimiter.from_json(spec.get("limiter")), spec.get("envs"),
                    Frames.from_json(spec.get("frames")))
+
+
+def check_lanes(k: int, lane: int | np.ndarray, lanes: int, lane_capacity: int) -> None:
+    """Refuse, before anything is touched, a push of ``k`` rows into ``lane`` (one, or one a row)
+    that a ring of ``lanes`` lanes of ``lane_capacity`` slots can never hold (``CapacityError``)."""
+    lc = lane_capacity
+    if isinstance(lane, np.ndarray):
+        lib = native.lib
+        if lib is not None and lane.shape == (k,) and lane.dtype == np.int64 and lane.flags.c_contiguous:
+            if 0 <= lib.lanes_worst(lane, lanes) <= lc:
+                return  # the usual case, in one C call; the checks below say what is wrong
+        if lane.shape != (k,):
+            raise CapacityError(f"lane: expected one lane per row ({k}), got shape {lane.shape}")
+        if lane.dtype.kind not in "iu":
+            raise CapacityError(f"lane: expected integer lane numbers, got {lane.dtype}")
+        if lane.size and (lane.min() < 0 or lane.max() >= lanes):
+            raise CapacityError(f"lane: expected lane numbers in [0, {lanes}), got {lane.min()}..{lane.max()}")
+        worst = int(np.bincount(lane).max()) if lane.size else 0
+    else:
+        if not 0 <= lane < lanes:
+            raise CapacityError(f"lane: expected a lane in [0, {lanes}), got {lane}")
+        worst = k
+    if worst > lc:
+        where = "the buffer's capacity" if lanes == 1 else f"a lane's capacity ({lanes} lanes)"
+        raise CapacityError(
+            f"a push of {worst} rows into one lane is larger than {where} of {lc} rows; "
+            "push in smaller batches or raise capacity"
+        )
 
 
 def _count(value: Any) -> bool:

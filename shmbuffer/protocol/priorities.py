@@ -37,7 +37,7 @@ tree from its leaves.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -54,8 +54,9 @@ _REPAIR_CHUNK = 1 << 20
 """Slots a repair looks at in one numpy call (bounds its temporary memory)."""
 
 
-def check_priorities(values: Any, k: int, what: str = "priority") -> np.ndarray:
-    """``k`` finite priorities >= 0 as float64 (a scalar is broadcast), or ``FieldError``."""
+def check_priorities(values: Any, k: int, what: str = "priority", *, sampler: Sampler | None = None) -> np.ndarray:
+    """``k`` finite priorities >= 0 as float64 (a scalar is broadcast), and with a prioritized
+    ``sampler`` each tree leaf at most ``MAX_LEAF`` (``bound``), or ``FieldError``."""
     if hasattr(values, "detach"):  # a torch tensor, maybe on a device
         values = values.detach().cpu().numpy()
     p = np.asarray(values, dtype=np.float64)
@@ -71,7 +72,26 @@ def check_priorities(values: Any, k: int, what: str = "priority") -> np.ndarray:
             f"{what}: expected finite values >= 0, got {p[bad][:3].tolist()} at positions "
             f"{np.flatnonzero(bad)[:3].tolist()}; nothing was changed"
         )
+    if sampler is not None and sampler.prioritized:
+        s = cast(Prioritized, sampler)
+        with np.errstate(over="ignore"):
+            bound(s, p, (p + s.eps) ** s.alpha, what)
     return p
+
+
+def bound(s: Prioritized, priorities: np.ndarray, leaves: np.ndarray, what: str) -> None:
+    """``FieldError`` unless every leaf is at most ``MAX_LEAF`` (the tree's total must stay finite)."""
+    if not leaves.size or leaves.max() <= MAX_LEAF:
+        return
+    bad = ~(leaves <= MAX_LEAF)
+    assert s.alpha > 0  # otherwise every leaf is 1
+    with np.errstate(over="ignore"):
+        most = float(np.power(MAX_LEAF, 1.0 / s.alpha)) - s.eps
+    raise FieldError(
+        f"{what}: got {priorities[bad][:3].tolist()} at positions {np.flatnonzero(bad)[:3].tolist()}, "
+        f"whose tree leaves (p + {s.eps:g}) ** {s.alpha:g} exceed {MAX_LEAF:g} (the tree's total must "
+        f"stay finite); expected priorities <= {most:.6g}: scale them down; nothing was changed"
+    )
 
 
 class Priorities:
@@ -190,23 +210,7 @@ class Priorities:
         """``check_priorities``, and every leaf at most ``MAX_LEAF``, or ``FieldError``."""
         if type(values) is np.ndarray and values.shape == (k,) and 0 <= self._scan(values) <= self._sure:
             return values  # finite, >= 0, every leaf below MAX_LEAF: what the checks below would return
-        p = check_priorities(values, k, what)
-        self._bound(p, self.leaf(p), what)
-        return p
-
-    def _bound(self, priorities: np.ndarray, leaves: np.ndarray, what: str) -> None:
-        if not leaves.size or leaves.max() <= MAX_LEAF:
-            return
-        bad = ~(leaves <= MAX_LEAF)
-        s = self.sampler
-        assert isinstance(s, Prioritized) and s.alpha > 0  # otherwise every leaf is 1
-        with np.errstate(over="ignore"):
-            most = float(np.power(MAX_LEAF, 1.0 / s.alpha)) - s.eps
-        raise FieldError(
-            f"{what}: got {priorities[bad][:3].tolist()} at positions {np.flatnonzero(bad)[:3].tolist()}, "
-            f"whose tree leaves (p + {s.eps:g}) ** {s.alpha:g} exceed {MAX_LEAF:g} (the tree's total must "
-            f"stay finite); expected priorities <= {most:.6g}: scale them down; nothing was changed"
-        )
+        return check_priorities(values, k, what, sampler=self.sampler)
 
     def set_new_rows(self, slots: np.ndarray, priorities: np.ndarray | None) -> Callable[[], None]:
         """Under the reservation's lock: ``set_rows`` for a push's new rows; returns what puts back
@@ -239,7 +243,8 @@ class Priorities:
             self._prio[0] = max(float(self._prio[0]), most)
         else:
             leaves = self.leaf(priorities)
-            self._bound(priorities, leaves, "priority")
+            if isinstance(self.sampler, Prioritized):
+                bound(self.sampler, priorities, leaves, "priority")
             if priorities.size:
                 self._prio[0] = max(float(self._prio[0]), float(priorities.max()))
         if self.uses is not None:
@@ -311,7 +316,7 @@ class Priorities:
         being written) lies within its lane's bounds, as ``Ring.bounds`` computes them."""
         stamp, cursors, leaves, uses = self._stamp, self._lanes, self.tree.leaves, self.uses
         lanes = cursors.shape[0]
-        lc = stamp.shape[0] // lanes
+        lc = rows.lane_capacity(stamp.shape[0], lanes)
         first, stop = rows.bounds(cursors, lc)
         for lane in range(lanes):
             start, cur = int(first[lane]), int(stop[lane])

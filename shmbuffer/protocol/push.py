@@ -48,7 +48,8 @@ from ..errors import FieldError, ReadOnlyError
 from ..frames import END, KIND, LEAD, START, ZERO, Frames, Stack, frames_of
 from ..schema import Schema, stack_rows
 from ..shm.lock import resume_signals
-from .layout import Block, Counter
+from .layout import Block, Counter, Options, check_lanes
+from .priorities import check_priorities
 from .reader import Source
 from .ring import Reservation, Ring
 
@@ -330,8 +331,27 @@ def _checked(
     src: Source, copier: Copier, data: Any, *, lane: Any, episode: Any, priority: Any, fields: dict[str, Any],
 ) -> tuple[int, dict[str, np.ndarray], int | np.ndarray, np.ndarray | None, np.ndarray | None, bool]:
     """``check``, and whether the rows passed the fast checks (``Copier.fast_check``: the fields'
-    dtypes and shapes, C-contiguous; the copy takes them as they are)."""
-    schema = src.block.schema
+    dtypes and shapes, C-contiguous; the copy takes them as they are): ``normalise`` with this
+    buffer's fast checks, then what only the ring can refuse (frozen)."""
+    prios = src.priorities
+    got = normalise(src.block.schema, src.options, data, lane=lane, episode=episode, priority=priority, fields=fields,
+                    fast=copier.fast_check, check_priority=prios.check if prios is not None else None)
+    if src.ring.frozen:
+        raise ReadOnlyError(f"buffer {src.name!r} is frozen (read-only): it takes no more rows")
+    return got
+
+
+def normalise(
+    schema: Schema, options: Options, data: Any, *, lane: Any, episode: Any, priority: Any, fields: dict[str, Any],
+    fast: Callable[[Mapping[str, Any]], tuple[int, dict[str, np.ndarray]] | None] | None = None,
+    check_priority: Callable[[Any, int], np.ndarray] | None = None,
+) -> tuple[int, dict[str, np.ndarray], int | np.ndarray, np.ndarray | None, np.ndarray | None, bool]:
+    """A push's arguments checked and normalised with nothing but the buffer's schema and options,
+    as every writer takes them (``ReplayBuffer.push``, Ray's ``RemoteWriter``): the rows ``k``, the
+    arrays (``fast``'s when it takes them as they are, else ``Schema.validate``'s), the lane(s), the
+    episode ids, the priorities (``check_priority``, else ``check_priorities`` with the sampler's
+    leaf bound), and whether ``fast`` took them. ``data`` is a mapping or a list of row mappings;
+    a ``"priority"`` key that is not a field is the rows' priority (Ape-X)."""
     if data is not None:
         if fields:
             raise TypeError("push() takes a mapping or keyword fields, not both")
@@ -341,22 +361,20 @@ def _checked(
             raise TypeError("push() got a priority both in the row and as priority=; give one")
         fields = dict(fields)
         priority = fields.pop("priority")
-    ring = src.ring
-    quick = copier.fast_check(fields)  # arrays of the fields' dtypes and shapes
+    quick = fast(fields) if fast is not None else None  # arrays of the fields' dtypes and shapes
     k, arrays = quick if quick is not None else schema.validate(fields)
-    given = lane is not None
-    if not given:
-        lane = src.options.default_lane(k)
-    if type(lane) is not int or not 0 <= lane < ring.lanes or k > ring.lane_capacity:  # the usual case is cheap
-        lane = int(lane) if isinstance(lane, (int, np.integer)) else np.asarray(lane, dtype=np.int64)
-        ring.check_push(k, lane)
-    if ring.frozen:
-        raise ReadOnlyError(f"buffer {src.name!r} is frozen (read-only): it takes no more rows")
-    episodes = src.options.check_episode(episode, k)
+    if lane is None:
+        lane = options.default_lane(k)
+    if type(lane) is not int or not 0 <= lane < options.lanes or k > options.lane_capacity:  # the usual case is cheap
+        given = np.asarray(lane)
+        lane = int(given) if given.ndim == 0 and given.dtype.kind in "iu" else np.asarray(lane, dtype=np.int64)
+        check_lanes(k, lane, options.lanes, options.lane_capacity)
+    episodes = options.check_episode(episode, k)
     if priority is not None:
-        if src.priorities is None or not src.priorities.prioritized:
+        if not options.sampler.prioritized:
             raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
-        priority = src.priorities.check(priority, k)
+        priority = check_priority(priority, k) if check_priority is not None else \
+            check_priorities(priority, k, sampler=options.sampler)
     return k, arrays, lane, episodes, priority, quick is not None
 
 

@@ -28,6 +28,7 @@ from .gather import REDRAW_ROUNDS, Rows, assemble, gather, settle
 from .layout import Block, Counter, Options
 from .priorities import Priorities
 from .ring import Ring, positions
+from .rows import is_writing
 
 NONE = np.empty(0, np.int64)
 GIVE_UP = 1.0
@@ -134,11 +135,13 @@ def fetch(
                 if bad.size:
                     continue
             return ids, rows, values
-    except BaseException:
+    except BaseException as e:
         if claim is not None:  # the positions not in `unclaimed` now have counted a use: give it back
             counted = np.setdiff1d(np.arange(ids.shape[0]), unclaimed)
             if counted.size:
                 claim.give_back(ids, counted, values)
+                if isinstance(e, EmptyBufferError):
+                    _short_of_uses(claim.src, ids.shape[0])
         raise
 
 
@@ -246,6 +249,23 @@ def _nothing_to_draw(src: Source, n: int, *, final: bool) -> None:
         raise EmptyBufferError(f"sample({n}): buffer {src.name!r} {_why_none(src)}")
     if final:
         raise EmptyBufferError(_too_few(src.name, n, len(src.ring)))
+
+
+def _short_of_uses(src: Source, n: int) -> None:
+    """After a ``max_use`` sample found no row left (and gave back the uses it had counted): raise
+    saying so when the rows still have uses, fewer than ``n``: the batch itself used them up, and
+    ``_why_none``, asked while its uses were counted, blamed rows drawn ``max_use`` times."""
+    ring, prios = src.ring, src.priorities
+    if prios is None or prios.uses is None or prios.max_use is None:
+        return
+    slots = ring.slots(ring.held_ids())
+    slots = slots[ring.stamp[slots] != 0]
+    left = int(np.maximum(prios.max_use - prios.uses[slots].astype(np.int64), 0).sum())
+    if 0 < left < n:
+        raise EmptyBufferError(
+            f"sample({n}): buffer {src.name!r} has {left} draw{'' if left == 1 else 's'} left (max_use="
+            f"{prios.max_use}, {slots.size} rows), fewer than the batch's {n} rows: sample fewer rows, or wait "
+            "until writers have pushed more") from None
 
 
 def _why_none(src: Source) -> str:
@@ -413,13 +433,13 @@ def get(src: Source, index: Any) -> Batch:
         now = ring.stamp.take(ring.slots(flat))
         if src.block.frames is not None and (now == expect).all():
             raise EmptyBufferError(f"get({index!r}): {_NOT_A_TRANSITION}")
-        if np.any(now < expect) and not np.any(now[now < expect] & 1):
+        if np.any(now < expect) and not np.any(is_writing(now[now < expect])):
             raise EmptyBufferError(f"get({index!r}): {_LOST}")
         if time.monotonic() > deadline:
             if src.reap().size:
                 raise EmptyBufferError(f"get({index!r}): {_LOST}")
             raise WaitTimeout(f"get({index!r}): a row is still being written after 1 s")
-        if np.any(now & 1):
+        if np.any(is_writing(now)):
             time.sleep(0.0005)  # being written: wait; overwritten: look the index up again
     batch = assemble(src.block, flat, rows)
     if ids.ndim == 0:

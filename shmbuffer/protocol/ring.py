@@ -81,7 +81,6 @@ import numpy as np
 
 from .. import native
 from ..errors import (
-    CapacityError,
     EmptyBufferError,
     FieldError,
     ReadOnlyError,
@@ -93,7 +92,7 @@ from ..errors import (
 from ..shm.lock import RobustLock, defer_signals
 from ..shm.segment import process_alive, start_time
 from . import rows
-from .layout import LANE_WORDS, WRITERS, Counter, Lane
+from .layout import LANE_WORDS, WRITERS, Counter, Lane, check_lanes
 
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 _SAMPLED, _RECLAIMED, _RECOVERIES = int(Counter.SAMPLED), int(Counter.RECLAIMED), int(Counter.LOCK_RECOVERIES)
@@ -186,7 +185,7 @@ class Ring:
         self.owner = arrays["_owner"]
         self.lanes = int(self._lanes.shape[0])
         self.capacity = int(self.stamp.shape[0])
-        self.lane_capacity = self.capacity // self.lanes
+        self.lane_capacity = rows.lane_capacity(self.capacity, self.lanes)
         contiguous = all(a.dtype == np.int64 and a.flags.c_contiguous for a in (self.stamp, self._lanes))
         self._lib = native.lib if contiguous else None
         self.native_view = (self.stamp, self._lanes) if self._lib is not None else None
@@ -235,7 +234,7 @@ class Ring:
     def _reclaim_writer(self) -> int:
         for w in range(WRITERS):
             if not process_alive(int(self._wpid[w]), float(self._wstart[w])):
-                lost = (self.owner == w) & (self.stamp & 1).astype(bool)
+                lost = (self.owner == w) & rows.is_writing(self.stamp)
                 self.stamp[lost] = 0
                 if lost.any():
                     # their tree leaves were set inside the reservation: zero them as reap() does,
@@ -346,7 +345,7 @@ class Ring:
             where = slice(first, first + k) if s0 + k <= lc else rows.slot(lane, n, lc)
         stamps = self.stamp[where]
         if (stamps[0] if k == 1 else np.bitwise_or.reduce(stamps)) & 1:  # some slot is odd: being written
-            busy = (stamps & 1).astype(bool)
+            busy = rows.is_writing(stamps)
             held = np.unique(self.owner[where][busy])
             if any(self._alive(int(o)) for o in held):
                 return None
@@ -470,14 +469,14 @@ class Ring:
     def reap(self, also: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """Mark rows whose writer died mid-copy as empty; return their slots. ``also`` runs on
         them inside the same critical section."""
-        odd = np.flatnonzero(self.stamp & 1)
+        odd = np.flatnonzero(rows.is_writing(self.stamp))
         if not odd.size:
             return odd
         dead = [int(o) for o in np.unique(self.owner[odd]) if not self._alive(int(o))]
         if not dead:
             return odd[:0]
         with self.lock:
-            odd = np.flatnonzero(self.stamp & 1)
+            odd = np.flatnonzero(rows.is_writing(self.stamp))
             lost = odd[np.isin(self.owner[odd], dead)]
             self.stamp[lost] = 0
             self._stats[_RECLAIMED] += lost.size
@@ -631,7 +630,7 @@ class Ring:
         written (SB3's arrays written where no row is, ``sb3/buffers.py``): under the lock, so no
         reservation takes such a slot while it is written."""
         with self.lock:
-            idle = ((self.stamp[slots] & 1) == 0) & (self.ids_of_slots(slots) == INVALID)
+            idle = ~rows.is_writing(self.stamp[slots]) & (self.ids_of_slots(slots) == INVALID)
             column[slots[idle]] = values[idle]
 
     def contiguous(self, start: int, stop: int, lane: int) -> tuple[slice, np.ndarray]:
@@ -681,26 +680,6 @@ class Ring:
         return np.flatnonzero(ids // self.lanes < self._lanes[ids % self.lanes, _BASE])
 
     def check_push(self, k: int, lane: int | np.ndarray) -> None:
-        """Refuse, before touching anything, a push the ring can never hold."""
-        lc = self.lane_capacity
-        if isinstance(lane, np.ndarray):
-            lib = native.lib
-            if lib is not None and lane.shape == (k,) and lane.dtype == np.int64 and lane.flags.c_contiguous:
-                if 0 <= lib.lanes_worst(lane, self.lanes) <= lc:
-                    return  # the usual case, in one C call; the checks below say what is wrong
-            if lane.shape != (k,):
-                raise CapacityError(f"lane: expected one lane per row ({k}), got shape {lane.shape}")
-            if lane.size and (lane.min() < 0 or lane.max() >= self.lanes):
-                raise CapacityError(f"lane: expected lane numbers in [0, {self.lanes}), got {lane.min()}..{lane.max()}")
-            worst = int(np.bincount(lane).max()) if lane.size else 0
-        else:
-            if not 0 <= lane < self.lanes:
-                raise CapacityError(f"lane: expected a lane in [0, {self.lanes}), got {lane}")
-            worst = k
-        if worst > lc:
-            where = "the buffer's capacity" if self.lanes == 1 else f"a lane's capacity ({self.lanes} lanes)"
-            raise CapacityError(
-                f"a push of {worst} rows into one lane is larger than {where} of {lc} rows; "
-                "push in smaller batches or raise capacity"
-            )
+        """Refuse, before touching anything, a push the ring can never hold (``layout.check_lanes``)."""
+        check_lanes(k, lane, self.lanes, self.lane_capacity)
 

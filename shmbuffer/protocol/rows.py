@@ -40,6 +40,11 @@ Ints = Any
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 
 
+def lane_capacity(capacity: int, lanes: int) -> int:
+    """The slots of each lane: the ring's ``capacity`` split into ``lanes`` equal lanes."""
+    return capacity // lanes
+
+
 def slot(lane: Ints, n: Ints, lane_capacity: int) -> Ints:
     """The slot (row of the columns) that row number ``n`` of lane ``lane`` lives in."""
     return lane * lane_capacity + n % lane_capacity
@@ -93,6 +98,12 @@ def committed_of_id(ids: np.ndarray, lanes: int) -> np.ndarray:
 def number_of_stamp(stamp: Ints) -> Ints:
     """The row number a committed or being-written stamp names (``-1`` for an empty slot)."""
     return (stamp - 1) // 2
+
+
+def is_writing(stamp: Ints) -> Ints:
+    """Whether a stamp says its row is being written (odd): a push or an update between its
+    reservation and its commit, or a writer that died there."""
+    return stamp & 1 == 1
 
 
 def is_committed(stamp: Ints) -> Ints:

@@ -15,11 +15,9 @@ import ray
 from ray.exceptions import RayError, RayTaskError
 
 from ..buffer import ReplayBuffer
-from ..errors import FieldError
 from ..protocol.layout import Options
-from ..protocol.priorities import check_priorities
-from ..sampling.samplers import Prioritized
-from ..schema import Schema, stack_rows
+from ..protocol.push import normalise
+from ..schema import Schema
 from .shard import ShardInfo, ShardLostError, unwrap
 
 __all__ = ["RemoteWriter", "WriterTarget", "connect"]
@@ -137,21 +135,13 @@ class RemoteWriter:
         ``timeout`` is accepted for the ``Collector`` and ignored."""
         if self._closed:
             raise ShardLostError(f"this writer to shard {self.shard.index} is closed")
-        if data is not None:
-            if fields:
-                raise TypeError("push() takes a mapping or keyword fields, not both")
-            fields = dict(data) if isinstance(data, Mapping) else stack_rows(data, self.schema)
-        if priority is None and "priority" in fields and "priority" not in self.schema:
-            priority = fields.pop("priority")
-        k, arrays = self.schema.validate(fields)
+        # the local push's rules (protocol.push.normalise: fields, lanes, episodes, priorities)
+        k, arrays, lane, episodes, prios, _ = normalise(self.schema, self.options, data, lane=lane, episode=episode,
+                                                        priority=priority, fields=fields)
         arrays = {name: np.asarray(a, dtype=self.schema[name].dtype) for name, a in arrays.items()}
-        lanes = self._lanes(k, lane)
-        episodes = self.options.check_episode(episode, k)  # the core's rule (protocol.layout.Options)
+        lanes = np.broadcast_to(np.asarray(lane, np.int64), (k,)).copy()
         if episodes is not None:
             episodes = np.broadcast_to(episodes, (k,)).copy()
-        if priority is not None and not isinstance(self.options.sampler, Prioritized):
-            raise FieldError("priority: this buffer samples uniformly; create it with sampler=Prioritized(...)")
-        prios = None if priority is None else check_priorities(priority, k)
         if self._pending and (prios is None) != (self._pending[-1][3] is None):
             self.flush(wait=False)
         self._pending.append((arrays, lanes, episodes, prios))
@@ -161,16 +151,6 @@ class RemoteWriter:
         else:  # kept: the caller may reuse its arrays
             self._pending[-1] = ({name: a.copy() for name, a in arrays.items()}, lanes, episodes, prios)
         return k
-
-    def _lanes(self, k: int, lane: Any) -> np.ndarray:
-        """One lane per row: ``lane`` checked, or the core's default (``Options.default_lane``)."""
-        lanes = self.lanes
-        if lane is None:
-            return np.broadcast_to(np.asarray(self.options.default_lane(k), np.int64), (k,)).copy()
-        a = np.broadcast_to(np.asarray(lane), (k,))
-        if a.dtype.kind not in "iu" or a.min() < 0 or a.max() >= lanes:
-            raise FieldError(f"push: lane must be integers in [0, {lanes}), got {np.asarray(lane).tolist()!r}")
-        return a.astype(np.int64)
 
     def flush(self, *, wait: bool = True) -> None:
         """Send the pending rows (after the previous call came back); ``wait``: and wait for them."""

@@ -187,8 +187,16 @@ class _Shared:
         elif rows is not None:  # unpickling: the rows keep their ids, so their slots and SB3's positions
             self.buffer = SharedBuffer.from_arrays(self._schema(), rows, capacity, envs=n_envs, name=name,
                                                    episodes=episodes)
-            if episodes and rows["episode"].size:  # fresh ids for the next adds: none of the saved episodes continues
+            if episodes and rows["episode"].size:  # fresh ids for the lanes whose saved episodes all ended...
                 self._episode += (int(rows["episode"].max()) // n_envs + 1) * n_envs
+                index = np.asarray(rows["index"], np.int64)
+                lane = lane_of(index, n_envs)
+                for ln in np.unique(lane).tolist():
+                    at = int(np.flatnonzero(lane == ln)[np.argmax(index[lane == ln])])  # the lane's newest step
+                    if not (rows["done"][at] or rows["timeouts"][at]):
+                        # ...the others' next adds go on with their episode, as the original's would:
+                        # else it would never end (hindsight draws complete episodes only)
+                        self._episode[ln] = int(rows["episode"][at])
         else:
             self.buffer = SharedBuffer(self._schema(), capacity, envs=n_envs, name=name, episodes=episodes,
                                        seed=int(np.random.randint(2**31 - 1)) if episodes else None, limiter=limiter)
@@ -441,7 +449,11 @@ class _Shared:
     # -- pickling: the rows, not a name ----------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         rows = self.buffer.export()
+        pending = self.buffer.pending() if self.optimize_memory_usage else None
+        if pending is not None and pending["index"].size:  # each env's newest step: its next observation is ours
+            rows = {k: np.concatenate([rows[k], pending[k]]) for k in rows}
         return {"settings": self._settings, "device": str(self.device), "rows": rows,
+                "pending": np.empty(0, np.int64) if pending is None else pending["index"],
                 "lanes": self.buffer.lanes, "full": (self._full_set, self._full_from)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -456,21 +468,29 @@ class _Shared:
             return
         index = np.asarray(rows.pop("index"), np.int64)
         episode = np.asarray(rows.pop("episode"), np.int64)
+        pending = np.isin(index, state.get("pending", ()))
         lanes = int(state["lanes"])
         lane = lane_of(index, lanes)
-        if episode.size:  # fresh ids for the next adds: none of the saved episodes continues
+        if episode.size:  # fresh ids for the next adds: none of the saved episodes continues...
             self._episode = np.arange(lanes, dtype=np.int64) + (int(episode.max()) // lanes + 1) * lanes
         for ln in range(lanes):  # each lane's rows oldest first
             mine = np.flatnonzero(lane == ln)
             for run in _runs(rows, mine):
                 if not run.size:
                     continue
+                data = {k: v[run] for k, v in rows.items()}
+                if pending[run[-1]]:
+                    # ...but the one whose newest step waited for the env's next add: pushed by this
+                    # buffer, which then holds its next observation and goes on with it, as the original
+                    self.buffer.push(data, lane=ln, episode=episode[run])
+                    self._episode[ln] = episode[run[-1]]
+                    continue
                 # a run that does not continue the one before starts an episode: a new handle
                 # has no memory of the lane, so its first row does (push.Pusher)
                 writer = SharedBuffer.attach(self.buffer.handle)
                 try:
                     # flushed: the run's last transition keeps the next observation it was saved with
-                    writer.push({k: v[run] for k, v in rows.items()}, lane=ln, episode=episode[run], flush=True)
+                    writer.push(data, lane=ln, episode=episode[run], flush=True)
                 finally:
                     writer.close()
 

@@ -512,10 +512,8 @@ class DequeBuffer(Facade):
             return
         else:
             buf = store.buffer
-        buf.clear()
         arrays.pop("uses", None)
-        if arrays.get("index", np.empty(0)).size:
-            persistence.import_rows(buf, arrays)
+        persistence.import_rows(buf, arrays, replace=True)  # checked first: a bad file leaves the rows
 
 
 class _Storage:

@@ -3,7 +3,7 @@
 # usage: tools/peer_suites/ding/run.sh [DI-engine checkout] [pytest options...]
 set -e
 here=$(cd "$(dirname "$0")" && pwd)
-ding=${1:-/work/peers/ding}
+ding=${1:-../DI-engine}  # a clone of https://github.com/opendilab/DI-engine
 [ $# -gt 0 ] && shift
 tests="$ding/ding/data/buffer/tests"
 echo "DI-engine at $(git -C "$ding" rev-parse HEAD)"

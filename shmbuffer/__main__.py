@@ -1,0 +1,7 @@
+"""``python -m shmbuffer``: the ``shmbuffer`` command (``cli.py``)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
