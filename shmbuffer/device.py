@@ -117,7 +117,7 @@ _live: weakref.WeakSet[DeviceReplay] = weakref.WeakSet()
 """The device copies of this process whose refresher may run (stopped before a fork, at exit)."""
 
 
-def _refresher(ref: weakref.ref[DeviceReplay], stop: threading.Event) -> None:
+def _refresher(ref: weakref.ref[DeviceReplay], stop: threading.Event, failed: list[BaseException]) -> None:
     """The background refresher's loop; it holds its copy only while refreshing (a copy nobody
     holds is collected, and the loop ends). An error ends it and is raised by the next sample."""
     while not stop.wait(DEFAULT_PACE_S):
@@ -125,37 +125,36 @@ def _refresher(ref: weakref.ref[DeviceReplay], stop: threading.Event) -> None:
         if dev is None or dev.closed:
             return
         try:
-            if dev._behind(REFRESH_AT):
-                with dev._refreshing:
-                    if stop.is_set() or dev.closed:
-                        return
-                    dev._refresh()
+            dev.refresh_if_behind(stop)
         except Exception as exc:  # handed to the learner's next sample
-            dev._failed = exc
+            failed.append(exc)
             return
         del dev
 
 
+_paused: list[DeviceReplay] = []
+
+
 def _pause_all() -> None:
-    for dev in list(_live):
-        dev._stop_refresher()
+    _paused[:] = [dev for dev in list(_live) if dev.refreshing]
+    for dev in _paused:
+        dev.stop_refresher()
 
 
 def _resume_all() -> None:
-    for dev in list(_live):
-        dev._start_refresher()
+    for dev in _paused:
+        dev.start_refresher()
+    _paused.clear()
 
 
 def _forget_all() -> None:
-    for dev in list(_live):  # a forked child has no refresher: its samples refresh by the bounds
-        dev._wanted = False
+    _paused.clear()  # a forked child has no refresher: its samples refresh by the bounds
     _live.clear()
 
 
 def _close_all() -> None:
     for dev in list(_live):
-        dev._wanted = False
-        dev._stop_refresher()
+        dev.stop_refresher()
 
 
 if hasattr(os, "register_at_fork"):
@@ -275,15 +274,14 @@ class DeviceReplay:
         self._gen.manual_seed(int(np.random.SeedSequence(seed).generate_state(1)[0]))
         self._refreshing = threading.Lock()  # one refresh at a time; taken before _lock, never inside it
         self._lock = threading.Lock()  # the held and usable slots, the device rows drawn: samples and refreshes
-        self._wanted = bool(refresher)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._failed: BaseException | None = None
+        self._failures: list[BaseException] = []  # the refresher's error, raised by the next sample
         self.closed = False
         """Whether ``close()`` was called."""
         self.sync()
-        _live.add(self)
-        self._start_refresher()
+        if refresher:
+            self.start_refresher()
 
     # -- refresh --------------------------------------------------------------------------------
     def sync(self) -> int:
@@ -469,16 +467,32 @@ class DeviceReplay:
         return row_id(n, slots // self.lane_capacity, self.lanes)
 
     # -- the background refresher ---------------------------------------------------------------
-    def _start_refresher(self) -> None:
-        if not self._wanted or self.closed or self._thread is not None:
+    def refresh_if_behind(self, stop: threading.Event | None = None) -> bool:
+        """Refresh now if the copy is half a bound behind (``REFRESH_AT``; without bounds, if
+        anything changed): what the background refresher does every ``DEFAULT_PACE_S``. Returns
+        whether it refreshed (not once ``stop`` is set or the copy closed)."""
+        if not self._behind(REFRESH_AT):
+            return False
+        with self._refreshing:
+            if (stop is not None and stop.is_set()) or self.closed:
+                return False
+            self._refresh()
+        return True
+
+    def start_refresher(self) -> None:
+        """Start the background refresher (``refresher=True`` does at construction; a fork starts
+        the parent's again). Nothing happens when it runs or the copy is closed."""
+        if self.closed or self._thread is not None:
             return
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=_refresher, args=(weakref.ref(self), self._stop),
+        self._thread = threading.Thread(target=_refresher, args=(weakref.ref(self), self._stop, self._failures),
                                         name="shmbuffer-refresher", daemon=True)
         self._thread.start()
+        _live.add(self)
 
-    def _stop_refresher(self) -> None:
-        """End the refresher thread (joined: a refresh under way ends first)."""
+    def stop_refresher(self) -> None:
+        """End the background refresher (joined: a refresh under way ends first); samples then
+        refresh by the bounds alone. Idempotent."""
         thread = self._thread
         if thread is None:
             return
@@ -495,8 +509,7 @@ class DeviceReplay:
     def close(self) -> None:
         """Stop the refresher and drop the views of the shared columns (so that ``buf.close()`` can
         unmap them) and the device memory. Idempotent; the copy cannot sync or sample afterwards."""
-        self._wanted = False
-        self._stop_refresher()
+        self.stop_refresher()
         _live.discard(self)
         with self._refreshing, self._lock:
             if self.closed:
@@ -543,9 +556,8 @@ class DeviceReplay:
 
     def _maybe_sync(self) -> None:
         """Refresh before a sample where a bound would break (the rows then are those behind)."""
-        if self._failed is not None:
-            failed, self._failed = self._failed, None
-            raise failed
+        if self._failures:
+            raise self._failures.pop()
         if self._behind(1.0):
             self.sync()
 

@@ -548,7 +548,7 @@ def test_the_refresher_stops_with_close_and_before_a_fork(make: Make, name: str)
     assert first is not None and first.is_alive()
     pid = os.fork()
     if pid == 0:  # the child: no refresher, and none of the parent's threads
-        os._exit(0 if dev._thread is None and not dev._wanted else 1)
+        os._exit(0 if dev._thread is None and not dev.refreshing else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert not first.is_alive() and dev.refreshing and dev._thread is not first  # joined, started again
