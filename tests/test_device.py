@@ -484,7 +484,7 @@ def test_the_background_refresher_keeps_rows_whole_current_and_never_cleared(
         assert not (batch.reward.numpy() < 0).any()
         assert (ids // 2 >= before[ids % 2] - 256 - 64).all()  # within a lane, 64 rows of lag at most
         live = np.flatnonzero(buf.ring.current(ids))
-        with contextlib.suppress(sb.EmptyBufferError):  # a writer lapped one of them meanwhile
+        with contextlib.suppress(sb.EmptyBufferError, ValueError):  # lapped meanwhile (or none left)
             ref = buf.take(ids[live])
             assert np.array_equal(batch.obs.numpy()[live], np.asarray(ref.obs))
         if base is not None:
