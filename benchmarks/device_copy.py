@@ -13,10 +13,12 @@ Cases (each prints one line and goes into the JSON ``--out``):
   and a numpy ring (``np.take`` of 256 rows of in-process arrays, then ``.to(device)``).
 * ``prioritized``: sample 256 + ``update_priorities`` at full capacity, batches/s, the device copy
   against ``buf.sample`` + ``.to(device)`` + ``buf.update_priorities``.
-* ``keep_up``: 2 writer processes push 64-row chunks at ``--ingest`` rows/s in all (default 1M) for
-  ``--seconds`` while the learner samples from a device copy with ``max_lag_rows=0``: the ingest (rows/s), the learner's
-  batches/s, and the lag (rows behind and milliseconds since the last sync) seen before each sample
-  (median and 99th percentile).
+* ``keep_up``: 2 writer processes push 64-row chunks at ``--ingest`` rows/s in all (default 500k)
+  into a full buffer for ``--seconds`` while the learner samples 256 rows, alternating between the
+  device copy (its default bound and background refresher) and ``buf.sample(256).to(device)``:
+  batches/s of each and their ratio, each call's latency (median, 99th percentile), the lag seen
+  before each resident sample (rows, ms), the refresher's rows/s while it copies against
+  ``np.copyto`` of the same bytes, and the machine's 1-minute load.
 """
 
 from __future__ import annotations
@@ -153,34 +155,62 @@ def _writer(handle: sb.BufferHandle, lane: int, stop: Any, per_s: float) -> None
             time.sleep(ahead)
 
 
+def _learner(sample: Callable[[], Any], seconds: float, lag: Callable[[], tuple[int, float]] | None) -> dict[str, float]:
+    """Sample for ``seconds``: batches/s, each call's latency (ms), the lag seen before each call."""
+    rows_behind, ms_behind, calls_ms = [], [], []
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        if lag is not None:
+            behind, since = lag()
+            rows_behind.append(behind)
+            ms_behind.append(since * 1e3)
+        t1 = time.perf_counter()
+        sample()
+        calls_ms.append((time.perf_counter() - t1) * 1e3)
+    out = {"batches_s": len(calls_ms) / (time.perf_counter() - t0),
+           "sample_ms_p50": float(np.percentile(calls_ms, 50)), "sample_ms_p99": float(np.percentile(calls_ms, 99))}
+    if lag is not None:
+        out.update(lag_rows_p50=float(np.percentile(rows_behind, 50)), lag_rows_p99=float(np.percentile(rows_behind, 99)),
+                   lag_ms_p50=float(np.percentile(ms_behind, 50)), lag_ms_p99=float(np.percentile(ms_behind, 99)))
+    return out
+
+
 def case_keep_up(capacity: int, device: str, tag: str, seconds: float, ingest: float) -> dict[str, Any]:
+    """2 writer processes at ``ingest`` rows/s in all into a full buffer; the learner samples 256
+    from the device copy (default bound, background refresher) and from the host
+    (``buf.sample(256).to(device)``), alternating, same run; the refresher's rows/s while it
+    copies against ``np.copyto`` of the same bytes."""
     buf = sb.ReplayBuffer(SCHEMA, capacity, name=f"bench-dev-k-{tag}", lanes=2)
     ctx = mp.get_context("fork")
     stop = ctx.Event()
     procs = [ctx.Process(target=_writer, args=(buf.handle, lane, stop, ingest / 2)) for lane in range(2)]
     done = sync_device(device)
     try:
-        buf.push(rows(64), lane=0)
-        dev = sb.DeviceReplay(buf, device, max_lag_rows=0)
+        step = min(65536, capacity // 2)
+        for at in range(0, capacity, step):
+            buf.push(rows(min(step, capacity - at), at), lane=(at // step) % 2)
+        dev = sb.DeviceReplay(buf, device)
+        spent: list[float] = [0.0, 0.0, 0.0]  # seconds in refreshes, rows taken in, refreshes
+        real = dev._refresh
+
+        def refresh() -> int:
+            t = time.perf_counter()
+            got = real()
+            spent[0] += time.perf_counter() - t
+            spent[1] += got
+            spent[2] += 1
+            return got
+
+        dev._refresh = refresh  # type: ignore[method-assign]
         for p in procs:
             p.start()
-        lags_rows, lags_ms, calls_ms, batches, empty = [], [], [], 0, 0
+        time.sleep(0.5)
         inserted0, t0 = buf.stats["inserted"], time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            behind, since = dev.lag()
-            lags_rows.append(behind)
-            lags_ms.append(since * 1e3)
-            t1 = time.perf_counter()
-            try:
-                dev.sample(256)
-            except sb.EmptyBufferError:  # the writers lapped the whole ring during the sync
-                empty += 1
-                continue
-            done()
-            calls_ms.append((time.perf_counter() - t1) * 1e3)  # its sync included: how stale a draw can be
-            batches += 1
-        elapsed = time.perf_counter() - t0
-        ingest = (buf.stats["inserted"] - inserted0) / elapsed
+        runs: dict[str, list[dict[str, float]]] = {"resident": [], "host": []}
+        for _ in range(2):
+            runs["resident"].append(_learner(lambda: (dev.sample(256), done()), seconds / 4, dev.lag))
+            runs["host"].append(_learner(lambda: (buf.sample(256).to(device), done()), seconds / 4, None))
+        ingest = (buf.stats["inserted"] - inserted0) / (time.perf_counter() - t0)
         dev.close()
     finally:
         stop.set()
@@ -190,10 +220,20 @@ def case_keep_up(capacity: int, device: str, tag: str, seconds: float, ingest: f
                 p.kill()
         buf.close()
         buf.unlink()
-    return {"case": "keep_up", "ingest_rows_s": ingest, "learner_batches_s": batches / elapsed, "empty_syncs": empty,
-            "lag_rows_p50": float(np.percentile(lags_rows, 50)), "lag_rows_p99": float(np.percentile(lags_rows, 99)),
-            "lag_ms_p50": float(np.percentile(lags_ms, 50)), "lag_ms_p99": float(np.percentile(lags_ms, 99)),
-            "sample_ms_p50": float(np.percentile(calls_ms, 50)), "sample_ms_p99": float(np.percentile(calls_ms, 99))}
+    each = int(max(1.0, spent[1] // max(1.0, spent[2]))) * 165
+    src, dst = np.ones(each, np.uint8), np.empty(each, np.uint8)
+    memcpy = rate(lambda: np.copyto(dst, src), 0.3) * each / 165
+    res = {k: float(np.mean([r[k] for r in runs["resident"]])) for k in runs["resident"][0]}
+    host = {k: float(np.mean([r[k] for r in runs["host"]])) for k in runs["host"][0]}
+    refresh_rows_s = spent[1] / spent[0] if spent[0] else 0.0
+    return {"case": "keep_up", "ingest_rows_s": ingest, "resident_batches_s": res["batches_s"],
+            "host_batches_s": host["batches_s"], "resident_vs_host": res["batches_s"] / host["batches_s"],
+            "resident_ms_p99": res["sample_ms_p99"], "host_ms_p99": host["sample_ms_p99"],
+            "resident_ms_p50": res["sample_ms_p50"], "host_ms_p50": host["sample_ms_p50"],
+            "lag_rows_p50": res["lag_rows_p50"], "lag_rows_p99": res["lag_rows_p99"],
+            "lag_ms_p50": res["lag_ms_p50"], "lag_ms_p99": res["lag_ms_p99"],
+            "refresh_rows_s": refresh_rows_s, "refresh_rows_each": spent[1] / max(1, spent[2]),
+            "refresh_vs_memcpy": refresh_rows_s / memcpy, "load_1min": os.getloadavg()[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--capacity", type=int, default=1_000_000)
     parser.add_argument("--seconds", type=float, default=3.0)
-    parser.add_argument("--ingest", type=float, default=1e6, help="rows/s the 2 writers of keep_up push in all")
+    parser.add_argument("--ingest", type=float, default=5e5, help="rows/s the 2 writers of keep_up push in all")
     parser.add_argument("--quick", action="store_true", help="capacity 20,000 and 0.3 s a case")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)

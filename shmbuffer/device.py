@@ -3,26 +3,45 @@
 ``DeviceReplay(buf, device="cuda")`` holds every field's column in device memory in the ring's
 slot layout (``protocol/rows.py``; the packed small fields as one block, as the shared
 memory holds them, so a batch's small fields are views of one gathered block), and beside it, on the host, the stamp of the row each device
-slot holds (``held``; 0: nothing usable). ``sync()`` brings it up to date:
+slot holds (``held``; 0: nothing usable). A refresh (``sync()``, the background refresher, or a
+sample whose bound would break) brings it up to date:
 
-1. the slots to copy are those whose shared stamp differs from ``held`` (new rows, rows
-   overwritten, rows being written); after an ``update()`` anywhere (``Counter.UPDATES`` moved)
-   every slot is copied again, since an update puts back the stamp it found;
-2. in chunks, the reader's rule (``protocol/reader.py``): stamps read, rows copied into reused
-   staging memory (pinned for CUDA), stamps read again; a row counts when both reads show it
-   committed (``rows.intact``) and no update ran meanwhile; else its slot is marked unusable and
-   copied again at the next sync. So a torn, half-written or overwritten row is never marked
-   usable on the device;
-3. the rows that count go to the device (on a side stream for CUDA, then waited for), and their
-   stamps into ``held``; slots whose row left the lanes' bounds (lapped, ``clear()``) turn
-   unusable.
+1. the rows to copy are found from the lanes' cursors: each lane's rows since the last refresh
+   (at most two runs of consecutive slots, the lane's end between them), and the ``pending``
+   rows of earlier refreshes whose stamps now say committed. No slot is scanned: a refresh costs
+   the rows that came in. A ``clear()``, an ``update()`` or a ``delete()`` since the last refresh
+   (``Counter.UPDATES``/``DELETES``, the lanes' bases) makes it a full one: every row of the
+   lanes copied again (an update puts back the stamp it found, so only a full copy sees it);
+2. the slots of a run stop being drawn, then the run is copied by the reader's rule
+   (``gather.gather_run``, one C call: stamps read, one copy a column, stamps read again), on the
+   CPU straight into the device columns, on CUDA into reused pinned staging and then one copy to
+   the device on a side stream; pending rows go through the stamped ``gather``. A row counts when
+   both reads show it committed (``rows.intact``) and no update ran meanwhile; the others stay
+   ``pending`` and are tried again by the next refresh until they leave their lane. So a torn,
+   half-written or overwritten row is never marked usable on the device;
+3. the rows that count become usable: ``held`` keeps their stamps, and the usable slots are a
+   dense list changed per slot (a slot leaving takes the last one's place), so the uniform draw
+   (``torch.randint`` over that list) and each refresh cost what changed, never the capacity.
 
-Between syncs the device copy lags the shared buffer: the rows committed since the last sync are
-not drawn yet, and a row overwritten or deleted since (or during the sync) is still drawn from the
-device copy (whole: the row as it was committed). ``max_lag_rows`` and ``max_lag_s`` bound that lag: a ``sample`` syncs
-first when more rows were inserted since the last sync, or more time went by (``lag()`` measures
-both), or, under a row bound, when an ``update()`` ran (a full refresh: an update does not say
-which rows). A ``clear()`` always makes the next sample sync: a cleared row is never drawn.
+A background thread (``refresher=True``, the default) looks at the lag every millisecond and
+refreshes once it reaches half a bound; the copies run without the GIL (C, above 256 KiB), and a
+sample takes the copy's lock only to draw and gather, so it waits for a refresh only while that
+refresh marks slots. The thread is stopped by ``close()``, joined before every ``os.fork()`` (and
+started again in the parent; a forked child's copy refreshes only when its samples need it) and at
+exit; a copy nobody holds ends it too. Each refresh publishes ``INSERTED`` and the time it began in
+the block (``Counter.DEVICE_ROWS``/``DEVICE_AT``), which ``shmbuffer top`` shows as the copy's lag.
+
+Between refreshes the device copy lags the shared buffer: the rows committed since the last one
+are not drawn yet, and a row overwritten, updated or deleted since (or during it) is still drawn
+from the device copy (whole: the row as it was committed). ``max_lag_rows`` and ``max_lag_s``
+bound that lag: a ``sample`` refreshes first (the rows behind only) when more rows were inserted
+since the last refresh began than ``max_lag_rows``, or when rows came in and it began more than
+``max_lag_s`` ago (``lag()`` measures both), or, under a row bound, when an ``update()`` ran. The
+default is ``max_lag_s=0.01`` and no row bound: the refresher keeps the lag near 5 ms, which a
+training loop cannot tell from none (measured in ``benchmarks/README.md``), and a sample waits only
+when the refresher fell behind. ``max_lag_rows=0`` makes every sample see every row committed
+before it (each sample then refreshes while writers push). A ``clear()`` always makes the next
+sample refresh: a cleared row is never drawn.
 
 ``sample(n)`` draws on the device: uniformly over the usable slots (``torch.randint``), or, with a
 prioritized sampler, from the shared sum tree (the same draw and importance weights as
@@ -50,10 +69,12 @@ before anything is allocated.
 
 from __future__ import annotations
 
-import contextlib
+import atexit
+import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -62,14 +83,14 @@ from .batch import Batch, torch_dtype, torch_views
 from .errors import CapacityError, ClosedError, EmptyBufferError, FieldError, LayoutError
 from .frames import KIND, Stack, stack_columns, stack_plan
 from .frames import center as frames_center
+from .protocol.gather import gather, gather_run
 from .protocol.layout import Counter, Lane
 from .protocol.reader import Source
 from .protocol.rows import (
-    bounds,
     committed,
     committed_of_id,
-    intact,
-    is_committed,
+    lane_of,
+    number_of,
     number_of_stamp,
     row_id,
     slot,
@@ -78,15 +99,69 @@ from .protocol.rows import (
 )
 from .sequences import check_n_step, check_windows, n_step_fields, window_mask
 
-_UPDATES, _INSERTED = int(Counter.UPDATES), int(Counter.INSERTED)
+_UPDATES, _DELETES, _INSERTED = int(Counter.UPDATES), int(Counter.DELETES), int(Counter.INSERTED)
+_DEVICE_ROWS, _DEVICE_AT = int(Counter.DEVICE_ROWS), int(Counter.DEVICE_AT)
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 _ROUNDS = 8
 """Rounds of drawing again (prioritized) for rows the device copy does not hold, before a sync."""
+DEFAULT_MAX_LAG_S = 0.01
+"""``max_lag_s`` by default: a sample refreshes first when the last refresh began longer ago."""
+DEFAULT_PACE_S = 0.001
+"""Seconds the background refresher waits between looks at the lag."""
+REFRESH_AT = 0.5
+"""The background refresher refreshes once the lag reaches this share of a bound (of ``max_lag_s``:
+a refresh every 5 ms at most by default, each copying the rows of those 5 ms in a few copies), so
+that a sample seldom finds a bound broken; without bounds, whenever rows came in."""
+
+_live: weakref.WeakSet[DeviceReplay] = weakref.WeakSet()
+"""The device copies of this process whose refresher may run (stopped before a fork, at exit)."""
 
 
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield
+def _refresher(ref: weakref.ref[DeviceReplay], stop: threading.Event, failed: list[BaseException]) -> None:
+    """The background refresher's loop; it holds its copy only while refreshing (a copy nobody
+    holds is collected, and the loop ends). An error ends it and is raised by the next sample."""
+    while not stop.wait(DEFAULT_PACE_S):
+        dev = ref()
+        if dev is None or dev.closed:
+            return
+        try:
+            dev.refresh_if_behind(stop)
+        except Exception as exc:  # handed to the learner's next sample
+            failed.append(exc)
+            return
+        del dev
+
+
+_paused: list[DeviceReplay] = []
+
+
+def _pause_all() -> None:
+    _paused[:] = [dev for dev in list(_live) if dev.refreshing]
+    for dev in _paused:
+        dev.stop_refresher()
+
+
+def _resume_all() -> None:
+    for dev in _paused:
+        dev.start_refresher()
+    _paused.clear()
+
+
+def _forget_all() -> None:
+    _paused.clear()  # a forked child has no refresher: its samples refresh by the bounds
+    _live.clear()
+
+
+def _close_all() -> None:
+    for dev in list(_live):
+        dev.stop_refresher()
+
+
+if hasattr(os, "register_at_fork"):
+    # joined before every fork, so that a process forks without a thread of ours (Python 3.12
+    # warns about forking with threads); the parent's start again, the child's do not
+    os.register_at_fork(before=_pause_all, after_in_parent=_resume_all, after_in_child=_forget_all)
+atexit.register(_close_all)  # before the buffers' finalizers (registered earlier, run later)
 
 
 def _assemble(s: Stack, got: Any) -> Any:
@@ -110,16 +185,23 @@ class DeviceReplay:
 
     :param buf: the buffer (any process's handle to it: writers elsewhere keep pushing).
     :param device: a torch device (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
-    :param max_lag_rows: sync before a sample once more rows than this were inserted since the
-        last sync (``None``: no bound by rows).
-    :param max_lag_s: sync before a sample once this many seconds went by since the last sync
-        (``None``: no bound by time). With both ``None`` only ``sync()`` refreshes.
+    :param max_lag_rows: a sample refreshes first when more rows than this were inserted since the
+        last refresh began (``None``: no bound by rows; ``0``: every sample sees every row
+        committed before it).
+    :param max_lag_s: a sample refreshes first when the last refresh began longer ago than this
+        (``None``: no bound by time). The default, 10 ms, is a few training steps: with the
+        background refresher the lag stays near its pace (1 ms) and a sample waits only when
+        the refresher falls behind (a loaded machine). With both bounds ``None`` only the
+        refresher and ``sync()`` refresh.
     :param chunk: rows per staging copy.
     :param seed: the device generator's seed (uniform draws).
+    :param refresher: refresh in a background thread (``DEFAULT_PACE_S`` apart), stopped by
+        ``close()``, before a fork (started again in the parent, not in the child) and at exit.
     """
 
-    def __init__(self, buf: Source, device: Any = "cuda", *, max_lag_rows: int | None = 0,
-                 max_lag_s: float | None = None, chunk: int = 16384, seed: int | None = None) -> None:
+    def __init__(self, buf: Source, device: Any = "cuda", *, max_lag_rows: int | None = None,
+                 max_lag_s: float | None = DEFAULT_MAX_LAG_S, chunk: int = 16384, seed: int | None = None,
+                 refresher: bool = True) -> None:
         torch = _torch()
         opts = buf.options
         refused = [what for what, on in (("max_use", opts.max_use is not None),
@@ -171,138 +253,276 @@ class DeviceReplay:
         """With frames: each held row's kind (``frames.KIND``), as copied with it (host memory)."""
         self.episodes = np.zeros(self.capacity if block.episode is not None else 0, np.int64)
         """With episodes: each held row's episode id, as copied with it (host memory)."""
-        self.seen = np.zeros(self.capacity, np.int64)
-        """The stamp each slot showed when a sync last copied it: a slot is copied again only once
-        its stamp differs (a row cleared or lapped is not copied over and over)."""
+        self.pending = np.zeros(0, np.int64)
+        """Ids of rows a refresh found being written or torn (or overwritten while it copied): each
+        refresh tries them again (their stamps first), until they are held or leave the lanes."""
         self.usable = np.zeros(self.capacity, bool)
         """Which device slots hold a row that may be drawn (``held`` and inside its lane's bounds)."""
-        self._count = 0  # usable slots
-        self._slots: Any = None  # the usable slots as a device tensor, made when drawing needs it
+        self._count = 0  # usable slots: the first _count of _dense, in no order
+        self._dense = np.zeros(self.capacity, np.int64)
+        self._where = np.full(self.capacity, -1, np.int64)  # each slot's place in _dense, -1: not usable
+        self._dense_dev = torch.from_numpy(self._dense) if self.device.type == "cpu" else \
+            torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
         self._held_dev = torch.from_numpy(self.held) if self.device.type == "cpu" else \
             torch.zeros(self.capacity, dtype=torch.int64, device=self.device)  # what n-step windows read
-        self._updates = -1
+        self._updates = self._deletes = -1  # the first refresh copies every row
         self._inserted = 0
         self._bases = np.zeros(self.lanes, np.int64)
+        self._next = np.zeros(self.lanes, np.int64)  # per lane, the rows below were copied (or are pending)
         self._synced_at = 0.0
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(np.random.SeedSequence(seed).generate_state(1)[0]))
-        self._lock = threading.Lock()  # one sync at a time (a background thread and the learner)
+        self._refreshing = threading.Lock()  # one refresh at a time; taken before _lock, never inside it
+        self._lock = threading.Lock()  # the held and usable slots, the device rows drawn: samples and refreshes
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._failures: list[BaseException] = []  # the refresher's error, raised by the next sample
         self.closed = False
         """Whether ``close()`` was called."""
         self.sync()
+        if refresher:
+            self.start_refresher()
 
     # -- refresh --------------------------------------------------------------------------------
     def sync(self) -> int:
-        """Bring the device copy up to date now; returns the rows copied."""
-        with self._lock:
-            return self._sync()
+        """Bring the device copy up to date now; returns the rows it took in (newly held)."""
+        with self._refreshing:
+            return self._refresh()
 
-    def _sync(self) -> int:
+    def _refresh(self) -> int:
+        """One refresh (the module docstring); the caller holds ``_refreshing``."""
         if self.closed:
             raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
         ring, counters = self.buf.ring, self.buf.block.counters
-        inserted = int(counters[_INSERTED])
-        updates = int(counters[_UPDATES])
-        cursors = ring.cursors[:, _CURSOR].copy()  # rows lapped during the copy still count (lag)
-        bases = ring.cursors[:, _BASE].copy()  # a clear() after this read: the next sync checks all again
-        everything = updates != self._updates or not np.array_equal(bases, self._bases)
-        if updates != self._updates:
-            self.held[:] = 0  # an update puts back the stamp it found: copy every row again
-            self.seen[:] = 0
-        todo = np.flatnonzero(ring.stamp != self.seen)
-        copied = 0
-        for at in range(0, todo.size, self.chunk):
-            copied += self._copy(todo[at:at + self.chunk])
-        self._updates = updates if int(counters[_UPDATES]) == updates else -1
-        self._refresh_usable(cursors, None if everything else todo)
-        self._bases = bases
-        self._inserted, self._synced_at = inserted, time.monotonic()
+        inserted = int(counters[_INSERTED])  # before the lanes: the lag is never under-counted
+        at = time.monotonic_ns()
+        updates, deletes = int(counters[_UPDATES]), int(counters[_DELETES])
+        cursors = ring.cursors[:, _CURSOR].copy()
+        bases = ring.cursors[:, _BASE].copy()
+        lanes, lc = self.lanes, self.lane_capacity
+        start = np.minimum(np.maximum(bases, cursors - lc), cursors)
+        full = updates != self._updates or deletes != self._deletes or not np.array_equal(bases, self._bases)
+        with self._lock:
+            if full:  # a clear, an update or a delete: no row held counts, every row is copied again
+                self._forget()
+                self._next = start.copy()
+                self.pending = self.pending[:0]
+            runs = self._runs(np.maximum(self._next, start), cursors)
+            slots = np.concatenate([np.arange(s0, s0 + k) for s0, _, k in runs]) if runs else self.pending[:0]
+            self._drop(slots)  # rows lapped: their slots are not drawn while they are copied into
+            retry = self.pending
+            if retry.size:
+                retry = retry[number_of(retry, lanes) >= start[lane_of(retry, lanes)]]
+        ok = np.concatenate([self._copy_run(s0, n0, k) for s0, n0, k in runs]) if runs else np.zeros(0, bool)
+        numbers = np.concatenate([np.arange(n0, n0 + k) for _, n0, k in runs]) if runs else slots
+        again = retry
+        if retry.size:
+            ready = ring.stamp[ring.slots(retry)] == committed_of_id(retry, lanes)
+            again, retry = retry[ready], retry[~ready]
+        got = self._copy_rows(again) if again.size else np.zeros(0, bool)
+        with self._lock:
+            bad = ~ok
+            self.pending = np.concatenate([row_id(numbers[bad], slots[bad] // lc, lanes), again[~got], retry])
+            copied = 0
+            if int(counters[_UPDATES]) != updates:  # an update spanned the copies (no ABA): all again next time
+                self._updates = -1
+            else:
+                self._updates, self._deletes = updates, deletes
+                self._hold(slots[ok], committed(numbers[ok]))
+                if again.size:
+                    self._hold(ring.slots(again[got]), committed_of_id(again[got], lanes))
+                copied = int(np.count_nonzero(ok)) + int(np.count_nonzero(got))
+            self._next = cursors
+            self._bases = bases
+            self._inserted, self._synced_at = inserted, at / 1e9
+        if counters.flags.writeable:  # where top reads the lag (Counter.DEVICE_ROWS)
+            counters[_DEVICE_ROWS], counters[_DEVICE_AT] = inserted, at
         return copied
 
-    def _copy(self, slots: np.ndarray) -> int:
-        """Copy ``slots`` by the reader's rule; mark the intact ones held, the others not."""
-        torch = _torch()
-        ring, counters = self.buf.ring, self.buf.block.counters
-        k = slots.shape[0]
-        run = int(slots[0]) if slots[-1] - slots[0] == k - 1 else None  # consecutive slots: plain copies
-        updates = int(counters[_UPDATES])
-        first = ring.stamp[slots] if run is None else ring.stamp[run:run + k].copy()
-        for name, col in self.columns.items():
-            out = self._staging[name][:k].numpy()
-            if run is None:
-                np.take(col, slots, axis=0, out=out)
-            else:
-                np.copyto(out, col[run:run + k])
-        second = ring.stamp[slots]
-        ok = is_committed(first) & intact(first, second, first)
-        if int(counters[_UPDATES]) != updates:
-            ok[:] = False  # an update ran meanwhile: copied again at the next sync
-        self.held[slots] = np.where(ok, first, 0)
-        if self.spec is not None:
-            self.kinds[slots] = self._staging[KIND][:k].numpy()
-        if self.episodes.size:
-            self.episodes[slots] = self._staging["_episode"][:k].numpy()
-        self.seen[slots] = first  # copied again once the stamp moves on (a row being written commits)
-        good = np.flatnonzero(ok)
-        if good.size == 0:
-            return 0
-        whole = run is not None and good.size == k
-        where = None if whole else torch.from_numpy(slots[good]).to(self.device)
-        pick = None if whole else torch.from_numpy(good)
-        if self._stream is not None:  # gathers of earlier samples queued on the learner's stream read first
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream) if self._stream is not None else _nothing():
-            for name, dev in self.rows.items():
-                staged = self._staging[name]
-                if whole:
-                    dev[run:run + k].copy_(staged[:k], non_blocking=True)
-                else:
-                    dev[where] = staged[pick].to(self.device, non_blocking=True)
-        if self._stream is not None:
-            self._stream.synchronize()  # the staging is reused by the next chunk
-        return int(good.size)
-
-    def _refresh_usable(self, cursors: np.ndarray, changed: np.ndarray | None) -> None:
-        """Which slots hold a committed row inside its lane's bounds as they were when the sync
-        began (``cursors``), or since (a ``clear()``: its base): the ``changed`` slots, or all.
-        Only a slot whose stamp changed can leave the bounds, but by a ``clear()`` (all then):
-        a lane laps a slot by reserving it, which changes its stamp."""
-        torch = _torch()
-        ring = self.buf.ring
+    def _runs(self, first: np.ndarray, stop: np.ndarray) -> list[tuple[int, int, int]]:
+        """Each lane's rows ``[first, stop)`` as runs of consecutive slots (two where the lane
+        wraps): ``(first slot, first row number, rows)``."""
         lc = self.lane_capacity
-        start, stop = bounds(ring.cursors, lc)
-        start = np.maximum(ring.cursors[:, _BASE], np.minimum(start, cursors - lc))
-        region = np.arange(self.capacity) if changed is None else changed
-        held = self.held[region]
-        n = number_of_stamp(held)
-        lane = region // lc
-        ok = (held > 0) & (n >= start[lane]) & (n < stop[lane])
-        self.held[region[~ok]] = 0
-        self._count += int(ok.sum()) - int(self.usable[region].sum())
-        self.usable[region] = ok
-        self._slots = None
+        out = []
+        for lane in np.flatnonzero(stop > first):
+            n, end = int(first[lane]), int(stop[lane])
+            while n < end:
+                at = n % lc
+                k = min(end - n, lc - at)
+                out.append((int(lane) * lc + at, n, k))
+                n += k
+        return out
+
+    def _copy_run(self, slot0: int, n0: int, k: int) -> np.ndarray:
+        """Copy rows ``n0 ..`` of the run from ``slot0`` by the reader's rule (``gather_run``):
+        on the CPU straight into the device columns, on CUDA into the pinned staging, a chunk at
+        a time, then one copy to the device; which rows were intact. Their slots are not drawn
+        meanwhile (``_drop``)."""
+        torch = _torch()
+        stamp, cols = self.buf.block.stamp, tuple(self.columns.values())
+        ok = np.zeros(k, bool)
+        if self._stream is None:
+            outs = tuple(dev[slot0:slot0 + k].numpy() for dev in self.rows.values())
+            gather_run(stamp, cols, slot0, n0, outs, ok)
+            self._mirror(slot0, dict(zip(self.rows, outs, strict=True)))
+            return ok
+        for a in range(0, k, self.chunk):
+            m = min(self.chunk, k - a)
+            staged = {name: s[:m] for name, s in self._staging.items()}
+            gather_run(stamp, cols, slot0 + a, n0 + a, tuple(s.numpy() for s in staged.values()), ok[a:a + m])
+            self._mirror(slot0 + a, {name: s.numpy() for name, s in staged.items()})
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # earlier samples' gathers read first
+            with torch.cuda.stream(self._stream):
+                for name, dev in self.rows.items():
+                    dev[slot0 + a:slot0 + a + m].copy_(staged[name], non_blocking=True)
+            self._stream.synchronize()  # the staging is reused by the next chunk
+        return ok
+
+    def _copy_rows(self, ids: np.ndarray) -> np.ndarray:
+        """Copy the rows ``ids`` (pending rows now committed; not drawn) by the stamped gather,
+        through the staging, into their device slots; which were intact."""
+        torch = _torch()
+        ok = np.zeros(ids.size, bool)
+        block, ring = self.buf.block, self.buf.ring
+        for a in range(0, ids.size, self.chunk):
+            part = ids[a:a + self.chunk]
+            m = part.size
+            staged = {name: s[:m] for name, s in self._staging.items()}
+            out = {name: staged[name].numpy() for name in block.large}
+            if "_record" in staged:
+                out["_block"] = staged["_record"].numpy().view(np.uint8)
+            rows = gather(block, ring, part, out=out, stored=True)
+            if rows.episode is not None:
+                staged["_episode"].numpy()[:] = rows.episode
+            ok[a:a + m] = rows.ok
+            keep = np.flatnonzero(rows.ok)
+            slots = ring.slots(part[keep])
+            self._mirror(slots, {name: s.numpy()[keep] for name, s in staged.items()})
+            where, pick = torch.from_numpy(slots).to(self.device), torch.from_numpy(keep)
+            for name, dev in self.rows.items():
+                dev.index_copy_(0, where, staged[name].index_select(0, pick).to(self.device))
+        return ok
+
+    def _mirror(self, slots: int | np.ndarray, copied: dict[str, np.ndarray]) -> None:
+        """The host mirrors (kinds, episodes) of rows just copied into ``slots`` (a first slot or
+        an array); they count once the rows are held."""
+        for mirror, name in ((self.kinds, KIND), (self.episodes, "_episode")):
+            if mirror.size:
+                got = copied[name]
+                at = slice(slots, slots + got.shape[0]) if isinstance(slots, int) else slots
+                mirror[at] = got
+
+    # -- the held and usable slots (under _lock): each change costs the slots it touches ----------
+    def _forget(self) -> None:
+        """No slot held or usable (a full refresh follows)."""
+        self.held[:] = 0
         if self.device.type != "cpu":  # on the CPU it is a view of ``held``
-            if changed is None:
-                self._held_dev.copy_(torch.from_numpy(self.held))
-            elif region.size:
-                self._held_dev[torch.from_numpy(region).to(self.device)] = torch.from_numpy(self.held[region]).to(self.device)
+            self._held_dev.zero_()
+        self.usable[:] = False
+        self._where[:] = -1
+        self._count = 0
+
+    def _drop(self, slots: np.ndarray) -> None:
+        """``slots`` (distinct) hold nothing usable: out of ``held`` and of the usable slots, whose
+        last entries fill the places they leave."""
+        self.held[slots] = 0
+        if self.device.type != "cpu":
+            self._held_dev[_torch().from_numpy(slots).to(self.device)] = 0
+        places = self._where[slots]
+        slots, places = slots[places >= 0], places[places >= 0]
+        if not slots.size:
+            return
+        count = self._count - slots.size
+        self._where[slots] = -1
+        self.usable[slots] = False
+        tail = self._dense[count:self._count]
+        movers = tail[self._where[tail] >= 0]  # the tail's slots that stay: into the places left below count
+        holes = places[places < count]
+        self._dense[holes] = movers
+        self._where[movers] = holes
+        self._count = count
+        if self.device.type != "cpu" and holes.size:
+            torch = _torch()
+            self._dense_dev[torch.from_numpy(holes).to(self.device)] = torch.from_numpy(movers).to(self.device)
+
+    def _hold(self, slots: np.ndarray, stamps: np.ndarray) -> None:
+        """``slots`` (distinct, not usable) hold the rows of ``stamps`` (committed): usable."""
+        if not slots.size:
+            return
+        torch = _torch()
+        self.held[slots] = stamps
+        if self.device.type != "cpu":
+            self._held_dev[torch.from_numpy(slots).to(self.device)] = torch.from_numpy(stamps).to(self.device)
+        count = self._count + slots.size
+        self._dense[self._count:count] = slots
+        self._where[slots] = np.arange(self._count, count)
+        self.usable[slots] = True
+        if self.device.type != "cpu":
+            self._dense_dev[self._count:count].copy_(torch.from_numpy(slots))
+        self._count = count
 
     def _ids_of(self, slots: Any) -> Any:
         """The ids of the rows the device copy holds in ``slots`` (a device tensor)."""
         n = number_of_stamp(self._held_dev.index_select(0, slots))
         return row_id(n, slots // self.lane_capacity, self.lanes)
 
+    # -- the background refresher ---------------------------------------------------------------
+    def refresh_if_behind(self, stop: threading.Event | None = None) -> bool:
+        """Refresh now if the copy is half a bound behind (``REFRESH_AT``; without bounds, if
+        anything changed): what the background refresher does every ``DEFAULT_PACE_S``. Returns
+        whether it refreshed (not once ``stop`` is set or the copy closed)."""
+        if not self._behind(REFRESH_AT):
+            return False
+        with self._refreshing:
+            if (stop is not None and stop.is_set()) or self.closed:
+                return False
+            self._refresh()
+        return True
+
+    def start_refresher(self) -> None:
+        """Start the background refresher (``refresher=True`` does at construction; a fork starts
+        the parent's again). Nothing happens when it runs or the copy is closed."""
+        if self.closed or self._thread is not None:
+            return
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=_refresher, args=(weakref.ref(self), self._stop, self._failures),
+                                        name="shmbuffer-refresher", daemon=True)
+        self._thread.start()
+        _live.add(self)
+
+    def stop_refresher(self) -> None:
+        """End the background refresher (joined: a refresh under way ends first); samples then
+        refresh by the bounds alone. Idempotent."""
+        thread = self._thread
+        if thread is None:
+            return
+        self._stop.set()
+        if thread is not threading.current_thread():
+            thread.join()
+        self._thread = None
+
+    @property
+    def refreshing(self) -> bool:
+        """Whether the background refresher runs now."""
+        return self._thread is not None and self._thread.is_alive()
+
     def close(self) -> None:
-        """Drop the views of the shared columns (so that ``buf.close()`` can unmap them) and the
-        device memory. Idempotent; the copy cannot sync or sample afterwards."""
-        with self._lock:
+        """Stop the refresher and drop the views of the shared columns (so that ``buf.close()`` can
+        unmap them) and the device memory. Idempotent; the copy cannot sync or sample afterwards."""
+        self.stop_refresher()
+        _live.discard(self)
+        with self._refreshing, self._lock:
+            if self.closed:
+                return
             self.columns = {}
             self.rows = {}
             self._staging = {}
-            self._slots = None
             self._count = 0
             self.usable[:] = False
             self.closed = True
+            counters = self.buf.block.counters
+            if counters.flags.writeable and int(counters[_DEVICE_ROWS]) == self._inserted:
+                counters[_DEVICE_AT] = 0  # top: no device copy now (unless another refreshed since)
 
     def __enter__(self) -> DeviceReplay:
         return self
@@ -311,16 +531,34 @@ class DeviceReplay:
         self.close()
 
     def lag(self) -> tuple[int, float]:
-        """How far the device copy is behind: rows inserted since the last sync, seconds since it."""
+        """How far the device copy is behind: rows inserted since the last refresh began, seconds since it began."""
         inserted = int(self.buf.block.counters[_INSERTED])
         return inserted - self._inserted, time.monotonic() - self._synced_at
 
-    def _maybe_sync(self) -> None:
+    def _behind(self, share: float) -> bool:
+        """Whether the copy is more than ``share`` of a bound behind: rows came in (or rows were
+        updated or deleted) and the last refresh began longer ago than ``share * max_lag_s``, or
+        more than ``share * max_lag_rows`` rows came in, or (under a row bound) an ``update()``
+        ran; or a ``clear()`` happened since. Without bounds (``share < 1``: the refresher's
+        question) whenever something changed."""
+        counters = self.buf.block.counters
+        if not np.array_equal(self.buf.ring.cursors[:, _BASE], self._bases):
+            return True
         rows, seconds = self.lag()
-        cleared = not np.array_equal(self.buf.ring.cursors[:, _BASE], self._bases)
-        updated = self.max_lag_rows is not None and int(self.buf.block.counters[_UPDATES]) != self._updates
-        if cleared or updated or (self.max_lag_rows is not None and rows > self.max_lag_rows) or (
-                self.max_lag_s is not None and seconds > self.max_lag_s):
+        edited = int(counters[_UPDATES]) != self._updates or int(counters[_DELETES]) != self._deletes
+        rows_bound, seconds_bound = self.max_lag_rows, self.max_lag_s
+        if rows_bound is not None and (rows > share * rows_bound or int(counters[_UPDATES]) != self._updates):
+            return True
+        changed = rows > 0 or edited
+        if changed and seconds_bound is not None and seconds > share * seconds_bound:
+            return True
+        return changed and rows_bound is None and seconds_bound is None and share < 1
+
+    def _maybe_sync(self) -> None:
+        """Refresh before a sample where a bound would break (the rows then are those behind)."""
+        if self._failures:
+            raise self._failures.pop()
+        if self._behind(1.0):
             self.sync()
 
     def __len__(self) -> int:
@@ -386,7 +624,11 @@ class DeviceReplay:
         for round_ in range(2 * _ROUNDS):
             if round_ == _ROUNDS:
                 buf.reap()  # a dead writer's odd rows keep the leaves they took until reaped
-                self._sync()  # rows drawn from the tree that the device copy does not hold yet
+                self._lock.release()  # a refresh takes _refreshing first (the refresher's order)
+                try:
+                    self.sync()  # rows drawn from the tree that the device copy does not hold yet
+                finally:
+                    self._lock.acquire()
                 done = np.setdiff1d(np.arange(n), todo)  # the sync may have copied newer rows over them
                 stale = done[self.held[ring.slots(ids[done])] != committed_of_id(ids[done], self.lanes)]
                 todo = np.union1d(todo, stale)
@@ -467,10 +709,8 @@ class DeviceReplay:
         return out
 
     def _usable_slots(self) -> Any:
-        """The usable slots as a device tensor (made once per sync, when a draw needs it)."""
-        if self._slots is None:
-            self._slots = _torch().from_numpy(np.flatnonzero(self.usable)).to(self.device)
-        return self._slots
+        """The usable slots as a device tensor, in no order (kept by each refresh, ``_hold``/``_drop``)."""
+        return self._dense_dev[:self._count]
 
     def _draw_held(self, n: int, accept: Callable[[np.ndarray], np.ndarray]) -> np.ndarray | None:
         """``n`` ids of usable rows drawn uniformly on the device, those ``accept`` refuses drawn

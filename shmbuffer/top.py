@@ -10,7 +10,9 @@
 For each buffer: rows held and the fill, rows in and out per second (in total and per writer
 process), samples per insert (over the interval, and since creation), rows of dead writers reaped
 (``Counter.RECLAIMED``) and lost (left half-written by a dead writer, not reaped yet), rows being
-written, lock waits (in all, and per second) and recoveries, and per writer which hot path runs in it (C or Python: whether the
+written, lock waits (in all, and per second) and recoveries, how far the newest device copy
+(``DeviceReplay``, in a learner's process) is behind (rows and milliseconds since its last refresh
+began, from ``Counter.DEVICE_ROWS``/``DEVICE_AT``), and per writer which hot path runs in it (C or Python: whether the
 process has the C extension mapped, ``/proc/PID/maps``).
 
 Everything comes from the block's shared columns (``layout.py``), read by attaching for a moment:
@@ -118,7 +120,11 @@ def _measure(buf: ReplayBuffer, name: str, uid: int, ident: tuple[int, int],
         "lock_recoveries": int(stats[Counter.LOCK_RECOVERIES]), "lock_waits": waits,
         "interval_s": None, "in_rows_s": None, "out_rows_s": None, "samples_per_insert_now": None,
         "lock_waits_s": None,
+        "device_lag_rows": None, "device_lag_ms": None,
     }
+    if int(stats[Counter.DEVICE_AT]):  # a device copy refreshes (device.py): how far behind it is
+        out.update(device_lag_rows=inserted - int(stats[Counter.DEVICE_ROWS]),
+                   device_lag_ms=(time.monotonic_ns() - int(stats[Counter.DEVICE_AT])) / 1e6)
     pushed = np.zeros(WRITERS)
     if before is not None:
         dt = max(now - before.t, 1e-9)
@@ -201,7 +207,9 @@ def lines(frame: dict[str, Any]) -> list[str]:
             continue
         state = "alive" if b["creator_alive"] else "creator gone"
         out.append(f"{b['name']}  creator {b['creator_pid']} ({state})  rows {b['rows']:,}/{b['capacity']:,} "
-                   f"({100 * b['fill']:.0f}%)  lanes {b['lanes']}")
+                   f"({100 * b['fill']:.0f}%)  lanes {b['lanes']}"
+                   + ("" if b.get("device_lag_rows") is None else
+                      f"  device copy {b['device_lag_rows']:,} rows / {b['device_lag_ms']:.1f} ms behind"))
         out.append(f"  in {_rate(b['in_rows_s'])} rows/s  out {_rate(b['out_rows_s'])} rows/s  "
                    f"samples/insert {_ratio(b['samples_per_insert_now'])} now, {_ratio(b['samples_per_insert'])} all  "
                    f"reaped {b['reaped']}  lost {b['lost']}  being written {b['being_written']}  "

@@ -5,6 +5,7 @@ have the shared buffer's distribution. CUDA runs the same code where a device ex
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -41,7 +42,7 @@ def test_rows_equal_take_of_the_same_ids_bit_for_bit(make: Make, name: str, devi
     buf = make(MUJOCO, 64, name=name, lanes=2, episodes=True)
     for t in range(0, 80, 5):
         buf.push(transition(t, 5), lane=(t // 5) % 2, episode=t // 10)
-    dev = DeviceReplay(buf, device, seed=0)
+    dev = DeviceReplay(buf, device, max_lag_rows=0, seed=0)
     assert len(dev) == len(buf) == 64
     batch = dev.sample(200)
     assert batch.obs.device.type == device and batch.obs.dtype == torch.float32 and batch.obs.shape == (200, 17)
@@ -55,17 +56,17 @@ def test_rows_equal_take_of_the_same_ids_bit_for_bit(make: Make, name: str, devi
 def test_a_sample_syncs_within_the_lag_and_sync_on_demand(make: Make, name: str, device: str) -> None:
     buf = make(MUJOCO, 32, name=name)
     buf.push(transition(0, 8))
-    dev = DeviceReplay(buf, device, max_lag_rows=None, seed=1)
+    dev = DeviceReplay(buf, device, max_lag_rows=None, refresher=False, seed=1)
     buf.push(transition(8, 8))
     assert dev.lag()[0] == 8 and set(seq_of(dev.sample(500))) == set(range(8))  # lagging, by choice
     assert dev.sync() == 8 and dev.lag()[0] == 0
     assert set(seq_of(dev.sample(500))) == set(range(16))
-    lagging = DeviceReplay(buf, device, max_lag_rows=4, seed=2)
+    lagging = DeviceReplay(buf, device, max_lag_rows=4, refresher=False, seed=2)
     buf.push(transition(16, 4))
     assert set(seq_of(lagging.sample(500))) == set(range(16))  # 4 rows behind: allowed, not synced
     buf.push(transition(20, 1))
     assert set(seq_of(lagging.sample(500))) == set(range(21))  # 5 rows behind: synced first
-    timed = DeviceReplay(buf, device, max_lag_rows=None, max_lag_s=0.05, seed=3)
+    timed = DeviceReplay(buf, device, max_lag_rows=None, max_lag_s=0.05, refresher=False, seed=3)
     buf.push(transition(21, 3))
     time.sleep(0.1)
     assert set(seq_of(timed.sample(500))) == set(range(24))
@@ -74,7 +75,7 @@ def test_a_sample_syncs_within_the_lag_and_sync_on_demand(make: Make, name: str,
 def test_overwritten_updated_cleared_and_deleted_rows(make: Make, name: str) -> None:
     buf = make(MUJOCO, 8, name=name)
     buf.push(transition(0, 8))
-    dev = DeviceReplay(buf, "cpu", seed=4)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, seed=4)
     buf.push(transition(8, 4))  # laps rows 0..3
     assert set(seq_of(dev.sample(400))) == set(range(4, 12))
     buf.update([5], reward=np.float32(99.0))
@@ -98,7 +99,7 @@ def test_a_row_being_written_is_never_usable(make: Make, name: str) -> None:
     buf = make(MUJOCO, 16, name=name)
     buf.push(transition(0, 4))
     res = buf.ring.reserve(2, deferring=False)  # rows 4 and 5: reserved, odd, never copied whole
-    dev = DeviceReplay(buf, "cpu", seed=5)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, seed=5)
     assert len(dev) == 4 and set(seq_of(dev.sample(300))) == set(range(4))
     buf.ring.abandon(res)
     buf.push(transition(6, 2))
@@ -109,7 +110,7 @@ def test_a_row_being_written_is_never_usable(make: Make, name: str) -> None:
 def test_prioritized_draws_from_the_shared_tree(make: Make, name: str, device: str) -> None:
     buf = make(MUJOCO, 16, name=name, sampler=sb.Prioritized(alpha=1.0, beta=0.5), seed=6)
     buf.push(transition(0, 4), priority=np.array([1.0, 2.0, 3.0, 4.0]))
-    dev = DeviceReplay(buf, device, seed=6)
+    dev = DeviceReplay(buf, device, max_lag_rows=0, seed=6)
     n = 20000
     got = dev.sample(n).numpy()
     counts = np.bincount(got.index, minlength=4)
@@ -130,7 +131,7 @@ def test_uniform_draws_match_the_shared_buffers(make: Make, name: str) -> None:
     buf = make(MUJOCO, 64, name=name, lanes=4)
     for lane in range(4):
         buf.push(transition(np.arange(lane * 10, lane * 10 + 5)), lane=lane)
-    dev = DeviceReplay(buf, "cpu", seed=7)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, seed=7)
     n = 40000
     counts = np.bincount(np.searchsorted(np.sort(buf.get(slice(None)).index), dev.sample(n).index.numpy()), minlength=20)
     expect = n / 20
@@ -238,7 +239,7 @@ def test_n_step_on_the_device_equals_the_host_reference(make: Make, name: str) -
             rows["done"] = np.array([step % 7 == 6])
             buf.push(rows, lane=lane, episode=(step // 7) * 2 + lane)
             t += 1
-    dev = DeviceReplay(buf, "cpu", seed=9)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, seed=9)
     got = dev.sample(500, n_step=4, gamma=0.9)
     ref = buf.take(got.index.numpy())
     add_n_step(buf, ref, 4, 0.9, None)
@@ -258,7 +259,7 @@ def test_a_prioritized_draw_never_pairs_an_id_with_a_newer_rows_data(make: Make,
     with newer rows are drawn again, not served with the newer data."""
     buf = make(MUJOCO, 8, name=name, sampler=sb.Prioritized(alpha=1.0, beta=0.5), seed=0)
     buf.push(transition(0, 8), priority=1.0)
-    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, seed=0)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, refresher=False, seed=0)
     buf.push(transition(8, 4), priority=4.0)  # in slots 0..3; the device copy does not hold them yet
     sampler = buf.options.sampler
     real = type(sampler).draw
@@ -279,17 +280,17 @@ def test_a_prioritized_draw_never_pairs_an_id_with_a_newer_rows_data(make: Make,
 def test_a_clear_during_a_sync_is_never_drawn_past(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     buf = make(MUJOCO, 16, name=name)
     buf.push(transition(0, 8))
-    dev = DeviceReplay(buf, "cpu", seed=0)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
     buf.push(transition(8, 2))
-    real = dev._copy
+    real = dev._copy_run
 
-    def copy(slots: np.ndarray) -> int:  # another process clears while the sync copies
+    def copy(slot0: int, n0: int, k: int) -> np.ndarray:  # another process clears while the sync copies
         buf.clear()
-        return real(slots)
+        return real(slot0, n0, k)
 
-    monkeypatch.setattr(dev, "_copy", copy)
+    monkeypatch.setattr(dev, "_copy_run", copy)
     dev.sync()
-    monkeypatch.setattr(dev, "_copy", real)
+    monkeypatch.setattr(dev, "_copy_run", real)
     with pytest.raises(sb.EmptyBufferError):
         dev.sample(64)  # synced again first: nothing held is left
     buf.push(transition(100, 1))
@@ -312,7 +313,7 @@ def test_a_prioritized_draw_reaps_a_dead_writers_rows(make: Make, name: str, pro
     p.start()
     p.join(30)
     assert p.exitcode == -9 and (buf.ring.stamp & 1).sum() == 32
-    dev = DeviceReplay(buf, "cpu", seed=0)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, seed=0)
     got = dev.sample(64)
     assert np.array_equal(whole(got), got.index.numpy()) and got.index.max() < 32
 
@@ -320,7 +321,7 @@ def test_a_prioritized_draw_reaps_a_dead_writers_rows(make: Make, name: str, pro
 def test_cleared_rows_are_not_copied_again_at_every_sync(make: Make, name: str) -> None:
     buf = make(MUJOCO, 4096, name=name)
     buf.push(transition(0, 4096))
-    dev = DeviceReplay(buf, "cpu", seed=0)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
     buf.clear()
     for t in range(3):
         buf.push(transition(5000 + t, 1))
@@ -331,7 +332,7 @@ def test_close_while_sampling_says_closed_and_staging_fits_the_buffer(make: Make
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     buf = make(MUJOCO, 100, name=name)
     buf.push(transition(0, 100))
-    dev = DeviceReplay(buf, "cpu", seed=0)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, seed=0)
     assert dev.chunk == 100 and all(t.shape[0] == 100 for t in dev._staging.values())
     monkeypatch.setattr(dev, "_maybe_sync", dev.close)  # another thread closes it mid-sample
     with pytest.raises(sb.ClosedError, match="closed"):
@@ -357,7 +358,7 @@ def test_frames_stored_once_are_rebuilt_on_the_device_as_take_rebuilds_them(case
         buf.push({n: np.stack([np.asarray(r[n]) for r in chunk]) for n in sch.names}, lane=lane,
                  episode=np.array([r["tag"][1] * lanes + lane for r in chunk]))
         if step == 20:
-            dev = DeviceReplay(buf, "cpu", seed=case)
+            dev = DeviceReplay(buf, "cpu", max_lag_rows=0, seed=case)
     assert dev is not None
     got = dev.sample(200)
     ref = buf.take(got.index.numpy())
@@ -422,7 +423,7 @@ def test_sequences_on_the_device_are_the_episodes_windows(make: Make, name: str,
         for e, n in enumerate(eps):
             ids = buf.push(transition(1000 * lane + 50 * e, n), lane=lane, episode=10 * lane + e)
             first.update({int(i): (10 * lane + e, t, n) for t, i in enumerate(ids)})
-    dev = DeviceReplay(buf, "cpu", seed=11)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, seed=11)
     got = dev.sample_sequences(300, 4, burn_in=2, time_major=time_major).numpy()
     index, mask, reward = got.index, got.mask, got.reward
     if time_major:
@@ -439,3 +440,136 @@ def test_sequences_on_the_device_are_the_episodes_windows(make: Make, name: str,
         assert np.array_equal(reward[w][mask[w]], buf.take(held).reward)
     with pytest.raises(sb.FieldError, match="episode"):
         DeviceReplay(make(MUJOCO, 8, name=name + "e"), "cpu").sample_sequences(4, 2)
+
+
+def _paced_writer(handle: sb.BufferHandle, lane: int, per_s: float) -> None:
+    """Push 4-row batches at a fixed rate, lapping the ring (until the test stops it)."""
+    buf = sb.ReplayBuffer.attach(handle)
+    t0 = time.monotonic()
+    for i, t in enumerate(range(0, 2**24 - 4, 4)):
+        buf.push(transition(t, 4), lane=lane)
+        ahead = 4 * (i + 1) / per_s - (time.monotonic() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
+def test_the_background_refresher_keeps_rows_whole_current_and_never_cleared(
+        make: Make, name: str, procs: list[Any]) -> None:
+    """Writers at a fixed rate lap the ring, one is killed mid-push, and a clear() comes while the
+    refresher runs: every row drawn equals take() of its id when both still hold it, is whole, was
+    in its lane within the row bound, and none from before the clear; the usable slots kept per
+    change are exactly the held ones."""
+    buf = make(MUJOCO, 512, name=name, lanes=2)
+    buf.push(transition(0, 2), lane=0)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=64, max_lag_s=0.02, seed=12)
+    assert dev.refreshing
+    ctx = mp.get_context("fork")
+    k = ctx.Process(target=_killed_writer, args=(buf.handle,))
+    procs.append(k)
+    k.start()
+    k.join(30)
+    writers = [ctx.Process(target=_paced_writer, args=(buf.handle, lane, 20_000.0)) for lane in range(2)]
+    for p in writers:
+        procs.append(p)
+        p.start()
+    drawn, base, t0 = 0, None, time.monotonic()
+    while drawn < 300 and time.monotonic() - t0 < 60:
+        before = buf.ring.bounds()[1].copy()
+        try:
+            batch = dev.sample(64)
+        except sb.EmptyBufferError:
+            continue
+        whole(batch)
+        ids = batch.index.numpy()
+        assert not (batch.reward.numpy() < 0).any()
+        assert (ids // 2 >= before[ids % 2] - 256 - 64).all()  # within a lane, 64 rows of lag at most
+        live = np.flatnonzero(buf.ring.current(ids))
+        with contextlib.suppress(sb.EmptyBufferError, ValueError):  # lapped meanwhile (or none left)
+            ref = buf.take(ids[live])
+            assert np.array_equal(batch.obs.numpy()[live], np.asarray(ref.obs))
+        if base is not None:
+            assert (ids // 2 >= base[ids % 2]).all()
+        drawn += 1
+        if drawn == 150:
+            buf.clear()
+            base = buf.ring.bounds()[0].copy()
+        with dev._lock:
+            assert set(dev._dense[:len(dev)].tolist()) == set(np.flatnonzero(dev.usable).tolist())
+            assert (dev.held[dev.usable] > 0).all() and not dev.held[~dev.usable].any()
+    assert drawn == 300 and all(p.is_alive() for p in writers)
+    for p in writers:
+        p.kill()
+        p.join(10)
+    dev.close()
+    assert not dev.refreshing
+
+
+def test_a_refresh_copies_the_new_rows_not_every_slot(make: Make, name: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rows copied are the lanes' new rows (found from the cursors), in at most two runs a lane."""
+    buf = make(MUJOCO, 128, name=name, lanes=2)
+    buf.push(transition(0, 62), lane=0)
+    buf.push(transition(64, 32), lane=1)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
+    runs: list[tuple[int, int, int]] = []
+    real = dev._copy_run
+    monkeypatch.setattr(dev, "_copy_run", lambda s0, n0, k: runs.append((s0, n0, k)) or real(s0, n0, k))
+    buf.push(transition(100, 5), lane=0)  # lane 0 wraps: rows 62..66, slots 62, 63 and 0..2
+    buf.push(transition(200, 3), lane=1)  # rows 32..34 of lane 1, slots 96..98
+    assert dev.sync() == 8
+    assert sorted(runs) == [(0, 64, 3), (62, 62, 2), (96, 32, 3)]
+    runs.clear()
+    assert dev.sync() == 0 and runs == []
+
+
+def test_gather_run_native_equals_python(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shmbuffer import native
+    from shmbuffer.protocol.gather import gather_run
+
+    buf = make(MUJOCO, 16, name=name)
+    buf.push(transition(0, 16))
+    buf.ring.stamp[5] += 1  # row 5 being written again: not intact
+    col = buf.block.large["obs"] if "obs" in buf.block.large else buf.block.packed
+    got = []
+    for lib in (native.lib, None):
+        monkeypatch.setattr(native, "lib", lib)
+        out, ok = np.zeros((6, *col.shape[1:]), col.dtype), np.zeros(6, bool)
+        got.append((gather_run(buf.ring.stamp, (col,), 2, 2, (out,), ok), out, ok))
+    buf.ring.stamp[5] -= 1
+    assert got[0][0] == got[1][0] == 5 and np.array_equal(got[0][2], got[1][2]) and not got[0][2][3]
+    assert np.array_equal(got[0][1], got[1][1]) and np.array_equal(got[0][1], col[2:8])
+
+
+def test_the_refresher_stops_with_close_and_before_a_fork(make: Make, name: str) -> None:
+    buf = make(MUJOCO, 32, name=name)
+    buf.push(transition(0, 8))
+    dev = DeviceReplay(buf, "cpu", seed=0)
+    first = dev._thread
+    assert first is not None and first.is_alive()
+    pid = os.fork()
+    if pid == 0:  # the child: no refresher, and none of the parent's threads
+        os._exit(0 if dev._thread is None and not dev.refreshing else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not first.is_alive() and dev.refreshing and dev._thread is not first  # joined, started again
+    buf.push(transition(8, 8))
+    t0 = time.monotonic()
+    while dev.lag()[0] and time.monotonic() - t0 < 10:
+        time.sleep(0.005)
+    assert dev.lag()[0] == 0  # the refresher took them in
+    dev.close()
+    dev.close()
+    assert not dev.refreshing and not first.is_alive()
+
+
+def test_the_refresher_ends_with_its_process_and_leaves_nothing(name: str) -> None:
+    import subprocess
+    import sys
+
+    code = (f"import shmbuffer as sb, numpy as np\nfrom shmbuffer.device import DeviceReplay\n"
+            f"buf = sb.ReplayBuffer(sb.Schema(x=((3,), 'float32')), 64, name={name!r})\n"
+            "buf.push(x=np.ones((10, 3), np.float32))\ndev = DeviceReplay(buf, 'cpu')\n"
+            "assert dev.refreshing\nprint('ok', flush=True)\n")  # exits without close()
+    done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout == "ok\n" and done.stderr == "", done.stderr
+    assert not os.path.exists(f"/dev/shm/{name}")

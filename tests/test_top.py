@@ -12,6 +12,7 @@ import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import shmbuffer as sb
@@ -183,3 +184,24 @@ def test_top_shows_the_lock_waits(make: Make, name: str) -> None:
     (b,) = json.loads(top("--once", "--json", "--interval", "0.1", name).stdout)["buffers"]
     assert b["lock_waits"] == 1 and b["lock_waits_s"] == 0
     assert "lock waits 1" in top("--once", name).stdout
+
+
+def test_top_shows_how_far_a_device_copy_is_behind(name: str) -> None:
+    pytest.importorskip("torch")
+    from shmbuffer import top
+    from shmbuffer.device import DeviceReplay
+
+    buf = sb.ReplayBuffer(sb.Schema(x=((3,), "float32")), 64, name=name)
+    try:
+        buf.push(x=np.ones((10, 3), np.float32))
+        assert top.read(name, None)[0]["device_lag_rows"] is None
+        dev = DeviceReplay(buf, "cpu", refresher=False)
+        buf.push(x=np.ones((5, 3), np.float32))
+        got = top.read(name, None)[0]
+        assert got["device_lag_rows"] == 5 and got["device_lag_ms"] >= 0
+        assert "device copy 5 rows" in "\n".join(top.lines({"host_path": "x", "buffers": [got]}))
+        dev.close()
+        assert top.read(name, None)[0]["device_lag_rows"] is None
+    finally:
+        buf.close()
+        buf.unlink()

@@ -153,6 +153,63 @@ done:
     return result;
 }
 
+/* -- runs: a lane's consecutive rows (device.py's refresh) ------------------------------------ */
+/* rows n0 .. n0 + n - 1 in the consecutive slots first .. first + n - 1: the reader's rule as in
+ * gather_rows (first stamps with acquire, the copies, an acquire fence, the second stamps), each
+ * column's run one memcpy; ok[i]: row n0 + i is intact. Returns the intact rows. */
+static Py_ssize_t gather_run_rows(const Columns *c, Py_ssize_t first, Py_ssize_t n, int64_t n0, const int64_t *stamp,
+                                  int64_t *firsts, char *ok) {
+    for (Py_ssize_t i = 0; i < n; i++) firsts[i] = __atomic_load_n(&stamp[first + i], __ATOMIC_ACQUIRE);
+    for (Py_ssize_t g = 0; g < c->n; g++) {
+        size_t w = (size_t)c->width[g];
+        memcpy(c->dst[g].buf, (const char *)c->src[g].buf + (size_t)first * w, (size_t)n * w);
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    Py_ssize_t good = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t second = __atomic_load_n(&stamp[first + i], __ATOMIC_RELAXED);
+        ok[i] = intact(firsts[i], second, committed_stamp(n0 + i));
+        good += ok[i];
+    }
+    return good;
+}
+
+/* gather_run(first, n0, stamp, sources, outs, ok) -> intact rows: gather_run_rows, each source a
+ * (capacity, row bytes) column (C-contiguous), its out (len(ok), row bytes); the slots must lie
+ * inside the columns (a run never wraps: the caller splits it at its lane's end). */
+PyObject *py_gather_run(PyObject *self, PyObject *args) {
+    PyObject *stamp_o, *src_o, *out_o, *ok_o;
+    Py_ssize_t first;
+    long long n0;
+    if (!PyArg_ParseTuple(args, "nLOO!O!O", &first, &n0, &stamp_o, &PyTuple_Type, &src_o, &PyTuple_Type, &out_o, &ok_o))
+        return NULL;
+    Py_buffer stb, kb;
+    Columns c;
+    c.n = 0;
+    PyObject *result = NULL;
+    int64_t *firsts = NULL;
+    if (get_buf(stamp_o, &stb, 0, 8, "stamp") < 0) return NULL;
+    if (get_buf(ok_o, &kb, 1, 1, "ok") < 0) { PyBuffer_Release(&stb); return NULL; }
+    Py_ssize_t n = kb.len, capacity = stb.len / 8;
+    if (first < 0 || capacity <= 0 || first > capacity - n || n0 < 0) {
+        PyErr_SetString(PyExc_ValueError, "gather_run: expected rows n0 >= 0 in slots [first, first + len(ok)) of the columns");
+        goto done;
+    }
+    if (columns_open(&c, src_o, out_o, capacity, n) < 0) goto done;
+    firsts = (int64_t *)PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (!firsts) { PyErr_NoMemory(); goto done; }
+    PyThreadState *ts = c.total >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
+    Py_ssize_t good = gather_run_rows(&c, first, n, (int64_t)n0, (const int64_t *)stb.buf, firsts, (char *)kb.buf);
+    if (ts) PyEval_RestoreThread(ts);
+    result = PyLong_FromSsize_t(good);
+done:
+    columns_close(&c);
+    PyMem_Free(firsts);
+    PyBuffer_Release(&stb);
+    PyBuffer_Release(&kb);
+    return result;
+}
+
 /* -- frame stacks (frames.py) ------------------------------------------------------------------ */
 #define MAX_STACKS 8
 

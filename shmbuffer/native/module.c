@@ -9,7 +9,7 @@
  * The files: layout.h (the block's layout and the row arithmetic, checked against the Python
  * definitions by tests/test_native.py), native.h (what the C files share), common.c (buffer
  * views, the lock), tree.c (the priority tree), priorities.c (prioritized draws and updates),
- * gather.c (the reader's stamped copies, frame stacks), sample.c (the one-call sample: draw, gather,
+ * gather.c (the reader's stamped copies, a lane's runs of rows, frame stacks), sample.c (the one-call sample: draw, gather,
  * re-draws, weights), pool.c (the threads that share a big gather's copies), copies.c (a push's copies, commit and
  * reservation as steps Python drives), plan.c and push.c (the one-call push), method.c
  * (ReplayBuffer.push as a method whose usual calls run in C).
@@ -37,6 +37,8 @@ static PyMethodDef methods[] = {
     {"update_priorities", py_update_priorities, METH_VARARGS,
      "update_priorities(lock, ids, priorities, leaves, stamp, cursors, sums, mins, plan, capacity, prio) -> live count or None."},
     {"gather", py_gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok) -> smallest id: rows with the stamp check."},
+    {"gather_run", py_gather_run, METH_VARARGS,
+     "gather_run(first, n0, stamp, sources, outs, ok) -> intact rows: a lane's consecutive rows with the stamp check."},
     {"read_plan", py_read_plan, METH_VARARGS,
      "read_plan(stamp, cursors, counters, columns, seed, tree=None, claim=None, frames=None) -> a one-call sample's plan; "
      "tree: (sums, mins, levels); claim: (lock, uses, max_use); frames: (kind, depth, ahead, parts)."},

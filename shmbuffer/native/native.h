@@ -191,6 +191,7 @@ PyObject *py_known(PyObject *self, PyObject *args);
 PyObject *py_current(PyObject *self, PyObject *args);
 PyObject *py_update_priorities(PyObject *self, PyObject *args);
 PyObject *py_gather(PyObject *self, PyObject *args);
+PyObject *py_gather_run(PyObject *self, PyObject *args);
 PyObject *py_stacks(PyObject *self, PyObject *args);
 PyObject *py_put(PyObject *self, PyObject *args);
 PyObject *py_reserve(PyObject *self, PyObject *args);

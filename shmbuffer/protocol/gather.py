@@ -3,7 +3,7 @@
 A read of rows by id is: read their stamps, copy the rows (the packed small fields, the large
 fields, the episode ids), read the stamps again; a row is *intact* when both reads equal the
 stamp its id must show (``Ring.expected``) and it is not older than its lane's last ``clear()``.
-``gather`` does that (with ``stored=True`` on the rows as stored, also in a buffer with
+``gather`` does that (``gather_run`` for a lane's consecutive rows; with ``stored=True`` on the rows as stored, also in a buffer with
 ``next_of``/``stack``: the copy of the columns that ``persistence.snapshot`` makes);
 ``rows.intact`` is the rule. With ``next_of``/``stack`` a transition is read from its window of
 rows (``frames.py``'s read rules). ``assemble`` makes the ``Batch``; ``check_out`` checks the
@@ -28,7 +28,7 @@ from ..batch import Batch
 from ..errors import FieldError
 from .layout import Block, Counter
 from .ring import INVALID, Ring
-from .rows import intact, window
+from .rows import committed, intact, window
 
 REDRAW_ROUNDS = 8
 """Rounds of re-drawing rows that were being written before the slow path (reaping dead
@@ -136,6 +136,24 @@ def _unless_updated(
     for a in range(0, n, step):
         at = slice(a, min(a + step, n))
         rows.put(at, _gather(block, ring, flat[at], large=large))  # step rows or fewer: never split again
+
+
+def gather_run(stamp: np.ndarray, columns: tuple[np.ndarray, ...], first: int, n0: int,
+               outs: tuple[np.ndarray, ...], ok: np.ndarray) -> int:
+    """Rows ``n0, n0 + 1, ...`` of one lane, in the consecutive slots from ``first`` (a run never
+    wraps: split it at the lane's end), copied from ``columns`` (``(capacity, ...)`` each) into
+    ``outs`` (``(len(ok), ...)`` each) under the reader's rule: ``ok`` marks the intact rows
+    (``rows.intact``: both stamp loads show the row committed). Returns how many. The caller checks
+    the lanes' last ``clear()`` and ``Counter.UPDATES`` (``_unless_updated``'s rule) itself.
+    With the C extension one call (the GIL released for big runs), one copy per column."""
+    k = ok.shape[0]
+    if native.lib is not None and stamp.flags.c_contiguous and all(c.flags.c_contiguous for c in columns):
+        return int(native.lib.gather_run(first, n0, stamp, columns, outs, ok))
+    before = stamp[first:first + k].copy()
+    for col, out in zip(columns, outs, strict=True):
+        np.copyto(out, col[first:first + k])
+    ok[:] = intact(before, stamp[first:first + k], committed(np.arange(n0, n0 + k, dtype=np.int64)))
+    return int(np.count_nonzero(ok))
 
 
 def settle(block: Block, ring: Ring, ids: np.ndarray, rows: Rows, *, stored: bool = False) -> None:

@@ -63,6 +63,15 @@ class Counter(IntEnum):
     UPDATES = 2
     """updates of stored rows begun (``ReplayBuffer.update``, under the lock, after their rows
     turned odd): a reader whose copy this count moved across discards it (``gather.gather``)"""
+    DELETES = 3
+    """deletes of stored rows (``ReplayBuffer.delete``, under the lock, after their stamps went to
+    0): a device copy (``device.py``) refreshes every row when it moved"""
+    DEVICE_ROWS = 4
+    """``INSERTED`` as the newest refresh of a device copy of this buffer read it (0: none yet);
+    ``INSERTED - DEVICE_ROWS`` is how many rows the copy is behind (``top``)"""
+    DEVICE_AT = 5
+    """when that refresh read the lanes, ``time.monotonic_ns()`` (one clock for every process of
+    the host), 0 once the copy closed; with several device copies, the newest refresh's"""
     RECLAIMED = 8
     """rows of dead writers reclaimed or reaped"""
     LOCK_RECOVERIES = 9
