@@ -43,10 +43,11 @@ when the refresher fell behind. ``max_lag_rows=0`` makes every sample see every 
 before it (each sample then refreshes while writers push). A ``clear()`` always makes the next
 sample refresh: a cleared row is never drawn.
 
-``sample(n)`` draws on the device: uniformly over the usable slots (``torch.randint``), or, with a
-prioritized sampler, from the shared sum tree (the same draw and importance weights as
-``ReplayBuffer.sample``), keeping the drawn rows the device holds as committed and drawing again
-for the others. ``update_priorities`` writes the shared tree, so every process sees it. A batch
+``sample(n)`` asks the buffer's sampler what may draw in its place (``Sampler.served``): a
+uniform sampler's rows are drawn on the device, uniformly over the usable slots
+(``torch.randint``); any other sampler draws on the host, by its own ``draw`` (a prioritized one
+from the shared sum tree, with ``ReplayBuffer.sample``'s importance weights; a user's sampler as
+it draws), keeping the drawn rows the device holds as committed and drawing again for the others. ``update_priorities`` writes the shared tree, so every process sees it. A batch
 has the fields, shapes and dtypes of ``ReplayBuffer.sample``'s, as tensors on the device, with
 ``index`` (ids), ``episode`` and ``weight`` as there.
 
@@ -585,14 +586,14 @@ class DeviceReplay:
         if self.closed:
             raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
         self._maybe_sync()
-        prios = self.buf.priorities
+        served = self.buf.options.sampler.served  # what the sampler lets the device draw in its place
         with self._lock:
             if self.closed:
                 raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
-            if prios is not None and prios.prioritized:
-                batch = self._prioritized(int(n))
-            else:
+            if served == "uniform":
                 batch = self._uniform(int(n))
+            else:  # the tree's draw, or a sampler's own: drawn on the host, read from the device copy
+                batch = self._host_drawn(int(n))
             if n_step > 1:
                 self._n_step(batch, int(n_step), float(gamma), fields)
         self.buf.ring.count_sampled(int(n))
@@ -611,13 +612,15 @@ class DeviceReplay:
             pick = self._usable_slots().index_select(0, pick)
         return self._batch(pick, self._ids_of(pick), None)
 
-    def _prioritized(self, n: int) -> Batch:
+    def _host_drawn(self, n: int) -> Batch:
+        """``n`` rows the buffer's sampler draws on the host (from the shared tree, or its own
+        ``draw``), those the device copy does not hold drawn again; its weights, if any."""
         torch = _torch()
         buf = self.buf
         prios = buf.priorities
-        assert prios is not None
-        sampler, ring, tree = buf.options.sampler, buf.ring, prios.tree
-        calls = prios.next_call()
+        sampler, ring = buf.options.sampler, buf.ring
+        tree = prios.tree if prios is not None else None
+        calls = prios.next_call() if prios is not None else 0
         ids = np.empty(n, np.int64)
         leaves = np.empty(n, np.float64)
         todo = np.arange(n)
@@ -634,21 +637,23 @@ class DeviceReplay:
                 todo = np.union1d(todo, stale)
             d = sampler.draw(ring, tree, buf.rng, todo.size, again=round_ > 0)
             got = d.ids
-            if d.leaves is None or got.shape[0] != todo.size:
+            if got.shape[0] != todo.size:
                 break
             ok = got >= 0
             slots = ring.slots(np.where(ok, got, 0))
             ok &= self.held[slots] == committed_of_id(np.where(ok, got, 0), self.lanes)
             if self.spec is not None:
                 ok &= self._transitions(np.where(ok, got, 0))[0]
-            ids[todo[ok]], leaves[todo[ok]] = got[ok], d.leaves[ok]
+            ids[todo[ok]] = got[ok]
+            if d.leaves is not None:
+                leaves[todo[ok]] = d.leaves[ok]
             todo = todo[~ok]
             if todo.size == 0:
                 break
         if todo.size:
             raise EmptyBufferError(f"sample({n}): the device copy of buffer {buf.name!r} holds none of the rows the "
-                                   "priorities draw (nothing pushed yet, or every row being written)")
-        weights = sampler.weights(tree, leaves, calls)
+                                   "sampler draws (nothing pushed yet, or every row being written)")
+        weights = sampler.weights(tree, leaves, calls) if sampler.weighted else None
         w = None if weights is None else torch.from_numpy(np.ascontiguousarray(weights)).to(self.device)
         if self.spec is not None:
             return self._frames_batch(ids, w)

@@ -670,3 +670,15 @@ def test_update_priorities_with_ids_that_never_existed(make: Make, name: str) ->
     for ids in ([-1], [12345]):
         with pytest.raises(sb.UnknownIdError, match="never named a row"):
             buf.update_priorities(ids, [1.0])
+
+
+def test_a_users_sampler_draws_on_the_device_copy(make: Make, name: str) -> None:
+    """The device copy asks the sampler too: a sampler of the user's draws by its own ``draw``
+    (on the host), never the device's uniform draw; a Loader over the copy follows it."""
+    buf = make(sb.Schema(x=((), "int64")), 120, lanes=2, sampler=NewestK(4), seed=0, name=name)
+    for ln in range(2):
+        buf.push(x=np.arange(30) + 100 * ln, lane=ln)
+    newest = {100 * ln + i for ln in range(2) for i in range(26, 30)}
+    with sb.DeviceReplay(buf, "cpu", max_lag_rows=0) as copy:
+        got = copy.sample(1000).x.tolist()
+        assert set(got) == newest and "weight" not in copy.sample(4).extras
