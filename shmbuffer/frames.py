@@ -231,6 +231,26 @@ def center(spec: Frames, ok: np.ndarray, kind: np.ndarray) -> np.ndarray:
     return valid
 
 
+def transitions(spec: Frames, kind: np.ndarray) -> np.ndarray:
+    """Which of a lane's rows are transitions as far as their kinds and the lane's bounds go:
+    ``kind`` holds the kinds of the lane's held rows, oldest first. What ``center`` and
+    ``stack_plan`` say of a read whose rows are all intact: not an end or lead row; with
+    ``next_of`` not the lane's newest row, nor a row followed by another episode's start (its
+    episode stopped without its end row: it has no next observation); with ``stack`` no stack that
+    reaches back past the lane's oldest row (its episode's start lapped or cleared). ``len`` and
+    ``get``'s positions count these (``reader.counted``, ``edits.end_rows``)."""
+    ok = kind & (END | LEAD) == 0
+    if spec.ahead and kind.size:
+        ok[-1] = False
+        ok[:-1] &= kind[1:] & START == 0
+    if spec.depth:
+        at = np.arange(kind.size)
+        start = np.where(kind & START != 0, at, -1)
+        np.maximum.accumulate(start, out=start)  # the latest episode start at or before each row
+        ok &= (start >= 0) | (at >= spec.depth)
+    return ok
+
+
 def stack_columns(spec: Frames, s: Stack) -> dict[str, int]:
     """The window column of the newest frame of each stack a read of ``s`` builds: ``s.name``
     for the observation, ``"next:" + s.name`` for the next one (with ``next_of``)."""

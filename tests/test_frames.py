@@ -115,7 +115,9 @@ def test_rebuilt_transitions_are_bit_identical(case: int, seed: int, make: Make,
             assert same(got, full.take([to_full[i]]), sch.names), i
         assert readable >= len(held) - lanes * (k + 1)
     held = [i for i in to_full if comp.ring.current(np.array([i]))[0]]
-    assert len(comp) == len(held) - sum(waiting.values())
+    # len counts the transitions a reader can read: not a lane's waiting row, nor a row whose
+    # stack reaches rows lapped
+    assert len(comp) == readable <= len(held) - sum(waiting.values())
     batch = comp.sample(128)
     ref = full.take([to_full[i] for i in batch.index.tolist()])
     assert same(batch, ref, sch.names)
@@ -864,3 +866,40 @@ def test_continuity_compares_values_as_stored(make: Make, name: str) -> None:
     with pytest.raises(FieldError, match="does not continue"):  # still refused when unequal as stored
         buf.push(obs=np.full(3, 0.6), next_obs=np.full(3, 0.7), done=False)
         buf.push(obs=np.full(3, 0.7000001), next_obs=np.full(3, 0.8), done=False)
+
+
+def _positions_agree(buf: sb.ReplayBuffer) -> None:
+    """``len``, ``get`` (every position, and a slice of all), ``export`` and ``sample`` count and
+    return the same transitions."""
+    got = buf.get(slice(0, len(buf)))
+    assert [int(buf.get(i).index) for i in range(len(buf))] == got.index.tolist()
+    assert np.array_equal(got.index, buf.export()["index"])
+    assert set(buf.sample(400).index.tolist()) == set(got.index.tolist())
+
+
+@pytest.mark.parametrize("next_of", ["obs", None])
+def test_stacks_that_reach_rows_lapped_are_not_counted(next_of: str | None, make: Make, name: str) -> None:
+    """Once the ring laps an episode's first rows, the oldest rows' stacks reach rows no longer
+    held: they are not transitions, and ``len`` and ``get``'s positions leave them out as
+    ``export`` and ``sample`` do (``len`` counted them, and ``get(0)`` raised)."""
+    sch = schema((1, 4, 4), 4, 0)
+    buf = make(sch, 16, next_of=next_of, stack="obs", name=name)
+    rows = episode(0, 0, 30, "terminated", (1, 4, 4), 4, 0, "reset")
+    _push_all(buf, rows[:25])
+    assert len(buf) == 16 - 3 - (next_of is not None)  # three rows' stacks reach lapped rows; the newest waits
+    _positions_agree(buf)
+
+
+def test_a_step_followed_by_another_episodes_start_is_not_counted(make: Make, name: str) -> None:
+    """With ``next_of`` a lane's step whose episode stopped without its end (the next push into the
+    lane is another episode's first step; or its ``done`` set after its push, as SB3 truncates a
+    trajectory) has no next observation: it is not a transition, and ``len`` and ``get``'s
+    positions leave it out as ``export`` and ``sample`` do."""
+    sch = schema((1, 4, 4), 1, 0)
+    buf = make(sch, 32, next_of="obs", episodes=True, name=name)
+    first = episode(0, 0, 5, "terminated", (1, 4, 4), 1, 0, "reset")
+    second = episode(0, 1, 5, "terminated", (1, 4, 4), 1, 0, "reset")
+    _push_all(buf, first[:3], episode=0)  # episode 0 stops after three steps: the third has no next
+    _push_all(buf, second[:4], episode=1)
+    assert len(buf) == 2 + 3
+    _positions_agree(buf)

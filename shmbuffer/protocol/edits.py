@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import FieldError, ReadOnlyError
-from ..frames import END, KIND, LEAD
+from ..frames import KIND, transitions
 from ..schema import as_numpy
 from ..shm.lock import defer_signals, resume_signals
 from .layout import Counter
@@ -125,13 +125,15 @@ def delete(src: Source, ids: np.ndarray) -> int:
 
 
 def end_rows(src: Source) -> int:
-    """Held slots that are not transitions (``next_of``, ``stack``): end rows holding an episode's
-    final observation, lead rows (``push(resume=True)``, a lane started again after ``clear()``),
-    and with ``next_of`` each lane's newest row while it waits for its next one; slots that
-    ``removed`` counts are not counted again (``reader.counted`` is the rule both follow)."""
+    """Held slots that are not transitions (``next_of``, ``stack``; ``frames.transitions``): end
+    rows holding an episode's final observation, lead rows (``push(resume=True)``, a lane started
+    again after ``clear()``), with ``next_of`` each lane's newest row while it waits for its next
+    one and a row whose episode stopped without its end, and rows whose stacks reach rows lapped;
+    slots that ``removed`` counts are not counted again (``reader.counted`` is the rule both follow)."""
+    spec = src.block.frames
+    assert spec is not None
     kind = src.block.arrays[KIND]
     ring = src.ring
-    nexts = src.block.frames is not None and bool(src.block.frames.next_of)
     lost = bool(src.block.counters[Counter.REMOVED])
     first, stop = ring.bounds()
     lc = ring.lane_capacity
@@ -140,14 +142,11 @@ def end_rows(src: Source) -> int:
         a, b = int(first[lane]), int(stop[lane])
         if b <= a:
             continue
-        slots: slice | np.ndarray = slice(lane * lc, (lane + 1) * lc) if b - a >= lc else slot(lane, np.arange(a, b), lc)
-        other = (kind[slots] & (END | LEAD)) != 0
+        slots = slot(lane, np.arange(a, b), lc)  # oldest first: a row's neighbours decide
+        other = ~transitions(spec, kind[slots])
         if lost:
             other &= ~gone(src, slots)
         count += int(np.count_nonzero(other))
-        newest = slot(lane, b - 1, lc)
-        if nexts and not kind[newest] & (END | LEAD) and not (lost and gone(src, newest)):
-            count += 1  # the newest row: its next observation is not pushed yet
     return count
 
 

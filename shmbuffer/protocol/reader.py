@@ -395,8 +395,8 @@ def counted(src: Source) -> np.ndarray:
     """The ids of the rows ``len`` counts, lane by lane, oldest first: ``get``'s positions (and
     the order of ``export``, which also keeps used-up rows with their uses). Rows being written
     count (a read waits for them); rows that are gone (``gone``, once the buffer has lost one:
-    ``Counter.REMOVED``) do not; with ``next_of``/``stack`` only transitions count: not end or
-    lead rows, and with ``next_of`` not a lane's newest row (its next observation is not pushed).
+    ``Counter.REMOVED``) do not; with ``next_of``/``stack`` only transitions count (``frames.transitions``: not end or
+    lead rows, not a lane's newest row with ``next_of``, not a stack reaching rows lapped).
     O(rows held) a call."""
     ring = src.ring
     ids = ring.held_ids()
@@ -404,12 +404,13 @@ def counted(src: Source) -> np.ndarray:
     if src.block.counters[Counter.REMOVED]:
         keep &= ~gone(src, ring.slots(ids))
     spec = src.block.frames
-    if spec is not None:
-        keep &= (src.block.arrays[frames.KIND][ring.slots(ids)] & (frames.END | frames.LEAD)) == 0
-        if spec.next_of:
-            first, stop = ring.bounds()
-            lanes = np.flatnonzero(stop > first)
-            keep &= ~np.isin(ids, (stop[lanes] - 1) * ring.lanes + lanes)
+    if spec is not None:  # held_ids lists each lane's rows oldest first, lane after lane
+        kind = src.block.arrays[frames.KIND][ring.slots(ids)]
+        first, stop = ring.bounds()
+        at = 0
+        for a, b in zip(first.tolist(), stop.tolist(), strict=True):
+            keep[at:at + b - a] &= frames.transitions(spec, kind[at:at + b - a])
+            at += b - a
     return ids[keep]
 
 
