@@ -294,3 +294,30 @@ def _updater(handle: sb.BufferHandle, rounds: int) -> None:
             assert buf.update(np.arange(8), obs=wide * v, reward=float(v)) == 8
     finally:
         buf.close()
+
+
+def _steps(ts: range, done_at: int | None = None) -> dict[str, np.ndarray]:
+    t = np.array(list(ts))
+    return {"obs": np.stack([t, t], 1).astype(np.float32), "next_obs": np.stack([t + 1, t + 1], 1).astype(np.float32),
+            "reward": t.astype(np.float32), "done": t == done_at}
+
+
+NEXT_OF = sb.Schema(obs=((2,), "float32"), next_obs=((2,), "float32"), reward=((), "float32"), done=((), "bool"))
+
+
+def test_update_cannot_end_an_episode_that_goes_on_with_next_of(make: Make, name: str) -> None:
+    """With ``next_of`` an episode's last step is followed by an end row holding its final
+    observation; a step whose next row goes on with its episode cannot become a last step in
+    place. ``update`` refuses it, naming the field, and changes nothing; the lane's newest step
+    (its next observation not stored yet) may be ended, as SB3 truncates a trajectory."""
+    buf = make(NEXT_OF, 16, next_of="obs", episodes=True, name=name)
+    ids = buf.push(_steps(range(4)), episode=0)
+    before = buf.export()
+    with pytest.raises(sb.FieldError, match="'done'.*goes on"):
+        buf.update(ids[1], done=True, reward=5.0)
+    after = buf.export()
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    assert buf.update(ids[1], done=False, reward=5.0) == 1  # no end: any row
+    assert buf.update(ids[-1], done=True) == 1  # the newest: its next row is not pushed yet
+    buf.push(_steps(range(10, 12)), episode=1)  # the next episode starts after it
+    assert buf.get(slice(None)).reward.tolist() == [0.0, 5.0, 2.0, 10.0]

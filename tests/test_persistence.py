@@ -1260,3 +1260,27 @@ def test_export_and_import_carry_priorities_uses_and_ids(make: Make, name: str) 
     assert new.tolist() == [1, 2, 3, 4, 5]
     assert np.allclose(sb.export(target)["priority"][1:], out["priority"])
     assert target.uses(new).tolist() == uses.tolist()
+
+
+def test_a_save_of_a_step_ended_after_its_push_loads(make: Make, loaded: list, name: str, tmp_path: Path) -> None:
+    """A lane's waiting step ended by ``update`` (SB3's ``dones[pos - 1] = True`` before a second
+    ``learn()``), then followed by the next episode's first step, has no next observation: it is
+    not a transition, and a save of it loads (the load refused it as an altered ``_kind``)."""
+    schema = sb.Schema(obs=((2,), "float32"), next_obs=((2,), "float32"), reward=((), "float32"), done=((), "bool"))
+
+    def steps(ts: range) -> dict[str, np.ndarray]:
+        t = np.array(list(ts))
+        return {"obs": np.stack([t, t], 1).astype(np.float32), "next_obs": np.stack([t + 1, t + 1], 1).astype(np.float32),
+                "reward": t.astype(np.float32), "done": np.zeros(t.size, bool)}
+
+    buf = make(schema, 16, next_of="obs", episodes=True, name=name)
+    ids = buf.push(steps(range(3)), episode=0)
+    buf.update(ids[-1], done=True)
+    buf.push(steps(range(10, 13)), episode=1)
+    assert len(buf) == 4
+    sb.save(buf, tmp_path / "s")
+    new = sb.load(tmp_path / "s", name=name + "l")
+    loaded.append(new)
+    # the lane's waiting step goes along as a transition (a save keeps it)
+    assert len(new) == 5 and new.export()["reward"].tolist() == [0.0, 1.0, 10.0, 11.0, 12.0]
+    assert new.export()["done"].tolist() == [False] * 5

@@ -16,7 +16,7 @@ offsets that tile the data section, metadata strings, the same ``save_id`` and f
 ``meta.json``). As it reads the rows it checks ``_present`` (0 or 1), ``_leaf`` (in ``[0,
 MAX_LEAF]``), ``_uses`` (at most ``max_use``) and that a hole's bytes are zeros in every tensor;
 once they are read, a version-2 save's ``_kind`` (``_check_kinds``: defined kinds only, end rows
-where episodes end, episodes starting after them). Whatever is malformed raises ``LayoutError``
+where episodes end unless another episode starts there, episodes starting after them). Whatever is malformed raises ``LayoutError``
 naming the file and the entry; JSON nested too deep to parse is malformed too.
 
 The rows go into their slots a chunk at a time, each with its committed stamp
@@ -552,8 +552,8 @@ with copies or with zeros), an end row, a lead row (the first of a resumed episo
 
 def _check_kinds(buf: Buffer, lanes: list[tuple[int, int, int]], file: Path) -> None:
     """The ``_kind`` of a loaded frames save against its rows, which every reader trusts: only
-    ``_KINDS``; with ``next_of`` an episode's last step is followed by its end row, and an end row
-    follows a step; the row after an episode's end (its end row, or its last step without
+    ``_KINDS``; with ``next_of`` an episode's last step is followed by its end row (or by another
+    episode's start: then it is no transition), and an end row follows a step; the row after an episode's end (its end row, or its last step without
     ``next_of``) starts an episode. Checked in the new buffer's slots, lane by lane."""
     spec = buf.options.frames
     assert spec is not None
@@ -582,11 +582,14 @@ def _check_kinds(buf: Buffer, lanes: list[tuple[int, int, int]], file: Path) -> 
         end = there & ((k & END) != 0)
         ended = end if spec.next_of else final
         why = None
-        if spec.next_of and (bad := pair & final[:-1] & ~end[1:]).any():
+        begins = (k & START) != 0
+        # a last step followed by another episode's start is no transition (it has no next
+        # observation, frames.transitions): a lane's waiting step ended by update, SB3's truncation
+        if spec.next_of and (bad := pair & final[:-1] & ~end[1:] & ~begins[1:]).any():
             why = "an episode's last step is not followed by its end row"
         elif spec.next_of and (bad := pair & end[1:] & ~step[:-1]).any():
             why = "an end row does not follow a step"
-        elif (bad := pair & ended[:-1] & ((k[1:] & START) == 0)).any():
+        elif (bad := pair & ended[:-1] & ~begins[1:]).any():
             why = "the row after an episode's end does not start an episode"
         if why is not None:
             at = int(np.flatnonzero(bad)[0])

@@ -24,7 +24,7 @@ from ..schema import as_numpy
 from ..shm.lock import defer_signals, resume_signals
 from .layout import Counter
 from .reader import Source, gone
-from .rows import slot
+from .rows import lane_of, number_of, slot
 
 OneCall = Callable[[Any, Any, Any], "np.ndarray | None"]
 
@@ -75,6 +75,7 @@ def update(src: Source, ids: np.ndarray, fields: dict[str, Any], priority: Any =
         live = ring.current(ids)
         idx = ids[live]
         slots = ring.slots(idx)
+        _check_ends(src, idx, slots, {n: a[live] for n, a in arrays.items()})  # under the lock: no push moves the lanes
         ring.owner[slots] = w  # the owner first: an odd stamp always names its writer
         ring.stamp[slots] = ring.expected(idx) - 1
         src.block.counters[Counter.UPDATES] += 1  # after the odd stamps (reader._unless_updated)
@@ -97,6 +98,38 @@ def update(src: Source, ids: np.ndarray, fields: dict[str, Any], priority: Any =
     finally:
         resume_signals()
     return int(live.sum())
+
+
+def _check_ends(src: Source, ids: np.ndarray, slots: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+    """With ``next_of``: refuse an update that makes a step its episode's last (an end field
+    nonzero) while the next row of its lane goes on with the episode. That row holds the step's
+    next observation, and an episode's final one belongs in an end row (``frames.py``), which an
+    update cannot add: the rows would read as neither. The lane's newest row (its next row not
+    pushed yet) and a row that already ends its episode may be changed."""
+    spec = src.block.frames
+    if spec is None or not spec.next_of or not ids.size:
+        return
+    ends = [n for n in spec.ends if n in arrays]
+    if not ends:
+        return
+    k = ids.size
+    fields = src.block.fields
+    ending = np.zeros(k, bool)
+    ended = np.zeros(k, bool)
+    for n in ends:
+        ending |= arrays[n].reshape(k) != 0
+    for n in spec.ends:
+        ended |= fields[n][slots].reshape(k) != 0
+    ring = src.ring
+    lane = lane_of(ids, ring.lanes)
+    newest = number_of(ids, ring.lanes) == ring.bounds()[1][lane] - 1
+    bad = ending & ~ended & ~newest
+    if bad.any():
+        raise FieldError(
+            f"update: field {ends[0]!r} of row {int(ids[bad][0])}: it would end the row's episode, which goes on in "
+            "the next row of its lane; with next_of that row holds its next observation, and an episode's final "
+            "observation an end row of its own, which an update cannot add. Mark an episode's last step when "
+            "it is pushed (a lane's newest row may still be marked)")
 
 
 def delete(src: Source, ids: np.ndarray) -> int:
