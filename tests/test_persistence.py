@@ -1284,3 +1284,24 @@ def test_a_save_of_a_step_ended_after_its_push_loads(make: Make, loaded: list, n
     # the lane's waiting step goes along as a transition (a save keeps it)
     assert len(new) == 5 and new.export()["reward"].tolist() == [0.0, 1.0, 10.0, 11.0, 12.0]
     assert new.export()["done"].tolist() == [False] * 5
+
+
+@pytest.mark.parametrize("frames", [None, "obs"])
+def test_an_export_of_an_empty_buffer_has_every_key(frames: str | None, make: Make, loaded: list, name: str) -> None:
+    """An empty buffer's export has the keys a full one's has (``episode``, ``priority``,
+    ``uses``), so code that reads them, and ``from_arrays``, need no special case (an empty
+    ``next_of`` buffer's export had no ``episode``: an SB3 buffer pickled after ``reset()`` failed
+    to load)."""
+    schema = sb.Schema(obs=((2,), "float32"), next_obs=((2,), "float32"), done=((), "bool"))
+    opts: dict[str, Any] = dict(next_of=frames, episodes=True, sampler=sb.Prioritized(0.6, 0.4), max_use=3)
+    buf = make(schema, 16, name=name, **opts)
+    t = np.arange(4, dtype=np.float32)
+    buf.push(obs=np.stack([t, t], 1), next_obs=np.stack([t + 1, t + 1], 1), done=t == 3, episode=0)
+    keys = set(buf.export())
+    buf.clear()
+    empty = buf.export()
+    assert set(empty) == keys and all(a.shape[0] == 0 for a in empty.values())
+    assert empty["episode"].dtype == np.int64 and empty["uses"].dtype == np.int64
+    new = sb.ReplayBuffer.from_arrays(schema, empty, capacity=16, name=name + "a", **opts)
+    loaded.append(new)
+    assert len(new) == 0

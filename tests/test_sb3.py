@@ -835,3 +835,22 @@ def test_sample_of_zero_is_an_empty_batch_as_in_sb3(kind: str, name: str, opened
     got = mine.sample(0)
     observations = got.observations["a"] if kind == "dict" else got.observations
     assert observations.shape == (0, 3) and got.actions.shape[0] == 0 and got.rewards.shape == (0, 1)
+
+
+def test_an_optimize_memory_usage_buffer_pickles_after_reset(name: str, opened: list[Any]) -> None:
+    """A copy of an emptied ``optimize_memory_usage`` buffer (``reset()``) is an empty buffer that
+    goes on (its unpickling failed with ``KeyError: 'episode'``)."""
+    import copy as copying
+
+    box = spaces.Box(-10, 10, (3,), np.float32)
+    mine = ours.ReplayBuffer(16, box, spaces.Discrete(2), "cpu", n_envs=2, optimize_memory_usage=True, name=name)
+    opened.append(mine)
+    obs = np.zeros((2, 3), np.float32)
+    mine.add(obs, obs + 1, np.array([0, 1]), np.zeros(2, np.float32), np.array([False, True]), [{}, {}])
+    mine.reset()
+    twin = copying.deepcopy(mine)
+    opened.append(twin)
+    assert twin.size() == 0
+    for t in range(3):
+        twin.add(obs + t, obs + t + 1, np.array([0, 1]), np.zeros(2, np.float32), np.zeros(2, bool), [{}, {}])
+    assert twin.size() == 2 and twin.sample(4).observations.shape == (4, 3)

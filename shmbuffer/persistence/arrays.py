@@ -124,10 +124,17 @@ def _export_transitions(buf: Buffer) -> dict[str, np.ndarray]:
         if prios is not None and prios.uses is not None:  # as export's: a copy draws no row used up here
             part["uses"] = prios.uses[ring.slots(batch.index)].astype(np.int64)
         parts.append(part)
-    if not parts:
-        out = {f.name: np.empty((0, *f.shape), f.dtype) for f in buf.schema}
-        out["index"] = np.empty(0, np.int64)
-        return out
+    if not parts:  # nothing held: the keys a full buffer's export has, with no rows
+        empty = {f.name: np.empty((0, *f.shape), f.dtype) for f in buf.schema}
+        empty["index"] = np.empty(0, np.int64)
+        if buf.options.episodes:
+            empty["episode"] = np.empty(0, np.int64)
+        prios = buf.priorities
+        if prios is not None and prios.prioritized:
+            empty["priority"] = np.empty(0, np.float64)
+        if prios is not None and prios.uses is not None:
+            empty["uses"] = np.empty(0, np.int64)
+        return empty
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
