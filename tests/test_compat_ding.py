@@ -593,3 +593,18 @@ def test_classes_need_trusted_pickles(deque: Callable[..., DequeBuffer]) -> None
     item = trusting.push({"obs": np.zeros(2), "where": Point(3)}, meta={"origin": Point(1)})
     [got] = trusting.sample(indices=[item.index])
     assert got.data["where"] == Point(3) and got.meta["origin"] == Point(1)
+
+
+def test_load_data_of_a_buffer_never_pushed_to_empties_the_buffer(deque: Callable[..., DequeBuffer],
+                                                                   tmp_path: Any) -> None:
+    """``load_data`` replaces the rows by the file's, also when the file is the save of a buffer no
+    row was ever pushed to (it has no columns): the buffer is emptied (it raised ``missing field``)."""
+    path = os.path.join(tmp_path, "empty.npz")
+    deque(size=10).save_data(path)
+    buffer = deque(size=10)
+    for i in range(3):
+        buffer.push({"obs": np.full(2, i, np.float32)}, meta={"group": i})
+    buffer.load_data(path)
+    assert buffer.count() == 0 and buffer.export_data() == []
+    buffer.push({"obs": np.full(2, 7, np.float32)})  # the layout stays: the buffer goes on
+    assert [r.data["obs"].tolist() for r in buffer.export_data()] == [[7, 7]]

@@ -508,10 +508,10 @@ class DequeBuffer(Facade):
                                  f"{store.layout.describe()} and {store.layout.object_bytes}/{store.layout.meta_bytes}: "
                                  "load it into a new DequeBuffer")
             buf = store.make(layout)
-        elif store.buffer is None:
+        else:  # the save of a buffer no row was pushed to: no rows, and no columns to check
+            if store.buffer is not None:
+                store.buffer.clear()
             return
-        else:
-            buf = store.buffer
         arrays.pop("uses", None)
         persistence.import_rows(buf, arrays, replace=True)  # checked first: a bad file leaves the rows
 
