@@ -162,6 +162,18 @@ def _run_from(slots: np.ndarray, first: int, cap: int) -> bool:
     return bool((slots == expected).all())
 
 
+def _slot_order(rows: dict[str, np.ndarray], capacity: int) -> dict[str, np.ndarray]:
+    """Exported rows (``export``: with ``index``) in the order of their slots (``index %
+    capacity``, the buffer's rows: with ``ndim=2`` a row is a step of every env), so a load puts
+    each back in its slot; oldest first where rows are missing in the middle (a writer died mid-push)."""
+    slots = rows.pop("index") % capacity
+    rows.pop("episode", None)
+    order = np.argsort(slots, kind="stable")
+    if not np.array_equal(slots[order], np.arange(slots.size)):
+        return rows
+    return {n: a[order] for n, a in rows.items()}
+
+
 def _classes(tc: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], type]:
     """The tensorclass at each nested key of ``tc`` (``()`` for ``tc`` itself)."""
     out = {prefix: type(tc)}
@@ -619,16 +631,8 @@ class ShmStorage(StoreStorage):
         """The rows in slot order (so a load puts each back in its slot), not a name."""
         if self.buffer is None:
             return {"rows": None, **self._meta()}
-        return {"rows": self._slot_order(self.buffer.export()), "schema": self.buffer.schema.to_json(), **self._meta()}
-
-    def _slot_order(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        slots = rows.pop("index") % self.max_size
-        rows.pop("episode", None)
-        order = np.argsort(slots, kind="stable")
-        if not np.array_equal(slots[order], np.arange(slots.size)):
-            return rows  # rows missing in the middle (a writer died mid-push): oldest first, as they are
-        return {n: a[order] for n, a in rows.items()}
-
+        buf = self.buffer
+        return {"rows": _slot_order(buf.export(), buf.capacity), "schema": buf.schema.to_json(), **self._meta()}
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """TorchRL's ``load_state_dict``: the rows of ``state_dict`` (``state_dict()``'s), each back in its slot."""
         kind = state_dict.get("kind") or "tensordict"
@@ -695,7 +699,7 @@ class ShmStorage(StoreStorage):
         meta = Path(path) / META
         kinds = json.loads(meta.read_text()) if meta.exists() else {}
         with SharedBuffer.load(path) as saved:
-            rows = self._slot_order(saved.export())
+            rows = _slot_order(saved.export(), saved.capacity)
             self.load_state_dict({"rows": rows, "schema": saved.schema.to_json(), **kinds})
         return None
 

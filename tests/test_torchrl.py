@@ -506,3 +506,28 @@ def test_the_collector_example_runs() -> None:
     out = run_example("torchrl_collector.py", ["--total-frames", "400", "--frames-per-batch", "50"])
     assert "OK: 400 frames in the shared storage from 2 collector workers" in out, out
     assert "every row whole: True" in out
+
+
+@pytest.mark.parametrize("how", ["state_dict", "dumps"])
+def test_ndim2_round_trips_keep_every_step_in_its_slot(how: str, name: str, storages: list[ShmStorage],
+                                                       tmp_path: Any) -> None:
+    """With ``ndim=2`` a row holds every env of a step: a copy through ``state_dict`` or ``dumps``
+    of a storage that wrapped puts each step back in its slot, as TorchRL's writer and samplers
+    index it (slots were found modulo ``max_size``, the elements, not the rows: steps moved)."""
+    storage = ShmStorage(12, ndim=2, name=name)  # 4 steps of 3 envs
+    storages.append(storage)
+    rb = ReplayBuffer(storage=storage)
+    for i in range(7):
+        rb.extend(steps(i * 1, 3, 1))
+    want = storage.get(slice(None))["a"]
+    assert storage.shape == torch.Size([4, 3])
+    for trip in range(3):
+        copy = ShmStorage(12, ndim=2, name=f"{name}{how[0]}{trip}")
+        storages.append(copy)
+        if how == "state_dict":
+            copy.load_state_dict(storage.state_dict())
+        else:
+            storage.dumps(tmp_path / f"d{trip}")
+            copy.loads(tmp_path / f"d{trip}")
+        assert torch.equal(copy.get(slice(None))["a"], want), trip
+        storage = copy
