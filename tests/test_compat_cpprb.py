@@ -103,3 +103,24 @@ def test_next_of_and_stack_compress(made: list[Any], name: str) -> None:
     assert set(t.tolist()) == {0, 1, 2, 3}
     assert all(np.array_equal(got["obs"][i], stack[t[i]]) and np.array_equal(got["next_obs"][i], stack[t[i] + 1])
                for i in range(64))
+
+
+@pytest.mark.parametrize("next_of", [None, "obs"])
+def test_get_next_index_is_the_slot_of_the_next_row(next_of: str | None, made: list[Any], name: str) -> None:
+    """``get_next_index`` is where the next ``add`` writes, as cpprb's: 0 again after ``clear``,
+    and with ``next_of`` past the rows holding episodes' final observations (it counted rows ever
+    inserted: 5 after a clear of 5 rows, then 7 for a row written at slot 2)."""
+    rb = ReplayBuffer(8, ENV, next_of=next_of, name=name)
+    made.append(rb)
+
+    def add(ts: range, done_at: int = -1) -> int | None:
+        t = np.array(list(ts), np.float32)
+        return rb.add(obs=np.repeat(t[:, None], 4, 1), act=t, rew=t, next_obs=np.repeat(t[:, None] + 1, 4, 1),
+                      done=t == done_at)
+
+    add(range(5), done_at=4)
+    rb.clear()
+    assert rb.get_next_index() == 0
+    add(range(2), done_at=1)  # with next_of the episode's end takes a slot of its own
+    slots = rb.buffer.ring.slots(np.array([rb.buffer.ring.bounds()[1][0] - 1]))
+    assert rb.get_next_index() == (int(slots[0]) + 1) % 8 == (3 if next_of else 2)
