@@ -409,9 +409,9 @@ def test_a_copy_that_fails_gives_the_rows_back(make: Make, name: str) -> None:
     other.push(transition(12, 1))
     buf.ring.undo(res, copied=False)
     other.close()
-    assert len(buf) == 8 and set(seq_of(buf.sample(100))) == {5, 6, 7, 8, 9, 12}
+    assert len(buf) == 6 and set(seq_of(buf.sample(100))) == {5, 6, 7, 8, 9, 12}  # the holes are not counted
     with pytest.raises(sb.EmptyBufferError, match=r"lost: .*its push failed after another writer"):
-        buf.get(-2)
+        buf.take(res.ids[-1:])
 
 
 def test_take_refuses_ids_that_never_existed(make: Make, name: str) -> None:

@@ -321,3 +321,17 @@ def test_update_cannot_end_an_episode_that_goes_on_with_next_of(make: Make, name
     assert buf.update(ids[-1], done=True) == 1  # the newest: its next row is not pushed yet
     buf.push(_steps(range(10, 12)), episode=1)  # the next episode starts after it
     assert buf.get(slice(None)).reward.tolist() == [0.0, 5.0, 2.0, 10.0]
+
+
+def test_take_of_a_deleted_row_says_it_was_removed(make: Make, name: str) -> None:
+    """``take`` of a deleted row (or one a dead or failed push left empty) says the row was lost or
+    deleted, not "overwritten, cleared or being written"; a row overwritten says that."""
+    buf = make(SCHEMA, 4, name=name)
+    ids = buf.push(_rows(4))
+    buf.delete(ids[1])
+    with pytest.raises(sb.EmptyBufferError, match="was deleted") as e:
+        buf.take(ids[1:2])
+    assert "overwritten" not in str(e.value)
+    buf.push(_rows(1, 4))  # overwrites id 0
+    with pytest.raises(sb.EmptyBufferError, match=r"overwritten.*ids \[1\]: a row was lost"):
+        buf.take(ids[:2])

@@ -149,7 +149,7 @@ def test_a_failed_push_leaves_the_buffer_as_it_was_or_its_rows_whole(
 
 def test_a_failed_push_after_another_writer_reserved_leaves_empty_rows_never_torn(make: Make, name: str) -> None:
     """When a writer reserved rows after the failed push's, its rows cannot be given back: they
-    read as empty (a hole, reported as lost), never as committed, and are never drawn."""
+    read as empty (a hole, reported as lost by id), never as committed, never drawn or counted."""
     buf = make(MUJOCO, 8, name=name, sampler=sb.Prioritized())
     buf.push(transition(0, 8))
     res = buf.ring.reserve(2)
@@ -161,9 +161,10 @@ def test_a_failed_push_after_another_writer_reserved_leaves_empty_rows_never_tor
     buf.ring.undo(res, copied=False, lost=lambda slots: buf.priorities.tree.update(slots, 0.0))  # type: ignore[union-attr]
     assert not (buf.ring.stamp & 1).any()
     assert set(buf.sample(200).reward.astype(int).tolist()) == {3, 4, 5, 6, 7, 10}
-    assert buf.get(4).reward == 7 and buf.get(7).reward == 10
+    # len and get's positions leave the holes out, as sample does
+    assert len(buf) == 6 and buf.get(4).reward == 7 and buf.get(5).reward == 10
     with pytest.raises(sb.EmptyBufferError, match=r"lost: .*its push failed after another writer had reserved"):
-        buf.get(5)  # row 8
+        buf.take([8])
 
 
 def test_a_packed_records_field_is_pushed_whole(make: Make, name: str) -> None:

@@ -854,3 +854,32 @@ def test_an_optimize_memory_usage_buffer_pickles_after_reset(name: str, opened: 
     for t in range(3):
         twin.add(obs + t, obs + t + 1, np.array([0, 1]), np.zeros(2, np.float32), np.zeros(2, bool), [{}, {}])
     assert twin.size() == 2 and twin.sample(4).observations.shape == (4, 3)
+
+
+def test_a_copy_after_reset_keeps_the_arrays_where_no_row_is(name: str, opened: list[Any]) -> None:
+    """After ``reset()`` SB3's arrays keep their old values past ``pos`` (SB3 reads them when
+    ``full`` is set by hand); a copy (pickle, deepcopy) has the same arrays and samples the same
+    (they came back as zeros)."""
+    import copy as copying
+
+    box = spaces.Box(-1, 1, (3,), np.float32)
+    theirs = buffers.ReplayBuffer(10, box, spaces.Discrete(3), "cpu", n_envs=2)
+    mine = ours.ReplayBuffer(10, box, spaces.Discrete(3), "cpu", n_envs=2, name=name)
+    opened.append(mine)
+    steps = adds(2, 9, box, spaces.Discrete(3), seed=4)
+    for k, step in enumerate(steps):
+        theirs.add(*step)
+        mine.add(*step)
+        if k == 6:
+            theirs.reset()
+            mine.reset()
+    theirs.full = mine.full = True
+    twin = copying.deepcopy(pickle.loads(pickle.dumps(mine)))
+    opened.append(twin)
+    assert (twin.pos, twin.full) == (theirs.pos, theirs.full)
+    for attr in ARRAYS:
+        assert np.array_equal(getattr(twin, attr), getattr(theirs, attr)), attr
+    np.random.seed(3)
+    a = theirs.sample(40)
+    np.random.seed(3)
+    same(a, twin.sample(40))

@@ -14,14 +14,17 @@ at most ``MAX_BLOCK``, ``options.frames`` set exactly in a version-2 save, the t
 the schema and options); and every entry of the safetensors header (object, dtype code, shape,
 offsets that tile the data section, metadata strings, the same ``save_id`` and format version as
 ``meta.json``). As it reads the rows it checks ``_present`` (0 or 1), ``_leaf`` (in ``[0,
-MAX_LEAF]``), ``_uses`` (at most ``max_use``) and that a hole's bytes are zeros in every tensor;
+MAX_LEAF]``), ``_uses`` (at most ``max_use``), the two together (``_check_leaves``: a used-up row's
+leaf 0, another's the leaf its sampler gives) and that a hole's bytes are zeros in every tensor;
 once they are read, a version-2 save's ``_kind`` (``_check_kinds``: defined kinds only, end rows
 where episodes end unless another episode starts there, episodes starting after them). Whatever is malformed raises ``LayoutError``
 naming the file and the entry; JSON nested too deep to parse is malformed too.
 
 The rows go into their slots a chunk at a time, each with its committed stamp
-(``protocol.rows.committed``); a hole's slot stays empty (stamp 0, leaf 0). The lanes' cursors are
-set last: until then the new buffer reads as empty.
+(``protocol.rows.committed``); a hole's slot stays empty (stamp 0, leaf 0). Whether rows were
+removed (``Counter.REMOVED``: ``len`` and ``get``'s positions then leave holes and used-up rows
+out) comes from the rows read, not only from ``counters``, which older saves lack. The lanes'
+cursors are set last: until then the new buffer reads as empty.
 """
 
 from __future__ import annotations
@@ -463,7 +466,7 @@ def _read(folder: Path, meta: dict[str, Any], version: int, factory: Callable[..
         buf = factory(schema, cap, **kwargs, name=name, seed=seed)
         try:
             with Line(f"loading {folder}", sum(stop - first for first, stop, _ in lanes)) as line:
-                _fill(buf, fd, rows_file, data_start, entries, files, lanes, line)
+                removed = _fill(buf, fd, rows_file, data_start, entries, files, lanes, line)
             if opts.frames is not None:
                 _check_kinds(buf, lanes, rows_file)
             arrays = columns(buf)
@@ -471,6 +474,8 @@ def _read(folder: Path, meta: dict[str, Any], version: int, factory: Callable[..
                 arrays["_prio"][0] = saved.max_priority
             for key, at in _STATS.items():
                 arrays["_stats"][at] = saved.stats.get(key, 0)
+            if removed:  # from the rows, not the counters (saves older than them have none)
+                arrays["_stats"][Counter.REMOVED] = 1
             new_lc = buf.lane_capacity
             for lane, (first, stop, base) in enumerate(lanes):
                 # the saved base reproduces the bounds unless the lanes grew or rows were dropped
@@ -484,9 +489,10 @@ def _read(folder: Path, meta: dict[str, Any], version: int, factory: Callable[..
 
 
 def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, _Entry],
-          files: list[Tensor], lanes: list[tuple[int, int, int]], line: Line) -> None:
+          files: list[Tensor], lanes: list[tuple[int, int, int]], line: Line) -> bool:
     """Read the rows into the new buffer's slots, with their stamps, a chunk at a time; a hole's
-    slot stays empty (stamp 0, leaf 0)."""
+    slot stays empty (stamp 0, leaf 0). Returns whether a row is a hole or used up (``len`` then
+    leaves them out: ``Counter.REMOVED``)."""
     arrays = columns(buf)
     lc = buf.lane_capacity
     targets: dict[str, np.ndarray] = dict(buf.block.fields)
@@ -497,6 +503,7 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
     max_use = buf.options.max_use
     step = max(1, CHUNK_BYTES // max(1, sum(t.row_bytes for t in files)))
     pos = 0
+    removed = False
     for lane, (first, stop, _) in enumerate(lanes):
         n0 = first
         while n0 < stop:
@@ -508,6 +515,9 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
             if flags.size and flags.max() > 1:
                 raise LayoutError(f"{file}: tensor '_present' holds {int(flags.max())}, expected 0 or 1")
             present = flags.astype(bool)
+            if not present.all():
+                removed = True
+            got: dict[str, np.ndarray] = {}
             for t in files:
                 if t.name == "_present":
                     continue
@@ -537,12 +547,45 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
                     raise LayoutError(f"{file}: tensor '_uses' holds {int(staged.max())}, more than max_use={max_use}")
                 elif target is not None and staged is not target:
                     target[...] = staged
+                got[t.name] = staged
+            if "_leaf" in got:  # end and lead rows are never drawn: their leaves are 0
+                rows = present if KIND not in got else present & (got[KIND] & (END | LEAD) == 0)
+                removed |= _check_leaves(buf, got["_leaf"], got.get("_uses"), rows, file, lane, n0)
             stamps = committed(np.arange(n0, n1, dtype=np.int64))
             stamps[~present] = 0
             arrays["_stamp"][sl] = stamps
             line.update(pos + n1 - first)
             n0 = n1
         pos += stop - first
+    return removed
+
+
+def _check_leaves(buf: Buffer, leaf: np.ndarray, uses: np.ndarray | None, rows: np.ndarray, file: Path,
+                  lane: int, n0: int) -> bool:
+    """A chunk's ``_leaf`` against its ``_uses``, as the sampler keeps them (under the lock,
+    together): a row used up (``max_use``) has the leaf 0, any other the leaf its sampler gives a
+    row (1 without priorities; more than 0 with them unless ``eps`` is 0, which lets a priority of
+    0 have the leaf 0). A row with a leaf of 0 is never drawn though ``len`` counts it, and a
+    uniform row with another leaf is drawn more or less often than the others. Returns whether
+    a row of the chunk (of ``rows``: those saved, not end or lead rows) is used up."""
+    prios = buf.priorities
+    assert prios is not None
+    max_use = buf.options.max_use
+    up = np.zeros(leaf.shape, bool) if uses is None or max_use is None else uses.astype(np.int64) >= max_use
+    s = buf.options.sampler
+    if not s.prioritized:
+        bad = np.where(up, leaf != 0, leaf != 1)
+    else:
+        bad = (up & (leaf != 0)) | (~up & (leaf == 0) & (cast(Prioritized, s).eps > 0))
+    bad &= rows
+    if bad.any():
+        at = int(np.flatnonzero(bad)[0])
+        raise LayoutError(
+            f"{file}: tensor '_leaf' holds {float(leaf[at])!r} for row {n0 + at} of lane {lane}, whose use count is "
+            f"{'max_use' if up[at] else 'below max_use' if max_use is not None else 'not kept'}: expected "
+            f"{'0' if up[at] else '1' if not s.prioritized else 'a leaf above 0'} (the sampler keeps the two together); "
+            "the file was altered")
+    return bool((up & rows).any())
 
 
 _KINDS = {0, START, START | ZERO, END, LEAD, LEAD | START}

@@ -28,7 +28,7 @@ from .gather import REDRAW_ROUNDS, Rows, assemble, gather, settle
 from .layout import Block, Counter, Options
 from .priorities import Priorities
 from .ring import Ring, positions
-from .rows import is_writing
+from .rows import is_writing, lane_of, number_of
 
 NONE = np.empty(0, np.int64)
 GIVE_UP = 1.0
@@ -367,7 +367,14 @@ def take(src: Source, ids: Any) -> Batch:
         settle(src.block, ring, ids, rows)
     if not rows.ok.all():
         gone = ids[~rows.ok]
-        why = "overwritten, cleared or being written"
+        # a slot left empty inside its lane's rows lost its row (deleted, a dead or failed push):
+        # said as such, not as overwritten
+        first, stop = ring.bounds()
+        lane, n = lane_of(gone, ring.lanes), number_of(gone, ring.lanes)
+        lost = (n >= first[lane]) & (n < stop[lane]) & (ring.stamp[ring.slots(gone)] == 0)
+        why = "overwritten, cleared or being written" if not lost.all() else ""
+        if lost.any():
+            why += ("; ids " + str(gone[lost][:5].tolist()) + ": " if why else "") + _LOST
         if src.block.frames is not None:
             why += f"; or {_NOT_A_TRANSITION}"
         raise EmptyBufferError(

@@ -96,6 +96,9 @@ from .layout import LANE_WORDS, WRITERS, Counter, Lane, check_lanes
 
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 _SAMPLED, _RECLAIMED, _RECOVERIES = int(Counter.SAMPLED), int(Counter.RECLAIMED), int(Counter.LOCK_RECOVERIES)
+_REMOVED = int(Counter.REMOVED)
+"""Set once a slot of the lanes' rows is left empty (a dead writer's, an abandoned push's): ``len`` and
+``get``'s positions then leave such slots out, as deleted rows (``edits.removed``)."""
 _INSERTED, _FROZEN, _UPDATES = int(Counter.INSERTED), int(Counter.FROZEN), int(Counter.UPDATES)
 _INT64_MAX = np.iinfo(np.int64).max
 Gate = Callable[[int, int, int], bool]
@@ -241,6 +244,7 @@ class Ring:
                     # or draws keep landing on empty slots (and a tree of nothing else never
                     # reads as empty); the repairs scan every slot, which this rare path can afford
                     self._stats[_RECLAIMED] += int(lost.sum())
+                    self._stats[_REMOVED] = 1
                     for repair in self.repairs:
                         repair()
                 self._wpid[w] = 0
@@ -428,6 +432,8 @@ class Ring:
         mine = slots[self.stamp[slots] == res.stamps - 1]
         if also is not None and mine.size:
             also(mine)
+        if mine.size:
+            self._stats[_REMOVED] = 1  # before the rows go: len never over-counts
         self.stamp[mine] = 0
 
     # -- readers -------------------------------------------------------------------------------
@@ -479,6 +485,8 @@ class Ring:
         with self.lock:
             odd = np.flatnonzero(rows.is_writing(self.stamp))
             lost = odd[np.isin(self.owner[odd], dead)]
+            if lost.size:
+                self._stats[_REMOVED] = 1  # before the rows go: len never over-counts
             self.stamp[lost] = 0
             self._stats[_RECLAIMED] += lost.size
             if also is not None:

@@ -454,7 +454,22 @@ class _Shared:
             rows = {k: np.concatenate([rows[k], pending[k]]) for k in rows}
         return {"settings": self._settings, "device": str(self.device), "rows": rows,
                 "pending": np.empty(0, np.int64) if pending is None else pending["index"],
-                "lanes": self.buffer.lanes, "full": (self._full_set, self._full_from)}
+                "lanes": self.buffer.lanes, "full": (self._full_set, self._full_from),
+                "free": None if self.optimize_memory_usage else self._free_values()}
+
+    def _free_values(self) -> dict[str, np.ndarray]:
+        """The values SB3's arrays show where no row is (left by rows cleared with ``reset()``;
+        SB3 reads them once ``full`` is set by hand): ``"slot"`` and each field, for the slots not
+        all zeros (a copy starts from zeros)."""
+        ring, fields = self.buffer.ring, self.buffer.block.fields
+        slots = np.arange(ring.capacity)
+        slots = slots[ring.ids_of_slots(slots) == INVALID]
+        used = np.zeros(slots.size, bool)
+        for column in fields.values():
+            if slots.size and column[0].size:  # (a reshape of no rows cannot infer the width)
+                used |= column[slots].reshape(slots.size, -1).any(axis=1)
+        slots = slots[used]
+        return {"slot": slots, **{n: column[slots].copy() for n, column in fields.items()}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         s = state["settings"]
@@ -465,6 +480,10 @@ class _Shared:
                           None if once else rows, episodes=bool(s.get("episodes", False)))
         self._full_set, self._full_from = state.get("full", (False, 0))
         if not once:
+            free = state.get("free")
+            if free is not None and free["slot"].size:
+                for n, column in self.buffer.block.fields.items():
+                    self.buffer.ring.write_free(np.asarray(free["slot"], np.int64), column, free[n])
             return
         index = np.asarray(rows.pop("index"), np.int64)
         episode = np.asarray(rows.pop("episode"), np.int64)
