@@ -313,7 +313,7 @@ def test_update_cannot_end_an_episode_that_goes_on_with_next_of(make: Make, name
     buf = make(NEXT_OF, 16, next_of="obs", episodes=True, name=name)
     ids = buf.push(_steps(range(4)), episode=0)
     before = buf.export()
-    with pytest.raises(sb.FieldError, match="'done'.*goes on"):
+    with pytest.raises(sb.FieldError, match=r"'done'.*goes on"):
         buf.update(ids[1], done=True, reward=5.0)
     after = buf.export()
     assert all(np.array_equal(before[k], after[k]) for k in before)

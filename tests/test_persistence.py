@@ -1342,7 +1342,7 @@ def test_a_save_whose_leaves_disagree_with_the_uses_is_refused(sampler: str, mak
     buf.push(x=np.arange(6))
     sb.save(buf, tmp_path / "s")
     _poke(tmp_path / "s", _tensor_at(tmp_path / "s", "_leaf") + 8 * 3, bytes(8))  # row 3's leaf: 0.0
-    with pytest.raises(sb.LayoutError, match="'_leaf'.*row 3"):
+    with pytest.raises(sb.LayoutError, match=r"'_leaf'.*row 3"):
         sb.load(tmp_path / "s", name=name + "l")
     assert not os.path.exists(segment.path_of(name + "l"))
 
