@@ -883,3 +883,22 @@ def test_a_copy_after_reset_keeps_the_arrays_where_no_row_is(name: str, opened: 
     a = theirs.sample(40)
     np.random.seed(3)
     same(a, twin.sample(40))
+
+
+@pytest.mark.parametrize("once", [False, True])
+def test_a_copy_whose_rows_are_refused_leaves_no_shared_buffer(once: bool, name: str, opened: list[Any]) -> None:
+    """Unpickling rows the new buffer refuses (a damaged or hand-made state) raises and removes the
+    shared buffer it had made (it stayed in /dev/shm until the half-made object was collected)."""
+    box = spaces.Box(-10, 10, (3,), np.float32)
+    mine = ours.ReplayBuffer(16, box, spaces.Discrete(2), "cpu", n_envs=2, optimize_memory_usage=once, name=name)
+    opened.append(mine)
+    obs = np.zeros((2, 3), np.float32)
+    for t in range(3):
+        mine.add(obs + t, obs + t + 1, np.array([0, 1]), np.zeros(2, np.float32), np.zeros(2, bool), [{}, {}])
+    state = mine.__getstate__()
+    state["rows"]["obs"] = state["rows"]["obs"][:, :2]  # a field of another shape
+    before = set(segment.list_names())
+    copy = object.__new__(ours.ReplayBuffer)
+    with pytest.raises(sb.FieldError):
+        copy.__setstate__(state)
+    assert set(segment.list_names()) == before

@@ -485,8 +485,18 @@ class _Shared:
                 for n, column in self.buffer.block.fields.items():
                     self.buffer.ring.write_free(np.asarray(free["slot"], np.int64), column, free[n])
             return
+        try:  # rows refused leave no shared buffer behind
+            self._push_saved(rows, state)
+        except BaseException:
+            self.close()
+            raise
+
+    def _push_saved(self, rows: dict[str, np.ndarray], state: dict[str, Any]) -> None:
+        """Unpickling with ``optimize_memory_usage``: push the saved transitions, lane by lane,
+        each lane's episodes as they were (see ``__setstate__``)."""
         index = np.asarray(rows.pop("index"), np.int64)
         episode = np.asarray(rows.pop("episode"), np.int64)
+        self.buffer.schema.validate(rows)  # first: a damaged state raises naming the field
         pending = np.isin(index, state.get("pending", ()))
         lanes = int(state["lanes"])
         lane = lane_of(index, lanes)
