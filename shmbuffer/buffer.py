@@ -521,17 +521,18 @@ class ReplayBuffer:
         return self._counted(n, timeout, draw)
 
     def _check_transitions(self, n: int, replace: bool) -> None:
-        """With ``next_of``: refuse a sample of more whole transitions than the buffer holds
-        (``frames.py``: an episode's final observation and each lane's newest row are not)."""
+        """With ``next_of``/``stack``: refuse a sample of more whole transitions than the buffer
+        holds (``frames.transitions``: an episode's final observation, each lane's newest row with
+        ``next_of``, a row whose stack reaches rows lapped are not)."""
         frames = self.options.frames
-        if frames is not None and frames.next_of and (not replace or len(self.ring) <= 2 * self.lanes):
+        if frames is not None and (not replace or (frames.next_of and len(self.ring) <= 2 * self.lanes)):
             # len scans the lanes (O(capacity)): only where it can say no (few rows, or distinct ones)
             held = len(self)  # rows that are whole transitions (frames.py)
             if held == 0 or (not replace and n > held):
                 raise EmptyBufferError(
                     f"sample({n}{'' if replace else ', replace=False'}): buffer {self.name!r} holds {held} whole "
-                    "transitions (an episode's final observation and each lane's newest row, which waits for "
-                    "its next, are not)")
+                    "transitions (an episode's final observation, each lane's newest row with next_of, which "
+                    "waits for its next, and a row whose stack reaches rows lapped are not)")
 
     def _make_one_call(self) -> OneCall | None:
         """The one-call sample of this buffer (``OneCall``), or ``None`` where it serves none."""

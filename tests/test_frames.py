@@ -903,3 +903,18 @@ def test_a_step_followed_by_another_episodes_start_is_not_counted(make: Make, na
     _push_all(buf, second[:4], episode=1)
     assert len(buf) == 2 + 3
     _positions_agree(buf)
+
+
+def test_distinct_draws_beyond_the_transitions_of_a_stack_buffer_are_refused_at_once(make: Make, name: str) -> None:
+    """``stack`` alone: ``sample(n, replace=False)`` of more transitions than the buffer holds (rows
+    whose stacks reach rows lapped are none) raises ``EmptyBufferError`` at once, as with
+    ``next_of`` (it re-drew for a second and raised ``WaitTimeout``)."""
+    sch = schema((1, 4, 4), 4, 0)
+    buf = make(sch, 16, stack="obs", name=name)
+    _push_all(buf, episode(0, 0, 30, "terminated", (1, 4, 4), 4, 0, "reset")[:25])
+    assert len(buf) == 13
+    t0 = time.monotonic()
+    with pytest.raises(sb.EmptyBufferError, match="holds 13 whole transitions"):
+        buf.sample(14, replace=False)
+    assert time.monotonic() - t0 < 0.5
+    assert buf.sample(13, replace=False).index.size == 13
