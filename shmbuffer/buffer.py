@@ -247,6 +247,8 @@ class ReplayBuffer:
         if self._one_call is not None:
             self._one_call.close()  # the one-call sample's
         self._one_call = None
+        if self._ring is not None:
+            self._ring.lock.let_go()  # a robust mutex this process holds must stay mapped (lock.py)
         self._ring = self._prios = self._fast_push = None
         self._block = self._copier = None  # type: ignore[assignment]
         self._segment.close(defer=defer)
