@@ -25,6 +25,7 @@ ring's reservations (``ring.py``), the sampler's draws (``samplers.py``) and the
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -235,8 +236,10 @@ class ReplayBuffer:
         return self._ring is None
 
     def close(self) -> None:
-        """Unmap this process's view (see the module docstring). Idempotent."""
-        self._close(defer=False)
+        """Unmap this process's view (see the module docstring). Idempotent. In a ``finally`` or
+        ``except`` block it lets go as ``with`` does (the mapping goes with the last view): the
+        exception being handled holds, in its traceback, the internals of the call that raised."""
+        self._close(defer=sys.exc_info()[0] is not None)
 
     def _close(self, *, defer: bool) -> None:
         if self._segment is None:
