@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
+from shmbuffer import native
 from shmbuffer.device import DeviceReplay
 
 from .conftest import MUJOCO, copy_through, seq_of, transition
@@ -278,6 +279,7 @@ def test_a_prioritized_draw_never_pairs_an_id_with_a_newer_rows_data(make: Make,
 
 
 def test_a_clear_during_a_sync_is_never_drawn_past(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "lib", None)  # the Python steps: a clear between them
     buf = make(MUJOCO, 16, name=name)
     buf.push(transition(0, 8))
     dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
@@ -454,7 +456,7 @@ def _paced_writer(handle: sb.BufferHandle, lane: int, per_s: float) -> None:
 
 
 def test_the_background_refresher_keeps_rows_whole_current_and_never_cleared(
-        make: Make, name: str, procs: list[Any]) -> None:
+        make: Make, name: str, procs: list[Any], path: str) -> None:
     """Writers at a fixed rate lap the ring, one is killed mid-push, and a clear() comes while the
     refresher runs: every row drawn equals take() of its id when both still hold it, is whole, was
     in its lane within the row bound, and none from before the clear; the usable slots kept per
@@ -462,7 +464,7 @@ def test_the_background_refresher_keeps_rows_whole_current_and_never_cleared(
     buf = make(MUJOCO, 512, name=name, lanes=2)
     buf.push(transition(0, 2), lane=0)
     dev = DeviceReplay(buf, "cpu", max_lag_rows=64, max_lag_s=0.02, seed=12)
-    assert dev.refreshing
+    assert dev.refreshing and dev.one_call == (path == "native")
     ctx = mp.get_context("fork")
     k = ctx.Process(target=_killed_writer, args=(buf.handle,))
     procs.append(k)
@@ -493,8 +495,8 @@ def test_the_background_refresher_keeps_rows_whole_current_and_never_cleared(
         if drawn == 150:
             buf.clear()
             base = buf.ring.bounds()[0].copy()
-        with dev._lock:
-            assert set(dev._dense[:len(dev)].tolist()) == set(np.flatnonzero(dev.usable).tolist())
+        with dev.lock:
+            assert set(dev.dense[:len(dev)].tolist()) == set(np.flatnonzero(dev.usable).tolist())
             assert (dev.held[dev.usable] > 0).all() and not dev.held[~dev.usable].any()
     assert drawn == 300 and all(p.is_alive() for p in writers)
     for p in writers:
@@ -504,20 +506,29 @@ def test_the_background_refresher_keeps_rows_whole_current_and_never_cleared(
     assert not dev.refreshing
 
 
-def test_a_refresh_copies_the_new_rows_not_every_slot(make: Make, name: str,
+def test_a_refresh_copies_the_new_rows_not_every_slot(make: Make, name: str, path: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rows copied are the lanes' new rows (found from the cursors), in at most two runs a lane."""
+    """The rows copied are the lanes' new rows (found from the cursors), in at most two runs a lane:
+    every other device slot keeps what it held (a mark put there is not copied over)."""
     buf = make(MUJOCO, 128, name=name, lanes=2)
     buf.push(transition(0, 62), lane=0)
     buf.push(transition(64, 32), lane=1)
     dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
+    assert dev.one_call == (path == "native")
     runs: list[tuple[int, int, int]] = []
     real = dev._copy_run
     monkeypatch.setattr(dev, "_copy_run", lambda s0, n0, k: runs.append((s0, n0, k)) or real(s0, n0, k))
+    for col in dev.rows.values():
+        col.fill_(-1)  # a mark in every slot: only the slots refreshed lose it
     buf.push(transition(100, 5), lane=0)  # lane 0 wraps: rows 62..66, slots 62, 63 and 0..2
     buf.push(transition(200, 3), lane=1)  # rows 32..34 of lane 1, slots 96..98
     assert dev.sync() == 8
-    assert sorted(runs) == [(0, 64, 3), (62, 62, 2), (96, 32, 3)]
+    new = [62, 63, 0, 1, 2, 96, 97, 98]
+    for name_, col in dev.rows.items():
+        got = col.numpy()
+        assert np.array_equal(got[new], dev.columns[name_][new]), name_
+        assert (np.delete(got, new, axis=0) == -1).all(), name_
+    assert sorted(runs) == ([] if path == "native" else [(0, 64, 3), (62, 62, 2), (96, 32, 3)])
     runs.clear()
     assert dev.sync() == 0 and runs == []
 
@@ -544,14 +555,14 @@ def test_the_refresher_stops_with_close_and_before_a_fork(make: Make, name: str)
     buf = make(MUJOCO, 32, name=name)
     buf.push(transition(0, 8))
     dev = DeviceReplay(buf, "cpu", seed=0)
-    first = dev._thread
+    first = dev._refresher.thread
     assert first is not None and first.is_alive()
     pid = os.fork()
     if pid == 0:  # the child: no refresher, and none of the parent's threads
-        os._exit(0 if dev._thread is None and not dev.refreshing else 1)
+        os._exit(0 if dev._refresher.thread is None and not dev.refreshing else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert not first.is_alive() and dev.refreshing and dev._thread is not first  # joined, started again
+    assert not first.is_alive() and dev.refreshing and dev._refresher.thread is not first  # joined, started again
     buf.push(transition(8, 8))
     t0 = time.monotonic()
     while dev.lag()[0] and time.monotonic() - t0 < 10:

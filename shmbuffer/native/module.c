@@ -9,7 +9,8 @@
  * The files: layout.h (the block's layout and the row arithmetic, checked against the Python
  * definitions by tests/test_native.py), native.h (what the C files share), common.c (buffer
  * views, the lock), tree.c (the priority tree), priorities.c (prioritized draws and updates),
- * gather.c (the reader's stamped copies, a lane's runs of rows, frame stacks), sample.c (the one-call sample: draw, gather,
+ * gather.c (the reader's stamped copies, a lane's runs of rows, frame stacks), refresh.c (a device copy's
+ * refresh on the CPU and its mutex), sample.c (the one-call sample: draw, gather,
  * re-draws, weights), pool.c (the threads that share a big gather's copies), copies.c (a push's copies, commit and
  * reservation as steps Python drives), plan.c and push.c (the one-call push), method.c
  * (ReplayBuffer.push as a method whose usual calls run in C).
@@ -39,6 +40,12 @@ static PyMethodDef methods[] = {
     {"gather", py_gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok) -> smallest id: rows with the stamp check."},
     {"gather_run", py_gather_run, METH_VARARGS,
      "gather_run(first, n0, stamp, sources, outs, ok) -> intact rows: a lane's consecutive rows with the stamp check."},
+    {"refresh", py_refresh, METH_VARARGS,
+     "refresh(mutex, stamp, cursors, counters, sources, outs, held, dense, where, nxt, bases, pending, state, piece) -> rows "
+     "newly held: a device copy's refresh on the CPU, without the GIL (device/rows.py)."},
+    {"mutex_init", py_mutex_init, METH_O, "mutex_init(mutex): a private pthread mutex in 64 bytes of a numpy array."},
+    {"mutex_lock", py_mutex_lock, METH_O, "mutex_lock(mutex): take it (the GIL released while it is busy)."},
+    {"mutex_unlock", py_mutex_unlock, METH_O, "mutex_unlock(mutex): release it."},
     {"read_plan", py_read_plan, METH_VARARGS,
      "read_plan(stamp, cursors, counters, columns, seed, tree=None, claim=None, frames=None) -> a one-call sample's plan; "
      "tree: (sums, mins, levels); claim: (lock, uses, max_use); frames: (kind, depth, ahead, parts)."},
