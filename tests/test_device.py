@@ -19,7 +19,7 @@ import shmbuffer as sb
 from shmbuffer import native
 from shmbuffer.device import DeviceReplay
 
-from .conftest import MUJOCO, copy_through, seq_of, transition
+from .conftest import MUJOCO, copy_through, needs_lib, seq_of, transition
 
 torch = pytest.importorskip("torch")
 Make = Callable[..., sb.ReplayBuffer]
@@ -551,26 +551,32 @@ def test_gather_run_native_equals_python(make: Make, name: str, monkeypatch: pyt
     assert np.array_equal(got[0][1], got[1][1]) and np.array_equal(got[0][1], col[2:8])
 
 
-def test_the_refresher_stops_with_close_and_before_a_fork(make: Make, name: str) -> None:
+def _threads() -> int:
+    """Threads of this process, C threads included."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_the_refresher_stops_with_close_and_before_a_fork(make: Make, name: str, path: str) -> None:
     buf = make(MUJOCO, 32, name=name)
     buf.push(transition(0, 8))
     dev = DeviceReplay(buf, "cpu", seed=0)
-    first = dev._refresher.thread
-    assert first is not None and first.is_alive()
+    assert dev.refreshing and dev._refresher.starts == 1
     pid = os.fork()
     if pid == 0:  # the child: no refresher, and none of the parent's threads
-        os._exit(0 if dev._refresher.thread is None and not dev.refreshing else 1)
+        os._exit(0 if not dev.refreshing and _threads() == 1 else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert not first.is_alive() and dev.refreshing and dev._refresher.thread is not first  # joined, started again
+    assert dev.refreshing and dev._refresher.starts == 2  # joined before the fork, started again after it
     buf.push(transition(8, 8))
     t0 = time.monotonic()
     while dev.lag()[0] and time.monotonic() - t0 < 10:
         time.sleep(0.005)
     assert dev.lag()[0] == 0  # the refresher took them in
+    before = _threads()
     dev.close()
+    assert not dev.refreshing and _threads() == before - 1  # the thread ended
     dev.close()
-    assert not dev.refreshing and not first.is_alive()
+    assert not dev.refreshing
 
 
 def test_the_refresher_ends_with_its_process_and_leaves_nothing(name: str) -> None:
@@ -584,3 +590,75 @@ def test_the_refresher_ends_with_its_process_and_leaves_nothing(name: str) -> No
     done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == "ok\n" and done.stderr == "", done.stderr
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+@needs_lib
+def test_the_one_call_refresh_equals_the_python_steps(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C refresh and the Python steps, refreshing the same buffer through pushes that wrap the
+    lanes, rows being written (reserved, then abandoned), an update, a delete and a clear: the same
+    rows taken in, held with the same stamps, pending, and the same device rows and episodes."""
+    buf = make(MUJOCO, 128, name=name, lanes=2, episodes=True)
+    one = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, chunk=8, seed=0)
+    saved = native.lib
+    monkeypatch.setattr(native, "lib", None)
+    steps = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, chunk=8, seed=0)
+    monkeypatch.setattr(native, "lib", saved)
+    assert one.one_call and not steps.one_call
+    rng = np.random.default_rng(0)
+    t, res = 0, None
+    for step in range(40):
+        lane = step % 2
+        k = int(rng.integers(1, 12))
+        ids = buf.push(transition(t, k), lane=lane, episode=np.full(k, step // 5))
+        t += k
+        if step == 8:
+            res = buf.ring.reserve(3, 1, deferring=False)  # odd rows: pending on both
+        if step == 12 and res is not None:
+            buf.ring.abandon(res)
+        if step == 20:
+            buf.update(ids[:2], reward=np.float32(-5.0))
+        if step == 25:
+            buf.delete(ids[-1:])
+        if step == 30:
+            buf.clear()
+        assert one.sync() == steps.sync(), step
+        usable = np.flatnonzero(one.usable)
+        assert np.array_equal(usable, np.flatnonzero(steps.usable)), step
+        assert np.array_equal(one.held, steps.held) and len(one) == len(steps) == usable.size == np.count_nonzero(one.held)
+        assert sorted(one.dense[:len(one)].tolist()) == usable.tolist()
+        assert sorted(one.pending.tolist()) == sorted(steps.pending.tolist()), step
+        for key, col in one.rows.items():
+            assert np.array_equal(col.numpy()[usable], steps.rows[key].numpy()[usable]), (step, key)
+            assert np.array_equal(col.numpy()[usable], one.columns[key][usable]), (step, key)
+        assert np.array_equal(one.episodes[usable], steps.episodes[usable])
+    assert one.pending.size == 0 and len(one) == len(buf)
+    one.close()
+    steps.close()
+
+
+def test_a_sample_behind_the_bound_waits_for_the_refresh_under_way_not_for_another(make: Make, name: str) -> None:
+    """A sample that finds the bound broken while a refresh runs waits for that refresh and looks
+    again: it does not copy again the rows that refresh took in."""
+    import threading
+
+    buf = make(MUJOCO, 64, name=name)
+    buf.push(transition(0, 8))
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
+    real = dev._refresh
+    calls: list[int] = []
+    started = threading.Event()
+
+    def slow() -> int:
+        calls.append(1)
+        started.set()
+        time.sleep(0.3)  # the sample arrives meanwhile
+        return real()
+
+    dev._refresh = slow  # type: ignore[method-assign]
+    buf.push(transition(8, 8))
+    other = threading.Thread(target=dev.sync)
+    other.start()
+    started.wait(10)
+    got = dev.sample(200)
+    other.join()
+    assert set(seq_of(got)) == set(range(16)) and len(calls) == 1

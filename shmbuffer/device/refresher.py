@@ -17,6 +17,7 @@ import atexit
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 PACE_S = 0.001
@@ -47,15 +48,25 @@ class Refresher:
 
     def __init__(self) -> None:
         self.thread: threading.Thread | None = None
-        """The thread while it runs."""
+        """The Python thread while it runs."""
+        self.native: Any = None
+        """The C thread while it runs: the extension and ``native/refresh.c``'s capsule."""
+        self.starts = 0
+        """Times a thread was started."""
         self.stop_event = threading.Event()
         """Set to end the thread."""
         self.failures: list[BaseException] = []
         """The thread's error, raised by the copy's next sample."""
 
-    def start(self, dev: Refreshed) -> None:
-        """Start the thread for ``dev`` (nothing happens when it runs)."""
-        if self.thread is not None:
+    def start(self, dev: Refreshed, native: Callable[[], Any]) -> None:
+        """Start the thread for ``dev`` (nothing happens when it runs): ``native()``'s C thread (it gives the
+        extension and the thread's capsule), or where that gives ``None`` a Python one."""
+        if self.thread is not None or self.native is not None:
+            return
+        self.starts += 1
+        self.native = native()
+        if self.native is not None:
+            _live.add(dev)
             return
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=_loop, args=(weakref.ref(dev), self.stop_event, self.failures),
@@ -65,6 +76,10 @@ class Refresher:
 
     def stop(self) -> None:
         """End the thread (joined: a refresh under way ends first). Idempotent."""
+        if self.native is not None:
+            lib, capsule = self.native
+            lib.refresher_stop(capsule)
+            self.native = None
         thread = self.thread
         if thread is None:
             return
@@ -76,6 +91,9 @@ class Refresher:
     @property
     def running(self) -> bool:
         """Whether the thread runs now."""
+        if self.native is not None:
+            lib, capsule = self.native
+            return bool(lib.refresher_running(capsule))
         return self.thread is not None and self.thread.is_alive()
 
 

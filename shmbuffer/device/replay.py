@@ -49,7 +49,6 @@ over frames stored once, ``max_use``, a rate limiter; groups and whole episodes 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +63,7 @@ from ..protocol.reader import Source
 from ..protocol.rows import committed, committed_of_id, slot, slot_of_id, window
 from ..sequences import check_n_step, check_windows, n_step_fields, window_mask
 from .refresher import PACE_S, Refresher, forget
-from .rows import DELETES, UPDATES, DeviceRows
+from .rows import DELETES, DONE, ERROR, INSERTED, UPDATES, DeviceRows
 
 _UPDATES, _DELETES, _INSERTED = int(Counter.UPDATES), int(Counter.DELETES), int(Counter.INSERTED)
 _DEVICE_ROWS, _DEVICE_AT = int(Counter.DEVICE_ROWS), int(Counter.DEVICE_AT)
@@ -158,9 +157,12 @@ class DeviceReplay(DeviceRows):
 
     def start_refresher(self) -> None:
         """Start the background refresher (``refresher=True`` does at construction; a fork starts
-        the parent's again). Nothing happens when it runs or the copy is closed."""
-        if not self.closed:
-            self._refresher.start(self)
+        the parent's again): a thread in C that never takes the GIL where a refresh is one C call,
+        else a Python thread. Nothing happens when it runs or the copy is closed."""
+        if self.closed:
+            return
+        bounds = [-1.0 if b is None else REFRESH_AT * b for b in (self.max_lag_rows, self.max_lag_s)]
+        self._refresher.start(self, lambda: self.native_refresher(DEFAULT_PACE_S, bounds[0], bounds[1]))
 
     def stop_refresher(self) -> None:
         """End the background refresher (joined: a refresh under way ends first); samples then
@@ -182,7 +184,7 @@ class DeviceReplay(DeviceRows):
                 return
             self._release_rows()
             counters = self.buf.block.counters
-            if counters.flags.writeable and int(counters[_DEVICE_ROWS]) == self._inserted:
+            if counters.flags.writeable and int(counters[_DEVICE_ROWS]) == int(self.state[INSERTED]):
                 counters[_DEVICE_AT] = 0  # top: no device copy now (unless another refreshed since)
 
     def __enter__(self) -> DeviceReplay:
@@ -190,11 +192,6 @@ class DeviceReplay(DeviceRows):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def lag(self) -> tuple[int, float]:
-        """How far the device copy is behind: rows inserted since the last refresh began, seconds since it began."""
-        inserted = int(self.buf.block.counters[_INSERTED])
-        return inserted - self._inserted, time.monotonic() - self._synced_at
 
     def _behind(self, share: float) -> bool:
         """Whether the copy is more than ``share`` of a bound behind: rows came in (or rows were
@@ -223,10 +220,16 @@ class DeviceReplay(DeviceRows):
         failures = self._refresher.failures
         if failures:
             raise failures.pop()
-        if self._behind(1.0):
+        if self.state[ERROR]:
+            raise ValueError(f"DeviceReplay of buffer {self.buf.name!r}: the background refresher stopped on "
+                             "inconsistent slot lists (a bug: please report it); close() and make a new copy")
+        for _ in range(4):  # each time, another refresh was done meanwhile: look again
+            seen = int(self.state[DONE])
+            if not self._behind(1.0):
+                return
             with self._refreshing:
-                if self._behind(1.0):
-                    self._refresh()
+                if not self._behind(1.0) or self._refresh(seen) >= 0:
+                    return
 
     # -- sampling -------------------------------------------------------------------------------
     def sample(self, n: int, *, n_step: int = 1, gamma: float = 0.99, fields: dict[str, str] | None = None) -> Batch:

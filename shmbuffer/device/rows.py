@@ -56,10 +56,11 @@ from ..protocol.rows import committed, committed_of_id, lane_of, number_of, numb
 _UPDATES, _DELETES, _INSERTED = int(Counter.UPDATES), int(Counter.DELETES), int(Counter.INSERTED)
 _DEVICE_ROWS, _DEVICE_AT = int(Counter.DEVICE_ROWS), int(Counter.DEVICE_AT)
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
-COUNT, PENDING, UPDATES, DELETES, INSERTED = range(5)
+COUNT, PENDING, UPDATES, DELETES, INSERTED, AT, DONE, ERROR, SPENT, TAKEN = range(10)
 """The words of ``DeviceRows.state`` (``native/refresh.c``'s ``ST_*``): usable slots, pending ids,
-``Counter.UPDATES`` and ``DELETES`` as of the last refresh (-1: copy every row again), and
-``Counter.INSERTED`` as it began."""
+``Counter.UPDATES`` and ``DELETES`` as of the last refresh (-1: copy every row again),
+``Counter.INSERTED`` and ``time.monotonic_ns()`` as it began, refreshes done, 1 once the C
+refresher stopped on an error, and all told the ns spent in refreshes and the rows they took in."""
 
 
 def _torch() -> Any:
@@ -74,8 +75,8 @@ class NativeLock:
 
     def __init__(self, lib: Any) -> None:
         self.lib = lib
-        self.mutex = np.zeros(8, np.int64)
-        """The mutex's 64 bytes."""
+        self.mutex = np.zeros(16, np.int64)
+        """The mutexes' 128 bytes: this lock's, then the one that lets one refresh run at a time."""
         lib.mutex_init(self.mutex)
 
     def acquire(self) -> bool:
@@ -137,8 +138,8 @@ class DeviceRows:
         """The usable slots: the first ``len()`` entries, in no order."""
         self.where = np.full(cap, -1, np.int64)
         """Each slot's place in ``dense``, -1 where it is not usable."""
-        self.state = np.zeros(8, np.int64)
-        """The refresh's counts (``COUNT``, ``PENDING``, ``UPDATES``, ``DELETES``, ``INSERTED``)."""
+        self.state = np.zeros(16, np.int64)
+        """The refresh's counts and times (``COUNT``, ``PENDING``, ``UPDATES``, ...: see ``COUNT``)."""
         self.state[UPDATES] = -1  # the first refresh copies every row
         self.pending_ids = np.zeros(cap, np.int64)
         """Ids of rows a refresh found being written or torn: the first ``state[PENDING]``."""
@@ -160,7 +161,8 @@ class DeviceRows:
             sources = (*self.columns.values(), *(m[0] for m in mirrors))
             outs = (*(dev.numpy() for dev in self.rows.values()), *(m[1] for m in mirrors))
             self.lock: Any = NativeLock(lib)
-            self._one_call = (lib, sources, outs)
+            self._one_call = (lib, (self.lock.mutex, block.stamp, ring.cursors, block.counters, sources, outs, self.held,
+                                    self.dense, self.where, self.next, self.bases, self.pending_ids, self.state))
         else:
             self.lock = threading.Lock()
         """The slot lists' lock: a sample holds it while it draws and gathers, a refresh while it
@@ -172,8 +174,6 @@ class DeviceRows:
         self._dense_dev = torch.from_numpy(self.dense) if cpu else torch.zeros(cap, dtype=torch.int64, device=self.device)
         self._held_dev = torch.from_numpy(self.held) if cpu else \
             torch.zeros(cap, dtype=torch.int64, device=self.device)  # what n-step windows read
-        self._inserted = 0
-        self._synced_at = 0.0
         self._refreshing = threading.Lock()  # one refresh at a time; taken before lock, never inside it
         self.closed = False
         """Whether ``close()`` was called."""
@@ -203,24 +203,36 @@ class DeviceRows:
         with self._refreshing:
             return self._refresh()
 
-    def _refresh(self) -> int:
-        """One refresh (the module docstring); the caller holds ``_refreshing``."""
+    def _refresh(self, seen: int = -1) -> int:
+        """One refresh (the module docstring); the caller holds ``_refreshing``. With ``seen`` (a
+        ``state[DONE]`` the caller read) none, and -1 returned, when another refresh was done
+        since (the C refresher's: the caller waited for it)."""
         if self.closed:
             raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
-        at = time.monotonic_ns()
-        block, ring = self.buf.block, self.buf.ring
+        counters = self.buf.block.counters
         if self._one_call is not None:
-            lib, sources, outs = self._one_call
-            taken = int(lib.refresh(self.lock.mutex, block.stamp, ring.cursors, block.counters, sources, outs, self.held,
-                                    self.dense, self.where, self.next, self.bases, self.pending_ids, self.state,
-                                    self.chunk))
-        else:
-            taken = self._refresh_steps()
-        self._inserted, self._synced_at = int(self.state[INSERTED]), at / 1e9
-        counters = block.counters
+            lib, args = self._one_call
+            return int(lib.refresh(*args, self.chunk, counters.flags.writeable, seen))
+        at = time.monotonic_ns()
+        taken = self._refresh_steps()
+        state = self.state
+        state[AT], state[DONE], state[TAKEN] = at, state[DONE] + 1, state[TAKEN] + taken
+        state[SPENT] += time.monotonic_ns() - at
         if counters.flags.writeable:  # where top reads the lag (Counter.DEVICE_ROWS)
-            counters[_DEVICE_ROWS], counters[_DEVICE_AT] = self._inserted, at
+            counters[_DEVICE_ROWS], counters[_DEVICE_AT] = state[INSERTED], at
         return taken
+
+    def native_refresher(self, pace_s: float, rows_bound: float, seconds_bound: float) -> Any:
+        """A background refresher thread in C that never takes the GIL (``native/refresh.c``):
+        every ``pace_s`` it refreshes when more than ``rows_bound`` rows came in or the last
+        refresh began more than ``seconds_bound`` ago (< 0: no such bound; both: whenever rows
+        came in). ``None`` where a refresh is not one C call; else the extension and the thread's
+        capsule, which ``lib.refresher_stop(capsule)`` ends."""
+        if self._one_call is None:
+            return None
+        lib, args = self._one_call
+        return lib, lib.refresher_start(*args, self.chunk, self.buf.block.counters.flags.writeable, pace_s,
+                                        float(rows_bound), float(seconds_bound))
 
     def _refresh_steps(self) -> int:
         """The refresh in Python steps (``native/refresh.c`` does the same in one call)."""
@@ -403,6 +415,11 @@ class DeviceRows:
     def _usable_slots(self) -> Any:
         """The usable slots as a device tensor, in no order (kept by each refresh)."""
         return self._dense_dev[:len(self)]
+
+    def lag(self) -> tuple[int, float]:
+        """How far the device copy is behind: rows inserted since the last refresh began, seconds since it began."""
+        inserted = int(self.buf.block.counters[_INSERTED])
+        return inserted - int(self.state[INSERTED]), (time.monotonic_ns() - int(self.state[AT])) / 1e9
 
     def _release_rows(self) -> None:
         """Drop the views of the shared columns and the device memory (under both locks)."""

@@ -40,10 +40,16 @@ static PyMethodDef methods[] = {
     {"gather", py_gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok) -> smallest id: rows with the stamp check."},
     {"gather_run", py_gather_run, METH_VARARGS,
      "gather_run(first, n0, stamp, sources, outs, ok) -> intact rows: a lane's consecutive rows with the stamp check."},
-    {"refresh", py_refresh, METH_VARARGS,
-     "refresh(mutex, stamp, cursors, counters, sources, outs, held, dense, where, nxt, bases, pending, state, piece) -> rows "
-     "newly held: a device copy's refresh on the CPU, without the GIL (device/rows.py)."},
-    {"mutex_init", py_mutex_init, METH_O, "mutex_init(mutex): a private pthread mutex in 64 bytes of a numpy array."},
+    {"refresh", (PyCFunction)(void (*)(void))py_refresh, METH_FASTCALL,
+     "refresh(mutex, stamp, cursors, counters, sources, outs, held, dense, where, nxt, bases, pending, state, piece, "
+     "publish, seen) -> rows newly held, or -1 when another refresh ran since state[6] was seen: a device copy's "
+     "refresh on the CPU, without the GIL (device/rows.py)."},
+    {"refresher_start", (PyCFunction)(void (*)(void))py_refresher_start, METH_FASTCALL,
+     "refresher_start(<refresh's first 15 arguments>, pace_s, rows_bound, seconds_bound) -> a background refresher "
+     "thread that never takes the GIL."},
+    {"refresher_stop", py_refresher_stop, METH_O, "refresher_stop(refresher): end it (joined). Idempotent."},
+    {"refresher_running", py_refresher_running, METH_O, "refresher_running(refresher) -> whether it runs."},
+    {"mutex_init", py_mutex_init, METH_O, "mutex_init(mutex): two private pthread mutexes in 128 bytes of a numpy array (the slot lists', the refreshes')."},
     {"mutex_lock", py_mutex_lock, METH_O, "mutex_lock(mutex): take it (the GIL released while it is busy)."},
     {"mutex_unlock", py_mutex_unlock, METH_O, "mutex_unlock(mutex): release it."},
     {"read_plan", py_read_plan, METH_VARARGS,

@@ -8,6 +8,7 @@
 
 #include <pthread.h>
 #include <string.h>
+#include <time.h>
 
 /* the words of the copy's state array (rows.py's State) */
 #define ST_COUNT 0    /* usable slots: the first ST_COUNT entries of dense */
@@ -15,23 +16,33 @@
 #define ST_UPDATES 2  /* Counter.UPDATES as of the last refresh, -1: copy every row again */
 #define ST_DELETES 3  /* Counter.DELETES as of the last refresh */
 #define ST_INSERTED 4 /* Counter.INSERTED read as the last refresh began */
-#define ST_WORDS 8
+#define ST_AT 5       /* CLOCK_MONOTONIC ns as the last refresh began (Python's time.monotonic_ns) */
+#define ST_DONE 6     /* refreshes done */
+#define ST_ERROR 7    /* 1: the background refresher stopped on inconsistent slot lists */
+#define ST_SPENT 8    /* ns spent inside refreshes, all told */
+#define ST_TAKEN 9    /* rows taken in by refreshes, all told */
+#define ST_WORDS 16
 
-/* -- the copy's mutex: a private pthread mutex in a numpy array of the copy's ----------------- */
+/* -- the copy's mutexes: private pthread mutexes in a numpy array of the copy's ---------------- */
+/* the slot lists' mutex at byte 0, the refreshes' (one at a time) at byte MUTEX_BYTES */
+#define MUTEX_BYTES 64
 static int get_mutex(PyObject *o, Py_buffer *view) {
     if (get_buf(o, view, 1, 0, "mutex") < 0) return -1;
-    if ((size_t)view->len < sizeof(pthread_mutex_t) || ((uintptr_t)view->buf % 8)) {
+    if (view->len < 2 * MUTEX_BYTES || sizeof(pthread_mutex_t) > MUTEX_BYTES || ((uintptr_t)view->buf % 8)) {
         PyBuffer_Release(view);
-        PyErr_SetString(PyExc_ValueError, "mutex: expected 64 aligned bytes");
+        PyErr_SetString(PyExc_ValueError, "mutex: expected 128 aligned bytes");
         return -1;
     }
     return 0;
 }
 
+static pthread_mutex_t *refresh_mutex(void *mutexes) { return (pthread_mutex_t *)((char *)mutexes + MUTEX_BYTES); }
+
 PyObject *py_mutex_init(PyObject *self, PyObject *arg) {
     Py_buffer m;
     if (get_mutex(arg, &m) < 0) return NULL;
     int rc = pthread_mutex_init((pthread_mutex_t *)m.buf, NULL);
+    if (!rc) rc = pthread_mutex_init(refresh_mutex(m.buf), NULL);
     PyBuffer_Release(&m);
     if (rc) return PyErr_Format(PyExc_OSError, "pthread_mutex_init: error %d", rc);
     Py_RETURN_NONE;
@@ -203,86 +214,108 @@ static void refresh_full(Refresh *r, const int64_t *start) {
     pthread_mutex_unlock(r->mutex);
 }
 
-static int view_of(PyObject *o, Py_buffer *v, Py_ssize_t words, const char *what) {
-    if (get_buf(o, v, 1, 8, what) < 0) return -1;
-    if (v->len < words * 8) {
-        PyBuffer_Release(v);
-        PyErr_Format(PyExc_ValueError, "refresh: %s: expected at least %zd int64", what, words);
-        return -1;
-    }
-    return 0;
+/* -- the views of one copy's arrays, held while a refresh or the refresher uses them ---------- */
+typedef struct {
+    Py_buffer mb, stb, cub, cnb, hb, db, wb, nb, bb, pb, sb;
+    int held; /* views held, in the order above */
+    Columns c;
+    Py_ssize_t capacity, lanes, piece;
+    int publish; /* write Counter.DEVICE_ROWS/DEVICE_AT (the counters are writable) */
+    int64_t *scratch;
+    char *ok;
+} Views;
+
+static void views_close(Views *v) {
+    Py_buffer *all[] = {&v->mb, &v->stb, &v->cub, &v->cnb, &v->hb, &v->db, &v->wb, &v->nb, &v->bb, &v->pb, &v->sb};
+    columns_close(&v->c);
+    for (int i = 0; i < v->held; i++) PyBuffer_Release(all[i]);
+    v->held = 0;
+    PyMem_Free(v->scratch);
+    PyMem_Free(v->ok);
+    v->scratch = NULL;
+    v->ok = NULL;
 }
 
-/* refresh(mutex, stamp, cursors, counters, sources, outs, held, dense, where, nxt, bases, pending,
- * state, piece) -> rows newly held. sources: the buffer's (capacity, w) columns; outs: the copy's,
- * the same shapes (rows land in their own slots). held, dense, where, pending: capacity int64;
- * nxt, bases: one int64 a lane; state: ST_WORDS int64. The GIL is released for the whole refresh. */
-PyObject *py_refresh(PyObject *self, PyObject *args) {
-    PyObject *mutex_o, *stamp_o, *cur_o, *cnt_o, *src_o, *out_o, *held_o, *dense_o, *where_o, *nxt_o, *bases_o, *pend_o,
-        *state_o;
-    Py_ssize_t piece;
-    if (!PyArg_ParseTuple(args, "OOOOO!O!OOOOOOOn", &mutex_o, &stamp_o, &cur_o, &cnt_o, &PyTuple_Type, &src_o, &PyTuple_Type,
-                          &out_o, &held_o, &dense_o, &where_o, &nxt_o, &bases_o, &pend_o, &state_o, &piece))
-        return NULL;
-    Py_buffer mb, stb, cub, cnb, hb, db, wb, nb, bb, pb, sb;
-    Py_buffer *views[] = {&mb, &stb, &cub, &cnb, &hb, &db, &wb, &nb, &bb, &pb, &sb};
-    int held_views = 0;
-    Columns c;
-    c.n = 0;
-    PyObject *result = NULL;
-    int64_t *scratch = NULL;
-    char *ok = NULL;
-    if (get_mutex(mutex_o, &mb) < 0) return NULL;
-    held_views = 1;
-    if (get_buf(stamp_o, &stb, 0, 8, "stamp") < 0) goto done;
-    held_views = 2;
-    Py_ssize_t capacity = stb.len / 8;
-    if (get_buf(cur_o, &cub, 0, 8, "cursors") < 0) goto done;
-    held_views = 3;
-    Py_ssize_t lanes = lanes_of(&cub, capacity, "refresh");
-    if (!lanes) goto done;
-    if (get_buf(cnt_o, &cnb, 0, 8, "counters") < 0) goto done;
-    held_views = 4;
-    if (cnb.len < STATS_WORDS * 8) {
-        PyErr_SetString(PyExc_ValueError, "refresh: counters: expected the block's _stats");
-        goto done;
+/* the views of (mutex, stamp, cursors, counters, sources, outs, held, dense, where, nxt, bases,
+ * pending, state), checked: -1 with an error set, none held */
+static int views_open(Views *v, PyObject *const *o, Py_ssize_t piece, int publish) {
+    Py_buffer *all[] = {&v->mb, &v->stb, &v->cub, &v->cnb, &v->hb, &v->db, &v->wb, &v->nb, &v->bb, &v->pb, &v->sb};
+    memset(v, 0, sizeof(*v));
+    if (!PyTuple_Check(o[4]) || !PyTuple_Check(o[5])) {
+        PyErr_SetString(PyExc_TypeError, "refresh: sources and outs must be tuples");
+        return -1;
     }
-    PyObject *objs[] = {held_o, dense_o, where_o, nxt_o, bases_o, pend_o, state_o};
-    Py_ssize_t words[] = {capacity, capacity, capacity, lanes, lanes, capacity, ST_WORDS};
+    if (get_mutex(o[0], &v->mb) < 0) return -1;
+    v->held = 1;
+    if (get_buf(o[1], &v->stb, 0, 8, "stamp") < 0) goto fail;
+    v->held = 2;
+    v->capacity = v->stb.len / 8;
+    if (get_buf(o[2], &v->cub, 0, 8, "cursors") < 0) goto fail;
+    v->held = 3;
+    v->lanes = lanes_of(&v->cub, v->capacity, "refresh");
+    if (!v->lanes) goto fail;
+    if (get_buf(o[3], &v->cnb, publish, 8, "counters") < 0) goto fail;
+    v->held = 4;
+    if (v->cnb.len < STATS_WORDS * 8) {
+        PyErr_SetString(PyExc_ValueError, "refresh: counters: expected the block's _stats");
+        goto fail;
+    }
+    Py_ssize_t words[] = {v->capacity, v->capacity, v->capacity, v->lanes, v->lanes, v->capacity, ST_WORDS};
     const char *names[] = {"held", "dense", "where", "nxt", "bases", "pending", "state"};
     for (int i = 0; i < 7; i++) {
-        if (view_of(objs[i], views[4 + i], words[i], names[i]) < 0) goto done;
-        held_views = 5 + i;
+        if (get_buf(o[6 + i], all[4 + i], 1, 8, names[i]) < 0) goto fail;
+        v->held = 5 + i;
+        if (all[4 + i]->len < words[i] * 8) {
+            PyErr_Format(PyExc_ValueError, "refresh: %s: expected at least %zd int64", names[i], words[i]);
+            goto fail;
+        }
     }
-    int64_t *state = (int64_t *)sb.buf;
-    if (piece < 1 || state[ST_COUNT] < 0 || state[ST_COUNT] > capacity || state[ST_PENDING] < 0 ||
-        state[ST_PENDING] > capacity) {
+    int64_t *state = (int64_t *)v->sb.buf;
+    if (piece < 1 || state[ST_COUNT] < 0 || state[ST_COUNT] > v->capacity || state[ST_PENDING] < 0 ||
+        state[ST_PENDING] > v->capacity) {
         PyErr_SetString(PyExc_ValueError, "refresh: expected piece >= 1 and the state's counts within the capacity");
-        goto done;
+        goto fail;
     }
-    if (columns_open(&c, src_o, out_o, capacity, capacity) < 0) goto done;
-    if (piece > capacity) piece = capacity;
-    scratch = (int64_t *)PyMem_Malloc((size_t)(piece + capacity + 3 * lanes) * sizeof(int64_t));
-    ok = (char *)PyMem_Malloc((size_t)piece);
-    if (!scratch || !ok) {
+    if (columns_open(&v->c, o[4], o[5], v->capacity, v->capacity) < 0) goto fail;
+    v->piece = piece > v->capacity ? v->capacity : piece;
+    v->publish = publish;
+    v->scratch = (int64_t *)PyMem_Malloc((size_t)(v->piece + v->capacity + 3 * v->lanes) * sizeof(int64_t));
+    v->ok = (char *)PyMem_Malloc((size_t)v->piece);
+    if (!v->scratch || !v->ok) {
         PyErr_NoMemory();
-        goto done;
+        goto fail;
     }
-    Refresh r = {(pthread_mutex_t *)mb.buf,
-                 {(int64_t *)hb.buf, (int64_t *)db.buf, (int64_t *)wb.buf, state, (int64_t *)pb.buf, capacity, 0},
-                 &c, (const int64_t *)stb.buf, (const int64_t *)cnb.buf, lanes, capacity / lanes, piece, 0,
-                 scratch, scratch + piece, ok, 0, 0};
-    int64_t *cur = scratch + piece + capacity, *base = cur + lanes, *start = base + lanes;
-    int64_t *nxt = (int64_t *)nb.buf, *bases = (int64_t *)bb.buf;
-    Py_BEGIN_ALLOW_THREADS
+    return 0;
+fail:
+    views_close(v);
+    return -1;
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* one refresh (rows.py's steps); the caller holds the refresh mutex, not the GIL. Returns the
+ * rows taken in, -1 when the slot lists were found inconsistent. */
+static int64_t refresh_run(Views *v) {
+    int64_t *state = (int64_t *)v->sb.buf, lanes = v->lanes;
+    Refresh r = {(pthread_mutex_t *)v->mb.buf,
+                 {(int64_t *)v->hb.buf, (int64_t *)v->db.buf, (int64_t *)v->wb.buf, state, (int64_t *)v->pb.buf, v->capacity, 0},
+                 &v->c, (const int64_t *)v->stb.buf, (const int64_t *)v->cnb.buf, lanes, v->capacity / lanes, v->piece, 0,
+                 v->scratch, v->scratch + v->piece, v->ok, 0, 0};
+    int64_t *cur = v->scratch + v->piece + v->capacity, *base = cur + lanes, *start = base + lanes;
+    int64_t *nxt = (int64_t *)v->nb.buf, *bases = (int64_t *)v->bb.buf;
+    int64_t at = now_ns();
     /* INSERTED first: the lag is never under-counted; UPDATES before the first stamps */
     int64_t inserted = __atomic_load_n(&r.counters[COUNTER_INSERTED], __ATOMIC_ACQUIRE);
     r.updates = __atomic_load_n(&r.counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE);
     int64_t deletes = __atomic_load_n(&r.counters[COUNTER_DELETES], __ATOMIC_ACQUIRE);
     int full = r.updates != state[ST_UPDATES] || deletes != state[ST_DELETES];
     for (int64_t l = 0; l < lanes; l++) {
-        cur[l] = load_cursor((const int64_t *)cub.buf, l);
-        base[l] = load_base((const int64_t *)cub.buf, l);
+        cur[l] = load_cursor((const int64_t *)v->cub.buf, l);
+        base[l] = load_base((const int64_t *)v->cub.buf, l);
         start[l] = first_row(cur[l], base[l], r.lc);
         full |= base[l] != bases[l];
     }
@@ -291,9 +324,9 @@ PyObject *py_refresh(PyObject *self, PyObject *args) {
     for (int64_t l = 0; l < lanes && !r.spoiled && !r.s.bad; l++) {
         int64_t n = full || nxt[l] < start[l] ? start[l] : nxt[l];
         while (n < cur[l] && !r.spoiled && !r.s.bad) {
-            int64_t at = floormod(n, r.lc), k = cur[l] - n;
-            if (k > r.lc - at) k = r.lc - at;
-            if (k > piece) k = piece;
+            int64_t k = cur[l] - n, room = r.lc - floormod(n, r.lc);
+            if (k > room) k = room;
+            if (k > r.piece) k = r.piece;
             refresh_piece(&r, l, n, k);
             n += k;
         }
@@ -305,15 +338,191 @@ PyObject *py_refresh(PyObject *self, PyObject *args) {
     state[ST_UPDATES] = r.spoiled ? -1 : r.updates; /* an update spanned the copies (no ABA): all again next time */
     state[ST_DELETES] = deletes;
     state[ST_INSERTED] = inserted;
+    state[ST_AT] = at;
+    state[ST_DONE] += 1;
+    state[ST_SPENT] += now_ns() - at;
+    state[ST_TAKEN] += r.taken;
+    if (v->publish) { /* where top reads the lag */
+        int64_t *counters = (int64_t *)v->cnb.buf;
+        __atomic_store_n(&counters[COUNTER_DEVICE_ROWS], inserted, __ATOMIC_RELAXED);
+        __atomic_store_n(&counters[COUNTER_DEVICE_AT], at, __ATOMIC_RELAXED);
+    }
+    return r.s.bad ? -1 : r.taken;
+}
+
+/* refresh(mutex, stamp, cursors, counters, sources, outs, held, dense, where, nxt, bases, pending,
+ * state, piece, publish, seen) -> rows taken in, or -1 without a refresh when seen >= 0 and another
+ * refresh was done since the caller read state[ST_DONE] == seen (it waited for that one). sources:
+ * the buffer's (capacity, w) columns; outs: the copy's, the same shapes (rows land in their own
+ * slots). held, dense, where, pending: capacity int64; nxt, bases: one int64 a lane; state:
+ * ST_WORDS int64. The GIL is released for the whole call. */
+PyObject *py_refresh(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 16) {
+        PyErr_SetString(PyExc_TypeError, "refresh: expected 16 arguments");
+        return NULL;
+    }
+    Py_ssize_t piece = PyLong_AsSsize_t(args[13]);
+    int publish = PyObject_IsTrue(args[14]);
+    long long seen = PyLong_AsLongLong(args[15]);
+    if (PyErr_Occurred() || publish < 0) return NULL;
+    Views v;
+    if (views_open(&v, args, piece, publish) < 0) return NULL;
+    int64_t taken = -1, *state = (int64_t *)v.sb.buf;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(refresh_mutex(v.mb.buf));
+    if (seen < 0 || state[ST_DONE] == seen) taken = refresh_run(&v);
+    else taken = -2;
+    pthread_mutex_unlock(refresh_mutex(v.mb.buf));
     Py_END_ALLOW_THREADS
-    if (r.s.bad)
-        PyErr_SetString(PyExc_ValueError, "refresh: the device copy's slot lists are inconsistent (an entry out of range)");
-    else
-        result = PyLong_FromLongLong(r.taken);
-done:
-    columns_close(&c);
-    PyMem_Free(scratch);
-    PyMem_Free(ok);
-    for (int i = 0; i < held_views; i++) PyBuffer_Release(views[i]);
-    return result;
+    views_close(&v);
+    if (taken == -1)
+        return PyErr_Format(PyExc_ValueError, "refresh: the device copy's slot lists are inconsistent (an entry out of range)");
+    return PyLong_FromLongLong(taken == -2 ? -1 : taken);
+}
+
+/* -- the background refresher: a thread that never takes the GIL ------------------------------ */
+#define REFRESHER_CAPSULE "shmbuffer.refresher"
+
+typedef struct {
+    Views v;
+    pthread_t thread;
+    pthread_mutex_t wake_mutex;
+    pthread_cond_t wake;
+    int started, stop;
+    int64_t pace_ns, rows_bound, ns_bound; /* bounds already halved (REFRESH_AT); -1: none */
+} Refresher;
+
+/* replay.py's _behind at REFRESH_AT, from the shared counters and the copy's state */
+static int refresher_behind(const Refresher *t) {
+    const Views *v = &t->v;
+    const int64_t *counters = (const int64_t *)v->cnb.buf, *state = (const int64_t *)v->sb.buf;
+    const int64_t *bases = (const int64_t *)v->bb.buf;
+    for (Py_ssize_t l = 0; l < v->lanes; l++)
+        if (load_base((const int64_t *)v->cub.buf, l) != bases[l]) return 1;
+    int64_t rows = __atomic_load_n(&counters[COUNTER_INSERTED], __ATOMIC_ACQUIRE) - state[ST_INSERTED];
+    int updated = __atomic_load_n(&counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE) != state[ST_UPDATES];
+    int edited = updated || __atomic_load_n(&counters[COUNTER_DELETES], __ATOMIC_ACQUIRE) != state[ST_DELETES];
+    if (t->rows_bound >= 0 && (rows > t->rows_bound || updated)) return 1;
+    int changed = rows > 0 || edited;
+    if (changed && t->ns_bound >= 0 && now_ns() - state[ST_AT] > t->ns_bound) return 1;
+    return changed && t->rows_bound < 0 && t->ns_bound < 0;
+}
+
+static void *refresher_loop(void *arg) {
+    Refresher *t = (Refresher *)arg;
+    int64_t *state = (int64_t *)t->v.sb.buf;
+    pthread_mutex_lock(&t->wake_mutex);
+    while (!t->stop) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += t->pace_ns;
+        until.tv_sec += until.tv_nsec / 1000000000;
+        until.tv_nsec %= 1000000000;
+        pthread_cond_timedwait(&t->wake, &t->wake_mutex, &until);
+        if (t->stop) break;
+        pthread_mutex_unlock(&t->wake_mutex);
+        int failed = 0;
+        if (refresher_behind(t)) {
+            pthread_mutex_lock(refresh_mutex(t->v.mb.buf));
+            if (refresher_behind(t)) failed = refresh_run(&t->v) < 0;
+            pthread_mutex_unlock(refresh_mutex(t->v.mb.buf));
+        }
+        pthread_mutex_lock(&t->wake_mutex);
+        if (failed) {
+            state[ST_ERROR] = 1;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&t->wake_mutex);
+    return NULL;
+}
+
+/* the thread stopped and joined (the GIL released meanwhile if held), the views released */
+static void refresher_end(Refresher *t, int gil) {
+    if (t->started) {
+        pthread_mutex_lock(&t->wake_mutex);
+        t->stop = 1;
+        pthread_cond_signal(&t->wake);
+        pthread_mutex_unlock(&t->wake_mutex);
+        if (gil) {
+            Py_BEGIN_ALLOW_THREADS
+            pthread_join(t->thread, NULL);
+            Py_END_ALLOW_THREADS
+        } else {
+            pthread_join(t->thread, NULL);
+        }
+        t->started = 0;
+        pthread_cond_destroy(&t->wake);
+        pthread_mutex_destroy(&t->wake_mutex);
+    }
+    views_close(&t->v);
+}
+
+static void refresher_free(PyObject *capsule) {
+    Refresher *t = (Refresher *)PyCapsule_GetPointer(capsule, REFRESHER_CAPSULE);
+    if (!t) {
+        PyErr_Clear();
+        return;
+    }
+    refresher_end(t, 1);
+    PyMem_Free(t);
+}
+
+/* refresher_start(mutex, stamp, cursors, counters, sources, outs, held, dense, where, nxt, bases,
+ * pending, state, piece, publish, pace_s, rows_bound, seconds_bound) -> a capsule: a thread that
+ * looks at the lag every pace_s and refreshes (refresh_run) once it passes a bound (already the
+ * share the caller wants; < 0: none), without the GIL ever. refresher_stop(capsule) ends it. */
+PyObject *py_refresher_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 18) {
+        PyErr_SetString(PyExc_TypeError, "refresher_start: expected 18 arguments");
+        return NULL;
+    }
+    Py_ssize_t piece = PyLong_AsSsize_t(args[13]);
+    int publish = PyObject_IsTrue(args[14]);
+    double pace = PyFloat_AsDouble(args[15]), rows = PyFloat_AsDouble(args[16]), secs = PyFloat_AsDouble(args[17]);
+    if (PyErr_Occurred() || publish < 0) return NULL;
+    if (!(pace > 0 && pace < 1)) {
+        PyErr_SetString(PyExc_ValueError, "refresher_start: expected 0 < pace_s < 1");
+        return NULL;
+    }
+    Refresher *t = (Refresher *)PyMem_Calloc(1, sizeof(Refresher));
+    if (!t) return PyErr_NoMemory();
+    if (views_open(&t->v, args, piece, publish) < 0) {
+        PyMem_Free(t);
+        return NULL;
+    }
+    t->pace_ns = (int64_t)(pace * 1e9);
+    t->rows_bound = rows < 0 ? -1 : (int64_t)rows;
+    t->ns_bound = secs < 0 ? -1 : (int64_t)(secs * 1e9);
+    PyObject *capsule = PyCapsule_New(t, REFRESHER_CAPSULE, refresher_free);
+    if (!capsule) {
+        views_close(&t->v);
+        PyMem_Free(t);
+        return NULL;
+    }
+    pthread_mutex_init(&t->wake_mutex, NULL);
+    pthread_cond_init(&t->wake, NULL);
+    int rc = pthread_create(&t->thread, NULL, refresher_loop, t);
+    if (rc) {
+        pthread_cond_destroy(&t->wake);
+        pthread_mutex_destroy(&t->wake_mutex);
+        Py_DECREF(capsule);
+        return PyErr_Format(PyExc_OSError, "refresher_start: pthread_create: error %d", rc);
+    }
+    t->started = 1;
+    return capsule;
+}
+
+PyObject *py_refresher_stop(PyObject *self, PyObject *capsule) {
+    Refresher *t = (Refresher *)PyCapsule_GetPointer(capsule, REFRESHER_CAPSULE);
+    if (!t) return NULL;
+    refresher_end(t, 1);
+    Py_RETURN_NONE;
+}
+
+/* whether the thread runs (it ends by itself on an error: state[ST_ERROR]) */
+PyObject *py_refresher_running(PyObject *self, PyObject *capsule) {
+    Refresher *t = (Refresher *)PyCapsule_GetPointer(capsule, REFRESHER_CAPSULE);
+    if (!t) return NULL;
+    return PyBool_FromLong(t->started && !((int64_t *)t->v.sb.buf)[ST_ERROR]);
 }
