@@ -57,12 +57,12 @@ def test_rows_equal_take_of_the_same_ids_bit_for_bit(make: Make, name: str, devi
 def test_a_sample_syncs_within_the_lag_and_sync_on_demand(make: Make, name: str, device: str) -> None:
     buf = make(MUJOCO, 32, name=name)
     buf.push(transition(0, 8))
-    dev = DeviceReplay(buf, device, max_lag_rows=None, refresher=False, seed=1)
+    dev = DeviceReplay(buf, device, max_lag_rows=None, max_lag_s=None, refresher=False, seed=1)
     buf.push(transition(8, 8))
     assert dev.lag()[0] == 8 and set(seq_of(dev.sample(500))) == set(range(8))  # lagging, by choice
     assert dev.sync() == 8 and dev.lag()[0] == 0
     assert set(seq_of(dev.sample(500))) == set(range(16))
-    lagging = DeviceReplay(buf, device, max_lag_rows=4, refresher=False, seed=2)
+    lagging = DeviceReplay(buf, device, max_lag_rows=4, max_lag_s=None, refresher=False, seed=2)
     buf.push(transition(16, 4))
     assert set(seq_of(lagging.sample(500))) == set(range(16))  # 4 rows behind: allowed, not synced
     buf.push(transition(20, 1))
@@ -260,7 +260,7 @@ def test_a_prioritized_draw_never_pairs_an_id_with_a_newer_rows_data(make: Make,
     with newer rows are drawn again, not served with the newer data."""
     buf = make(MUJOCO, 8, name=name, sampler=sb.Prioritized(alpha=1.0, beta=0.5), seed=0)
     buf.push(transition(0, 8), priority=1.0)
-    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, refresher=False, seed=0)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
     buf.push(transition(8, 4), priority=4.0)  # in slots 0..3; the device copy does not hold them yet
     sampler = buf.options.sampler
     real = type(sampler).draw
@@ -662,3 +662,31 @@ def test_a_sample_behind_the_bound_waits_for_the_refresh_under_way_not_for_anoth
     got = dev.sample(200)
     other.join()
     assert set(seq_of(got)) == set(range(16)) and len(calls) == 1
+
+
+def test_a_full_refresh_keeps_serving_the_rows_it_has_not_copied_again(make: Make, name: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """After an update every row is copied again, a piece at a time: meanwhile a sample (another
+    thread) draws whole rows from all but the piece being copied, instead of finding the copy empty."""
+    import threading
+
+    monkeypatch.setattr(native, "lib", None)  # the Python steps: a sample between two pieces
+    buf = make(MUJOCO, 64, name=name)
+    buf.push(transition(0, 64))
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, chunk=8, seed=0)
+    buf.update([5], reward=np.float32(5.0))  # the same value: only the full copy is to see
+    real = dev._copy_run
+    seen: list[tuple[int, np.ndarray]] = []
+
+    def copy(slot0: int, n0: int, k: int) -> np.ndarray:
+        if slot0 == 24:  # the fourth piece: slots 24..31 dropped, the others held
+            t = threading.Thread(target=lambda: seen.append((len(dev), dev.sample(500).index.numpy())))
+            t.start()
+            t.join(10)
+        return real(slot0, n0, k)
+
+    monkeypatch.setattr(dev, "_copy_run", copy)
+    assert dev.sync() == 64
+    (held, ids), = seen
+    assert held == 56 and set(ids.tolist()) == set(range(64)) - set(range(24, 32))
+    assert len(dev) == 64

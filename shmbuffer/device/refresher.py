@@ -1,10 +1,13 @@
 """The background refresher of a device copy: a thread that keeps the copy within its lag bounds.
 
-Every ``PACE_S`` the thread asks its copy whether it is half a bound behind
-(``DeviceReplay.refresh_if_behind``) and refreshes it then. On the CPU with the C extension a
-refresh is one call without the GIL (``device/rows.py``), so the learner's thread runs Python
-meanwhile. The thread holds its copy only while it refreshes (a copy nobody holds is collected,
-and the loop ends); an error ends it and is handed to the learner's next sample.
+Every ``PACE_S`` the thread looks whether its copy is half a bound behind and refreshes it then.
+On the CPU with the C extension the thread is C's (``DeviceRows.native_refresher``,
+``native/refresh.c``): the look and the refresh never take the GIL, so the learner's thread runs
+Python all the while and never waits to hand the GIL over; an error stops it (``state[ERROR]``),
+which the next sample raises. Elsewhere (no extension, CUDA) it is a Python thread that asks
+``DeviceReplay.refresh_if_behind``; it holds its copy only while it refreshes (a copy nobody holds
+is collected, and the loop ends; the C thread's capsule ends it then), and an error ends it and is
+handed to the learner's next sample.
 
 Lifecycle: it is stopped (joined) by ``close()``, before every ``os.fork()`` (so that a process
 forks without a thread of ours: Python 3.12 warns about forking with threads; started again in the

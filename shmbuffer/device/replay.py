@@ -223,8 +223,8 @@ class DeviceReplay(DeviceRows):
         if self.state[ERROR]:
             raise ValueError(f"DeviceReplay of buffer {self.buf.name!r}: the background refresher stopped on "
                              "inconsistent slot lists (a bug: please report it); close() and make a new copy")
-        for _ in range(4):  # each time, another refresh was done meanwhile: look again
-            seen = int(self.state[DONE])
+        for attempt in range(4):  # each time another refresh was done meanwhile: look again (the last refreshes)
+            seen = int(self.state[DONE]) if attempt < 3 else -1
             if not self._behind(1.0):
                 return
             with self._refreshing:

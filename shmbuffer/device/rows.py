@@ -29,11 +29,21 @@ and gathers; the copies run outside it, into slots dropped first. So a sample wa
 only while it changes the lists (microseconds), never while it copies.
 
 On the CPU with the C extension the whole refresh is one call without the GIL
-(``native/refresh.c``: the lists in the arrays here, the lock a pthread mutex in ``lock``), the rows
-copied straight into the device columns (and the host mirrors of their kinds and episodes). The
-Python steps below are the reference, the fallback, and the CUDA path: each piece copied into
-reused pinned staging (``gather.gather_run``, one C call) and then one copy to the device on a side
-stream; pending rows go through the stamped ``gather``.
+(``native/refresh.c``: the lists in the arrays here, the lock a pthread mutex in ``lock``, a second
+one letting one refresh run at a time), the rows copied straight into the device columns (and the
+host mirrors of their kinds and episodes); the background refresher there is a C thread that never
+takes the GIL (``native_refresher``). The Python steps below are the reference, the fallback, and
+the CUDA path: each piece copied into reused pinned staging (``gather.gather_run``, one C call) and
+then one copy to the device on a side stream; pending rows go through the stamped ``gather``.
+
+Each refresh records in ``state`` when it began (``AT``, ``time.monotonic_ns()``) and ``INSERTED``
+as it began (``lag()``), counts itself (``DONE``), and adds its time and rows to ``SPENT`` and
+``TAKEN``; it publishes ``INSERTED`` and ``AT`` in the block (``Counter.DEVICE_ROWS``/
+``DEVICE_AT``), which ``shmbuffer top`` shows as the copy's lag.
+
+Not done: an ``update()`` or ``delete()`` still makes the next refresh a full one. Marking only the
+rows it touched needs a record of them in shared memory (an update puts back the stamp it found,
+so the stamps cannot tell), which the block's layout does not have.
 """
 
 from __future__ import annotations
@@ -56,11 +66,12 @@ from ..protocol.rows import committed, committed_of_id, lane_of, number_of, numb
 _UPDATES, _DELETES, _INSERTED = int(Counter.UPDATES), int(Counter.DELETES), int(Counter.INSERTED)
 _DEVICE_ROWS, _DEVICE_AT = int(Counter.DEVICE_ROWS), int(Counter.DEVICE_AT)
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
-COUNT, PENDING, UPDATES, DELETES, INSERTED, AT, DONE, ERROR, SPENT, TAKEN = range(10)
+COUNT, PENDING, UPDATES, DELETES, INSERTED, AT, DONE, ERROR, SPENT, TAKEN, WAITED = range(11)
 """The words of ``DeviceRows.state`` (``native/refresh.c``'s ``ST_*``): usable slots, pending ids,
 ``Counter.UPDATES`` and ``DELETES`` as of the last refresh (-1: copy every row again),
 ``Counter.INSERTED`` and ``time.monotonic_ns()`` as it began, refreshes done, 1 once the C
-refresher stopped on an error, and all told the ns spent in refreshes and the rows they took in."""
+refresher stopped on an error, and all told the ns spent in refreshes, the rows they took in, and
+the ns of those spent waiting for the lock while a sample held it (the C refresh)."""
 
 
 def _torch() -> Any:

@@ -21,6 +21,7 @@
 #define ST_ERROR 7    /* 1: the background refresher stopped on inconsistent slot lists */
 #define ST_SPENT 8    /* ns spent inside refreshes, all told */
 #define ST_TAKEN 9    /* rows taken in by refreshes, all told */
+#define ST_WAITED 10  /* ns of ST_SPENT waiting for the slot lists' mutex (a sample held it), all told */
 #define ST_WORDS 16
 
 /* -- the copy's mutexes: private pthread mutexes in a numpy array of the copy's ---------------- */
@@ -131,6 +132,16 @@ typedef struct {
     int64_t taken;
 } Refresh;
 
+static int64_t now_ns(void);
+
+/* the slot lists' mutex taken; the time it was busy (a sample drew) counted in ST_WAITED */
+static void lists_lock(Refresh *r) {
+    if (pthread_mutex_trylock(r->mutex) == 0) return;
+    int64_t t = now_ns();
+    pthread_mutex_lock(r->mutex);
+    r->s.state[ST_WAITED] += now_ns() - t;
+}
+
 static int updated(const Refresh *r) {
     return __atomic_load_n(&r->counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE) != r->updates;
 }
@@ -139,7 +150,7 @@ static int updated(const Refresh *r) {
  * others pending */
 static void refresh_piece(Refresh *r, int64_t lane, int64_t n, int64_t k) {
     int64_t slot0 = slot_of(lane, n, r->lc);
-    pthread_mutex_lock(r->mutex);
+    lists_lock(r);
     for (int64_t i = 0; i < k; i++) slot_drop(&r->s, slot0 + i);
     pthread_mutex_unlock(r->mutex);
     copy_piece(r->c, r->stamp, slot0, k, n, r->firsts, r->ok);
@@ -147,7 +158,7 @@ static void refresh_piece(Refresh *r, int64_t lane, int64_t n, int64_t k) {
         r->spoiled = 1;
         return;
     }
-    pthread_mutex_lock(r->mutex);
+    lists_lock(r);
     for (int64_t i = 0; i < k && !r->s.bad; i++) {
         if (r->ok[i]) {
             slot_hold(&r->s, slot0 + i, committed_stamp(n + i));
@@ -175,7 +186,7 @@ static void refresh_pending(Refresh *r, const int64_t *start) {
     }
     r->s.state[ST_PENDING] = kept;
     if (!ntry) return;
-    pthread_mutex_lock(r->mutex);
+    lists_lock(r);
     for (int64_t i = 0; i < ntry; i++) slot_drop(&r->s, slot_of_id(r->tried[i], lanes, r->lc));
     pthread_mutex_unlock(r->mutex);
     for (int64_t a = 0; a < ntry && !r->spoiled; a += r->piece) {
@@ -188,7 +199,7 @@ static void refresh_pending(Refresh *r, const int64_t *start) {
             r->spoiled = 1;
             return;
         }
-        pthread_mutex_lock(r->mutex);
+        lists_lock(r);
         for (int64_t i = 0; i < k && !r->s.bad; i++) {
             int64_t id = r->tried[a + i];
             if (r->ok[i]) {
@@ -205,11 +216,13 @@ static void refresh_pending(Refresh *r, const int64_t *start) {
 /* a full refresh: the held rows that left their lanes (a clear(), or lapped) dropped, no row
  * pending (every row of the lanes is copied again) */
 static void refresh_full(Refresh *r, const int64_t *start) {
-    pthread_mutex_lock(r->mutex);
-    for (int64_t slot = 0; slot < r->s.capacity && !r->s.bad; slot++) {
+    int64_t m = 0; /* the scan reads held without the mutex: only a refresh (this one) writes it */
+    for (int64_t slot = 0; slot < r->s.capacity; slot++) {
         int64_t h = r->s.held[slot];
-        if (h && number_of_stamp(h) < start[slot / r->lc]) slot_drop(&r->s, slot);
+        if (h && number_of_stamp(h) < start[slot / r->lc]) r->tried[m++] = slot;
     }
+    lists_lock(r);
+    for (int64_t i = 0; i < m && !r->s.bad; i++) slot_drop(&r->s, r->tried[i]);
     r->s.state[ST_PENDING] = 0;
     pthread_mutex_unlock(r->mutex);
 }
