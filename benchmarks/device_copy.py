@@ -20,7 +20,8 @@ Cases (each prints one line and goes into the JSON ``--out``):
   before each resident sample (rows, ms), the refresher's rows/s while it copies (the refresh's
   own clock, ``DeviceRows.state``: rows taken in over the seconds spent inside refreshes) against
   ``np.copyto`` of the same bytes, the share of those seconds spent waiting while a sample held
-  the copy's lock, whether a refresh was one C call, and the machine's 1-minute load.
+  the copy's lock, the same rows over the CPU time the refreshing thread spent (what the load
+  does not change) against ``np.copyto``, whether a refresh was one C call, and the machine's 1-minute load.
 """
 
 from __future__ import annotations
@@ -210,19 +211,19 @@ def case_keep_up(capacity: int, device: str, tag: str, seconds: float, ingest: f
             p.start()
         time.sleep(0.5)
         if state is not None:
-            from shmbuffer.device.rows import DONE, SPENT, TAKEN, WAITED
+            from shmbuffer.device.rows import CPU, DONE, SPENT, TAKEN, WAITED
 
-            before = state[[SPENT, TAKEN, DONE, WAITED]].copy()
+            before = state[[SPENT, TAKEN, DONE, WAITED, CPU]].copy()
         inserted0, t0 = buf.stats["inserted"], time.perf_counter()
         runs: dict[str, list[dict[str, float]]] = {"resident": [], "host": []}
         for _ in range(2):
             runs["resident"].append(_learner(lambda: (dev.sample(256), done()), seconds / 4, dev.lag))
             runs["host"].append(_learner(lambda: (buf.sample(256).to(device), done()), seconds / 4, None))
         ingest = (buf.stats["inserted"] - inserted0) / (time.perf_counter() - t0)
-        waited = 0.0
+        waited = cpu = 0.0
         if state is not None:
-            got = state[[SPENT, TAKEN, DONE, WAITED]] - before
-            spent, waited = [got[0] / 1e9, float(got[1]), float(got[2])], got[3] / 1e9
+            got = state[[SPENT, TAKEN, DONE, WAITED, CPU]] - before
+            spent, waited, cpu = [got[0] / 1e9, float(got[1]), float(got[2])], got[3] / 1e9, got[4] / 1e9
         one_call = bool(getattr(dev, "one_call", False))
         dev.close()
     finally:
@@ -247,6 +248,7 @@ def case_keep_up(capacity: int, device: str, tag: str, seconds: float, ingest: f
             "lag_ms_p50": res["lag_ms_p50"], "lag_ms_p99": res["lag_ms_p99"],
             "refresh_rows_s": refresh_rows_s, "refresh_rows_each": spent[1] / max(1, spent[2]),
             "refresh_vs_memcpy": refresh_rows_s / memcpy, "refresh_waited_share": waited / spent[0] if spent[0] else 0.0,
+            "refresh_cpu_vs_memcpy": spent[1] / cpu / memcpy if cpu else 0.0,
             "refresh_one_call": one_call, "load_1min": os.getloadavg()[0]}
 
 

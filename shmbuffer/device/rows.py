@@ -66,12 +66,13 @@ from ..protocol.rows import committed, committed_of_id, lane_of, number_of, numb
 _UPDATES, _DELETES, _INSERTED = int(Counter.UPDATES), int(Counter.DELETES), int(Counter.INSERTED)
 _DEVICE_ROWS, _DEVICE_AT = int(Counter.DEVICE_ROWS), int(Counter.DEVICE_AT)
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
-COUNT, PENDING, UPDATES, DELETES, INSERTED, AT, DONE, ERROR, SPENT, TAKEN, WAITED = range(11)
+COUNT, PENDING, UPDATES, DELETES, INSERTED, AT, DONE, ERROR, SPENT, TAKEN, WAITED, CPU = range(12)
 """The words of ``DeviceRows.state`` (``native/refresh.c``'s ``ST_*``): usable slots, pending ids,
 ``Counter.UPDATES`` and ``DELETES`` as of the last refresh (-1: copy every row again),
 ``Counter.INSERTED`` and ``time.monotonic_ns()`` as it began, refreshes done, 1 once the C
 refresher stopped on an error, and all told the ns spent in refreshes, the rows they took in, and
-the ns of those spent waiting for the lock while a sample held it (the C refresh)."""
+the ns of those spent waiting for the lock while a sample held it, and the ns of CPU time the
+refreshing thread spent in them (the last two: the C refresh)."""
 
 
 def _torch() -> Any:

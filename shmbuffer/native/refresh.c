@@ -22,6 +22,7 @@
 #define ST_SPENT 8    /* ns spent inside refreshes, all told */
 #define ST_TAKEN 9    /* rows taken in by refreshes, all told */
 #define ST_WAITED 10  /* ns of ST_SPENT waiting for the slot lists' mutex (a sample held it), all told */
+#define ST_CPU 11     /* ns of CPU time the refreshing thread spent in them, all told */
 #define ST_WORDS 16
 
 /* -- the copy's mutexes: private pthread mutexes in a numpy array of the copy's ---------------- */
@@ -304,11 +305,13 @@ fail:
     return -1;
 }
 
-static int64_t now_ns(void) {
+static int64_t clock_ns(clockid_t clock) {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
+    clock_gettime(clock, &ts);
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
+
+static int64_t now_ns(void) { return clock_ns(CLOCK_MONOTONIC); }
 
 /* one refresh (rows.py's steps); the caller holds the refresh mutex, not the GIL. Returns the
  * rows taken in, -1 when the slot lists were found inconsistent. */
@@ -320,7 +323,7 @@ static int64_t refresh_run(Views *v) {
                  v->scratch, v->scratch + v->piece, v->ok, 0, 0};
     int64_t *cur = v->scratch + v->piece + v->capacity, *base = cur + lanes, *start = base + lanes;
     int64_t *nxt = (int64_t *)v->nb.buf, *bases = (int64_t *)v->bb.buf;
-    int64_t at = now_ns();
+    int64_t at = now_ns(), cpu = clock_ns(CLOCK_THREAD_CPUTIME_ID);
     /* INSERTED first: the lag is never under-counted; UPDATES before the first stamps */
     int64_t inserted = __atomic_load_n(&r.counters[COUNTER_INSERTED], __ATOMIC_ACQUIRE);
     r.updates = __atomic_load_n(&r.counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE);
@@ -355,6 +358,7 @@ static int64_t refresh_run(Views *v) {
     state[ST_DONE] += 1;
     state[ST_SPENT] += now_ns() - at;
     state[ST_TAKEN] += r.taken;
+    state[ST_CPU] += clock_ns(CLOCK_THREAD_CPUTIME_ID) - cpu;
     if (v->publish) { /* where top reads the lag */
         int64_t *counters = (int64_t *)v->cnb.buf;
         __atomic_store_n(&counters[COUNTER_DEVICE_ROWS], inserted, __ATOMIC_RELAXED);
