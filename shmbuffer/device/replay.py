@@ -23,8 +23,7 @@ is never drawn. Each refresh publishes ``INSERTED`` and the time it began in the
 
 ``sample(n)`` asks the buffer's sampler what may draw in its place (``Sampler.served``): a
 uniform sampler's rows are drawn on the device, uniformly over the usable slots
-(``torch.randint``; on the CPU with numpy over the same columns, a few calls where torch takes a
-dozen); any other sampler draws on the host, by its own ``draw`` (a prioritized one
+(``torch.randint``); any other sampler draws on the host, by its own ``draw`` (a prioritized one
 from the shared sum tree, with ``ReplayBuffer.sample``'s importance weights; a user's sampler as
 it draws), keeping the drawn rows the device holds as committed and drawing again for the others.
 ``update_priorities`` writes the shared tree, so every process sees it. A batch has the fields,
@@ -61,7 +60,7 @@ from ..frames import Stack, stack_columns, stack_plan
 from ..frames import center as frames_center
 from ..protocol.layout import Counter, Lane
 from ..protocol.reader import Source
-from ..protocol.rows import committed, committed_of_id, number_of_stamp, row_id, slot, slot_of_id, window
+from ..protocol.rows import committed, committed_of_id, slot, slot_of_id, window
 from ..sequences import check_n_step, check_windows, n_step_fields, window_mask
 from .refresher import PACE_S, Refresher, forget
 from .rows import DELETES, DONE, ERROR, INSERTED, UPDATES, DeviceRows
@@ -137,9 +136,7 @@ class DeviceReplay(DeviceRows):
         self.spec = opts.frames
         """The buffer's frames stored once (``next_of``/``stack``), or ``None``."""
         self._gen = torch.Generator(device=self.device)
-        seeds = np.random.SeedSequence(seed)
-        self._gen.manual_seed(int(seeds.generate_state(1)[0]))
-        self._rng = np.random.default_rng(seeds.spawn(1)[0])  # the CPU's uniform draw
+        self._gen.manual_seed(int(np.random.SeedSequence(seed).generate_state(1)[0]))
         self._refresher = Refresher()
         self.sync()
         if refresher:
@@ -275,11 +272,6 @@ class DeviceReplay(DeviceRows):
         if m == 0:
             raise EmptyBufferError(f"sample({n}): the device copy of buffer {self.buf.name!r} holds no rows yet "
                                    "(push, then sync() or sample again)")
-        if self.device.type == "cpu":  # numpy on the columns: a few numpy calls where torch takes a dozen
-            pick = self._rng.integers(m, size=n)
-            slots = self.dense[pick] if m < self.capacity else pick
-            ids = row_id(number_of_stamp(self.held[slots]), slots // self.lane_capacity, self.lanes)
-            return self._batch(slots, torch.from_numpy(ids), None)
         pick = torch.randint(m, (n,), device=self.device, generator=self._gen)
         if m < self.capacity:  # else every slot is usable: the draw is the slot
             pick = self._usable_slots().index_select(0, pick)
@@ -334,12 +326,7 @@ class DeviceReplay(DeviceRows):
         return self._batch(slots_dev, torch.from_numpy(ids).to(self.device), w)
 
     def _batch(self, slots: Any, ids: Any, weight: Any) -> Batch:
-        """The rows of ``slots`` (a device tensor, or on the CPU a numpy array) as a batch."""
-        if isinstance(slots, np.ndarray):
-            torch = _torch()
-            got = {name: torch.from_numpy(col.take(slots, axis=0)) for name, col in self.host_rows.items()}
-        else:
-            got = {name: dev.index_select(0, slots) for name, dev in self.rows.items()}
+        got = {name: dev.index_select(0, slots) for name, dev in self.rows.items()}
         packed = got.pop("_record", None)
         if packed is not None:
             packed = packed.view(_torch().uint8)

@@ -143,8 +143,6 @@ class DeviceRows:
         """Device memory the copy takes."""
         self.rows = {name: torch.zeros(col.shape, dtype=torch_dtype(col.dtype), device=self.device)
                      for name, col in self.columns.items()}
-        self.host_rows = {name: dev.numpy() for name, dev in self.rows.items()} if self.device.type == "cpu" else {}
-        """On the CPU, numpy views of ``rows``."""
         cap = self.capacity
         self.held = np.zeros(cap, np.int64)
         """The stamp of the row each device slot holds, 0 where it holds none usable (host memory)."""
@@ -439,7 +437,6 @@ class DeviceRows:
         """Drop the views of the shared columns and the device memory (under both locks)."""
         self.columns = {}
         self.rows = {}
-        self.host_rows = {}
         self._staging = {}
         self._one_call = None
         self.state[COUNT] = 0
