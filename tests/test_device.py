@@ -574,6 +574,9 @@ def test_the_refresher_stops_with_close_and_before_a_fork(make: Make, name: str,
     assert dev.lag()[0] == 0  # the refresher took them in
     before = _threads()
     dev.close()
+    t0 = time.monotonic()  # a joined thread's task leaves /proc a moment after the join returns
+    while _threads() != before - 1 and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
     assert not dev.refreshing and _threads() == before - 1  # the thread ended
     dev.close()
     assert not dev.refreshing
