@@ -226,6 +226,10 @@ def test_save_and_load(ns: dict[str, Any], tmp_path: Path, monkeypatch: pytest.M
         assert back.buffer.get(slice(None)).rewards.flatten().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
         assert back.sample(5).states.shape == (5, 2)
         assert np.array_equal(back.buffer.get(slice(None)).states, np.arange(10.0).reshape(5, 2))
+        back.buffer.clear()  # the next row goes to slot 0 again (not rows ever inserted modulo the capacity)
+        assert back.metadata()["position"] == 0
+        back.add_multi(torch.zeros(3, 2), torch.ones(3, 1), torch.zeros(3), torch.zeros(3, 2), torch.zeros(3, 1))
+        assert back.metadata()["position"] == 3 and back.metadata()["size"] == 3
 
 
 def test_load_checks_the_metadata_against_the_save(tmp_path: Path) -> None:

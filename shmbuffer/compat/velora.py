@@ -156,8 +156,14 @@ class ReplayBuffer(Facade):
     def metadata(self) -> dict[str, Any]:
         """Velora's metadata: capacity, dims, the next write position, size, device."""
         return {"capacity": self.capacity, "state_dim": self.state_dim, "action_dim": self.action_dim,
-                "hidden_dim": self.hidden_dim, "position": self.buffer.stats["inserted"] % self.capacity,
+                "hidden_dim": self.hidden_dim, "position": self._position(),
                 "size": len(self), "device": str(self.device)}
+
+    def _position(self) -> int:
+        """The slot the next row goes to: 0 again after ``clear()`` (not rows ever inserted modulo
+        the capacity)."""
+        ring = self.buffer.ring
+        return int(ring.slots(ring.bounds()[1][:1])[0])  # the one lane's next row id is its row number
 
     def save(self, dirpath: str | os.PathLike[str], prefix: str = "buffer_") -> None:
         """Write ``{prefix}metadata.json`` and the save ``{prefix}state/`` into ``dirpath``."""
