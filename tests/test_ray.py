@@ -570,3 +570,20 @@ def test_the_example_runs(tmp_path) -> None:
                          capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "shards" in out.stdout
+
+
+@pytest.mark.parametrize(("manifest", "says"), [
+    ("not json", "not a ShardedBuffer save's manifest"),
+    ({"format": "shmbuffer", "version": 1}, "expected format 'shmbuffer-shards' version 1"),
+    ({"shards": []}, "'shards': a non-empty list"),
+    ({"shards": [{"shard": "0", "node": "n", "dir": "shard-0"}]}, "each shard"),
+    ({"shards": [{"shard": 0, "node": "n", "dir": "../elsewhere"}]}, "a directory name inside the save"),
+    ({"shards": [{"shard": 0, "node": "n", "dir": "shard-0"}], "schema": None}, "'sampler'"),
+], ids=["not-json", "format", "no-shards", "shard-type", "dir-outside", "no-sampler"])
+def test_a_load_checks_the_manifest(manifest: object, says: str, tmp_path) -> None:
+    """An altered manifest is refused with what was expected, before any shard is made."""
+    if isinstance(manifest, dict) and "format" not in manifest:
+        manifest = {"format": "shmbuffer-shards", "version": 1, **manifest}
+    (tmp_path / "manifest.json").write_text(manifest if isinstance(manifest, str) else json.dumps(manifest))
+    with pytest.raises(ValueError, match=re.escape(says)):
+        ShardedBuffer.load(tmp_path)

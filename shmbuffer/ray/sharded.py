@@ -454,10 +454,7 @@ class ShardedBuffer:
         ``nodes[i]``) from ``<path>/shard-<i>``, which must be on that node's filesystem; ids keep
         their shard. ``kwargs``: the constructor's (``prefetch``, ``limiter``, ``seed`` ...)."""
         root = Path(path)
-        manifest = json.loads((root / "manifest.json").read_text())
-        if manifest.get("format") != "shmbuffer-shards" or manifest.get("version") != 1:
-            raise ValueError(f"{root / 'manifest.json'}: expected format 'shmbuffer-shards' version 1, got "
-                             f"{manifest.get('format')!r} version {manifest.get('version')!r}")
+        manifest = _manifest(root)
         saved = sorted(manifest["shards"], key=lambda m: m["shard"])
         if [m["shard"] for m in saved] != list(range(len(saved))):
             raise ValueError(f"{root}: the save holds shards {[m['shard'] for m in saved]} (shard(s) "
@@ -470,6 +467,9 @@ class ShardedBuffer:
                 raise ValueError(f"load: the nodes that saved shard(s) {gone} are not in the cluster; "
                                  "give nodes=[...], one per shard, each holding its shard-<i> directory")
             nodes = [m["node"] for m in saved]
+        if len(nodes) != len(saved):
+            raise ValueError(f"load: nodes names {len(nodes)} node(s), the save holds {len(saved)} shards: give one "
+                             "node per shard, in shard order")
         return cls(Schema.from_json(manifest["schema"]), 1, nodes=nodes,
                    sampler=sampler_from_json(manifest["sampler"]),
                    sources=[str(root / m["dir"]) for m in saved], **kwargs)
@@ -519,3 +519,33 @@ class ShardedBuffer:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{len(self.shards)} shards, lost {self.lost}"
         return f"ShardedBuffer({self.token!r}, {state}, {self.schema})"
+
+
+def _manifest(root: Path) -> dict[str, Any]:
+    """``<root>/manifest.json`` (``ShardedBuffer.save``'s), checked before anything is made from it:
+    every entry a load reads, each shard's directory a plain name inside ``root``."""
+    file = root / "manifest.json"
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{file}: not a ShardedBuffer save's manifest ({e}); give the directory save() wrote") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != "shmbuffer-shards" or manifest.get("version") != 1:
+        got = manifest if not isinstance(manifest, dict) else f"{manifest.get('format')!r} version {manifest.get('version')!r}"
+        raise ValueError(f"{file}: expected format 'shmbuffer-shards' version 1, got {got}")
+
+    def bad(what: str, got: Any) -> ValueError:
+        return ValueError(f"{file}: {what} expected, got {got!r}; the manifest was altered, or is not one save() wrote")
+
+    shards = manifest.get("shards")
+    if not isinstance(shards, list) or not shards:
+        raise bad("'shards': a non-empty list", shards)
+    for m in shards:
+        if not isinstance(m, dict) or type(m.get("shard")) is not int or not isinstance(m.get("node"), str):
+            raise bad("each shard: {'shard': int, 'node': str, 'dir': str}", m)
+        d = m.get("dir")
+        if not isinstance(d, str) or not d or d in (".", "..") or "/" in d or "\\" in d:
+            raise bad("each shard's 'dir': a directory name inside the save", d)
+    for key in ("schema", "sampler"):
+        if key not in manifest:
+            raise bad(f"{key!r}", None)
+    return manifest
