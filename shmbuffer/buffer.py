@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -184,15 +184,13 @@ class ReplayBuffer:
         self._push_plan = self._copier.plan if self._fast_push is not None else None
         """What ``push`` reads on this instance (``_native.PushMethod``): with a plan, its usual
         calls run in C with no dict made."""
+        if self._push_plan is not None and _PUSH is not None and _class_push(type(self)) is _PUSH:
+            self.push = _PUSH.seat(self)  # type: ignore[method-assign]  # buf.push: an attribute read (method.c)
         self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         """This process's random generator for sampling."""
 
-    if not TYPE_CHECKING:  # (for mypy, a __getattr__ would make every misspelt attribute Any)
-
-        def __getattr__(self, name: str) -> Any:
-            # only attributes not found come here, never the hot path: another library's name
-            # (cpprb's get_stored_size ...) raises an AttributeError naming ours (hints.py)
-            raise hints.name_error(self, name)
+    def __dir__(self) -> list[str]:
+        return [name for name in super().__dir__() if name not in hints.METHODS]  # the hints set below
 
     # -- identity and lifecycle ----------------------------------------------------------------
     @property
@@ -242,6 +240,8 @@ class ReplayBuffer:
         if self._segment is None:
             return
         self._push_plan = None  # push is the method again, which says closed
+        if _PUSH is not None:
+            _PUSH.unseat(self)  # a push held elsewhere keeps this buffer (method.c)
         if self._copier is not None:
             self._copier.close()  # the one-call push's views of the block (a held push's too)
         if self._one_call is not None:
@@ -736,7 +736,21 @@ def _attach_by_handle(handle: BufferHandle) -> ReplayBuffer:
     return ReplayBuffer.attach(handle)
 
 
+def _class_push(cls: type) -> Any:
+    """What ``cls`` has for ``push`` (not overridden, nor patched on the class: ``_PUSH``)."""
+    return next(vars(k)["push"] for k in cls.__mro__ if "push" in vars(k))
+
+
+for _name in hints.METHODS:  # another library's name (cpprb's get_stored_size ...) names ours
+    setattr(ReplayBuffer, _name, hints.Hint(_name))
+
+_PUSH: Any = None
 if native.lib is not None:
     # push(...) in C for its usual calls (``_native.PushMethod``): a bound method like any other,
     # whose calls on a uniform buffer the one call serves (``_push_plan``) skip the Python method
-    ReplayBuffer.push = native.lib.PushMethod(ReplayBuffer.push)  # type: ignore[method-assign]
+    _PUSH = ReplayBuffer.push = native.lib.PushMethod(ReplayBuffer.push)  # type: ignore[method-assign]
+
+    def _unseat(buf: ReplayBuffer, unseat: Callable[[ReplayBuffer], None] = _PUSH.unseat) -> None:
+        unseat(buf)  # a push read from this buffer and held elsewhere keeps it alive (method.c)
+
+    ReplayBuffer.__del__ = _unseat  # type: ignore[attr-defined]

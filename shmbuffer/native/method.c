@@ -4,7 +4,17 @@
  * instance whose `_push_plan` is a plan (ReplayBuffer._setup: a uniform buffer the one call
  * serves), it gives a BoundPush: a bound method, holding its buffer as any bound method does,
  * whose usual calls are push_from_args (push.c) and every other call func(buffer, ...). Read
- * from the class, it is func; from an instance without a plan, func bound as usual. */
+ * from the class, it is func; from an instance without a plan, func bound as usual.
+ *
+ * A buffer with a plan also keeps one BoundPush in its own __dict__ (PushMethod.seat), so that
+ * `buf.push` is an instance attribute: no descriptor call and no object made per read (a
+ * `buf.push(**row)` reads it once a call). That one is resident: it refers to its buffer by a
+ * weak reference, since a strong one would make a cycle and the buffer would outlive `del buf`
+ * (its block unlinked only by the cycle collector). It reads the plan from the buffer at each
+ * call (`_push_plan`, the switch tests and close() turn off). When it leaves the __dict__
+ * (PushMethod.unseat: close(), or the buffer's __del__) while held elsewhere, it takes a strong
+ * reference, so a push read from a buffer keeps that buffer alive as a bound method does; at
+ * __del__ that resurrects the buffer (PEP 442) until the push is dropped. */
 #include "native.h"
 
 #include <structmember.h>
@@ -18,21 +28,47 @@ typedef struct {
 typedef struct {
     PyObject_HEAD
     PyObject *plan, *self, *func;
+    PyObject *ref; /* resident (self NULL, plan NULL): a weak reference to the buffer */
     vectorcallfunc vectorcall;
 } BoundPush;
 
+/* the buffer (borrowed), or NULL with an error when a resident push's buffer is gone (its
+ * __dict__ entry replaced by hand and the buffer dropped: unseat never ran) */
+static PyObject *bound_self(BoundPush *b) {
+    if (b->self) return b->self;
+    PyObject *obj = PyWeakref_GetObject(b->ref);
+    if (obj == Py_None) {
+        PyErr_SetString(PyExc_ReferenceError, "push: its buffer was dropped");
+        return NULL;
+    }
+    return obj;
+}
+
+static PyObject *plan_on(PyObject *obj);
+
 static PyObject *bound_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     BoundPush *b = (BoundPush *)callable;
-    PushPlan *p = plan_of(b->plan);
-    if (!p) return NULL;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *ids = push_from_args(p, args, nargs, kwnames);
-    if (ids != Py_None) return ids; /* the ids, or NULL with an error */
-    Py_DECREF(ids);
-    PyObject *method = PyMethod_New(b->func, b->self);
-    if (!method) return NULL;
-    PyObject *got = PyObject_Vectorcall(method, args, (size_t)nargs, kwnames);
-    Py_DECREF(method);
+    PyObject *self = bound_self(b);
+    if (!self) return NULL;
+    Py_INCREF(self); /* a resident push's buffer held through the call, whatever the call drops */
+    PyObject *plan = b->plan, *got = NULL;
+    if (plan) Py_INCREF(plan);
+    else if (!(plan = plan_on(self)) && PyErr_Occurred()) goto done;
+    if (plan) {
+        PushPlan *p = plan_of(plan);
+        got = p ? push_from_args(p, args, nargs, kwnames) : NULL;
+        Py_DECREF(plan);
+        if (got != Py_None) goto done; /* the ids, or NULL with an error */
+        Py_CLEAR(got);
+    }
+    PyObject *method = PyMethod_New(b->func, self);
+    if (method) {
+        got = PyObject_Vectorcall(method, args, (size_t)nargs, kwnames);
+        Py_DECREF(method);
+    }
+done:
+    Py_DECREF(self);
     return got;
 }
 
@@ -40,6 +76,7 @@ static int bound_traverse(BoundPush *b, visitproc visit, void *arg) {
     Py_VISIT(b->plan);
     Py_VISIT(b->self);
     Py_VISIT(b->func);
+    Py_VISIT(b->ref);
     return 0;
 }
 
@@ -47,6 +84,7 @@ static int bound_clear(BoundPush *b) {
     Py_CLEAR(b->plan);
     Py_CLEAR(b->self);
     Py_CLEAR(b->func);
+    Py_CLEAR(b->ref);
     return 0;
 }
 
@@ -65,16 +103,18 @@ static void bound_dealloc(BoundPush *b) {
 }
 
 static PyObject *bound_repr(BoundPush *b) {
-    PyObject *name = PyObject_GetAttrString(b->func, "__qualname__");
+    PyObject *self = bound_self(b);
+    PyObject *name = self ? PyObject_GetAttrString(b->func, "__qualname__") : NULL;
     if (!name) return NULL;
-    PyObject *r = PyUnicode_FromFormat("<bound method %S of %R>", name, b->self);
+    PyObject *r = PyUnicode_FromFormat("<bound method %S of %R>", name, self);
     Py_DECREF(name);
     return r;
 }
 
 /* pickled as a bound method is: getattr(buffer, name), so an unpickled push holds its buffer */
 static PyObject *bound_reduce(BoundPush *b, PyObject *unused) {
-    PyObject *name = PyObject_GetAttrString(b->func, "__name__");
+    PyObject *self = bound_self(b);
+    PyObject *name = self ? PyObject_GetAttrString(b->func, "__name__") : NULL;
     if (!name) return NULL;
     PyObject *builtins = PyEval_GetBuiltins(); /* borrowed */
     PyObject *getattr_ = builtins ? PyDict_GetItemString(builtins, "getattr") : NULL;
@@ -83,7 +123,13 @@ static PyObject *bound_reduce(BoundPush *b, PyObject *unused) {
         PyErr_SetString(PyExc_RuntimeError, "push: builtins.getattr not found");
         return NULL;
     }
-    return Py_BuildValue("(O(ON))", getattr_, b->self, name);
+    return Py_BuildValue("(O(ON))", getattr_, self, name);
+}
+
+static PyObject *bound_self_get(BoundPush *b, void *unused) {
+    PyObject *self = bound_self(b);
+    Py_XINCREF(self);
+    return self;
 }
 
 static PyObject *bound_doc(BoundPush *b, void *unused) { return PyObject_GetAttrString(b->func, "__doc__"); }
@@ -93,9 +139,10 @@ static PyObject *bound_module(BoundPush *b, void *unused) { return PyObject_GetA
 
 /* inspect.signature(buf.push): the method's, bound (without self) */
 static PyObject *bound_signature(BoundPush *b, void *unused) {
-    PyObject *inspect = PyImport_ImportModule("inspect");
+    PyObject *self = bound_self(b);
+    PyObject *inspect = self ? PyImport_ImportModule("inspect") : NULL;
     if (!inspect) return NULL;
-    PyObject *method = PyMethod_New(b->func, b->self);
+    PyObject *method = PyMethod_New(b->func, self);
     PyObject *sig = method ? PyObject_CallMethod(inspect, "signature", "O", method) : NULL;
     Py_XDECREF(method);
     Py_DECREF(inspect);
@@ -106,15 +153,18 @@ static PyObject *bound_signature(BoundPush *b, void *unused) {
 static PyObject *bound_richcompare(PyObject *a, PyObject *b, int op) {
     if ((op != Py_EQ && op != Py_NE) || Py_TYPE(b) != Py_TYPE(a)) Py_RETURN_NOTIMPLEMENTED;
     BoundPush *x = (BoundPush *)a, *y = (BoundPush *)b;
-    int eq = x->self == y->self && x->func == y->func;
+    PyObject *xs = bound_self(x), *ys = xs ? bound_self(y) : NULL;
+    if (!ys) return NULL;
+    int eq = xs == ys && x->func == y->func;
     if (op == Py_NE) eq = !eq;
     return PyBool_FromLong(eq);
 }
 
 static Py_hash_t bound_hash(BoundPush *b) {
-    Py_hash_t x = PyObject_Hash(b->func);
+    PyObject *self = bound_self(b);
+    Py_hash_t x = self ? PyObject_Hash(b->func) : -1;
     if (x == -1) return -1;
-    uintptr_t p = (uintptr_t)b->self; /* as CPython hashes a pointer: rotated by 4 bits */
+    uintptr_t p = (uintptr_t)self; /* as CPython hashes a pointer: rotated by 4 bits */
     Py_hash_t y = (Py_hash_t)((p >> 4) | (p << (8 * sizeof(p) - 4)));
     Py_hash_t h = x ^ y;
     return h == -1 ? -2 : h;
@@ -152,11 +202,11 @@ static PyObject *bound_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 }
 
 static PyMemberDef bound_members[] = {
-    {"__self__", T_OBJECT, offsetof(BoundPush, self), READONLY, "the buffer"},
     {"__func__", T_OBJECT, offsetof(BoundPush, func), READONLY, "the Python method (ReplayBuffer.push)"},
     {NULL, 0, 0, 0, NULL},
 };
 static PyGetSetDef bound_getset[] = {
+    {"__self__", (getter)bound_self_get, NULL, "the buffer", NULL},
     {"__doc__", (getter)bound_doc, NULL, NULL, NULL},
     {"__name__", (getter)bound_name, NULL, NULL, NULL},
     {"__qualname__", (getter)bound_qualname, NULL, NULL, NULL},
@@ -213,6 +263,7 @@ static PyObject *method_get(PushMethod *m, PyObject *obj, PyObject *type) {
     b->self = obj;
     Py_INCREF(m->func);
     b->func = m->func;
+    b->ref = NULL;
     b->vectorcall = bound_call;
     PyObject_GC_Track(b);
     return (PyObject *)b;
@@ -240,6 +291,60 @@ static PyObject *method_call(PyObject *callable, PyObject *const *args, size_t n
     }
     return PyObject_Vectorcall(m->func, args, (size_t)nargs, kwnames);
 }
+
+/* PushMethod.seat(buffer): a resident BoundPush of buffer, for its __dict__ (see the top) */
+static PyObject *method_seat(PushMethod *m, PyObject *obj) {
+    if (!m->func) {
+        PyErr_SetString(PyExc_TypeError, "PushMethod: made without its function (PushMethod(func))");
+        return NULL;
+    }
+    PyObject *ref = PyWeakref_NewRef(obj, NULL);
+    if (!ref) return NULL;
+    BoundPush *b = PyObject_GC_New(BoundPush, &BoundPushType);
+    if (!b) {
+        Py_DECREF(ref);
+        return NULL;
+    }
+    b->plan = b->self = NULL;
+    b->ref = ref;
+    Py_INCREF(m->func);
+    b->func = m->func;
+    b->vectorcall = bound_call;
+    PyObject_GC_Track(b);
+    return (PyObject *)b;
+}
+
+/* PushMethod.unseat(buffer): take buffer's resident push out of its __dict__; held elsewhere,
+ * it keeps the buffer from now on (a strong reference: at __del__, the buffer lives on). A
+ * buffer found by the cycle collector has lost its weak references before its __del__: its
+ * push, if held elsewhere, then raises ReferenceError rather than bring back a buffer whose
+ * finalizers have run. */
+static PyObject *method_unseat(PushMethod *m, PyObject *obj) {
+    static PyObject *s_push;
+    if (!s_push && !(s_push = PyUnicode_InternFromString("push"))) return NULL;
+    PyObject *dict = PyObject_GenericGetDict(obj, NULL);
+    if (!dict) return NULL;
+    PyObject *found = PyDict_GetItemWithError(dict, s_push); /* borrowed: the dict's is its only count */
+    int err = !found && PyErr_Occurred() ? -1 : 0;
+    if (found && Py_TYPE(found) == &BoundPushType && !((BoundPush *)found)->self) {
+        BoundPush *b = (BoundPush *)found;
+        if (Py_REFCNT(found) > 1 && PyWeakref_GetObject(b->ref) == obj) {
+            Py_INCREF(obj);
+            b->self = obj;
+            Py_CLEAR(b->ref);
+        }
+        err = PyDict_DelItem(dict, s_push);
+    }
+    Py_DECREF(dict);
+    if (err) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef method_methods[] = {
+    {"seat", (PyCFunction)method_seat, METH_O, "seat(buffer): a push bound to buffer, for its __dict__ (weak until it leaves)."},
+    {"unseat", (PyCFunction)method_unseat, METH_O, "unseat(buffer): take buffer's seated push out of its __dict__."},
+    {NULL, NULL, 0, NULL},
+};
 
 static int method_init(PushMethod *m, PyObject *args, PyObject *kwds) {
     PyObject *func;
@@ -304,4 +409,5 @@ PyTypeObject PushMethodType = {
     .tp_descr_get = (descrgetfunc)method_get,
     .tp_members = method_members,
     .tp_getset = method_getset,
+    .tp_methods = method_methods,
 };
