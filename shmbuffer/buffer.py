@@ -99,7 +99,7 @@ class ReplayBuffer:
 
     _ring: Ring | None = None
     _segment: Segment | None = None
-    _push_plan: Any = None
+    _plan: Any = None
     _one_call: OneCall | None = None
     """The one-call sample (``OneCall``), made at the first sample that it serves."""
     _one_calls = True
@@ -182,12 +182,20 @@ class ReplayBuffer:
             self._ring.repairs.append(self._prios.repair)
         self._fast_push = push.fast_push(self, self._copier, self._pusher)
         self._push_plan = self._copier.plan if self._fast_push is not None else None
-        """What ``push`` reads on this instance (``_native.PushMethod``): with a plan, its usual
-        calls run in C with no dict made."""
-        if self._push_plan is not None and _PUSH is not None and _class_push(type(self)) is _PUSH:
-            self.push = _PUSH.seat(self)  # type: ignore[method-assign]  # buf.push: an attribute read (method.c)
         self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         """This process's random generator for sampling."""
+
+    @property
+    def _push_plan(self) -> Any:
+        """The C push's plan (``Copier.plan``), or ``None``: every push takes the Python method."""
+        return self._plan
+
+    @_push_plan.setter
+    def _push_plan(self, plan: Any) -> None:
+        self._plan = plan
+        if _PUSH is not None and _class_push(type(self)) is _PUSH:
+            _PUSH.unseat(self)  # a push held elsewhere keeps this buffer, and its plan (method.c)
+            self.push = _PUSH.seat(self, plan)  # type: ignore[method-assign]  # buf.push: an attribute read
 
     def __dir__(self) -> list[str]:
         return [name for name in super().__dir__() if name not in hints.METHODS]  # the hints set below
@@ -239,9 +247,9 @@ class ReplayBuffer:
     def _close(self, *, defer: bool) -> None:
         if self._segment is None:
             return
-        self._push_plan = None  # push is the method again, which says closed
+        self._plan = None
         if _PUSH is not None:
-            _PUSH.unseat(self)  # a push held elsewhere keeps this buffer (method.c)
+            _PUSH.unseat(self)  # push is the method again, which says closed; one held elsewhere keeps this buffer
         if self._copier is not None:
             self._copier.close()  # the one-call push's views of the block (a held push's too)
         if self._one_call is not None:
@@ -742,12 +750,13 @@ def _class_push(cls: type) -> Any:
 
 
 for _name in hints.METHODS:  # another library's name (cpprb's get_stored_size ...) names ours
-    setattr(ReplayBuffer, _name, hints.Hint(_name))
+    if not hasattr(ReplayBuffer, _name):  # (a name of ours stays ours: tests/test_hints.py)
+        setattr(ReplayBuffer, _name, hints.Hint(_name))
 
 _PUSH: Any = None
 if native.lib is not None:
     # push(...) in C for its usual calls (``_native.PushMethod``): a bound method like any other,
-    # whose calls on a uniform buffer the one call serves (``_push_plan``) skip the Python method
+    # seated on each instance (``_push_plan``): on a uniform buffer the one call serves, its usual calls skip the Python method
     _PUSH = ReplayBuffer.push = native.lib.PushMethod(ReplayBuffer.push)  # type: ignore[method-assign]
 
     def _unseat(buf: ReplayBuffer, unseat: Callable[[ReplayBuffer], None] = _PUSH.unseat) -> None:
