@@ -1,4 +1,4 @@
-"""Rewriting committed rows: update and delete (a push of new rows is ``push.py``'s).
+"""Rewriting committed rows: update, delete and update_priorities (a push of new rows is ``push.py``'s).
 
 ``update`` rewrites fields of current rows in place: under the lock each row's stamp turns odd
 again with its own row number (this process its owner), ``Counter.UPDATES`` counts the update,
@@ -96,6 +96,23 @@ def update(src: Source, ids: np.ndarray, fields: dict[str, Any], priority: Any =
         ring.stamp[slots] = ring.expected(idx)
     finally:
         resume_signals()
+    return int(live.sum())
+
+
+def update_priorities(src: Source, given: Any, priorities: Any) -> int:
+    """``ReplayBuffer.update_priorities``: set the priorities of rows ``given`` by id, skipping
+    those overwritten since; returns how many were set."""
+    ring, prios = src.ring, src.priorities
+    if prios is None or not prios.prioritized:
+        raise FieldError("update_priorities: this buffer samples uniformly; create it with sampler=Prioritized(...)")
+    done = prios.try_update(ring, given, priorities)  # the usual case, in one C call
+    if done is not None:
+        return done
+    ids = ring.check_ids(given, "update_priorities")
+    p = prios.check(priorities, ids.size, "update_priorities: priority")
+    with ring.lock:
+        live = ring.current(ids)
+        prios.set_rows(ring.slots(ids[live]), p[live], fresh=False)
     return int(live.sum())
 
 
