@@ -400,16 +400,10 @@ class ReplayBuffer:
         fields not given keep their values. Returns how many rows were updated: rows overwritten,
         deleted or cleared since are skipped, as ``update_priorities`` skips them.
 
-        Under the commit protocol (``ring.py``): under the lock each live row's stamp turns odd
-        again with its own row number (this process its owner) and signal handlers wait; the
-        fields are copied; the stamp turns even again. A reader that meets the row meanwhile
-        re-draws it, so nobody sees a row half-updated; a writer that comes round the ring waits
-        for it as for a row being pushed. The stamp ends as it was, so a reader whose copy spans
-        the whole update would pass the stamp check: every update counts itself
-        (``Counter.UPDATES``) once its rows are odd, and rows gathered while the count moved
-        are read again (``gather.gather``). A ``priority`` (or a ``"priority"`` key that is not a
-        field) sets the rows' priorities too. A process killed mid-update leaves its rows empty
-        (reaped, never torn). Everything is checked first: on any error nothing changed."""
+        No reader ever sees a row half-updated, and a process killed mid-update leaves its rows
+        empty, never torn (the commit protocol, ``protocol/edits.py``). A ``priority`` (or a
+        ``"priority"`` key that is not a field) sets the rows' priorities too. Everything is
+        checked first: on any error nothing changed."""
         ids = self.ring.check_ids(rows.index if isinstance(rows, Batch) else rows, "update")
         if data is not None:
             if fields:
