@@ -25,6 +25,7 @@ ring's reservations (``ring.py``), the sampler's draws (``samplers.py``) and the
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -237,8 +238,10 @@ class ReplayBuffer:
         return self._ring is None
 
     def close(self) -> None:
-        """Unmap this process's view (see the module docstring). Idempotent."""
-        self._close(defer=False)
+        """Unmap this process's view (see the module docstring). Idempotent. In a ``finally`` or
+        ``except`` block it lets go as ``with`` does (the mapping goes with the last view): the
+        exception being handled holds, in its traceback, the internals of the call that raised."""
+        self._close(defer=sys.exc_info()[0] is not None)
 
     def _close(self, *, defer: bool) -> None:
         if self._segment is None:
@@ -250,6 +253,8 @@ class ReplayBuffer:
             self._copier.close()  # the one-call push's views of the block (a held push's too)
         if self._paths is not None:
             self._paths.close()  # the one-call sample's
+        if self._ring is not None:
+            self._ring.lock.let_go()  # a robust mutex this process holds must stay mapped (lock.py)
         self._ring = self._prios = self._fast_push = None
         self._block = self._copier = None  # type: ignore[assignment]
         self._segment.close(defer=defer)
