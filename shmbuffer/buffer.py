@@ -455,7 +455,10 @@ class ReplayBuffer:
         their ids (and ``batch.episode`` their episodes); a prioritized buffer adds
         ``batch.weight`` (importance-sampling weights).
         """
-        return self._paths.sample(self, n, replace, n_step, gamma, fields, out, timeout, hindsight, unknown)
+        paths = self._paths
+        if paths is None:
+            raise closed(self.name)
+        return paths.sample(self, n, replace, n_step, gamma, fields, out, timeout, hindsight, unknown)
 
     def sample_sequences(self, n: int, length: int, *, burn_in: int = 0, time_major: bool = False) -> Batch:
         """``n`` windows of ``length`` consecutive steps of one episode (plus ``burn_in`` steps
