@@ -208,21 +208,24 @@ class ReplayBuffer:
 
     @property
     def ring(self) -> Ring:
-        """The ring: reservations, commit stamps, lanes (``ring.py``)."""
+        """The ring: reservations, commit stamps, lanes (``ring.py``). With ``block`` and
+        ``priorities``, the reader's interface (``protocol.reader.Source``) through which the
+        modules built on the protocol read a buffer; user code does not need them."""
         if self._ring is None:
             raise closed(self.name)
         return self._ring
 
     @property
     def block(self) -> Block:
-        """Named views of the block's columns (``layout.py``), for readers built on ``reader.py``."""
+        """Named views of the block's columns (``layout.py``): the reader's interface (``ring``)."""
         if self._ring is None:
             raise closed(self.name)
         return self._block
 
     @property
     def priorities(self) -> Priorities | None:
-        """The priority tree and use counts (``priorities.Priorities``), or ``None`` without a tree."""
+        """The priority tree and use counts (``priorities.Priorities``), or ``None`` without a
+        tree: the reader's interface (``ring``)."""
         if self._ring is None:
             raise closed(self.name)
         return self._prios

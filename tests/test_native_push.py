@@ -435,8 +435,8 @@ def test_a_push_is_read_as_an_attribute_and_keeps_its_buffer_without_a_cycle(nam
 
 @needs_lib
 def test_push_called_through_the_buffer_and_bound_pushes_reused_push_into_their_own_buffer(make: Make, name: str) -> None:
-    """``buf.push(obs=...)`` written out is called with the buffer first (no bound push made), and
-    a bound push made after another was freed is the new buffer's: each row lands where it was sent."""
+    """``buf.push(obs=...)`` written out, through the class, and pushes read from two buffers and
+    kept push into their own buffer: each row lands where it was sent."""
     a = make(MUJOCO, capacity=8, name=name + "a")
     b = make(MUJOCO, capacity=8, name=name + "b")
     r = {k: v[0] for k, v in transition(0, 1).items()}
