@@ -39,9 +39,10 @@ from .errors import SchemaError, closed
 from .frames import Frames
 from .loader import Loader
 from .protocol import edits, push, reader
+from .protocol.frames_push import Pusher
 from .protocol.layout import UNIFORM, Block, Counter, Options, columns, read
 from .protocol.priorities import Priorities
-from .protocol.push import Copier, Pusher
+from .protocol.push import Copier
 from .protocol.ring import Ring, check_platform
 from .sample_paths import SamplePaths, count
 from .sampling.limiter import RateLimiter

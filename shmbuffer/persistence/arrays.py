@@ -21,8 +21,8 @@ import numpy as np
 from ..errors import CapacityError, FieldError
 from ..frames import ENDS, Frames, frames_of
 from ..progress import Progress as Line
+from ..protocol.frames_push import Pusher, last_of_lanes
 from ..protocol.gather import assemble, gather, settle
-from ..protocol.push import Pusher, last_of_lanes
 from ..protocol.rows import lane_of, number_of, row_id
 from ..schema import Schema
 from . import snapshot
