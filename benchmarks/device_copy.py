@@ -17,8 +17,11 @@ Cases (each prints one line and goes into the JSON ``--out``):
   into a full buffer for ``--seconds`` while the learner samples 256 rows, alternating between the
   device copy (its default bound and background refresher) and ``buf.sample(256).to(device)``:
   batches/s of each and their ratio, each call's latency (median, 99th percentile), the lag seen
-  before each resident sample (rows, ms), the refresher's rows/s while it copies against
-  ``np.copyto`` of the same bytes, and the machine's 1-minute load.
+  before each resident sample (rows, ms), the refresher's rows/s while it copies (the refresh's
+  own clock, ``DeviceRows.state``: rows taken in over the seconds spent inside refreshes) against
+  ``np.copyto`` of the same bytes, the share of those seconds spent waiting while a sample held
+  the copy's lock, the same rows over the CPU time the refreshing thread spent (what the load
+  does not change) against ``np.copyto``, whether a refresh was one C call, and the machine's 1-minute load.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ def case_sample(capacity: int, device: str, tag: str, seconds: float, prioritize
                 buf.update_priorities(b.index.cpu().numpy(), prio)
             done()
 
-        out = {"case": "prioritized" if prioritized else "sample", "resident_batches_s": rate(resident, seconds),
+        out: dict[str, Any] = {"case": "prioritized" if prioritized else "sample", "resident_batches_s": rate(resident, seconds),
                "host_batches_s": rate(host, seconds)}
         if not prioritized:
             ring = {k: np.ascontiguousarray(v) for k, v in rows(capacity).items()}
@@ -191,26 +194,37 @@ def case_keep_up(capacity: int, device: str, tag: str, seconds: float, ingest: f
             buf.push(rows(min(step, capacity - at), at), lane=(at // step) % 2)
         dev = sb.DeviceReplay(buf, device)
         spent: list[float] = [0.0, 0.0, 0.0]  # seconds in refreshes, rows taken in, refreshes
-        real = dev._refresh
+        state = getattr(dev, "state", None)  # the refresh's own counts (a tree without them: timed here)
+        if state is None:
+            real = dev._refresh
 
-        def refresh() -> int:
-            t = time.perf_counter()
-            got = real()
-            spent[0] += time.perf_counter() - t
-            spent[1] += got
-            spent[2] += 1
-            return got
+            def refresh(*args: Any) -> int:
+                t = time.perf_counter()
+                got = real(*args)
+                spent[0] += time.perf_counter() - t
+                spent[1] += got
+                spent[2] += 1
+                return got
 
-        dev._refresh = refresh  # type: ignore[method-assign]
+            dev._refresh = refresh  # type: ignore[method-assign,assignment]
         for p in procs:
             p.start()
         time.sleep(0.5)
+        if state is not None:
+            from shmbuffer.device.rows import CPU, DONE, SPENT, TAKEN, WAITED
+
+            before = state[[SPENT, TAKEN, DONE, WAITED, CPU]].copy()
         inserted0, t0 = buf.stats["inserted"], time.perf_counter()
         runs: dict[str, list[dict[str, float]]] = {"resident": [], "host": []}
         for _ in range(2):
             runs["resident"].append(_learner(lambda: (dev.sample(256), done()), seconds / 4, dev.lag))
             runs["host"].append(_learner(lambda: (buf.sample(256).to(device), done()), seconds / 4, None))
         ingest = (buf.stats["inserted"] - inserted0) / (time.perf_counter() - t0)
+        waited = cpu = 0.0
+        if state is not None:
+            got = state[[SPENT, TAKEN, DONE, WAITED, CPU]] - before
+            spent, waited, cpu = [got[0] / 1e9, float(got[1]), float(got[2])], got[3] / 1e9, got[4] / 1e9
+        one_call = bool(getattr(dev, "one_call", False))
         dev.close()
     finally:
         stop.set()
@@ -233,7 +247,9 @@ def case_keep_up(capacity: int, device: str, tag: str, seconds: float, ingest: f
             "lag_rows_p50": res["lag_rows_p50"], "lag_rows_p99": res["lag_rows_p99"],
             "lag_ms_p50": res["lag_ms_p50"], "lag_ms_p99": res["lag_ms_p99"],
             "refresh_rows_s": refresh_rows_s, "refresh_rows_each": spent[1] / max(1, spent[2]),
-            "refresh_vs_memcpy": refresh_rows_s / memcpy, "load_1min": os.getloadavg()[0]}
+            "refresh_vs_memcpy": refresh_rows_s / memcpy, "refresh_waited_share": waited / spent[0] if spent[0] else 0.0,
+            "refresh_cpu_vs_memcpy": spent[1] / cpu / memcpy if cpu else 0.0,
+            "refresh_one_call": one_call, "load_1min": os.getloadavg()[0]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -122,7 +122,7 @@ def _measure(buf: ReplayBuffer, name: str, uid: int, ident: tuple[int, int],
         "lock_waits_s": None,
         "device_lag_rows": None, "device_lag_ms": None,
     }
-    if int(stats[Counter.DEVICE_AT]):  # a device copy refreshes (device.py): how far behind it is
+    if int(stats[Counter.DEVICE_AT]):  # a device copy refreshes (device/rows.py): how far behind it is
         out.update(device_lag_rows=inserted - int(stats[Counter.DEVICE_ROWS]),
                    device_lag_ms=(time.monotonic_ns() - int(stats[Counter.DEVICE_AT])) / 1e6)
     pushed = np.zeros(WRITERS)

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
+from shmbuffer import native
 from shmbuffer.device import DeviceReplay
 
-from .conftest import MUJOCO, copy_through, seq_of, transition
+from .conftest import MUJOCO, copy_through, needs_lib, seq_of, transition
 
 torch = pytest.importorskip("torch")
 Make = Callable[..., sb.ReplayBuffer]
@@ -56,12 +57,12 @@ def test_rows_equal_take_of_the_same_ids_bit_for_bit(make: Make, name: str, devi
 def test_a_sample_syncs_within_the_lag_and_sync_on_demand(make: Make, name: str, device: str) -> None:
     buf = make(MUJOCO, 32, name=name)
     buf.push(transition(0, 8))
-    dev = DeviceReplay(buf, device, max_lag_rows=None, refresher=False, seed=1)
+    dev = DeviceReplay(buf, device, max_lag_rows=None, max_lag_s=None, refresher=False, seed=1)
     buf.push(transition(8, 8))
     assert dev.lag()[0] == 8 and set(seq_of(dev.sample(500))) == set(range(8))  # lagging, by choice
     assert dev.sync() == 8 and dev.lag()[0] == 0
     assert set(seq_of(dev.sample(500))) == set(range(16))
-    lagging = DeviceReplay(buf, device, max_lag_rows=4, refresher=False, seed=2)
+    lagging = DeviceReplay(buf, device, max_lag_rows=4, max_lag_s=None, refresher=False, seed=2)
     buf.push(transition(16, 4))
     assert set(seq_of(lagging.sample(500))) == set(range(16))  # 4 rows behind: allowed, not synced
     buf.push(transition(20, 1))
@@ -259,7 +260,7 @@ def test_a_prioritized_draw_never_pairs_an_id_with_a_newer_rows_data(make: Make,
     with newer rows are drawn again, not served with the newer data."""
     buf = make(MUJOCO, 8, name=name, sampler=sb.Prioritized(alpha=1.0, beta=0.5), seed=0)
     buf.push(transition(0, 8), priority=1.0)
-    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, refresher=False, seed=0)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
     buf.push(transition(8, 4), priority=4.0)  # in slots 0..3; the device copy does not hold them yet
     sampler = buf.options.sampler
     real = type(sampler).draw
@@ -278,6 +279,7 @@ def test_a_prioritized_draw_never_pairs_an_id_with_a_newer_rows_data(make: Make,
 
 
 def test_a_clear_during_a_sync_is_never_drawn_past(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "lib", None)  # the Python steps: a clear between them
     buf = make(MUJOCO, 16, name=name)
     buf.push(transition(0, 8))
     dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
@@ -454,7 +456,7 @@ def _paced_writer(handle: sb.BufferHandle, lane: int, per_s: float) -> None:
 
 
 def test_the_background_refresher_keeps_rows_whole_current_and_never_cleared(
-        make: Make, name: str, procs: list[Any]) -> None:
+        make: Make, name: str, procs: list[Any], path: str) -> None:
     """Writers at a fixed rate lap the ring, one is killed mid-push, and a clear() comes while the
     refresher runs: every row drawn equals take() of its id when both still hold it, is whole, was
     in its lane within the row bound, and none from before the clear; the usable slots kept per
@@ -462,7 +464,7 @@ def test_the_background_refresher_keeps_rows_whole_current_and_never_cleared(
     buf = make(MUJOCO, 512, name=name, lanes=2)
     buf.push(transition(0, 2), lane=0)
     dev = DeviceReplay(buf, "cpu", max_lag_rows=64, max_lag_s=0.02, seed=12)
-    assert dev.refreshing
+    assert dev.refreshing and dev.one_call == (path == "native")
     ctx = mp.get_context("fork")
     k = ctx.Process(target=_killed_writer, args=(buf.handle,))
     procs.append(k)
@@ -493,8 +495,8 @@ def test_the_background_refresher_keeps_rows_whole_current_and_never_cleared(
         if drawn == 150:
             buf.clear()
             base = buf.ring.bounds()[0].copy()
-        with dev._lock:
-            assert set(dev._dense[:len(dev)].tolist()) == set(np.flatnonzero(dev.usable).tolist())
+        with dev.lock:
+            assert set(dev.dense[:len(dev)].tolist()) == set(np.flatnonzero(dev.usable).tolist())
             assert (dev.held[dev.usable] > 0).all() and not dev.held[~dev.usable].any()
     assert drawn == 300 and all(p.is_alive() for p in writers)
     for p in writers:
@@ -504,20 +506,29 @@ def test_the_background_refresher_keeps_rows_whole_current_and_never_cleared(
     assert not dev.refreshing
 
 
-def test_a_refresh_copies_the_new_rows_not_every_slot(make: Make, name: str,
+def test_a_refresh_copies_the_new_rows_not_every_slot(make: Make, name: str, path: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rows copied are the lanes' new rows (found from the cursors), in at most two runs a lane."""
+    """The rows copied are the lanes' new rows (found from the cursors), in at most two runs a lane:
+    every other device slot keeps what it held (a mark put there is not copied over)."""
     buf = make(MUJOCO, 128, name=name, lanes=2)
     buf.push(transition(0, 62), lane=0)
     buf.push(transition(64, 32), lane=1)
     dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
+    assert dev.one_call == (path == "native")
     runs: list[tuple[int, int, int]] = []
     real = dev._copy_run
     monkeypatch.setattr(dev, "_copy_run", lambda s0, n0, k: runs.append((s0, n0, k)) or real(s0, n0, k))
+    for col in dev.rows.values():
+        col.fill_(-1)  # a mark in every slot: only the slots refreshed lose it
     buf.push(transition(100, 5), lane=0)  # lane 0 wraps: rows 62..66, slots 62, 63 and 0..2
     buf.push(transition(200, 3), lane=1)  # rows 32..34 of lane 1, slots 96..98
     assert dev.sync() == 8
-    assert sorted(runs) == [(0, 64, 3), (62, 62, 2), (96, 32, 3)]
+    new = [62, 63, 0, 1, 2, 96, 97, 98]
+    for name_, col in dev.rows.items():
+        got = col.numpy()
+        assert np.array_equal(got[new], dev.columns[name_][new]), name_
+        assert (np.delete(got, new, axis=0) == -1).all(), name_
+    assert sorted(runs) == ([] if path == "native" else [(0, 64, 3), (62, 62, 2), (96, 32, 3)])
     runs.clear()
     assert dev.sync() == 0 and runs == []
 
@@ -540,26 +551,35 @@ def test_gather_run_native_equals_python(make: Make, name: str, monkeypatch: pyt
     assert np.array_equal(got[0][1], got[1][1]) and np.array_equal(got[0][1], col[2:8])
 
 
-def test_the_refresher_stops_with_close_and_before_a_fork(make: Make, name: str) -> None:
+def _threads() -> int:
+    """Threads of this process, C threads included."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_the_refresher_stops_with_close_and_before_a_fork(make: Make, name: str, path: str) -> None:
     buf = make(MUJOCO, 32, name=name)
     buf.push(transition(0, 8))
     dev = DeviceReplay(buf, "cpu", seed=0)
-    first = dev._thread
-    assert first is not None and first.is_alive()
+    assert dev.refreshing and dev._refresher.starts == 1
     pid = os.fork()
     if pid == 0:  # the child: no refresher, and none of the parent's threads
-        os._exit(0 if dev._thread is None and not dev.refreshing else 1)
+        os._exit(0 if not dev.refreshing and _threads() == 1 else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    assert not first.is_alive() and dev.refreshing and dev._thread is not first  # joined, started again
+    assert dev.refreshing and dev._refresher.starts == 2  # joined before the fork, started again after it
     buf.push(transition(8, 8))
     t0 = time.monotonic()
     while dev.lag()[0] and time.monotonic() - t0 < 10:
         time.sleep(0.005)
     assert dev.lag()[0] == 0  # the refresher took them in
+    before = _threads()
     dev.close()
+    t0 = time.monotonic()  # a joined thread's task leaves /proc a moment after the join returns
+    while _threads() != before - 1 and time.monotonic() - t0 < 5:
+        time.sleep(0.01)
+    assert not dev.refreshing and _threads() == before - 1  # the thread ended
     dev.close()
-    assert not dev.refreshing and not first.is_alive()
+    assert not dev.refreshing
 
 
 def test_the_refresher_ends_with_its_process_and_leaves_nothing(name: str) -> None:
@@ -573,3 +593,103 @@ def test_the_refresher_ends_with_its_process_and_leaves_nothing(name: str) -> No
     done = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout == "ok\n" and done.stderr == "", done.stderr
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+@needs_lib
+def test_the_one_call_refresh_equals_the_python_steps(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C refresh and the Python steps, refreshing the same buffer through pushes that wrap the
+    lanes, rows being written (reserved, then abandoned), an update, a delete and a clear: the same
+    rows taken in, held with the same stamps, pending, and the same device rows and episodes."""
+    buf = make(MUJOCO, 128, name=name, lanes=2, episodes=True)
+    one = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, chunk=8, seed=0)
+    saved = native.lib
+    monkeypatch.setattr(native, "lib", None)
+    steps = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, chunk=8, seed=0)
+    monkeypatch.setattr(native, "lib", saved)
+    assert one.one_call and not steps.one_call
+    rng = np.random.default_rng(0)
+    t, res = 0, None
+    for step in range(40):
+        lane = step % 2
+        k = int(rng.integers(1, 12))
+        ids = buf.push(transition(t, k), lane=lane, episode=np.full(k, step // 5))
+        t += k
+        if step == 8:
+            res = buf.ring.reserve(3, 1, deferring=False)  # odd rows: pending on both
+        if step == 12 and res is not None:
+            buf.ring.abandon(res)
+        if step == 20:
+            buf.update(ids[:2], reward=np.float32(-5.0))
+        if step == 25:
+            buf.delete(ids[-1:])
+        if step == 30:
+            buf.clear()
+        assert one.sync() == steps.sync(), step
+        usable = np.flatnonzero(one.usable)
+        assert np.array_equal(usable, np.flatnonzero(steps.usable)), step
+        assert np.array_equal(one.held, steps.held) and len(one) == len(steps) == usable.size == np.count_nonzero(one.held)
+        assert sorted(one.dense[:len(one)].tolist()) == usable.tolist()
+        assert sorted(one.pending.tolist()) == sorted(steps.pending.tolist()), step
+        for key, col in one.rows.items():
+            assert np.array_equal(col.numpy()[usable], steps.rows[key].numpy()[usable]), (step, key)
+            assert np.array_equal(col.numpy()[usable], one.columns[key][usable]), (step, key)
+        assert np.array_equal(one.episodes[usable], steps.episodes[usable])
+    assert one.pending.size == 0 and len(one) == len(buf)
+    one.close()
+    steps.close()
+
+
+def test_a_sample_behind_the_bound_waits_for_the_refresh_under_way_not_for_another(make: Make, name: str) -> None:
+    """A sample that finds the bound broken while a refresh runs waits for that refresh and looks
+    again: it does not copy again the rows that refresh took in."""
+    import threading
+
+    buf = make(MUJOCO, 64, name=name)
+    buf.push(transition(0, 8))
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
+    real = dev._refresh
+    calls: list[int] = []
+    started = threading.Event()
+
+    def slow() -> int:
+        calls.append(1)
+        started.set()
+        time.sleep(0.3)  # the sample arrives meanwhile
+        return real()
+
+    dev._refresh = slow  # type: ignore[method-assign]
+    buf.push(transition(8, 8))
+    other = threading.Thread(target=dev.sync)
+    other.start()
+    started.wait(10)
+    got = dev.sample(200)
+    other.join()
+    assert set(seq_of(got)) == set(range(16)) and len(calls) == 1
+
+
+def test_a_full_refresh_keeps_serving_the_rows_it_has_not_copied_again(make: Make, name: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """After an update every row is copied again, a piece at a time: meanwhile a sample (another
+    thread) draws whole rows from all but the piece being copied, instead of finding the copy empty."""
+    import threading
+
+    monkeypatch.setattr(native, "lib", None)  # the Python steps: a sample between two pieces
+    buf = make(MUJOCO, 64, name=name)
+    buf.push(transition(0, 64))
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, chunk=8, seed=0)
+    buf.update([5], reward=np.float32(5.0))  # the same value: only the full copy is to see
+    real = dev._copy_run
+    seen: list[tuple[int, np.ndarray]] = []
+
+    def copy(slot0: int, n0: int, k: int) -> np.ndarray:
+        if slot0 == 24:  # the fourth piece: slots 24..31 dropped, the others held
+            t = threading.Thread(target=lambda: seen.append((len(dev), dev.sample(500).index.numpy())))
+            t.start()
+            t.join(10)
+        return real(slot0, n0, k)
+
+    monkeypatch.setattr(dev, "_copy_run", copy)
+    assert dev.sync() == 64
+    (held, ids), = seen
+    assert held == 56 and set(ids.tolist()) == set(range(64)) - set(range(24, 32))
+    assert len(dev) == 64

@@ -145,18 +145,12 @@ def test_no_module_reads_another_objects_private_names(module: str) -> None:
 
 
 MAX_LINES = 700
-LONGER: dict[str, str] = {
-    "device": "being cut below the limit on another branch (its refresh in C); drop this entry once merged",
-}
-"""Modules allowed over ``MAX_LINES`` for now, each with the reason."""
 
 
 @pytest.mark.parametrize("module", modules())
 def test_no_module_is_over_700_lines(module: str) -> None:
     """A module longer than this is doing more than one thing: split it along its parts."""
     lines = len(module_paths()[module].read_text().splitlines())
-    if module in LONGER:
-        pytest.skip(f"{module} is {lines} lines: {LONGER[module]}")
     assert lines <= MAX_LINES, f"shmbuffer/{module.replace('.', '/')}.py is {lines} lines, over {MAX_LINES}: split it"
 
 

@@ -24,6 +24,9 @@
 /* _stats: STATS_WORDS int64 counters; the ones the C push reads or moves (layout.Counter) */
 #define STATS_WORDS 16
 #define COUNTER_UPDATES 2   /* Counter.UPDATES: row updates begun (ReplayBuffer.update) */
+#define COUNTER_DELETES 3   /* Counter.DELETES: row deletes (ReplayBuffer.delete) */
+#define COUNTER_DEVICE_ROWS 4 /* Counter.DEVICE_ROWS: INSERTED as a device copy's last refresh began */
+#define COUNTER_DEVICE_AT 5   /* Counter.DEVICE_AT: when it began, CLOCK_MONOTONIC ns */
 #define COUNTER_INSERTED 10 /* Counter.INSERTED: rows ever reserved, all lanes */
 #define COUNTER_FROZEN 11   /* Counter.FROZEN: 1 once the buffer is read-only */
 #define COUNTER_REMOVED 13  /* Counter.REMOVED: 1 once a row was deleted or used up (max_use) */

@@ -9,7 +9,8 @@
  * The files: layout.h (the block's layout and the row arithmetic, checked against the Python
  * definitions by tests/test_native.py), native.h (what the C files share), common.c (buffer
  * views, the lock), tree.c (the priority tree), priorities.c (prioritized draws and updates),
- * gather.c (the reader's stamped copies, a lane's runs of rows, frame stacks), sample.c (the one-call sample: draw, gather,
+ * gather.c (the reader's stamped copies, a lane's runs of rows, frame stacks), refresh.c (a device copy's
+ * refresh on the CPU and its mutex), sample.c (the one-call sample: draw, gather,
  * re-draws, weights), pool.c (the threads that share a big gather's copies), copies.c (a push's copies, commit and
  * reservation as steps Python drives), plan.c and push.c (the one-call push), method.c
  * (ReplayBuffer.push as a method whose usual calls run in C).
@@ -39,6 +40,18 @@ static PyMethodDef methods[] = {
     {"gather", py_gather, METH_VARARGS, "gather(ids, lanes, stamp, sources, outs, ok) -> smallest id: rows with the stamp check."},
     {"gather_run", py_gather_run, METH_VARARGS,
      "gather_run(first, n0, stamp, sources, outs, ok) -> intact rows: a lane's consecutive rows with the stamp check."},
+    {"refresh", (PyCFunction)(void (*)(void))py_refresh, METH_FASTCALL,
+     "refresh(mutex, stamp, cursors, counters, sources, outs, held, dense, where, nxt, bases, pending, state, piece, "
+     "publish, seen) -> rows newly held, or -1 when another refresh ran since state[6] was seen: a device copy's "
+     "refresh on the CPU, without the GIL (device/rows.py)."},
+    {"refresher_start", (PyCFunction)(void (*)(void))py_refresher_start, METH_FASTCALL,
+     "refresher_start(<refresh's first 15 arguments>, pace_s, rows_bound, seconds_bound) -> a background refresher "
+     "thread that never takes the GIL."},
+    {"refresher_stop", py_refresher_stop, METH_O, "refresher_stop(refresher): end it (joined). Idempotent."},
+    {"refresher_running", py_refresher_running, METH_O, "refresher_running(refresher) -> whether it runs."},
+    {"mutex_init", py_mutex_init, METH_O, "mutex_init(mutex): two private pthread mutexes in 128 bytes of a numpy array (the slot lists', the refreshes')."},
+    {"mutex_lock", py_mutex_lock, METH_O, "mutex_lock(mutex): take it (the GIL released while it is busy)."},
+    {"mutex_unlock", py_mutex_unlock, METH_O, "mutex_unlock(mutex): release it."},
     {"read_plan", py_read_plan, METH_VARARGS,
      "read_plan(stamp, cursors, counters, columns, seed, tree=None, claim=None, frames=None) -> a one-call sample's plan; "
      "tree: (sums, mins, levels); claim: (lock, uses, max_use); frames: (kind, depth, ahead, parts)."},
@@ -73,7 +86,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "shmbuffer.native._na
 static int add_constants(PyObject *m) {
     static const struct { const char *name; long long value; } constants[] = {
         {"LANE_WORDS", LANE_WORDS},   {"LANE_CURSOR", LANE_CURSOR},       {"LANE_BASE", LANE_BASE},
-        {"STATS_WORDS", STATS_WORDS}, {"COUNTER_UPDATES", COUNTER_UPDATES}, {"COUNTER_INSERTED", COUNTER_INSERTED}, {"COUNTER_FROZEN", COUNTER_FROZEN}, {"COUNTER_REMOVED", COUNTER_REMOVED},
+        {"STATS_WORDS", STATS_WORDS}, {"COUNTER_UPDATES", COUNTER_UPDATES}, {"COUNTER_DELETES", COUNTER_DELETES}, {"COUNTER_DEVICE_ROWS", COUNTER_DEVICE_ROWS}, {"COUNTER_DEVICE_AT", COUNTER_DEVICE_AT}, {"COUNTER_INSERTED", COUNTER_INSERTED}, {"COUNTER_FROZEN", COUNTER_FROZEN}, {"COUNTER_REMOVED", COUNTER_REMOVED},
         {"WRITERS", WRITERS},         {"LOCK_SIZE", LOCK_SIZE},           {"LOCK_REPAIR", LOCK_REPAIR},
         {"KIND_END", KIND_END},       {"KIND_START", KIND_START},         {"KIND_ZERO", KIND_ZERO}, {"KIND_LEAD", KIND_LEAD},
         {"FANOUT", FANOUT},           {"INVALID_ID", INVALID_ID},

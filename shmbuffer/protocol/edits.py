@@ -135,7 +135,7 @@ def delete(src: Source, ids: np.ndarray) -> int:
             return 0
         src.block.arrays["_stats"][Counter.REMOVED] = 1  # before the rows go: len never over-counts
         ring.stamp[slots] = 0
-        src.block.counters[Counter.DELETES] += 1  # a device copy refreshes every row (device.py)
+        src.block.counters[Counter.DELETES] += 1  # a device copy refreshes every row (device/rows.py)
         if prios is not None:
             prios.remove(slots)
     return int(slots.size)

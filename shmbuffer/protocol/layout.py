@@ -65,7 +65,7 @@ class Counter(IntEnum):
     turned odd): a reader whose copy this count moved across discards it (``gather.gather``)"""
     DELETES = 3
     """deletes of stored rows (``ReplayBuffer.delete``, under the lock, after their stamps went to
-    0): a device copy (``device.py``) refreshes every row when it moved"""
+    0): a device copy (``device/rows.py``) refreshes every row when it moved"""
     DEVICE_ROWS = 4
     """``INSERTED`` as the newest refresh of a device copy of this buffer read it (0: none yet);
     ``INSERTED - DEVICE_ROWS`` is how many rows the copy is behind (``top``)"""

@@ -22,7 +22,7 @@ Which rows count
 Per lane, the rows from the lane's base (its last ``clear()``) up to its cursor, at most a lane's
 capacity back from the cursor (``bounds``).
 
-Every function takes Python ints, numpy int64 arrays or torch int64 tensors alike (``device.py``
+Every function takes Python ints, numpy int64 arrays or torch int64 tensors alike (``device/``
 does the same arithmetic on the device).
 """
 

@@ -21,7 +21,7 @@ and every path asks it instead of checking its class:
   in shared memory, ``priorities.py``); only ``Prioritized`` is, and the tree's leaf formula is
   its own (``leaf``).
 * ``served``: which built-in draw the C one-call sample (``one_call.OneCall``) and the device copy
-  (``device.py``) may run in its place: ``"uniform"`` (uniform over the lanes' rows), ``"tree"``
+  (``device/replay.py``) may run in its place: ``"uniform"`` (uniform over the lanes' rows), ``"tree"``
   (from the priority tree), or ``None`` (only its own ``draw``, in Python: the C path leaves such
   a sampler to the reader, never substituting another draw).
 * ``draw(ring, tree, rng, k, ...) -> Draw`` gives row ids (and, from a tree, their leaves);

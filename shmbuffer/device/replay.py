@@ -1,55 +1,34 @@
-"""A device-resident copy of a buffer, kept in step with its writers: the learner samples on its GPU.
+"""Sampling on the learner's device from a copy of the buffer's rows: ``DeviceReplay``.
 
-``DeviceReplay(buf, device="cuda")`` holds every field's column in device memory in the ring's
-slot layout (``protocol/rows.py``; the packed small fields as one block, as the shared
-memory holds them, so a batch's small fields are views of one gathered block), and beside it, on the host, the stamp of the row each device
-slot holds (``held``; 0: nothing usable). A refresh (``sync()``, the background refresher, or a
-sample whose bound would break) brings it up to date:
-
-1. the rows to copy are found from the lanes' cursors: each lane's rows since the last refresh
-   (at most two runs of consecutive slots, the lane's end between them), and the ``pending``
-   rows of earlier refreshes whose stamps now say committed. No slot is scanned: a refresh costs
-   the rows that came in. A ``clear()``, an ``update()`` or a ``delete()`` since the last refresh
-   (``Counter.UPDATES``/``DELETES``, the lanes' bases) makes it a full one: every row of the
-   lanes copied again (an update puts back the stamp it found, so only a full copy sees it);
-2. the slots of a run stop being drawn, then the run is copied by the reader's rule
-   (``gather.gather_run``, one C call: stamps read, one copy a column, stamps read again), on the
-   CPU straight into the device columns, on CUDA into reused pinned staging and then one copy to
-   the device on a side stream; pending rows go through the stamped ``gather``. A row counts when
-   both reads show it committed (``rows.intact``) and no update ran meanwhile; the others stay
-   ``pending`` and are tried again by the next refresh until they leave their lane. So a torn,
-   half-written or overwritten row is never marked usable on the device;
-3. the rows that count become usable: ``held`` keeps their stamps, and the usable slots are a
-   dense list changed per slot (a slot leaving takes the last one's place), so the uniform draw
-   (``torch.randint`` over that list) and each refresh cost what changed, never the capacity.
-
-A background thread (``refresher=True``, the default) looks at the lag every millisecond and
-refreshes once it reaches half a bound; the copies run without the GIL (C, above 256 KiB), and a
-sample takes the copy's lock only to draw and gather, so it waits for a refresh only while that
-refresh marks slots. The thread is stopped by ``close()``, joined before every ``os.fork()`` (and
-started again in the parent; a forked child's copy refreshes only when its samples need it) and at
-exit; a copy nobody holds ends it too. Each refresh publishes ``INSERTED`` and the time it began in
-the block (``Counter.DEVICE_ROWS``/``DEVICE_AT``), which ``shmbuffer top`` shows as the copy's lag.
+``DeviceReplay(buf, device="cuda")`` is a ``DeviceRows`` (``device/rows.py``: the rows on the
+device, their refresh from shared memory by the reader's stamp rule, and the usable slots) with
+lag bounds, a background refresher (``device/refresher.py``) and the samples.
 
 Between refreshes the device copy lags the shared buffer: the rows committed since the last one
 are not drawn yet, and a row overwritten, updated or deleted since (or during it) is still drawn
 from the device copy (whole: the row as it was committed). ``max_lag_rows`` and ``max_lag_s``
-bound that lag: a ``sample`` refreshes first (the rows behind only) when more rows were inserted
-since the last refresh began than ``max_lag_rows``, or when rows came in and it began more than
-``max_lag_s`` ago (``lag()`` measures both), or, under a row bound, when an ``update()`` ran. The
-default is ``max_lag_s=0.01`` and no row bound: the refresher keeps the lag near 5 ms, which a
-training loop cannot tell from none (measured in ``benchmarks/README.md``), and a sample waits only
-when the refresher fell behind. ``max_lag_rows=0`` makes every sample see every row committed
-before it (each sample then refreshes while writers push). A ``clear()`` always makes the next
-sample refresh: a cleared row is never drawn.
+bound that lag: a ``sample`` refreshes first when more rows were inserted since the last refresh
+began than ``max_lag_rows``, or when rows came in and it began more than ``max_lag_s`` ago
+(``lag()`` measures both), or, under a row bound, when an ``update()`` ran. A sample that finds a
+bound broken while a refresh is under way waits for that refresh and looks again, so it refreshes
+itself only when that one did not bring the copy within the bound. Otherwise a sample never
+waits for a refresh's copies, only for its changes of the slot lists (``device/rows.py``). The
+default is ``max_lag_s=0.01`` and no row bound: the refresher refreshes at half the bound (every
+5 ms at most), which a training loop cannot tell from no lag (measured in
+``benchmarks/HISTORY.md``), and a sample waits only when the refresher fell behind.
+``max_lag_rows=0`` makes every sample see every row committed before it (each sample then
+refreshes while writers push). A ``clear()`` always makes the next sample refresh: a cleared row
+is never drawn. Each refresh publishes ``INSERTED`` and the time it began in the block
+(``Counter.DEVICE_ROWS``/``DEVICE_AT``), which ``shmbuffer top`` shows as the copy's lag.
 
 ``sample(n)`` asks the buffer's sampler what may draw in its place (``Sampler.served``): a
 uniform sampler's rows are drawn on the device, uniformly over the usable slots
 (``torch.randint``); any other sampler draws on the host, by its own ``draw`` (a prioritized one
 from the shared sum tree, with ``ReplayBuffer.sample``'s importance weights; a user's sampler as
-it draws), keeping the drawn rows the device holds as committed and drawing again for the others. ``update_priorities`` writes the shared tree, so every process sees it. A batch
-has the fields, shapes and dtypes of ``ReplayBuffer.sample``'s, as tensors on the device, with
-``index`` (ids), ``episode`` and ``weight`` as there.
+it draws), keeping the drawn rows the device holds as committed and drawing again for the others.
+``update_priorities`` writes the shared tree, so every process sees it. A batch has the fields,
+shapes and dtypes of ``ReplayBuffer.sample``'s, as tensors on the device, with ``index`` (ids),
+``episode`` and ``weight`` as there.
 
 With frames stored once (``next_of``/``stack``) the device copy holds the stored rows and a host
 mirror of their kinds; a draw plans each transition on the host by ``frames.py``'s read rules
@@ -63,106 +42,42 @@ rows the copy holds, planned on the host from a mirror of their episode ids.
 
 Not done on the device yet, and refused with the alternative named: n-step returns and sequences
 over frames stored once, ``max_use``, a rate limiter; groups and whole episodes stay
-``ReplayBuffer``'s. The device
-must hold the copy: on CUDA the bytes needed are checked against ``torch.cuda.mem_get_info``
-before anything is allocated.
+``ReplayBuffer``'s. The device must hold the copy: on CUDA the bytes needed are checked against
+``torch.cuda.mem_get_info`` before anything is allocated.
 """
 
 from __future__ import annotations
 
-import atexit
-import os
 import threading
-import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from .batch import Batch, torch_dtype, torch_views
-from .errors import CapacityError, ClosedError, EmptyBufferError, FieldError, LayoutError
-from .frames import KIND, Stack, stack_columns, stack_plan
-from .frames import center as frames_center
-from .protocol.gather import gather, gather_run
-from .protocol.layout import Counter, Lane
-from .protocol.reader import Source
-from .protocol.rows import (
-    committed,
-    committed_of_id,
-    lane_of,
-    number_of,
-    number_of_stamp,
-    row_id,
-    slot,
-    slot_of_id,
-    window,
-)
-from .sequences import check_n_step, check_windows, n_step_fields, window_mask
+from ..batch import Batch, torch_views
+from ..errors import ClosedError, EmptyBufferError, FieldError, LayoutError
+from ..frames import Stack, stack_columns, stack_plan
+from ..frames import center as frames_center
+from ..protocol.layout import Counter, Lane
+from ..protocol.reader import Source
+from ..protocol.rows import committed, committed_of_id, slot, slot_of_id, window
+from ..sequences import check_n_step, check_windows, n_step_fields, window_mask
+from .refresher import PACE_S, Refresher, forget
+from .rows import DELETES, DONE, ERROR, INSERTED, UPDATES, DeviceRows
 
 _UPDATES, _DELETES, _INSERTED = int(Counter.UPDATES), int(Counter.DELETES), int(Counter.INSERTED)
 _DEVICE_ROWS, _DEVICE_AT = int(Counter.DEVICE_ROWS), int(Counter.DEVICE_AT)
-_CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
+_BASE = int(Lane.BASE)
 _ROUNDS = 8
 """Rounds of drawing again (prioritized) for rows the device copy does not hold, before a sync."""
 DEFAULT_MAX_LAG_S = 0.01
 """``max_lag_s`` by default: a sample refreshes first when the last refresh began longer ago."""
-DEFAULT_PACE_S = 0.001
+DEFAULT_PACE_S = PACE_S
 """Seconds the background refresher waits between looks at the lag."""
 REFRESH_AT = 0.5
 """The background refresher refreshes once the lag reaches this share of a bound (of ``max_lag_s``:
 a refresh every 5 ms at most by default, each copying the rows of those 5 ms in a few copies), so
 that a sample seldom finds a bound broken; without bounds, whenever rows came in."""
-
-_live: weakref.WeakSet[DeviceReplay] = weakref.WeakSet()
-"""The device copies of this process whose refresher may run (stopped before a fork, at exit)."""
-
-
-def _refresher(ref: weakref.ref[DeviceReplay], stop: threading.Event, failed: list[BaseException]) -> None:
-    """The background refresher's loop; it holds its copy only while refreshing (a copy nobody
-    holds is collected, and the loop ends). An error ends it and is raised by the next sample."""
-    while not stop.wait(DEFAULT_PACE_S):
-        dev = ref()
-        if dev is None or dev.closed:
-            return
-        try:
-            dev.refresh_if_behind(stop)
-        except Exception as exc:  # handed to the learner's next sample
-            failed.append(exc)
-            return
-        del dev
-
-
-_paused: list[DeviceReplay] = []
-
-
-def _pause_all() -> None:
-    _paused[:] = [dev for dev in list(_live) if dev.refreshing]
-    for dev in _paused:
-        dev.stop_refresher()
-
-
-def _resume_all() -> None:
-    for dev in _paused:
-        dev.start_refresher()
-    _paused.clear()
-
-
-def _forget_all() -> None:
-    _paused.clear()  # a forked child has no refresher: its samples refresh by the bounds
-    _live.clear()
-
-
-def _close_all() -> None:
-    for dev in list(_live):
-        dev.stop_refresher()
-
-
-if hasattr(os, "register_at_fork"):
-    # joined before every fork, so that a process forks without a thread of ours (Python 3.12
-    # warns about forking with threads); the parent's start again, the child's do not
-    os.register_at_fork(before=_pause_all, after_in_parent=_resume_all, after_in_child=_forget_all)
-atexit.register(_close_all)  # before the buffers' finalizers (registered earlier, run later)
 
 
 def _assemble(s: Stack, got: Any) -> Any:
@@ -175,13 +90,14 @@ def _assemble(s: Stack, got: Any) -> Any:
     return moved.reshape(*shape[:1 + s.axis], s.k * s.width, *shape[3 + s.axis:])
 
 
+
 def _torch() -> Any:
     import torch
 
     return torch
 
 
-class DeviceReplay:
+class DeviceReplay(DeviceRows):
     """A copy of ``buf``'s rows on ``device``, refreshed from shared memory (see the module docstring).
 
     :param buf: the buffer (any process's handle to it: writers elsewhere keep pushing).
@@ -191,10 +107,10 @@ class DeviceReplay:
         committed before it).
     :param max_lag_s: a sample refreshes first when the last refresh began longer ago than this
         (``None``: no bound by time). The default, 10 ms, is a few training steps: with the
-        background refresher the lag stays near its pace (1 ms) and a sample waits only when
-        the refresher falls behind (a loaded machine). With both bounds ``None`` only the
-        refresher and ``sync()`` refresh.
-    :param chunk: rows per staging copy.
+        background refresher the lag stays under half of it and a sample waits only when the
+        refresher falls behind (a loaded machine). With both bounds ``None`` only the refresher
+        and ``sync()`` refresh.
+    :param chunk: rows per piece of a refresh (and of the staging memory on CUDA).
     :param seed: the device generator's seed (uniform draws).
     :param refresher: refresh in a background thread (``DEFAULT_PACE_S`` apart), stopped by
         ``close()``, before a fork (started again in the parent, not in the child) and at exit.
@@ -215,257 +131,16 @@ class DeviceReplay:
                 raise ValueError(f"DeviceReplay: {name} must be an int >= {1 if name == 'chunk' else 0}, got {value!r}")
         if max_lag_s is not None and not max_lag_s >= 0:
             raise ValueError(f"DeviceReplay: max_lag_s must be a number >= 0, got {max_lag_s!r}")
-        self.buf = buf
-        self.device = torch.device(device)
+        super().__init__(buf, device, chunk)
         self.max_lag_rows, self.max_lag_s = max_lag_rows, max_lag_s
-        block, ring = buf.block, buf.ring
-        self.capacity, self.lanes, self.lane_capacity = ring.capacity, ring.lanes, ring.lane_capacity
-        self.chunk = min(chunk, self.capacity)
-        """Rows per staging copy (the staging memory holds that many rows)."""
-        self.record = block.record if block.packed is not None else None
-        self.columns: dict[str, np.ndarray] = {}
-        if block.packed is not None:  # copied and selected as its widest whole words: one copy per row
-            width = block.packed.shape[1]
-            word = next(w for w in (8, 4, 2, 1) if width % w == 0 and block.packed.ctypes.data % w == 0)
-            self.columns["_record"] = block.packed.view(np.dtype(f"<i{word}") if word > 1 else np.uint8)
-        self.columns.update(block.large)  # the packed small fields travel as one block, as in a gather
-        if block.episode is not None:
-            self.columns["_episode"] = block.episode
-        need = sum(int(c.nbytes) for c in self.columns.values())
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            if need > free:
-                raise CapacityError(
-                    f"DeviceReplay: buffer {buf.name!r} needs {need:,} bytes on {self.device}, which has {free:,} "
-                    f"free of {total:,}: sample on the host (Loader(buf, ...), pinned) or use a smaller buffer")
-        self.bytes = need
-        """Device memory the copy takes."""
-        self.rows = {name: torch.zeros(col.shape, dtype=torch_dtype(col.dtype), device=self.device)
-                     for name, col in self.columns.items()}
-        pin = self.device.type == "cuda"
-        self._staging = {name: torch.empty((self.chunk, *col.shape[1:]), dtype=torch_dtype(col.dtype), pin_memory=pin)
-                         for name, col in self.columns.items()}
-        self._stream = torch.cuda.Stream(self.device) if pin else None
-        self.held = np.zeros(self.capacity, np.int64)
-        """The stamp of the row each device slot holds, 0 where it holds none usable (host memory)."""
         self.spec = opts.frames
         """The buffer's frames stored once (``next_of``/``stack``), or ``None``."""
-        self.kinds = np.zeros(self.capacity if self.spec is not None else 0, np.uint8)
-        """With frames: each held row's kind (``frames.KIND``), as copied with it (host memory)."""
-        self.episodes = np.zeros(self.capacity if block.episode is not None else 0, np.int64)
-        """With episodes: each held row's episode id, as copied with it (host memory)."""
-        self.pending = np.zeros(0, np.int64)
-        """Ids of rows a refresh found being written or torn (or overwritten while it copied): each
-        refresh tries them again (their stamps first), until they are held or leave the lanes."""
-        self.usable = np.zeros(self.capacity, bool)
-        """Which device slots hold a row that may be drawn (``held`` and inside its lane's bounds)."""
-        self._count = 0  # usable slots: the first _count of _dense, in no order
-        self._dense = np.zeros(self.capacity, np.int64)
-        self._where = np.full(self.capacity, -1, np.int64)  # each slot's place in _dense, -1: not usable
-        self._dense_dev = torch.from_numpy(self._dense) if self.device.type == "cpu" else \
-            torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
-        self._held_dev = torch.from_numpy(self.held) if self.device.type == "cpu" else \
-            torch.zeros(self.capacity, dtype=torch.int64, device=self.device)  # what n-step windows read
-        self._updates = self._deletes = -1  # the first refresh copies every row
-        self._inserted = 0
-        self._bases = np.zeros(self.lanes, np.int64)
-        self._next = np.zeros(self.lanes, np.int64)  # per lane, the rows below were copied (or are pending)
-        self._synced_at = 0.0
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(np.random.SeedSequence(seed).generate_state(1)[0]))
-        self._refreshing = threading.Lock()  # one refresh at a time; taken before _lock, never inside it
-        self._lock = threading.Lock()  # the held and usable slots, the device rows drawn: samples and refreshes
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._failures: list[BaseException] = []  # the refresher's error, raised by the next sample
-        self.closed = False
-        """Whether ``close()`` was called."""
+        self._refresher = Refresher()
         self.sync()
         if refresher:
             self.start_refresher()
-
-    # -- refresh --------------------------------------------------------------------------------
-    def sync(self) -> int:
-        """Bring the device copy up to date now; returns the rows it took in (newly held)."""
-        with self._refreshing:
-            return self._refresh()
-
-    def _refresh(self) -> int:
-        """One refresh (the module docstring); the caller holds ``_refreshing``."""
-        if self.closed:
-            raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
-        ring, counters = self.buf.ring, self.buf.block.counters
-        inserted = int(counters[_INSERTED])  # before the lanes: the lag is never under-counted
-        at = time.monotonic_ns()
-        updates, deletes = int(counters[_UPDATES]), int(counters[_DELETES])
-        cursors = ring.cursors[:, _CURSOR].copy()
-        bases = ring.cursors[:, _BASE].copy()
-        lanes, lc = self.lanes, self.lane_capacity
-        start = np.minimum(np.maximum(bases, cursors - lc), cursors)
-        full = updates != self._updates or deletes != self._deletes or not np.array_equal(bases, self._bases)
-        with self._lock:
-            if full:  # a clear, an update or a delete: no row held counts, every row is copied again
-                self._forget()
-                self._next = start.copy()
-                self.pending = self.pending[:0]
-            runs = self._runs(np.maximum(self._next, start), cursors)
-            slots = np.concatenate([np.arange(s0, s0 + k) for s0, _, k in runs]) if runs else self.pending[:0]
-            self._drop(slots)  # rows lapped: their slots are not drawn while they are copied into
-            retry = self.pending
-            if retry.size:
-                retry = retry[number_of(retry, lanes) >= start[lane_of(retry, lanes)]]
-        ok = np.concatenate([self._copy_run(s0, n0, k) for s0, n0, k in runs]) if runs else np.zeros(0, bool)
-        numbers = np.concatenate([np.arange(n0, n0 + k) for _, n0, k in runs]) if runs else slots
-        again = retry
-        if retry.size:
-            ready = ring.stamp[ring.slots(retry)] == committed_of_id(retry, lanes)
-            again, retry = retry[ready], retry[~ready]
-        got = self._copy_rows(again) if again.size else np.zeros(0, bool)
-        with self._lock:
-            bad = ~ok
-            self.pending = np.concatenate([row_id(numbers[bad], slots[bad] // lc, lanes), again[~got], retry])
-            copied = 0
-            if int(counters[_UPDATES]) != updates:  # an update spanned the copies (no ABA): all again next time
-                self._updates = -1
-            else:
-                self._updates, self._deletes = updates, deletes
-                self._hold(slots[ok], committed(numbers[ok]))
-                if again.size:
-                    self._hold(ring.slots(again[got]), committed_of_id(again[got], lanes))
-                copied = int(np.count_nonzero(ok)) + int(np.count_nonzero(got))
-            self._next = cursors
-            self._bases = bases
-            self._inserted, self._synced_at = inserted, at / 1e9
-        if counters.flags.writeable:  # where top reads the lag (Counter.DEVICE_ROWS)
-            counters[_DEVICE_ROWS], counters[_DEVICE_AT] = inserted, at
-        return copied
-
-    def _runs(self, first: np.ndarray, stop: np.ndarray) -> list[tuple[int, int, int]]:
-        """Each lane's rows ``[first, stop)`` as runs of consecutive slots (two where the lane
-        wraps): ``(first slot, first row number, rows)``."""
-        lc = self.lane_capacity
-        out = []
-        for lane in np.flatnonzero(stop > first):
-            n, end = int(first[lane]), int(stop[lane])
-            while n < end:
-                at = n % lc
-                k = min(end - n, lc - at)
-                out.append((int(lane) * lc + at, n, k))
-                n += k
-        return out
-
-    def _copy_run(self, slot0: int, n0: int, k: int) -> np.ndarray:
-        """Copy rows ``n0 ..`` of the run from ``slot0`` by the reader's rule (``gather_run``):
-        on the CPU straight into the device columns, on CUDA into the pinned staging, a chunk at
-        a time, then one copy to the device; which rows were intact. Their slots are not drawn
-        meanwhile (``_drop``)."""
-        torch = _torch()
-        stamp, cols = self.buf.block.stamp, tuple(self.columns.values())
-        ok = np.zeros(k, bool)
-        if self._stream is None:
-            outs = tuple(dev[slot0:slot0 + k].numpy() for dev in self.rows.values())
-            gather_run(stamp, cols, slot0, n0, outs, ok)
-            self._mirror(slot0, dict(zip(self.rows, outs, strict=True)))
-            return ok
-        for a in range(0, k, self.chunk):
-            m = min(self.chunk, k - a)
-            staged = {name: s[:m] for name, s in self._staging.items()}
-            gather_run(stamp, cols, slot0 + a, n0 + a, tuple(s.numpy() for s in staged.values()), ok[a:a + m])
-            self._mirror(slot0 + a, {name: s.numpy() for name, s in staged.items()})
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # earlier samples' gathers read first
-            with torch.cuda.stream(self._stream):
-                for name, dev in self.rows.items():
-                    dev[slot0 + a:slot0 + a + m].copy_(staged[name], non_blocking=True)
-            self._stream.synchronize()  # the staging is reused by the next chunk
-        return ok
-
-    def _copy_rows(self, ids: np.ndarray) -> np.ndarray:
-        """Copy the rows ``ids`` (pending rows now committed; not drawn) by the stamped gather,
-        through the staging, into their device slots; which were intact."""
-        torch = _torch()
-        ok = np.zeros(ids.size, bool)
-        block, ring = self.buf.block, self.buf.ring
-        for a in range(0, ids.size, self.chunk):
-            part = ids[a:a + self.chunk]
-            m = part.size
-            staged = {name: s[:m] for name, s in self._staging.items()}
-            out = {name: staged[name].numpy() for name in block.large}
-            if "_record" in staged:
-                out["_block"] = staged["_record"].numpy().view(np.uint8)
-            rows = gather(block, ring, part, out=out, stored=True)
-            if rows.episode is not None:
-                staged["_episode"].numpy()[:] = rows.episode
-            ok[a:a + m] = rows.ok
-            keep = np.flatnonzero(rows.ok)
-            slots = ring.slots(part[keep])
-            self._mirror(slots, {name: s.numpy()[keep] for name, s in staged.items()})
-            where, pick = torch.from_numpy(slots).to(self.device), torch.from_numpy(keep)
-            for name, dev in self.rows.items():
-                dev.index_copy_(0, where, staged[name].index_select(0, pick).to(self.device))
-        return ok
-
-    def _mirror(self, slots: int | np.ndarray, copied: dict[str, np.ndarray]) -> None:
-        """The host mirrors (kinds, episodes) of rows just copied into ``slots`` (a first slot or
-        an array); they count once the rows are held."""
-        for mirror, name in ((self.kinds, KIND), (self.episodes, "_episode")):
-            if mirror.size:
-                got = copied[name]
-                at = slice(slots, slots + got.shape[0]) if isinstance(slots, int) else slots
-                mirror[at] = got
-
-    # -- the held and usable slots (under _lock): each change costs the slots it touches ----------
-    def _forget(self) -> None:
-        """No slot held or usable (a full refresh follows)."""
-        self.held[:] = 0
-        if self.device.type != "cpu":  # on the CPU it is a view of ``held``
-            self._held_dev.zero_()
-        self.usable[:] = False
-        self._where[:] = -1
-        self._count = 0
-
-    def _drop(self, slots: np.ndarray) -> None:
-        """``slots`` (distinct) hold nothing usable: out of ``held`` and of the usable slots, whose
-        last entries fill the places they leave."""
-        self.held[slots] = 0
-        if self.device.type != "cpu":
-            self._held_dev[_torch().from_numpy(slots).to(self.device)] = 0
-        places = self._where[slots]
-        slots, places = slots[places >= 0], places[places >= 0]
-        if not slots.size:
-            return
-        count = self._count - slots.size
-        self._where[slots] = -1
-        self.usable[slots] = False
-        tail = self._dense[count:self._count]
-        movers = tail[self._where[tail] >= 0]  # the tail's slots that stay: into the places left below count
-        holes = places[places < count]
-        self._dense[holes] = movers
-        self._where[movers] = holes
-        self._count = count
-        if self.device.type != "cpu" and holes.size:
-            torch = _torch()
-            self._dense_dev[torch.from_numpy(holes).to(self.device)] = torch.from_numpy(movers).to(self.device)
-
-    def _hold(self, slots: np.ndarray, stamps: np.ndarray) -> None:
-        """``slots`` (distinct, not usable) hold the rows of ``stamps`` (committed): usable."""
-        if not slots.size:
-            return
-        torch = _torch()
-        self.held[slots] = stamps
-        if self.device.type != "cpu":
-            self._held_dev[torch.from_numpy(slots).to(self.device)] = torch.from_numpy(stamps).to(self.device)
-        count = self._count + slots.size
-        self._dense[self._count:count] = slots
-        self._where[slots] = np.arange(self._count, count)
-        self.usable[slots] = True
-        if self.device.type != "cpu":
-            self._dense_dev[self._count:count].copy_(torch.from_numpy(slots))
-        self._count = count
-
-    def _ids_of(self, slots: Any) -> Any:
-        """The ids of the rows the device copy holds in ``slots`` (a device tensor)."""
-        n = number_of_stamp(self._held_dev.index_select(0, slots))
-        return row_id(n, slots // self.lane_capacity, self.lanes)
 
     # -- the background refresher ---------------------------------------------------------------
     def refresh_if_behind(self, stop: threading.Event | None = None) -> bool:
@@ -482,47 +157,34 @@ class DeviceReplay:
 
     def start_refresher(self) -> None:
         """Start the background refresher (``refresher=True`` does at construction; a fork starts
-        the parent's again). Nothing happens when it runs or the copy is closed."""
-        if self.closed or self._thread is not None:
+        the parent's again): a thread in C that never takes the GIL where a refresh is one C call,
+        else a Python thread. Nothing happens when it runs or the copy is closed."""
+        if self.closed:
             return
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=_refresher, args=(weakref.ref(self), self._stop, self._failures),
-                                        name="shmbuffer-refresher", daemon=True)
-        self._thread.start()
-        _live.add(self)
+        bounds = [-1.0 if b is None else REFRESH_AT * b for b in (self.max_lag_rows, self.max_lag_s)]
+        self._refresher.start(self, lambda: self.native_refresher(DEFAULT_PACE_S, bounds[0], bounds[1]))
 
     def stop_refresher(self) -> None:
         """End the background refresher (joined: a refresh under way ends first); samples then
         refresh by the bounds alone. Idempotent."""
-        thread = self._thread
-        if thread is None:
-            return
-        self._stop.set()
-        if thread is not threading.current_thread():
-            thread.join()
-        self._thread = None
+        self._refresher.stop()
 
     @property
     def refreshing(self) -> bool:
         """Whether the background refresher runs now."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._refresher.running
 
     def close(self) -> None:
         """Stop the refresher and drop the views of the shared columns (so that ``buf.close()`` can
         unmap them) and the device memory. Idempotent; the copy cannot sync or sample afterwards."""
         self.stop_refresher()
-        _live.discard(self)
-        with self._refreshing, self._lock:
+        forget(self)
+        with self._refreshing, self.lock:
             if self.closed:
                 return
-            self.columns = {}
-            self.rows = {}
-            self._staging = {}
-            self._count = 0
-            self.usable[:] = False
-            self.closed = True
+            self._release_rows()
             counters = self.buf.block.counters
-            if counters.flags.writeable and int(counters[_DEVICE_ROWS]) == self._inserted:
+            if counters.flags.writeable and int(counters[_DEVICE_ROWS]) == int(self.state[INSERTED]):
                 counters[_DEVICE_AT] = 0  # top: no device copy now (unless another refreshed since)
 
     def __enter__(self) -> DeviceReplay:
@@ -531,11 +193,6 @@ class DeviceReplay:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def lag(self) -> tuple[int, float]:
-        """How far the device copy is behind: rows inserted since the last refresh began, seconds since it began."""
-        inserted = int(self.buf.block.counters[_INSERTED])
-        return inserted - self._inserted, time.monotonic() - self._synced_at
-
     def _behind(self, share: float) -> bool:
         """Whether the copy is more than ``share`` of a bound behind: rows came in (or rows were
         updated or deleted) and the last refresh began longer ago than ``share * max_lag_s``, or
@@ -543,12 +200,13 @@ class DeviceReplay:
         ran; or a ``clear()`` happened since. Without bounds (``share < 1``: the refresher's
         question) whenever something changed."""
         counters = self.buf.block.counters
-        if not np.array_equal(self.buf.ring.cursors[:, _BASE], self._bases):
+        if not np.array_equal(self.buf.ring.cursors[:, _BASE], self.bases):
             return True
         rows, seconds = self.lag()
-        edited = int(counters[_UPDATES]) != self._updates or int(counters[_DELETES]) != self._deletes
+        updated = int(counters[_UPDATES]) != self.state[UPDATES]
+        edited = updated or int(counters[_DELETES]) != self.state[DELETES]
         rows_bound, seconds_bound = self.max_lag_rows, self.max_lag_s
-        if rows_bound is not None and (rows > share * rows_bound or int(counters[_UPDATES]) != self._updates):
+        if rows_bound is not None and (rows > share * rows_bound or updated):
             return True
         changed = rows > 0 or edited
         if changed and seconds_bound is not None and seconds > share * seconds_bound:
@@ -556,15 +214,22 @@ class DeviceReplay:
         return changed and rows_bound is None and seconds_bound is None and share < 1
 
     def _maybe_sync(self) -> None:
-        """Refresh before a sample where a bound would break (the rows then are those behind)."""
-        if self._failures:
-            raise self._failures.pop()
-        if self._behind(1.0):
-            self.sync()
-
-    def __len__(self) -> int:
-        """Rows the device copy can draw now."""
-        return self._count
+        """Refresh before a sample where a bound would break. A refresh under way (the
+        refresher's) is waited for, and the bound looked at again: the sample refreshes itself
+        only for the rows that one left behind."""
+        failures = self._refresher.failures
+        if failures:
+            raise failures.pop()
+        if self.state[ERROR]:
+            raise ValueError(f"DeviceReplay of buffer {self.buf.name!r}: the background refresher stopped on "
+                             "inconsistent slot lists (a bug: please report it); close() and make a new copy")
+        for attempt in range(4):  # each time another refresh was done meanwhile: look again (the last refreshes)
+            seen = int(self.state[DONE]) if attempt < 3 else -1
+            if not self._behind(1.0):
+                return
+            with self._refreshing:
+                if not self._behind(1.0) or self._refresh(seen) >= 0:
+                    return
 
     # -- sampling -------------------------------------------------------------------------------
     def sample(self, n: int, *, n_step: int = 1, gamma: float = 0.99, fields: dict[str, str] | None = None) -> Batch:
@@ -587,7 +252,7 @@ class DeviceReplay:
             raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
         self._maybe_sync()
         served = self.buf.options.sampler.served  # what the sampler lets the device draw in its place
-        with self._lock:
+        with self.lock:
             if self.closed:
                 raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
             if served == "uniform":
@@ -603,7 +268,7 @@ class DeviceReplay:
         torch = _torch()
         if self.spec is not None:
             return self._uniform_transitions(n)
-        m = self._count
+        m = len(self)
         if m == 0:
             raise EmptyBufferError(f"sample({n}): the device copy of buffer {self.buf.name!r} holds no rows yet "
                                    "(push, then sync() or sample again)")
@@ -627,11 +292,11 @@ class DeviceReplay:
         for round_ in range(2 * _ROUNDS):
             if round_ == _ROUNDS:
                 buf.reap()  # a dead writer's odd rows keep the leaves they took until reaped
-                self._lock.release()  # a refresh takes _refreshing first (the refresher's order)
+                self.lock.release()  # a refresh takes _refreshing first (the refresher's order)
                 try:
                     self.sync()  # rows drawn from the tree that the device copy does not hold yet
                 finally:
-                    self._lock.acquire()
+                    self.lock.acquire()
                 done = np.setdiff1d(np.arange(n), todo)  # the sync may have copied newer rows over them
                 stale = done[self.held[ring.slots(ids[done])] != committed_of_id(ids[done], self.lanes)]
                 todo = np.union1d(todo, stale)
@@ -713,10 +378,6 @@ class DeviceReplay:
         out.update({name: dev for name, dev in self.rows.items() if name != "_record"})
         return out
 
-    def _usable_slots(self) -> Any:
-        """The usable slots as a device tensor, in no order (kept by each refresh, ``_hold``/``_drop``)."""
-        return self._dense_dev[:self._count]
-
     def _draw_held(self, n: int, accept: Callable[[np.ndarray], np.ndarray]) -> np.ndarray | None:
         """``n`` ids of usable rows drawn uniformly on the device, those ``accept`` refuses drawn
         again (a bounded number of rounds); ``None`` when they could not all be drawn."""
@@ -724,9 +385,9 @@ class DeviceReplay:
         ids = np.empty(n, np.int64)
         todo = np.arange(n)
         for _ in range(4 * _ROUNDS):
-            if self._count == 0:
+            if len(self) == 0:
                 return None
-            pick = torch.randint(self._count, (todo.size,), device=self.device, generator=self._gen)
+            pick = torch.randint(len(self), (todo.size,), device=self.device, generator=self._gen)
             got = self._ids_of(self._usable_slots().index_select(0, pick)).cpu().numpy()
             ok = accept(got)
             ids[todo[ok]] = got[ok]
@@ -838,7 +499,7 @@ class DeviceReplay:
             raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
         self._maybe_sync()
         offsets = np.arange(-burn_in, length)
-        with self._lock:
+        with self.lock:
             anchors = self._draw_held(n, lambda got: self._window(got)[0])
             if anchors is None:
                 raise EmptyBufferError(f"{what}: the device copy of buffer {self.buf.name!r} holds no rows yet")

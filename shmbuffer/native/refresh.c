@@ -1,0 +1,545 @@
+/* The device copy's refresh on the CPU as one call (shmbuffer/device/rows.py is the reference and
+ * states the rules): the lanes' new rows found from their cursors, copied a piece at a time by the
+ * reader's stamped rule straight into the copy's columns, and the copy's slot lists kept, all
+ * without the GIL. The slot lists (held, dense, where, the count) change only under the copy's
+ * mutex, which its samples take while they draw and gather; the copies run outside it, into slots
+ * dropped from the lists first, so a sample never waits for a copy, only for a list change. */
+#include "native.h"
+
+#include <pthread.h>
+#include <string.h>
+#include <time.h>
+
+/* the words of the copy's state array (rows.py's State) */
+#define ST_COUNT 0    /* usable slots: the first ST_COUNT entries of dense */
+#define ST_PENDING 1  /* ids in pending */
+#define ST_UPDATES 2  /* Counter.UPDATES as of the last refresh, -1: copy every row again */
+#define ST_DELETES 3  /* Counter.DELETES as of the last refresh */
+#define ST_INSERTED 4 /* Counter.INSERTED read as the last refresh began */
+#define ST_AT 5       /* CLOCK_MONOTONIC ns as the last refresh began (Python's time.monotonic_ns) */
+#define ST_DONE 6     /* refreshes done */
+#define ST_ERROR 7    /* 1: the background refresher stopped on inconsistent slot lists */
+#define ST_SPENT 8    /* ns spent inside refreshes, all told */
+#define ST_TAKEN 9    /* rows taken in by refreshes, all told */
+#define ST_WAITED 10  /* ns of ST_SPENT waiting for the slot lists' mutex (a sample held it), all told */
+#define ST_CPU 11     /* ns of CPU time the refreshing thread spent in them, all told */
+#define ST_WORDS 16
+
+/* -- the copy's mutexes: private pthread mutexes in a numpy array of the copy's ---------------- */
+/* the slot lists' mutex at byte 0, the refreshes' (one at a time) at byte MUTEX_BYTES */
+#define MUTEX_BYTES 64
+static int get_mutex(PyObject *o, Py_buffer *view) {
+    if (get_buf(o, view, 1, 0, "mutex") < 0) return -1;
+    if (view->len < 2 * MUTEX_BYTES || sizeof(pthread_mutex_t) > MUTEX_BYTES || ((uintptr_t)view->buf % 8)) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "mutex: expected 128 aligned bytes");
+        return -1;
+    }
+    return 0;
+}
+
+static pthread_mutex_t *refresh_mutex(void *mutexes) { return (pthread_mutex_t *)((char *)mutexes + MUTEX_BYTES); }
+
+PyObject *py_mutex_init(PyObject *self, PyObject *arg) {
+    Py_buffer m;
+    if (get_mutex(arg, &m) < 0) return NULL;
+    int rc = pthread_mutex_init((pthread_mutex_t *)m.buf, NULL);
+    if (!rc) rc = pthread_mutex_init(refresh_mutex(m.buf), NULL);
+    PyBuffer_Release(&m);
+    if (rc) return PyErr_Format(PyExc_OSError, "pthread_mutex_init: error %d", rc);
+    Py_RETURN_NONE;
+}
+
+/* the mutex taken; while it is busy the GIL is released (the refresh holds it without the GIL) */
+PyObject *py_mutex_lock(PyObject *self, PyObject *arg) {
+    Py_buffer m;
+    if (get_mutex(arg, &m) < 0) return NULL;
+    pthread_mutex_t *mutex = (pthread_mutex_t *)m.buf;
+    int rc = pthread_mutex_trylock(mutex);
+    if (rc) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = pthread_mutex_lock(mutex);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&m);
+    if (rc) return PyErr_Format(PyExc_OSError, "pthread_mutex_lock: error %d", rc);
+    Py_RETURN_NONE;
+}
+
+PyObject *py_mutex_unlock(PyObject *self, PyObject *arg) {
+    Py_buffer m;
+    if (get_mutex(arg, &m) < 0) return NULL;
+    int rc = pthread_mutex_unlock((pthread_mutex_t *)m.buf);
+    PyBuffer_Release(&m);
+    if (rc) return PyErr_Format(PyExc_OSError, "pthread_mutex_unlock: error %d", rc);
+    Py_RETURN_NONE;
+}
+
+/* -- the slot lists (under the mutex): each change costs the slot it changes ------------------- */
+typedef struct {
+    int64_t *held, *dense, *where, *state, *pending;
+    int64_t capacity;
+    int bad; /* a list entry out of range: the refresh stops and raises */
+} Slots;
+
+/* slot holds nothing usable: out of held, its place in dense taken by the last entry */
+static void slot_drop(Slots *s, int64_t slot) {
+    __atomic_store_n(&s->held[slot], 0, __ATOMIC_RELAXED);
+    int64_t p = s->where[slot], last = s->state[ST_COUNT] - 1;
+    if (p < 0) return;
+    if (p > last || last >= s->capacity) { s->bad = 1; return; }
+    int64_t mover = s->dense[last];
+    if (mover < 0 || mover >= s->capacity) { s->bad = 1; return; }
+    s->dense[p] = mover;
+    s->where[mover] = p;
+    s->where[slot] = -1;
+    s->state[ST_COUNT] = last;
+}
+
+/* slot (not usable) holds the committed row of `stamp`: usable */
+static void slot_hold(Slots *s, int64_t slot, int64_t stamp) {
+    int64_t count = s->state[ST_COUNT];
+    if (s->where[slot] >= 0 || count >= s->capacity) { s->bad = 1; return; }
+    s->held[slot] = stamp;
+    s->dense[count] = slot;
+    s->where[slot] = count;
+    s->state[ST_COUNT] = count + 1;
+}
+
+/* -- the copies ------------------------------------------------------------------------------ */
+/* rows n0 .. n0 + k - 1 in slots slot0 .. slot0 + k - 1 copied into the same slots of the outs by
+ * the reader's rule (first stamps with acquire, the copies, an acquire fence, second stamps) */
+static void copy_piece(const Columns *c, const int64_t *stamp, int64_t slot0, int64_t k, int64_t n0, int64_t *firsts,
+                       char *ok) {
+    for (int64_t i = 0; i < k; i++) firsts[i] = __atomic_load_n(&stamp[slot0 + i], __ATOMIC_ACQUIRE);
+    for (Py_ssize_t g = 0; g < c->n; g++) {
+        size_t w = (size_t)c->width[g];
+        memcpy((char *)c->dst[g].buf + (size_t)slot0 * w, (const char *)c->src[g].buf + (size_t)slot0 * w, (size_t)k * w);
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    for (int64_t i = 0; i < k; i++)
+        ok[i] = intact(firsts[i], __atomic_load_n(&stamp[slot0 + i], __ATOMIC_RELAXED), committed_stamp(n0 + i));
+}
+
+typedef struct {
+    pthread_mutex_t *mutex;
+    Slots s;
+    const Columns *c;
+    const int64_t *stamp, *counters;
+    int64_t lanes, lc, piece, updates;
+    int64_t *firsts, *tried; /* scratch: piece words, capacity words */
+    char *ok;                /* scratch: piece bytes */
+    int spoiled;             /* an update() began during the copies: none of them counts */
+    int64_t taken;
+} Refresh;
+
+static int64_t now_ns(void);
+
+/* the slot lists' mutex taken; the time it was busy (a sample drew) counted in ST_WAITED */
+static void lists_lock(Refresh *r) {
+    if (pthread_mutex_trylock(r->mutex) == 0) return;
+    int64_t t = now_ns();
+    pthread_mutex_lock(r->mutex);
+    r->s.state[ST_WAITED] += now_ns() - t;
+}
+
+static int updated(const Refresh *r) {
+    return __atomic_load_n(&r->counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE) != r->updates;
+}
+
+/* lane's rows n .. n + k - 1 (consecutive slots): dropped, copied, the intact ones held, the
+ * others pending */
+static void refresh_piece(Refresh *r, int64_t lane, int64_t n, int64_t k) {
+    int64_t slot0 = slot_of(lane, n, r->lc);
+    lists_lock(r);
+    for (int64_t i = 0; i < k; i++) slot_drop(&r->s, slot0 + i);
+    pthread_mutex_unlock(r->mutex);
+    copy_piece(r->c, r->stamp, slot0, k, n, r->firsts, r->ok);
+    if (updated(r)) {
+        r->spoiled = 1;
+        return;
+    }
+    lists_lock(r);
+    for (int64_t i = 0; i < k && !r->s.bad; i++) {
+        if (r->ok[i]) {
+            slot_hold(&r->s, slot0 + i, committed_stamp(n + i));
+            r->taken++;
+        } else if (r->s.state[ST_PENDING] < r->s.capacity) {
+            r->s.pending[r->s.state[ST_PENDING]++] = row_id(n + i, lane, r->lanes);
+        } else {
+            r->s.bad = 1;
+        }
+    }
+    pthread_mutex_unlock(r->mutex);
+}
+
+/* the pending rows of earlier refreshes: those that left their lane forgotten, those now
+ * committed copied one by one (dropped first), the others kept */
+static void refresh_pending(Refresh *r, const int64_t *start) {
+    int64_t kept = 0, ntry = 0, lanes = r->lanes, n = r->s.state[ST_PENDING];
+    for (int64_t i = 0; i < n; i++) {
+        int64_t id = r->s.pending[i], lane = lane_of_id(id, lanes), num = number_of_id(id, lanes);
+        if (num < start[lane]) continue;
+        if (__atomic_load_n(&r->stamp[slot_of(lane, num, r->lc)], __ATOMIC_ACQUIRE) == committed_stamp(num))
+            r->tried[ntry++] = id;
+        else
+            r->s.pending[kept++] = id;
+    }
+    r->s.state[ST_PENDING] = kept;
+    if (!ntry) return;
+    lists_lock(r);
+    for (int64_t i = 0; i < ntry; i++) slot_drop(&r->s, slot_of_id(r->tried[i], lanes, r->lc));
+    pthread_mutex_unlock(r->mutex);
+    for (int64_t a = 0; a < ntry && !r->spoiled; a += r->piece) {
+        int64_t k = ntry - a < r->piece ? ntry - a : r->piece;
+        for (int64_t i = 0; i < k; i++) {
+            int64_t id = r->tried[a + i], num = number_of_id(id, lanes);
+            copy_piece(r->c, r->stamp, slot_of_id(id, lanes, r->lc), 1, num, r->firsts + i, r->ok + i);
+        }
+        if (updated(r)) {
+            r->spoiled = 1;
+            return;
+        }
+        lists_lock(r);
+        for (int64_t i = 0; i < k && !r->s.bad; i++) {
+            int64_t id = r->tried[a + i];
+            if (r->ok[i]) {
+                slot_hold(&r->s, slot_of_id(id, lanes, r->lc), committed_stamp_of_id(id, lanes));
+                r->taken++;
+            } else {
+                r->s.pending[r->s.state[ST_PENDING]++] = id;
+            }
+        }
+        pthread_mutex_unlock(r->mutex);
+    }
+}
+
+/* a full refresh: the held rows that left their lanes (a clear(), or lapped) dropped, no row
+ * pending (every row of the lanes is copied again) */
+static void refresh_full(Refresh *r, const int64_t *start) {
+    int64_t m = 0; /* the scan reads held without the mutex: only a refresh (this one) writes it */
+    for (int64_t slot = 0; slot < r->s.capacity; slot++) {
+        int64_t h = r->s.held[slot];
+        if (h && number_of_stamp(h) < start[slot / r->lc]) r->tried[m++] = slot;
+    }
+    lists_lock(r);
+    for (int64_t i = 0; i < m && !r->s.bad; i++) slot_drop(&r->s, r->tried[i]);
+    r->s.state[ST_PENDING] = 0;
+    pthread_mutex_unlock(r->mutex);
+}
+
+/* -- the views of one copy's arrays, held while a refresh or the refresher uses them ---------- */
+typedef struct {
+    Py_buffer mb, stb, cub, cnb, hb, db, wb, nb, bb, pb, sb;
+    int held; /* views held, in the order above */
+    Columns c;
+    Py_ssize_t capacity, lanes, piece;
+    int publish; /* write Counter.DEVICE_ROWS/DEVICE_AT (the counters are writable) */
+    int64_t *scratch;
+    char *ok;
+} Views;
+
+static void views_close(Views *v) {
+    Py_buffer *all[] = {&v->mb, &v->stb, &v->cub, &v->cnb, &v->hb, &v->db, &v->wb, &v->nb, &v->bb, &v->pb, &v->sb};
+    columns_close(&v->c);
+    for (int i = 0; i < v->held; i++) PyBuffer_Release(all[i]);
+    v->held = 0;
+    PyMem_Free(v->scratch);
+    PyMem_Free(v->ok);
+    v->scratch = NULL;
+    v->ok = NULL;
+}
+
+/* the views of (mutex, stamp, cursors, counters, sources, outs, held, dense, where, nxt, bases,
+ * pending, state), checked: -1 with an error set, none held */
+static int views_open(Views *v, PyObject *const *o, Py_ssize_t piece, int publish) {
+    Py_buffer *all[] = {&v->mb, &v->stb, &v->cub, &v->cnb, &v->hb, &v->db, &v->wb, &v->nb, &v->bb, &v->pb, &v->sb};
+    memset(v, 0, sizeof(*v));
+    if (!PyTuple_Check(o[4]) || !PyTuple_Check(o[5])) {
+        PyErr_SetString(PyExc_TypeError, "refresh: sources and outs must be tuples");
+        return -1;
+    }
+    if (get_mutex(o[0], &v->mb) < 0) return -1;
+    v->held = 1;
+    if (get_buf(o[1], &v->stb, 0, 8, "stamp") < 0) goto fail;
+    v->held = 2;
+    v->capacity = v->stb.len / 8;
+    if (get_buf(o[2], &v->cub, 0, 8, "cursors") < 0) goto fail;
+    v->held = 3;
+    v->lanes = lanes_of(&v->cub, v->capacity, "refresh");
+    if (!v->lanes) goto fail;
+    if (get_buf(o[3], &v->cnb, publish, 8, "counters") < 0) goto fail;
+    v->held = 4;
+    if (v->cnb.len < STATS_WORDS * 8) {
+        PyErr_SetString(PyExc_ValueError, "refresh: counters: expected the block's _stats");
+        goto fail;
+    }
+    Py_ssize_t words[] = {v->capacity, v->capacity, v->capacity, v->lanes, v->lanes, v->capacity, ST_WORDS};
+    const char *names[] = {"held", "dense", "where", "nxt", "bases", "pending", "state"};
+    for (int i = 0; i < 7; i++) {
+        if (get_buf(o[6 + i], all[4 + i], 1, 8, names[i]) < 0) goto fail;
+        v->held = 5 + i;
+        if (all[4 + i]->len < words[i] * 8) {
+            PyErr_Format(PyExc_ValueError, "refresh: %s: expected at least %zd int64", names[i], words[i]);
+            goto fail;
+        }
+    }
+    int64_t *state = (int64_t *)v->sb.buf;
+    if (piece < 1 || state[ST_COUNT] < 0 || state[ST_COUNT] > v->capacity || state[ST_PENDING] < 0 ||
+        state[ST_PENDING] > v->capacity) {
+        PyErr_SetString(PyExc_ValueError, "refresh: expected piece >= 1 and the state's counts within the capacity");
+        goto fail;
+    }
+    if (columns_open(&v->c, o[4], o[5], v->capacity, v->capacity) < 0) goto fail;
+    v->piece = piece > v->capacity ? v->capacity : piece;
+    v->publish = publish;
+    v->scratch = (int64_t *)PyMem_Malloc((size_t)(v->piece + v->capacity + 3 * v->lanes) * sizeof(int64_t));
+    v->ok = (char *)PyMem_Malloc((size_t)v->piece);
+    if (!v->scratch || !v->ok) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    return 0;
+fail:
+    views_close(v);
+    return -1;
+}
+
+static int64_t clock_ns(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static int64_t now_ns(void) { return clock_ns(CLOCK_MONOTONIC); }
+
+/* one refresh (rows.py's steps); the caller holds the refresh mutex, not the GIL. Returns the
+ * rows taken in, -1 when the slot lists were found inconsistent. */
+static int64_t refresh_run(Views *v) {
+    int64_t *state = (int64_t *)v->sb.buf, lanes = v->lanes;
+    Refresh r = {(pthread_mutex_t *)v->mb.buf,
+                 {(int64_t *)v->hb.buf, (int64_t *)v->db.buf, (int64_t *)v->wb.buf, state, (int64_t *)v->pb.buf, v->capacity, 0},
+                 &v->c, (const int64_t *)v->stb.buf, (const int64_t *)v->cnb.buf, lanes, v->capacity / lanes, v->piece, 0,
+                 v->scratch, v->scratch + v->piece, v->ok, 0, 0};
+    int64_t *cur = v->scratch + v->piece + v->capacity, *base = cur + lanes, *start = base + lanes;
+    int64_t *nxt = (int64_t *)v->nb.buf, *bases = (int64_t *)v->bb.buf;
+    int64_t at = now_ns(), cpu = clock_ns(CLOCK_THREAD_CPUTIME_ID);
+    /* INSERTED first: the lag is never under-counted; UPDATES before the first stamps */
+    int64_t inserted = __atomic_load_n(&r.counters[COUNTER_INSERTED], __ATOMIC_ACQUIRE);
+    r.updates = __atomic_load_n(&r.counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE);
+    int64_t deletes = __atomic_load_n(&r.counters[COUNTER_DELETES], __ATOMIC_ACQUIRE);
+    int full = r.updates != state[ST_UPDATES] || deletes != state[ST_DELETES];
+    for (int64_t l = 0; l < lanes; l++) {
+        cur[l] = load_cursor((const int64_t *)v->cub.buf, l);
+        base[l] = load_base((const int64_t *)v->cub.buf, l);
+        start[l] = first_row(cur[l], base[l], r.lc);
+        full |= base[l] != bases[l];
+    }
+    if (full) refresh_full(&r, start);
+    else refresh_pending(&r, start);
+    for (int64_t l = 0; l < lanes && !r.spoiled && !r.s.bad; l++) {
+        int64_t n = full || nxt[l] < start[l] ? start[l] : nxt[l];
+        while (n < cur[l] && !r.spoiled && !r.s.bad) {
+            int64_t k = cur[l] - n, room = r.lc - floormod(n, r.lc);
+            if (k > room) k = room;
+            if (k > r.piece) k = r.piece;
+            refresh_piece(&r, l, n, k);
+            n += k;
+        }
+    }
+    for (int64_t l = 0; l < lanes; l++) {
+        nxt[l] = cur[l];
+        bases[l] = base[l];
+    }
+    state[ST_UPDATES] = r.spoiled ? -1 : r.updates; /* an update spanned the copies (no ABA): all again next time */
+    state[ST_DELETES] = deletes;
+    state[ST_INSERTED] = inserted;
+    state[ST_AT] = at;
+    state[ST_DONE] += 1;
+    state[ST_SPENT] += now_ns() - at;
+    state[ST_TAKEN] += r.taken;
+    state[ST_CPU] += clock_ns(CLOCK_THREAD_CPUTIME_ID) - cpu;
+    if (v->publish) { /* where top reads the lag */
+        int64_t *counters = (int64_t *)v->cnb.buf;
+        __atomic_store_n(&counters[COUNTER_DEVICE_ROWS], inserted, __ATOMIC_RELAXED);
+        __atomic_store_n(&counters[COUNTER_DEVICE_AT], at, __ATOMIC_RELAXED);
+    }
+    return r.s.bad ? -1 : r.taken;
+}
+
+/* refresh(mutex, stamp, cursors, counters, sources, outs, held, dense, where, nxt, bases, pending,
+ * state, piece, publish, seen) -> rows taken in, or -1 without a refresh when seen >= 0 and another
+ * refresh was done since the caller read state[ST_DONE] == seen (it waited for that one). sources:
+ * the buffer's (capacity, w) columns; outs: the copy's, the same shapes (rows land in their own
+ * slots). held, dense, where, pending: capacity int64; nxt, bases: one int64 a lane; state:
+ * ST_WORDS int64. The GIL is released for the whole call. */
+PyObject *py_refresh(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 16) {
+        PyErr_SetString(PyExc_TypeError, "refresh: expected 16 arguments");
+        return NULL;
+    }
+    Py_ssize_t piece = PyLong_AsSsize_t(args[13]);
+    int publish = PyObject_IsTrue(args[14]);
+    long long seen = PyLong_AsLongLong(args[15]);
+    if (PyErr_Occurred() || publish < 0) return NULL;
+    Views v;
+    if (views_open(&v, args, piece, publish) < 0) return NULL;
+    int64_t taken = -1, *state = (int64_t *)v.sb.buf;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(refresh_mutex(v.mb.buf));
+    if (seen < 0 || state[ST_DONE] == seen) taken = refresh_run(&v);
+    else taken = -2;
+    pthread_mutex_unlock(refresh_mutex(v.mb.buf));
+    Py_END_ALLOW_THREADS
+    views_close(&v);
+    if (taken == -1)
+        return PyErr_Format(PyExc_ValueError, "refresh: the device copy's slot lists are inconsistent (an entry out of range)");
+    return PyLong_FromLongLong(taken == -2 ? -1 : taken);
+}
+
+/* -- the background refresher: a thread that never takes the GIL ------------------------------ */
+#define REFRESHER_CAPSULE "shmbuffer.refresher"
+
+typedef struct {
+    Views v;
+    pthread_t thread;
+    pthread_mutex_t wake_mutex;
+    pthread_cond_t wake;
+    int started, stop;
+    int64_t pace_ns, rows_bound, ns_bound; /* bounds already halved (REFRESH_AT); -1: none */
+} Refresher;
+
+/* replay.py's _behind at REFRESH_AT, from the shared counters and the copy's state */
+static int refresher_behind(const Refresher *t) {
+    const Views *v = &t->v;
+    const int64_t *counters = (const int64_t *)v->cnb.buf, *state = (const int64_t *)v->sb.buf;
+    const int64_t *bases = (const int64_t *)v->bb.buf;
+    for (Py_ssize_t l = 0; l < v->lanes; l++)
+        if (load_base((const int64_t *)v->cub.buf, l) != bases[l]) return 1;
+    int64_t rows = __atomic_load_n(&counters[COUNTER_INSERTED], __ATOMIC_ACQUIRE) - state[ST_INSERTED];
+    int updated = __atomic_load_n(&counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE) != state[ST_UPDATES];
+    int edited = updated || __atomic_load_n(&counters[COUNTER_DELETES], __ATOMIC_ACQUIRE) != state[ST_DELETES];
+    if (t->rows_bound >= 0 && (rows > t->rows_bound || updated)) return 1;
+    int changed = rows > 0 || edited;
+    if (changed && t->ns_bound >= 0 && now_ns() - state[ST_AT] > t->ns_bound) return 1;
+    return changed && t->rows_bound < 0 && t->ns_bound < 0;
+}
+
+static void *refresher_loop(void *arg) {
+    Refresher *t = (Refresher *)arg;
+    int64_t *state = (int64_t *)t->v.sb.buf;
+    pthread_mutex_lock(&t->wake_mutex);
+    while (!t->stop) {
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += t->pace_ns;
+        until.tv_sec += until.tv_nsec / 1000000000;
+        until.tv_nsec %= 1000000000;
+        pthread_cond_timedwait(&t->wake, &t->wake_mutex, &until);
+        if (t->stop) break;
+        pthread_mutex_unlock(&t->wake_mutex);
+        int failed = 0;
+        if (refresher_behind(t)) {
+            pthread_mutex_lock(refresh_mutex(t->v.mb.buf));
+            if (refresher_behind(t)) failed = refresh_run(&t->v) < 0;
+            pthread_mutex_unlock(refresh_mutex(t->v.mb.buf));
+        }
+        pthread_mutex_lock(&t->wake_mutex);
+        if (failed) {
+            state[ST_ERROR] = 1;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&t->wake_mutex);
+    return NULL;
+}
+
+/* the thread stopped and joined (the GIL released meanwhile if held), the views released */
+static void refresher_end(Refresher *t, int gil) {
+    if (t->started) {
+        pthread_mutex_lock(&t->wake_mutex);
+        t->stop = 1;
+        pthread_cond_signal(&t->wake);
+        pthread_mutex_unlock(&t->wake_mutex);
+        if (gil) {
+            Py_BEGIN_ALLOW_THREADS
+            pthread_join(t->thread, NULL);
+            Py_END_ALLOW_THREADS
+        } else {
+            pthread_join(t->thread, NULL);
+        }
+        t->started = 0;
+        pthread_cond_destroy(&t->wake);
+        pthread_mutex_destroy(&t->wake_mutex);
+    }
+    views_close(&t->v);
+}
+
+static void refresher_free(PyObject *capsule) {
+    Refresher *t = (Refresher *)PyCapsule_GetPointer(capsule, REFRESHER_CAPSULE);
+    if (!t) {
+        PyErr_Clear();
+        return;
+    }
+    refresher_end(t, 1);
+    PyMem_Free(t);
+}
+
+/* refresher_start(mutex, stamp, cursors, counters, sources, outs, held, dense, where, nxt, bases,
+ * pending, state, piece, publish, pace_s, rows_bound, seconds_bound) -> a capsule: a thread that
+ * looks at the lag every pace_s and refreshes (refresh_run) once it passes a bound (already the
+ * share the caller wants; < 0: none), without the GIL ever. refresher_stop(capsule) ends it. */
+PyObject *py_refresher_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 18) {
+        PyErr_SetString(PyExc_TypeError, "refresher_start: expected 18 arguments");
+        return NULL;
+    }
+    Py_ssize_t piece = PyLong_AsSsize_t(args[13]);
+    int publish = PyObject_IsTrue(args[14]);
+    double pace = PyFloat_AsDouble(args[15]), rows = PyFloat_AsDouble(args[16]), secs = PyFloat_AsDouble(args[17]);
+    if (PyErr_Occurred() || publish < 0) return NULL;
+    if (!(pace > 0 && pace < 1)) {
+        PyErr_SetString(PyExc_ValueError, "refresher_start: expected 0 < pace_s < 1");
+        return NULL;
+    }
+    Refresher *t = (Refresher *)PyMem_Calloc(1, sizeof(Refresher));
+    if (!t) return PyErr_NoMemory();
+    if (views_open(&t->v, args, piece, publish) < 0) {
+        PyMem_Free(t);
+        return NULL;
+    }
+    t->pace_ns = (int64_t)(pace * 1e9);
+    t->rows_bound = rows < 0 ? -1 : (int64_t)rows;
+    t->ns_bound = secs < 0 ? -1 : (int64_t)(secs * 1e9);
+    PyObject *capsule = PyCapsule_New(t, REFRESHER_CAPSULE, refresher_free);
+    if (!capsule) {
+        views_close(&t->v);
+        PyMem_Free(t);
+        return NULL;
+    }
+    pthread_mutex_init(&t->wake_mutex, NULL);
+    pthread_cond_init(&t->wake, NULL);
+    int rc = pthread_create(&t->thread, NULL, refresher_loop, t);
+    if (rc) {
+        pthread_cond_destroy(&t->wake);
+        pthread_mutex_destroy(&t->wake_mutex);
+        Py_DECREF(capsule);
+        return PyErr_Format(PyExc_OSError, "refresher_start: pthread_create: error %d", rc);
+    }
+    t->started = 1;
+    return capsule;
+}
+
+PyObject *py_refresher_stop(PyObject *self, PyObject *capsule) {
+    Refresher *t = (Refresher *)PyCapsule_GetPointer(capsule, REFRESHER_CAPSULE);
+    if (!t) return NULL;
+    refresher_end(t, 1);
+    Py_RETURN_NONE;
+}
+
+/* whether the thread runs (it ends by itself on an error: state[ST_ERROR]) */
+PyObject *py_refresher_running(PyObject *self, PyObject *capsule) {
+    Refresher *t = (Refresher *)PyCapsule_GetPointer(capsule, REFRESHER_CAPSULE);
+    if (!t) return NULL;
+    return PyBool_FromLong(t->started && !((int64_t *)t->v.sb.buf)[ST_ERROR]);
+}
