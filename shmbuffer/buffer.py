@@ -28,25 +28,25 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from . import hindsight as her
-from . import hints, native, persistence, sequences
+from . import hints, native, persistence, sequences, views
 from .batch import Batch
-from .errors import EmptyBufferError, FieldError, SchemaError, closed
+from .errors import SchemaError, closed
 from .frames import Frames
 from .loader import Loader
 from .protocol import edits, push, reader
-from .protocol.gather import check_out
+from .protocol.frames_push import Pusher
 from .protocol.layout import UNIFORM, Block, Counter, Options, columns, read
-from .protocol.one_call import OneCall
 from .protocol.priorities import Priorities
-from .protocol.push import Copier, Pusher
+from .protocol.push import Copier
 from .protocol.ring import Ring, check_platform
-from .sampling.limiter import RateLimiter, counted
-from .sampling.samplers import Sampler, check_batch_size
+from .sample_paths import SamplePaths, count
+from .sampling.limiter import RateLimiter
+from .sampling.samplers import Sampler
 from .schema import Schema, stack_rows
 from .shm.segment import Segment
 
@@ -100,12 +100,8 @@ class ReplayBuffer:
 
     _ring: Ring | None = None
     _segment: Segment | None = None
-    _push_plan: Any = None
-    _one_call: OneCall | None = None
-    """The one-call sample (``OneCall``), made at the first sample that it serves."""
-    _one_calls = True
-    """Whether samples try the one call (``False`` once it serves none of this buffer's, or to test
-    the Python path)."""
+    _plan: Any = None
+    _paths: SamplePaths | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ReplayBuffer:
         error = hints.constructor_error(args, kwargs)  # cpprb's, SB3's, TorchRL's forms: name ours
@@ -181,19 +177,26 @@ class ReplayBuffer:
         self._prios = Priorities(segment.arrays, opts.sampler, opts.max_use, initialise=initialise) if opts.tree else None
         if self._prios is not None:
             self._ring.repairs.append(self._prios.repair)
+        self._paths = SamplePaths()
         self._fast_push = push.fast_push(self, self._copier, self._pusher)
         self._push_plan = self._copier.plan if self._fast_push is not None else None
-        """What ``push`` reads on this instance (``_native.PushMethod``): with a plan, its usual
-        calls run in C with no dict made."""
         self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         """This process's random generator for sampling."""
 
-    if not TYPE_CHECKING:  # (for mypy, a __getattr__ would make every misspelt attribute Any)
+    @property
+    def _push_plan(self) -> Any:
+        """The C push's plan (``Copier.plan``), or ``None``: every push takes the Python method."""
+        return self._plan
 
-        def __getattr__(self, name: str) -> Any:
-            # only attributes not found come here, never the hot path: another library's name
-            # (cpprb's get_stored_size ...) raises an AttributeError naming ours (hints.py)
-            raise hints.name_error(self, name)
+    @_push_plan.setter
+    def _push_plan(self, plan: Any) -> None:
+        self._plan = plan
+        if _PUSH is not None and _class_push(type(self)) is _PUSH:
+            _PUSH.unseat(self)  # a push held elsewhere keeps this buffer, and its plan (method.c)
+            self.push = _PUSH.seat(self, plan)  # type: ignore[method-assign]  # buf.push: an attribute read
+
+    def __dir__(self) -> list[str]:
+        return [name for name in super().__dir__() if name not in hints.METHODS]  # the hints set below
 
     # -- identity and lifecycle ----------------------------------------------------------------
     @property
@@ -206,21 +209,24 @@ class ReplayBuffer:
 
     @property
     def ring(self) -> Ring:
-        """The ring: reservations, commit stamps, lanes (``ring.py``)."""
+        """The ring: reservations, commit stamps, lanes (``ring.py``). With ``block`` and
+        ``priorities``, the reader's interface (``protocol.reader.Source``) through which the
+        modules built on the protocol read a buffer; user code does not need them."""
         if self._ring is None:
             raise closed(self.name)
         return self._ring
 
     @property
     def block(self) -> Block:
-        """Named views of the block's columns (``layout.py``), for readers built on ``reader.py``."""
+        """Named views of the block's columns (``layout.py``): the reader's interface (``ring``)."""
         if self._ring is None:
             raise closed(self.name)
         return self._block
 
     @property
     def priorities(self) -> Priorities | None:
-        """The priority tree and use counts (``priorities.Priorities``), or ``None`` without a tree."""
+        """The priority tree and use counts (``priorities.Priorities``), or ``None`` without a
+        tree: the reader's interface (``ring``)."""
         if self._ring is None:
             raise closed(self.name)
         return self._prios
@@ -244,12 +250,13 @@ class ReplayBuffer:
     def _close(self, *, defer: bool) -> None:
         if self._segment is None:
             return
-        self._push_plan = None  # push is the method again, which says closed
+        self._plan = None
+        if _PUSH is not None:
+            _PUSH.unseat(self)  # push is the method again, which says closed; one held elsewhere keeps this buffer
         if self._copier is not None:
             self._copier.close()  # the one-call push's views of the block (a held push's too)
-        if self._one_call is not None:
-            self._one_call.close()  # the one-call sample's
-        self._one_call = None
+        if self._paths is not None:
+            self._paths.close()  # the one-call sample's
         if self._ring is not None:
             self._ring.lock.let_go()  # a robust mutex this process holds must stay mapped (lock.py)
         self._ring = self._prios = self._fast_push = None
@@ -394,20 +401,7 @@ class ReplayBuffer:
         Ids that never existed, and NaN, infinite or negative priorities raise ``FieldError`` and
         change nothing.
         """
-        ring = self.ring
-        prios = self._prios
-        if prios is None or not prios.prioritized:
-            raise FieldError("update_priorities: this buffer samples uniformly; create it with sampler=Prioritized(...)")
-        given = rows.index if isinstance(rows, Batch) else rows
-        done = prios.try_update(ring, given, priorities)  # the usual case, in one C call
-        if done is not None:
-            return done
-        ids = ring.check_ids(given, "update_priorities")
-        p = prios.check(priorities, ids.size, "update_priorities: priority")
-        with ring.lock:
-            live = ring.current(ids)
-            prios.set_rows(ring.slots(ids[live]), p[live], fresh=False)
-        return int(live.sum())
+        return edits.update_priorities(self, rows.index if isinstance(rows, Batch) else rows, priorities)
 
     def update(self, rows: Batch | Any, data: Mapping[str, Any] | None = None, /, *,
                priority: float | Any = None, **fields: Any) -> int:
@@ -415,16 +409,10 @@ class ReplayBuffer:
         fields not given keep their values. Returns how many rows were updated: rows overwritten,
         deleted or cleared since are skipped, as ``update_priorities`` skips them.
 
-        Under the commit protocol (``ring.py``): under the lock each live row's stamp turns odd
-        again with its own row number (this process its owner) and signal handlers wait; the
-        fields are copied; the stamp turns even again. A reader that meets the row meanwhile
-        re-draws it, so nobody sees a row half-updated; a writer that comes round the ring waits
-        for it as for a row being pushed. The stamp ends as it was, so a reader whose copy spans
-        the whole update would pass the stamp check: every update counts itself
-        (``Counter.UPDATES``) once its rows are odd, and rows gathered while the count moved
-        are read again (``gather.gather``). A ``priority`` (or a ``"priority"`` key that is not a
-        field) sets the rows' priorities too. A process killed mid-update leaves its rows empty
-        (reaped, never torn). Everything is checked first: on any error nothing changed."""
+        No reader ever sees a row half-updated, and a process killed mid-update leaves its rows
+        empty, never torn (the commit protocol, ``protocol/edits.py``). A ``priority`` (or a
+        ``"priority"`` key that is not a field) sets the rows' priorities too. Everything is
+        checked first: on any error nothing changed."""
         ids = self.ring.check_ids(rows.index if isinstance(rows, Batch) else rows, "update")
         if data is not None:
             if fields:
@@ -471,100 +459,17 @@ class ReplayBuffer:
         their ids (and ``batch.episode`` their episodes); a prioritized buffer adds
         ``batch.weight`` (importance-sampling weights).
         """
-        if out is not None:
-            check_batch_size(n)
-            out = check_out(self._block, n, out)
-        one = self._one_call
-        if (one is not None and self._one_calls and type(n) is int and n > 0 and replace is True and n_step == 1
-                and hindsight is None and timeout is None and not unknown and one.rng is self.rng
-                and self.options.limiter is None):
-            # the usual call, as one C call with no checks left to make (the rest below is the same)
-            prios = self._prios
-            calls = prios.next_call() if prios is not None else 0
-            batch = one(self, n, out, calls)
-            if batch is None:  # what the call does not serve (an empty buffer ...): the Python path
-                self._check_transitions(n, True)
-                batch = reader.draw(self, n, out=out, calls=calls)
-            self.ring.count_sampled(n)
-            return batch
-        if unknown:  # another library's keyword (cpprb's beta, SB3's env ...): name ours
-            raise hints.keyword_error("sample", unknown)
-        n = check_batch_size(n)
-        if hindsight is not None:
-            if not isinstance(hindsight, her.Hindsight):
-                raise TypeError(f"sample: hindsight must be a shmbuffer.Hindsight, got {type(hindsight).__name__}")
-            if n_step != 1 or not replace:
-                raise ValueError("sample: hindsight relabelling draws with replacement and one step a transition; "
-                                 "leave n_step=1 and replace=True")
-            her.plan_for(self, hindsight)
-        if n_step != 1:
-            if not isinstance(n_step, (int, np.integer)) or n_step < 1:
-                raise ValueError(f"sample: n_step must be an int >= 1, got {n_step!r}")
-            if not 0 <= gamma <= 1:
-                raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
-            sequences.check_n_step(self, n_step, fields)
-        self._check_transitions(n, replace)
-
-        def draw() -> Batch:
-            prios = self._prios
-            calls = prios.next_call() if prios is not None else 0  # shared: attach, load continue it
-            if hindsight is not None:
-                return her.sample(self, hindsight, n, out=out, calls=calls)
-            batch = None
-            if replace and self._one_calls:
-                one = self._one_call
-                if one is None or one.rng is not self.rng:  # made at the first sample, again for a new rng
-                    one = self._make_one_call()
-                if one is not None:
-                    batch = one(self, n, out, calls)
-            if batch is None:
-                batch = reader.draw(self, n, replace=replace, out=out, calls=calls)
-            if n_step > 1:
-                sequences.add_n_step(self, batch, int(n_step), float(gamma), fields)
-            return batch
-
-        return self._counted(n, timeout, draw)
-
-    def _check_transitions(self, n: int, replace: bool) -> None:
-        """With ``next_of``/``stack``: refuse a sample of more whole transitions than the buffer
-        holds (``frames.transitions``: an episode's final observation, each lane's newest row with
-        ``next_of``, a row whose stack reaches rows lapped are not)."""
-        frames = self.options.frames
-        if frames is not None and (not replace or (frames.next_of and len(self.ring) <= 2 * self.lanes)):
-            # len scans the lanes (O(capacity)): only where it can say no (few rows, or distinct ones)
-            held = len(self)  # rows that are whole transitions (frames.py)
-            if held == 0 or (not replace and n > held):
-                raise EmptyBufferError(
-                    f"sample({n}{'' if replace else ', replace=False'}): buffer {self.name!r} holds {held} whole "
-                    "transitions (an episode's final observation, each lane's newest row with next_of, which "
-                    "waits for its next, and a row whose stack reaches rows lapped are not)")
-
-    def _make_one_call(self) -> OneCall | None:
-        """The one-call sample of this buffer (``OneCall``), or ``None`` where it serves none."""
-        if self._one_call is not None:
-            self._one_call.close()
-            self._one_call = None
-        if not OneCall.serves(self):
-            self._one_calls = False
-            return None
-        self._one_call = OneCall(native.lib, self)
-        return self._one_call
-
-    def _counted(self, rows: int, timeout: float | None, draw: Callable[[], Any]) -> Any:
-        """Run a sample, counting its ``rows`` as sampled (through the rate limiter, if any)."""
-        limiter = self.options.limiter
-        if limiter is None:  # the usual case, without the limiter's plumbing
-            result = draw()
-            self.ring.count_sampled(rows)
-            return result
-        return counted(limiter, self.ring, rows, timeout, draw)
+        paths = self._paths
+        if paths is None:
+            raise closed(self.name)
+        return paths.sample(self, n, replace, n_step, gamma, fields, out, timeout, hindsight, unknown)
 
     def sample_sequences(self, n: int, length: int, *, burn_in: int = 0, time_major: bool = False) -> Batch:
         """``n`` windows of ``length`` consecutive steps of one episode (plus ``burn_in`` steps
         before), fields ``(n, burn_in + length, ...)`` or, ``time_major``, ``(burn_in + length, n,
         ...)``. ``batch.mask`` marks the steps that exist: a window stops at its episode's ends,
         the write head and rows being written; the rest is zeros. See ``sequences.py``."""
-        return self._counted(n * (length + burn_in), None, lambda: sequences.sample_sequences(
+        return count(self, n * (length + burn_in), None, lambda: sequences.sample_sequences(
             self, n, length, burn_in=burn_in, time_major=time_major))
 
     def sample_groups(self, groups: int, size: int, *, ordered: bool = True, replace: bool = True,
@@ -579,7 +484,7 @@ class ReplayBuffer:
             ``group_sample`` keeps them truncated): ``batch.mask`` marks the rows that exist.
             The episode still being written counts with the rows it has so far, the oldest with
             the rows not yet overwritten (``sequences.episode_runs``)."""
-        return self._counted(groups * size, None, lambda: sequences.sample_groups(
+        return count(self, groups * size, None, lambda: sequences.sample_groups(
             self, groups, size, ordered=ordered, replace=replace, short=short))
 
     def sample_episodes(self, n: int, *, replace: bool = False) -> list[Batch]:
@@ -624,46 +529,11 @@ class ReplayBuffer:
         lane's end (two pieces cannot be one view), or when rows between them are gone
         (``delete``, ``max_use``), which a view cannot skip.
         """
-        self._whole("view")
-        if self._block.counters[Counter.REMOVED]:
-            start, stop = self._positions_with_holes(start, stop, lane)
-        where, ids = self.ring.contiguous(start, stop, lane)
-        fields = {name: _readonly(col[where]) for name, col in self._block.fields.items()}
-        return Batch(fields, {"index": ids})
-
-    def _positions_with_holes(self, start: int, stop: int, lane: int) -> tuple[int, int]:
-        """``view``'s positions among the rows of ``lane`` that count (``reader.counted``) as
-        positions among all its held slots; ``ValueError`` when rows between them are gone."""
-        ring = self.ring
-        if not 0 <= lane < ring.lanes:
-            raise ValueError(f"lane: expected a lane in [0, {ring.lanes}), got {lane}")
-        ids = reader.counted(self)
-        mine = ids[ids % ring.lanes == lane] // ring.lanes
-        lo, hi, step = slice(start, stop).indices(mine.size)
-        if step != 1 or hi < lo:
-            raise ValueError(f"view({start}, {stop}): expected 0 <= start <= stop within {mine.size} rows")
-        first = int(ring.bounds()[0][lane])
-        if hi == lo:
-            return 0, 0
-        if int(mine[hi - 1] - mine[lo]) != hi - lo - 1:
-            raise ValueError(f"view({start}, {stop}): rows between them were deleted or used up, and a view "
-                             "cannot skip them: take get(slice) for a copy of the rows that are there")
-        return int(mine[lo]) - first, int(mine[lo]) - first + hi - lo
+        return views.view(self, start, stop, lane)
 
     def column(self, name: str) -> np.ndarray:
         """A zero-copy, read-only view of a whole field, ``(capacity, *shape)``, in slot order."""
-        self.schema[name]
-        frames = self.options.frames
-        if frames is not None and name in frames.rebuilt:
-            raise FieldError(f"column({name!r}): the buffer stores {name!r} once for several rows (next_of/stack), "
-                             "so it has no column of whole rows; read rows with sample, take or get")
-        return _readonly(self.block.fields[name])
-
-    def _whole(self, what: str) -> None:
-        frames = self.options.frames
-        if frames is not None:
-            raise FieldError(f"{what}: the buffer stores {', '.join(frames.rebuilt)} once for several rows "
-                             "(next_of/stack), so its rows are not whole in memory; read with sample, take or get")
+        return views.column(self, name)
 
     def loader(self, batch_size: int = 256, **kwargs: Any) -> Loader:
         """A ``Loader`` over this buffer: batches on a device, sampled ahead (``loader.py``)."""
@@ -691,39 +561,7 @@ class ReplayBuffer:
         push): the rows ``export`` leaves out, with ``export``'s keys, for a copy of the buffer
         that loses nothing (the SB3 adapter's pickling). Lanes whose newest row another process
         pushed, or that ended its episode, have none."""
-        ring, spec, pusher = self.ring, self.options.frames, self._pusher
-        names = self.schema.names
-        ids: list[int] = []
-        rows: dict[str, list[Any]] = {n: [] for n in names}
-        episodes: list[int] = []
-        if spec is not None and spec.next_of and pusher is not None and pusher.pid == os.getpid():
-            first, stop = ring.bounds()
-            for lane, last in sorted(pusher.last.items()):
-                row = int(stop[lane]) - 1
-                if last.final or row < int(first[lane]) or last.row != row:
-                    continue
-                at = np.array([row * ring.lanes + lane], np.int64)
-                slot, expect = int(ring.slots(at)[0]), int(ring.expected(at)[0])
-                if int(ring.stamp[slot]) != expect:
-                    continue  # being written over
-                got = {n: last.values[n] if n in last.values else self._block.fields[n][slot].copy() for n in names}
-                if int(ring.stamp[slot]) != expect:
-                    continue  # lapped while copied: the row is gone
-                ids.append(int(at[0]))
-                episodes.append(-1 if last.episode is None else int(last.episode))
-                for n in names:
-                    rows[n].append(got[n])
-        out = {n: np.array(rows[n], f.dtype).reshape(len(ids), *f.shape) for n, f in zip(names, self.schema, strict=True)}
-        out["index"] = np.array(ids, np.int64)
-        if self.options.episodes:
-            out["episode"] = np.array(episodes, np.int64)
-        slots = ring.slots(out["index"])
-        prios = self._prios
-        if prios is not None and prios.prioritized:
-            out["priority"] = prios.priorities_of(prios.tree.leaves[slots])
-        if prios is not None and prios.uses is not None:
-            out["uses"] = prios.uses[slots].astype(np.int64)
-        return out
+        return persistence.pending(self, self._pusher)
 
     @classmethod
     def from_arrays(cls, schema: Schema | Mapping[str, Any], arrays: Mapping[str, Any],
@@ -732,17 +570,26 @@ class ReplayBuffer:
         return persistence.from_arrays(as_schema(schema), arrays, cls, capacity, **options)
 
 
-def _readonly(a: np.ndarray) -> np.ndarray:
-    v = a.view()
-    v.flags.writeable = False
-    return v
-
-
 def _attach_by_handle(handle: BufferHandle) -> ReplayBuffer:
     return ReplayBuffer.attach(handle)
 
 
+def _class_push(cls: type) -> Any:
+    """What ``cls`` has for ``push`` (not overridden, nor patched on the class: ``_PUSH``)."""
+    return next(vars(k)["push"] for k in cls.__mro__ if "push" in vars(k))
+
+
+for _name in hints.METHODS:  # another library's name (cpprb's get_stored_size ...) names ours
+    if not hasattr(ReplayBuffer, _name):  # (a name of ours stays ours: tests/test_hints.py)
+        setattr(ReplayBuffer, _name, hints.Hint(_name))
+
+_PUSH: Any = None
 if native.lib is not None:
     # push(...) in C for its usual calls (``_native.PushMethod``): a bound method like any other,
-    # whose calls on a uniform buffer the one call serves (``_push_plan``) skip the Python method
-    ReplayBuffer.push = native.lib.PushMethod(ReplayBuffer.push)  # type: ignore[method-assign]
+    # seated on each instance (``_push_plan``): on a uniform buffer the one call serves, its usual calls skip the Python method
+    _PUSH = ReplayBuffer.push = native.lib.PushMethod(ReplayBuffer.push)  # type: ignore[method-assign]
+
+    def _unseat(buf: ReplayBuffer, unseat: Callable[[ReplayBuffer], None] = _PUSH.unseat) -> None:
+        unseat(buf)  # a push read from this buffer and held elsewhere keeps it alive (method.c)
+
+    ReplayBuffer.__del__ = _unseat  # type: ignore[attr-defined]

@@ -27,7 +27,7 @@ Storage (``Frames.stored``, ``layout.columns``)
   mid-episode). The older frames go into **lead rows** (kind ``LEAD``, the first also ``START``)
   before it: like end rows they take slots, are never drawn and are not counted.
 
-Pushes: ``protocol/push.py`` checks frames pushes and lays them out as stored (its ``Pusher``).
+Pushes: ``protocol/frames_push.py`` checks frames pushes and lays them out as stored (``Pusher``).
 
 Reads (``center``, ``stack_plan``; the window's ids are ``protocol/rows.window``'s)
 ----------------------------

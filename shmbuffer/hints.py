@@ -1,7 +1,7 @@
 """What users of other replay buffers reach for, and our name for it: the one table of hints.
 
 A method, keyword or batch key of cpprb, Stable-Baselines3, TorchRL, DI-engine, MindSpore RL or
-Velora that shmbuffer lacks ends in an error naming our equivalent (``ReplayBuffer.__getattr__``,
+Velora that shmbuffer lacks ends in an error naming our equivalent (``Hint`` on ``ReplayBuffer``,
 the ``**unknown`` keywords of ``ReplayBuffer`` and ``sample``, ``Batch``'s missing keys) instead
 of a bare ``AttributeError``/``TypeError``/``KeyError``. Every entry comes from the library's page
 in docs/migration/ (``tests/test_hints.py`` checks that each of their names is written there), and
@@ -122,12 +122,25 @@ KEYS: dict[str, tuple[str, str]] = {
 def name_error(obj: object, name: str) -> AttributeError:
     """The ``AttributeError`` for a missing attribute ``name`` of ``obj``: with our equivalent
     when another library has that name (``UnknownName``), else the plain one."""
-    kind = type(obj).__name__
+    kind = obj.__name__ if isinstance(obj, type) else type(obj).__name__
     hint = METHODS.get(name)
     if hint is None:
         return AttributeError(f"{kind!r} object has no attribute {name!r}", name=name, obj=obj)
     whose, ours = hint
     return UnknownName(f"{kind} has no {name!r} ({whose}'s name); here: {ours}. See {page(whose)}.", name=name, obj=obj)
+
+
+class Hint:
+    """Another library's name on one of our classes (``METHODS``): reading it raises the
+    ``UnknownName`` that names ours. A descriptor per name, so that reads of the class's own
+    names never pass through a ``__getattr__``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.__doc__ = f"Not here: {METHODS[name][1]}."
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        raise name_error(obj if obj is not None else owner, self.name)
 
 
 def keyword_error(call: str, unknown: dict[str, object]) -> TypeError:

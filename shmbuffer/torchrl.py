@@ -62,8 +62,6 @@ Keys may be nested (``("next", "obs")``); a field is named by joining them with 
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import json
 import time
 from pathlib import Path
@@ -72,23 +70,21 @@ from typing import Any
 import numpy as np
 import torch
 from tensordict import (
-    LazyStackedTensorDict,
     TensorDict,
     TensorDictBase,
-    is_non_tensor,
-    is_tensor_collection,
     is_tensorclass,
 )
 from torchrl.data.replay_buffers.checkpointers import StorageCheckpointerBase
 from torchrl.data.replay_buffers.storages import Storage, StoreStorage
 
+from . import tensordicts
 from .buffer import ReplayBuffer as SharedBuffer
 from .errors import EmptyBufferError
 from .schema import RESERVED, Schema
+from .tensordicts import SEP
 
 __all__ = ["ShmStorage", "identity"]
 
-SEP = "__"
 WAIT = 1.0
 """Seconds ``get`` and ``set`` wait for a row that a writer elsewhere is writing."""
 TENSOR = "tensor"
@@ -102,51 +98,6 @@ def identity(batch: Any) -> Any:
     """A collate function for ``ShmStorage`` (TorchRL's default for it does the same): its ``get``
     returns a stacked batch."""
     return batch
-
-
-def _field(key: str | tuple[str, ...]) -> str:
-    """The field name of a TensorDict key: nested keys joined by ``__``; a name a Batch keeps for
-    itself (``weight``, ``mask`` ...) gets a trailing ``_``."""
-    name = SEP.join(key) if isinstance(key, tuple) else key
-    return name + "_" if name in RESERVED else name
-
-
-def _flat(data: TensorDictBase, prefix: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
-    """The tensors of ``data`` by field name; anything else in it is refused."""
-    out = {}
-    try:
-        items = list(data.items())
-    except RuntimeError as e:  # a lazy stack of tensors of different shapes
-        raise TypeError(f"ShmStorage: expected entries of one shape across the rows, got a ragged {type(data).__name__} "
-                        f"({e}); shared memory holds fixed-shape columns: pad the entries, or use LazyStackStorage") from None
-    for key, value in items:
-        if isinstance(value, torch.Tensor):
-            if prefix or key != "index":  # TorchRL's own: the slots a sample came from, set again at sampling
-                out[_field((*prefix, key) if prefix else key)] = value.detach().cpu().numpy()
-        elif is_tensor_collection(value) and not is_non_tensor(value):
-            out.update(_flat(value, (*prefix, key)))
-        else:
-            raise TypeError(f"ShmStorage: key {(*prefix, key) if prefix else key!r}: expected a tensor, got "
-                            f"{type(value).__name__}; shared memory holds numeric columns only: keep non-tensor data "
-                            "outside the storage, or use LazyTensorStorage")
-    return out
-
-
-def _stack(data: list[Any] | tuple[Any, ...]) -> Any:
-    """A list of rows (tensors, TensorDicts or tensorclasses) as one batch, as TorchRL's storages do."""
-    if data and all(isinstance(d, torch.Tensor) for d in data):
-        stack: Any = torch.stack
-    elif data and all(is_tensor_collection(d) for d in data):
-        stack = LazyStackedTensorDict.maybe_dense_stack
-    else:
-        kinds = sorted({type(d).__name__ for d in data})
-        raise TypeError(f"ShmStorage: expected a list of tensors, TensorDicts or tensorclasses, got a list of "
-                        f"{', '.join(kinds) or 'nothing'}; pytrees are not stored (shared memory holds named "
-                        "numeric columns): make the rows a TensorDict")
-    try:
-        return stack(list(data))
-    except RuntimeError as e:
-        raise RuntimeError(f"Stacking the elements of the list resulted in an error: {e}") from e
 
 
 def _run_from(slots: np.ndarray, first: int, cap: int) -> bool:
@@ -172,36 +123,6 @@ def _slot_order(rows: dict[str, np.ndarray], capacity: int) -> dict[str, np.ndar
     if not np.array_equal(slots[order], np.arange(slots.size)):
         return rows
     return {n: a[order] for n, a in rows.items()}
-
-
-def _classes(tc: Any, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], type]:
-    """The tensorclass at each nested key of ``tc`` (``()`` for ``tc`` itself)."""
-    out = {prefix: type(tc)}
-    for f in dataclasses.fields(tc):
-        value = getattr(tc, f.name)
-        if is_tensorclass(value):
-            out.update(_classes(value, (*prefix, f.name)))
-    return out
-
-
-def _class_name(cls: type) -> str:
-    return f"{cls.__module__}:{cls.__qualname__}"
-
-
-def _import_class(name: str) -> type:
-    module, _, qualname = name.partition(":")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError):
-        raise TypeError(f"ShmStorage: the rows were written as tensorclass {name}, which cannot be imported here "
-                        "(a class defined inside a function cannot): write one row of that class into this "
-                        "storage before loading") from None
-    if not (isinstance(obj, type) and is_tensorclass(obj)):  # a name from a file: nothing else is built from it
-        raise TypeError(f"ShmStorage: the rows name {name} as their tensorclass, which is a {type(obj).__name__}, "
-                        "not a tensorclass: the state or dump is not one ShmStorage wrote")
-    return obj
 
 
 class ShmStorage(StoreStorage):
@@ -295,13 +216,13 @@ class ShmStorage(StoreStorage):
         if type(data) is TensorDict:  # the usual case first: the checks below cost microseconds each
             kind, classes, td = "tensordict", {}, data
         elif isinstance(data, (list, tuple)):
-            data = _stack(data)
+            data = tensordicts.stack_rows(data)
             return self._as_tensordict(data, single)
         elif isinstance(data, torch.Tensor):
             kind, classes = "tensor", {}
             td = TensorDict({TENSOR: data}, batch_size=data.shape[:self.ndim - 1 if single else self.ndim])
         elif is_tensorclass(data):
-            kind, classes, td = "tensorclass", _classes(data), data.to_tensordict()
+            kind, classes, td = "tensorclass", tensordicts.classes(data), data.to_tensordict()
         elif isinstance(data, TensorDictBase):
             kind, classes, td = "tensordict", {}, data
         else:
@@ -313,8 +234,8 @@ class ShmStorage(StoreStorage):
         if self.kind is not None and kind != self.kind:
             raise TypeError(f"ShmStorage.set: this storage holds {self.kind} rows, got {kind} ({type(data).__name__})")
         if kind == "tensorclass" and self.classes and classes != self.classes:
-            raise TypeError(f"ShmStorage.set: this storage holds {_class_name(self.classes[()])} rows, got "
-                            f"{_class_name(type(data))}")
+            raise TypeError(f"ShmStorage.set: this storage holds {tensordicts.class_name(self.classes[()])} rows, got "
+                            f"{tensordicts.class_name(type(data))}")
         return kind, classes, td
 
     def _cap(self, row_batch: tuple[int, ...] | None = None) -> int:
@@ -380,7 +301,7 @@ class ShmStorage(StoreStorage):
         if self.row_batch is not None and row_batch != self.row_batch:
             raise ValueError(f"ShmStorage.set: this storage holds rows of batch size {list(self.row_batch)}, got "
                              f"{list(row_batch)} (batch size {list(td.batch_size)})")
-        rows = _flat(td)
+        rows = tensordicts.flatten(td)
         if single:
             rows = {n: a[None] for n, a in rows.items()}
         cap = self._cap(row_batch)
@@ -624,7 +545,7 @@ class ShmStorage(StoreStorage):
             self._seen = self.buffer.ring.span()[1]
 
     def _meta(self) -> dict[str, Any]:
-        return {"kind": self.kind, "tensorclass": {SEP.join(p): _class_name(c) for p, c in self.classes.items()},
+        return {"kind": self.kind, "tensorclass": {SEP.join(p): tensordicts.class_name(c) for p, c in self.classes.items()},
                 "row_batch": None if self.row_batch is None else list(self.row_batch)}
 
     def state_dict(self) -> dict[str, Any]:
@@ -633,6 +554,7 @@ class ShmStorage(StoreStorage):
             return {"rows": None, **self._meta()}
         buf = self.buffer
         return {"rows": _slot_order(buf.export(), buf.capacity), "schema": buf.schema.to_json(), **self._meta()}
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """TorchRL's ``load_state_dict``: the rows of ``state_dict`` (``state_dict()``'s), each back in its slot."""
         kind = state_dict.get("kind") or "tensordict"
@@ -643,7 +565,7 @@ class ShmStorage(StoreStorage):
         classes = self.classes
         if kind == "tensorclass" and not classes:
             names = state_dict.get("tensorclass") or {}
-            classes = {tuple(p.split(SEP)) if p else (): _import_class(c) for p, c in names.items()}
+            classes = {tuple(p.split(SEP)) if p else (): tensordicts.import_class(c) for p, c in names.items()}
         rows = state_dict["rows"]
         if rows is None:
             self._empty()

@@ -455,7 +455,7 @@ def test_sample_out_is_checked_and_may_be_partial(one_call: bool, make: Callable
     read-only array or not an array, on the C path and the Python path alike."""
     schema = sb.Schema(obs=((4,), "float32"), img=((3, 84, 84), "uint8"), a=((), "int64"))
     buf = make(schema, 64, name=name)
-    buf._one_calls = one_call
+    buf._paths.one_calls = one_call
     buf.push(obs=np.ones((20, 4)), img=np.full((20, 3, 84, 84), 7, np.uint8), a=np.arange(20))
     first = buf.sample(8)
     block, img = np.empty_like(first.block), np.empty_like(first.img)

@@ -668,7 +668,7 @@ def test_a_push_clears_overtake_again_and_again_is_refused_with_nothing_stored(
     make: Make, name: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Checked again up to three times; then refused, each reservation undone."""
-    from shmbuffer.protocol.push import Pusher
+    from shmbuffer.protocol.frames_push import Pusher
 
     sch = schema((1, 4, 4), 4, 0)
     buf = make(sch, 16, next_of="obs", stack="obs", name=name)

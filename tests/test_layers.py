@@ -1,5 +1,6 @@
 """Imports run one way: every module of the package imports only modules below it in the order
-that docs/design.md states, so there is no cycle; and no module reads another's underscored names."""
+that docs/design.md states, so there is no cycle; no module reads another's underscored names; and
+no module is over 700 lines."""
 
 from __future__ import annotations
 
@@ -141,6 +142,16 @@ def private_reads(path: Path) -> list[str]:
 @pytest.mark.parametrize("module", modules())
 def test_no_module_reads_another_objects_private_names(module: str) -> None:
     assert not private_reads(module_paths()[module])
+
+
+MAX_LINES = 700
+
+
+@pytest.mark.parametrize("module", modules())
+def test_no_module_is_over_700_lines(module: str) -> None:
+    """A module longer than this is doing more than one thing: split it along its parts."""
+    lines = len(module_paths()[module].read_text().splitlines())
+    assert lines <= MAX_LINES, f"shmbuffer/{module.replace('.', '/')}.py is {lines} lines, over {MAX_LINES}: split it"
 
 
 def test_compat_sits_on_top() -> None:

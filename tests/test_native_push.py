@@ -3,8 +3,8 @@ reference: the same bytes and stamps pushed, what Python must decide left to it,
 
 from __future__ import annotations
 
+import gc
 import os
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +15,7 @@ import shmbuffer as sb
 from shmbuffer import native
 from shmbuffer.protocol import push
 from shmbuffer.protocol.layout import Counter
+from shmbuffer.shm import segment
 
 from .conftest import LIB, MUJOCO, needs_lib, seq_of, transition
 
@@ -359,8 +360,9 @@ def test_push_itself_runs_in_c_for_its_usual_calls_and_the_method_for_the_rest(m
         m.setattr(native, "lib", None)
         ref = make(MUJOCO, capacity=16, lanes=2, episodes=True, name=name + "r")
     assert type(buf.push) is LIB.BoundPush and buf.push.__self__ is buf
-    assert isinstance(ref.push, types.MethodType)  # the Python method, bound as usual
-    assert isinstance(make(MUJOCO, capacity=8, sampler=sb.Prioritized(), name=name + "p").push, types.MethodType)
+    assert ref.push.__self__ is ref and ref.push.__func__ is sb.ReplayBuffer.push  # no plan: the Python method's calls
+    prioritized = make(MUJOCO, capacity=8, sampler=sb.Prioritized(), name=name + "p")
+    assert prioritized.push.__self__ is prioritized and prioritized.push.__func__ is sb.ReplayBuffer.push
     assert sb.ReplayBuffer.push.__doc__ == buf.push.__doc__ and sb.ReplayBuffer.push.__name__ == "push"
     rows = transition(0, 2)
     one = {k: v[0] for k, v in transition(2, 1).items()}
@@ -406,9 +408,35 @@ def test_push_itself_runs_in_c_for_its_usual_calls_and_the_method_for_the_rest(m
 
 
 @needs_lib
+def test_a_push_is_read_as_an_attribute_and_keeps_its_buffer_without_a_cycle(name: str) -> None:
+    """``buf.push`` is one object at every read (seated in the buffer's ``__dict__``: nothing made
+    per read); held after the buffer is dropped, it keeps the buffer as a bound method does; and
+    the block goes as soon as the last of them does, without the cycle collector."""
+    r = {k: v[0] for k, v in transition(0, 1).items()}
+    gc.disable()
+    try:
+        buf = sb.ReplayBuffer(MUJOCO, capacity=8, name=name)
+        assert buf.push is buf.push and vars(buf)["push"] is buf.push
+        held = buf.push
+        del buf
+        assert os.path.exists(segment.path_of(name))  # the push keeps its buffer
+        assert held(**r).tolist() == [0] and len(held.__self__) == 1 and not held.__self__.closed
+        del held
+        assert not os.path.exists(segment.path_of(name))  # and the block goes with the push
+        buf = sb.ReplayBuffer(MUJOCO, capacity=8, name=name)
+        buf.push(**r)
+        del buf
+        assert not os.path.exists(segment.path_of(name))
+    finally:
+        gc.enable()
+        if os.path.exists(segment.path_of(name)):  # a failed check above left it
+            os.unlink(segment.path_of(name))
+
+
+@needs_lib
 def test_push_called_through_the_buffer_and_bound_pushes_reused_push_into_their_own_buffer(make: Make, name: str) -> None:
-    """``buf.push(obs=...)`` written out is called with the buffer first (no bound push made), and
-    a bound push made after another was freed is the new buffer's: each row lands where it was sent."""
+    """``buf.push(obs=...)`` written out, through the class, and pushes read from two buffers and
+    kept push into their own buffer: each row lands where it was sent."""
     a = make(MUJOCO, capacity=8, name=name + "a")
     b = make(MUJOCO, capacity=8, name=name + "b")
     r = {k: v[0] for k, v in transition(0, 1).items()}

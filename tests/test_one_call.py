@@ -69,12 +69,12 @@ def uniform_on_both_paths(buf: sb.ReplayBuffer, ids: np.ndarray, draws: int) -> 
 
 def python_path(buf: sb.ReplayBuffer) -> None:
     """Make ``buf``'s samples take ``reader.draw`` (the reference)."""
-    buf._one_calls = False
+    buf._paths.one_calls = False
 
 
 def served(buf: sb.ReplayBuffer) -> OneCall:
     buf.sample(1)
-    one = buf._one_call
+    one = buf._paths.one_call
     assert isinstance(one, OneCall), "this buffer's samples should be one call"
     return one
 
@@ -94,7 +94,7 @@ def test_rows_are_the_rows_of_their_ids(lanes: int, make: Make, name: str) -> No
             assert np.array_equal(batch[f], ref[f])
         assert np.array_equal(batch.episode, ref.episode)
         assert batch.block is not None and batch.block.shape == (64, buf.schema.record.itemsize)
-    assert buf._one_call is one
+    assert buf._paths.one_call is one
 
 
 @pytest.mark.parametrize("lanes", [1, 4])
@@ -236,7 +236,7 @@ def test_close_releases_the_plan_and_samples_say_closed(make: Make, name: str) -
     buf.push(transition(0, 4))
     one = served(buf)
     buf.close()  # would raise BufferError while the plan held views of the block
-    assert buf._one_call is None
+    assert buf._paths.one_call is None
     with pytest.raises(ClosedError, match="closed"):
         buf.sample(2)
     assert native.lib.sample(one.plan, (np.empty((2, 168), np.uint8),), np.empty(2, np.int64), np.empty(2, bool), False) == -1
@@ -282,7 +282,7 @@ def test_a_next_of_buffer_samples_in_one_call(make: Make, name: str) -> None:
     steps = np.arange(5, dtype=np.float32)[:, None] * np.ones(2, np.float32)
     frames.push(obs=steps[:-1], next_obs=steps[1:], done=np.zeros(4, bool))
     b = frames.sample(64)
-    assert frames._one_call is not None and frames._one_calls
+    assert frames._paths.one_call is not None and frames._paths.one_calls
     assert set(b.index.tolist()) == {0, 1, 2}  # row 3 waits for its next observation
     assert np.array_equal(b.next_obs, b.obs + 1) and np.array_equal(b.obs[:, 0], b.index.astype(np.float32))
 
@@ -369,7 +369,7 @@ def test_max_use_one_returns_every_row_once_then_says_so(sampler: Any, make: Mak
     buf.push(transition(0, 32), lane=0)
     buf.push(transition(100, 32), lane=1)
     got = np.concatenate([seq_of(buf.sample(8)) for _ in range(8)])
-    assert isinstance(buf._one_call, OneCall)
+    assert isinstance(buf._paths.one_call, OneCall)
     assert sorted(got.tolist()) == list(range(32)) + list(range(100, 132))
     with pytest.raises(sb.EmptyBufferError, match="max_use=1"):
         buf.sample(1)
@@ -382,14 +382,14 @@ def test_a_sample_that_raises_gives_back_the_uses_it_counted(one_call: bool, sam
     """Asking for more rows than have uses left raises, and loses none of them: the rows the
     failed sample had counted can still be drawn, their priorities as they were."""
     buf = make(MUJOCO, capacity=16, name=name, seed=0, sampler=sampler, max_use=1)
-    buf._one_calls = one_call
+    buf._paths.one_calls = one_call
     buf.push(transition(0, 10))
     ids = buf.ring.held_ids()
     if isinstance(sampler, sb.Prioritized):
         buf.update_priorities(ids, 1.0 + np.arange(10))
     leaves = buf.priority(ids)
     first = buf.sample(7)
-    assert isinstance(buf._one_call, OneCall) == one_call
+    assert isinstance(buf._paths.one_call, OneCall) == one_call
     left = np.setdiff1d(ids, first.index)
     assert left.size >= 3  # with repeats, 7 draws used up at most 7 rows
     with pytest.raises(sb.EmptyBufferError, match="max_use=1"):
@@ -412,7 +412,7 @@ def test_max_use_counts_every_row_returned_and_no_other(make: Make, name: str, m
             returned[i] = returned.get(i, 0) + 1
     uses = dict(zip(ids.tolist(), buf.uses(ids).tolist(), strict=True))
     assert all(returned.get(i, 0) == uses[i] <= 3 for i in ids.tolist())
-    assert sum(returned.values()) == 120 and isinstance(buf._one_call, OneCall)
+    assert sum(returned.values()) == 120 and isinstance(buf._paths.one_call, OneCall)
     assert not python_claims  # the C call counted every use (the Python steps: test below)
 
 
@@ -422,7 +422,7 @@ def test_max_use_with_the_lock_busy_waits_for_it_and_loses_no_row(make: Make, na
     buf = make(MUJOCO, capacity=32, name=name, seed=0, max_use=1)
     buf.push(transition(0, 32))
     got: list[int] = seq_of(buf.sample(8)).tolist()  # the plan is made
-    assert isinstance(buf._one_call, OneCall)
+    assert isinstance(buf._paths.one_call, OneCall)
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -458,7 +458,7 @@ def test_prioritized_redraws_use_the_total_of_now(make: Make, name: str) -> None
     ids = buf.ring.held_ids()
     buf.update_priorities(ids, np.ones(64))
     buf.sample(1)
-    one = buf._one_call
+    one = buf._paths.one_call
     assert isinstance(one, OneCall)
     ring, prios = buf.ring, buf.priorities
     assert prios is not None
@@ -491,7 +491,7 @@ def test_out_arrays_numpy_takes_are_taken_by_the_one_call_too(make: Make, name: 
     buf.push(obs=np.arange(40, dtype=np.uint8)[:, None, None, None] * np.ones((1, 4, 84, 84), np.uint8),
              reward=np.arange(40, dtype=np.float32))
     buf.sample(1)
-    assert isinstance(buf._one_call, OneCall)
+    assert isinstance(buf._paths.one_call, OneCall)
     stage = np.empty((32, 4, 84, 84), np.uint8)
     out = {"_block": np.empty((16, buf.schema.record.itemsize), np.uint8), "obs": stage[::2]}
     batch = buf.sample(16, out=out)  # TypeError: sample out: expected a C-contiguous writable buffer
@@ -515,7 +515,7 @@ def test_one_calls_false_takes_the_python_path(make: Make, name: str, monkeypatc
     buf = make(MUJOCO, 64, name=name, seed=0)
     buf.push(transition(0, 40))
     buf.sample(1)
-    buf._one_calls = False
+    buf._paths.one_calls = False
     ran: list[int] = []
     real = reader.draw
     monkeypatch.setattr(reader, "draw", lambda *a, **k: (ran.append(1), real(*a, **k))[1])

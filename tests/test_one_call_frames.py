@@ -59,7 +59,7 @@ def test_each_transition_is_the_one_its_id_names(case: int, make: Make, name: st
     names = comp.schema.names
     for _ in range(10):
         batch = comp.sample(64)
-        assert comp._one_call is one
+        assert comp._paths.one_call is one
         assert same(batch, full.take([to_full[i] for i in batch.index.tolist()]), names)
         assert same(batch, comp.take(batch.index), names)  # the Python reading of the same ids
         assert batch.block is not None and batch.block.shape == (64, comp.block.stored_record.itemsize)
@@ -142,7 +142,7 @@ def test_max_use_counts_each_transition_returned(make: Make, name: str) -> None:
     _, comp, _ = filled(1, 4, make, name, max_use=2)
     ids = readable(comp)
     got: list[int] = comp.sample(1).index.tolist()
-    assert isinstance(comp._one_call, one_call.OneCall)
+    assert isinstance(comp._paths.one_call, one_call.OneCall)
     for _ in range(ids.size // 8):  # half their uses: every sample finds rows left
         got += comp.sample(8).index.tolist()
     drawn, times = np.unique(got, return_counts=True)

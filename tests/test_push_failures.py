@@ -19,9 +19,10 @@ import pytest
 import shmbuffer as sb
 from shmbuffer import native
 from shmbuffer.protocol import push
+from shmbuffer.protocol.frames_push import Pusher
 from shmbuffer.protocol.layout import Counter
 from shmbuffer.protocol.priorities import Priorities
-from shmbuffer.protocol.push import Copier, Pusher
+from shmbuffer.protocol.push import Copier
 from shmbuffer.protocol.ring import Ring
 from shmbuffer.shm import segment
 

@@ -368,7 +368,7 @@ def test_a_clear_between_draw_and_gather(sampler: Any, make: Make, name: str, mo
     from shmbuffer.protocol import reader
 
     buf = make(MUJOCO, capacity=64, name=name, seed=0, sampler=sampler)
-    buf._one_calls = False  # the Python path, whose gather is the seam (test_one_call.py: the one call)
+    buf._paths.one_calls = False  # the Python path, whose gather is the seam (test_one_call.py: the one call)
     buf.push(transition(0, 32))
     real = reader.gather
     cleared: list[bool] = []

@@ -1,10 +1,20 @@
 /* ReplayBuffer.push as a method whose usual calls run in C.
  *
- * PushMethod(func) stands for ReplayBuffer.push on the class (buffer.py). Read from an
- * instance whose `_push_plan` is a plan (ReplayBuffer._setup: a uniform buffer the one call
- * serves), it gives a BoundPush: a bound method, holding its buffer as any bound method does,
- * whose usual calls are push_from_args (push.c) and every other call func(buffer, ...). Read
- * from the class, it is func; from an instance without a plan, func bound as usual. */
+ * PushMethod(func) stands for ReplayBuffer.push on the class (buffer.py); read from the class
+ * it is func. Each buffer holds a BoundPush in its own __dict__ (PushMethod.seat, from
+ * ReplayBuffer's `_push_plan` setter): func bound to the buffer, as a bound method is, whose
+ * usual calls are push_from_args (push.c) when the buffer has a push plan (a uniform buffer
+ * the one call serves), and every other call func(buffer, ...). So `buf.push` is a plain
+ * instance attribute: CPython's specialised read, with no descriptor call and nothing made per
+ * read (a `buf.push(**row)` reads it once a call).
+ *
+ * That BoundPush is resident: it refers to its buffer by a weak reference, since a strong one
+ * from the buffer's own __dict__ would be a cycle, and the buffer would outlive `del buf` (its
+ * block unlinked only by the cycle collector). When it leaves the __dict__ (PushMethod.unseat:
+ * close(), a new plan, the buffer's __del__) while held elsewhere, it takes a strong reference:
+ * a push read from a buffer keeps that buffer alive as a bound method does (at __del__ the
+ * buffer is resurrected, PEP 442, until the push is dropped). A buffer without a seated push
+ * (closed, or whose class overrides push) reads func bound as usual. */
 #include "native.h"
 
 #include <structmember.h>
@@ -12,27 +22,49 @@
 typedef struct {
     PyObject_HEAD
     PyObject *func;
-    vectorcallfunc vectorcall;
 } PushMethod;
 
 typedef struct {
     PyObject_HEAD
-    PyObject *plan, *self, *func;
+    PyObject *plan; /* the buffer's push plan, or NULL: every call is func's */
+    PyObject *self; /* the buffer once the push keeps it (unseat), else NULL */
+    PyObject *ref;  /* until then, a weak reference to it */
+    PyObject *func;
     vectorcallfunc vectorcall;
 } BoundPush;
 
+/* the buffer (borrowed), or NULL with an error when it is gone: found by the cycle collector,
+ * or the push taken out of its __dict__ by hand, so that unseat never gave it the buffer */
+static PyObject *bound_self(BoundPush *b) {
+    PyObject *obj = b->self ? b->self : PyWeakref_GetObject(b->ref);
+    if (obj == Py_None) PyErr_SetString(PyExc_ReferenceError, "push: its buffer was dropped");
+    return obj == Py_None ? NULL : obj;
+}
+
 static PyObject *bound_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     BoundPush *b = (BoundPush *)callable;
-    PushPlan *p = plan_of(b->plan);
-    if (!p) return NULL;
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *ids = push_from_args(p, args, nargs, kwnames);
-    if (ids != Py_None) return ids; /* the ids, or NULL with an error */
-    Py_DECREF(ids);
-    PyObject *method = PyMethod_New(b->func, b->self);
-    if (!method) return NULL;
-    PyObject *got = PyObject_Vectorcall(method, args, (size_t)nargs, kwnames);
-    Py_DECREF(method);
+    PyObject *self = bound_self(b);
+    if (!self) return NULL;
+    if (b->plan) {
+        PushPlan *p = plan_of(b->plan);
+        PyObject *ids = p ? push_from_args(p, args, nargs, kwnames) : NULL;
+        if (ids != Py_None) return ids; /* the ids, or NULL with an error */
+        Py_DECREF(ids);
+    }
+    Py_INCREF(self); /* through the method's call, whatever it drops */
+    PyObject *got;
+    if (nargsf & PY_VECTORCALL_ARGUMENTS_OFFSET) { /* func(self, *args) in the slot before args, as a bound method calls */
+        PyObject **with = (PyObject **)args - 1, *was = with[0];
+        with[0] = self;
+        got = PyObject_Vectorcall(b->func, with, (size_t)nargs + 1, kwnames);
+        with[0] = was;
+    } else {
+        PyObject *method = PyMethod_New(b->func, self);
+        got = method ? PyObject_Vectorcall(method, args, (size_t)nargs, kwnames) : NULL;
+        Py_XDECREF(method);
+    }
+    Py_DECREF(self);
     return got;
 }
 
@@ -40,6 +72,7 @@ static int bound_traverse(BoundPush *b, visitproc visit, void *arg) {
     Py_VISIT(b->plan);
     Py_VISIT(b->self);
     Py_VISIT(b->func);
+    Py_VISIT(b->ref);
     return 0;
 }
 
@@ -47,34 +80,29 @@ static int bound_clear(BoundPush *b) {
     Py_CLEAR(b->plan);
     Py_CLEAR(b->self);
     Py_CLEAR(b->func);
+    Py_CLEAR(b->ref);
     return 0;
 }
-
-/* one BoundPush kept from its dealloc for the next method_get: `buffer.push(**row)` binds one per
- * call, and reusing it spares the allocation and the GC's count toward its next collection */
-static BoundPush *spare;
 
 static void bound_dealloc(BoundPush *b) {
     PyObject_GC_UnTrack(b);
     bound_clear(b);
-    if (!spare && Py_TYPE(b) == &BoundPushType) {
-        spare = b;
-        return;
-    }
     PyObject_GC_Del(b);
 }
 
 static PyObject *bound_repr(BoundPush *b) {
-    PyObject *name = PyObject_GetAttrString(b->func, "__qualname__");
+    PyObject *self = bound_self(b);
+    PyObject *name = self ? PyObject_GetAttrString(b->func, "__qualname__") : NULL;
     if (!name) return NULL;
-    PyObject *r = PyUnicode_FromFormat("<bound method %S of %R>", name, b->self);
+    PyObject *r = PyUnicode_FromFormat("<bound method %S of %R>", name, self);
     Py_DECREF(name);
     return r;
 }
 
 /* pickled as a bound method is: getattr(buffer, name), so an unpickled push holds its buffer */
 static PyObject *bound_reduce(BoundPush *b, PyObject *unused) {
-    PyObject *name = PyObject_GetAttrString(b->func, "__name__");
+    PyObject *self = bound_self(b);
+    PyObject *name = self ? PyObject_GetAttrString(b->func, "__name__") : NULL;
     if (!name) return NULL;
     PyObject *builtins = PyEval_GetBuiltins(); /* borrowed */
     PyObject *getattr_ = builtins ? PyDict_GetItemString(builtins, "getattr") : NULL;
@@ -83,7 +111,13 @@ static PyObject *bound_reduce(BoundPush *b, PyObject *unused) {
         PyErr_SetString(PyExc_RuntimeError, "push: builtins.getattr not found");
         return NULL;
     }
-    return Py_BuildValue("(O(ON))", getattr_, b->self, name);
+    return Py_BuildValue("(O(ON))", getattr_, self, name);
+}
+
+static PyObject *bound_self_get(BoundPush *b, void *unused) {
+    PyObject *self = bound_self(b);
+    Py_XINCREF(self);
+    return self;
 }
 
 static PyObject *bound_doc(BoundPush *b, void *unused) { return PyObject_GetAttrString(b->func, "__doc__"); }
@@ -93,9 +127,10 @@ static PyObject *bound_module(BoundPush *b, void *unused) { return PyObject_GetA
 
 /* inspect.signature(buf.push): the method's, bound (without self) */
 static PyObject *bound_signature(BoundPush *b, void *unused) {
-    PyObject *inspect = PyImport_ImportModule("inspect");
+    PyObject *self = bound_self(b);
+    PyObject *inspect = self ? PyImport_ImportModule("inspect") : NULL;
     if (!inspect) return NULL;
-    PyObject *method = PyMethod_New(b->func, b->self);
+    PyObject *method = PyMethod_New(b->func, self);
     PyObject *sig = method ? PyObject_CallMethod(inspect, "signature", "O", method) : NULL;
     Py_XDECREF(method);
     Py_DECREF(inspect);
@@ -106,39 +141,24 @@ static PyObject *bound_signature(BoundPush *b, void *unused) {
 static PyObject *bound_richcompare(PyObject *a, PyObject *b, int op) {
     if ((op != Py_EQ && op != Py_NE) || Py_TYPE(b) != Py_TYPE(a)) Py_RETURN_NOTIMPLEMENTED;
     BoundPush *x = (BoundPush *)a, *y = (BoundPush *)b;
-    int eq = x->self == y->self && x->func == y->func;
+    PyObject *xs = bound_self(x), *ys = xs ? bound_self(y) : NULL;
+    if (!ys) return NULL;
+    int eq = xs == ys && x->func == y->func;
     if (op == Py_NE) eq = !eq;
     return PyBool_FromLong(eq);
 }
 
 static Py_hash_t bound_hash(BoundPush *b) {
-    Py_hash_t x = PyObject_Hash(b->func);
+    PyObject *self = bound_self(b);
+    Py_hash_t x = self ? PyObject_Hash(b->func) : -1;
     if (x == -1) return -1;
-    uintptr_t p = (uintptr_t)b->self; /* as CPython hashes a pointer: rotated by 4 bits */
+    uintptr_t p = (uintptr_t)self; /* as CPython hashes a pointer: rotated by 4 bits */
     Py_hash_t y = (Py_hash_t)((p >> 4) | (p << (8 * sizeof(p) - 4)));
     Py_hash_t h = x ^ y;
     return h == -1 ? -2 : h;
 }
 
-/* the plan `obj._push_plan` holds (a new reference), or NULL (no error set) when it holds none */
-static PyObject *plan_on(PyObject *obj) {
-    static PyObject *s_plan;
-    if (!s_plan && !(s_plan = PyUnicode_InternFromString("_push_plan"))) return NULL;
-    /* the generic lookup: ReplayBuffer's __getattr__ (hints for other libraries' names) would
-     * otherwise wrap every push's lookup, though it never answers for this name */
-    PyObject *plan = PyObject_GenericGetAttr(obj, s_plan);
-    if (!plan) {
-        if (PyErr_ExceptionMatches(PyExc_AttributeError)) PyErr_Clear();
-        return NULL;
-    }
-    if (PyCapsule_IsValid(plan, PLAN_CAPSULE)) return plan;
-    Py_DECREF(plan);
-    return NULL;
-}
-
-static PyObject *method_get(PushMethod *m, PyObject *obj, PyObject *type);
-
-/* BoundPush(func, buffer): func bound to buffer, as PushMethod binds it (weakref.WeakMethod
+/* BoundPush(func, buffer): func bound to buffer, holding it, with no plan (weakref.WeakMethod
  * rebuilds a bound method this way) */
 static PyObject *bound_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     PyObject *func, *self;
@@ -146,17 +166,24 @@ static PyObject *bound_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "BoundPush(func, buffer) takes no keywords");
         return NULL;
     }
-    PushMethod m;
-    m.func = func;
-    return method_get(&m, self, NULL);
+    BoundPush *b = PyObject_GC_New(BoundPush, &BoundPushType);
+    if (!b) return NULL;
+    b->plan = b->ref = NULL;
+    Py_INCREF(self);
+    b->self = self;
+    Py_INCREF(func);
+    b->func = func;
+    b->vectorcall = bound_call;
+    PyObject_GC_Track(b);
+    return (PyObject *)b;
 }
 
 static PyMemberDef bound_members[] = {
-    {"__self__", T_OBJECT, offsetof(BoundPush, self), READONLY, "the buffer"},
     {"__func__", T_OBJECT, offsetof(BoundPush, func), READONLY, "the Python method (ReplayBuffer.push)"},
     {NULL, 0, 0, 0, NULL},
 };
 static PyGetSetDef bound_getset[] = {
+    {"__self__", (getter)bound_self_get, NULL, "the buffer", NULL},
     {"__doc__", (getter)bound_doc, NULL, NULL, NULL},
     {"__name__", (getter)bound_name, NULL, NULL, NULL},
     {"__qualname__", (getter)bound_qualname, NULL, NULL, NULL},
@@ -198,19 +225,32 @@ static PyObject *method_get(PushMethod *m, PyObject *obj, PyObject *type) {
         Py_INCREF(m->func);
         return m->func;
     }
-    PyObject *plan = plan_on(obj);
-    if (!plan) return PyErr_Occurred() ? NULL : PyMethod_New(m->func, obj);
-    BoundPush *b = spare;
-    if (b) {
-        spare = NULL;
-        _Py_NewReference((PyObject *)b);
-    } else if (!(b = PyObject_GC_New(BoundPush, &BoundPushType))) {
-        Py_DECREF(plan);
+    return PyMethod_New(m->func, obj);
+}
+
+/* PushMethod.seat(buffer, plan): buffer's resident BoundPush, for its __dict__ (see the top) */
+static PyObject *method_seat(PushMethod *m, PyObject *args) {
+    PyObject *obj, *plan;
+    if (!PyArg_ParseTuple(args, "OO:seat", &obj, &plan)) return NULL;
+    if (!m->func) {
+        PyErr_SetString(PyExc_TypeError, "PushMethod: made without its function (PushMethod(func))");
         return NULL;
     }
-    b->plan = plan;
-    Py_INCREF(obj);
-    b->self = obj;
+    if (plan != Py_None && !PyCapsule_IsValid(plan, PLAN_CAPSULE)) {
+        PyErr_SetString(PyExc_TypeError, "seat(buffer, plan): plan must be a push plan or None");
+        return NULL;
+    }
+    PyObject *ref = PyWeakref_NewRef(obj, NULL);
+    if (!ref) return NULL;
+    BoundPush *b = PyObject_GC_New(BoundPush, &BoundPushType);
+    if (!b) {
+        Py_DECREF(ref);
+        return NULL;
+    }
+    b->plan = plan == Py_None ? NULL : plan;
+    Py_XINCREF(b->plan);
+    b->self = NULL;
+    b->ref = ref;
     Py_INCREF(m->func);
     b->func = m->func;
     b->vectorcall = bound_call;
@@ -218,28 +258,37 @@ static PyObject *method_get(PushMethod *m, PyObject *obj, PyObject *type) {
     return (PyObject *)b;
 }
 
-/* buffer.push(...) itself: the type is a method descriptor, so a call through an instance comes
- * here with the instance first and no BoundPush is made (an allocation per call, each counted
- * toward the GC's next collection); the same calls as bound_call */
-static PyObject *method_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    PushMethod *m = (PushMethod *)callable;
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (!m->func) {
-        PyErr_SetString(PyExc_TypeError, "PushMethod: made without its function (PushMethod(func))");
-        return NULL;
+/* PushMethod.unseat(buffer): take buffer's resident push out of its __dict__; held elsewhere,
+ * it keeps the buffer from now on (a strong reference: at __del__, the buffer lives on). A
+ * buffer found by the cycle collector has lost its weak references before its __del__: its
+ * push, if held elsewhere, then raises ReferenceError rather than bring back a buffer whose
+ * finalizers have run. */
+static PyObject *method_unseat(PushMethod *m, PyObject *obj) {
+    static PyObject *s_push;
+    if (!s_push && !(s_push = PyUnicode_InternFromString("push"))) return NULL;
+    PyObject *dict = PyObject_GenericGetDict(obj, NULL);
+    if (!dict) return NULL;
+    PyObject *found = PyDict_GetItemWithError(dict, s_push); /* borrowed: the dict's is its only count */
+    int err = !found && PyErr_Occurred() ? -1 : 0;
+    if (found && Py_TYPE(found) == &BoundPushType && !((BoundPush *)found)->self) {
+        BoundPush *b = (BoundPush *)found;
+        if (Py_REFCNT(found) > 1 && PyWeakref_GetObject(b->ref) == obj) {
+            Py_INCREF(obj);
+            b->self = obj;
+            Py_CLEAR(b->ref);
+        }
+        err = PyDict_DelItem(dict, s_push);
     }
-    PyObject *plan = nargs ? plan_on(args[0]) : NULL;
-    if (plan) {
-        PushPlan *p = plan_of(plan);
-        PyObject *ids = p ? push_from_args(p, args + 1, nargs - 1, kwnames) : NULL;
-        Py_DECREF(plan);
-        if (ids != Py_None) return ids; /* the ids, or NULL with an error */
-        Py_DECREF(ids);
-    } else if (PyErr_Occurred()) {
-        return NULL;
-    }
-    return PyObject_Vectorcall(m->func, args, (size_t)nargs, kwnames);
+    Py_DECREF(dict);
+    if (err) return NULL;
+    Py_RETURN_NONE;
 }
+
+static PyMethodDef method_methods[] = {
+    {"seat", (PyCFunction)method_seat, METH_VARARGS, "seat(buffer, plan): buffer's push, for its __dict__ (weak until it leaves it)."},
+    {"unseat", (PyCFunction)method_unseat, METH_O, "unseat(buffer): take buffer's seated push out of its __dict__."},
+    {NULL, NULL, 0, NULL},
+};
 
 static int method_init(PushMethod *m, PyObject *args, PyObject *kwds) {
     PyObject *func;
@@ -254,7 +303,6 @@ static int method_init(PushMethod *m, PyObject *args, PyObject *kwds) {
     }
     Py_INCREF(func);
     Py_XSETREF(m->func, func);
-    m->vectorcall = method_call;
     return 0;
 }
 
@@ -292,10 +340,9 @@ PyTypeObject PushMethodType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "shmbuffer.native._native.PushMethod",
     .tp_basicsize = sizeof(PushMethod),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_METHOD_DESCRIPTOR | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_vectorcall_offset = offsetof(PushMethod, vectorcall),
-    .tp_call = PyVectorcall_Call,
-    .tp_doc = "PushMethod(func): ReplayBuffer.push on the class; a BoundPush on an instance with a push plan.",
+    /* not a method descriptor: CPython then specialises the read of a seated `buf.push` */
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "PushMethod(func): ReplayBuffer.push on the class; each buffer seats a BoundPush in its __dict__.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)method_init,
     .tp_traverse = (traverseproc)method_traverse,
@@ -304,4 +351,5 @@ PyTypeObject PushMethodType = {
     .tp_descr_get = (descrgetfunc)method_get,
     .tp_members = method_members,
     .tp_getset = method_getset,
+    .tp_methods = method_methods,
 };

@@ -13,14 +13,14 @@ The package, lowest module first:
   stamped gather while writers go on, and copied into a sink.
 * ``saving``: ``save``: the directory and its files, written safely.
 * ``loading``: ``load``, with every entry checked, and one reader per format version (``READERS``).
-* ``arrays``: ``export``, ``pieces``, ``from_arrays``, ``import_rows``, ``set_uses``.
+* ``arrays``: ``export``, ``pieces``, ``from_arrays``, ``import_rows``, ``set_uses``, ``pending``.
 
 This module re-exports their public names.
 """
 
 from __future__ import annotations
 
-from .arrays import export, from_arrays, import_rows, pieces, set_uses
+from .arrays import export, from_arrays, import_rows, pending, pieces, set_uses
 from .format import (
     ALIGN,
     FORMAT,
@@ -41,5 +41,5 @@ from .snapshot import CHUNK_BYTES, Buffer
 __all__ = [
     "ALIGN", "CHUNK_BYTES", "FORMAT", "FORMAT_VERSION_1", "FORMAT_VERSION_2", "MAX_BLOCK", "MAX_HEADER", "MAX_ROW",
     "META", "READERS", "ROWS", "VERSION", "VERSIONS", "Buffer", "Progress", "export", "from_arrays", "import_rows",
-    "load", "pieces", "save", "set_uses",
+    "load", "pending", "pieces", "save", "set_uses",
 ]

@@ -1,6 +1,7 @@
 """Rows as plain numpy arrays: ``export`` (all rows, one copy), ``pieces`` (a piece at a time),
-``from_arrays`` (a new buffer of such arrays), ``import_rows`` (push them into a buffer) and
-``set_uses``: cpprb's ``get_all_transitions``, DI-engine's ``export_data`` / ``import_data``.
+``from_arrays`` (a new buffer of such arrays), ``import_rows`` (push them into a buffer),
+``set_uses``, and ``pending`` (with ``next_of``, the rows ``export`` cannot give yet): cpprb's
+``get_all_transitions``, DI-engine's ``export_data`` / ``import_data``.
 
 ``export`` and ``pieces`` read the rows that ``save`` would save (``snapshot.py``, consistent while
 writers run): ``export`` copies them into one array of bytes (``snapshot.MemorySink``) and moves
@@ -11,6 +12,7 @@ the pieces without keeping them, holes left out (``shmbuffer inspect``). A buffe
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -19,15 +21,15 @@ import numpy as np
 from ..errors import CapacityError, FieldError
 from ..frames import ENDS, Frames, frames_of
 from ..progress import Progress as Line
+from ..protocol.frames_push import Pusher, last_of_lanes
 from ..protocol.gather import assemble, gather, settle
-from ..protocol.push import last_of_lanes
 from ..protocol.rows import lane_of, number_of, row_id
 from ..schema import Schema
 from . import snapshot
 from .format import tensors
 from .snapshot import Buffer, MemorySink, Snapshot, copy_rows
 
-__all__ = ["export", "from_arrays", "import_rows", "pieces", "set_uses"]
+__all__ = ["export", "from_arrays", "import_rows", "pending", "pieces", "set_uses"]
 
 
 def pieces(buf: Buffer, *, wait: float = 1.0) -> Iterator[dict[str, np.ndarray]]:
@@ -393,3 +395,42 @@ def import_rows(buf: Buffer, arrays: Mapping[str, Any], *, replace: bool = False
             set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
         out.append(ids)
     return np.concatenate(out) if out else np.empty(0, np.int64)
+
+
+def pending(buf: Buffer, pusher: Pusher | None) -> dict[str, np.ndarray]:
+    """``ReplayBuffer.pending``: with ``next_of``, each lane's newest row that waits for its next
+    observation, as the transition this process pushed (``pusher`` remembers that observation),
+    with ``export``'s keys."""
+    ring, spec = buf.ring, buf.options.frames
+    names = buf.schema.names
+    ids: list[int] = []
+    rows: dict[str, list[Any]] = {n: [] for n in names}
+    episodes: list[int] = []
+    if spec is not None and spec.next_of and pusher is not None and pusher.pid == os.getpid():
+        first, stop = ring.bounds()
+        for lane, last in sorted(pusher.last.items()):
+            row = int(stop[lane]) - 1
+            if last.final or row < int(first[lane]) or last.row != row:
+                continue
+            at = np.array([row * ring.lanes + lane], np.int64)
+            slot, expect = int(ring.slots(at)[0]), int(ring.expected(at)[0])
+            if int(ring.stamp[slot]) != expect:
+                continue  # being written over
+            got = {n: last.values[n] if n in last.values else buf.block.fields[n][slot].copy() for n in names}
+            if int(ring.stamp[slot]) != expect:
+                continue  # lapped while copied: the row is gone
+            ids.append(int(at[0]))
+            episodes.append(-1 if last.episode is None else int(last.episode))
+            for n in names:
+                rows[n].append(got[n])
+    out = {n: np.array(rows[n], f.dtype).reshape(len(ids), *f.shape) for n, f in zip(names, buf.schema, strict=True)}
+    out["index"] = np.array(ids, np.int64)
+    if buf.options.episodes:
+        out["episode"] = np.array(episodes, np.int64)
+    slots = ring.slots(out["index"])
+    prios = buf.priorities
+    if prios is not None and prios.prioritized:
+        out["priority"] = prios.priorities_of(prios.tree.leaves[slots])
+    if prios is not None and prios.uses is not None:
+        out["uses"] = prios.uses[slots].astype(np.int64)
+    return out

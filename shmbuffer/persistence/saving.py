@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..progress import Progress as Line
-from ..protocol.push import end_rows
+from ..protocol.frames_push import end_rows
 from ..protocol.rows import lane_of, number_of
 from .format import ALIGN, FORMAT, META, ROWS, Layout, Tensor, tensors, version_of
 from .snapshot import CHUNK_BYTES, Buffer, Snapshot, copy_rows
@@ -227,7 +227,7 @@ def _version() -> str:
 def _waiting(buf: Buffer, files: list[Tensor]) -> dict[int, tuple[int, dict[str, np.ndarray]]]:
     """With ``next_of``: per lane whose newest step waits for its next observation, which this
     process alone holds (``ReplayBuffer.pending``), that row's number and the end row that makes
-    it a transition (``push.end_rows``, as ``push(flush=True)`` would store): the save loses no
+    it a transition (``frames_push.end_rows``, as ``push(flush=True)`` would store): the save loses no
     step. Rows another process pushed are saved as they are: waiting."""
     spec = buf.options.frames
     if spec is None or not spec.next_of:

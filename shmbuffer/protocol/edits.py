@@ -1,4 +1,4 @@
-"""Rewriting committed rows: update and delete (a push of new rows is ``push.py``'s).
+"""Rewriting committed rows: update, delete and update_priorities (a push of new rows is ``push.py``'s).
 
 ``update`` rewrites fields of current rows in place: under the lock each row's stamp turns odd
 again with its own row number (this process its owner), ``Counter.UPDATES`` counts the update,
@@ -130,6 +130,23 @@ def _check_ends(src: Source, ids: np.ndarray, slots: np.ndarray, arrays: dict[st
             "the next row of its lane; with next_of that row holds its next observation, and an episode's final "
             "observation an end row of its own, which an update cannot add. Mark an episode's last step when "
             "it is pushed (a lane's newest row may still be marked)")
+
+
+def update_priorities(src: Source, given: Any, priorities: Any) -> int:
+    """``ReplayBuffer.update_priorities``: set the priorities of rows ``given`` by id, skipping
+    those overwritten since; returns how many were set."""
+    ring, prios = src.ring, src.priorities
+    if prios is None or not prios.prioritized:
+        raise FieldError("update_priorities: this buffer samples uniformly; create it with sampler=Prioritized(...)")
+    done = prios.try_update(ring, given, priorities)  # the usual case, in one C call
+    if done is not None:
+        return done
+    ids = ring.check_ids(given, "update_priorities")
+    p = prios.check(priorities, ids.size, "update_priorities: priority")
+    with ring.lock:
+        live = ring.current(ids)
+        prios.set_rows(ring.slots(ids[live]), p[live], fresh=False)
+    return int(live.sum())
 
 
 def delete(src: Source, ids: np.ndarray) -> int:

@@ -433,7 +433,7 @@ class _Shared:
         if not self._episodic:
             self.buffer.push(rows)
             return
-        # a lane whose newest row was set done by hand starts an episode (push.Pusher: a row of
+        # a lane whose newest row was set done by hand starts an episode (frames_push.Pusher: a row of
         # another episode does not continue the lane); so does each env after its done
         episode = np.where(self._cut, self._episode + n, self._episode)
         self.buffer.push(rows, episode=episode)
@@ -515,7 +515,7 @@ class _Shared:
                     self._episode[ln] = episode[run[-1]]
                     continue
                 # a run that does not continue the one before starts an episode: a new handle
-                # has no memory of the lane, so its first row does (push.Pusher)
+                # has no memory of the lane, so its first row does (frames_push.Pusher)
                 writer = SharedBuffer.attach(self.buffer.handle)
                 try:
                     # flushed: the run's last transition keeps the next observation it was saved with

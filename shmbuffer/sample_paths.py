@@ -1,0 +1,145 @@
+"""The paths a sample call takes on a buffer (``ReplayBuffer.sample``): its checks, the one C call
+where it serves (``protocol/one_call.py``), else the reader's draw (``reader.draw``); hindsight
+relabelling (``hindsight.py``) or n-step returns (``sequences.add_n_step``) on top; and the rows
+counted as sampled, through the rate limiter when the buffer has one (``sampling/limiter.py``).
+
+``SamplePaths`` is one buffer's, in one process: it keeps the one call (made at the first sample
+that it serves, again for a new generator) and whether to try it. It takes the buffer as an
+argument (a ``Source`` with a length), never holds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from . import hindsight as her
+from . import hints, native, sequences
+from .batch import Batch
+from .errors import EmptyBufferError
+from .protocol import reader
+from .protocol.gather import check_out
+from .protocol.one_call import OneCall
+from .protocol.reader import Source
+from .sampling.limiter import counted
+from .sampling.samplers import check_batch_size
+
+__all__ = ["Buffer", "SamplePaths", "check_transitions", "count"]
+
+
+class Buffer(Source, Protocol):
+    """What a sample call needs of a buffer: the reader's ``Source`` and ``len``."""
+
+    def __len__(self) -> int:
+        """The rows held now (``ReplayBuffer.__len__``)."""
+
+
+class SamplePaths:
+    """One buffer's sample calls in this process (see the module docstring)."""
+
+    one_call: OneCall | None = None
+    """The one-call sample (``OneCall``), made at the first sample that it serves."""
+    one_calls = True
+    """Whether samples try the one call (``False`` once it serves none of this buffer's, or to test
+    the Python path)."""
+
+    def sample(self, src: Buffer, n: int, replace: bool, n_step: int, gamma: float, fields: dict[str, str] | None,
+               out: dict[str, np.ndarray] | None, timeout: float | None, hindsight: her.Hindsight | None,
+               unknown: dict[str, Any]) -> Batch:
+        """``ReplayBuffer.sample`` (its docstring says what each argument does)."""
+        if out is not None:
+            check_batch_size(n)
+            out = check_out(src.block, n, out)
+        one = self.one_call
+        if (one is not None and self.one_calls and type(n) is int and n > 0 and replace is True and n_step == 1
+                and hindsight is None and timeout is None and not unknown and one.rng is src.rng
+                and src.options.limiter is None):
+            # the usual call, as one C call with no checks left to make (the rest below is the same)
+            prios = src.priorities
+            calls = prios.next_call() if prios is not None else 0
+            batch = one(src, n, out, calls)
+            if batch is None:  # what the call does not serve (an empty buffer ...): the Python path
+                check_transitions(src, n, True)
+                batch = reader.draw(src, n, out=out, calls=calls)
+            src.ring.count_sampled(n)
+            return batch
+        if unknown:  # another library's keyword (cpprb's beta, SB3's env ...): name ours
+            raise hints.keyword_error("sample", unknown)
+        n = check_batch_size(n)
+        if hindsight is not None:
+            if not isinstance(hindsight, her.Hindsight):
+                raise TypeError(f"sample: hindsight must be a shmbuffer.Hindsight, got {type(hindsight).__name__}")
+            if n_step != 1 or not replace:
+                raise ValueError("sample: hindsight relabelling draws with replacement and one step a transition; "
+                                 "leave n_step=1 and replace=True")
+            her.plan_for(src, hindsight)
+        if n_step != 1:
+            if not isinstance(n_step, (int, np.integer)) or n_step < 1:
+                raise ValueError(f"sample: n_step must be an int >= 1, got {n_step!r}")
+            if not 0 <= gamma <= 1:
+                raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
+            sequences.check_n_step(src, n_step, fields)
+        check_transitions(src, n, replace)
+
+        def draw() -> Batch:
+            prios = src.priorities
+            calls = prios.next_call() if prios is not None else 0  # shared: attach, load continue it
+            if hindsight is not None:
+                return her.sample(src, hindsight, n, out=out, calls=calls)
+            batch = None
+            if replace and self.one_calls:
+                one = self.one_call
+                if one is None or one.rng is not src.rng:  # made at the first sample, again for a new rng
+                    one = self.make_one_call(src)
+                if one is not None:
+                    batch = one(src, n, out, calls)
+            if batch is None:
+                batch = reader.draw(src, n, replace=replace, out=out, calls=calls)
+            if n_step > 1:
+                sequences.add_n_step(src, batch, int(n_step), float(gamma), fields)
+            return batch
+
+        return count(src, n, timeout, draw)
+
+    def make_one_call(self, src: Source) -> OneCall | None:
+        """The one-call sample of ``src`` (``OneCall``), or ``None`` where it serves none."""
+        self.close()
+        if not OneCall.serves(src):
+            self.one_calls = False
+            return None
+        self.one_call = OneCall(native.lib, src)
+        return self.one_call
+
+    def close(self) -> None:
+        """Release the one call's views of the block (``ReplayBuffer.close``). Idempotent."""
+        if self.one_call is not None:
+            self.one_call.close()
+        self.one_call = None
+
+
+def check_transitions(src: Buffer, n: int, replace: bool) -> None:
+    """With ``next_of``/``stack``: refuse a sample of more whole transitions than the buffer
+    holds (``frames.transitions``: an episode's final observation, each lane's newest row with
+    ``next_of``, a row whose stack reaches rows lapped are not)."""
+    frames = src.options.frames
+    ring = src.ring
+    if frames is not None and (not replace or (frames.next_of and len(ring) <= 2 * ring.lanes)):
+        # len scans the lanes (O(capacity)): only where it can say no (few rows, or distinct ones)
+        held = len(src)  # rows that are whole transitions (frames.py)
+        if held == 0 or (not replace and n > held):
+            raise EmptyBufferError(
+                f"sample({n}{'' if replace else ', replace=False'}): buffer {src.name!r} holds {held} whole "
+                "transitions (an episode's final observation, each lane's newest row with next_of, which "
+                "waits for its next, and a row whose stack reaches rows lapped are not)")
+
+
+def count(src: Source, rows: int, timeout: float | None, draw: Callable[[], Any]) -> Any:
+    """Run a sample, counting its ``rows`` as sampled (through the rate limiter, if any)."""
+    limiter = src.options.limiter
+    if limiter is None:  # the usual case, without the limiter's plumbing
+        result = draw()
+        src.ring.count_sampled(rows)
+        return result
+    return counted(limiter, src.ring, rows, timeout, draw)
