@@ -85,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     started = time.monotonic()
-    run = {"date": machine.info()["date"], "commit": machine.git_commit(), "argv": sys.argv[1:],
-           "load_average_start": _load()}
+    run = {"date": machine.now(), "commit": machine.git_commit(), "argv": sys.argv[1:], "load_average_start": _load()}
     results = _start(out, args, cfg, machine.info(), run)
     print(f"shmbuffer benchmarks: {len(chosen)} cases, {cfg.repeat} rounds each"
           f"{' (quick)' if cfg.quick else ''}; {results['machine']['cpu']}, "
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             t = time.monotonic()
             # a case whose rounds are long takes fewer, unless --repeat asks for a number
             ccfg = replace(cfg, repeat=min(cfg.repeat, c.rounds)) if c.rounds and args.repeat is None else cfg
-            measured = {"date": machine.info()["date"], "commit": run["commit"], "rounds": ccfg.repeat,
+            measured = {"date": machine.now(), "commit": run["commit"], "rounds": ccfg.repeat,
                         "load_average_start": _load()}
             if c.run is None:
                 res: dict[str, Any] = {"status": "not available yet", "title": c.title, "reason": c.pending}
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             results["profiles"][what] = [f"profile failed: {type(e).__name__}: {e}"]
     run["elapsed_s"] = round(time.monotonic() - started, 1)
     run["load_average_end"] = _load()
-    results["elapsed_s"] = sum(r.get("elapsed_s", 0) for r in results["runs"])
+    results["elapsed_s"] = sum(r.get("elapsed_s") or 0 for r in results["runs"])
     results["load_average_end"] = run["load_average_end"]
     files, why = report.plots(results, out)
     results["plots"] = [Path(f).name for f in files] or why

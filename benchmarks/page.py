@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .report import OURS, num, ratio_plot, ratios, target_table
+from .report import OURS, load_range, num, ratio_plot, ratios, target_table
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "results.json"
@@ -95,7 +95,8 @@ def _run_line(run: dict[str, Any], cases: list[str], total: int) -> str:
     start, end = (run.get("load_average_start") or ["?"])[0], (run.get("load_average_end") or ["?"])[0]
     which = f"all {total} cases" if len(cases) == total else (
         ", ".join(f"`{c}`" for c in cases) if len(cases) <= 6 else f"{len(cases)} of the {total} cases")
-    took = f"{run['elapsed_s'] / 60:.0f} minutes, " if run.get("elapsed_s") else "stopped before its end, "
+    took = "stopped before its end, " if not run.get("elapsed_s") else (
+        f"{run['elapsed_s'] / 60:.0f} minutes, " if run["elapsed_s"] >= 90 else f"{run['elapsed_s']:.0f} s, ")
     return (f"{which} by `{command}` on {str(run['date'])[:16].replace('T', ' ')} UTC at commit `{run.get('commit')}` "
             f"({took}load average {start} at the start, {end} at the end)")
 
@@ -109,25 +110,29 @@ def _rounds(results: dict[str, Any]) -> str:
         if n != cfg["repeat"]:
             fewer.setdefault(n, []).append(f"`{name}`")
     but = "; ".join(f"{n} for {', '.join(names)}" for n, names in sorted(fewer.items(), reverse=True))
-    return f"{cfg['repeat']} interleaved rounds a case" + (f" ({but}: their rounds are long)" if but else "")
+    rounds = f"{cfg['repeat']} interleaved round{'s' if cfg['repeat'] != 1 else ''} a case"
+    return rounds + (f" ({but}: their rounds are long)" if but else "")
 
 
 def when(results: dict[str, Any]) -> str:
-    """Where, when and how the run was made: date, commit, machine, versions, settings, load."""
+    """Where, when and how the run was made: date, commit, machine, versions, settings, load (a list)."""
     m, cfg = results["machine"], results["config"]
     p = m["packages"]
     peers = ", ".join(f"{k} {p[k]}" for k in ("cpprb", "torchrl", "stable-baselines3") if p.get(k))
     made = runs(results)
-    loads = [x for r, _ in made for x in ((r.get("load_average_start") or [0])[0], (r.get("load_average_end") or [0])[0])
-             if isinstance(x, (int, float))]
-    busy = max(loads, default=0) > 0.5
-    return ("Measured: " + "; ".join(_run_line(r, cases, len(results["cases"])) for r, cases in made) + ". "
-            f"{_rounds(results)}, multi-process runs of {cfg['mp_seconds']:g} s"
-            f"{', tiny capacities' if cfg['quick'] else ''}; on {m['cpu']}, {m['usable_cores']} cores, "
-            f"{m['memory_gib']} GiB, {m['os']}, {m['gpu']}; Python {m['python']}, numpy {p.get('numpy')}, "
-            f"torch {p.get('torch')}, {peers}; hot path {m.get('shmbuffer_path', '?').split(' ')[0]}. "
-            + ("Other work shared the machine (load average above 0.5), so absolute numbers are low and noisy; the "
-               "ratios compare subjects measured side by side in the same rounds." if busy else "A quiet machine."))
+    busy = float(load_range(results).split("-")[-1]) > 0.5
+    return "\n".join([
+        "- **Run**: " + "; ".join(_run_line(r, cases, len(results["cases"])) for r, cases in made) + ".",
+        f"- **Machine**: {m['cpu']}, {m['usable_cores']} cores, {m['memory_gib']} GiB, {m['os']}, {m['gpu']}. "
+        + (f"Other work shared it (load average {load_range(results)} over the cases): absolute numbers are low "
+           "and noisy; the ratios compare subjects measured side by side in the same rounds." if busy
+           else "A quiet machine."),
+        f"- **Software**: Python {m['python']}, numpy {p.get('numpy')}, torch {p.get('torch')}, {peers}; shmbuffer's "
+        f"hot path {m.get('shmbuffer_path', '?').split(' ')[0]}.",
+        f"- **Settings**: {_rounds(results)}; multi-process runs of {cfg['mp_seconds']:g} s"
+        f"{'; --quick: tiny capacities' if cfg['quick'] else ''}. Each case's own date, commit and load: "
+        "[results/results.md](results/results.md).",
+    ])
 
 
 def block(results: dict[str, Any]) -> str:
@@ -158,8 +163,7 @@ def readme_block(results: dict[str, Any]) -> str:
     return "\n".join([
         BEGIN,
         f"From `benchmarks/results/results.json` ({m['date'][:10]}, commit `{runs(results)[0][0].get('commit')}`, "
-        f"{m['usable_cores']} cores, load average {(runs(results)[0][0].get('load_average_start') or [0])[0]:g} at "
-        "the start; "
+        f"{m['usable_cores']} cores, load average {load_range(results)}; "
         "[benchmarks/README.md](benchmarks/README.md) has the machine, the versions and the plot):\n",
         table(results),
         "",
@@ -188,7 +192,7 @@ def plot(results: dict[str, Any], path: Path = PLOT) -> str | None:
     """Draw the headline ratios to ``path``; the reason when it cannot (no matplotlib)."""
     m = results["machine"]
     if not ratio_plot(headline(results), path, f"{m['date'][:10]}, {m['usable_cores']} cores, load "
-                      f"{m.get('load_average', [0])[0]:g}, commit {m.get('shmbuffer_commit')}"):
+                      f"{load_range(results)}, commit {runs(results)[0][0].get('commit')}"):
         return "matplotlib is not installed (or no headline measure was run): no plot"
     return None
 

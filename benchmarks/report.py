@@ -252,6 +252,18 @@ def markdown(results: dict[str, Any], plots: list[str]) -> str:
     return "\n".join(parts)
 
 
+def load_range(results: dict[str, Any]) -> str:
+    """The 1-minute load average's lowest and highest at the starts and ends of the cases (at the
+    run's start and end, for a file from before cases recorded theirs): ``"2.1-12.3"``."""
+    seen = [c["measured"][k][0] for c in results["cases"].values() if c.get("measured")
+            for k in ("load_average_start", "load_average_end")]
+    seen = seen or [x for x in (results["machine"].get("load_average", [None])[0],
+                                (results.get("load_average_end") or [None])[0]) if x is not None]
+    lo, hi = min(seen, default=0), max(seen, default=0)
+    return f"{lo:.1f}" if round(lo, 1) == round(hi, 1) else f"{lo:.1f}-{hi:.1f}"
+
+
+
 # -- plots ----------------------------------------------------------------------------------------------
 KIND_COLORS = {"peer": "#1f77b4", "baseline": "#9a9a9a", "floor": "#2ca02c"}
 CAP = 6.0
@@ -335,7 +347,7 @@ def plots(results: dict[str, Any], out: Path) -> tuple[list[str], str | None]:
         mine = [{**r, "what": f"{r['case']}: {r['label']}"} for r in rows
                 if results["cases"][r["case"]].get("group") in groups]
         path = out.with_name(f"{out.stem}-{name}.png")
-        if ratio_plot(mine, path, f"{name} cases: {m['date'][:10]}, {m['usable_cores']} cores, commit "
-                                  f"{m.get('shmbuffer_commit')}"):
+        if ratio_plot(mine, path, f"{name} cases: {m['date'][:10]}, {m['usable_cores']} cores, load average "
+                                  f"{load_range(results)}, commit {m.get('shmbuffer_commit')}"):
             files.append(str(path))
     return files, None
