@@ -1,16 +1,18 @@
-"""The demo: a DQN learner with prioritized replay on CartPole-v1, fed by collector processes.
+"""The demo: a DQN with prioritized replay on CartPole-v1, fed by collector processes.
 
-    shmbuffer demo [--seed 1] [--workers 2] [--max-seconds 300] ...
+    shmbuffer demo [--seed 1] [--workers 2] [--max-seconds 170] ...
 
-Two worker processes step 4 CartPole envs each with an epsilon-greedy copy of the Q-network and
-push every transition into a shared buffer (one lane per env, episode ids, so that 3-step returns
-can be formed at sample time; the capacity is rounded up to a multiple of the envs). The learner samples prioritized batches through a ``Loader``
-(prefetched in a thread; on a GPU through pinned memory), trains a double DQN with importance
-weights, sends the TD errors back as priorities, and publishes its weights to the workers. A rate
-limiter holds the collectors to ``samples_per_insert`` so that on two cores the learner is not
-starved. Every ``eval_every`` updates the greedy policy is evaluated on separate envs; the run
-ends when it averages ``target`` (300: about 14 times random play's 22) over ``eval_episodes``
-episodes, or after ``max_seconds``; ``--target 475`` asks for CartPole's bar.
+Two worker processes step 4 CartPole envs each with an epsilon-greedy copy of the
+Q-network and push every transition into a shared buffer (one lane per env, episode
+ids, so that 3-step returns can be formed at sample time; the capacity is rounded up
+to a multiple of the envs). The learner samples prioritized batches through a
+``Loader`` (prefetched in a thread; on a GPU through pinned memory), trains a double
+DQN with importance weights, sends the TD errors back as priorities, and publishes its
+weights to the workers. A rate limiter holds the collectors to ``samples_per_insert``
+so that on two cores the learner is not starved. Every ``eval_every`` updates the
+greedy policy is evaluated on separate envs; the run ends when it averages ``target``
+(300: about 14 times random play's 22) over ``eval_episodes`` episodes, or after
+``max_seconds``; ``--target 475`` asks for CartPole's bar.
 """
 
 from __future__ import annotations
