@@ -25,6 +25,7 @@ ring's reservations (``ring.py``), the sampler's draws (``samplers.py``) and the
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -235,8 +236,10 @@ class ReplayBuffer:
         return self._ring is None
 
     def close(self) -> None:
-        """Unmap this process's view (see the module docstring). Idempotent."""
-        self._close(defer=False)
+        """Unmap this process's view (see the module docstring). Idempotent. In a ``finally`` or
+        ``except`` block it lets go as ``with`` does (the mapping goes with the last view): the
+        exception being handled holds, in its traceback, the internals of the call that raised."""
+        self._close(defer=sys.exc_info()[0] is not None)
 
     def _close(self, *, defer: bool) -> None:
         if self._segment is None:
@@ -247,6 +250,8 @@ class ReplayBuffer:
         if self._one_call is not None:
             self._one_call.close()  # the one-call sample's
         self._one_call = None
+        if self._ring is not None:
+            self._ring.lock.let_go()  # a robust mutex this process holds must stay mapped (lock.py)
         self._ring = self._prios = self._fast_push = None
         self._block = self._copier = None  # type: ignore[assignment]
         self._segment.close(defer=defer)

@@ -99,6 +99,8 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "optimize_memory_usage": ("Stable-Baselines3's optimize_memory_usage", "next_of='obs'"),
     "storage": ("TorchRL's ReplayBuffer(storage=...)",
                 "ReplayBuffer(schema, capacity), or TorchRL's buffer over shmbuffer.torchrl.ShmStorage(capacity)"),
+    "max_size": ("TorchRL's storages' max_size",
+                 "ReplayBuffer(schema, capacity), or TorchRL's buffer over shmbuffer.torchrl.ShmStorage(max_size)"),
     "prefetch": ("TorchRL's prefetch", "Loader(buf, batch_size, prefetch=k)"),
     "pin_memory": ("TorchRL's pin_memory", "Loader(buf, batch_size, device='cuda')"),
     "transform": ("TorchRL's transform", "no equivalent: transform the batch yourself"),
@@ -148,6 +150,10 @@ def constructor_error(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> TypeE
     foreign = {k: v for k, v in kwargs.items() if k in KEYWORDS}
     if foreign:  # SB3's buffer_size=, TorchRL's storage=, cpprb's env_dict= ...
         return keyword_error("ReplayBuffer", foreign)
+    if args and type(args[0]).__module__.split(".")[0] == "torchrl":  # a TorchRL storage
+        return ForeignCall(f"ReplayBuffer({type(args[0]).__name__}(...)) is TorchRL's ReplayBuffer(storage=...); "
+                           "here: ReplayBuffer(schema, capacity), or TorchRL's ReplayBuffer over "
+                           f"shmbuffer.torchrl.ShmStorage(max_size), a shared storage. See {DOCS}torchrl.md.")
     if not args or not isinstance(args[0], Integral) or isinstance(args[0], bool):
         return None
     size = args[0]

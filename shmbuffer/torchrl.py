@@ -644,18 +644,38 @@ class ShmStorage(StoreStorage):
         if rows is None:
             self._empty()
             return
+        schema = self.buffer.schema if self.buffer is not None else Schema.from_json(state_dict["schema"])
+        row_batch = self._state_row_batch(state_dict.get("row_batch"), schema)
         if self.buffer is None:
-            self.row_batch = tuple(state_dict.get("row_batch") or ())
-            self.buffer = SharedBuffer(Schema.from_json(state_dict["schema"]), self._cap(), name=self.name)
+            self.row_batch = row_batch
+            self.buffer = SharedBuffer(schema, self._cap(), name=self.name)
             self._keys(self.buffer.schema)
         k, *_ = self.buffer.check(rows)  # before the rows held go: rows it refuses leave the storage as it was
         self._empty()
         self.kind, self.classes = kind, classes
-        self.row_batch = tuple(state_dict.get("row_batch") or ())
+        self.row_batch = row_batch
         if k:
             self.buffer.push(rows)
         self._seen = self.buffer.ring.span()[1]
         self._bump_mutation_revision()
+
+    def _state_row_batch(self, got: Any, schema: Schema) -> tuple[int, ...]:
+        """A state's ``row_batch`` (a row's own batch dims), checked against this storage's and the
+        fields' shapes (each field's shape starts with them) before anything changes."""
+        try:
+            row_batch = tuple(int(d) for d in got or ())
+        except (TypeError, ValueError):
+            raise ValueError(f"ShmStorage.load_state_dict: 'row_batch' must be a list of ints (a row's batch dims), "
+                             f"got {got!r}") from None
+        if self.buffer is not None and self.row_batch is not None and row_batch != self.row_batch:
+            raise ValueError(f"ShmStorage.load_state_dict: this storage holds rows of batch size {list(self.row_batch)}, "
+                             f"the state's rows have batch size {list(row_batch)}; load it into a new ShmStorage")
+        for f in schema:
+            if tuple(f.shape[:len(row_batch)]) != row_batch or min(row_batch, default=1) < 1:
+                raise ValueError(f"ShmStorage.load_state_dict: field {f.name!r} has shape {list(f.shape)}, which does "
+                                 f"not start with the state's row batch size {list(row_batch)}; the state is not "
+                                 "one that state_dict() wrote")
+        return row_batch
 
     def _custom_checkpointer(self) -> bool:
         return type(self.checkpointer) is not StorageCheckpointerBase

@@ -306,6 +306,21 @@ def test_close_refuses_while_views_live(name: str) -> None:
     buf.unlink()
 
 
+def test_close_in_a_finally_block_lets_the_error_through(name: str) -> None:
+    """``close()`` in a ``finally`` after a refused push: the push's error comes out, not a
+    ``BufferError`` for the internals its traceback holds; the mapping goes with them."""
+    schema = sb.Schema(obs=((3,), "float32"), next_obs=((3,), "float32"), done=((), "bool"))
+    buf = sb.ReplayBuffer(schema, 10, name=name, next_of="obs")
+    with pytest.raises(sb.FieldError, match="does not continue"):
+        try:
+            buf.push(obs=np.zeros(3), next_obs=np.ones(3), done=False)
+            buf.push(obs=np.full(3, 5.0), next_obs=np.ones(3), done=False)
+        finally:
+            buf.close()
+            buf.unlink()
+    assert buf.closed and not os.path.exists(segment.path_of(name))
+
+
 def test_dropping_the_creator_unlinks(name: str) -> None:
     buf = sb.ReplayBuffer(MUJOCO, capacity=10, name=name)
     del buf

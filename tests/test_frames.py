@@ -796,3 +796,71 @@ def test_flush_makes_a_lanes_last_row_a_transition_at_once(make: Make, name: str
     assert np.array_equal(got.next_obs[last], want["next_obs"]) and not got.done[last] and not got.truncated[last]
     with pytest.raises(FieldError, match="starts an episode"):  # the next row of lane 1 starts one
         buf.push(episode(1, 0, 5, "truncated", frame, k, 0, "zero")[3], lane=1)
+
+
+def _tagged(rows: dict[str, np.ndarray], names: tuple[str, ...]) -> dict[tuple[int, ...], list[np.ndarray]]:
+    return {tuple(t): [rows[n][i] for n in names] for i, t in enumerate(rows["tag"].tolist())}
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("rows_a_lane", [60, 10])
+def test_a_save_keeps_each_lanes_waiting_step(case: int, rows_a_lane: int, make: Make, name: str,
+                                              tmp_path: Any) -> None:
+    """A save by the process that pushed stores each lane's newest step, which waits for its next
+    observation, as a transition (an end row after it, as ``push(flush=True)`` stores): loaded,
+    the buffer holds every pushed transition the original holds, those steps too, bit for bit;
+    the original is left as it was. A full lane gives its oldest row for the end row, as a push
+    would. A save by another process keeps those rows as they are: waiting."""
+    frame, k, axis, pad, next_of, stack, lanes = CASES[case]
+    sch = schema(frame, k, axis)
+    rng = np.random.default_rng(case)
+    src = make(sch, rows_a_lane * lanes, lanes=lanes, next_of=next_of, stack=stack, name=name + "s")
+    streams = stepper(rng, lanes, frame, k, axis, pad)
+    for _ in range(12):
+        lane = int(rng.integers(lanes))
+        chunk = [next(streams[lane]) for _ in range(int(rng.integers(1, 5)))]
+        src.push({n: np.stack([np.asarray(r[n]) for r in chunk]) for n in sch.names}, lane=lane)
+    before, exported, waiting = len(src), src.export(), src.pending()
+    src.save(tmp_path / "s")
+    assert len(src) == before and all(np.array_equal(src.export()[n], exported[n]) for n in exported)
+    loaded = sb.ReplayBuffer.load(tmp_path / "s", name=name + "l")
+    try:
+        got = _tagged(loaded.export(), sch.names)
+        pushed = {**_tagged(exported, sch.names), **_tagged(waiting, sch.names)}
+        for tag, values in got.items():  # every loaded transition is one pushed, bit for bit
+            assert all(np.array_equal(a, b) for a, b in zip(values, pushed[tag], strict=True)), tag
+        assert set(_tagged(waiting, sch.names)) <= set(got)  # the waiting steps are transitions now
+        if rows_a_lane == 60:  # nothing lapped: every one
+            assert set(got) == set(pushed) and len(loaded) == before + waiting["index"].size
+        drawn = loaded.sample(64 * len(got))
+        assert {tuple(t) for t in drawn.tag.tolist()} == set(got)
+    finally:
+        loaded.close()
+        loaded.unlink()
+    other = sb.ReplayBuffer.attach(src.handle)
+    try:
+        other.save(tmp_path / "o")
+    finally:
+        other.close()
+    again = sb.ReplayBuffer.load(tmp_path / "o", name=name + "o")
+    try:
+        assert len(again) == before
+    finally:
+        again.close()
+        again.unlink()
+
+
+def test_continuity_compares_values_as_stored(make: Make, name: str) -> None:
+    """A next observation pushed as float64 into a float32 field is stored as float32: the next
+    row's observation continues it when equal as stored, whatever dtype each came in."""
+    sch = sb.Schema(obs=((3,), "float32"), next_obs=((3,), "float32"), done=((), "bool"))
+    buf = make(sch, 16, next_of="obs", name=name)
+    buf.push(obs=np.full(3, 0.1), next_obs=np.full(3, 0.2), done=False)
+    buf.push(obs=np.full(3, 0.2, np.float32), next_obs=np.full(3, 0.3), done=False)
+    buf.push(obs=[np.full(3, 0.3), np.full(3, 0.4)], next_obs=[np.full(3, 0.4, np.float32), np.full(3, 0.5)],
+             done=[False, True])
+    assert len(buf) == 4
+    assert np.array_equal(buf.take([0]).next_obs[0], np.full(3, 0.2, np.float32))
+    with pytest.raises(FieldError, match="does not continue"):  # still refused when unequal as stored
+        buf.push(obs=np.full(3, 0.6), next_obs=np.full(3, 0.7), done=False)
+        buf.push(obs=np.full(3, 0.7000001), next_obs=np.full(3, 0.8), done=False)

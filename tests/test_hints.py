@@ -106,6 +106,12 @@ def test_another_librarys_constructor_keyword_names_ours(name: str) -> None:
 BOX = {"obs": {"shape": 4}}
 
 
+def _torchrl_storage(size: int) -> object:
+    from torchrl.data import LazyTensorStorage
+
+    return LazyTensorStorage(size)
+
+
 @pytest.mark.parametrize(("call", "error", "says"), [
     (lambda: sb.ReplayBuffer(1000, env_dict=BOX), sb.UnknownKeyword,
      r"takes no 'env_dict' \(cpprb's ReplayBuffer\(size, env_dict\)\); here: ReplayBuffer\(env_dict, capacity\).*cpprb\.md"),
@@ -122,10 +128,13 @@ BOX = {"obs": {"shape": 4}}
      r"takes no 'observation_space' .*sb3\.md"),
     (lambda: sb.ReplayBuffer(storage=None, batch_size=8), sb.UnknownKeyword,
      r"takes no 'storage' \(TorchRL's ReplayBuffer\(storage=...\)\).*ShmStorage.*torchrl\.md"),
+    (lambda: sb.ReplayBuffer(_torchrl_storage(1000)), sb.ForeignCall,
+     r"ReplayBuffer\(LazyTensorStorage\(...\)\) is TorchRL's ReplayBuffer\(storage=...\).*ShmStorage.*torchrl\.md"),
+    (lambda: sb.ReplayBuffer(max_size=1000), sb.UnknownKeyword, r"takes no 'max_size' .*ShmStorage.*torchrl\.md"),
     (lambda: sb.ReplayBuffer(1000), sb.ForeignCall,
      r"the capacity came first; here the schema comes first, ReplayBuffer\(schema, 1000\).*migration/index\.md"),
 ], ids=["cpprb-env_dict=", "cpprb-positional", "cpprb-keywords", "sb3-positional", "sb3-buffer_size=",
-        "sb3-spaces=", "torchrl-storage=", "capacity-first"])
+        "sb3-spaces=", "torchrl-storage=", "torchrl-storage-positional", "torchrl-max_size=", "capacity-first"])
 def test_another_librarys_constructor_form_names_ours(call: Callable[[], object], error: type[Exception],
                                                       says: str) -> None:
     """cpprb's, SB3's and TorchRL's constructors, positional or keyword, end in our error naming our

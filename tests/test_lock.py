@@ -346,3 +346,61 @@ def test_waits_are_counted_in_shared_memory(make: Make, name: str) -> None:
         assert got.is_set() and lock.waits == other.ring.lock.waits == 1
     finally:
         other.close()
+
+
+_UNMAP = """
+import gc, sys, threading
+import numpy as np
+import shmbuffer as sb
+how, name = sys.argv[1], sys.argv[2]
+a = sb.ReplayBuffer(sb.Schema(x=((3,), "float32")), 64, name=name + "a")
+held, done = threading.Event(), threading.Event()
+
+def other_thread():
+    a.ring.lock.acquire()
+    held.set()
+    done.wait(30)
+    # this thread's next robust lock writes to the list its held mutex is in
+    b = sb.ReplayBuffer(sb.Schema(x=((1000,), "float32")), 5000, name=name + "t")
+    b.ring.lock.acquire()
+    b.ring.lock.release()
+    b.close()
+    b.unlink()
+
+if how == "thread":
+    t = threading.Thread(target=other_thread)
+    t.start()
+    held.wait(30)
+else:
+    a.ring.lock.acquire()
+if how == "dropped":
+    a.unlink()
+else:
+    a._close(defer=True)
+    a.unlink()
+del a
+gc.collect()
+b = sb.ReplayBuffer(sb.Schema(x=((1000,), "float32")), 5000, name=name + "b")  # mapped elsewhere
+b.ring.lock.acquire()
+b.ring.lock.release()
+b.close()
+b.unlink()
+if how == "thread":
+    done.set()
+    t.join(30)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("how", ["closed", "dropped", "thread"])
+def test_a_held_lock_is_never_unmapped(how: str, name: str) -> None:
+    """glibc links the robust mutexes a thread holds through their memory: a buffer closed (or
+    dropped) while a thread of this process holds its lock must not unmap that mutex, or the
+    thread's next lock of any buffer writes to unmapped memory (the process died of SIGSEGV).
+    Closed by the holding thread, the lock is released; dropped, or held by another thread, its
+    memory stays mapped. In a child process: a segfault must not take the test runner down."""
+    import subprocess
+    import sys
+
+    got = subprocess.run([sys.executable, "-c", _UNMAP, how, name], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0 and got.stdout.strip() == "ok", (got.returncode, got.stderr[-2000:])

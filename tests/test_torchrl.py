@@ -432,6 +432,27 @@ def test_ndim2_elements_are_written_in_place(name: str, storages: list[ShmStorag
         ShmStorage(8, ndim=3)
 
 
+def test_load_state_dict_checks_the_row_batch(name: str, storages: list[ShmStorage]) -> None:
+    """A state's ``row_batch`` must be this storage's and start every field's shape: one that is
+    not is refused before anything changes (the rows stay), as a foreign or tampered state."""
+    storage = ShmStorage(40, ndim=2, name=name)
+    storages.append(storage)
+    storage.set(range(5), steps(0, 2, 5).transpose(0, 1))  # 5 rows of 2 envs
+    state = storage.state_dict()
+    assert state["row_batch"] == [2]
+    for bad, why in (([4], "batch size"), ([2, 1], "batch size"), ("x", "list of ints")):
+        with pytest.raises(ValueError, match=why):
+            storage.load_state_dict({**state, "row_batch": bad})
+        assert storage.row_batch == (2,) and storage.shape == torch.Size([5, 2])
+    fresh = ShmStorage(40, ndim=2, name=name + "c")
+    storages.append(fresh)
+    with pytest.raises(ValueError, match="does not start with"):
+        fresh.load_state_dict({**state, "row_batch": [3]})
+    assert fresh.buffer is None
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.get(slice(None))["a"], storage.get(slice(None))["a"])
+
+
 def _env(ident: int) -> Any:
     """A TorchRL env over ``tests.envs.EpisodeEnv`` whose observations name env ``ident``."""
     from torchrl.envs import GymWrapper

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 
 from ..progress import Progress as Line
+from ..protocol.push import end_rows
+from ..protocol.rows import lane_of, number_of
 from .format import ALIGN, FORMAT, META, ROWS, Layout, Tensor, tensors, version_of
 from .snapshot import CHUNK_BYTES, Buffer, Snapshot, copy_rows
 
@@ -117,9 +119,9 @@ def save(buf: Buffer, path: str | os.PathLike[str], *, progress: Progress = None
     try:
         if not overwrite:
             _refuse_a_save(folder, dfd)
-        snap = Snapshot(buf, wait)
         files = tensors(buf.schema, buf.options)
-        bar = _Bar(progress, f"saving {buf.name!r}", sum(r.end - r.keep for r in snap.runs) * sum(t.row_bytes for t in files))
+        snap = Snapshot(buf, wait, _waiting(buf, files))
+        bar = _Bar(progress, f"saving {buf.name!r}", sum(r.saved_end - r.keep for r in snap.runs) * sum(t.row_bytes for t in files))
         fd = _create(tmp, dfd)
         try:
             sink = _FileSink(fd, files, save_id, version_of(buf.options))
@@ -149,7 +151,8 @@ def save(buf: Buffer, path: str | os.PathLike[str], *, progress: Progress = None
     holes = sum(r.hole_count() for r in snap.runs)
     return {
         "path": str(folder), "rows": final.rows - holes, "holes": holes, "bytes": sink.data_start + final.data_bytes,
-        "seconds": time.perf_counter() - t0, "dropped": sum(r.stop - r.first for r in snap.runs) - final.rows,
+        "seconds": time.perf_counter() - t0,
+        "dropped": sum(r.stop - r.first for r in snap.runs) - (final.rows - sum(r.tail is not None for r in snap.runs)),
         "moved": moved,
     }
 
@@ -221,6 +224,31 @@ def _version() -> str:
         return "unknown"
 
 
+def _waiting(buf: Buffer, files: list[Tensor]) -> dict[int, tuple[int, dict[str, np.ndarray]]]:
+    """With ``next_of``: per lane whose newest step waits for its next observation, which this
+    process alone holds (``ReplayBuffer.pending``), that row's number and the end row that makes
+    it a transition (``push.end_rows``, as ``push(flush=True)`` would store): the save loses no
+    step. Rows another process pushed are saved as they are: waiting."""
+    spec = buf.options.frames
+    if spec is None or not spec.next_of:
+        return {}
+    waiting = buf.pending()
+    if not waiting["index"].size:
+        return {}
+    ends = end_rows(spec, spec.stored(buf.schema), {n: waiting[n] for n, _ in spec.next_of})
+    lanes = buf.options.lanes
+    out = {}
+    for i, rid in enumerate(waiting["index"].tolist()):
+        row = {t.name: np.zeros((1, *t.shape), t.dtype) for t in files}
+        for n, a in ends.items():
+            row[n][0] = a[i]
+        row["_present"][0] = True
+        if "_episode" in row:
+            row["_episode"][0] = waiting["episode"][i]
+        out[int(lane_of(rid, lanes))] = (int(number_of(rid, lanes)), row)
+    return out
+
+
 def _meta(buf: Buffer, snap: Snapshot, files: list[Tensor], layout: Layout, save_id: str) -> dict[str, Any]:
     """``meta.json``'s object (``format.py``)."""
     return {
@@ -232,7 +260,7 @@ def _meta(buf: Buffer, snap: Snapshot, files: list[Tensor], layout: Layout, save
         "schema": buf.schema.to_json(),
         "options": buf.options.to_json(),
         "rows": layout.rows,
-        "lanes": [{"first": r.keep, "stop": r.end, "base": r.base} for r in snap.runs],
+        "lanes": [{"first": r.keep, "stop": r.saved_end, "base": r.base} for r in snap.runs],
         "sampler_state": None if snap.max_priority is None else {"max_priority": snap.max_priority},
         "stats": snap.stats,
         "counters": snap.counters,

@@ -90,6 +90,13 @@ class Run:
     keep: int
     at: int
     holes: np.ndarray
+    tail: dict[str, np.ndarray] | None = None
+    """an end row to save after the run (``Snapshot``'s ``ends``), one array per tensor"""
+
+    @property
+    def saved_end(self) -> int:
+        """One past the last row number saved: ``end``, plus one with a tail."""
+        return self.end + (self.tail is not None)
 
     def hole_count(self) -> int:
         """Holes in the run ``[keep, end)``."""
@@ -119,9 +126,13 @@ class Piece:
 
 class Snapshot:
     """The rows of ``buf`` as of now, read piece by piece (the module docstring): ``runs`` one
-    ``Run`` per lane; ``stats``, ``counters`` and ``max_priority`` as of the start."""
+    ``Run`` per lane; ``stats``, ``counters`` and ``max_priority`` as of the start. ``ends``: per
+    lane, the row number of its newest row and an end row to save after it (one array per tensor
+    of the file), which a run takes when that row is its last (the save of a ``next_of`` buffer:
+    the step waiting for its next observation is saved as a transition, ``saving.py``)."""
 
-    def __init__(self, buf: Buffer, wait: float) -> None:
+    def __init__(self, buf: Buffer, wait: float,
+                 ends: dict[int, tuple[int, dict[str, np.ndarray]]] | None = None) -> None:
         ring = buf.ring
         self.buf = buf
         self.arrays = columns(buf)
@@ -138,6 +149,18 @@ class Snapshot:
         deadline = time.monotonic() + wait
         self.runs = [self._scan(lane, int(first[lane]), int(stop[lane]), min(int(base[lane]), int(first[lane])), deadline)
                      for lane in range(ring.lanes)]
+        for lane, (row, tail) in (ends or {}).items():
+            run = self.runs[lane]
+            if run.end == run.stop == row + 1 and run.keep <= row:
+                run.tail = tail
+                if run.saved_end - run.keep > self.lc:  # a full lane: its oldest row goes, as at a push
+                    run.keep = run.at = run.keep + 1
+
+    def tails_kept(self) -> None:
+        """Drop the tail of each run whose last row was not kept (overwritten while copied)."""
+        for run in self.runs:
+            if run.tail is not None and run.keep >= run.end:
+                run.tail = None
 
     def _scan(self, lane: int, first: int, stop: int, base: int, deadline: float) -> Run:
         """Find the run's end (the first row a live writer is still writing after the wait), the
@@ -309,7 +332,7 @@ class MemorySink:
 
 
 def _layout(tensors: list[Tensor], runs: list[Run]) -> Layout:
-    return Layout(tensors, [(r.keep, r.end) for r in runs])
+    return Layout(tensors, [(r.keep, r.saved_end) for r in runs])
 
 
 def copy_rows(snap: Snapshot, tensors: list[Tensor], sink: Sink, done: Any = None) -> tuple[Layout, bool]:
@@ -344,6 +367,10 @@ def copy_rows(snap: Snapshot, tensors: list[Tensor], sink: Sink, done: Any = Non
                 if got is not None:
                     write(got)
                     got = None
+    snap.tails_kept()
+    for run in runs:
+        if run.tail is not None:
+            write(Piece(run.lane, run.end, run.tail))
     final = _layout(tensors, runs)
     moved = final.keep != plan.keep
     if moved:  # writers overwrote rows after the layout was planned: close the gaps, front to back

@@ -464,6 +464,23 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 def _lane(lanes: dict[int, int], row: int) -> str:
     return f" (lane {lanes[row]})" if row in lanes else ""
 
+def end_rows(spec: Frames, stored: Schema, nexts: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The stored fields of end rows (``frames.py``), ``_kind`` included: each ``next_of`` source
+    holds the next observation of the step before (``nexts``: the next fields, one row per end
+    row; the newest frame when stacked), every other field zeros."""
+    m = next(iter(nexts.values())).shape[0]
+    sources = {src: nxt for nxt, src in spec.next_of}
+    out: dict[str, np.ndarray] = {}
+    for f in stored:
+        if f.name in sources:
+            b, s = nexts[sources[f.name]], spec.stacked(f.name)
+            out[f.name] = np.asarray(frames_of(s, b)[:, -1] if s is not None else b, f.dtype)
+        else:
+            out[f.name] = np.zeros((m, *f.shape), f.dtype)
+    out[KIND] = np.full(m, END, np.uint8)
+    return out
+
+
 @dataclass
 class Last:
     """What this process pushed last into a lane."""
@@ -498,6 +515,8 @@ class Pusher:
         self.spec, self.schema, self.stored = spec, schema, stored
         self.last: dict[int, Last] = {}
         self.pid = os.getpid()
+        self.compared = {s.name for s in spec.stack} | {n for pair in spec.next_of for n in pair}
+        """the fields the continuity checks compare"""
 
     def expand(self, arrays: dict[str, np.ndarray], k: int, lane: int | np.ndarray, episodes: np.ndarray | None,
                bounds: tuple[np.ndarray, np.ndarray], resume: bool = False, flush: Any = False) -> Expanded:
@@ -514,6 +533,9 @@ class Pusher:
         lanes = np.full(k, lane, np.int64) if not isinstance(lane, np.ndarray) else lane
         eps = None if episodes is None else np.broadcast_to(episodes, (k,))
         full = {n: np.broadcast_to(a, (k, *self.schema[n].shape)) for n, a in arrays.items()}
+        for n in self.compared:  # compared as stored: a float64 0.1 pushed as next_obs is float32's 0.1
+            if full[n].dtype != self.schema[n].dtype:
+                full[n] = full[n].astype(self.schema[n].dtype)
         final = np.zeros(k, bool)
         for name in spec.ends:
             final |= full[name].reshape(k) != 0
@@ -577,7 +599,8 @@ class Pusher:
         lasts = {ln: Last(-1, final_list[i], None if eps_list is None else eps_list[i],  # copies: the caller
                           {n: a.copy() for n, a in self._values(full, i).items()})  # may reuse its arrays
                  for ln, i in prev_of.items()}
-        sources = {src: nxt for nxt, src in spec.next_of}
+        ends = end_rows(spec, self.stored, {n: full[n][src_row[is_end]] for n, _ in spec.next_of}) \
+            if is_end.any() else None
         out: dict[str, np.ndarray] = {}
         for f in self.stored:
             a = full[f.name]
@@ -585,12 +608,8 @@ class Pusher:
             if s is not None:
                 a = frames_of(s, a)[:, -1]  # the newest frame
             col = np.ascontiguousarray(a[src_row])
-            if is_end.any():
-                if f.name in sources:
-                    b = full[sources[f.name]][src_row[is_end]]
-                    col[is_end] = frames_of(s, b)[:, -1] if s is not None else b
-                else:
-                    col[is_end] = 0
+            if ends is not None:
+                col[is_end] = ends[f.name]
             if is_lead.any():
                 if s is not None:  # lead row j of a group holds frame j - (depth - (k - 1)), the oldest at least
                     pick = np.maximum(offset[is_lead] - (depth - (s.k - 1)), 0)

@@ -26,6 +26,14 @@ thread blocks to another thread (numpy's BLAS threads will do), whose C handler 
 main thread runs the Python handler all the same. While *waiting* for the mutex the handlers
 run, between slices of 50 ms. Handlers of other signals are not deferred.
 
+Unmapping. glibc links the robust mutexes a thread holds into a list through the mutexes' own
+memory; the thread's next lock or unlock of any robust mutex writes to its neighbours in that
+list. So the memory of a mutex that a thread of this process holds must never be unmapped: the
+thread would then write to unmapped memory (a segfault) or into whatever is mapped there next.
+``let_go`` is called before the memory goes (a buffer's ``close``, or the lock object's end): it
+releases a mutex this thread holds, and keeps the memory of one another thread holds mapped
+until the process exits.
+
 Requires glibc's robust mutexes (Linux); ctypes releases the GIL while a call blocks.
 """
 
@@ -56,6 +64,13 @@ found the holder dead and left its repairs to the next locker (``RobustLock``)."
 WAITS = 48
 """Byte offset of the wait count in those bytes (int64, after glibc's 40 or 48 bytes of mutex):
 the times a locker found the lock held and waited for it, counted once it got it (so exactly)."""
+
+_TID_MASK = 0x3FFFFFFF
+"""The holder's thread id in a robust mutex's lock word, its first 4 bytes (the kernel's
+``FUTEX_TID_MASK``: the robust-futex ABI)."""
+_PINNED: list[np.ndarray] = []
+"""The memory of mutexes held by another thread of this process when their buffer was closed:
+kept mapped until the process exits (module docstring)."""
 
 _PROCESS_SHARED = 1
 _ROBUST = 1
@@ -282,6 +297,30 @@ class RobustLock:
                 self._consistent(self._ptr)
                 self._repair[0] = 1
             self._unlock(self._ptr)
+
+    def holder(self) -> int | None:
+        """The thread id (``threading.get_native_id``) of the thread of this process that holds
+        the mutex, or ``None`` (free, or held by another process)."""
+        tid = int(self.memory[:4].view(np.int32)[0]) & _TID_MASK
+        return tid if tid and os.path.exists(f"/proc/self/task/{tid}") else None
+
+    def let_go(self, *, release: bool = True) -> None:
+        """Before this mutex's memory may be unmapped (module docstring): held by this thread, it
+        is released (with ``release``); held by another thread of this process (or by this one
+        without ``release``), its memory stays mapped until the process exits."""
+        tid = self.holder()
+        if tid is None:
+            return
+        if release and tid == threading.get_native_id():
+            self.release()
+        else:
+            _PINNED.append(self.memory)
+
+    def __del__(self) -> None:
+        try:
+            self.let_go(release=False)  # nothing runs deferred handlers from a finalizer
+        except Exception:  # a finalizer at interpreter exit (modules gone): the process ends anyway
+            pass
 
     @property
     def waits(self) -> int:
