@@ -19,7 +19,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="cases to run: a name (mujoco.push64), a glob (atari.*) or one part of a name (push64, mujoco)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results JSON (default {DEFAULT_OUT})")
     p.add_argument("--repeat", type=int, help="interleaved rounds per case (default 5; --quick: 1)")
-    p.add_argument("--seconds", type=float, help="length of each multi-process run (default 10; --quick: 2)")
+    p.add_argument("--seconds", type=float, help="length of each multi-process run (default 6; --quick: 2)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     return p.parse_args(argv)
 
@@ -61,8 +61,6 @@ def main(argv: list[str] | None = None) -> int:
         peers,
         report,
     )
-    from .data import SPECS
-
     cases.register(harness.CASES)
     features.register(harness.CASES)
     multiproc.register(harness.CASES)
@@ -87,59 +85,107 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
 
     started = time.monotonic()
-    results: dict[str, Any] = {
-        "machine": machine.info(),
-        "config": {**asdict(cfg), "capacities": {s.name: cfg.capacity(s) for s in SPECS.values()},
-                   "argv": sys.argv[1:]},
-        "cases": {},
-    }
+    run = {"date": machine.now(), "commit": machine.git_commit(), "argv": sys.argv[1:], "load_average_start": _load()}
+    results = _start(out, args, cfg, machine.info(), run)
     print(f"shmbuffer benchmarks: {len(chosen)} cases, {cfg.repeat} rounds each"
           f"{' (quick)' if cfg.quick else ''}; {results['machine']['cpu']}, "
-          f"{results['machine']['usable_cores']} cores", flush=True)
+          f"{results['machine']['usable_cores']} cores; writing {out} after each case", flush=True)
     try:
         for i, name in enumerate(chosen, 1):
             c = harness.CASES[name]
             print(f"[{i}/{len(chosen)}] {name}: {c.title}", flush=True)
             t = time.monotonic()
+            # a case whose rounds are long takes fewer, unless --repeat asks for a number
+            ccfg = replace(cfg, repeat=min(cfg.repeat, c.rounds)) if c.rounds and args.repeat is None else cfg
+            measured = {"date": machine.now(), "commit": run["commit"], "rounds": ccfg.repeat,
+                        "load_average_start": _load()}
             if c.run is None:
                 res: dict[str, Any] = {"status": "not available yet", "title": c.title, "reason": c.pending}
             else:
                 try:
-                    res = c.run(cfg)
+                    res = c.run(ccfg)
                 except Exception as e:
                     res = {"status": "error", "title": c.title, "reason": f"{type(e).__name__}: {e}",
                            "traceback": traceback.format_exc(limit=-8)}
             res["group"] = c.group
             res["elapsed_s"] = round(time.monotonic() - t, 1)
+            res["measured"] = {**measured, "load_average_end": _load()}
             results["cases"][name] = res
+            run["cases"].append(name)
             _progress(res)
+            _write(results, out, report)  # a crash or a stop later keeps every case measured so far
     finally:
         results["left_in_dev_shm"] = multiproc.sweep(peers.Ours.prefix)
 
-    results["ratios"] = report.ratios(results)
-    results["targets"] = report.targets(results)
-    wanted = {t["profile"] for t in results["targets"] if t["status"] == "missed" and t.get("profile")}
     results["profiles"] = {}
-    for what in sorted(wanted):
+    for what in sorted({t["profile"] for t in report.targets(results) if t["status"] == "missed" and t.get("profile")}):
         try:
             results["profiles"][what] = harness.profile(what, cfg)
         except Exception as e:
             results["profiles"][what] = [f"profile failed: {type(e).__name__}: {e}"]
-    results["elapsed_s"] = round(time.monotonic() - started, 1)
+    run["elapsed_s"] = round(time.monotonic() - started, 1)
+    run["load_average_end"] = _load()
+    results["elapsed_s"] = sum(r.get("elapsed_s") or 0 for r in results["runs"])
+    results["load_average_end"] = run["load_average_end"]
     files, why = report.plots(results, out)
     results["plots"] = [Path(f).name for f in files] or why
-    results["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     results["left_in_dev_shm"] += multiproc.sweep(peers.Ours.prefix)
-    out.write_text(json.dumps(results, indent=1, default=str))
-    md = report.markdown(results, files)
-    out.with_suffix(".md").write_text(md)
+    _write(results, out, report, files)
     print("\n" + report.ratio_table(results) + "\n\n" + report.target_table(results) + "\n")
-    print(f"wrote {out}, {out.with_suffix('.md')}" + (f", {len(files)} plots" if files else f" ({why})"))
+    print(f"wrote {out}, {out.with_suffix('.md')}" + (f", {len(files)} plots" if files else f" ({why or 'no ratio to plot'})"))
     if out.resolve() == DEFAULT_OUT.resolve():  # the results file the pages state: rewrite them from it
         from . import page
 
         print("wrote " + ", ".join(str(p.relative_to(page.ROOT)) for p in page.write()))
     return 0
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _start(out: Path, args: argparse.Namespace, cfg: Any, mach: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """The results this run adds to: with ``--only``, the file at ``out`` when it was made with the same
+    settings (its other cases stay, each with its own date and commit); otherwise a new file."""
+    from .data import SPECS
+
+    config = {**asdict(cfg), "capacities": {s.name: cfg.capacity(s) for s in SPECS.values()}, "argv": sys.argv[1:]}
+    run["cases"] = []
+    old: dict[str, Any] = {}
+    if args.only and out.exists():
+        try:
+            old = json.loads(out.read_text())
+        except ValueError as e:
+            print(f"{out} is not a results file ({e}): starting a new one", file=sys.stderr)
+        same = {k: v for k, v in old.get("config", {}).items() if k not in ("argv", "repeat")} == \
+            {k: v for k, v in config.items() if k not in ("argv", "repeat")}
+        if old and not same:
+            print(f"{out} was made with other settings ({old.get('config')}): starting a new one", file=sys.stderr)
+            old = {}
+    if old:
+        old["runs"] = [*old.get("runs", [_first_run(old)]), run]
+        old["machine"] = mach  # the newest run's; each case says when it was measured
+        return old
+    return {"machine": mach, "config": config, "runs": [run], "cases": {}}
+
+
+def _first_run(old: dict[str, Any]) -> dict[str, Any]:
+    """The run that made a results file written before files recorded their runs."""
+    m = old.get("machine", {})
+    return {"date": m.get("date"), "commit": m.get("shmbuffer_commit"), "argv": old.get("config", {}).get("argv", []),
+            "cases": list(old.get("cases", {})), "elapsed_s": old.get("elapsed_s"),
+            "load_average_start": m.get("load_average"), "load_average_end": old.get("load_average_end")}
+
+
+def _write(results: dict[str, Any], out: Path, report: Any, plots: list[str] | None = None) -> None:
+    """The results file and its Markdown report, each replaced whole (a reader never sees half a file)."""
+    results["ratios"] = report.ratios(results)
+    results["targets"] = report.targets(results)
+    for path, text in ((out, json.dumps(results, indent=1, default=str)),
+                       (out.with_suffix(".md"), report.markdown(results, plots or []))):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
 
 
 def _progress(res: dict[str, Any]) -> None:

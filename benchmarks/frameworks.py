@@ -455,4 +455,4 @@ def register(cases: dict[str, Case]) -> None:
     cases["torchrl.extend_sample"] = Case("torchrl.extend_sample", "TorchRL ReplayBuffer extend 64 / sample 256 per "
                                           "storage", "frameworks", extend_sample_case)
     cases["torchrl.multiproc"] = Case("torchrl.multiproc", "TorchRL ReplayBuffer, 2 writer processes + a reader: "
-                                      "torn / lost per storage", "frameworks", multiproc_case)
+                                      "torn / lost per storage", "frameworks", multiproc_case, rounds=3)

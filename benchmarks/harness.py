@@ -55,7 +55,7 @@ class Config:
     repeat: int = 5
     block_s: float = 0.25
     warmup_s: float = 0.15
-    mp_seconds: float = 10.0
+    mp_seconds: float = 6.0
     timeout: float = 120.0
     memory_budget: int = 0  # bytes a case's subjects may hold at once; 0: 65% of the memory available
 
@@ -82,6 +82,9 @@ class Case:
     group: str
     run: Callable[[Config], dict[str, Any]] | None = None
     pending: str | None = None
+    rounds: int | None = None
+    """At most this many rounds unless ``--repeat`` asks for more: a case whose rounds last a minute
+    (several processes, a training run) takes fewer, so the whole suite fits in about 25 minutes."""
 
 
 CASES: dict[str, Case] = {}

@@ -38,6 +38,11 @@ def git_commit() -> str | None:
     return head + ("+dirty shmbuffer/" if dirty else "")
 
 
+def now() -> str:
+    """The time in UTC, to the second (ISO 8601)."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
 def gpu() -> str:
     try:
         import torch
@@ -59,7 +64,7 @@ def info() -> dict[str, Any]:
     except ImportError:
         threads = None
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": now(),
         "cpu": cpu_model(),
         "logical_cores": os.cpu_count(),
         "physical_cores": psutil.cpu_count(logical=False),

@@ -331,4 +331,5 @@ def _line(res: dict[str, Any]) -> str:
 
 def register(cases: dict[str, Case]) -> None:
     for spec in (MUJOCO, ATARI):
-        cases[f"{spec.name}.multiproc"] = Case(f"{spec.name}.multiproc", "multi-process", "multiproc", _mp_case(spec))
+        cases[f"{spec.name}.multiproc"] = Case(f"{spec.name}.multiproc", "multi-process", "multiproc", _mp_case(spec),
+                                               rounds=3)

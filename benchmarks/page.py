@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import textwrap
 from pathlib import Path
 from typing import Any
 
-from .report import OURS, num, ratios, target_table
+from .report import OURS, load_range, num, ratio_plot, ratios, target_table
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "results.json"
@@ -78,22 +77,62 @@ def table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def runs(results: dict[str, Any]) -> list[tuple[dict[str, Any], list[str]]]:
+    """The runs that made ``results`` (a full run, then any ``--only`` reruns merged into it), each with
+    the cases whose figures are still its own; runs none of whose figures are left are left out."""
+    m, cfg = results["machine"], results["config"]
+    made = results.get("runs") or [{"date": m["date"], "commit": m.get("shmbuffer_commit"), "argv": cfg.get("argv", []),
+                                    "cases": list(results["cases"]), "elapsed_s": results.get("elapsed_s"),
+                                    "load_average_start": m.get("load_average"),
+                                    "load_average_end": results.get("load_average_end")}]
+    last = {c: i for i, r in enumerate(made) for c in r["cases"]}
+    held = [(r, [c for c in r["cases"] if last.get(c) == i and c in results["cases"]]) for i, r in enumerate(made)]
+    return [(r, cases) for r, cases in held if cases]
+
+
+def _run_line(run: dict[str, Any], cases: list[str], total: int) -> str:
+    command = " ".join(["python -m benchmarks", *run.get("argv", [])])
+    start, end = (run.get("load_average_start") or ["?"])[0], (run.get("load_average_end") or ["?"])[0]
+    which = f"all {total} cases" if len(cases) == total else (
+        ", ".join(f"`{c}`" for c in cases) if len(cases) <= 6 else f"{len(cases)} of the {total} cases")
+    took = "stopped before its end, " if not run.get("elapsed_s") else (
+        f"{run['elapsed_s'] / 60:.0f} minutes, " if run["elapsed_s"] >= 90 else f"{run['elapsed_s']:.0f} s, ")
+    return (f"{which} by `{command}` on {str(run['date'])[:16].replace('T', ' ')} UTC at commit `{run.get('commit')}` "
+            f"({took}load average {start} at the start, {end} at the end)")
+
+
+def _rounds(results: dict[str, Any]) -> str:
+    """How many interleaved rounds the cases took: the setting, and the cases that took fewer."""
+    cfg = results["config"]
+    fewer: dict[int, list[str]] = {}
+    for name, case in results["cases"].items():
+        n = case.get("measured", {}).get("rounds", cfg["repeat"])
+        if n != cfg["repeat"]:
+            fewer.setdefault(n, []).append(f"`{name}`")
+    but = "; ".join(f"{n} for {', '.join(names)}" for n, names in sorted(fewer.items(), reverse=True))
+    rounds = f"{cfg['repeat']} interleaved round{'s' if cfg['repeat'] != 1 else ''} a case"
+    return rounds + (f" ({but}: their rounds are long)" if but else "")
+
+
 def when(results: dict[str, Any]) -> str:
-    """Where, when and how the run was made: date, commit, machine, versions, settings, load."""
+    """Where, when and how the run was made: date, commit, machine, versions, settings, load (a list)."""
     m, cfg = results["machine"], results["config"]
     p = m["packages"]
     peers = ", ".join(f"{k} {p[k]}" for k in ("cpprb", "torchrl", "stable-baselines3") if p.get(k))
-    command = " ".join(["python -m benchmarks", *cfg.get("argv", [])])
-    load = m.get("load_average", [0])[0]
-    return (f"Measured {m['date'][:16].replace('T', ' ')} UTC at commit `{m.get('shmbuffer_commit')}` with "
-            f"`{command}` ({cfg['repeat']} interleaved rounds a case, multi-process runs of "
-            f"{cfg['mp_seconds']:g} s{', tiny capacities' if cfg['quick'] else ''}; {results.get('elapsed_s', 0) / 60:.0f} "
-            f"minutes) on {m['cpu']}, {m['usable_cores']} cores, {m['memory_gib']} GiB, {m['os']}, "
-            f"{m['gpu']}; Python {m['python']}, numpy {p.get('numpy')}, torch {p.get('torch')}, {peers}; "
-            f"hot path {m.get('shmbuffer_path', '?').split(' ')[0]}. Load average {load:g} at the start, "
-            f"{results.get('load_average_end', ['?'])[0]} at the end: "
-            + ("other work shared the machine, so absolute numbers are low and noisy; the ratios compare "
-               "subjects measured side by side in the same rounds." if load > 0.5 else "a quiet machine."))
+    made = runs(results)
+    busy = float(load_range(results).split("-")[-1]) > 0.5
+    return "\n".join([
+        "- **Run**: " + "; ".join(_run_line(r, cases, len(results["cases"])) for r, cases in made) + ".",
+        f"- **Machine**: {m['cpu']}, {m['usable_cores']} cores, {m['memory_gib']} GiB, {m['os']}, {m['gpu']}. "
+        + (f"Other work shared it (load average {load_range(results)} over the cases): absolute numbers are low "
+           "and noisy; the ratios compare subjects measured side by side in the same rounds." if busy
+           else "A quiet machine."),
+        f"- **Software**: Python {m['python']}, numpy {p.get('numpy')}, torch {p.get('torch')}, {peers}; shmbuffer's "
+        f"hot path {m.get('shmbuffer_path', '?').split(' ')[0]}.",
+        f"- **Settings**: {_rounds(results)}; multi-process runs of {cfg['mp_seconds']:g} s"
+        f"{'; --quick: tiny capacities' if cfg['quick'] else ''}. Each case's own date, commit and load: "
+        "[results/results.md](results/results.md).",
+    ])
 
 
 def block(results: dict[str, Any]) -> str:
@@ -123,8 +162,8 @@ def readme_block(results: dict[str, Any]) -> str:
     m = results["machine"]
     return "\n".join([
         BEGIN,
-        f"From `benchmarks/results/results.json` ({m['date'][:10]}, commit `{m.get('shmbuffer_commit')}`, "
-        f"{m['usable_cores']} cores, load average {m.get('load_average', [0])[0]:g} at the start; "
+        f"From `benchmarks/results/results.json` ({m['date'][:10]}, commit `{runs(results)[0][0].get('commit')}`, "
+        f"{m['usable_cores']} cores, load average {load_range(results)}; "
         "[benchmarks/README.md](benchmarks/README.md) has the machine, the versions and the plot):\n",
         table(results),
         "",
@@ -151,50 +190,10 @@ def pages(results: dict[str, Any]) -> dict[Path, str]:
 
 def plot(results: dict[str, Any], path: Path = PLOT) -> str | None:
     """Draw the headline ratios to ``path``; the reason when it cannot (no matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot"
-    rows = headline(results)
-    colors = {"peer": "#1f77b4", "baseline": "#9a9a9a", "floor": "#2ca02c"}
-
-    def kinds(r: dict[str, Any]) -> list[str]:  # the best peer and the floor; the baseline where no floor
-        shown = [k for k in ("peer", "floor") if r[f"ours_per_{k}"] is not None]
-        return shown if "floor" in shown or r["ours_per_baseline"] is None else [*shown, "baseline"]
-
-    n = sum(len(kinds(r)) for r in rows)
-    cap = 6.0  # a linear axis that shows 0.5x and 1.5x apart; longer bars end at the edge with their value
-    fig, ax = plt.subplots(figsize=(9, 0.3 * n + 0.45 * len(rows) + 1.2))
-    y, labels, ticks = 0.0, [], []
-    for r in rows:
-        shown = kinds(r)
-        for k in shown:
-            v = r[f"ours_per_{k}"]
-            ax.barh(y, min(v, cap), color=colors[k], height=0.8)
-            ax.text(min(v, cap), y, f" {v:.2f}x {r[k]}" if v < cap else f" {v:.1f}x {r[k]} (cut)", va="center", fontsize=7,
-                    color="black")
-            y += 1
-        ticks.append(y - (len(shown) + 1) / 2)
-        labels.append(textwrap.fill(r["what"], 34))
-        y += 0.6
-    ax.axvline(1, color="black", linewidth=1)
-    ax.set_yticks(ticks, labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlim(0, cap * 1.6)
-    ax.set_xticks(range(int(cap) + 1))
-    ax.set_xlabel("shmbuffer's median / theirs (right of the line: shmbuffer is faster)", fontsize=8)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, ["vs the best peer", "vs the baseline (where no floor)", "vs the floor"], fontsize=8,
-              loc="lower right")
     m = results["machine"]
-    ax.set_title(f"{m['date'][:10]}, {m['usable_cores']} cores, load {m.get('load_average', [0])[0]:g}, "
-                 f"commit {m.get('shmbuffer_commit')}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    if not ratio_plot(headline(results), path, f"{m['date'][:10]}, {m['usable_cores']} cores, load "
+                      f"{load_range(results)}, commit {runs(results)[0][0].get('commit')}"):
+        return "matplotlib is not installed (or no headline measure was run): no plot"
     return None
 
 

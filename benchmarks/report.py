@@ -25,7 +25,8 @@ def _best(case: dict[str, Any], metric: str, kind: str) -> tuple[str | None, flo
             found.append((name, v))
     if not found:
         return None, None
-    return max(found, key=lambda x: x[1])
+    seconds = case["metrics"].get(metric, {}).get("unit") == "s"  # a time: the best is the shortest
+    return (min if seconds else max)(found, key=lambda x: x[1])
 
 
 def ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -42,7 +43,8 @@ def ratios(results: dict[str, Any]) -> list[dict[str, Any]]:
                 who, value = _best(case, metric, kind)
                 row[kind] = who
                 row[f"{kind}_value"] = value
-                row[f"ours_per_{kind}"] = ours / value if ours is not None and value else None
+                row[f"ours_per_{kind}"] = None if ours is None or not value else (
+                    value / ours if meta["unit"] == "s" else ours / value)  # seconds: fewer is faster
             if ours is not None:
                 row["ours_gb_per_s"] = case["subjects"][OURS]["metrics"][metric].get("gb_per_s")
             rows.append(row)
@@ -182,6 +184,11 @@ def machine_line(m: dict[str, Any]) -> str:
 
 def details(name: str, case: dict[str, Any]) -> str:
     head = f"### {name}: {case.get('title', '')}\n"
+    if case.get("measured"):
+        w = case["measured"]
+        head += (f"\nMeasured {w['date'][:16].replace('T', ' ')} UTC at commit `{w['commit']}`, {w['rounds']} round{'s' if w['rounds'] != 1 else ''}, "
+                 f"{case.get('elapsed_s', '?')} s; load average {w['load_average_start'][0]} at the start, "
+                 f"{w['load_average_end'][0]} at the end.\n")
     if case.get("status") != "ok":
         return head + f"\n{case.get('status')}: {case.get('reason', '')}\n"
     mp = "seconds" in case
@@ -245,52 +252,102 @@ def markdown(results: dict[str, Any], plots: list[str]) -> str:
     return "\n".join(parts)
 
 
+def load_range(results: dict[str, Any]) -> str:
+    """The 1-minute load average's lowest and highest at the starts and ends of the cases (at the
+    run's start and end, for a file from before cases recorded theirs): ``"2.1-12.3"``."""
+    seen = [c["measured"][k][0] for c in results["cases"].values() if c.get("measured")
+            for k in ("load_average_start", "load_average_end")]
+    seen = seen or [x for x in (results["machine"].get("load_average", [None])[0],
+                                (results.get("load_average_end") or [None])[0]) if x is not None]
+    lo, hi = min(seen, default=0), max(seen, default=0)
+    return f"{lo:.1f}" if round(lo, 1) == round(hi, 1) else f"{lo:.1f}-{hi:.1f}"
+
+
+
 # -- plots ----------------------------------------------------------------------------------------------
-PANELS = {
-    "push": [("mujoco.push1", "push"), ("mujoco.push64", "push"), ("atari.push1", "push"), ("atari.push64", "push")],
-    "sample": [("mujoco.sample256", "numpy"), ("mujoco.sample256", "torch"), ("atari.sample256", "numpy"),
-               ("atari.sample256", "torch")],
-    "multiproc": [("mujoco.multiproc", "ingest"), ("mujoco.multiproc", "learner"), ("atari.multiproc", "ingest"),
-                  ("atari.multiproc", "learner")],
-    "sampling": [("mujoco.prioritized", "per"), ("mujoco.sequence", "windows"), ("mujoco.loader", "train")],
-}
-COLORS = {"ours": "#d62728", "peer": "#1f77b4", "baseline": "#7f7f7f", "floor": "#2ca02c"}
+KIND_COLORS = {"peer": "#1f77b4", "baseline": "#9a9a9a", "floor": "#2ca02c"}
+CAP = 6.0
+"""Where the ratio axis ends: a linear axis on which 0.5x and 1.5x read apart; a longer bar ends at the
+edge and says its value."""
 
 
-def plots(results: dict[str, Any], out: Path) -> tuple[list[str], str | None]:
-    """PNG files next to ``out`` (``<stem>-push.png`` ...); ``(files, why none)``."""
+def _kinds(r: dict[str, Any]) -> list[str]:
+    """The comparisons a plot shows for a ratio row: the best peer and the floor; the baseline where
+    there is no floor (or nothing else)."""
+    shown = [k for k in ("peer", "floor") if r[f"ours_per_{k}"] is not None]
+    return shown if "floor" in shown or r["ours_per_baseline"] is None else [*shown, "baseline"]
+
+
+def ratio_plot(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
+    """Draw ``rows`` (``ratios()`` rows, each with a ``what`` label) to ``path``: per row one bar per
+    comparison, shmbuffer's median over the other's on a linear axis with the line at 1x, each bar
+    saying its value and whom it compares with. False (nothing drawn) without matplotlib or rows."""
+    import textwrap
+
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return False
+    rows = [r for r in rows if _kinds(r)]
+    if not rows:
+        return False
+    n = sum(len(_kinds(r)) for r in rows)
+    fig, ax = plt.subplots(figsize=(10, 0.3 * n + 0.45 * len(rows) + 1.3))
+    y, labels, ticks = 0.0, [], []
+    for r in rows:
+        shown = _kinds(r)
+        for k in shown:
+            v = r[f"ours_per_{k}"]
+            ax.barh(y, min(v, CAP), color=KIND_COLORS[k], height=0.8)
+            # the label starts right of the 1x line, so a short bar's label never crosses it
+            ax.text(max(min(v, CAP), 1.0) + 0.05, y, f"{v:.2f}x {r[k]}" if v < CAP else f"{v:.1f}x {r[k]} (bar cut)",
+                    va="center", fontsize=7.5)
+            y += 1
+        ticks.append(y - (len(shown) + 1) / 2)
+        labels.append(textwrap.fill(r["what"], 36))
+        y += 0.6
+    ax.axvline(1, color="black", linewidth=1.2)
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, CAP * 1.7)
+    ax.set_xticks(range(int(CAP) + 1), [f"{i}x" for i in range(int(CAP) + 1)])
+    ax.grid(axis="x", color="#dddddd", linewidth=0.6)
+    ax.set_axisbelow(True)
+    ax.set_xlabel("shmbuffer's median / theirs: right of the 1x line, shmbuffer is faster", fontsize=8)
+    used = {k for r in rows for k in _kinds(r)}
+    legend = {"peer": "vs the best peer", "baseline": "vs the baseline (where no floor)",
+              "floor": "vs the floor (np.copyto / np.take)"}
+    ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for k, c in KIND_COLORS.items() if k in used],
+              [legend[k] for k in KIND_COLORS if k in used], fontsize=8, loc="lower right")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+PLOTS = {"push": {"push"}, "sample": {"sample", "prioritized", "sequence", "loader"}, "multiproc": {"multiproc"},
+         "frameworks": {"frameworks", "distributed"}}
+"""Which groups of cases each plot (``<stem>-<name>.png``) shows."""
+
+
+def plots(results: dict[str, Any], out: Path) -> tuple[list[str], str | None]:
+    """The ratio plots of ``PLOTS`` next to ``out`` (``<stem>-push.png`` ...); ``(files, why none)``."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
         return [], "matplotlib is not installed: no plots"
+    rows = results.get("ratios") or ratios(results)
+    m = results["machine"]
     files = []
-    for group, panels in PANELS.items():
-        panels = [(c, m) for c, m in panels if results["cases"].get(c, {}).get("status") == "ok"]
-        if not panels:
-            continue
-        fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.2 + 1.9 * len(panels)), squeeze=False)
-        for ax, (cname, metric) in zip(axes[:, 0], panels, strict=True):
-            case = results["cases"][cname]
-            rows = [(n, s) for n, s in case["subjects"].items() if _median(s, metric) is not None]
-            rows.sort(key=lambda x: _median(x[1], metric) or 0)
-            names = [n for n, _ in rows]
-            med = [s["metrics"][metric]["median"] for _, s in rows]
-            lo = [m - s["metrics"][metric]["min"] for m, (_, s) in zip(med, rows, strict=True)]
-            hi = [s["metrics"][metric]["max"] - m for m, (_, s) in zip(med, rows, strict=True)]
-            ax.barh(names, med, xerr=[lo, hi], color=[COLORS.get(s.get("kind", "peer"), "#1f77b4") for _, s in rows],
-                    capsize=3)
-            ax.set_xscale("log")
-            meta = case["metrics"][metric]
-            ax.set_title(f"{cname}: {meta['label']} ({meta['unit']}, median, min-max)", fontsize=9)
-            ax.tick_params(labelsize=8)
-            for y, v in enumerate(med):
-                ax.text(v, y, f" {num(v)}", va="center", fontsize=7)
-        fig.tight_layout()
-        path = out.with_name(f"{out.stem}-{group}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        files.append(str(path))
+    for name, groups in PLOTS.items():
+        mine = [{**r, "what": f"{r['case']}: {r['label']}"} for r in rows
+                if results["cases"][r["case"]].get("group") in groups]
+        path = out.with_name(f"{out.stem}-{name}.png")
+        if ratio_plot(mine, path, f"{name} cases: {m['date'][:10]}, {m['usable_cores']} cores, load average "
+                                  f"{load_range(results)}, commit {m.get('shmbuffer_commit')}"):
+            files.append(str(path))
     return files, None

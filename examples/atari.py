@@ -2,7 +2,7 @@
 84x84 frame once, and a DQN learner samples stacked batches from it.
 
     pip install -e ".[atari]"        # ale-py (its ROMs ship in the wheel) and opencv for the resize
-    python examples/atari.py [--steps 20000] [--updates 2000] [--capacity 100000]
+    python examples/atari.py [--steps 8000] [--updates 1000] [--capacity 100000]
 
 Each collector process steps its envs (``ALE/Pong-v5`` with ``frameskip=1``, Gymnasium's
 ``AtariPreprocessing`` skipping 4 frames to 84x84 grayscale, and ``FrameStackObservation`` stacking
@@ -17,10 +17,11 @@ buffer without ``next_of``/``stack``.
 
 ``--steps`` env steps are collected (the collectors stop there, give or take the steps in flight),
 and the learner makes ``--updates`` updates; the run ends when both are done. What a run at the
-defaults shows (the 2-core reference machine, shared: 277 s): the collectors stop at 20,023 env
-steps (24 Pong episodes), the learner goes on to 2,000 updates, and the last line reads ``OK:
-20,023 env steps (--steps 20,000), 2,000 updates; 7,083 bytes a transition instead of 56,474 (8.0x
-less), stacks rebuilt intact: True; return of the last episodes -20.8``. Pong's return stays near a
+defaults shows (the 2-core reference machine, loaded by other work to a load average of 11: 153 s
+wall, 144 s in the run): the collectors stop at 8,063 env steps (7 Pong episodes), the learner goes
+on to 1,000 updates, and the last line reads ``OK: 8,063 env steps (--steps 8,000), 1,000 updates;
+7,083 bytes a transition instead of 56,474 (8.0x less), stacks rebuilt intact: True; return of the
+last episodes -20.1``. Pong's return stays near a
 random player's -21 at this length: the example shows the memory, not learning. It exits with
 status 1 if the stacks were not rebuilt intact or the buffer is not 7x smaller.
 """
@@ -51,9 +52,9 @@ class Args:
     workers: int = field(default=2, metadata={"help": "collector processes"})
     envs_per_worker: int = field(default=1, metadata={"help": "envs each collector steps (one buffer lane each)"})
     capacity: int = field(default=100_000, metadata={"help": "rows the buffer holds (a multiple of the envs)"})
-    steps: int = field(default=20_000, metadata={"help": "env steps (all collectors) to collect: the collectors stop there"})
-    updates: int = field(default=2_000, metadata={"help": "learner updates: the run ends once these are done and the steps collected"})
-    learning_starts: int = field(default=5_000, metadata={"help": "rows pushed before the first update"})
+    steps: int = field(default=8_000, metadata={"help": "env steps (all collectors) to collect: the collectors stop there"})
+    updates: int = field(default=1_000, metadata={"help": "learner updates: the run ends once these are done and the steps collected"})
+    learning_starts: int = field(default=2_000, metadata={"help": "rows pushed before the first update"})
     batch_size: int = field(default=32, metadata={"help": "transitions per learner batch"})
     lr: float = field(default=1e-4, metadata={"help": "Adam's learning rate"})
     gamma: float = field(default=0.99, metadata={"help": "discount"})

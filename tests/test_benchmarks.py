@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,53 @@ def test_quick_benchmark_runs(group: str, tmp_path: Path) -> None:
     assert {t["status"] for t in results["targets"]} <= {"met", "missed", "not measured"}
     assert not left_by(proc.pid)
     assert not results["left_in_dev_shm"]
+
+
+
+def bench(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "benchmarks", "--quick", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float) -> str:
+    """``proc``'s output once it ends; killed with every process it started if it runs past ``timeout``."""
+    try:
+        return proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+@pytest.mark.slow
+def test_a_stopped_run_keeps_its_cases_and_a_rerun_merges(tmp_path: Path) -> None:
+    """The results file is written after each case: a run killed in its second case leaves the first
+    case's figures; a later ``--only`` run adds its case to them, each case saying when it was measured."""
+    out = tmp_path / "r.json"
+    proc = bench("--only", "floor.memcpy", "mujoco.multiproc", "--out", str(out))  # the second: several seconds
+    try:
+        deadline = time.monotonic() + 120
+        while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert out.exists(), "no results file after the first case"
+        os.killpg(proc.pid, signal.SIGKILL)  # a stop: no handler runs, nothing more is written
+    finally:
+        log = finish(proc, 60)
+        for name in left_by(proc.pid):  # the killed case's buffers
+            os.unlink(f"/dev/shm/{name}")
+    first = json.loads(out.read_text())
+    assert list(first["cases"]) == ["floor.memcpy"], log[-3000:]
+    assert first["cases"]["floor.memcpy"]["measured"]["rounds"] == 1
+
+    log = finish(bench("--only", "mujoco.push1", "--out", str(out)), 240)
+    merged = json.loads(out.read_text())
+    assert set(merged["cases"]) == {"floor.memcpy", "mujoco.push1"}, log[-3000:]
+    assert merged["cases"]["floor.memcpy"] == first["cases"]["floor.memcpy"]
+    assert [r["cases"] for r in merged["runs"]] == [["floor.memcpy"], ["mujoco.push1"]]
+    for case in merged["cases"].values():
+        assert {"date", "commit", "rounds", "load_average_start", "load_average_end"} <= set(case["measured"])
+    assert any(r["case"] == "mujoco.push1" for r in merged["ratios"])
+    assert "mujoco.push1" in out.with_suffix(".md").read_text()
 
 
 

@@ -110,7 +110,7 @@ def test_the_demo_command_runs() -> None:
                          timeout=240, env=env, cwd=ROOT)
     assert out.returncode == 1, out.stdout + out.stderr  # a target of 1000 cannot be reached: exit 1
     assert out.stderr == "", out.stderr
-    assert "NOT SOLVED: mean evaluation return" in out.stdout and "2 collector processes" in out.stdout
+    assert "NOT LEARNED: mean evaluation return" in out.stdout and "2 collector processes" in out.stdout
     help_text = subprocess.run([sys.executable, "-m", "shmbuffer.cli", "demo", "--help"], capture_output=True,
                                text=True, timeout=60, env=env, cwd=ROOT)
     assert "--samples-per-insert" in help_text.stdout

@@ -8,6 +8,11 @@
 - ``<!-- shmbuffer-help -->`` in a page becomes the ``--help`` of every ``shmbuffer`` subcommand,
   ``<!-- shmbuffer-all -->`` a table of ``shmbuffer.__all__`` with cross-references to where each
   name is rendered (an unrendered name is an unresolved reference: a strict failure too).
+- A code line too long for the column wraps with its continuation indented 4 columns past the
+  line's own indentation (a wrapped Python line must not read as a dedent).
+- A name in a table cell (``ReplayBuffer(storage=shmbuffer.torchrl.ShmStorage(N))``) may break after
+  its dots, brackets, commas and ``=`` (``<wbr>``), never inside a word: without those points a long
+  name widens its column past the page and the table's last column is cut off at 1280 px.
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ def _cli_help() -> str:
             main(args)
         return out.getvalue().rstrip()
 
-    os.environ["COLUMNS"] = "100"
+    os.environ["COLUMNS"] = "86"  # the code column holds 87 characters at 1280 px
     top = run(["--help"])
     subcommands = re.search(r"\{([a-z,]+)\}", top)
     assert subcommands, top
@@ -109,3 +114,43 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
     if "<!-- shmbuffer-all -->" in markdown:
         markdown = markdown.replace("<!-- shmbuffer-all -->", _all_table())
     return markdown
+
+
+CELL = re.compile(r"<t([dh])([^>]*)>(.*?)</t\1>", re.S)
+CODE = re.compile(r"<code>([^<]*)</code>")
+BREAK_AFTER = re.compile(r"([(\[,=/|]|\.(?![a-z]{1,4}\b))(?=[^\s)\],.])")  # a file's .py stays on its name
+
+
+def break_points(html: str) -> str:
+    """``html`` with a ``<wbr>`` after each dot (but a short suffix's: ``segment.py``), opening bracket,
+    comma, ``=``, ``/`` and ``|`` of the code in its table cells (not before a closing bracket or a
+    space: ``f()`` stays whole)."""
+
+    def code(m: re.Match[str]) -> str:
+        return "<code>" + BREAK_AFTER.sub(r"\1<wbr>", m.group(1)) + "</code>"
+
+    def cell(m: re.Match[str]) -> str:
+        return f"<t{m.group(1)}{m.group(2)}>" + CODE.sub(code, m.group(3)) + f"</t{m.group(1)}>"
+
+    return CELL.sub(cell, html)
+
+
+LINE = re.compile(r'<span id="(__span-\d+-\d+)">')
+TAG = re.compile(r"<[^>]+>")
+
+
+def hanging_indents(html: str) -> str:
+    """Each code line's span (``pymdownx.highlight`` ``line_spans``) with a hanging indent: its first
+    line where it was, the lines it wraps onto 4 columns right of its own indentation."""
+
+    def line(m: re.Match[str]) -> str:
+        end = html.find("\n", m.end())
+        text = TAG.sub("", html[m.end():end if end >= 0 else len(html)])
+        n = len(text) - len(text.lstrip(" ")) + 4
+        return f'<span id="{m.group(1)}" class="code-line" style="padding-left:{n}ch;text-indent:-{n}ch">'
+
+    return LINE.sub(line, html)
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
+    return hanging_indents(break_points(html))
