@@ -319,7 +319,9 @@ class ReplayBuffer:
 
     @property
     def full(self) -> bool:
-        """Whether every row of the capacity holds a transition."""
+        """Whether every slot has been written since the last ``clear()``: the next push overwrites
+        the oldest rows (SB3's ``full``). Slots count whatever they hold: rows deleted or lost, and
+        with ``next_of``/``stack`` end rows too, so ``len`` may be below the capacity."""
         return len(self.ring) == self.ring.capacity
 
     @property
