@@ -249,7 +249,17 @@ SCRIPT = textwrap.dedent("""
     from shmbuffer.native import lib
 
     def tasks():
-        return len(os.listdir("/proc/self/task"))
+        # a joined thread's task can linger in /proc for a moment after its join returned: a count
+        # is taken once it has held still for 20 ms (2 s at most)
+        import time
+        n, until = len(os.listdir("/proc/self/task")), time.monotonic() + 2
+        while time.monotonic() < until:
+            time.sleep(0.02)
+            again = len(os.listdir("/proc/self/task"))
+            if again == n:
+                break
+            n = again
+        return n
 
     cap, n = 64, 200
     stamp = np.arange(cap, dtype=np.int64) * 2 + 2
