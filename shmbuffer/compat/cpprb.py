@@ -113,8 +113,7 @@ class ReplayBuffer(Facade):
     def get_next_index(self) -> int:
         """Where the next row goes: the slot of the buffer's next row (0 again after ``clear``; with
         ``next_of`` rows holding episodes' final observations take slots too)."""
-        ring = self.buffer.ring
-        return int(ring.slots(ring.bounds()[1][:1])[0])  # the one lane's next row id is its row number
+        return self.buffer.ring.next_slot()
 
     def clear(self) -> None:
         """Forget every row."""

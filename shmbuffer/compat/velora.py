@@ -162,8 +162,7 @@ class ReplayBuffer(Facade):
     def _position(self) -> int:
         """The slot the next row goes to: 0 again after ``clear()`` (not rows ever inserted modulo
         the capacity)."""
-        ring = self.buffer.ring
-        return int(ring.slots(ring.bounds()[1][:1])[0])  # the one lane's next row id is its row number
+        return self.buffer.ring.next_slot()
 
     def save(self, dirpath: str | os.PathLike[str], prefix: str = "buffer_") -> None:
         """Write ``{prefix}metadata.json`` and the save ``{prefix}state/`` into ``dirpath``."""

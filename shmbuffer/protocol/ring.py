@@ -445,6 +445,11 @@ class Ring:
         """The first row number of each lane since the last ``clear()``."""
         return self._lanes[lanes, _BASE]
 
+    def next_slot(self) -> int:
+        """The slot a one-lane ring's next row goes to (0 again after ``clear()``): what cpprb's
+        ``get_next_index`` and Velora's ``position`` report."""
+        return int(self.slots(self.bounds()[1][:1])[0])  # the one lane's next row id is its row number
+
     def span(self) -> tuple[int, int]:
         """``bounds()`` of a one-lane ring, as ints (the sampling fast path)."""
         cur = self._cur[_CURSOR]
