@@ -40,6 +40,7 @@ import numpy as np
 from .batch import Batch
 from .buffer import BufferHandle, ReplayBuffer
 from .errors import EmptyBufferError, SchemaError, WaitTimeout
+from .protocol import places
 from .protocol.priorities import check_priorities
 
 
@@ -241,7 +242,7 @@ class Mix:
             prios = buf.priorities
             if rows.any() and prios is not None and prios.prioritized:
                 what = f"update_priorities: source {i} ({buf.name!r})"
-                ids = buf.ring.check_ids(index[rows], what)
+                ids = places.known(buf, index[rows], what)
                 work.append((buf, ids, prios.check(priorities[rows], ids.size, what)))
         return sum(buf.update_priorities(ids, p) for buf, ids, p in work)
 

@@ -80,6 +80,7 @@ from torchrl.data.replay_buffers.storages import Storage, StoreStorage
 from . import tensordicts
 from .buffer import ReplayBuffer as SharedBuffer
 from .errors import EmptyBufferError
+from .protocol import places
 from .schema import RESERVED, Schema
 from .tensordicts import SEP
 
@@ -181,7 +182,7 @@ class ShmStorage(StoreStorage):
         self.shared_writers = False  # whether writers elsewhere have written since (see the module docstring)
         if buffer is not None:
             self._keys(buffer.schema)
-            self._seen = buffer.ring.span()[1]
+            self._seen = places.cursor(buffer)
 
     @property
     def initialized(self) -> bool:
@@ -305,7 +306,7 @@ class ShmStorage(StoreStorage):
         if single:
             rows = {n: a[None] for n, a in rows.items()}
         cap = self._cap(row_batch)
-        head = 0 if self.buffer is None else self.buffer.ring.span()[1] % cap
+        head = 0 if self.buffer is None else places.next_slot(self.buffer)
         appends = _run_from(slots, head, cap)
         if not appends:
             slots = self._in_range(slots)
@@ -324,7 +325,7 @@ class ShmStorage(StoreStorage):
             self._append(buf, rows, k)
         else:
             self._write_at(buf, slots, rows)
-        self._seen = buf.ring.span()[1]
+        self._seen = places.cursor(buf)
         if set_cursor:
             self._set_last_cursor(cursor)
         self._bump_mutation_revision()
@@ -346,16 +347,15 @@ class ShmStorage(StoreStorage):
         while True:
             if self._others_wrote(buf):
                 return True
-            first, stop = buf.ring.span()
-            if _run_from(slots, stop % cap, cap):
+            if _run_from(slots, places.next_slot(buf), cap):
                 return True
-            if ((slots - first) % cap < stop - first).any() or time.monotonic() >= deadline:
+            if places.held(buf, slots).any() or time.monotonic() >= deadline:
                 return False
             time.sleep(0.0005)
 
     def _others_wrote(self, buf: SharedBuffer) -> bool:
         """Whether rows were added by someone else since this object last wrote (sticky)."""
-        if not self.shared_writers and self._seen is not None and buf.ring.span()[1] != self._seen:
+        if not self.shared_writers and self._seen is not None and places.cursor(buf) != self._seen:
             self.shared_writers = True
         return self.shared_writers
 
@@ -365,12 +365,11 @@ class ShmStorage(StoreStorage):
         # a slot given twice keeps its last row, as tensor indexing does
         last = np.sort(slots.size - 1 - np.unique(slots[::-1], return_index=True)[1])
         slots, rows = slots[last], {n: a[last] for n, a in rows.items()}
-        first, stop = buf.ring.span()
-        empty = (slots - first) % cap >= stop - first
-        if not _run_from(slots[empty], stop % cap, cap):
+        empty = ~places.held(buf, slots)
+        if not _run_from(slots[empty], places.next_slot(buf), cap):
             raise IndexError(
                 f"ShmStorage.set: slots {slots[empty][:5].tolist()} hold no row and are not the next ones "
-                f"({self._rows()} rows held): write at held slots to overwrite them, or at slot {stop % cap} and "
+                f"({self._rows()} rows held): write at held slots to overwrite them, or at slot {places.next_slot(buf)} and "
                 "on to add rows"
             )
         fresh = {n: a[empty] for n, a in rows.items()}
@@ -384,7 +383,7 @@ class ShmStorage(StoreStorage):
     def _overwrite(self, buf: SharedBuffer, slots: np.ndarray, rows: dict[str, np.ndarray]) -> None:
         deadline = time.monotonic() + WAIT
         while True:
-            ids = buf.ring.ids_of_slots(slots)
+            ids = places.ids_at(buf, slots)
             if (ids >= 0).all():
                 break
             if time.monotonic() > deadline:
@@ -422,7 +421,7 @@ class ShmStorage(StoreStorage):
         slots = np.where(slots < 0, slots + n, slots)
         deadline = time.monotonic() + WAIT
         while True:
-            ids = buf.ring.ids_of_slots(slots)
+            ids = places.ids_at(buf, slots)
             if (ids >= 0).all():
                 try:
                     batch = buf.take(ids)
@@ -542,7 +541,7 @@ class ShmStorage(StoreStorage):
     def _empty(self) -> None:
         if self.buffer is not None:
             self.buffer.clear()
-            self._seen = self.buffer.ring.span()[1]
+            self._seen = places.cursor(self.buffer)
 
     def _meta(self) -> dict[str, Any]:
         return {"kind": self.kind, "tensorclass": {SEP.join(p): tensordicts.class_name(c) for p, c in self.classes.items()},
@@ -582,7 +581,7 @@ class ShmStorage(StoreStorage):
         self.row_batch = row_batch
         if k:
             self.buffer.push(rows)
-        self._seen = self.buffer.ring.span()[1]
+        self._seen = places.cursor(self.buffer)
         self._bump_mutation_revision()
 
     def _state_row_batch(self, got: Any, schema: Schema) -> tuple[int, ...]:

@@ -68,8 +68,8 @@ from stable_baselines3.common.utils import get_device
 
 from ..buffer import ReplayBuffer as SharedBuffer
 from ..errors import EmptyBufferError, FieldError
-from ..protocol.ring import INVALID
-from ..protocol.rows import lane_of, newest_at, row_id, slot
+from ..protocol import places
+from ..protocol.rows import lane_of
 from ..sampling.limiter import RateLimiter
 from ..schema import Schema
 
@@ -216,10 +216,7 @@ class _Shared:
     def _least(self) -> tuple[int, int]:
         """The cursor of the least filled lane and the rows written to it since the last clear
         (SB3's ``pos`` counts on past the end)."""
-        ring = self.buffer.ring
-        lanes = np.arange(ring.lanes)
-        stop = ring.bounds()[1]
-        rows = stop - ring.base(lanes)
+        stop, rows = places.lanes(self.buffer)
         lane = int(np.argmin(rows))
         return int(stop[lane]), int(rows[lane])
 
@@ -227,7 +224,7 @@ class _Shared:
     def pos(self) -> int:
         """The position SB3 writes next: the slot of the least filled lane's next row (a lane's
         row ``n`` is in its slot ``n % buffer_size``; ``reset()`` starts every lane at slot 0)."""
-        return self._least()[0] % self.buffer_size
+        return int(places.position(self.buffer, self._least()[0]))
 
     @pos.setter
     def pos(self, value: int) -> None:
@@ -282,13 +279,12 @@ class _Shared:
         ``optimize_memory_usage`` lanes also hold end rows, so their cursors differ: position
         ``pos - 1 - j`` of env ``e`` is then the ``j``-th newest row of lane ``e`` (so
         ``dones[pos - 1]`` is every env's newest row, as SB3 means it)."""
-        bs, n = self.buffer_size, self.n_envs
-        lane = np.arange(n) * bs
+        bs, lane = self.buffer_size, np.arange(self.n_envs)[None, :]
         if not self.optimize_memory_usage:
-            return np.arange(bs)[:, None] + lane
-        stop = self.buffer.ring.bounds()[1]
+            return places.lane_slots(self.buffer, lane, np.arange(bs)[:, None])
+        stop = places.lanes(self.buffer)[0]
         back = (self.pos - 1 - np.arange(bs)) % bs  # how far position p is behind pos - 1
-        return (stop[None, :] - 1 - back[:, None]) % bs + lane
+        return places.lane_slots(self.buffer, lane, stop[None, :] - 1 - back[:, None])
 
     def _column(self, field: str) -> _Column:
         """The field as SB3's array ``(buffer_size, n_envs, *shape)``: a view of the shared column
@@ -330,22 +326,22 @@ class _Shared:
         slots, which = np.unique(np.asarray(at).reshape(-1), return_inverse=True)
         if not slots.size:
             return
-        ring = self.buffer.ring
-        ids = ring.ids_of_slots(slots)  # first: a row overwritten after this is skipped by update
+        ids = places.ids_at(self.buffer, slots)  # first: a row overwritten after this is skipped by update
         rows = raw[slots].reshape(slots.size, width).copy()
         rows[which.reshape(-1), np.asarray(off).reshape(-1)] = new.reshape(-1)
         rows = rows.reshape(slots.size, *inner)
-        live = ids != INVALID
+        live = ids != places.INVALID
         if live.any():
             self.buffer.update(ids[live], {field: rows[live]})
         if not live.all():
-            ring.write_free(slots[~live], raw, rows[~live])
+            places.write_free(self.buffer, slots[~live], field, rows[~live])
         if self._episodic and field in ("done", "timeouts"):
             # a lane's newest row set done by hand ends its episode: the env's next add starts one
-            stop = ring.bounds()[1]
-            newest = slot(np.arange(self.n_envs), stop - 1, ring.lane_capacity)
+            lanes = np.arange(self.n_envs)
+            last, since_clear = places.newest(self.buffer, lanes)
+            newest = places.lane_slots(self.buffer, lanes, last)
             ended = (self.buffer.block.fields["done"][newest] != 0) | (self.buffer.block.fields["timeouts"][newest] != 0)
-            self._cut |= ended & (stop > ring.base(np.arange(self.n_envs)))
+            self._cut |= ended & since_clear
 
     def _set_column(self, field: str, value: Any) -> None:
         """``rb.dones = array``: SB3 replaces the array; here its values are written into the column."""
@@ -387,10 +383,8 @@ class _Shared:
         """The shmbuffer row ids of SB3's positions ``batch_inds`` of envs ``env_indices``: the
         newest row of lane ``env`` in slot ``pos`` (below the lane's first row where the lane has
         not come to that slot since its last clear)."""
-        ring = self.buffer.ring
-        stop = ring.bounds()[1]
         lane = np.asarray(env_indices, np.int64)
-        return row_id(newest_at(np.asarray(batch_inds, np.int64), stop[lane] - 1, ring.lane_capacity), lane, ring.lanes)
+        return places.row_ids(self.buffer, places.newest_at(self.buffer, batch_inds, lane)[0], lane)
 
     def _take(self, batch_inds: np.ndarray, env_indices: np.ndarray) -> dict[str, np.ndarray]:
         """The rows at those positions: stamped copies, read again (up to ``WAIT`` seconds) while
@@ -399,12 +393,9 @@ class _Shared:
         committing it: a tight retry loop gave up on a writer descheduled there. Positions no row
         of the env has reached since the last clear (``full`` set by hand) read the arrays as
         they are, as SB3 reads its arrays."""
-        ring = self.buffer.ring
-        lane = np.asarray(env_indices, np.int64)
-
         def read() -> tuple[np.ndarray, np.ndarray, Any]:  # the ids again each time: writers move the lanes on
             ids = self.ids(batch_inds, env_indices)
-            empty = ids // ring.lanes < ring.base(lane)
+            empty = places.cleared(self.buffer, ids)
             return ids, empty, None if empty.all() else self.buffer.take(ids[~empty])
 
         ids, empty, batch = waiting(read, "rows at the drawn positions")
@@ -414,7 +405,7 @@ class _Shared:
                 got = batch[name]
                 out[name] = np.empty((ids.size, *got.shape[1:]), got.dtype)
                 out[name][~empty] = got
-        slots = ring.slots(ids[empty])
+        slots = places.slots_of(self.buffer, ids[empty])
         for name in self.buffer.schema.names:  # every field, also for no position (SB3's sample(0))
             raw = self.buffer.block.fields[name]
             out.setdefault(name, np.empty((ids.size, *raw.shape[1:]), raw.dtype))[empty] = raw[slots]
@@ -461,9 +452,8 @@ class _Shared:
         """The values SB3's arrays show where no row is (left by rows cleared with ``reset()``;
         SB3 reads them once ``full`` is set by hand): ``"slot"`` and each field, for the slots not
         all zeros (a copy starts from zeros)."""
-        ring, fields = self.buffer.ring, self.buffer.block.fields
-        slots = np.arange(ring.capacity)
-        slots = slots[ring.ids_of_slots(slots) == INVALID]
+        fields = self.buffer.block.fields
+        slots = places.free(self.buffer)
         used = np.zeros(slots.size, bool)
         for column in fields.values():
             if slots.size and column[0].size:  # (a reshape of no rows cannot infer the width)
@@ -482,8 +472,8 @@ class _Shared:
         if not once:
             free = state.get("free")
             if free is not None and free["slot"].size:
-                for n, column in self.buffer.block.fields.items():
-                    self.buffer.ring.write_free(np.asarray(free["slot"], np.int64), column, free[n])
+                for n in self.buffer.block.fields:
+                    places.write_free(self.buffer, free["slot"], n, free[n])
             return
         try:  # rows refused leave no shared buffer behind
             self._push_saved(rows, state)

@@ -11,7 +11,7 @@ from gymnasium import spaces
 from stable_baselines3.common import buffers as sb3_buffers
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
-from ..protocol.rows import newest_at, row_id
+from ..protocol import places
 from .buffers import ReplayBuffer, waiting
 
 
@@ -56,14 +56,12 @@ class NStepReplayBuffer(ReplayBuffer, sb3_buffers.NStepReplayBuffer):
     def _get_samples(self, batch_inds: np.ndarray, env: Any = None) -> ReplayBufferSamples:
         env_indices = np.random.randint(0, self.n_envs, size=batch_inds.shape)
         b, n = len(batch_inds), self.n_steps
-        ring = self.buffer.ring
         lane = np.asarray(env_indices, np.int64)
 
         def read() -> tuple[Any, np.ndarray, np.ndarray]:  # as _take: one stamped copy of every window's rows
-            last = ring.bounds()[1][lane] - 1  # each lane's newest row: SB3's pos - 1
-            row = newest_at(np.asarray(batch_inds, np.int64), last, ring.lane_capacity)
+            row, last = places.newest_at(self.buffer, batch_inds, lane)  # last: each lane's newest row, SB3's pos - 1
             rows = np.minimum(row[:, None] + np.arange(n), last[:, None])  # past the newest: masked below
-            return self.buffer.take(row_id(rows, lane[:, None], ring.lanes).reshape(-1)), rows, last
+            return self.buffer.take(places.row_ids(self.buffer, rows, lane[:, None]).reshape(-1)), rows, last
 
         batch, rows, last = waiting(read, "rows of the drawn windows")
         # from here on SB3's NStepReplayBuffer._get_samples, step for step (float32 included)

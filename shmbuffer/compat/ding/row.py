@@ -17,6 +17,7 @@ import numpy as np
 
 from ...buffer import ReplayBuffer
 from ...errors import UnsafePickle
+from ...protocol import places
 from ...schema import RESERVED, Schema
 
 DATA, OBJECT, META = "ding_data", "ding_object", "ding_meta"
@@ -357,7 +358,5 @@ def flat(sampled: Any) -> Iterator[BufferedData]:
 
 def live(buf: ReplayBuffer) -> np.ndarray:
     """The ids of the rows of ``buf`` held and committed now, oldest first (deleted rows left out)."""
-    ring = buf.ring
-    held = ring.held_ids()
-    return held[ring.ids_of_slots(ring.slots(held)) == held]
+    return places.live(buf)
 
