@@ -46,8 +46,8 @@ from . import native
 from .buffer import ReplayBuffer
 from .errors import ForeignBlock, LayoutError, SegmentNotFound, ShmBufferError
 from .persistence import pieces
-from .protocol import rows
-from .protocol.layout import LANE_WORDS, columns
+from .protocol import census
+from .protocol.layout import columns
 from .schema import Schema
 from .shm import segment
 
@@ -96,25 +96,6 @@ def _short(schema: Schema) -> str:
     return " ".join(out)
 
 
-def _rows(h: segment.Header) -> tuple[int, int, list[tuple[int, int]]]:
-    """Rows held, capacity and each lane's ``[first, stop)``, read from the block's ``_lanes``
-    column as ``Ring.bounds`` computes them."""
-    opts = h.meta.get("options")
-    capacity, lanes = (opts.get("capacity"), opts.get("lanes")) if isinstance(opts, dict) else (None, None)
-    if not (type(capacity) is int and type(lanes) is int and 0 < lanes <= capacity and capacity % lanes == 0):
-        raise LayoutError(f"buffer {h.name!r} is damaged: capacity {segment.clip(capacity)} and lanes "
-                          f"{segment.clip(lanes)} in its options, expected positive ints, lanes dividing capacity")
-    cols = {c["name"]: c for c in h.meta["columns"]}
-    col, stamps = cols.get("_lanes"), cols.get("_stamp")
-    if col is None or col["shape"] != [lanes, 8] or col["dtype"] != "<i8" or stamps is None or stamps["shape"] != [capacity]:
-        raise LayoutError(f"buffer {h.name!r} is damaged: its _lanes and _stamp columns do not match capacity "
-                          f"{capacity} in {lanes} lanes")
-    raw = segment.read_data(h, col["offset"], lanes * 8 * 8)
-    first, cur = rows.bounds(np.frombuffer(raw, np.int64).reshape(lanes, LANE_WORDS), rows.lane_capacity(capacity, lanes))
-    bounds = [(int(a), int(b)) for a, b in zip(first, cur, strict=True)]
-    return int((cur - first).sum()), capacity, bounds
-
-
 def _size(name: str) -> int:
     try:
         return os.lstat(segment.path_of(name)).st_size
@@ -128,7 +109,7 @@ OTHER_NS = "other pid namespace: liveness unknown"
 def _entry(name: str) -> dict[str, Any]:
     try:
         h = segment.read_header(name)
-        used, capacity, bounds = _rows(h)
+        used, capacity, bounds = census.unmapped(h)
         schema = _short(_schema(h))
     except SegmentNotFound:
         return {"name": name, "error": "gone"}
@@ -233,7 +214,7 @@ def _remove(name: str, ident: tuple[int, int], why: str, dry_run: bool) -> int:
 def _inspect(args: argparse.Namespace) -> int:
 
     h = segment.read_header(args.name)
-    _, capacity, bounds = _rows(h)
+    _, capacity, bounds = census.unmapped(h)
     buf = ReplayBuffer.attach(args.name)
     try:
         lc = buf.lane_capacity

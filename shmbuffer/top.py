@@ -15,8 +15,8 @@ written, lock waits (in all, and per second) and recoveries, how far the newest 
 began, from ``Counter.DEVICE_ROWS``/``DEVICE_AT``), and per writer which hot path runs in it (C or Python: whether the
 process has the C extension mapped, ``/proc/PID/maps``).
 
-Everything comes from the block's shared columns (``layout.py``), read by attaching for a moment:
-rates are the differences of two reads. The rows a writer pushed between two reads are those of
+Everything comes from a census of the block's shared columns (``protocol/census.py``), taken by
+attaching for a moment: rates are the differences of two censuses. The rows a writer pushed between two reads are those of
 the lanes' new row numbers, attributed by ``_owner`` (the writer entry that reserved each slot);
 when a lane came round more than once between reads the count is scaled from the rows still
 there. Lock waits are the lock's own count (``lock.WAITS``: a locker that found it held); lock
@@ -39,10 +39,9 @@ import numpy as np
 from . import native
 from .buffer import ReplayBuffer
 from .errors import ForeignBlock, LayoutError, SegmentNotFound
-from .protocol import rows
-from .protocol.layout import WRITERS, Counter, Lane
+from .protocol import census
+from .protocol.layout import WRITERS
 from .shm import segment
-from .shm.lock import WAITS
 
 
 @dataclass
@@ -81,62 +80,34 @@ def read(name: str, before: Reading | None) -> tuple[dict[str, Any], Reading | N
 
 def _measure(buf: ReplayBuffer, name: str, uid: int, ident: tuple[int, int],
              before: Reading | None) -> tuple[dict[str, Any], Reading]:
-    arrays = buf.block.arrays
     now = time.monotonic()
-    stamp, owner = arrays["_stamp"], arrays["_owner"]
-    capacity, lanes = buf.capacity, buf.lanes
-    lc = rows.lane_capacity(capacity, lanes)
-    # one reading of the lanes for the rows held, in all and per writer, before the counters (so
-    # that rows <= inserted while writers go on)
-    lanes_now = arrays["_lanes"].copy()
-    lo, hi = rows.bounds(lanes_now, lc)
-    held = np.zeros(WRITERS, np.int64)
-    for lane in np.flatnonzero(hi > lo):  # the rows that count (not those before a clear), committed
-        n = np.arange(int(lo[lane]), int(hi[lane]))
-        slots = rows.slot(int(lane), n, lc)
-        held += np.bincount(owner[slots][stamp[slots] == rows.committed(n)], minlength=WRITERS)
-    plain = buf.options.frames is None and not int(arrays["_stats"][Counter.REMOVED])
-    count = int((hi - lo).sum()) if plain else len(buf)  # len: end rows, deleted rows (a scan)
-    stats = arrays["_stats"].copy()
-    cursors = lanes_now[:, Lane.CURSOR].copy()
-    wpid, wstart = arrays["_writer_pid"].copy(), arrays["_writer_start"].copy()
-    wsampled = arrays["_sampled"].copy()
-    inserted = int(stats[Counter.INSERTED])
-    sampled = int(stats[Counter.SAMPLED]) + int(wsampled.sum())
-    waits = int(arrays["_mutex"].reshape(-1)[WAITS:WAITS + 8].view(np.int64)[0])
-    reading = Reading(now, ident, cursors, inserted, sampled, wsampled, waits)
-
-    odd = np.flatnonzero(rows.is_writing(stamp))
-    odd_owners = owner[odd]
+    c = census.take(buf)
+    count = c.rows if buf.options.frames is None and not c.removed else len(buf)  # len: end rows, deleted rows (a scan)
+    reading = Reading(now, ident, c.cursors, c.inserted, c.sampled, c.writer_sampled, c.lock_waits)
+    wpid, wstart, wsampled = c.writer_pid, c.writer_start, c.writer_sampled
     alive = {int(w): segment.process_alive(int(wpid[w]), float(wstart[w])) for w in np.flatnonzero(wpid)}
-    dead_odd = int(sum(1 for o in odd_owners if not alive.get(int(o), False)))
+    dead_odd = int(sum(1 for o in c.writing if not alive.get(int(o), False)))
     header = segment.read_header(name)
+    capacity = buf.capacity
     out: dict[str, Any] = {
         "name": name, "owner_uid": uid, "creator_pid": header.creator_pid,
         "creator_alive": header.creator_state == "alive", "rows": count, "capacity": capacity,
-        "fill": count / capacity, "lanes": lanes, "inserted": inserted, "sampled": sampled,
-        "samples_per_insert": sampled / inserted if inserted else None,
-        "reaped": int(stats[Counter.RECLAIMED]), "lost": dead_odd, "being_written": int(odd.size) - dead_odd,
-        "lock_recoveries": int(stats[Counter.LOCK_RECOVERIES]), "lock_waits": waits,
+        "fill": count / capacity, "lanes": buf.lanes, "inserted": c.inserted, "sampled": c.sampled,
+        "samples_per_insert": c.sampled / c.inserted if c.inserted else None,
+        "reaped": c.reclaimed, "lost": dead_odd, "being_written": int(c.writing.size) - dead_odd,
+        "lock_recoveries": c.lock_recoveries, "lock_waits": c.lock_waits,
         "interval_s": None, "in_rows_s": None, "out_rows_s": None, "samples_per_insert_now": None,
-        "lock_waits_s": None,
-        "device_lag_rows": None, "device_lag_ms": None,
+        "lock_waits_s": None, "device_lag_rows": c.device_lag_rows, "device_lag_ms": c.device_lag_ms,
     }
-    if int(stats[Counter.DEVICE_AT]):  # a device copy refreshes (device/rows.py): how far behind it is
-        out.update(device_lag_rows=inserted - int(stats[Counter.DEVICE_ROWS]),
-                   device_lag_ms=(time.monotonic_ns() - int(stats[Counter.DEVICE_AT])) / 1e6)
     pushed = np.zeros(WRITERS)
     if before is not None:
         dt = max(now - before.t, 1e-9)
-        rows_in, rows_out = inserted - before.inserted, sampled - before.sampled
+        rows_in, rows_out = c.inserted - before.inserted, c.sampled - before.sampled
         out.update(interval_s=round(dt, 3), in_rows_s=rows_in / dt, out_rows_s=rows_out / dt,
                    samples_per_insert_now=rows_out / rows_in if rows_in > 0 else None,
-                   lock_waits_s=(waits - before.lock_waits) / dt)
-        for lane in np.flatnonzero(cursors != before.cursors):
-            new = int(cursors[lane] - before.cursors[lane])
-            first = max(int(before.cursors[lane]), int(cursors[lane]) - lc)  # rows lapped are gone
-            slots = rows.slot(int(lane), np.arange(first, int(cursors[lane])), lc)
-            pushed += np.bincount(owner[slots], minlength=WRITERS) * (new / slots.size)
+                   lock_waits_s=(c.lock_waits - before.lock_waits) / dt)
+        pushed = census.pushed(buf, before.cursors, c.cursors)
+    held = c.held
     writers = []
     for w, live in alive.items():
         entry: dict[str, Any] = {
