@@ -166,3 +166,38 @@ def test_compat_sits_on_top() -> None:
     assert not below, f"{below} import shmbuffer.compat"
     assert {"compat", "compat.ding", "compat.mindspore", "compat.nervex", "compat.velora"} <= facades
     assert not [r for m in facades for r in private_reads(paths[m])]
+
+
+INTERNAL_COLUMNS = {"_stamp", "_lanes", "_stats", "_owner", "_writer_pid", "_writer_start", "_sampled", "_mutex"}
+
+
+def protocol_reads(path: Path) -> list[str]:
+    """What ``path`` reads of the commit protocol's internals: a buffer's ``ring`` (its
+    reservations, cursors and stamps), a ``stamp`` array, or a protocol column by name."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in ("ring", "stamp"):
+            out.append(f"{path.name}:{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Constant) and node.value in INTERNAL_COLUMNS:
+            out.append(f"{path.name}:{node.lineno}: {node.value!r}")
+    return out
+
+
+def above_the_buffer() -> list[str]:
+    order = stated_order()
+    return order[order.index("buffer") + 1:]
+
+
+@pytest.mark.parametrize("module", above_the_buffer())
+def test_modules_above_the_buffer_leave_the_protocol_to_it(module: str) -> None:
+    """The facades, integrations, top and the cli reach rows through the buffer's methods and
+    ``protocol/``'s functions (``places.py``, ``census.py``): only ``protocol/`` reads stamps,
+    cursors and the ring, so each rule of the commit protocol is written once."""
+    found = protocol_reads(module_paths()[module])
+    assert not found, f"shmbuffer/{module.replace('.', '/')} reads the protocol's internals: {found}"
+
+
+def test_the_protocol_check_sees_a_ring_read(tmp_path: Path) -> None:
+    src = tmp_path / "x.py"
+    src.write_text("def f(buf):\n    n = buf.ring.next_slot()\n    return buf.block.arrays['_stamp'], n\n")
+    assert [r.split(": ")[1] for r in protocol_reads(src)] == [".ring", "'_stamp'"]

@@ -412,12 +412,12 @@ def pending(buf: Buffer, pusher: Pusher | None) -> dict[str, np.ndarray]:
             row = int(stop[lane]) - 1
             if last.final or row < int(first[lane]) or last.row != row:
                 continue
-            at = np.array([row * ring.lanes + lane], np.int64)
-            slot, expect = int(ring.slots(at)[0]), int(ring.expected(at)[0])
-            if int(ring.stamp[slot]) != expect:
+            at = row_id(np.array([row], np.int64), lane, ring.lanes)
+            slot = int(ring.slots(at)[0])
+            if not ring.current(at)[0]:
                 continue  # being written over
             got = {n: last.values[n] if n in last.values else buf.block.fields[n][slot].copy() for n in names}
-            if int(ring.stamp[slot]) != expect:
+            if not ring.current(at)[0]:
                 continue  # lapped while copied: the row is gone
             ids.append(int(at[0]))
             episodes.append(-1 if last.episode is None else int(last.episode))
