@@ -7,19 +7,16 @@
     batch = buf.sample(256)                    # batch.obs, batch["obs"], batch.index
     other = ReplayBuffer.attach(buf.handle)    # in any process
 
-Lifecycle: the process that constructs a buffer creates its block and owns it; ``attach`` maps an
-existing block by name or handle and never removes it. ``close()`` unmaps this process's view
-(``BufferError`` while arrays from ``view()``/``column()`` are alive; call it again after deleting
-them); ``unlink()`` removes the name, and happens by itself when the creator exits or drops the
-buffer. Both are idempotent. As a context manager the creator closes and unlinks; an attacher only
-closes; views still alive at the end of the block keep this process's mapping until they go. A
-buffer pickles as its handle, so passing it to a spawned worker attaches there.
+Lifecycle: the constructing process creates the block and owns it; ``attach`` maps an existing
+block and never removes it. ``close()`` unmaps this process's view (``BufferError`` while arrays
+from ``view()``/``column()`` live; close again once they are gone); ``unlink()`` removes the name,
+by itself when the creator exits or drops the buffer. Both are idempotent. A ``with`` block closes
+(and, in the creator, unlinks); views still alive keep the mapping until they go. A buffer
+pickles as its handle: a spawned worker attaches.
 
-Reading: ``sample`` and ``get`` return stamped copies (never a torn row: ``reader.py``); ``view``
-and ``column`` return zero-copy, read-only views of live memory, which writers may overwrite as
-they come round the ring. The buffer composes the parts: the block's layout (``layout.py``), the
-ring's reservations (``ring.py``), the sampler's draws (``samplers.py``) and the reader
-(``reader.py``); windows, persistence and the loader are in their own modules.
+``sample`` and ``get`` return stamped copies (never a torn row); ``view`` and ``column`` return
+zero-copy, read-only views of live memory. Each method hands its call to the module that does it
+(``protocol/``, ``sample_paths.py``, ``sequences.py``, ``views.py``, ``persistence/``).
 """
 
 from __future__ import annotations
@@ -33,21 +30,20 @@ from typing import Any
 import numpy as np
 
 from . import hindsight as her
-from . import hints, native, persistence, sequences, views
+from . import hints, persistence, sequences, views
 from .batch import Batch
 from .errors import SchemaError, closed
-from .frames import Frames
 from .loader import Loader
-from .protocol import edits, push, reader
+from .protocol import edits, layout, push, reader
 from .protocol.frames_push import Pusher
-from .protocol.layout import UNIFORM, Block, Counter, Options, columns, read
+from .protocol.layout import UNIFORM, Block, Options
 from .protocol.priorities import Priorities
 from .protocol.push import Copier
 from .protocol.ring import Ring, check_platform
 from .sample_paths import SamplePaths, count
 from .sampling.limiter import RateLimiter
 from .sampling.samplers import Sampler
-from .schema import Schema, stack_rows
+from .schema import Schema, as_schema
 from .shm.segment import Segment
 
 __all__ = ["BufferHandle", "Options", "ReplayBuffer"]
@@ -58,16 +54,6 @@ class BufferHandle:
     """What another process needs to attach: the buffer's name. Small, plain and picklable."""
 
     name: str
-
-
-def as_schema(schema: Schema | Mapping[str, Any]) -> Schema:
-    """A ``Schema``, or a cpprb-style ``env_dict`` made into one."""
-    if isinstance(schema, Schema):
-        return schema
-    if isinstance(schema, Mapping):
-        return Schema(schema)
-    hint = " (the schema comes first: ReplayBuffer(schema, capacity))" if isinstance(schema, int) else ""
-    raise SchemaError(f"expected a Schema or a cpprb-style env_dict, got {type(schema).__name__}{hint}")
 
 
 class ReplayBuffer:
@@ -100,7 +86,6 @@ class ReplayBuffer:
 
     _ring: Ring | None = None
     _segment: Segment | None = None
-    _plan: Any = None
     _paths: SamplePaths | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ReplayBuffer:
@@ -129,15 +114,10 @@ class ReplayBuffer:
         if unknown:  # another library's keyword (SB3's device, cpprb's Nstep ...): name ours
             raise hints.keyword_error("ReplayBuffer", unknown)
         schema = as_schema(schema)
-        if lanes is None:
-            lanes = envs if envs is not None else 1
-        elif envs is not None and lanes != envs:
-            raise ValueError(f"lanes={lanes!r} and envs={envs!r}: envs means one lane per env; give one of them")
-        opts = Options(capacity, lanes, sampler, max_use, episodes, limiter, envs, Frames.make(schema, next_of, stack))
+        opts = Options.make(schema, capacity, sampler=sampler, max_use=max_use, lanes=lanes, envs=envs,
+                            episodes=episodes, limiter=limiter, next_of=next_of, stack=stack)
         check_platform()
-        stored = schema if opts.frames is None else opts.frames.stored(schema)
-        meta = {"schema": schema.to_json(), "options": opts.to_json(), "record": stored.record.itemsize}
-        segment = Segment.create(name, meta, columns(schema, opts), schema.fingerprint)
+        segment = layout.create(name, schema, opts)
         try:
             self._setup(segment, schema, opts, seed, initialise=True)
         except BaseException:
@@ -155,7 +135,7 @@ class ReplayBuffer:
         name = handle.name if isinstance(handle, BufferHandle) else handle
         segment = Segment.attach(name)
         try:
-            found, opts = read(name, segment.meta, segment.header.fingerprint)
+            found, opts = layout.read(name, segment.meta, segment.header.fingerprint)
             if schema is not None and as_schema(schema) != found:
                 raise SchemaError(f"buffer {name!r} has schema {found}, expected {as_schema(schema)}")
             self = cls.__new__(cls)
@@ -179,21 +159,9 @@ class ReplayBuffer:
             self._ring.repairs.append(self._prios.repair)
         self._paths = SamplePaths()
         self._fast_push = push.fast_push(self, self._copier, self._pusher)
-        self._push_plan = self._copier.plan if self._fast_push is not None else None
+        _SEATS.seat(self, self._copier.plan if self._fast_push is not None else None)  # buf.push: an attribute read
         self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         """This process's random generator for sampling."""
-
-    @property
-    def _push_plan(self) -> Any:
-        """The C push's plan (``Copier.plan``), or ``None``: every push takes the Python method."""
-        return self._plan
-
-    @_push_plan.setter
-    def _push_plan(self, plan: Any) -> None:
-        self._plan = plan
-        if _PUSH is not None and _class_push(type(self)) is _PUSH:
-            _PUSH.unseat(self)  # a push held elsewhere keeps this buffer, and its plan (method.c)
-            self.push = _PUSH.seat(self, plan)  # type: ignore[method-assign]  # buf.push: an attribute read
 
     def __dir__(self) -> list[str]:
         return [name for name in super().__dir__() if name not in hints.METHODS]  # the hints set below
@@ -250,9 +218,7 @@ class ReplayBuffer:
     def _close(self, *, defer: bool) -> None:
         if self._segment is None:
             return
-        self._plan = None
-        if _PUSH is not None:
-            _PUSH.unseat(self)  # push is the method again, which says closed; one held elsewhere keeps this buffer
+        _SEATS.unseat(self)  # push is the method again, which says closed; one held elsewhere keeps this buffer
         if self._copier is not None:
             self._copier.close()  # the one-call push's views of the block (a held push's too)
         if self._paths is not None:
@@ -304,13 +270,7 @@ class ReplayBuffer:
         Rows deleted (``delete``) or used up (``max_use``) are not held: once the buffer has had
         one (``Counter.REMOVED``), ``len`` scans the held slots (O(capacity)) to leave them out,
         and empty slots of writers that died mid-push with them."""
-        ring = self.ring
-        held = len(ring)
-        if held and self._block.arrays["_stats"][Counter.REMOVED]:
-            held -= edits.removed(self)
-        if held and self._pusher is not None:
-            held -= edits.end_rows(self)  # end and lead rows (and with next_of each lane's newest) are not transitions
-        return held
+        return edits.held(self)
 
     @property
     def size(self) -> int:
@@ -331,8 +291,7 @@ class ReplayBuffer:
 
     def clear(self) -> None:
         """Forget every row (MindSpore's ``reset``). Ids keep growing; see ``Ring.clear``."""
-        prios = self._prios
-        self.ring.clear(also=prios.clear if prios is not None else None)
+        edits.clear(self)
 
     def freeze(self) -> None:
         """Make the buffer read-only for every process (expert data): pushes and clears raise
@@ -347,8 +306,7 @@ class ReplayBuffer:
     def reap(self) -> np.ndarray:
         """Mark the rows of writers that died mid-push as empty (and out of the priority tree);
         return their slots. Readers do this by themselves when rows stay odd."""
-        prios = self._prios
-        return self.ring.reap(also=None if prios is None else (lambda slots: prios.tree.update(slots, 0.0)))
+        return edits.reap(self)
 
     # -- writing -------------------------------------------------------------------------------
     def push(
@@ -415,19 +373,14 @@ class ReplayBuffer:
         empty, never torn (the commit protocol, ``protocol/edits.py``). A ``priority`` (or a
         ``"priority"`` key that is not a field) sets the rows' priorities too. Everything is
         checked first: on any error nothing changed."""
-        ids = self.ring.check_ids(rows.index if isinstance(rows, Batch) else rows, "update")
-        if data is not None:
-            if fields:
-                raise TypeError("update() takes a mapping or keyword fields, not both")
-            fields = dict(data if isinstance(data, Mapping) else stack_rows(data, self.schema))
-        return edits.update(self, ids, fields, priority)
+        return edits.update(self, rows, data, fields, priority)
 
     def delete(self, rows: Batch | Any) -> int:
         """Remove stored rows by id (a batch, or its ``index``), from any process: they are never
         sampled, taken or got again, ``len`` no longer counts them, ``export`` and ``save`` leave
         them out (a save keeps them as holes). Their slots stay where they are until the ring
         comes round to them. Returns how many rows were deleted (rows already gone are skipped)."""
-        return edits.delete(self, self.ring.check_ids(rows.index if isinstance(rows, Batch) else rows, "delete"))
+        return edits.delete(self, rows)
 
     def priority(self, ids: Any) -> np.ndarray:
         """The tree leaf of each row, ``(priority + eps) ** alpha`` (0 once used up or gone; 1 for
@@ -576,22 +529,8 @@ def _attach_by_handle(handle: BufferHandle) -> ReplayBuffer:
     return ReplayBuffer.attach(handle)
 
 
-def _class_push(cls: type) -> Any:
-    """What ``cls`` has for ``push`` (not overridden, nor patched on the class: ``_PUSH``)."""
-    return next(vars(k)["push"] for k in cls.__mro__ if "push" in vars(k))
-
-
 for _name in hints.METHODS:  # another library's name (cpprb's get_stored_size ...) names ours
     if not hasattr(ReplayBuffer, _name):  # (a name of ours stays ours: tests/test_hints.py)
         setattr(ReplayBuffer, _name, hints.Hint(_name))
 
-_PUSH: Any = None
-if native.lib is not None:
-    # push(...) in C for its usual calls (``_native.PushMethod``): a bound method like any other,
-    # seated on each instance (``_push_plan``): on a uniform buffer the one call serves, its usual calls skip the Python method
-    _PUSH = ReplayBuffer.push = native.lib.PushMethod(ReplayBuffer.push)  # type: ignore[method-assign]
-
-    def _unseat(buf: ReplayBuffer, unseat: Callable[[ReplayBuffer], None] = _PUSH.unseat) -> None:
-        unseat(buf)  # a push read from this buffer and held elsewhere keeps it alive (method.c)
-
-    ReplayBuffer.__del__ = _unseat  # type: ignore[attr-defined]
+_SEATS = push.Seats(ReplayBuffer)

@@ -418,3 +418,13 @@ def as_numpy(value: Any) -> np.ndarray:
     if hasattr(value, "detach"):
         value = value.detach().cpu().numpy()
     return np.asarray(value)
+
+
+def as_schema(schema: Schema | Mapping[str, Any]) -> Schema:
+    """A ``Schema``, or a cpprb-style ``env_dict`` made into one."""
+    if isinstance(schema, Schema):
+        return schema
+    if isinstance(schema, Mapping):
+        return Schema(schema)
+    hint = " (the schema comes first: ReplayBuffer(schema, capacity))" if isinstance(schema, int) else ""
+    raise SchemaError(f"expected a Schema or a cpprb-style env_dict, got {type(schema).__name__}{hint}")

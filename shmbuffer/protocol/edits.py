@@ -13,14 +13,15 @@ scans the held slots (``removed``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
+from ..batch import Batch
 from ..errors import FieldError, ReadOnlyError
 from ..frames import KIND, transitions
-from ..schema import as_numpy
+from ..schema import as_numpy, stack_rows
 from ..shm.lock import defer_signals, resume_signals
 from .layout import Counter
 from .reader import Source, gone
@@ -29,12 +30,24 @@ from .rows import lane_of, number_of, slot
 OneCall = Callable[[Any, Any, Any], "np.ndarray | None"]
 
 
-def update(src: Source, ids: np.ndarray, fields: dict[str, Any], priority: Any = None) -> int:
-    """``ReplayBuffer.update``: overwrite ``fields`` of the rows ``ids`` (checked ids) that are
-    still current, under the commit protocol (the module docstring); returns how many."""
+def ids_of(src: Source, rows: Batch | Any, what: str) -> np.ndarray:
+    """The checked ids of ``rows``: a batch (its ``index``) or ids (``Ring.check_ids``)."""
+    return src.ring.check_ids(rows.index if isinstance(rows, Batch) else rows, what)
+
+
+def update(src: Source, rows: Batch | Any, data: Any = None, fields: dict[str, Any] | None = None,
+           priority: Any = None) -> int:
+    """``ReplayBuffer.update``: overwrite the fields given (``data``, a mapping or a list of rows,
+    or ``fields``) of ``rows`` (a batch or ids) that are still current, under the commit protocol
+    (the module docstring); returns how many."""
+    ids = ids_of(src, rows, "update")
     ring = src.ring
     schema = src.block.schema
-    fields = dict(fields)
+    if data is not None:
+        if fields:
+            raise TypeError("update() takes a mapping or keyword fields, not both")
+        fields = dict(data if isinstance(data, Mapping) else stack_rows(data, schema))
+    fields = dict(fields or {})
     if "priority" in fields and "priority" not in schema.names:
         if priority is not None:
             raise TypeError("update() got a priority both in the row and as priority=; give one")
@@ -149,9 +162,10 @@ def update_priorities(src: Source, given: Any, priorities: Any) -> int:
     return int(live.sum())
 
 
-def delete(src: Source, ids: np.ndarray) -> int:
-    """``ReplayBuffer.delete``: remove the rows ``ids`` (checked ids) that are still current;
+def delete(src: Source, rows: Batch | Any) -> int:
+    """``ReplayBuffer.delete``: remove the rows (a batch or ids) that are still current;
     returns how many."""
+    ids = ids_of(src, rows, "delete")
     ring = src.ring
     if ring.frozen:
         raise ReadOnlyError(f"buffer {src.name!r} is frozen (read-only): its rows cannot be deleted")
@@ -212,3 +226,28 @@ def removed(src: Source) -> int:
             slots = slice(lane * lc, (lane + 1) * lc) if b - a >= lc else slot(lane, np.arange(a, b), lc)
             count += int(np.count_nonzero(gone(src, slots)))
     return count
+
+
+def held(src: Source) -> int:
+    """``len(buf)``: the rows that count (``reader.counted``'s rule): the ring's rows, less those
+    gone (once a row was deleted or used up: a scan) and, with ``next_of``/``stack``, the rows
+    that are not transitions (``end_rows``)."""
+    n = len(src.ring)
+    if n and src.block.counters[Counter.REMOVED]:
+        n -= removed(src)
+    if n and src.block.frames is not None:
+        n -= end_rows(src)
+    return n
+
+
+def clear(src: Source) -> None:
+    """``ReplayBuffer.clear``: forget every row, and their priorities (``Ring.clear``)."""
+    prios = src.priorities
+    src.ring.clear(also=prios.clear if prios is not None else None)
+
+
+def reap(src: Source) -> np.ndarray:
+    """``ReplayBuffer.reap``: empty the rows of writers that died mid-push, and take them out of
+    the priority tree; returns their slots (``Ring.reap``)."""
+    prios = src.priorities
+    return src.ring.reap(also=None if prios is None else (lambda slots: prios.tree.update(slots, 0.0)))

@@ -44,7 +44,7 @@ from ..sampling.samplers import Sampler, Uniform, sampler_from_json
 from ..sampling.sumtree import SumTree
 from ..schema import Record, Schema
 from ..shm.lock import SIZE as MUTEX_SIZE
-from ..shm.segment import MALFORMED, ColumnSpec
+from ..shm.segment import MALFORMED, ColumnSpec, Segment
 
 WRITERS = 1024
 UNIFORM = Uniform()
@@ -133,6 +133,17 @@ class Options:
             need = 2 * (self.frames.depth + self.frames.ahead + 1)
             raise ValueError(f"capacity: a transition of this buffer reads {need // 2} rows of its lane (next_of/stack): "
                              f"expected lanes of {need} rows or more, got {cap // lanes}; raise capacity")
+
+    @classmethod
+    def make(cls, schema: Schema, capacity: int, *, sampler: Sampler, max_use: int | None, lanes: int | None,
+             envs: int | None, episodes: bool, limiter: RateLimiter | None, next_of: Any, stack: Any) -> Options:
+        """The options ``ReplayBuffer(schema, capacity, ...)`` is given, checked (``envs`` sets
+        ``lanes``: one lane per env)."""
+        if lanes is None:
+            lanes = envs if envs is not None else 1
+        elif envs is not None and lanes != envs:
+            raise ValueError(f"lanes={lanes!r} and envs={envs!r}: envs means one lane per env; give one of them")
+        return cls(capacity, lanes, sampler, max_use, episodes, limiter, envs, Frames.make(schema, next_of, stack))
 
     @property
     def lane_capacity(self) -> int:
@@ -255,6 +266,13 @@ def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
         cols.append(ColumnSpec("_record", (capacity, schema.record.itemsize), u1))
     cols += [ColumnSpec(f.name, (capacity, *f.shape), f.dtype) for f in schema.columns]
     return cols
+
+
+def create(name: str | None, schema: Schema, opts: Options) -> Segment:
+    """A new block for ``schema`` and ``opts``: their metadata and the columns (``columns``)."""
+    stored = schema if opts.frames is None else opts.frames.stored(schema)
+    meta = {"schema": schema.to_json(), "options": opts.to_json(), "record": stored.record.itemsize}
+    return Segment.create(name, meta, columns(schema, opts), schema.fingerprint)
 
 
 def read(name: str, meta: dict[str, Any], fingerprint: str) -> tuple[Schema, Options]:

@@ -382,3 +382,36 @@ def note_interleaving(src: Source, ids: np.ndarray, episodes: np.ndarray | None,
     runs = seq[np.r_[True, seq[1:] != seq[:-1]]]
     if np.unique(runs).size < runs.size:
         block.mark_interleaved()
+
+
+class Seats:
+    """``push(...)`` in C for its usual calls (``_native.PushMethod``, ``native/method.c``) on the
+    class ``cls``: a bound method like any other, seated on each buffer (``seat``) so that
+    ``buf.push`` is a plain attribute read; where the buffer has a C push plan its usual calls
+    skip the Python method. Without the extension nothing changes (``method`` is ``None``)."""
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.method: Any = None if native.lib is None else native.lib.PushMethod(vars(cls)["push"])
+        if self.method is None:
+            return
+        cls.push = self.method  # type: ignore[attr-defined]
+        unseat = self.method.unseat
+
+        def __del__(buf: Any) -> None:
+            unseat(buf)  # a push read from this buffer and held elsewhere keeps it alive (method.c)
+
+        cls.__del__ = __del__  # type: ignore[attr-defined]
+
+    def seat(self, buf: Any, plan: Any) -> None:
+        """Seat ``buf.push`` with the C push's ``plan`` (``None``: the Python method takes every
+        call), unless ``buf``'s class has a push of its own (overridden, or patched on the class)."""
+        m = self.method
+        if m is not None and next(vars(k)["push"] for k in type(buf).__mro__ if "push" in vars(k)) is m:
+            m.unseat(buf)  # a push held elsewhere keeps this buffer, and its plan (method.c)
+            buf.push = m.seat(buf, plan)
+
+    def unseat(self, buf: Any) -> None:
+        """Take ``buf``'s seated push out (``close``): ``push`` is the method again, which says closed."""
+        if self.method is not None:
+            self.method.unseat(buf)
