@@ -63,23 +63,19 @@ class ReplayBuffer:
     :param capacity: rows held in all; the oldest are overwritten first.
     :param sampler: ``Uniform()`` (default) or ``Prioritized(alpha, beta, beta_steps, eps)``.
     :param max_use: a row leaves the sampling set once drawn this many times (default: never).
-    :param lanes: equal parts of the ring; a writer that pushes into its own lane keeps its
-        consecutive steps consecutive (give each env a lane for sequences and n-step returns).
-        With several lanes every push names its lanes (``lane=``), unless ``envs`` is given.
+    :param lanes: equal parts of the ring, each keeping its writer's steps consecutive (sequences,
+        n-step returns); with several, every push names its lanes (``lane=``) unless ``envs`` is given.
     :param envs: one lane per env of a vector env (sets ``lanes``): a push of ``k`` rows without
-        ``lane=`` is ``k / envs`` steps of every env, env-major (``k`` a multiple of ``envs``), and
-        row ``i`` goes to lane ``i % envs``.
+        ``lane=`` is ``k / envs`` steps of every env, env-major; row ``i`` goes to lane ``i % envs``.
     :param episodes: every push names the episode of its rows (``push(..., episode=id)``);
         sequences, n-step returns, groups and whole episodes need it.
     :param limiter: a ``RateLimiter`` holding samples per insert in a window, for every process.
     :param next_of: store a next observation once (cpprb's ``next_of``, SB3's
-        ``optimize_memory_usage``): ``"obs"`` reads ``next_obs`` of a row from ``obs`` of the next
-        row of its lane (``{"next_obs": "obs"}`` names both); an episode's last step keeps its final
-        observation in a row of its own (``frames.py``). Each env pushes its steps in order into
-        its own lane, the last one marked by ``done``/``terminated``/``truncated``.
+        ``optimize_memory_usage``): ``"obs"`` reads a row's ``next_obs`` from the ``obs`` of the next
+        row of its lane (``{"next_obs": "obs"}`` names both). Each env pushes its steps in order into
+        its own lane, the last marked by ``done``/``terminated``/``truncated`` (``frames.py``).
     :param stack: store one frame of a stacked observation a row (cpprb's ``stack_compress``):
-        ``"obs"`` (its first axis holds the frames), ``{"obs": k}`` or ``{"obs": (k, axis)}``;
-        reads rebuild the stacks, padded at an episode's start as the env padded them.
+        ``"obs"``, ``{"obs": k}`` or ``{"obs": (k, axis)}``; reads rebuild the stacks.
     :param name: the block's name in ``/dev/shm`` (default: the pid and a random token).
     :param seed: seeds this process's sampling (an int or a ``numpy.random.Generator``).
     """
@@ -95,21 +91,11 @@ class ReplayBuffer:
         return super().__new__(cls)
 
     def __init__(
-        self,
-        schema: Schema | Mapping[str, Any],
-        capacity: int,
-        *,
-        sampler: Sampler = UNIFORM,
-        max_use: int | None = None,
-        lanes: int | None = None,
-        episodes: bool = False,
-        limiter: RateLimiter | None = None,
-        name: str | None = None,
-        seed: int | np.random.Generator | None = None,
-        envs: int | None = None,
-        next_of: str | Mapping[str, str] | None = None,
-        stack: str | Mapping[str, Any] | None = None,
-        **unknown: Any,
+        self, schema: Schema | Mapping[str, Any], capacity: int, *, sampler: Sampler = UNIFORM,
+        max_use: int | None = None, lanes: int | None = None, episodes: bool = False,
+        limiter: RateLimiter | None = None, name: str | None = None, seed: int | np.random.Generator | None = None,
+        envs: int | None = None, next_of: str | Mapping[str, str] | None = None,
+        stack: str | Mapping[str, Any] | None = None, **unknown: Any,
     ) -> None:
         if unknown:  # another library's keyword (SB3's device, cpprb's Nstep ...): name ours
             raise hints.keyword_error("ReplayBuffer", unknown)
@@ -177,9 +163,8 @@ class ReplayBuffer:
 
     @property
     def ring(self) -> Ring:
-        """The ring: reservations, commit stamps, lanes (``ring.py``). With ``block`` and
-        ``priorities``, the reader's interface (``protocol.reader.Source``) through which the
-        modules built on the protocol read a buffer; user code does not need them."""
+        """The ring (``ring.py``). With ``block`` and ``priorities``, the reader's interface
+        (``protocol.reader.Source``) for the modules built on the protocol; user code needs none."""
         if self._ring is None:
             raise closed(self.name)
         return self._ring
@@ -193,8 +178,7 @@ class ReplayBuffer:
 
     @property
     def priorities(self) -> Priorities | None:
-        """The priority tree and use counts (``priorities.Priorities``), or ``None`` without a
-        tree: the reader's interface (``ring``)."""
+        """The priority tree and use counts, or ``None`` without a tree: the reader's interface (``ring``)."""
         if self._ring is None:
             raise closed(self.name)
         return self._prios
@@ -266,10 +250,8 @@ class ReplayBuffer:
         return self.ring.lane_capacity
 
     def __len__(self) -> int:
-        """Rows held now, counting rows being written (they are never sampled half-written).
-        Rows deleted (``delete``) or used up (``max_use``) are not held: once the buffer has had
-        one (``Counter.REMOVED``), ``len`` scans the held slots (O(capacity)) to leave them out,
-        and empty slots of writers that died mid-push with them."""
+        """Rows held now, counting rows being written; not rows deleted, used up (``max_use``) or
+        lost (once the buffer had one, ``len`` scans the held slots: ``edits.held``)."""
         return edits.held(self)
 
     @property
@@ -315,28 +297,18 @@ class ReplayBuffer:
         flush: bool | Any = False, **fields: Any,
     ) -> np.ndarray:
         """Append one row, or ``k`` rows given with a leading dimension; return their ids.
-
-        :param data: the fields as one mapping (DI-engine's ``push``), or a list of row mappings
-            with the same keys (a collector's transitions), or give them as keywords (cpprb's
-            ``add``, ``shmbuffer.compat.cpprb``). A ``"priority"`` key that is not a field is the rows' priority (Ape-X).
-        :param lane: a lane number, or one per row; required with several lanes unless the buffer
-            was made with ``envs`` (then row ``i`` goes to lane ``i % envs``).
-        :param episode: the rows' episode id (one, or one per row); required with ``episodes``.
-        :param priority: the rows' priority (one, or one per row; Ape-X style), else the largest
-            given so far.
-        :param timeout: how long a rate limiter that blocks writers may hold this push.
-        :param resume: with ``stack``, a row that starts a lane's episode may hold real older
-            frames instead of padding: an episode whose earlier steps this buffer does not hold
-            (imported from a buffer that lapped them, a collector restarted mid-episode). They are
-            stored in lead rows before it, never drawn (``frames.py``). Without it such a row is
-            refused, as a sign of steps pushed out of order.
-        :param flush: with ``next_of``, store the next observation of each lane's last row of this
-            push now (``True``; or one flag per row), in an end row after it, so that row is a
-            transition at once instead of waiting for the lane's next push (a collector that stops
-            mid-episode, an import); the lane's next row then starts an episode. Rows keep their
-            ``done``. Without ``next_of`` it changes nothing.
-
         Everything is checked before the buffer is touched: on any error it is exactly as it was.
+
+        :param data: the fields as one mapping, or a list of row mappings (or give them as
+            keywords). A ``"priority"`` key that is not a field is the rows' priority (Ape-X).
+        :param lane: a lane number, or one per row; required with several lanes unless ``envs``.
+        :param episode: the rows' episode id (one, or one per row); required with ``episodes``.
+        :param priority: the rows' priority (one, or one per row), else the largest given so far.
+        :param timeout: how long a rate limiter that blocks writers may hold this push.
+        :param resume: with ``stack``, an episode's first row may hold real older frames (an
+            episode whose earlier steps this buffer lacks), kept in lead rows never drawn.
+        :param flush: with ``next_of``, each lane's last row of this push becomes a transition now
+            (``True``, or one flag per row): its next observation goes in an end row after it.
         """
         one = self._fast_push  # the usual push as one C call (push.fast_push); None: the steps decide
         if one is not None and priority is None and not resume and flush is False and (data is None or not fields):
@@ -355,31 +327,22 @@ class ReplayBuffer:
         return push.check(self, self._copier, data, lane=lane, episode=episode, priority=priority, fields=fields)
 
     def update_priorities(self, rows: Batch | Any, priorities: Any) -> int:
-        """Set the priorities of sampled rows (a batch, or its ``index``), from any process.
-
-        Rows overwritten since they were sampled are skipped; returns how many were updated.
-        Ids that never existed, and NaN, infinite or negative priorities raise ``FieldError`` and
-        change nothing.
-        """
+        """Set the priorities of sampled rows (a batch, or its ``index``), from any process; rows
+        overwritten since are skipped. Returns how many were updated. Unknown ids and NaN,
+        infinite or negative priorities raise ``FieldError`` and change nothing."""
         return edits.update_priorities(self, rows.index if isinstance(rows, Batch) else rows, priorities)
 
     def update(self, rows: Batch | Any, data: Mapping[str, Any] | None = None, /, *,
                priority: float | Any = None, **fields: Any) -> int:
-        """Overwrite fields of stored rows by id (a batch, or its ``index``), from any process;
-        fields not given keep their values. Returns how many rows were updated: rows overwritten,
-        deleted or cleared since are skipped, as ``update_priorities`` skips them.
-
-        No reader ever sees a row half-updated, and a process killed mid-update leaves its rows
-        empty, never torn (the commit protocol, ``protocol/edits.py``). A ``priority`` (or a
-        ``"priority"`` key that is not a field) sets the rows' priorities too. Everything is
-        checked first: on any error nothing changed."""
+        """Overwrite the given fields of stored rows (a batch, or its ``index``), from any process;
+        returns how many rows were updated (rows gone since are skipped). No reader sees a row
+        half-updated (``protocol/edits.py``). A ``priority`` sets the rows' priorities too.
+        Everything is checked first: on any error nothing changed."""
         return edits.update(self, rows, data, fields, priority)
 
     def delete(self, rows: Batch | Any) -> int:
-        """Remove stored rows by id (a batch, or its ``index``), from any process: they are never
-        sampled, taken or got again, ``len`` no longer counts them, ``export`` and ``save`` leave
-        them out (a save keeps them as holes). Their slots stay where they are until the ring
-        comes round to them. Returns how many rows were deleted (rows already gone are skipped)."""
+        """Remove stored rows (a batch, or its ``index``), from any process: never sampled, taken,
+        got, counted, exported or saved again. Returns how many were deleted (gone ones skipped)."""
         return edits.delete(self, rows)
 
     def priority(self, ids: Any) -> np.ndarray:
@@ -397,7 +360,9 @@ class ReplayBuffer:
         fields: dict[str, str] | None = None, out: dict[str, np.ndarray] | None = None,
         timeout: float | None = None, hindsight: her.Hindsight | None = None, **unknown: Any,
     ) -> Batch:
-        """``n`` rows drawn by the buffer's sampler, as one gathered copy.
+        """``n`` rows drawn by the buffer's sampler, as one gathered copy. Rows being written are
+        re-drawn, so the batch has ``n`` rows; ``batch.index`` holds their ids, ``batch.weight``
+        the importance weights of a prioritized buffer.
 
         :param replace: ``False`` draws ``n`` distinct rows.
         :param n_step: > 1 turns rows into n-step transitions (``sequences.add_n_step``) and adds
@@ -405,14 +370,9 @@ class ReplayBuffer:
         :param gamma: the discount of n-step returns.
         :param fields: names of the reward, next_obs and done fields when they are not called so.
         :param out: arrays to gather into (``"_block"`` for the packed record, one per large
-            field; the loader passes pinned staging memory); the batch then holds their views.
+            field: the loader's pinned staging memory); the batch then holds their views.
         :param timeout: how long a rate limiter may hold this sample (default: the limiter's).
-        :param hindsight: a ``Hindsight`` spec: rows of complete episodes, part of them with goals
-            relabelled (``hindsight.py``); adds ``batch.relabelled`` and ``batch.goal``.
-
-        Rows being written are re-drawn, so the batch always has ``n`` rows. ``batch.index`` holds
-        their ids (and ``batch.episode`` their episodes); a prioritized buffer adds
-        ``batch.weight`` (importance-sampling weights).
+        :param hindsight: a ``Hindsight`` spec: goals relabelled (``hindsight.py``).
         """
         paths = self._paths
         if paths is None:
@@ -431,30 +391,23 @@ class ReplayBuffer:
                       short: bool = False) -> Batch:
         """``groups`` groups of ``size`` rows of one episode each, fields ``(groups, size, ...)``:
         consecutive steps when ``ordered``, else distinct steps in random order (DI-engine's
-        ``groupby="episode"``). Episodes are drawn in proportion to their rows.
+        ``groupby="episode"``); episodes drawn in proportion to their rows (``sequences.py``).
 
-        :param replace: ``False``: every group from another episode (DI-engine's default);
-            ``EmptyBufferError`` when the buffer holds fewer episodes than ``groups``.
-        :param short: also draw episodes of fewer than ``size`` rows, whole (DI-engine's
-            ``group_sample`` keeps them truncated): ``batch.mask`` marks the rows that exist.
-            The episode still being written counts with the rows it has so far, the oldest with
-            the rows not yet overwritten (``sequences.episode_runs``)."""
+        :param replace: ``False``: every group from another episode (DI-engine's default).
+        :param short: also draw episodes of fewer than ``size`` rows, whole; ``batch.mask`` marks
+            the rows that exist."""
         return count(self, groups * size, None, lambda: sequences.sample_groups(
             self, groups, size, ordered=ordered, replace=replace, short=short))
 
     def sample_episodes(self, n: int, *, replace: bool = False) -> list[Batch]:
-        """``n`` distinct complete episodes, each a batch of its rows in order (HER relabelling,
-        imitation; ``EmptyBufferError`` when fewer are complete), or with ``replace=True`` drawn
-        in proportion to their length, with repeats. An episode counts as complete once the next
-        one has started in its lane: the episode still being written is never returned. Its rows
-        count as sampled; a rate limiter does not hold it back."""
+        """``n`` distinct complete episodes (the next one has started in their lane), each a batch
+        of its rows in order; with ``replace=True`` drawn in proportion to their length. A rate
+        limiter does not hold it back."""
         return sequences.sample_episodes(self, n, replace=replace)
 
     def epoch(self, batch_size: int, *, shuffle: bool = True, drop_last: bool = False) -> Iterator[Batch]:
-        """Every row held now, once, in batches of ``batch_size`` (epoch-style sampling without
-        replacement; PPO and PPG iterate a rollout like this). Rows used up (``max_use``) are
-        left out, and every row given counts a use; rows overwritten during the epoch are dropped
-        from their batch, so a batch can be short; the last one is short unless ``drop_last``."""
+        """Every row held now, once, in batches of ``batch_size`` (PPO's epochs). Rows overwritten
+        during the epoch drop out of their batch; the last batch is short unless ``drop_last``."""
         return reader.epoch(self, batch_size, shuffle=shuffle, drop_last=drop_last)
 
     def take(self, ids: Any) -> Batch:
@@ -464,26 +417,16 @@ class ReplayBuffer:
         return reader.take(self, ids)
 
     def get(self, index: int | slice | Any) -> Batch:
-        """Rows by logical index: 0 is the oldest, -1 the newest (lane by lane when there are
-        several lanes). An int gives single-row fields (no leading dimension); a slice or an
-        array of ints gives rows. A row being written is waited for (up to a second); a row whose
-        writer died mid-push raises ``EmptyBufferError``. Positions are those of the rows ``len``
-        counts (``reader.counted``), ``0 .. len - 1``: rows deleted or used up (``max_use``) are
-        skipped, and with ``next_of``/``stack`` so are end and lead rows and, with ``next_of``, each
-        lane's newest row. Once the buffer has lost a row, or with ``next_of``/``stack``, they are
-        found by a scan of the held rows: O(capacity) a call, so read many rows with one
-        ``get(slice)``, ``take`` or ``export``."""
+        """Rows by position among those ``len`` counts (``reader.counted``): 0 the oldest, -1 the
+        newest, lane by lane. An int gives single-row fields; a slice or ints give rows. A row
+        being written is waited for (up to a second). Once rows were lost, or with
+        ``next_of``/``stack``, each call scans the held rows: read many with one ``get(slice)``."""
         return reader.get(self, index)
 
     def view(self, start: int, stop: int, *, lane: int = 0) -> Batch:
-        """Zero-copy, read-only views of logical rows ``[start, stop)`` of ``lane``.
-
-        Live memory: writers coming round the ring overwrite it, and rows being written are not
-        skipped (use ``get`` for stamped copies). Positions are ``get``'s, within the lane: the
-        rows ``len`` counts, oldest first. Raises ``ValueError`` when the rows wrap past the
-        lane's end (two pieces cannot be one view), or when rows between them are gone
-        (``delete``, ``max_use``), which a view cannot skip.
-        """
+        """Zero-copy, read-only views of rows ``[start, stop)`` of ``lane`` (``get``'s positions):
+        live memory, which writers overwrite (``get`` gives stamped copies). ``ValueError`` when
+        the rows wrap past the lane's end or have gone rows between them (``views.py``)."""
         return views.view(self, start, stop, lane)
 
     def column(self, name: str) -> np.ndarray:
@@ -511,11 +454,8 @@ class ReplayBuffer:
         return persistence.export(self)
 
     def pending(self) -> dict[str, np.ndarray]:
-        """With ``next_of``: each lane's newest row that waits for its next observation, as the
-        transition this process pushed (it alone holds that observation until the lane's next
-        push): the rows ``export`` leaves out, with ``export``'s keys, for a copy of the buffer
-        that loses nothing (the SB3 adapter's pickling). Lanes whose newest row another process
-        pushed, or that ended its episode, have none."""
+        """With ``next_of``: the rows ``export`` leaves out, each lane's newest row this process
+        pushed that waits for its next observation, as transitions with ``export``'s keys."""
         return persistence.pending(self, self._pusher)
 
     @classmethod
