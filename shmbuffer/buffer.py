@@ -145,7 +145,7 @@ class ReplayBuffer:
             self._ring.repairs.append(self._prios.repair)
         self._paths = SamplePaths()
         self._fast_push = push.fast_push(self, self._copier, self._pusher)
-        _SEATS.seat(self, self._copier.plan if self._fast_push is not None else None)  # buf.push: an attribute read
+        SEATS.seat(self, self._copier.plan if self._fast_push is not None else None)  # buf.push: an attribute read
         self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         """This process's random generator for sampling."""
 
@@ -202,7 +202,7 @@ class ReplayBuffer:
     def _close(self, *, defer: bool) -> None:
         if self._segment is None:
             return
-        _SEATS.unseat(self)  # push is the method again, which says closed; one held elsewhere keeps this buffer
+        SEATS.unseat(self)  # push is the method again, which says closed; one held elsewhere keeps this buffer
         if self._copier is not None:
             self._copier.close()  # the one-call push's views of the block (a held push's too)
         if self._paths is not None:
@@ -473,4 +473,4 @@ for _name in hints.METHODS:  # another library's name (cpprb's get_stored_size .
     if not hasattr(ReplayBuffer, _name):  # (a name of ours stays ours: tests/test_hints.py)
         setattr(ReplayBuffer, _name, hints.Hint(_name))
 
-_SEATS = push.Seats(ReplayBuffer)
+SEATS = push.Seats(ReplayBuffer)

@@ -107,11 +107,18 @@ class _NumpyCopies:
         return getattr(self.lib, name)
 
 
+def python_push(buf: sb.ReplayBuffer) -> None:
+    """Make ``buf``'s pushes take the Python steps (``protocol/push.py``), where a push can fail
+    after its reservation (the one C call cannot): ``buf.push`` the Python method for every call."""
+    buf._fast_push = None
+    sb.buffer.SEATS.seat(buf, None)
+
+
 def copy_through(buf: sb.ReplayBuffer, hook: Callable[[str], None]) -> None:
     """Make ``buf``'s pushes take the Python steps and copy with numpy, calling ``hook(field)``
     before each field's rows are written (``"_episode"`` for the episode ids): the seam where a
     test stops, stalls or kills a push midway through its copy (``protocol/push.py``)."""
-    buf._fast_push = buf._push_plan = None  # the Python steps
+    python_push(buf)
     copier = buf._copier
     copier.lib = None if copier.lib is None else _NumpyCopies(copier.lib)  # the numpy copy
     names = [*copier.names, "_episode"]

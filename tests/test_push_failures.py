@@ -26,7 +26,7 @@ from shmbuffer.protocol.push import Copier
 from shmbuffer.protocol.ring import Ring
 from shmbuffer.shm import segment
 
-from .conftest import MUJOCO, copy_through, transition
+from .conftest import MUJOCO, copy_through, python_push, transition
 
 Make = Callable[..., sb.ReplayBuffer]
 FRAMES = sb.Schema(obs=((3,), "float32"), next_obs=((3,), "float32"), done=((), "bool"))
@@ -118,8 +118,7 @@ def test_a_failed_push_leaves_the_buffer_as_it_was_or_its_rows_whole(
     buf = make(schema, 8, name=name, **CONFIGS[config])
     ref = make(schema, 8, name=name + "r", **CONFIGS[config])
     # the Python steps, where a push can fail after its reservation (the one C call cannot)
-    monkeypatch.setattr(buf, "_push_plan", None)
-    monkeypatch.setattr(buf, "_fast_push", None)
+    python_push(buf)
     t = 0
     for _ in range(6 if lapped else 2):  # 12 rows lap the ring of 8; 4 leave it half empty
         data, kw = rows(config, t, 2)
@@ -229,8 +228,7 @@ def test_an_undone_push_that_reclaimed_a_dead_writers_row_leaves_nothing_odd(
     p.join(30)
     buf.push(transition(3, 1))
     assert buf.ring.stamp[2] & 1  # the dead writer's row
-    monkeypatch.setattr(buf, "_push_plan", None)
-    monkeypatch.setattr(buf, "_fast_push", None)
+    python_push(buf)
     with monkeypatch.context() as m:
         _failing_put(m)
         with pytest.raises(Injected):
@@ -252,7 +250,7 @@ def test_a_clear_while_a_push_fails_is_not_undone(make: Make, name: str, monkeyp
     cleared rows, their priorities or the cursor below the new base."""
     buf = make(MUJOCO, 4, name=name, sampler=sb.Prioritized(alpha=1.0))
     buf.push(transition(0, 4), priority=np.full(4, 5.0))
-    monkeypatch.setattr(buf, "_push_plan", None)
+    python_push(buf)
     with monkeypatch.context() as m:
         _failing_put(m, then=buf.clear)
         with pytest.raises(Injected):
@@ -270,8 +268,7 @@ def test_an_undo_counts_itself_so_a_reader_spanning_it_reads_again(
     undo sees the same stamp twice, so the undo counts itself as an update does (no ABA)."""
     buf = make(MUJOCO, 4, name=name)
     buf.push(transition(0, 4))
-    monkeypatch.setattr(buf, "_push_plan", None)
-    monkeypatch.setattr(buf, "_fast_push", None)
+    python_push(buf)
     updates = int(buf.block.counters[Counter.UPDATES])
     with monkeypatch.context() as m:
         _failing_put(m)
@@ -284,7 +281,7 @@ def test_an_undo_counts_itself_so_a_reader_spanning_it_reads_again(
 def test_an_undo_keeps_a_largest_priority_raised_meanwhile(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     buf = make(MUJOCO, 8, name=name, sampler=sb.Prioritized(alpha=1.0))
     buf.push(transition(0, 4))
-    monkeypatch.setattr(buf, "_push_plan", None)
+    python_push(buf)
     with monkeypatch.context() as m:
         _failing_put(m, then=lambda: buf.update_priorities(np.arange(4), np.full(4, 50.0)))
         with pytest.raises(Injected):

@@ -70,7 +70,7 @@ class AdvancedReplayBuffer(Facade):
     def beta(self) -> float:
         """``beta`` now (annealed over the shared count of sample calls)."""
         s = self._sampler()
-        if not isinstance(s, Prioritized):
+        if s is None:
             return 1.0
         prios = self.buffer.priorities if self.buffer is not None else None
         return s.beta_at(prios.calls if prios is not None else 0)

@@ -21,6 +21,7 @@ import numpy as np
 from ..errors import CapacityError, FieldError
 from ..frames import ENDS, Frames, frames_of
 from ..progress import Progress as Line
+from ..protocol import edits
 from ..protocol.frames_push import Pusher, last_of_lanes
 from ..protocol.gather import assemble, gather, settle
 from ..protocol.rows import lane_of, number_of, row_id
@@ -335,10 +336,7 @@ def set_uses(buf: Buffer, ids: np.ndarray, uses: Any) -> None:
     u = np.broadcast_to(np.asarray(uses, dtype=np.int64).reshape(-1) if np.ndim(uses) else np.asarray(uses), ids.shape)
     if u.size and (u < 0).any():
         raise CapacityError(f"uses: expected counts >= 0, got {u[u < 0][:3].tolist()}")
-    ring = buf.ring
-    with ring.lock:
-        live = ring.current(ids)
-        prios.set_uses(ring.slots(ids[live]), u[live])
+    edits.set_uses(buf, ids, u)
 
 
 def import_rows(buf: Buffer, arrays: Mapping[str, Any], *, replace: bool = False) -> np.ndarray:

@@ -251,3 +251,14 @@ def reap(src: Source) -> np.ndarray:
     the priority tree; returns their slots (``Ring.reap``)."""
     prios = src.priorities
     return src.ring.reap(also=None if prios is None else (lambda slots: prios.tree.update(slots, 0.0)))
+
+
+def set_uses(src: Source, ids: np.ndarray, uses: np.ndarray) -> None:
+    """Give the rows ``ids`` that are still current the use counts ``uses`` (one per id), under
+    the lock (``persistence.set_uses``: a load, an import); a buffer without ``max_use`` keeps none."""
+    prios, ring = src.priorities, src.ring
+    if prios is None or prios.uses is None:
+        return
+    with ring.lock:
+        live = ring.current(ids)
+        prios.set_uses(ring.slots(ids[live]), uses[live])
