@@ -33,9 +33,10 @@ def page(whose: str) -> str:
 # name: (whose, what to use here). Methods and attributes of their buffers.
 METHODS: dict[str, tuple[str, str]] = {
     "add": ("cpprb", "push(**fields), or shmbuffer.compat.cpprb.ReplayBuffer(size, env_dict) with cpprb's names"),
-    "get_all_transitions": ("cpprb", "export() (a dict of the fields, index, ...) or get(slice(None))"),
+    "get_all_transitions": ("cpprb", "export() (a dict of the fields, index, ...) or get(slice(None)), or "
+                                     "shmbuffer.compat.cpprb.ReplayBuffer's get_all_transitions()"),
     "export_data": ("DI-engine", "export(), or shmbuffer.compat.ding.DequeBuffer's export_data()"),
-    "reset": ("MindSpore RL", "clear()"),
+    "reset": ("MindSpore RL", "clear(), or shmbuffer.compat.mindspore.ReplayBuffer's reset()"),
     "get_stored_size": ("cpprb", "len(buf) or buf.size"),
     "get_buffer_size": ("cpprb", "buf.capacity"),
     "get_next_index": ("cpprb", "no equivalent; buf.stats['inserted'] counts the rows ever reserved"),

@@ -3,6 +3,7 @@ and the errors of a first hour say what to do."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import pickle
 import re
@@ -16,6 +17,7 @@ import pytest
 
 import shmbuffer as sb
 from shmbuffer import demo, hints
+from shmbuffer.errors import UnknownName
 from shmbuffer.shm import segment
 
 from .conftest import MUJOCO, transition
@@ -286,3 +288,18 @@ def test_ls_lists_only_your_buffers_unless_all(make: Make, name: str, monkeypatc
 def test_cpprb_argument_order_says_schema_first(name: str) -> None:
     with pytest.raises(sb.ForeignCall, match=r"cpprb's ReplayBuffer\(size, env_dict\); here: ReplayBuffer\(env_dict, 32\)"):
         sb.ReplayBuffer(32, {"obs": {"shape": 3}}, name=name)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("alias, facade", [
+    ("add", "shmbuffer.compat.cpprb.ReplayBuffer"),
+    ("get_all_transitions", "shmbuffer.compat.cpprb.ReplayBuffer"),
+    ("export_data", "shmbuffer.compat.ding.DequeBuffer"),
+    ("reset", "shmbuffer.compat.mindspore.ReplayBuffer"),
+])
+def test_an_alias_on_the_plain_buffer_names_the_facade_that_has_it(alias: str, facade: str) -> None:
+    """Other libraries' aliases live in their facades: the plain buffer's error names the facade,
+    and the facade has the name."""
+    with pytest.raises(UnknownName, match=re.escape(facade)):
+        getattr(sb.ReplayBuffer, alias)
+    module, cls = facade.rsplit(".", 1)
+    assert callable(getattr(getattr(importlib.import_module(module), cls), alias))
