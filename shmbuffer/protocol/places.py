@@ -84,14 +84,14 @@ def lanes(src: Source) -> tuple[np.ndarray, np.ndarray]:
 
 def position(src: Source, n: np.ndarray | int) -> np.ndarray | int:
     """The place of row number ``n`` in its lane: its slot, counted from the lane's first."""
-    return n % src.ring.lane_capacity
+    return rows.slot(0, n, src.ring.lane_capacity)  # the slot in lane 0 is the place in any lane
 
 
 def in_lane(src: Source, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Where each row id lives within its lane: ``(position, lane)`` (SB3's ``[pos, env]``)."""
     ids = np.asarray(ids, np.int64)
     lanes = src.ring.lanes
-    return rows.number_of(ids, lanes) % src.ring.lane_capacity, rows.lane_of(ids, lanes)
+    return rows.slot(0, rows.number_of(ids, lanes), src.ring.lane_capacity), rows.lane_of(ids, lanes)
 
 
 def lane_slots(src: Source, lane: np.ndarray, n: np.ndarray) -> np.ndarray:
