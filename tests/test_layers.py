@@ -201,3 +201,23 @@ def test_the_protocol_check_sees_a_ring_read(tmp_path: Path) -> None:
     src = tmp_path / "x.py"
     src.write_text("def f(buf):\n    n = buf.ring.next_slot()\n    return buf.block.arrays['_stamp'], n\n")
     assert [r.split(": ")[1] for r in protocol_reads(src)] == [".ring", "'_stamp'"]
+
+
+BELOW_WITH_OWN_STAMPS = {"device.rows", "device.refresher", "device.replay", "device"}
+"""``device/`` keeps a copy of the rows with the stamps it holds (``held``) and reads the ring's
+in its refresh; it is checked by its own tests."""
+
+
+def below_the_buffer() -> list[str]:
+    order = stated_order()
+    return [m for m in order[:order.index("buffer") + 1]
+            if m.split(".")[0] not in ("native", "shm", "protocol") and m not in BELOW_WITH_OWN_STAMPS]
+
+
+@pytest.mark.parametrize("module", below_the_buffer())
+def test_readers_below_the_buffer_read_no_stamps(module: str) -> None:
+    """The readers built on ``protocol.reader.Source`` (sequences, views, hindsight, the loader,
+    persistence, the buffer) call the ring's methods and ``protocol/``'s functions: no stamp
+    array, no protocol column by name."""
+    found = [r for r in protocol_reads(module_paths()[module]) if not r.endswith(": .ring")]
+    assert not found, f"shmbuffer/{module.replace('.', '/')} reads stamps or protocol columns: {found}"

@@ -243,7 +243,7 @@ def test_save_replaces_an_earlier_save_and_reports_progress(
         sb.save(buf, tmp_path / "s")
     assert check_file(tmp_path / "s")["rows"] == 10  # the earlier save is untouched
     assert sorted(os.listdir(tmp_path / "s")) == ["meta.json", "rows.safetensors"]
-    monkeypatch.setattr(persistence.snapshot, "CHUNK_BYTES", ROW * 10)
+    monkeypatch.setattr(sb.protocol.snapshot, "CHUNK_BYTES", ROW * 10)
     calls: list[tuple[int, int]] = []
     sb.save(buf, tmp_path / "s", progress=lambda done, total: calls.append((done, total)), overwrite=True)
     assert check_file(tmp_path / "s")["rows"] == 100
@@ -289,7 +289,7 @@ def test_rows_overwritten_during_the_save_are_dropped_from_the_oldest_end(
     for ln in (0, 1):
         for _ in range(13):
             push_lane(buf, ln, 10)  # full, wrapped: rows 30..129 of each lane
-    monkeypatch.setattr(persistence.snapshot, "CHUNK_BYTES", ROW * 10 * 2)  # pieces of 10 rows a lane
+    monkeypatch.setattr(sb.protocol.snapshot, "CHUNK_BYTES", ROW * 10 * 2)  # pieces of 10 rows a lane
     lapping(monkeypatch, buf, at_call, lane, rows)
     out = sb.save(buf, tmp_path / "w")
     assert out["moved"] == moved
@@ -367,7 +367,7 @@ def test_save_while_a_writer_laps_the_ring(make: Make, loaded: list, name: str, 
     kept: list[int] = []
     try:
         for i, rows in enumerate([20, 200, 2000] * 2):  # small pieces: the writer laps the save; large: less
-            monkeypatch.setattr(persistence.snapshot, "CHUNK_BYTES", ROW * rows)
+            monkeypatch.setattr(sb.protocol.snapshot, "CHUNK_BYTES", ROW * rows)
             before = buf.ring.bounds()[1].copy()
             out = sb.save(buf, tmp_path / f"s{i}")
             after = buf.ring.bounds()[1]
@@ -496,7 +496,7 @@ def test_a_hole_overwritten_during_the_save_goes_with_the_rows_before_it(
     interrupted_push(buf, 0, 1)  # row 55
     for _ in range(7):
         push_lane(buf, 0, 10)  # full, wrapped: rows 26..125, row 55 a hole
-    monkeypatch.setattr(persistence.snapshot, "CHUNK_BYTES", ROW * 10)  # pieces of 10 rows
+    monkeypatch.setattr(sb.protocol.snapshot, "CHUNK_BYTES", ROW * 10)  # pieces of 10 rows
     lapping(monkeypatch, buf, 1, 0, 34)  # after the first piece: rows 26..59 overwritten
     out = sb.save(buf, tmp_path / "o")
     meta = check_file(tmp_path / "o")
@@ -889,7 +889,7 @@ def test_export_drops_rows_overwritten_meanwhile(make: Make, name: str, monkeypa
     for ln in (0, 1):
         for _ in range(13):
             push_lane(buf, ln, 10)
-    monkeypatch.setattr(persistence.snapshot, "CHUNK_BYTES", ROW * 10 * 2)
+    monkeypatch.setattr(sb.protocol.snapshot, "CHUNK_BYTES", ROW * 10 * 2)
     lapping(monkeypatch, buf, 2, 0, 15)
     out = sb.export(buf)
     ids = np.concatenate([np.arange(45, 130) * 2, np.arange(30, 130) * 2 + 1])
@@ -1156,7 +1156,7 @@ def test_a_save_while_another_process_updates_every_row_keeps_every_row_whole(
     spans is gathered again, at last under the lock), each row of one update, both fields."""
     import multiprocessing as mp
 
-    from shmbuffer.persistence import snapshot
+    from shmbuffer.protocol import snapshot
 
     gathered: list[bool] = []
     real = snapshot.gather

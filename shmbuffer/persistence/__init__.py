@@ -9,8 +9,8 @@ The package, lowest module first:
 
 * ``format``: the save format, byte by byte (its docstring is the spec), one constant per format
   version, the tensors and the file's layout.
-* ``snapshot``: the rows of a live buffer as of one moment, read in pieces through the reader's
-  stamped gather while writers go on, and copied into a sink.
+* ``snapshot``: a live buffer's rows as of one moment (``protocol/snapshot.py``: read through the
+  reader's stamped gather while writers go on), copied into a sink.
 * ``saving``: ``save``: the directory and its files, written safely.
 * ``loading``: ``load``, with every entry checked, and one reader per format version (``READERS``).
 * ``arrays``: ``export``, ``pieces``, ``from_arrays``, ``import_rows``, ``set_uses``, ``pending``.

@@ -21,12 +21,11 @@ import numpy as np
 from ..errors import CapacityError, FieldError
 from ..frames import ENDS, Frames, frames_of
 from ..progress import Progress as Line
-from ..protocol import edits
+from ..protocol import edits, snapshot
 from ..protocol.frames_push import Pusher, last_of_lanes
 from ..protocol.gather import assemble, gather, settle
 from ..protocol.rows import lane_of, number_of, row_id
 from ..schema import Schema
-from . import snapshot
 from .format import tensors
 from .snapshot import Buffer, MemorySink, Snapshot, copy_rows
 
@@ -178,7 +177,7 @@ def from_arrays(
     # push of c rows stores up to 2 c
     stored_once = options.get("next_of") is not None or options.get("stack") is not None
     if stored_once and lane is None and lanes > 1 and _kept_rows(index, k, lanes) is not None:
-        lane = np.asarray(index, np.int64) % lanes  # ids cannot be kept, but each row's lane can
+        lane = lane_of(np.asarray(index, np.int64), lanes)  # ids cannot be kept, but each row's lane can
     keep = _kept_rows(index, k, lanes) if lane is None and not stored_once else None
     envs = options.get("envs")
     envs = envs if isinstance(envs, int) else 1  # a bad envs= is the factory's to refuse

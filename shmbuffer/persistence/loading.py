@@ -21,7 +21,7 @@ where episodes end unless another episode starts there, episodes starting after 
 naming the file and the entry; JSON nested too deep to parse is malformed too.
 
 The rows go into their slots a chunk at a time, each with its committed stamp
-(``protocol.rows.committed``); a hole's slot stays empty (stamp 0, leaf 0). Whether rows were
+(``protocol.snapshot.restore``); a hole's slot stays empty (stamp 0, leaf 0). Whether rows were
 removed (``Counter.REMOVED``: ``len`` and ``get``'s positions then leave holes and used-up rows
 out) comes from the rows read, not only from ``counters``, which older saves lack. The lanes'
 cursors are set last: until then the new buffer reads as empty.
@@ -44,9 +44,11 @@ import numpy as np
 from ..errors import CapacityError, LayoutError
 from ..frames import END, KIND, LEAD, START, ZERO
 from ..progress import Progress as Line
+from ..protocol import snapshot
 from ..protocol.layout import Counter, Options
 from ..protocol.priorities import MAX_LEAF
-from ..protocol.rows import committed, lane_capacity, slot
+from ..protocol.rows import lane_capacity, slot
+from ..protocol.snapshot import CHUNK_BYTES, Buffer, columns
 from ..sampling.samplers import Prioritized, sampler_from_json
 from ..schema import Schema
 from ..shm.segment import human
@@ -63,7 +65,6 @@ from .format import (
     Tensor,
     tensors,
 )
-from .snapshot import CHUNK_BYTES, Buffer, columns
 
 __all__ = ["READERS", "load", "read_v1", "read_v2"]
 
@@ -472,10 +473,8 @@ def _read(folder: Path, meta: dict[str, Any], version: int, factory: Callable[..
             arrays = columns(buf)
             if saved.max_priority is not None:
                 arrays["_prio"][0] = saved.max_priority
-            for key, at in _STATS.items():
-                arrays["_stats"][at] = saved.stats.get(key, 0)
-            if removed:  # from the rows, not the counters (saves older than them have none)
-                arrays["_stats"][Counter.REMOVED] = 1
+            # removed from the rows, not the counters (saves older than them have none)
+            snapshot.restore_counters(buf, {at: saved.stats.get(key, 0) for key, at in _STATS.items()}, removed)
             new_lc = buf.lane_capacity
             for lane, (first, stop, base) in enumerate(lanes):
                 # the saved base reproduces the bounds unless the lanes grew or rows were dropped
@@ -551,9 +550,7 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
             if "_leaf" in got:  # end and lead rows are never drawn: their leaves are 0
                 rows = present if KIND not in got else present & (got[KIND] & (END | LEAD) == 0)
                 removed |= _check_leaves(buf, got["_leaf"], got.get("_uses"), rows, file, lane, n0)
-            stamps = committed(np.arange(n0, n1, dtype=np.int64))
-            stamps[~present] = 0
-            arrays["_stamp"][sl] = stamps
+            snapshot.restore(buf, sl, n0, present)
             line.update(pos + n1 - first)
             n0 = n1
         pos += stop - first
@@ -601,7 +598,6 @@ def _check_kinds(buf: Buffer, lanes: list[tuple[int, int, int]], file: Path) -> 
     spec = buf.options.frames
     assert spec is not None
     kind = columns(buf)[KIND]
-    stamp = columns(buf)["_stamp"]
     fields_ = buf.block.fields
     lc = buf.lane_capacity
     for lane, (first, stop, _) in enumerate(lanes):
@@ -614,7 +610,7 @@ def _check_kinds(buf: Buffer, lanes: list[tuple[int, int, int]], file: Path) -> 
             at = int(np.flatnonzero(odd)[0])
             raise LayoutError(f"{file}: tensor '_kind' holds {int(k[at])} at row {first + at} of lane {lane}, expected "
                               f"one of {sorted(_KINDS)} (frames.py): the file was altered")
-        there = stamp[slots] != 0
+        there = snapshot.restored(buf, slots)
         step = there & ((k & (END | LEAD)) == 0)
         final = np.zeros(slots.size, bool)
         for name in spec.ends:

@@ -1,0 +1,316 @@
+"""The rows of a live buffer as of one moment, read piece by piece while writers go on: the
+reader's half of the commit protocol for a save or an export.
+
+``Snapshot`` chooses each lane's rows from their stamps and reads them in pieces through the
+reader's stamped gather (``gather.gather(..., stored=True)``: the rows as stored, each kept only
+when intact by the protocol's rule, ``rows.intact``); ``persistence.snapshot.copy_rows`` puts the
+pieces into a sink (the save's file, or memory for ``export``). ``restore`` is the other way: the
+stamps and bounds of rows a load put into a new buffer.
+
+A save while writers run
+------------------------
+The snapshot first reaps the rows of writers that died mid-push (``protocol.ring``: they read as
+empty from then on), reads each lane's bounds ``[first, stop)`` once (``protocol.rows.bounds``)
+and scans their stamps. What it keeps is, per lane, the row numbers ``[F, S)`` where
+
+* ``S`` is ``stop``, or the first row of ``[first, stop)`` that a live writer was still writing
+  ``wait`` seconds after the start: the run stops before it, and the committed rows after it are
+  not kept (they count as dropped). Rows of writers found dead by then are reaped and become
+  holes. Rows reserved after the start (row numbers ``>= stop``) are never kept.
+* ``F >= first`` is one past the last row of ``[first, S)`` that was found overwritten, at the
+  start or when its piece was read: every row before it goes too, intact or not (writers lapping
+  the ring take a lane's slots in row-number order, so those are overwritten next). A hole counts
+  as overwritten once its slot is no longer empty. A row that the gather does not read intact
+  counts as overwritten, and so does one cleared by a ``clear()`` before its piece was read (a
+  cleared row keeps its stamp, and the reader never reads it).
+* every row of ``[F, S)`` that the scan at the start found empty (stamp 0; dead writers' rows are
+  by then), or that was deleted (or reaped) before its piece was read, is a hole; every other one
+  is kept.
+
+So every kept row was committed when the snapshot started (or within ``wait`` of it) and was
+read intact (episode ids with it: they are part of the row), and each lane's kept rows and holes
+are consecutive row numbers: the snapshot of a moment, less a lane's rows up to the newest one that
+writers overwrote while it ran, and less the rows from the first one a live writer was still
+writing. Rows that an update (``ReplayBuffer.update``) spanned are gathered again
+(``gather.settle``), and once more holding the ring's lock (no update can begin) if updates are
+still under way. Tree leaves and use counts are copied under the ring's lock after their piece's
+rows: each as of that moment, not of the start (samplers change them without touching the rows);
+a row overwritten by then (its stamp names a later row) is not kept.
+
+Pieces are at most ``CHUNK_BYTES`` of rows, taken from the lanes in turn. The first piece of every
+lane is held in memory until all lanes have one, so the file's layout (every lane's row count) is
+known before anything is written; if writers still overwrite rows after that (they outran the
+snapshot), the tensors are moved down over the dropped rows at the end: one more pass over the
+sink from the first gap on. Memory: about two pieces, whatever the buffer's size.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import closed
+from .gather import Rows, gather, settle
+from .layout import Counter
+from .rows import committed, row_id, slot, writing
+
+__all__ = ["CHUNK_BYTES", "Buffer", "Piece", "Run", "Snapshot", "columns"]
+
+CHUNK_BYTES = 64 << 20
+"""Bytes of rows copied (or read) at a time."""
+_WAIT_UPDATES = 1.0
+"""Seconds a read holding the lock waits for the updates under way to end."""
+
+Buffer = Any
+"""A ``ReplayBuffer`` (``buffer.py``, above this package: it is never imported here): what is saved
+is read through its public ``ring``, ``block``, ``priorities``, ``reap``, ``schema`` and ``options``;
+a load makes one with the ``factory`` it is given (``ReplayBuffer`` itself)."""
+
+
+def columns(buf: Buffer) -> dict[str, np.ndarray]:
+    """The buffer's columns by name (``layout.Block.arrays``); ``closed`` raises on a closed buffer."""
+    if buf.closed:
+        raise closed(buf.name)
+    arrays: dict[str, np.ndarray] = buf.block.arrays
+    return arrays
+
+
+@dataclass
+class Run:
+    """One lane's rows: bounds at the start, the run ``[keep, end)`` kept so far, the next row,
+    and the holes (row numbers of empty rows, sorted) of ``[first, end)``."""
+
+    lane: int
+    first: int
+    stop: int
+    base: int
+    end: int
+    keep: int
+    at: int
+    holes: np.ndarray
+    tail: dict[str, np.ndarray] | None = None
+    """an end row to save after the run (``Snapshot``'s ``ends``), one array per tensor"""
+
+    @property
+    def saved_end(self) -> int:
+        """One past the last row number saved: ``end``, plus one with a tail."""
+        return self.end + (self.tail is not None)
+
+    def hole_count(self) -> int:
+        """Holes in the run ``[keep, end)``."""
+        return int(self.holes.size - np.searchsorted(self.holes, self.keep))
+
+    def hole_mask(self, n0: int, n1: int) -> np.ndarray:
+        """Which rows of ``[n0, n1)`` are holes."""
+        h = self.holes[np.searchsorted(self.holes, n0):np.searchsorted(self.holes, n1)]
+        mask = np.zeros(n1 - n0, bool)
+        mask[h - n0] = True
+        return mask
+
+
+@dataclass
+class Piece:
+    """Rows ``[start, start + rows)`` of ``lane``: one array per tensor of the file."""
+
+    lane: int
+    start: int
+    arrays: dict[str, np.ndarray]
+
+    @property
+    def rows(self) -> int:
+        """How many rows the piece holds."""
+        return int(next(iter(self.arrays.values())).shape[0])
+
+
+class Snapshot:
+    """The rows of ``buf`` as of now, read piece by piece (the module docstring): ``runs`` one
+    ``Run`` per lane; ``stats``, ``counters`` and ``max_priority`` as of the start. ``ends``: per
+    lane, the row number of its newest row and an end row to save after it (one array per tensor
+    of the file), which a run takes when that row is its last (the save of a ``next_of`` buffer:
+    the step waiting for its next observation is saved as a transition, ``saving.py``)."""
+
+    def __init__(self, buf: Buffer, wait: float,
+                 ends: dict[int, tuple[int, dict[str, np.ndarray]]] | None = None) -> None:
+        ring = buf.ring
+        self.buf = buf
+        self.arrays = columns(buf)
+        self.lc = ring.lane_capacity
+        buf.reap()  # rows of writers that died mid-push read as empty from now on: holes, not waited for
+        self._reaped = False
+        first, stop = ring.bounds()
+        base = ring.base(np.arange(ring.lanes)).copy()
+        self.stats = ring.stats
+        counters = self.arrays["_stats"]
+        self.counters = {"sample_calls": int(counters[Counter.SAMPLE_CALLS]), "removed": int(counters[Counter.REMOVED])}
+        prios = buf.priorities
+        self.max_priority = prios.max_priority if prios is not None else None
+        deadline = time.monotonic() + wait
+        self.runs = [self._scan(lane, int(first[lane]), int(stop[lane]), min(int(base[lane]), int(first[lane])), deadline)
+                     for lane in range(ring.lanes)]
+        for lane, (row, tail) in (ends or {}).items():
+            run = self.runs[lane]
+            if run.end == run.stop == row + 1 and run.keep <= row:
+                run.tail = tail
+                if run.saved_end - run.keep > self.lc:  # a full lane: its oldest row goes, as at a push
+                    run.keep = run.at = run.keep + 1
+
+    def tails_kept(self) -> None:
+        """Drop the tail of each run whose last row was not kept (overwritten while copied)."""
+        for run in self.runs:
+            if run.tail is not None and run.keep >= run.end:
+                run.tail = None
+
+    def _scan(self, lane: int, first: int, stop: int, base: int, deadline: float) -> Run:
+        """Find the run's end (the first row a live writer is still writing after the wait), the
+        overwritten rows before it and the holes (empty rows) among them."""
+        stamp = self.buf.ring.stamp
+        keep, n0 = first, first
+        holes: list[np.ndarray] = []
+        step = CHUNK_BYTES // 8
+        end = stop
+        while n0 < stop:
+            n1 = min(stop, n0 + step, (n0 // self.lc + 1) * self.lc)
+            sl = self._slots(lane, n0, n1)
+            numbers = np.arange(n0, n1, dtype=np.int64)
+            expect, odd = committed(numbers), writing(numbers)
+            s = stamp[sl].copy()
+            while True:
+                being = s == odd
+                if not being.any() or time.monotonic() > deadline:
+                    break
+                time.sleep(0.001)
+                s[being] = stamp[sl][being]
+            if being.any() and not self._reaped:  # writers that died while we waited
+                self._reaped = True
+                self.buf.reap()
+                s[being] = stamp[sl][being]
+                being = s == odd
+            stuck = np.flatnonzero(being)
+            cut = int(stuck[0]) if stuck.size else n1 - n0
+            over = np.flatnonzero(s[:cut] > expect[:cut])
+            if over.size:
+                keep = n0 + int(over[-1]) + 1
+            holes.append(n0 + np.flatnonzero(s[:cut] < expect[:cut]))
+            if stuck.size:
+                end = n0 + cut
+                break
+            n0 = n1
+        found = np.concatenate(holes) if holes else np.empty(0, np.int64)
+        return Run(lane, first, stop, base, end, keep, keep, found[found >= keep])
+
+    def _slots(self, lane: int, n0: int, n1: int) -> slice:
+        """The slots of rows ``[n0, n1)`` of ``lane``, which do not wrap."""
+        s0 = int(slot(lane, n0, self.lc))
+        return slice(s0, s0 + n1 - n0)
+
+    def _read(self, ids: np.ndarray, sl: slice, numbers: np.ndarray, hole: np.ndarray) -> tuple[Rows, dict[str, np.ndarray], np.ndarray]:
+        """Gather the rows ``ids`` (slots ``sl``) as stored, their leaves and use counts, and
+        their stamps after all of it. Rows that an update spanned are gathered again; if some are
+        still being updated, the whole piece is gathered once more holding the lock."""
+        buf, ring = self.buf, self.buf.ring
+        block, stamp = buf.block, ring.stamp
+        rows = gather(block, ring, ids, stored=True)
+        if not rows.ok.all():
+            settle(block, ring, ids, rows, stored=True)
+        now = stamp[sl].copy()  # one read: the stamps change under us
+        pending = ~rows.ok & ~hole & ((now == committed(numbers)) | (now == writing(numbers)))
+        locked = bool(pending.any())
+        if locked:
+            ring.lock.acquire()
+        try:
+            if locked:  # no update can begin now; wait for those under way (their copies need no lock)
+                until = time.monotonic() + _WAIT_UPDATES
+                while (stamp[sl] == writing(numbers)).any() and time.monotonic() < until:
+                    time.sleep(0.0001)
+                rows = gather(block, ring, ids, stored=True)
+            extra = self._internals(sl, locked)
+            now = stamp[sl].copy()
+        finally:
+            if locked:
+                ring.lock.release()
+        return rows, extra, now
+
+    def _internals(self, sl: slice, locked: bool) -> dict[str, np.ndarray]:
+        """The tree leaves and use counts of slots ``sl``, copied under the ring's lock."""
+        prios = self.buf.priorities
+        out: dict[str, np.ndarray] = {}
+        if prios is not None:
+            if not locked:
+                self.buf.ring.lock.acquire()
+            try:
+                out["_leaf"] = prios.tree.leaves[sl].copy()
+                if prios.uses is not None:
+                    out["_uses"] = prios.uses[sl].copy()
+            finally:
+                if not locked:
+                    self.buf.ring.lock.release()
+        return out
+
+    def copy(self, run: Run, rows: int) -> Piece | None:
+        """Copy the next ``rows`` rows of ``run`` (fewer at the lane's end or where its slots
+        wrap); drop the overwritten ones and those before them. ``None`` when none is left."""
+        buf = self.buf
+        n0 = run.at
+        n1 = min(run.end, n0 + rows, (n0 // self.lc + 1) * self.lc)
+        sl = self._slots(run.lane, n0, n1)
+        numbers = np.arange(n0, n1, dtype=np.int64)
+        ids = row_id(numbers, run.lane, buf.ring.lanes)
+        hole = run.hole_mask(n0, n1)
+        got, extra, now = self._read(ids, sl, numbers, hole)
+        hole = hole | (now == 0)  # a row deleted (or reaped) since the scan is a hole, not a sign of lapping writers
+        # a hole must still be empty (a stamp there means a writer lapped it); a row must have been
+        # read intact and still be there (committed, or being updated) once its leaf was copied
+        there = (now == committed(numbers)) | (now == writing(numbers))
+        bad = np.where(hole, now != 0, ~(got.ok & there))
+        run.at = n1
+        if bad.any():
+            run.keep = max(run.keep, n0 + int(np.flatnonzero(bad)[-1]) + 1)
+        lo = max(run.keep, n0) - n0
+        if lo >= n1 - n0:
+            return None
+        out = dict(got.large)
+        if got.episode is not None:
+            out["_episode"] = got.episode
+        out.update(extra)
+        block = got.packed
+        if hole.any():  # a hole's bytes are zeros in every tensor (see the format)
+            for a in out.values():
+                a[hole] = 0
+            if block is not None:
+                block[hole] = 0
+        if block is not None:
+            for name, view in buf.block.stored_record.views(block).items():
+                out[name] = np.ascontiguousarray(view)
+        out["_present"] = ~hole
+        return Piece(run.lane, n0 + lo, {name: a[lo:] for name, a in out.items()})
+
+    def piece_rows(self, row_bytes: int) -> int:
+        """Rows of a piece: ``CHUNK_BYTES`` over every lane's piece together."""
+        return max(1, CHUNK_BYTES // max(1, row_bytes) // len(self.runs))
+
+
+def restore(buf: Buffer, slots: slice, n0: int, present: np.ndarray) -> None:
+    """Stamp the rows ``n0, n0 + 1, ...`` a load put into ``slots`` of a new buffer that no process
+    writes to yet: committed where ``present``, empty (0) where the save has a hole. The lanes'
+    bounds come after every row is in (``Ring.place``), so no reader sees a row before it counts."""
+    stamps = committed(np.arange(n0, n0 + present.size, dtype=np.int64))
+    stamps[~present] = 0
+    columns(buf)["_stamp"][slots] = stamps
+
+
+def restored(buf: Buffer, slots: np.ndarray) -> np.ndarray:
+    """Which of ``slots`` of a loaded buffer hold a row (``restore`` stamped them committed)."""
+    return columns(buf)["_stamp"][slots] != 0
+
+
+def restore_counters(buf: Buffer, values: dict[Counter, int], removed: bool) -> None:
+    """Set the shared counters a load restores (``values``) in a new buffer no process uses yet;
+    ``removed``: rows were deleted or used up (``len`` then leaves them out, ``Counter.REMOVED``)."""
+    counters = columns(buf)["_stats"]
+    for at, value in values.items():
+        counters[at] = value
+    if removed:
+        counters[Counter.REMOVED] = 1
