@@ -166,7 +166,8 @@ class DeviceRows:
         """With episodes: each held row's episode id, as copied with it (host memory)."""
         cpu = self.device.type == "cpu"
         lib = native.lib
-        self._one_call: tuple[Any, ...] | None = None  # the C refresh's arguments but the state
+        self._one_call: tuple[Any, ...] | None = None  # the C refresh's arguments but the piece
+        self._draw_call: tuple[Any, ...] | None = None  # the C uniform sample's (replay.py)
         if cpu and lib is not None and all(c.flags.c_contiguous for c in self.columns.values()):
             mirrors: list[tuple[np.ndarray, np.ndarray]] = [(self.columns[KIND], self.kinds)] if self.kinds.size else []
             mirrors += [(self.columns["_episode"], self.episodes)] if self.episodes.size else []
@@ -175,6 +176,7 @@ class DeviceRows:
             self.lock: Any = NativeLock(lib)
             self._one_call = (lib, (self.lock.mutex, block.stamp, ring.cursors, block.counters, sources, outs, self.held,
                                     self.dense, self.where, self.next, self.bases, self.pending_ids, self.state))
+            self._draw_call = (lib, self.lock.mutex, self.held, self.dense, self.state, outs[:len(self.rows)])
         else:
             self.lock = threading.Lock()
         """The slot lists' lock: a sample holds it while it draws and gathers, a refresh while it
@@ -438,7 +440,7 @@ class DeviceRows:
         self.columns = {}
         self.rows = {}
         self._staging = {}
-        self._one_call = None
+        self._one_call = self._draw_call = None
         self.state[COUNT] = 0
         self.where[:] = -1
         self.closed = True
