@@ -6,6 +6,7 @@ try:
     dev = sb.DeviceReplay(buf, "cpu", seed=1, refresher=False)
     b = dev.sample(256); t = buf.take(b.index.numpy())
     for k in SCHEMA.names: assert np.array_equal(np.asarray(t[k]), b[k].numpy()), k
+    print(open("/proc/self/smaps_rollup").read().split("AnonHugePages:")[1].split("\n")[0])
     K=20000
     for r in range(3):
         T0=time.perf_counter()

@@ -627,6 +627,40 @@ def test_the_refresher_stops_with_close_and_before_a_fork(make: Make, name: str,
     assert not dev.refreshing
 
 
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_a_forked_child_copies_the_rows_again_and_shares_no_page_with_the_parent(
+        make: Make, name: str, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """The copy's host memory is not shared copy-on-write with a forked child (so the parent's
+    refreshes never fault on its pages): in the child it reads as zeros and the copy holds
+    nothing, and the child's first sample copies every row again; the parent's copy is as it was."""
+    if path == "native" and native.lib is None:
+        pytest.skip("the C extension is not built")
+    buf = make(MUJOCO, 64, name=name, episodes=True)
+    buf.push(transition(0, 40), episode=np.repeat(np.arange(4), 10))
+    if path == "python":
+        monkeypatch.setattr(native, "lib", None)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
+    assert len(dev) == 40 and dev.one_call == (path == "native")
+    keys = ("obs", "action", "reward", "next_obs", "done", "episode")
+
+    def same(batch: sb.Batch) -> bool:
+        ref = buf.take(batch.index.numpy())
+        return all(np.array_equal(batch[key].numpy(), np.asarray(ref[key])) for key in keys)
+
+    pid = os.fork()
+    if pid == 0:  # the child: report by exit code, never return into pytest
+        code = 3
+        try:
+            wiped = len(dev) == 0 and not dev.held.any() and not any(bool(col.any()) for col in dev.rows.values())
+            code = 0 if wiped and same(dev.sample(500)) and len(dev) == 40 else 2 if wiped else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # 1: not wiped, 2: wrong rows after the refresh
+    assert len(dev) == 40 and same(dev.sample(200))
+    dev.close()
+
+
 def test_the_refresher_ends_with_its_process_and_leaves_nothing(name: str) -> None:
     import subprocess
     import sys
