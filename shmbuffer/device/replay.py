@@ -23,7 +23,9 @@ is never drawn. Each refresh publishes ``INSERTED`` and the time it began in the
 
 ``sample(n)`` asks the buffer's sampler what may draw in its place (``Sampler.served``): a
 uniform sampler's rows are drawn on the device, uniformly over the usable slots
-(``torch.randint``); any other sampler draws on the host, by its own ``draw`` (a prioritized one
+(``torch.randint``; on the CPU with the C extension the draw, from its own xoshiro256** stream
+seeded by ``seed``, and the copy of the rows drawn are one call under the lock, as the host's
+one-call sample is: ``native/refresh.c``'s ``device_sample``); any other sampler draws on the host, by its own ``draw`` (a prioritized one
 from the shared sum tree, with ``ReplayBuffer.sample``'s importance weights; a user's sampler as
 it draws), keeping the drawn rows the device holds as committed and drawing again for the others.
 ``update_priorities`` writes the shared tree, so every process sees it. A batch has the fields,

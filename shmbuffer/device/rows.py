@@ -36,6 +36,13 @@ takes the GIL (``native_refresher``). The Python steps below are the reference, 
 the CUDA path: each piece copied into reused pinned staging (``gather.gather_run``, one C call) and
 then one copy to the device on a side stream; pending rows go through the stamped ``gather``.
 
+On the CPU the columns and the slot lists live in private anonymous mappings of their own
+(``host_zeros``): huge pages where the kernel allows, and zeros in a forked child rather than
+pages shared copy-on-write, so that a fork (a worker started after the copy) does not make every
+later write of the parent's refresh a page fault and a page copy (it made a refresh 5-8 times
+slower, ``benchmarks/HISTORY.md``). The child's copy forgets its rows at the fork and copies them
+all again at its first refresh.
+
 Each refresh records in ``state`` when it began (``AT``, ``time.monotonic_ns()``) and ``INSERTED``
 as it began (``lag()``), counts itself (``DONE``), and adds its time and rows to ``SPENT`` and
 ``TAKEN``; it publishes ``INSERTED`` and ``AT`` in the block (``Counter.DEVICE_ROWS``/
@@ -217,8 +224,7 @@ class DeviceRows:
         self._refreshing = threading.Lock()  # one refresh at a time; taken before lock, never inside it
         self.closed = False
         """Whether ``close()`` was called."""
-        if cpu:
-            _host_copies.add(self)
+        _host_copies.add(self)  # its lists are host_zeros memory whatever the device
 
     def _forked(self) -> None:
         """In a forked child: the rows and lists in ``host_zeros`` memory read as zeros, so the
@@ -491,7 +497,7 @@ class DeviceRows:
 
 
 _host_copies: weakref.WeakSet[DeviceRows] = weakref.WeakSet()
-"""This process's copies whose rows are in host memory (``host_zeros``)."""
+"""This process's copies (their lists, and on the CPU their rows, are ``host_zeros`` memory)."""
 
 
 def _forget_in_child() -> None:
