@@ -21,7 +21,10 @@ Cases (each prints one line and goes into the JSON ``--out``):
   own clock, ``DeviceRows.state``: rows taken in over the seconds spent inside refreshes) against
   ``np.copyto`` of the same bytes, the share of those seconds spent waiting while a sample held
   the copy's lock, the same rows over the CPU time the refreshing thread spent (what the load
-  does not change) against ``np.copyto``, whether a refresh was one C call, and the machine's 1-minute load.
+  does not change) against ``np.copyto``, and against ``fresh_copy`` (``np.copyto`` of the rows the
+  writers just wrote, as they come in: the floor for rows another core wrote moments before, which
+  a hot ``np.copyto`` of the same bytes is not), whether a refresh was one C call, and the
+  machine's 1-minute load.
 """
 
 from __future__ import annotations
@@ -178,6 +181,36 @@ def _learner(sample: Callable[[], Any], seconds: float, lag: Callable[[], tuple[
     return out
 
 
+def fresh_copy(buf: sb.ReplayBuffer, seconds: float, pace: float = 0.0025) -> float:
+    """Rows/s of ``np.copyto`` of the rows the writers just wrote: every ``pace`` seconds (about
+    as often as the refresher refreshes) each lane's rows since the last look, as runs of slots,
+    from the columns a refresh copies; only the copies timed. The floor of copying fresh rows
+    (written by another core moments before) in this process, beside the hot ``np.copyto``."""
+    from shmbuffer.protocol.layout import Lane
+
+    block, ring = buf.block, buf.ring
+    cols = ([block.packed] if block.packed is not None else []) + list(block.large.values())
+    most = 65536
+    scratch = [np.ones_like(c[:most]) for c in cols]  # touched: no page faults in the timed copies
+    lc, cursors = ring.lane_capacity, ring.cursors[:, int(Lane.CURSOR)]
+    seen, rows, spent, t0 = cursors.copy(), 0, 0.0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        time.sleep(pace)
+        now = cursors.copy()
+        for lane in range(ring.lanes):
+            n = max(int(seen[lane]), int(now[lane]) - lc)
+            while n < now[lane]:
+                k = min(int(now[lane]) - n, lc - n % lc, most)
+                s0 = lane * lc + n % lc
+                t = time.perf_counter()
+                for c, out in zip(cols, scratch, strict=True):
+                    np.copyto(out[:k], c[s0:s0 + k])
+                spent += time.perf_counter() - t
+                rows, n = rows + k, n + k
+        seen = now
+    return rows / spent if spent else 0.0
+
+
 def case_keep_up(capacity: int, device: str, tag: str, seconds: float, ingest: float) -> dict[str, Any]:
     """2 writer processes at ``ingest`` rows/s in all into a full buffer; the learner samples 256
     from the device copy (default bound, background refresher) and from the host
@@ -226,6 +259,7 @@ def case_keep_up(capacity: int, device: str, tag: str, seconds: float, ingest: f
             spent, waited, cpu = [got[0] / 1e9, float(got[1]), float(got[2])], got[3] / 1e9, got[4] / 1e9
         one_call = bool(getattr(dev, "one_call", False))
         dev.close()
+        fresh = fresh_copy(buf, seconds / 4)  # the writers still push; no copy refreshes now
     finally:
         stop.set()
         for p in procs:
@@ -249,6 +283,7 @@ def case_keep_up(capacity: int, device: str, tag: str, seconds: float, ingest: f
             "refresh_rows_s": refresh_rows_s, "refresh_rows_each": spent[1] / max(1, spent[2]),
             "refresh_vs_memcpy": refresh_rows_s / memcpy, "refresh_waited_share": waited / spent[0] if spent[0] else 0.0,
             "refresh_cpu_vs_memcpy": spent[1] / cpu / memcpy if cpu else 0.0,
+            "fresh_copy_rows_s": fresh, "refresh_vs_fresh_copy": refresh_rows_s / fresh if fresh else 0.0,
             "refresh_one_call": one_call, "load_1min": os.getloadavg()[0]}
 
 

@@ -269,6 +269,9 @@ def torch_views(block: Any, record: Record) -> dict[str, Any]:
     import torch
 
     n = block.shape[0]
+    if block.device.type == "cpu" and block.is_contiguous():  # numpy's field views: half the time of as_strided
+        rows = block.numpy().view(record.dtype).reshape(n)
+        return {name: torch.from_numpy(rows[name]) for name in record.offsets}
     typed: dict[Any, Any] = {}
     out = {}
     for name, tdtype, shape, inner, at in _view_plan(record):

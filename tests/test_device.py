@@ -128,15 +128,60 @@ def test_prioritized_draws_from_the_shared_tree(make: Make, name: str, device: s
     assert buf.priority([0]).tolist() == pytest.approx([100.0])
 
 
-def test_uniform_draws_match_the_shared_buffers(make: Make, name: str) -> None:
-    buf = make(MUJOCO, 64, name=name, lanes=4)
+@pytest.mark.parametrize("path", ["native", "python"])
+@pytest.mark.parametrize("full", [False, True])
+def test_uniform_draws_match_the_shared_buffers(make: Make, name: str, monkeypatch: pytest.MonkeyPatch, path: str,
+                                                full: bool) -> None:
+    """Uniform over the rows the copy holds: a few rows of each lane, or every slot (where the C
+    draw takes the place as the slot), by the C sample and by the Python steps."""
+    if path == "native" and native.lib is None:
+        pytest.skip("the C extension is not built")
+    buf = make(MUJOCO, 64 if full else 80, name=name, lanes=4)
     for lane in range(4):
-        buf.push(transition(np.arange(lane * 10, lane * 10 + 5)), lane=lane)
+        buf.push(transition(np.arange(lane * 16, lane * 16 + (16 if full else 5))), lane=lane)
+    if path == "python":
+        monkeypatch.setattr(native, "lib", None)
     dev = DeviceReplay(buf, "cpu", max_lag_rows=0, seed=7)
-    n = 40000
-    counts = np.bincount(np.searchsorted(np.sort(buf.get(slice(None)).index), dev.sample(n).index.numpy()), minlength=20)
-    expect = n / 20
-    assert ((counts - expect) ** 2 / expect).sum() < 43.82  # chi-square, 19 dof, p = 0.001
+    assert dev.one_call == (path == "native") and len(dev) == len(buf)
+    n, rows = 40000, len(buf)
+    batch = dev.sample(n)
+    whole(batch)
+    counts = np.bincount(np.searchsorted(np.sort(buf.get(slice(None)).index), batch.index.numpy()), minlength=rows)
+    assert counts.size == rows
+    expect = n / rows
+    limit = {19: 43.82, 63: 103.4}[rows - 1]  # chi-square, p = 0.001
+    assert ((counts - expect) ** 2 / expect).sum() < limit
+    ref = buf.take(batch.index.numpy()[:500])
+    for key in ("obs", "action", "reward", "next_obs", "done"):
+        assert np.array_equal(batch[key][:500].numpy(), np.asarray(ref[key])), key
+    dev.close()
+
+
+@needs_lib
+def test_the_one_call_lag_question_equals_the_python_steps(make: Make, name: str) -> None:
+    """Whether a copy is behind its bounds, asked in C and in Python steps, after each kind of
+    change (rows pushed, an update, a delete, a clear), for each kind of bound, at a sample's
+    share and at the refresher's."""
+    buf = make(MUJOCO, 64, name=name, lanes=2)
+    bounds = [(None, None), (0, None), (5, None), (None, 0.0), (None, 1e6), (5, 1e6)]
+    copies = [DeviceReplay(buf, "cpu", max_lag_rows=r, max_lag_s=s, refresher=False, seed=0) for r, s in bounds]
+    changes: list[Callable[[], Any]] = [
+        lambda: None, lambda: buf.push(transition(0, 2), lane=0), lambda: buf.push(transition(2, 9), lane=1),
+        lambda: buf.update(buf.get(slice(0, 1)).index, reward=np.float32(3.0)),
+        lambda: buf.delete(buf.get(slice(0, 1)).index), lambda: buf.clear()]
+    answers = set()
+    for change in changes:
+        for dev in copies:
+            dev.sync()
+        change()
+        for dev in copies:
+            for share in (0.5, 1.0):
+                got = dev._behind(share)
+                assert got == dev._behind_steps(share), (change, dev.max_lag_rows, dev.max_lag_s, share)
+                answers.add(got)
+    assert answers == {False, True}
+    for dev in copies:
+        dev.close()
 
 
 def test_refused_buffers_name_the_alternative(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -580,6 +625,40 @@ def test_the_refresher_stops_with_close_and_before_a_fork(make: Make, name: str,
     assert not dev.refreshing and _threads() == before - 1  # the thread ended
     dev.close()
     assert not dev.refreshing
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_a_forked_child_copies_the_rows_again_and_shares_no_page_with_the_parent(
+        make: Make, name: str, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """The copy's host memory is not shared copy-on-write with a forked child (so the parent's
+    refreshes never fault on its pages): in the child it reads as zeros and the copy holds
+    nothing, and the child's first sample copies every row again; the parent's copy is as it was."""
+    if path == "native" and native.lib is None:
+        pytest.skip("the C extension is not built")
+    buf = make(MUJOCO, 64, name=name, episodes=True)
+    buf.push(transition(0, 40), episode=np.repeat(np.arange(4), 10))
+    if path == "python":
+        monkeypatch.setattr(native, "lib", None)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
+    assert len(dev) == 40 and dev.one_call == (path == "native")
+    keys = ("obs", "action", "reward", "next_obs", "done", "episode")
+
+    def same(batch: sb.Batch) -> bool:
+        ref = buf.take(batch.index.numpy())
+        return all(np.array_equal(batch[key].numpy(), np.asarray(ref[key])) for key in keys)
+
+    pid = os.fork()
+    if pid == 0:  # the child: report by exit code, never return into pytest
+        code = 3
+        try:
+            wiped = len(dev) == 0 and not dev.held.any() and not any(bool(col.any()) for col in dev.rows.values())
+            code = 0 if wiped and same(dev.sample(500)) and len(dev) == 40 else 2 if wiped else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # 1: not wiped, 2: wrong rows after the refresh
+    assert len(dev) == 40 and same(dev.sample(200))
+    dev.close()
 
 
 def test_the_refresher_ends_with_its_process_and_leaves_nothing(name: str) -> None:

@@ -23,7 +23,9 @@ is never drawn. Each refresh publishes ``INSERTED`` and the time it began in the
 
 ``sample(n)`` asks the buffer's sampler what may draw in its place (``Sampler.served``): a
 uniform sampler's rows are drawn on the device, uniformly over the usable slots
-(``torch.randint``); any other sampler draws on the host, by its own ``draw`` (a prioritized one
+(``torch.randint``; on the CPU with the C extension the draw, from its own xoshiro256** stream
+seeded by ``seed``, and the copy of the rows drawn are one call under the lock, as the host's
+one-call sample is: ``native/refresh.c``'s ``device_sample``); any other sampler draws on the host, by its own ``draw`` (a prioritized one
 from the shared sum tree, with ``ReplayBuffer.sample``'s importance weights; a user's sampler as
 it draws), keeping the drawn rows the device holds as committed and drawing again for the others.
 ``update_priorities`` writes the shared tree, so every process sees it. A batch has the fields,
@@ -135,8 +137,13 @@ class DeviceReplay(DeviceRows):
         self.max_lag_rows, self.max_lag_s = max_lag_rows, max_lag_s
         self.spec = opts.frames
         """The buffer's frames stored once (``next_of``/``stack``), or ``None``."""
+        seeds = np.random.SeedSequence(seed)
         self._gen = torch.Generator(device=self.device)
-        self._gen.manual_seed(int(np.random.SeedSequence(seed).generate_state(1)[0]))
+        self._gen.manual_seed(int(seeds.generate_state(1)[0]))
+        self._rng = seeds.spawn(1)[0].generate_state(4, np.uint64)
+        """The C uniform draw's xoshiro256** state (CPU, C extension: ``native/refresh.c``)."""
+        self._outs = [(name, dev.shape[1:], dev.numpy().dtype) for name, dev in self.rows.items()] \
+            if self._draw_call is not None else []
         self._refresher = Refresher()
         self.sync()
         if refresher:
@@ -199,13 +206,23 @@ class DeviceReplay(DeviceRows):
         more than ``share * max_lag_rows`` rows came in, or (under a row bound) an ``update()``
         ran; or a ``clear()`` happened since. Without bounds (``share < 1``: the refresher's
         question) whenever something changed."""
+        rows_bound, seconds_bound = self.max_lag_rows, self.max_lag_s
+        if self._one_call is None:
+            return self._behind_steps(share)
+        return bool(self._one_call[0].behind(  # the steps below in one C call (native/refresh.c's copy_behind)
+            self.buf.ring.cursors, self.buf.block.counters, self.state, self.bases,
+            -1 if rows_bound is None else int(share * rows_bound),
+            -1 if seconds_bound is None else int(share * seconds_bound * 1e9), share < 1))
+
+    def _behind_steps(self, share: float) -> bool:
+        """``_behind`` in Python steps: the reference, and the path without the C extension."""
         counters = self.buf.block.counters
+        rows_bound, seconds_bound = self.max_lag_rows, self.max_lag_s
         if not np.array_equal(self.buf.ring.cursors[:, _BASE], self.bases):
             return True
         rows, seconds = self.lag()
         updated = int(counters[_UPDATES]) != self.state[UPDATES]
         edited = updated or int(counters[_DELETES]) != self.state[DELETES]
-        rows_bound, seconds_bound = self.max_lag_rows, self.max_lag_s
         if rows_bound is not None and (rows > share * rows_bound or updated):
             return True
         changed = rows > 0 or edited
@@ -252,6 +269,13 @@ class DeviceReplay(DeviceRows):
             raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
         self._maybe_sync()
         served = self.buf.options.sampler.served  # what the sampler lets the device draw in its place
+        if served == "uniform" and self._draw_call is not None and self.spec is None:
+            batch = self._uniform_one_call(int(n))  # takes the lock itself, in C
+            if n_step > 1:
+                with self.lock:
+                    self._n_step(batch, int(n_step), float(gamma), fields)
+            self.buf.ring.count_sampled(int(n))
+            return batch
         with self.lock:
             if self.closed:
                 raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
@@ -276,6 +300,24 @@ class DeviceReplay(DeviceRows):
         if m < self.capacity:  # else every slot is usable: the draw is the slot
             pick = self._usable_slots().index_select(0, pick)
         return self._batch(pick, self._ids_of(pick), None)
+
+    def _uniform_one_call(self, n: int) -> Batch:
+        """``_uniform`` as one C call (``native/refresh.c``'s ``device_sample``: the draw over the
+        usable slots and the copy of their rows, under the lock), into new tensors."""
+        draw = self._draw_call
+        if draw is None:
+            raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
+        lib, *args = draw
+        outs = [np.empty((n, *shape), dtype) for _, shape, dtype in self._outs]
+        ids = np.empty(n, np.int64)
+        if not lib.device_sample(*args[:4], self._rng, args[4], tuple(outs), ids, self.lanes):
+            if self.closed:
+                raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
+            raise EmptyBufferError(f"sample({n}): the device copy of buffer {self.buf.name!r} holds no rows yet "
+                                   "(push, then sync() or sample again)")
+        torch = _torch()
+        got = {name: torch.from_numpy(a) for (name, _, _), a in zip(self._outs, outs, strict=True)}
+        return self._batch_of(got, torch.from_numpy(ids), None)
 
     def _host_drawn(self, n: int) -> Batch:
         """``n`` rows the buffer's sampler draws on the host (from the shared tree, or its own
@@ -326,7 +368,10 @@ class DeviceReplay(DeviceRows):
         return self._batch(slots_dev, torch.from_numpy(ids).to(self.device), w)
 
     def _batch(self, slots: Any, ids: Any, weight: Any) -> Batch:
-        got = {name: dev.index_select(0, slots) for name, dev in self.rows.items()}
+        return self._batch_of({name: dev.index_select(0, slots) for name, dev in self.rows.items()}, ids, weight)
+
+    def _batch_of(self, got: dict[str, Any], ids: Any, weight: Any) -> Batch:
+        """The batch of rows copied from the device columns (``got``: one tensor per column)."""
         packed = got.pop("_record", None)
         if packed is not None:
             packed = packed.view(_torch().uint8)

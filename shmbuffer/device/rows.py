@@ -36,6 +36,13 @@ takes the GIL (``native_refresher``). The Python steps below are the reference, 
 the CUDA path: each piece copied into reused pinned staging (``gather.gather_run``, one C call) and
 then one copy to the device on a side stream; pending rows go through the stamped ``gather``.
 
+On the CPU the columns and the slot lists live in private anonymous mappings of their own
+(``host_zeros``): huge pages where the kernel allows, and zeros in a forked child rather than
+pages shared copy-on-write, so that a fork (a worker started after the copy) does not make every
+later write of the parent's refresh a page fault and a page copy (it made a refresh 5-8 times
+slower, ``benchmarks/HISTORY.md``). The child's copy forgets its rows at the fork and copies them
+all again at its first refresh.
+
 Each refresh records in ``state`` when it began (``AT``, ``time.monotonic_ns()``) and ``INSERTED``
 as it began (``lag()``), counts itself (``DONE``), and adds its time and rows to ``SPENT`` and
 ``TAKEN``; it publishes ``INSERTED`` and ``AT`` in the block (``Counter.DEVICE_ROWS``/
@@ -48,8 +55,12 @@ so the stamps cannot tell), which the block's layout does not have.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -73,6 +84,26 @@ COUNT, PENDING, UPDATES, DELETES, INSERTED, AT, DONE, ERROR, SPENT, TAKEN, WAITE
 refresher stopped on an error, and all told the ns spent in refreshes, the rows they took in, and
 the ns of those spent waiting for the lock while a sample held it, and the ns of CPU time the
 refreshing thread spent in them (the last two: the C refresh)."""
+
+
+_MADV_WIPEONFORK = getattr(mmap, "MADV_WIPEONFORK", 18)  # Linux's number, where Python's mmap lacks the name
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+
+
+def host_zeros(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
+    """Zeros in a private anonymous mapping of their own, asked for huge pages (fewer TLB misses
+    for a sample's random rows) and to be zeros in a forked child (``MADV_WIPEONFORK``) instead of
+    shared copy-on-write: else, after every fork (a worker started after the copy), each page the
+    refresh writes faults and is copied first, which made a refresh several times slower than its
+    copies. A child's copy forgets its rows (``DeviceRows._forked``) and copies them again. Where
+    the kernel refuses either advice the mapping works without it."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE)
+    for advice in (_MADV_HUGEPAGE, _MADV_WIPEONFORK):
+        with contextlib.suppress(OSError):
+            memory.madvise(advice)
+    return np.frombuffer(memory, np.uint8, nbytes).view(dtype).reshape(shape)
 
 
 def _torch() -> Any:
@@ -141,32 +172,35 @@ class DeviceRows:
                     f"free of {total:,}: sample on the host (Loader(buf, ...), pinned) or use a smaller buffer")
         self.bytes = need
         """Device memory the copy takes."""
-        self.rows = {name: torch.zeros(col.shape, dtype=torch_dtype(col.dtype), device=self.device)
+        cpu = self.device.type == "cpu"
+        self.rows = {name: torch.from_numpy(host_zeros(col.shape, col.dtype)) if cpu else
+                     torch.zeros(col.shape, dtype=torch_dtype(col.dtype), device=self.device)
                      for name, col in self.columns.items()}
         cap = self.capacity
-        self.held = np.zeros(cap, np.int64)
+        self.held = host_zeros(cap, np.int64)
         """The stamp of the row each device slot holds, 0 where it holds none usable (host memory)."""
-        self.dense = np.zeros(cap, np.int64)
+        self.dense = host_zeros(cap, np.int64)
         """The usable slots: the first ``len()`` entries, in no order."""
-        self.where = np.full(cap, -1, np.int64)
+        self.where = host_zeros(cap, np.int64)
+        self.where[:] = -1
         """Each slot's place in ``dense``, -1 where it is not usable."""
         self.state = np.zeros(16, np.int64)
         """The refresh's counts and times (``COUNT``, ``PENDING``, ``UPDATES``, ...: see ``COUNT``)."""
         self.state[UPDATES] = -1  # the first refresh copies every row
-        self.pending_ids = np.zeros(cap, np.int64)
+        self.pending_ids = host_zeros(cap, np.int64)
         """Ids of rows a refresh found being written or torn: the first ``state[PENDING]``."""
         self.next = np.zeros(self.lanes, np.int64)
         """Per lane, the rows below were copied (or are pending)."""
         self.bases = np.full(self.lanes, -1, np.int64)
         """The lanes' bases as of the last refresh (a clear() moves them)."""
         spec = buf.options.frames
-        self.kinds = np.zeros(cap if spec is not None else 0, np.uint8)
+        self.kinds = host_zeros(cap if spec is not None else 0, np.uint8)
         """With frames: each held row's kind (``frames.KIND``), as copied with it (host memory)."""
-        self.episodes = np.zeros(cap if block.episode is not None else 0, np.int64)
+        self.episodes = host_zeros(cap if block.episode is not None else 0, np.int64)
         """With episodes: each held row's episode id, as copied with it (host memory)."""
-        cpu = self.device.type == "cpu"
         lib = native.lib
-        self._one_call: tuple[Any, ...] | None = None  # the C refresh's arguments but the state
+        self._one_call: tuple[Any, ...] | None = None  # the C refresh's arguments but the piece
+        self._draw_call: tuple[Any, ...] | None = None  # the C uniform sample's (replay.py)
         if cpu and lib is not None and all(c.flags.c_contiguous for c in self.columns.values()):
             mirrors: list[tuple[np.ndarray, np.ndarray]] = [(self.columns[KIND], self.kinds)] if self.kinds.size else []
             mirrors += [(self.columns["_episode"], self.episodes)] if self.episodes.size else []
@@ -175,6 +209,7 @@ class DeviceRows:
             self.lock: Any = NativeLock(lib)
             self._one_call = (lib, (self.lock.mutex, block.stamp, ring.cursors, block.counters, sources, outs, self.held,
                                     self.dense, self.where, self.next, self.bases, self.pending_ids, self.state))
+            self._draw_call = (lib, self.lock.mutex, self.held, self.dense, self.state, outs[:len(self.rows)])
         else:
             self.lock = threading.Lock()
         """The slot lists' lock: a sample holds it while it draws and gathers, a refresh while it
@@ -189,6 +224,23 @@ class DeviceRows:
         self._refreshing = threading.Lock()  # one refresh at a time; taken before lock, never inside it
         self.closed = False
         """Whether ``close()`` was called."""
+        _host_copies.add(self)  # its lists are host_zeros memory whatever the device
+
+    def _forked(self) -> None:
+        """In a forked child: the rows and lists in ``host_zeros`` memory read as zeros, so the
+        copy holds nothing and its next refresh copies every row; its locks are new (a thread of
+        the parent may have held them)."""
+        self.held[:] = 0
+        self.where[:] = -1
+        self.state[[COUNT, PENDING]] = 0
+        self.state[UPDATES] = -1
+        self.bases[:] = -1
+        self.next[:] = 0
+        if isinstance(self.lock, NativeLock):
+            self.lock.lib.mutex_init(self.lock.mutex)
+        else:
+            self.lock = threading.Lock()
+        self._refreshing = threading.Lock()
 
     def __len__(self) -> int:
         """Rows the device copy can draw now."""
@@ -438,7 +490,21 @@ class DeviceRows:
         self.columns = {}
         self.rows = {}
         self._staging = {}
-        self._one_call = None
+        self._one_call = self._draw_call = None
         self.state[COUNT] = 0
         self.where[:] = -1
         self.closed = True
+
+
+_host_copies: weakref.WeakSet[DeviceRows] = weakref.WeakSet()
+"""This process's copies (their lists, and on the CPU their rows, are ``host_zeros`` memory)."""
+
+
+def _forget_in_child() -> None:
+    for dev in list(_host_copies):
+        if not dev.closed:
+            dev._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)

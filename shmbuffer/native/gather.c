@@ -70,29 +70,48 @@ static void rows_chunk(void *arg, Py_ssize_t lo, Py_ssize_t hi, int who) {
     }
 }
 
+/* the first lines of row s of each column asked for (the columns in the caller's local arrays,
+ * which stay in registers): a gather's rows are random, so their misses overlap */
+static inline void prefetch_row(const char *const *from, const size_t *width, Py_ssize_t ncols, int64_t s) {
+    for (Py_ssize_t g = 0; g < ncols; g++) {
+        const char *row = from[g] + (size_t)s * width[g];
+        __builtin_prefetch(row);
+        if (width[g] > 64) __builtin_prefetch(row + 64);
+        if (width[g] > 128) __builtin_prefetch(row + 128);
+    }
+}
+
+/* the columns' sources and widths in local arrays */
+static Py_ssize_t columns_local(const Columns *c, const char **from, size_t *width) {
+    for (Py_ssize_t g = 0; g < c->n; g++) {
+        from[g] = (const char *)c->src[g].buf;
+        width[g] = (size_t)c->width[g];
+    }
+    return c->n;
+}
+
+void copy_slots(const Columns *c, const int64_t *slots, Py_ssize_t n) {
+    const char *from[MAX_COLS];
+    size_t width[MAX_COLS];
+    Py_ssize_t ncols = columns_local(c, from, width);
+    for (Py_ssize_t i = 0; i < n; i++) prefetch_row(from, width, ncols, slots[i]);
+    RowsJob job = {c, slots};
+    pool_run(rows_chunk, &job, n, c->total);
+}
+
 int64_t gather_rows(const Columns *c, const int64_t *ids, Py_ssize_t n, Py_ssize_t lanes, const int64_t *stamp,
                            int64_t lc, int64_t *slots, int64_t *first, char *ok) {
     /* the columns in local arrays: the stores below cannot change them, so they stay in registers */
     const char *from[MAX_COLS];
     size_t width[MAX_COLS];
-    Py_ssize_t ncols = c->n;
-    for (Py_ssize_t g = 0; g < ncols; g++) {
-        from[g] = (const char *)c->src[g].buf;
-        width[g] = (size_t)c->width[g];
-    }
+    Py_ssize_t ncols = columns_local(c, from, width);
     int64_t lowest = INT64_MAX;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t id = ids[i], s = slot_of_id(id, lanes, lc);
         if (id < lowest) lowest = id;
         slots[i] = s;
         first[i] = __atomic_load_n(&stamp[s], __ATOMIC_ACQUIRE);
-        /* the rows are random: ask for their first lines now, so the misses overlap */
-        for (Py_ssize_t g = 0; g < ncols; g++) {
-            const char *row = from[g] + (size_t)s * width[g];
-            __builtin_prefetch(row);
-            if (width[g] > 64) __builtin_prefetch(row + 64);
-            if (width[g] > 128) __builtin_prefetch(row + 128);
-        }
+        prefetch_row(from, width, ncols, s);
     }
     /* every first stamp is loaded: the copies, on the pool's threads when they are big (pool.c),
      * all done and visible to this thread when pool_run returns */

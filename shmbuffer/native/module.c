@@ -49,6 +49,11 @@ static PyMethodDef methods[] = {
      "thread that never takes the GIL."},
     {"refresher_stop", py_refresher_stop, METH_O, "refresher_stop(refresher): end it (joined). Idempotent."},
     {"refresher_running", py_refresher_running, METH_O, "refresher_running(refresher) -> whether it runs."},
+    {"behind", py_behind, METH_VARARGS,
+     "behind(cursors, counters, state, bases, rows_bound, ns_bound, idle) -> whether a device copy is past its bounds."},
+    {"device_sample", py_device_sample, METH_VARARGS,
+     "device_sample(mutex, held, dense, state, rng, sources, outs, ids, lanes) -> rows drawn uniformly over a device "
+     "copy's usable slots and copied from its columns (CPU), 0 when it holds none."},
     {"mutex_init", py_mutex_init, METH_O, "mutex_init(mutex): two private pthread mutexes in 128 bytes of a numpy array (the slot lists', the refreshes')."},
     {"mutex_lock", py_mutex_lock, METH_O, "mutex_lock(mutex): take it (the GIL released while it is busy)."},
     {"mutex_unlock", py_mutex_unlock, METH_O, "mutex_unlock(mutex): release it."},

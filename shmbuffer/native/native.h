@@ -50,6 +50,29 @@ static inline int64_t load_base(const int64_t *cur, int64_t lane) {
 void ids_of_slots(const int64_t *stamp, const int64_t *cur, Py_ssize_t lanes, int64_t lc, const int64_t *slots,
                   const double *leaves, int64_t *ids, Py_ssize_t n);
 
+/* -- the draws' generator: xoshiro256** (sample.c's read plans, refresh.c's device samples) ----- */
+static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static inline uint64_t next_u64(uint64_t *s) {
+    uint64_t result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+/* a double in [0, 1) from the top 53 bits, as numpy's random() makes one */
+static inline double next_double(uint64_t *s) { return (double)(next_u64(s) >> 11) * (1.0 / 9007199254740992.0); }
+
+/* a position in [0, m) (m > 0), uniform: samplers.uniform_ids' rule */
+static inline int64_t next_below(uint64_t *s, int64_t m) {
+    int64_t pos = (int64_t)(next_double(s) * (double)m);
+    return pos < m ? pos : m - 1;
+}
+
 /* -- the priority tree (tree.c) ---------------------------------------------------------------- */
 typedef struct {
     Py_ssize_t n;               /* levels, leaves first; the last is the top */
@@ -99,6 +122,10 @@ void columns_close(Columns *c);
  * slots and first: scratch of n. Returns the smallest id (INT64_MAX for none). No Python calls. */
 int64_t gather_rows(const Columns *c, const int64_t *ids, Py_ssize_t n, Py_ssize_t lanes, const int64_t *stamp,
                     int64_t lc, int64_t *slots, int64_t *first, char *ok);
+
+/* rows slots[i] of every source into row i of its out, without stamps (the caller knows the rows
+ * stay as they are: a device copy's held rows, under its mutex); the pool's threads when big */
+void copy_slots(const Columns *c, const int64_t *slots, Py_ssize_t n);
 
 #define GATHER_PAGE 4096
 #define GATHER_AHEAD 2 /* rows (transitions) ahead whose pages are asked for */
@@ -196,6 +223,8 @@ PyObject *py_refresh(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_refresher_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *py_refresher_stop(PyObject *self, PyObject *capsule);
 PyObject *py_refresher_running(PyObject *self, PyObject *capsule);
+PyObject *py_behind(PyObject *self, PyObject *args);
+PyObject *py_device_sample(PyObject *self, PyObject *args);
 PyObject *py_mutex_init(PyObject *self, PyObject *arg);
 PyObject *py_mutex_lock(PyObject *self, PyObject *arg);
 PyObject *py_mutex_unlock(PyObject *self, PyObject *arg);

@@ -409,20 +409,27 @@ typedef struct {
     int64_t pace_ns, rows_bound, ns_bound; /* bounds already halved (REFRESH_AT); -1: none */
 } Refresher;
 
-/* replay.py's _behind at REFRESH_AT, from the shared counters and the copy's state */
-static int refresher_behind(const Refresher *t) {
-    const Views *v = &t->v;
-    const int64_t *counters = (const int64_t *)v->cnb.buf, *state = (const int64_t *)v->sb.buf;
-    const int64_t *bases = (const int64_t *)v->bb.buf;
-    for (Py_ssize_t l = 0; l < v->lanes; l++)
-        if (load_base((const int64_t *)v->cub.buf, l) != bases[l]) return 1;
+/* replay.py's _behind, from the shared cursors and counters and the copy's state and bases: a
+ * lane cleared, or past a bound (rows_bound rows, or an update, under a row bound; ns_bound ns
+ * since the last refresh began, once something changed; < 0: no such bound), or, with no bound
+ * and `idle` (the refresher's question), anything changed */
+static int copy_behind(const int64_t *cur, Py_ssize_t lanes, const int64_t *counters, const int64_t *state,
+                       const int64_t *bases, int64_t rows_bound, int64_t ns_bound, int idle) {
+    for (Py_ssize_t l = 0; l < lanes; l++)
+        if (load_base(cur, l) != bases[l]) return 1;
     int64_t rows = __atomic_load_n(&counters[COUNTER_INSERTED], __ATOMIC_ACQUIRE) - state[ST_INSERTED];
     int updated = __atomic_load_n(&counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE) != state[ST_UPDATES];
     int edited = updated || __atomic_load_n(&counters[COUNTER_DELETES], __ATOMIC_ACQUIRE) != state[ST_DELETES];
-    if (t->rows_bound >= 0 && (rows > t->rows_bound || updated)) return 1;
+    if (rows_bound >= 0 && (rows > rows_bound || updated)) return 1;
     int changed = rows > 0 || edited;
-    if (changed && t->ns_bound >= 0 && now_ns() - state[ST_AT] > t->ns_bound) return 1;
-    return changed && t->rows_bound < 0 && t->ns_bound < 0;
+    if (changed && ns_bound >= 0 && now_ns() - state[ST_AT] > ns_bound) return 1;
+    return changed && idle && rows_bound < 0 && ns_bound < 0;
+}
+
+static int refresher_behind(const Refresher *t) {
+    const Views *v = &t->v;
+    return copy_behind((const int64_t *)v->cub.buf, v->lanes, (const int64_t *)v->cnb.buf, (const int64_t *)v->sb.buf,
+                       (const int64_t *)v->bb.buf, t->rows_bound, t->ns_bound, 1);
 }
 
 static void *refresher_loop(void *arg) {
@@ -542,4 +549,118 @@ PyObject *py_refresher_running(PyObject *self, PyObject *capsule) {
     Refresher *t = (Refresher *)PyCapsule_GetPointer(capsule, REFRESHER_CAPSULE);
     if (!t) return NULL;
     return PyBool_FromLong(t->started && !((int64_t *)t->v.sb.buf)[ST_ERROR]);
+}
+
+/* -- the copy's questions and samples on the learner's thread --------------------------------- */
+/* behind(cursors, counters, state, bases, rows_bound, ns_bound, idle) -> bool: copy_behind, the
+ * bounds already the share the caller asks about (< 0: none) */
+PyObject *py_behind(PyObject *self, PyObject *args) {
+    PyObject *cur_o, *cnt_o, *st_o, *bases_o;
+    long long rows_bound, ns_bound;
+    int idle;
+    if (!PyArg_ParseTuple(args, "OOOOLLp", &cur_o, &cnt_o, &st_o, &bases_o, &rows_bound, &ns_bound, &idle)) return NULL;
+    Py_buffer cub, cnb, sb, bb;
+    if (get_buf(cur_o, &cub, 0, 8, "cursors") < 0) return NULL;
+    Py_buffer *held[] = {&cub, &cnb, &sb, &bb};
+    int n = 1, behind = -1;
+    if (get_buf(cnt_o, &cnb, 0, 8, "counters") < 0) goto done;
+    n = 2;
+    if (get_buf(st_o, &sb, 0, 8, "state") < 0) goto done;
+    n = 3;
+    if (get_buf(bases_o, &bb, 0, 8, "bases") < 0) goto done;
+    n = 4;
+    Py_ssize_t lanes = bb.len / 8;
+    if (cub.len != lanes * LANE_WORDS * 8 || cnb.len < STATS_WORDS * 8 || sb.len < ST_WORDS * 8) {
+        PyErr_SetString(PyExc_ValueError, "behind: expected the ring's cursors, the block's counters, the copy's state and bases");
+        goto done;
+    }
+    behind = copy_behind((const int64_t *)cub.buf, lanes, (const int64_t *)cnb.buf, (const int64_t *)sb.buf,
+                         (const int64_t *)bb.buf, rows_bound, ns_bound, idle);
+done:
+    for (int i = 0; i < n; i++) PyBuffer_Release(held[i]);
+    return behind < 0 ? NULL : PyBool_FromLong(behind);
+}
+
+/* device_sample(mutex, held, dense, state, rng, sources, outs, ids, lanes) -> rows drawn: len(ids)
+ * slots drawn uniformly over the copy's usable ones (the first state[ST_COUNT] of dense) by the
+ * generator `rng` (4 uint64, xoshiro256**), their rows copied from the copy's columns (sources,
+ * (capacity, w) each) into the outs ((len(ids), w)), their ids (from held) into ids; 0 when no
+ * slot is usable. All under the slot lists' mutex (a refresh copies only into slots it dropped
+ * from the lists first), which is waited for without the GIL, as big copies are made. */
+PyObject *py_device_sample(PyObject *self, PyObject *args) {
+    PyObject *m_o, *held_o, *dense_o, *st_o, *rng_o, *src_o, *out_o, *ids_o;
+    Py_ssize_t lanes;
+    if (!PyArg_ParseTuple(args, "OOOOOO!O!On", &m_o, &held_o, &dense_o, &st_o, &rng_o, &PyTuple_Type, &src_o, &PyTuple_Type,
+                          &out_o, &ids_o, &lanes))
+        return NULL;
+    Py_buffer mb, hb, db, sb, rb, ib;
+    Py_buffer *views[] = {&mb, &hb, &db, &sb, &rb, &ib};
+    Columns c;
+    c.n = 0;
+    int nv = 0;
+    int64_t *slots = NULL;
+    PyObject *result = NULL;
+    if (get_mutex(m_o, &mb) < 0) return NULL;
+    nv = 1;
+    if (get_buf(held_o, &hb, 0, 8, "held") < 0) goto done;
+    nv = 2;
+    if (get_buf(dense_o, &db, 0, 8, "dense") < 0) goto done;
+    nv = 3;
+    if (get_buf(st_o, &sb, 0, 8, "state") < 0) goto done;
+    nv = 4;
+    if (get_buf(rng_o, &rb, 1, 8, "rng") < 0) goto done;
+    nv = 5;
+    if (get_buf(ids_o, &ib, 1, 8, "ids") < 0) goto done;
+    nv = 6;
+    Py_ssize_t capacity = hb.len / 8, n = ib.len / 8;
+    if (capacity < 1 || lanes < 1 || capacity % lanes || db.len != hb.len || sb.len < ST_WORDS * 8 || rb.len != 32 || n < 1) {
+        PyErr_SetString(PyExc_ValueError, "device_sample: expected held and dense of the capacity (lanes dividing it), "
+                                          "the state, 4 uint64 of rng and at least one id");
+        goto done;
+    }
+    if (columns_open(&c, src_o, out_o, capacity, n) < 0) goto done;
+    slots = (int64_t *)PyMem_Malloc((size_t)n * sizeof(int64_t));
+    if (!slots) { PyErr_NoMemory(); goto done; }
+    pthread_mutex_t *mutex = (pthread_mutex_t *)mb.buf;
+    const int64_t *held = (const int64_t *)hb.buf, *dense = (const int64_t *)db.buf, *state = (const int64_t *)sb.buf;
+    int64_t *ids = (int64_t *)ib.buf, lc = capacity / lanes;
+    uint64_t *rng = (uint64_t *)rb.buf;
+    if (!(rng[0] | rng[1] | rng[2] | rng[3])) rng[0] = 1; /* the one state xoshiro cannot leave */
+    if (pthread_mutex_trylock(mutex)) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(mutex);
+        Py_END_ALLOW_THREADS
+    }
+    int64_t count = state[ST_COUNT], bad = count < 0 || count > capacity;
+    /* the draws are random places: each step asks for the next one's lines first, so the misses
+     * overlap; with every slot usable the place is the slot (dense is then a permutation) */
+    for (Py_ssize_t i = 0; i < n && count > 0 && !bad; i++) {
+        slots[i] = next_below(rng, count);
+        if (count < capacity) __builtin_prefetch(&dense[slots[i]]);
+    }
+    for (Py_ssize_t i = 0; i < n && count > 0 && !bad && count < capacity; i++) {
+        slots[i] = dense[slots[i]];
+        bad = slots[i] < 0 || slots[i] >= capacity;
+    }
+    for (Py_ssize_t i = 0; i < n && count > 0 && !bad; i++) __builtin_prefetch(&held[slots[i]]);
+    for (Py_ssize_t i = 0; i < n && count > 0 && !bad; i++) {
+        int64_t s = slots[i];
+        bad = !is_committed(held[s]);
+        ids[i] = bad ? INVALID_ID : row_id(number_of_stamp(held[s]), s / lc, lanes);
+    }
+    if (count > 0 && !bad) {
+        PyThreadState *ts = c.total >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
+        copy_slots(&c, slots, n);
+        if (ts) PyEval_RestoreThread(ts);
+    }
+    pthread_mutex_unlock(mutex);
+    if (bad)
+        PyErr_SetString(PyExc_ValueError, "device_sample: the device copy's slot lists are inconsistent (a bug: please report it)");
+    else
+        result = PyLong_FromSsize_t(count > 0 ? n : 0);
+done:
+    columns_close(&c);
+    PyMem_Free(slots);
+    for (int i = 0; i < nv; i++) PyBuffer_Release(views[i]);
+    return result;
 }

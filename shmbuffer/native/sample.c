@@ -45,23 +45,6 @@ typedef struct {
     Part part[MAX_COLS];
 } ReadPlan;
 
-/* -- the generator ----------------------------------------------------------------------------- */
-static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-
-static inline uint64_t next_u64(uint64_t *s) {
-    uint64_t result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return result;
-}
-
-/* a double in [0, 1) from the top 53 bits, as numpy's random() makes one */
-static inline double next_double(uint64_t *s) { return (double)(next_u64(s) >> 11) * (1.0 / 9007199254740992.0); }
-
 /* -- the plan ---------------------------------------------------------------------------------- */
 static void read_release(ReadPlan *p) {
     Py_buffer *views[7] = {&p->stamp, &p->cur, &p->stats, &p->sums, &p->mins, &p->lock, &p->uses};
@@ -238,8 +221,7 @@ static int64_t read_bounds(const ReadPlan *p, int64_t *first, int64_t *ends) {
 static void draw_uniform(ReadPlan *p, const int64_t *first, const int64_t *ends, int64_t m, int64_t *ids, Py_ssize_t k) {
     Py_ssize_t lanes = p->lanes;
     for (Py_ssize_t i = 0; i < k; i++) {
-        int64_t pos = (int64_t)(next_double(p->rng) * (double)m);
-        if (pos >= m) pos = m - 1;
+        int64_t pos = next_below(p->rng, m);
         if (lanes == 1) {
             ids[i] = first[0] + pos;
             continue;
