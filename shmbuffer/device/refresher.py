@@ -12,7 +12,7 @@ handed to the learner's next sample.
 Lifecycle: it is stopped (joined) by ``close()``, before every ``os.fork()`` (so that a process
 forks without a thread of ours: Python 3.12 warns about forking with threads; started again in the
 parent, not in the child, whose copy refreshes only when its samples need it, copying every row
-again: ``DeviceRows._forked``) and at exit.
+again: ``DeviceRows.forget_rows``) and at exit.
 """
 
 from __future__ import annotations

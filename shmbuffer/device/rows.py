@@ -95,7 +95,7 @@ def host_zeros(shape: int | tuple[int, ...], dtype: Any) -> np.ndarray:
     for a sample's random rows) and to be zeros in a forked child (``MADV_WIPEONFORK``) instead of
     shared copy-on-write: else, after every fork (a worker started after the copy), each page the
     refresh writes faults and is copied first, which made a refresh several times slower than its
-    copies. A child's copy forgets its rows (``DeviceRows._forked``) and copies them again. Where
+    copies. A child's copy forgets its rows (``DeviceRows.forget_rows``) and copies them again. Where
     the kernel refuses either advice the mapping works without it."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
@@ -226,10 +226,10 @@ class DeviceRows:
         """Whether ``close()`` was called."""
         _host_copies.add(self)  # its lists are host_zeros memory whatever the device
 
-    def _forked(self) -> None:
-        """In a forked child: the rows and lists in ``host_zeros`` memory read as zeros, so the
-        copy holds nothing and its next refresh copies every row; its locks are new (a thread of
-        the parent may have held them)."""
+    def forget_rows(self) -> None:
+        """Hold no row: the next refresh copies every row again, with new locks. A forked child's
+        copy does this at the fork (there its ``host_zeros`` memory reads as zeros, and a thread of
+        the parent may have held its locks); the copy's own threads must not run meanwhile."""
         self.held[:] = 0
         self.where[:] = -1
         self.state[[COUNT, PENDING]] = 0
@@ -503,7 +503,7 @@ _host_copies: weakref.WeakSet[DeviceRows] = weakref.WeakSet()
 def _forget_in_child() -> None:
     for dev in list(_host_copies):
         if not dev.closed:
-            dev._forked()
+            dev.forget_rows()
 
 
 if hasattr(os, "register_at_fork"):
