@@ -76,6 +76,7 @@ def update(src: Source, ids: np.ndarray, fields: dict[str, Any], priority: Any =
         idx = ids[live]
         slots = ring.slots(idx)
         _check_ends(src, idx, slots, {n: a[live] for n, a in arrays.items()})  # under the lock: no push moves the lanes
+        ring.log_edits(slots)  # before anything changes: a device copy re-reads these slots
         ring.owner[slots] = w  # the owner first: an odd stamp always names its writer
         ring.stamp[slots] = ring.expected(idx) - 1
         src.block.counters[Counter.UPDATES] += 1  # after the odd stamps (reader._unless_updated)
@@ -167,8 +168,9 @@ def delete(src: Source, ids: np.ndarray) -> int:
         if not slots.size:
             return 0
         src.block.arrays["_stats"][Counter.REMOVED] = 1  # before the rows go: len never over-counts
+        ring.log_edits(slots)
         ring.stamp[slots] = 0
-        src.block.counters[Counter.DELETES] += 1  # a device copy refreshes every row (device/rows.py)
+        src.block.counters[Counter.DELETES] += 1
         if prios is not None:
             prios.remove(slots)
     return int(slots.size)
