@@ -8,7 +8,8 @@ Cases (each prints one line and goes into the JSON ``--out``):
 
 * ``refresh``: a full buffer of MuJoCo rows (165 bytes) copied whole into the device copy (rows/s),
   then the rows of one new push of 65,536 rows (rows/s); beside them ``memcpy``, the same bytes by
-  ``np.copyto`` (the floor of a host copy).
+  ``np.copyto`` (the floor of a host copy); and the refresh after an ``update()`` of 64 rows (ms,
+  the median of 5).
 * ``sample``: 256 rows a batch, batches/s: ``DeviceReplay.sample`` against ``buf.sample(256).to(device)``
   and a numpy ring (``np.take`` of 256 rows of in-process arrays, then ``.to(device)``).
 * ``prioritized``: sample 256 + ``update_priorities`` at full capacity, batches/s, the device copy
@@ -81,8 +82,8 @@ def case_refresh(capacity: int, device: str, tag: str) -> dict[str, Any]:
     buf = sb.ReplayBuffer(SCHEMA, capacity, name=f"bench-dev-r-{tag}")
     try:
         fill(buf, capacity)
-        dev = sb.DeviceReplay(buf, device)
-        buf.update([0], reward=np.float32(0.0))  # an update: the next sync copies every row again
+        dev = sb.DeviceReplay(buf, device, refresher=False)  # only the timed syncs refresh
+        dev.forget_rows()  # the next sync copies every row again
         t0 = time.perf_counter()
         dev.sync()
         full = capacity / (time.perf_counter() - t0)
@@ -91,6 +92,13 @@ def case_refresh(capacity: int, device: str, tag: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         dev.sync()
         new = k / (time.perf_counter() - t0)
+        ids = buf.get(slice(0, 64)).index
+        edit = []
+        for _ in range(5):  # 64 rows updated in place (TorchRL's storage overwriting): the rows copied again
+            buf.update(ids, reward=np.float32(0.0))
+            t0 = time.perf_counter()
+            dev.sync()
+            edit.append(time.perf_counter() - t0)
         src = np.ones(capacity * 165, np.uint8)
         dst = np.empty_like(src)
         np.copyto(dst, src)  # the pages touched once: the floor is the copy, not the page faults
@@ -99,7 +107,7 @@ def case_refresh(capacity: int, device: str, tag: str) -> dict[str, Any]:
         memcpy = capacity / (time.perf_counter() - t0)
         dev.close()
         return {"case": "refresh", "full_rows_s": full, "new_rows_s": new, "memcpy_rows_s": memcpy,
-                "full_vs_memcpy": full / memcpy}
+                "full_vs_memcpy": full / memcpy, "edit64_ms": float(np.median(edit)) * 1e3}
     finally:
         buf.close()
         buf.unlink()

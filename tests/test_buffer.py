@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import shmbuffer as sb
+from shmbuffer.protocol.layout import Counter
 from shmbuffer.shm import segment
 
 from .conftest import MUJOCO, copy_through, seq_of, transition
@@ -416,7 +417,10 @@ def test_a_copy_that_fails_gives_the_rows_back(make: Make, name: str) -> None:
     with pytest.raises(KeyboardInterrupt):
         buf.push(transition(10, 2))  # stopped midway over rows 2 and 3: their bytes are put back
     armed[0] = False
-    assert all(np.array_equal(v, before[k]) for k, v in buf.block.arrays.items() if k not in ("_mutex", "_owner", "_stats"))
+    assert all(np.array_equal(v, before[k]) for k, v in buf.block.arrays.items()
+               if k not in ("_mutex", "_owner", "_stats", "_edits"))
+    edits = int(buf.block.counters[Counter.EDITS])  # both put-backs are logged: slots 4, 5, then 2, 3
+    assert edits == 4 and buf.block.arrays["_edits"][:edits].tolist() == [4, 5, 2, 3]
     assert len(buf) == 8 and buf.stats["inserted"] == 10
     assert seq_of(buf.get(slice(None))).tolist() == list(range(2, 10))
     other = sb.ReplayBuffer.attach(buf.handle)  # a writer that reserved after the failed push: that push's rows

@@ -18,6 +18,7 @@ import pytest
 import shmbuffer as sb
 from shmbuffer import native
 from shmbuffer.device import DeviceReplay
+from shmbuffer.protocol.layout import EDIT_LOG
 
 from .conftest import MUJOCO, copy_through, needs_lib, seq_of, transition
 
@@ -748,15 +749,17 @@ def test_a_sample_behind_the_bound_waits_for_the_refresh_under_way_not_for_anoth
 
 def test_a_full_refresh_keeps_serving_the_rows_it_has_not_copied_again(make: Make, name: str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """After an update every row is copied again, a piece at a time: meanwhile a sample (another
-    thread) draws whole rows from all but the piece being copied, instead of finding the copy empty."""
+    """After more in-place changes than the log of edits holds every row is copied again, a piece
+    at a time: meanwhile a sample (another thread) draws whole rows from all but the piece being
+    copied, instead of finding the copy empty."""
     import threading
 
     monkeypatch.setattr(native, "lib", None)  # the Python steps: a sample between two pieces
     buf = make(MUJOCO, 64, name=name)
     buf.push(transition(0, 64))
     dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, chunk=8, seed=0)
-    buf.update([5], reward=np.float32(5.0))  # the same value: only the full copy is to see
+    for _ in range(EDIT_LOG // 64 + 1):  # the same values, past what the log holds: only a full copy follows
+        buf.update(np.arange(64), reward=np.arange(64, dtype=np.float32))
     real = dev._copy_run
     seen: list[tuple[int, np.ndarray]] = []
 
@@ -772,3 +775,63 @@ def test_a_full_refresh_keeps_serving_the_rows_it_has_not_copied_again(make: Mak
     (held, ids), = seen
     assert held == 56 and set(ids.tolist()) == set(range(64)) - set(range(24, 32))
     assert len(dev) == 64
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_an_edit_is_copied_again_alone(make: Make, name: str, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """A refresh after an ``update()`` copies the rows it changed, not every row; after a
+    ``delete()`` it drops the rows deleted; after more edits than the log holds it copies every
+    row; the rows always equal ``take()``'s."""
+    if path == "native" and native.lib is None:
+        pytest.skip("the C extension is not built")
+    if path == "python":
+        monkeypatch.setattr(native, "lib", None)
+    buf = make(MUJOCO, 2048, name=name, lanes=2)
+    for lane in range(2):
+        buf.push(transition(np.arange(lane * 1024, lane * 1024 + 1000)), lane=lane)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
+    assert len(dev) == 2000 and dev.one_call == (path == "native")
+    ids = buf.get(slice(None)).index
+    buf.update(ids[[3, 1500]], reward=np.float32(-7.0))
+    assert dev.sync() == 2  # the two rows, not 2,000
+
+    def check() -> np.ndarray:
+        batch = dev.sample(4000)
+        ref = buf.take(batch.index.numpy())
+        for key in ("obs", "action", "reward", "next_obs", "done"):
+            assert np.array_equal(batch[key].numpy(), np.asarray(ref[key])), key
+        return batch.index.numpy()
+
+    assert (check() == ids[3]).any()
+    buf.delete(ids[[10, 11]])
+    assert dev.sync() == 0 and len(dev) == 1998 and not np.isin(check(), ids[[10, 11]]).any()
+    for _ in range(2):
+        buf.update(ids[20:21 + EDIT_LOG // 2], reward=np.float32(1.0))  # more than the log holds since the last refresh
+    assert dev.sync() == 1998  # every row again
+    check()
+    dev.close()
+
+
+def test_a_row_edited_during_a_refresh_is_held_only_once_the_edit_is_read(
+        make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An update that runs while a refresh copies the rows keeps the stamps it found, so the copy's
+    stamp check cannot see it: the log of edits, read again after the copies, keeps its row from
+    being held, and the next refresh copies it."""
+    monkeypatch.setattr(native, "lib", None)  # the Python steps: an update between the copy and the hold
+    buf = make(MUJOCO, 64, name=name)
+    buf.push(transition(0, 32))
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, chunk=16, seed=0)
+    buf.push(transition(32, 16))
+    real = dev._copy_run
+
+    def copy(slot0: int, n0: int, k: int) -> np.ndarray:
+        ok = real(slot0, n0, k)
+        buf.update(buf.get(slice(33, 34)).index, reward=np.float32(-1.0))  # after the copies, before the hold
+        return ok
+
+    monkeypatch.setattr(dev, "_copy_run", copy)
+    assert dev.sync() == 15 and not dev.usable[33] and dev.pending.tolist() == [33]
+    monkeypatch.setattr(dev, "_copy_run", real)
+    assert dev.sync() == 1 and dev.usable[33]
+    assert dev.rows["_record"].numpy()[33].tobytes() == buf.block.packed[33].tobytes()
+    dev.close()

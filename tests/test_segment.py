@@ -28,7 +28,7 @@ ENV = {**os.environ, "PYTHONWARNINGS": "error", "PYTHONPATH": str(ROOT)}
 def test_header(make: Make, name: str) -> None:
     buf = make(MUJOCO, capacity=1000, name=name)
     h = segment.read_header(name)
-    assert h.version == segment.VERSION == 1
+    assert h.version == segment.VERSION == 2
     assert h.creator_pid == os.getpid() and h.creator_alive
     assert h.fingerprint == MUJOCO.fingerprint
     assert h.meta["options"]["capacity"] == 1000 and sb.Schema.from_json(h.meta["schema"]) == MUJOCO
@@ -60,9 +60,10 @@ def write_file(name: str, data: bytes) -> None:
 
 def test_other_layout_version_is_refused(make: Make, name: str) -> None:
     make(MUJOCO, capacity=10, name=name)
-    patch(name, 8, struct.pack("<I", 2))
-    with pytest.raises(sb.LayoutError, match="has layout version 2; this shmbuffer reads version 1"):
-        sb.ReplayBuffer.attach(name)
+    for other in (1, 3):  # version 1 had no _edits column
+        patch(name, 8, struct.pack("<I", other))
+        with pytest.raises(sb.LayoutError, match=f"has layout version {other}; this shmbuffer reads version 2"):
+            sb.ReplayBuffer.attach(name)
 
 
 def test_foreign_or_damaged_blocks_are_refused(make: Make, name: str) -> None:

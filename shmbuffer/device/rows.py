@@ -11,17 +11,20 @@ to date:
 1. the rows to copy are found from the lanes' cursors: each lane's rows since the last refresh
    (at most two runs of consecutive slots, the lane's end between them, cut in pieces of
    ``chunk`` rows), and the ``pending`` rows of earlier refreshes whose stamps now say
-   committed. No slot is scanned: a refresh costs the rows that came in. A ``clear()``, an
-   ``update()`` or a ``delete()`` since the last refresh (``Counter.UPDATES``/``DELETES``, the
-   lanes' bases) makes it a full one: the held rows that left their lanes are dropped, no row is
-   pending, and every row of the lanes is copied again, a piece at a time (an update puts back
-   the stamp it found, so only a copy sees it; the rows not yet copied again stay drawable, as
-   they were committed);
+   committed. No slot is scanned: a refresh costs the rows that came in. The rows changed in
+   place since (an ``update()``, a ``delete()``, a failed push put back) are read from the block's
+   log of edits (``Counter.EDITS``, ``Ring.log_edits``: each logs its slots before it changes
+   them, since an update puts back the stamp it found and the stamps cannot tell): their slots
+   are dropped and the rows they hold now are pending. A ``clear()`` (the lanes' bases), or more
+   edits than the log holds (``EDIT_LOG``), makes it a full one: the held rows that left their
+   lanes are dropped, no row is pending, and every row of the lanes is copied again, a piece at a
+   time (the rows not yet copied again stay drawable, as they were committed);
 2. each piece's slots are dropped from the usable ones, then the piece is copied by the reader's
    rule (first stamps, the copies, second stamps); a row counts when both reads show it committed
-   (``rows.intact``) and no update began meanwhile (else none of the refresh's copies count and the
-   next refresh is a full one); the others stay ``pending``, tried again by each refresh until
-   they are held or leave their lane. So a torn, half-written or overwritten row is never usable;
+   (``rows.intact``) and no edit logged meanwhile names its slot (the log is read again after the
+   copies; if it overflowed meanwhile none of the copies count and the next refresh is a full
+   one); the others stay ``pending``, tried again by each refresh until they are held or leave
+   their lane. So a torn, half-written, overwritten or half-updated row is never usable;
 3. the piece's rows that count are held: usable again.
 
 The slot lists change only under the copy's lock (``lock``), which a sample holds while it draws
@@ -48,9 +51,6 @@ as it began (``lag()``), counts itself (``DONE``), and adds its time and rows to
 ``TAKEN``; it publishes ``INSERTED`` and ``AT`` in the block (``Counter.DEVICE_ROWS``/
 ``DEVICE_AT``), which ``shmbuffer top`` shows as the copy's lag.
 
-Not done: an ``update()`` or ``delete()`` still makes the next refresh a full one. Marking only the
-rows it touched needs a record of them in shared memory (an update puts back the stamp it found,
-so the stamps cannot tell), which the block's layout does not have.
 """
 
 from __future__ import annotations
@@ -70,20 +70,22 @@ from ..batch import torch_dtype
 from ..errors import CapacityError, ClosedError
 from ..frames import KIND
 from ..protocol.gather import gather, gather_run
-from ..protocol.layout import Counter, Lane
+from ..protocol.layout import EDIT_LOG, Counter, Lane
 from ..protocol.reader import Source
 from ..protocol.rows import committed, committed_of_id, lane_of, number_of, number_of_stamp, row_id
 
 _UPDATES, _DELETES, _INSERTED = int(Counter.UPDATES), int(Counter.DELETES), int(Counter.INSERTED)
+_EDITS = int(Counter.EDITS)
 _DEVICE_ROWS, _DEVICE_AT = int(Counter.DEVICE_ROWS), int(Counter.DEVICE_AT)
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
-COUNT, PENDING, UPDATES, DELETES, INSERTED, AT, DONE, ERROR, SPENT, TAKEN, WAITED, CPU = range(12)
+COUNT, PENDING, UPDATES, DELETES, INSERTED, AT, DONE, ERROR, SPENT, TAKEN, WAITED, CPU, EDITS = range(13)
 """The words of ``DeviceRows.state`` (``native/refresh.c``'s ``ST_*``): usable slots, pending ids,
-``Counter.UPDATES`` and ``DELETES`` as of the last refresh (-1: copy every row again),
-``Counter.INSERTED`` and ``time.monotonic_ns()`` as it began, refreshes done, 1 once the C
-refresher stopped on an error, and all told the ns spent in refreshes, the rows they took in, and
-the ns of those spent waiting for the lock while a sample held it, and the ns of CPU time the
-refreshing thread spent in them (the last two: the C refresh)."""
+``Counter.UPDATES`` and ``DELETES`` as of the last refresh (the lag question's), ``Counter.INSERTED``
+and ``time.monotonic_ns()`` as it began, refreshes done, 1 once the C refresher stopped on an
+error, and all told the ns spent in refreshes, the rows they took in, and the ns of those spent
+waiting for the lock while a sample held it, and the ns of CPU time the refreshing thread spent in
+them (the last two: the C refresh); then ``Counter.EDITS`` as the last refresh began (-1: copy
+every row again)."""
 
 
 _MADV_WIPEONFORK = getattr(mmap, "MADV_WIPEONFORK", 18)  # Linux's number, where Python's mmap lacks the name
@@ -186,7 +188,7 @@ class DeviceRows:
         """Each slot's place in ``dense``, -1 where it is not usable."""
         self.state = np.zeros(16, np.int64)
         """The refresh's counts and times (``COUNT``, ``PENDING``, ``UPDATES``, ...: see ``COUNT``)."""
-        self.state[UPDATES] = -1  # the first refresh copies every row
+        self.state[EDITS] = -1  # the first refresh copies every row
         self.pending_ids = host_zeros(cap, np.int64)
         """Ids of rows a refresh found being written or torn: the first ``state[PENDING]``."""
         self.next = np.zeros(self.lanes, np.int64)
@@ -207,8 +209,9 @@ class DeviceRows:
             sources = (*self.columns.values(), *(m[0] for m in mirrors))
             outs = (*(dev.numpy() for dev in self.rows.values()), *(m[1] for m in mirrors))
             self.lock: Any = NativeLock(lib)
-            self._one_call = (lib, (self.lock.mutex, block.stamp, ring.cursors, block.counters, sources, outs, self.held,
-                                    self.dense, self.where, self.next, self.bases, self.pending_ids, self.state))
+            self._one_call = (lib, (self.lock.mutex, block.stamp, ring.cursors, block.counters, block.edits, sources,
+                                    outs, self.held, self.dense, self.where, self.next, self.bases, self.pending_ids,
+                                    self.state))
             self._draw_call = (lib, self.lock.mutex, self.held, self.dense, self.state, outs[:len(self.rows)])
         else:
             self.lock = threading.Lock()
@@ -233,7 +236,7 @@ class DeviceRows:
         self.held[:] = 0
         self.where[:] = -1
         self.state[[COUNT, PENDING]] = 0
-        self.state[UPDATES] = -1
+        self.state[EDITS] = -1
         self.bases[:] = -1
         self.next[:] = 0
         if isinstance(self.lock, NativeLock):
@@ -302,12 +305,16 @@ class DeviceRows:
         """The refresh in Python steps (``native/refresh.c`` does the same in one call)."""
         ring, counters, state = self.buf.ring, self.buf.block.counters, self.state
         inserted = int(counters[_INSERTED])  # before the lanes: the lag is never under-counted
-        updates, deletes = int(counters[_UPDATES]), int(counters[_DELETES])
+        updates, deletes = int(counters[_UPDATES]), int(counters[_DELETES])  # for the lag question (replay.py)
+        edits = int(counters[_EDITS])  # before the stamps: an edit logged later is seen after the copies
         cursors = ring.cursors[:, _CURSOR].copy()
         bases = ring.cursors[:, _BASE].copy()
         lc = self.lane_capacity
         start = np.minimum(np.maximum(bases, cursors - lc), cursors)
-        full = updates != state[UPDATES] or deletes != state[DELETES] or not np.array_equal(bases, self.bases)
+        seen = int(state[EDITS])
+        full = seen < 0 or edits - seen > EDIT_LOG or not np.array_equal(bases, self.bases)
+        if not full and edits != seen:
+            full = not self._take_edits(seen, edits, start, cursors)
         taken, spoiled = 0, False
         if full:
             with self.lock:
@@ -315,30 +322,66 @@ class DeviceRows:
                 self._drop(slots[number_of_stamp(self.held[slots]) < start[slots // lc]])
                 state[PENDING] = 0
         else:
-            taken, spoiled = self._retry_pending(start, updates)
+            taken, spoiled = self._retry_pending(start, edits)
         first = start if full else np.maximum(self.next, start)
         for s0, n0, k in ([] if spoiled else self._runs(first, cursors)):
             slots = np.arange(s0, s0 + k)
             with self.lock:
                 self._drop(slots)
             ok = self._copy_run(s0, n0, k)
-            if int(counters[_UPDATES]) != updates:  # an update spanned the copies (no ABA): all again next time
+            edited = self._edited(edits, slots)
+            if edited is None:  # more edits during the copies than the log holds: every row next time
                 spoiled = True
                 break
+            ok &= ~edited  # an edit's row is read again once it is done (the stamps cannot tell)
             with self.lock:
                 self._hold(slots[ok], committed(np.arange(n0, n0 + k)[ok]))
                 self._add_pending(row_id(np.arange(n0, n0 + k)[~ok], s0 // lc, self.lanes))
             taken += int(np.count_nonzero(ok))
         self.next[:], self.bases[:] = cursors, bases
-        state[UPDATES], state[DELETES], state[INSERTED] = -1 if spoiled else updates, deletes, inserted
+        state[EDITS] = -1 if spoiled else edits  # the edits logged during the copies: next time
+        state[UPDATES], state[DELETES], state[INSERTED] = updates, deletes, inserted
         return taken
 
-    def _retry_pending(self, start: np.ndarray, updates: int) -> tuple[int, bool]:
+    def _take_edits(self, seen: int, edits: int, start: np.ndarray, stop: np.ndarray) -> bool:
+        """The rows changed in place since the last refresh (the log's entries ``seen`` to
+        ``edits``): their slots dropped, and the row each slot holds now (committed or being
+        written, within its lane's rows) pending, to be copied once committed. ``False`` when
+        the log's entries were overwritten as they were read (the caller copies every row)."""
+        block, ring, lanes, lc = self.buf.block, self.buf.ring, self.lanes, self.lane_capacity
+        slots = block.edits[np.arange(seen, edits) % EDIT_LOG]
+        if int(block.counters[_EDITS]) - seen > EDIT_LOG or not ((slots >= 0) & (slots < self.capacity)).all():
+            return False
+        self._forget_lapped(start)
+        slots = np.unique(slots)
+        with self.lock:
+            self._drop(slots)
+        stamps, lane = ring.stamp[slots], slots // lc
+        n = number_of_stamp(stamps)
+        now = (stamps != 0) & (n >= start[lane]) & (n < stop[lane])
+        ids = row_id(n[now], lane[now], lanes)
+        self._add_pending(ids[~np.isin(ids, self.pending)])
+        return True
+
+    def _edited(self, edits: int, slots: np.ndarray) -> np.ndarray | None:
+        """Which of ``slots`` (just copied) an edit logged since ``edits`` names, or ``None``
+        when more were logged than the log holds."""
+        block = self.buf.block
+        now = int(block.counters[_EDITS])
+        if now == edits:
+            return np.zeros(slots.shape, bool)
+        logged = block.edits[np.arange(edits, now) % EDIT_LOG] if now - edits <= EDIT_LOG else None
+        if logged is None or int(block.counters[_EDITS]) - edits > EDIT_LOG:
+            return None
+        return np.isin(slots, logged)
+
+    def _retry_pending(self, start: np.ndarray, edits: int) -> tuple[int, bool]:
         """The pending rows: those that left their lane forgotten, those now committed copied
-        (dropped first), the others kept; the rows held, and whether an update spanned the copy."""
+        (dropped first), the others kept; the rows held, and whether more edits than the log
+        holds came during the copy."""
         ring, lanes = self.buf.ring, self.lanes
+        self._forget_lapped(start)
         ids = self.pending
-        ids = ids[number_of(ids, lanes) >= start[lane_of(ids, lanes)]]
         ready = ring.stamp[ring.slots(ids)] == committed_of_id(ids, lanes)
         again, keep = ids[ready], ids[~ready]
         self.state[PENDING] = 0
@@ -348,12 +391,20 @@ class DeviceRows:
         with self.lock:
             self._drop(ring.slots(again))
         got = self._copy_rows(again)
-        if int(self.buf.block.counters[_UPDATES]) != updates:
+        edited = self._edited(edits, ring.slots(again))
+        if edited is None:
             return 0, True
+        got &= ~edited
         with self.lock:
             self._hold(ring.slots(again[got]), committed_of_id(again[got], lanes))
             self._add_pending(again[~got])
         return int(np.count_nonzero(got)), False
+
+    def _forget_lapped(self, start: np.ndarray) -> None:
+        """The pending rows that left their lane are forgotten."""
+        ids, lanes = self.pending, self.lanes
+        self.state[PENDING] = 0
+        self._add_pending(ids[number_of(ids, lanes) >= start[lane_of(ids, lanes)]])
 
     def _add_pending(self, ids: np.ndarray) -> None:
         n = int(self.state[PENDING])

@@ -41,11 +41,11 @@ static PyMethodDef methods[] = {
     {"gather_run", py_gather_run, METH_VARARGS,
      "gather_run(first, n0, stamp, sources, outs, ok) -> intact rows: a lane's consecutive rows with the stamp check."},
     {"refresh", (PyCFunction)(void (*)(void))py_refresh, METH_FASTCALL,
-     "refresh(mutex, stamp, cursors, counters, sources, outs, held, dense, where, nxt, bases, pending, state, piece, "
-     "publish, seen) -> rows newly held, or -1 when another refresh ran since state[6] was seen: a device copy's "
+     "refresh(mutex, stamp, cursors, counters, log, sources, outs, held, dense, where, nxt, bases, pending, state, "
+     "piece, publish, seen) -> rows newly held, or -1 when another refresh ran since state[6] was seen: a device copy's "
      "refresh on the CPU, without the GIL (device/rows.py)."},
     {"refresher_start", (PyCFunction)(void (*)(void))py_refresher_start, METH_FASTCALL,
-     "refresher_start(<refresh's first 15 arguments>, pace_s, rows_bound, seconds_bound) -> a background refresher "
+     "refresher_start(<refresh's first 16 arguments>, pace_s, rows_bound, seconds_bound) -> a background refresher "
      "thread that never takes the GIL."},
     {"refresher_stop", py_refresher_stop, METH_O, "refresher_stop(refresher): end it (joined). Idempotent."},
     {"refresher_running", py_refresher_running, METH_O, "refresher_running(refresher) -> whether it runs."},
@@ -91,7 +91,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "shmbuffer.native._na
 static int add_constants(PyObject *m) {
     static const struct { const char *name; long long value; } constants[] = {
         {"LANE_WORDS", LANE_WORDS},   {"LANE_CURSOR", LANE_CURSOR},       {"LANE_BASE", LANE_BASE},
-        {"STATS_WORDS", STATS_WORDS}, {"COUNTER_UPDATES", COUNTER_UPDATES}, {"COUNTER_DELETES", COUNTER_DELETES}, {"COUNTER_DEVICE_ROWS", COUNTER_DEVICE_ROWS}, {"COUNTER_DEVICE_AT", COUNTER_DEVICE_AT}, {"COUNTER_INSERTED", COUNTER_INSERTED}, {"COUNTER_FROZEN", COUNTER_FROZEN}, {"COUNTER_REMOVED", COUNTER_REMOVED},
+        {"STATS_WORDS", STATS_WORDS}, {"COUNTER_UPDATES", COUNTER_UPDATES}, {"COUNTER_DELETES", COUNTER_DELETES}, {"COUNTER_DEVICE_ROWS", COUNTER_DEVICE_ROWS}, {"COUNTER_DEVICE_AT", COUNTER_DEVICE_AT}, {"COUNTER_INSERTED", COUNTER_INSERTED}, {"COUNTER_FROZEN", COUNTER_FROZEN}, {"COUNTER_REMOVED", COUNTER_REMOVED}, {"COUNTER_EDITS", COUNTER_EDITS},
         {"WRITERS", WRITERS},         {"LOCK_SIZE", LOCK_SIZE},           {"LOCK_REPAIR", LOCK_REPAIR},
         {"KIND_END", KIND_END},       {"KIND_START", KIND_START},         {"KIND_ZERO", KIND_ZERO}, {"KIND_LEAD", KIND_LEAD},
         {"FANOUT", FANOUT},           {"INVALID_ID", INVALID_ID},

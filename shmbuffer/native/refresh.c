@@ -13,8 +13,8 @@
 /* the words of the copy's state array (rows.py's State) */
 #define ST_COUNT 0    /* usable slots: the first ST_COUNT entries of dense */
 #define ST_PENDING 1  /* ids in pending */
-#define ST_UPDATES 2  /* Counter.UPDATES as of the last refresh, -1: copy every row again */
-#define ST_DELETES 3  /* Counter.DELETES as of the last refresh */
+#define ST_UPDATES 2  /* Counter.UPDATES as of the last refresh (the lag question's) */
+#define ST_DELETES 3  /* Counter.DELETES as of the last refresh (the lag question's) */
 #define ST_INSERTED 4 /* Counter.INSERTED read as the last refresh began */
 #define ST_AT 5       /* CLOCK_MONOTONIC ns as the last refresh began (Python's time.monotonic_ns) */
 #define ST_DONE 6     /* refreshes done */
@@ -23,6 +23,7 @@
 #define ST_TAKEN 9    /* rows taken in by refreshes, all told */
 #define ST_WAITED 10  /* ns of ST_SPENT waiting for the slot lists' mutex (a sample held it), all told */
 #define ST_CPU 11     /* ns of CPU time the refreshing thread spent in them, all told */
+#define ST_EDITS 12   /* Counter.EDITS as the last refresh began, -1: copy every row again */
 #define ST_WORDS 16
 
 /* -- the copy's mutexes: private pthread mutexes in a numpy array of the copy's ---------------- */
@@ -125,11 +126,11 @@ typedef struct {
     pthread_mutex_t *mutex;
     Slots s;
     const Columns *c;
-    const int64_t *stamp, *counters;
-    int64_t lanes, lc, piece, updates;
-    int64_t *firsts, *tried; /* scratch: piece words, capacity words */
-    char *ok;                /* scratch: piece bytes */
-    int spoiled;             /* an update() began during the copies: none of them counts */
+    const int64_t *stamp, *counters, *log; /* log: the block's _edits, log_len entries */
+    int64_t lanes, lc, piece, log_len, edits; /* edits: Counter.EDITS as the refresh began */
+    int64_t *firsts, *tried, *logged; /* scratch: piece words, capacity words, log_len words */
+    char *ok, *mark;                  /* scratch: piece bytes, capacity bytes (all 0 between uses) */
+    int spoiled;                      /* more edits during the copies than the log holds: none counts */
     int64_t taken;
 } Refresh;
 
@@ -143,8 +144,33 @@ static void lists_lock(Refresh *r) {
     r->s.state[ST_WAITED] += now_ns() - t;
 }
 
-static int updated(const Refresh *r) {
-    return __atomic_load_n(&r->counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE) != r->updates;
+static int64_t edits_now(const Refresh *r) { return __atomic_load_n(&r->counters[COUNTER_EDITS], __ATOMIC_ACQUIRE); }
+
+/* the log's entries from..to (at most log_len) into r->logged; -1 when one is out of range or
+ * they were overwritten as they were read (more than log_len logged since `from`) */
+static int64_t read_log(Refresh *r, int64_t from, int64_t to) {
+    if (to - from > r->log_len) return -1;
+    for (int64_t j = from; j < to; j++) {
+        int64_t s = __atomic_load_n(&r->log[floormod(j, r->log_len)], __ATOMIC_RELAXED);
+        if (s < 0 || s >= r->s.capacity) return -1;
+        r->logged[j - from] = s;
+    }
+    return edits_now(r) - from > r->log_len ? -1 : to - from;
+}
+
+/* after the copies of k rows (into slot0 + i, or the slots of ids[i]): ok[i] cleared where an
+ * edit logged since the refresh began names the row's slot (the row is read again once the edit
+ * is done: an update puts back the stamp it found); -1 when more were logged than the log holds */
+static int unless_edited(Refresh *r, int64_t slot0, const int64_t *ids, int64_t k) {
+    int64_t now = edits_now(r);
+    if (now == r->edits) return 0;
+    int64_t m = read_log(r, r->edits, now);
+    if (m < 0) return -1;
+    for (int64_t j = 0; j < m; j++) r->mark[r->logged[j]] = 1;
+    for (int64_t i = 0; i < k; i++)
+        if (r->mark[ids ? slot_of_id(ids[i], r->lanes, r->lc) : slot0 + i]) r->ok[i] = 0;
+    for (int64_t j = 0; j < m; j++) r->mark[r->logged[j]] = 0;
+    return 0;
 }
 
 /* lane's rows n .. n + k - 1 (consecutive slots): dropped, copied, the intact ones held, the
@@ -155,7 +181,7 @@ static void refresh_piece(Refresh *r, int64_t lane, int64_t n, int64_t k) {
     for (int64_t i = 0; i < k; i++) slot_drop(&r->s, slot0 + i);
     pthread_mutex_unlock(r->mutex);
     copy_piece(r->c, r->stamp, slot0, k, n, r->firsts, r->ok);
-    if (updated(r)) {
+    if (unless_edited(r, slot0, NULL, k) < 0) {
         r->spoiled = 1;
         return;
     }
@@ -173,13 +199,50 @@ static void refresh_piece(Refresh *r, int64_t lane, int64_t n, int64_t k) {
     pthread_mutex_unlock(r->mutex);
 }
 
+/* the pending rows that left their lane forgotten */
+static void pending_forget(Refresh *r, const int64_t *start) {
+    int64_t kept = 0, lanes = r->lanes, n = r->s.state[ST_PENDING];
+    for (int64_t i = 0; i < n; i++) {
+        int64_t id = r->s.pending[i];
+        if (number_of_id(id, lanes) >= start[lane_of_id(id, lanes)]) r->s.pending[kept++] = id;
+    }
+    r->s.state[ST_PENDING] = kept;
+}
+
+/* the rows changed in place since the last refresh (the log's entries from `seen`): their slots
+ * dropped, and the row each holds now (committed or being written, within its lane's rows)
+ * pending unless it is; -1 when the entries were overwritten as they were read (a full refresh) */
+static int refresh_edits(Refresh *r, int64_t seen, const int64_t *cur, const int64_t *start) {
+    int64_t m = read_log(r, seen, r->edits), *pending = r->s.pending, lanes = r->lanes;
+    if (m < 0) return -1;
+    pending_forget(r, start);
+    lists_lock(r);
+    for (int64_t j = 0; j < m; j++) slot_drop(&r->s, r->logged[j]);
+    pthread_mutex_unlock(r->mutex);
+    int64_t np = r->s.state[ST_PENDING];
+    for (int64_t p = 0; p < np; p++) r->mark[slot_of_id(pending[p], lanes, r->lc)] = 1;
+    for (int64_t j = 0; j < m; j++) {
+        int64_t s = r->logged[j], lane = s / r->lc, st = __atomic_load_n(&r->stamp[s], __ATOMIC_ACQUIRE);
+        int64_t num = number_of_stamp(st), id = row_id(num, lane, lanes), known = 0;
+        if (!st || num < start[lane] || num >= cur[lane]) continue;
+        for (int64_t p = 0; r->mark[s] && p < r->s.state[ST_PENDING] && !known; p++) known = pending[p] == id;
+        if (known) continue;
+        if (r->s.state[ST_PENDING] >= r->s.capacity) return -1;
+        pending[r->s.state[ST_PENDING]++] = id;
+        r->mark[s] = 1;
+    }
+    for (int64_t p = 0; p < r->s.state[ST_PENDING]; p++) r->mark[slot_of_id(pending[p], lanes, r->lc)] = 0;
+    return 0;
+}
+
 /* the pending rows of earlier refreshes: those that left their lane forgotten, those now
  * committed copied one by one (dropped first), the others kept */
 static void refresh_pending(Refresh *r, const int64_t *start) {
-    int64_t kept = 0, ntry = 0, lanes = r->lanes, n = r->s.state[ST_PENDING];
+    int64_t kept = 0, ntry = 0, lanes = r->lanes, n;
+    pending_forget(r, start);
+    n = r->s.state[ST_PENDING];
     for (int64_t i = 0; i < n; i++) {
         int64_t id = r->s.pending[i], lane = lane_of_id(id, lanes), num = number_of_id(id, lanes);
-        if (num < start[lane]) continue;
         if (__atomic_load_n(&r->stamp[slot_of(lane, num, r->lc)], __ATOMIC_ACQUIRE) == committed_stamp(num))
             r->tried[ntry++] = id;
         else
@@ -196,7 +259,7 @@ static void refresh_pending(Refresh *r, const int64_t *start) {
             int64_t id = r->tried[a + i], num = number_of_id(id, lanes);
             copy_piece(r->c, r->stamp, slot_of_id(id, lanes, r->lc), 1, num, r->firsts + i, r->ok + i);
         }
-        if (updated(r)) {
+        if (unless_edited(r, 0, r->tried + a, k) < 0) {
             r->spoiled = 1;
             return;
         }
@@ -230,17 +293,17 @@ static void refresh_full(Refresh *r, const int64_t *start) {
 
 /* -- the views of one copy's arrays, held while a refresh or the refresher uses them ---------- */
 typedef struct {
-    Py_buffer mb, stb, cub, cnb, hb, db, wb, nb, bb, pb, sb;
+    Py_buffer mb, stb, cub, cnb, lgb, hb, db, wb, nb, bb, pb, sb;
     int held; /* views held, in the order above */
     Columns c;
-    Py_ssize_t capacity, lanes, piece;
+    Py_ssize_t capacity, lanes, piece, log_len;
     int publish; /* write Counter.DEVICE_ROWS/DEVICE_AT (the counters are writable) */
     int64_t *scratch;
-    char *ok;
+    char *ok; /* piece bytes, then capacity bytes of marks (zeroed) */
 } Views;
 
 static void views_close(Views *v) {
-    Py_buffer *all[] = {&v->mb, &v->stb, &v->cub, &v->cnb, &v->hb, &v->db, &v->wb, &v->nb, &v->bb, &v->pb, &v->sb};
+    Py_buffer *all[] = {&v->mb, &v->stb, &v->cub, &v->cnb, &v->lgb, &v->hb, &v->db, &v->wb, &v->nb, &v->bb, &v->pb, &v->sb};
     columns_close(&v->c);
     for (int i = 0; i < v->held; i++) PyBuffer_Release(all[i]);
     v->held = 0;
@@ -250,12 +313,12 @@ static void views_close(Views *v) {
     v->ok = NULL;
 }
 
-/* the views of (mutex, stamp, cursors, counters, sources, outs, held, dense, where, nxt, bases,
- * pending, state), checked: -1 with an error set, none held */
+/* the views of (mutex, stamp, cursors, counters, log, sources, outs, held, dense, where, nxt,
+ * bases, pending, state), checked: -1 with an error set, none held */
 static int views_open(Views *v, PyObject *const *o, Py_ssize_t piece, int publish) {
-    Py_buffer *all[] = {&v->mb, &v->stb, &v->cub, &v->cnb, &v->hb, &v->db, &v->wb, &v->nb, &v->bb, &v->pb, &v->sb};
+    Py_buffer *all[] = {&v->mb, &v->stb, &v->cub, &v->cnb, &v->lgb, &v->hb, &v->db, &v->wb, &v->nb, &v->bb, &v->pb, &v->sb};
     memset(v, 0, sizeof(*v));
-    if (!PyTuple_Check(o[4]) || !PyTuple_Check(o[5])) {
+    if (!PyTuple_Check(o[5]) || !PyTuple_Check(o[6])) {
         PyErr_SetString(PyExc_TypeError, "refresh: sources and outs must be tuples");
         return -1;
     }
@@ -274,12 +337,19 @@ static int views_open(Views *v, PyObject *const *o, Py_ssize_t piece, int publis
         PyErr_SetString(PyExc_ValueError, "refresh: counters: expected the block's _stats");
         goto fail;
     }
+    if (get_buf(o[4], &v->lgb, 0, 8, "log") < 0) goto fail;
+    v->held = 5;
+    v->log_len = v->lgb.len / 8;
+    if (v->log_len < 1) {
+        PyErr_SetString(PyExc_ValueError, "refresh: log: expected the block's _edits");
+        goto fail;
+    }
     Py_ssize_t words[] = {v->capacity, v->capacity, v->capacity, v->lanes, v->lanes, v->capacity, ST_WORDS};
     const char *names[] = {"held", "dense", "where", "nxt", "bases", "pending", "state"};
     for (int i = 0; i < 7; i++) {
-        if (get_buf(o[6 + i], all[4 + i], 1, 8, names[i]) < 0) goto fail;
-        v->held = 5 + i;
-        if (all[4 + i]->len < words[i] * 8) {
+        if (get_buf(o[7 + i], all[5 + i], 1, 8, names[i]) < 0) goto fail;
+        v->held = 6 + i;
+        if (all[5 + i]->len < words[i] * 8) {
             PyErr_Format(PyExc_ValueError, "refresh: %s: expected at least %zd int64", names[i], words[i]);
             goto fail;
         }
@@ -290,11 +360,11 @@ static int views_open(Views *v, PyObject *const *o, Py_ssize_t piece, int publis
         PyErr_SetString(PyExc_ValueError, "refresh: expected piece >= 1 and the state's counts within the capacity");
         goto fail;
     }
-    if (columns_open(&v->c, o[4], o[5], v->capacity, v->capacity) < 0) goto fail;
+    if (columns_open(&v->c, o[5], o[6], v->capacity, v->capacity) < 0) goto fail;
     v->piece = piece > v->capacity ? v->capacity : piece;
     v->publish = publish;
-    v->scratch = (int64_t *)PyMem_Malloc((size_t)(v->piece + v->capacity + 3 * v->lanes) * sizeof(int64_t));
-    v->ok = (char *)PyMem_Malloc((size_t)v->piece);
+    v->scratch = (int64_t *)PyMem_Malloc((size_t)(v->piece + v->capacity + v->log_len + 3 * v->lanes) * sizeof(int64_t));
+    v->ok = (char *)PyMem_Calloc((size_t)(v->piece + v->capacity), 1);
     if (!v->scratch || !v->ok) {
         PyErr_NoMemory();
         goto fail;
@@ -319,22 +389,27 @@ static int64_t refresh_run(Views *v) {
     int64_t *state = (int64_t *)v->sb.buf, lanes = v->lanes;
     Refresh r = {(pthread_mutex_t *)v->mb.buf,
                  {(int64_t *)v->hb.buf, (int64_t *)v->db.buf, (int64_t *)v->wb.buf, state, (int64_t *)v->pb.buf, v->capacity, 0},
-                 &v->c, (const int64_t *)v->stb.buf, (const int64_t *)v->cnb.buf, lanes, v->capacity / lanes, v->piece, 0,
-                 v->scratch, v->scratch + v->piece, v->ok, 0, 0};
-    int64_t *cur = v->scratch + v->piece + v->capacity, *base = cur + lanes, *start = base + lanes;
+                 &v->c, (const int64_t *)v->stb.buf, (const int64_t *)v->cnb.buf, (const int64_t *)v->lgb.buf, lanes,
+                 v->capacity / lanes, v->piece, v->log_len, 0,
+                 v->scratch, v->scratch + v->piece, v->scratch + v->piece + v->capacity, v->ok, v->ok + v->piece, 0, 0};
+    int64_t *cur = v->scratch + v->piece + v->capacity + v->log_len, *base = cur + lanes, *start = base + lanes;
     int64_t *nxt = (int64_t *)v->nb.buf, *bases = (int64_t *)v->bb.buf;
     int64_t at = now_ns(), cpu = clock_ns(CLOCK_THREAD_CPUTIME_ID);
-    /* INSERTED first: the lag is never under-counted; UPDATES before the first stamps */
+    /* INSERTED first: the lag is never under-counted; EDITS before the stamps: an edit logged
+     * later is seen after the copies (unless_edited) */
     int64_t inserted = __atomic_load_n(&r.counters[COUNTER_INSERTED], __ATOMIC_ACQUIRE);
-    r.updates = __atomic_load_n(&r.counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE);
+    int64_t updates = __atomic_load_n(&r.counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE);
     int64_t deletes = __atomic_load_n(&r.counters[COUNTER_DELETES], __ATOMIC_ACQUIRE);
-    int full = r.updates != state[ST_UPDATES] || deletes != state[ST_DELETES];
+    int64_t seen = state[ST_EDITS];
+    r.edits = edits_now(&r);
+    int full = seen < 0 || r.edits - seen > r.log_len;
     for (int64_t l = 0; l < lanes; l++) {
         cur[l] = load_cursor((const int64_t *)v->cub.buf, l);
         base[l] = load_base((const int64_t *)v->cub.buf, l);
         start[l] = first_row(cur[l], base[l], r.lc);
         full |= base[l] != bases[l];
     }
+    if (!full && r.edits != seen) full = refresh_edits(&r, seen, cur, start) < 0;
     if (full) refresh_full(&r, start);
     else refresh_pending(&r, start);
     for (int64_t l = 0; l < lanes && !r.spoiled && !r.s.bad; l++) {
@@ -351,7 +426,8 @@ static int64_t refresh_run(Views *v) {
         nxt[l] = cur[l];
         bases[l] = base[l];
     }
-    state[ST_UPDATES] = r.spoiled ? -1 : r.updates; /* an update spanned the copies (no ABA): all again next time */
+    state[ST_EDITS] = r.spoiled ? -1 : r.edits; /* the edits logged during the copies: next time */
+    state[ST_UPDATES] = updates;
     state[ST_DELETES] = deletes;
     state[ST_INSERTED] = inserted;
     state[ST_AT] = at;
@@ -367,20 +443,20 @@ static int64_t refresh_run(Views *v) {
     return r.s.bad ? -1 : r.taken;
 }
 
-/* refresh(mutex, stamp, cursors, counters, sources, outs, held, dense, where, nxt, bases, pending,
- * state, piece, publish, seen) -> rows taken in, or -1 without a refresh when seen >= 0 and another
+/* refresh(mutex, stamp, cursors, counters, log, sources, outs, held, dense, where, nxt, bases,
+ * pending, state, piece, publish, seen) -> rows taken in, or -1 without a refresh when seen >= 0 and another
  * refresh was done since the caller read state[ST_DONE] == seen (it waited for that one). sources:
  * the buffer's (capacity, w) columns; outs: the copy's, the same shapes (rows land in their own
  * slots). held, dense, where, pending: capacity int64; nxt, bases: one int64 a lane; state:
  * ST_WORDS int64. The GIL is released for the whole call. */
 PyObject *py_refresh(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 16) {
-        PyErr_SetString(PyExc_TypeError, "refresh: expected 16 arguments");
+    if (nargs != 17) {
+        PyErr_SetString(PyExc_TypeError, "refresh: expected 17 arguments");
         return NULL;
     }
-    Py_ssize_t piece = PyLong_AsSsize_t(args[13]);
-    int publish = PyObject_IsTrue(args[14]);
-    long long seen = PyLong_AsLongLong(args[15]);
+    Py_ssize_t piece = PyLong_AsSsize_t(args[14]);
+    int publish = PyObject_IsTrue(args[15]);
+    long long seen = PyLong_AsLongLong(args[16]);
     if (PyErr_Occurred() || publish < 0) return NULL;
     Views v;
     if (views_open(&v, args, piece, publish) < 0) return NULL;
@@ -492,18 +568,18 @@ static void refresher_free(PyObject *capsule) {
     PyMem_Free(t);
 }
 
-/* refresher_start(mutex, stamp, cursors, counters, sources, outs, held, dense, where, nxt, bases,
- * pending, state, piece, publish, pace_s, rows_bound, seconds_bound) -> a capsule: a thread that
+/* refresher_start(mutex, stamp, cursors, counters, log, sources, outs, held, dense, where, nxt,
+ * bases, pending, state, piece, publish, pace_s, rows_bound, seconds_bound) -> a capsule: a thread that
  * looks at the lag every pace_s and refreshes (refresh_run) once it passes a bound (already the
  * share the caller wants; < 0: none), without the GIL ever. refresher_stop(capsule) ends it. */
 PyObject *py_refresher_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 18) {
-        PyErr_SetString(PyExc_TypeError, "refresher_start: expected 18 arguments");
+    if (nargs != 19) {
+        PyErr_SetString(PyExc_TypeError, "refresher_start: expected 19 arguments");
         return NULL;
     }
-    Py_ssize_t piece = PyLong_AsSsize_t(args[13]);
-    int publish = PyObject_IsTrue(args[14]);
-    double pace = PyFloat_AsDouble(args[15]), rows = PyFloat_AsDouble(args[16]), secs = PyFloat_AsDouble(args[17]);
+    Py_ssize_t piece = PyLong_AsSsize_t(args[14]);
+    int publish = PyObject_IsTrue(args[15]);
+    double pace = PyFloat_AsDouble(args[16]), rows = PyFloat_AsDouble(args[17]), secs = PyFloat_AsDouble(args[18]);
     if (PyErr_Occurred() || publish < 0) return NULL;
     if (!(pace > 0 && pace < 1)) {
         PyErr_SetString(PyExc_ValueError, "refresher_start: expected 0 < pace_s < 1");

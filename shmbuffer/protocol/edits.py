@@ -89,6 +89,7 @@ def update(src: Source, rows: Batch | Any, data: Any = None, fields: dict[str, A
         idx = ids[live]
         slots = ring.slots(idx)
         _check_ends(src, idx, slots, {n: a[live] for n, a in arrays.items()})  # under the lock: no push moves the lanes
+        ring.log_edits(slots)  # before anything changes: a device copy re-reads these slots
         ring.owner[slots] = w  # the owner first: an odd stamp always names its writer
         ring.stamp[slots] = ring.expected(idx) - 1
         src.block.counters[Counter.UPDATES] += 1  # after the odd stamps (reader._unless_updated)
@@ -181,8 +182,9 @@ def delete(src: Source, rows: Batch | Any) -> int:
         if not slots.size:
             return 0
         src.block.arrays["_stats"][Counter.REMOVED] = 1  # before the rows go: len never over-counts
+        ring.log_edits(slots)
         ring.stamp[slots] = 0
-        src.block.counters[Counter.DELETES] += 1  # a device copy refreshes every row (device/rows.py)
+        src.block.counters[Counter.DELETES] += 1
         if prios is not None:
             prios.remove(slots)
     return int(slots.size)

@@ -14,6 +14,8 @@ Columns, in block order
 ``_sampled``      ``(WRITERS,)`` int64, rows each writer entry's processes sampled without the lock
 ``_stamp``        ``(capacity,)`` int64, each slot's commit stamp (``ring.py``)
 ``_owner``        ``(capacity,)`` uint16, the writer entry that last reserved each slot
+``_edits``        ``(EDIT_LOG,)`` int64, the slots of the latest in-place changes, a ring:
+                  change ``j`` at ``j % EDIT_LOG`` (``Counter.EDITS`` counts them; ``Ring.log_edits``)
 ``_tree_sum``, ``_tree_min``, ``_prio``, ``_uses``  the priority tree, the largest priority and the
                   use counts (``priorities.py``); only with a ``Prioritized`` sampler or ``max_use``
                   (``_uses`` only with ``max_use``)
@@ -72,6 +74,10 @@ class Counter(IntEnum):
     DEVICE_AT = 5
     """when that refresh read the lanes, ``time.monotonic_ns()`` (one clock for every process of
     the host), 0 once the copy closed; with several device copies, the newest refresh's"""
+    EDITS = 12
+    """slots of rows changed in place ever logged in ``_edits`` (an ``update``, a ``delete``, a
+    failed push put back), each logged before its row changes: a device copy re-reads exactly
+    those (``device/rows.py``), or every row when more than ``EDIT_LOG`` came since it looked"""
     RECLAIMED = 8
     """rows of dead writers reclaimed or reaped"""
     LOCK_RECOVERIES = 9
@@ -88,6 +94,8 @@ class Counter(IntEnum):
 
 
 LANE_WORDS = 8
+EDIT_LOG = 1024
+"""Entries of ``_edits``: the in-place changes a device copy can follow without copying every row."""
 """Words (int64) of each lane's row of ``_lanes``: one cache line a lane (``native/layout.h`` too)."""
 
 
@@ -249,6 +257,7 @@ def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
         ColumnSpec("_sampled", (WRITERS,), i8),
         ColumnSpec("_stamp", (capacity,), i8),
         ColumnSpec("_owner", (capacity,), np.dtype(np.uint16)),
+        ColumnSpec("_edits", (EDIT_LOG,), i8),
     ]
     if opts.tree:
         size = SumTree.size(capacity)
@@ -319,6 +328,8 @@ class Block:
         self.stamp = arrays["_stamp"]
         self.counters = arrays["_stats"]
         """The shared counters, ``Counter`` indexes them (the ring keeps most of them)."""
+        self.edits = arrays["_edits"]
+        """The log of in-place changes (``Counter.EDITS``, ``Ring.log_edits``): slots, a ring."""
         self.episode: np.ndarray | None = arrays.get("_episode")
         self.packed: np.ndarray | None = arrays.get("_record")
         """The packed small fields, ``(capacity, itemsize)`` uint8, or ``None``."""

@@ -27,8 +27,8 @@ from ..errors import EmptyBufferError, WaitTimeout
 from .gather import REDRAW_ROUNDS, Rows, assemble, gather, settle
 from .layout import Block, Counter, Options
 from .priorities import Priorities
-from .ring import Ring, positions
-from .rows import is_writing, lane_of, number_of
+from .ring import Ring
+from .rows import is_writing, lane_of, number_of, positions
 
 NONE = np.empty(0, np.int64)
 GIVE_UP = 1.0

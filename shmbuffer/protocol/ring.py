@@ -82,7 +82,6 @@ import numpy as np
 from .. import native
 from ..errors import (
     FieldError,
-    PositionError,
     ReadOnlyError,
     ShmBufferError,
     UnknownIdError,
@@ -92,7 +91,7 @@ from ..errors import (
 from ..shm.lock import RobustLock, defer_signals
 from ..shm.segment import process_alive, start_time
 from . import rows
-from .layout import LANE_WORDS, WRITERS, Counter, Lane, check_lanes
+from .layout import EDIT_LOG, LANE_WORDS, WRITERS, Counter, Lane, check_lanes
 
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 _SAMPLED, _RECLAIMED, _RECOVERIES = int(Counter.SAMPLED), int(Counter.RECLAIMED), int(Counter.LOCK_RECOVERIES)
@@ -100,6 +99,7 @@ _REMOVED = int(Counter.REMOVED)
 """Set once a slot of the lanes' rows is left empty (a dead writer's, an abandoned push's): ``len`` and
 ``get``'s positions then leave such slots out, as deleted rows (``edits.removed``)."""
 _INSERTED, _FROZEN, _UPDATES = int(Counter.INSERTED), int(Counter.FROZEN), int(Counter.UPDATES)
+_EDITS = int(Counter.EDITS)
 _INT64_MAX = np.iinfo(np.int64).max
 Gate = Callable[[int, int, int], bool]
 """``gate(inserted, sampled, size) -> allowed``: a rate limiter's test (``limiter.py``)."""
@@ -126,20 +126,6 @@ def check_platform() -> None:
             f"shmbuffer's commit protocol relies on x86's store and load ordering; this CPU is "
             f"{machine!r}, which needs memory fences that Python cannot issue (see ring.py)"
         )
-
-
-def positions(index: object, total: int) -> np.ndarray:
-    """Logical positions ``index`` (an int, a slice or an array of ints, negative from the end)
-    among ``total`` rows, checked: ``get``'s indexing."""
-    if isinstance(index, slice):
-        return np.arange(total)[index]
-    pos = np.asarray(index)
-    if pos.dtype.kind not in "iu":
-        raise TypeError(f"get: expected an int, a slice or an array of ints, got {pos.dtype}")
-    pos = np.where(pos < 0, pos + total, pos)
-    if pos.size and (pos.min() < 0 or pos.max() >= total):
-        raise PositionError(f"get({index!r}): index out of range for {total} row{'' if total == 1 else 's'}")
-    return pos
 
 
 class Reservation:
@@ -186,6 +172,7 @@ class Ring:
         self._mine = self._sampled.data
         self.stamp = arrays["_stamp"]
         self.owner = arrays["_owner"]
+        self._edits = arrays["_edits"]
         self.lanes = int(self._lanes.shape[0])
         self.capacity = int(self.stamp.shape[0])
         self.lane_capacity = rows.lane_capacity(self.capacity, self.lanes)
@@ -410,6 +397,7 @@ class Ring:
             # a reader whose copy spans the reservation and this undo sees the same stamp before
             # and after: the count makes it read again (reader._unless_updated), as for update()
             self._stats[_UPDATES] += 1
+            self.log_edits(slots)
             self._lanes[:, _CURSOR] = cursors  # the cursors first: see "every prefix" in the module docstring
             self.stamp[slots] = old
             self._stats[_INSERTED] = inserted
@@ -497,6 +485,17 @@ class Ring:
             if also is not None:
                 also(lost)
         return lost
+
+    def log_edits(self, slots: np.ndarray) -> None:
+        """Log that the rows in ``slots`` change in place now (an update, a delete, a push put
+        back), before they change: ``_edits`` gets the slots, then ``Counter.EDITS`` counts them
+        (x86-64 keeps the two stores in order), so a device copy that finds the count moved
+        re-reads exactly those slots, and one that finds it moved by more than ``EDIT_LOG``
+        (entries it has not read were overwritten) re-reads every row. The caller holds the lock."""
+        n, k = int(self._stats[_EDITS]), int(slots.size)
+        if k <= EDIT_LOG:
+            self._edits[(n + np.arange(k)) % EDIT_LOG] = slots
+        self._stats[_EDITS] = n + k
 
     def count_sampled(self, rows: int) -> None:
         """Count ``rows`` as sampled (negative: given back) in this process's ``_sampled``
@@ -621,7 +620,7 @@ class Ring:
         0 the oldest, -1 the newest, lane by lane); an int gives a 0-d array."""
         start, stop = self.bounds()
         sizes = stop - start
-        pos = positions(index, int(sizes.sum()))
+        pos = rows.positions(index, int(sizes.sum()))
         flat = pos.reshape(-1).astype(np.int64)
         if self.lanes == 1:
             ids = start[0] + flat

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import PositionError
 from .layout import Lane
 
 Ints = Any
@@ -135,3 +136,17 @@ def bounds(lanes_table: np.ndarray, lane_capacity: int) -> tuple[np.ndarray, np.
     cur = lanes_table[:, _CURSOR].copy()
     start = np.maximum(lanes_table[:, _BASE], cur - lane_capacity)
     return np.minimum(start, cur), cur
+
+
+def positions(index: object, total: int) -> np.ndarray:
+    """Logical positions ``index`` (an int, a slice or an array of ints, negative from the end)
+    among ``total`` rows, checked: ``get``'s indexing."""
+    if isinstance(index, slice):
+        return np.arange(total)[index]
+    pos = np.asarray(index)
+    if pos.dtype.kind not in "iu":
+        raise TypeError(f"get: expected an int, a slice or an array of ints, got {pos.dtype}")
+    pos = np.where(pos < 0, pos + total, pos)
+    if pos.size and (pos.min() < 0 or pos.max() >= total):
+        raise PositionError(f"get({index!r}): index out of range for {total} row{'' if total == 1 else 's'}")
+    return pos

@@ -1,13 +1,13 @@
 """Shared-memory segments: one block per buffer, its byte layout, naming and lifecycle.
 
-Layout version 1
+Layout version 2
 ----------------
 A block is the file ``/dev/shm/shmbuffer-<name>`` (``PREFIX`` + the buffer's name). All integers
-are little-endian::
+are little-endian (version 2 added the ``_edits`` column, ``protocol/layout.py``)::
 
     offset  size  content
     0       8     magic b"\\x93SHMBUF\\x00"
-    8       4     layout version, uint32 (1)
+    8       4     layout version, uint32 (2)
     12      4     metadata length in bytes, uint32
     16      8     total block size in bytes, uint64
     24      8     data offset: where the first column starts, uint64, a multiple of 64
@@ -99,7 +99,7 @@ from . import _tracker
 SHM_DIR = "/dev/shm"
 PREFIX = "shmbuffer-"
 MAGIC = b"\x93SHMBUF\x00"
-VERSION = 1
+VERSION = 2
 ALIGN = 64
 _HEADER = struct.Struct("<8sIIQQqd16s")
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
