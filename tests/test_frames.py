@@ -20,6 +20,7 @@ import pytest
 import shmbuffer as sb
 from shmbuffer import persistence
 from shmbuffer.errors import FieldError, SchemaError
+from shmbuffer.protocol.layout import Counter
 
 Make = Callable[..., sb.ReplayBuffer]
 
@@ -674,7 +675,7 @@ def test_a_push_clears_overtake_again_and_again_is_refused_with_nothing_stored(
     buf = make(sch, 16, next_of="obs", stack="obs", name=name)
     rows = episode(0, 0, 12, "terminated", (1, 4, 4), 4, 0, "reset")
     _push_all(buf, rows[:3])
-    before = {k: v.copy() for k, v in buf.block.arrays.items() if k not in ("_mutex", "_owner", "_stats")}
+    before = {k: v.copy() for k, v in buf.block.arrays.items() if k not in ("_mutex", "_owner", "_stats", "_edits")}
     calls: list[int] = []
 
     def overtaken(self: Pusher, *args: Any) -> tuple[str, bool]:
@@ -686,6 +687,7 @@ def test_a_push_clears_overtake_again_and_again_is_refused_with_nothing_stored(
         buf.push(**rows[3])
     assert len(calls) == 3 and len(buf) == 2
     assert all(np.array_equal(buf.block.arrays[k], v) for k, v in before.items())
+    assert int(buf.block.counters[Counter.EDITS]) == 3  # each of the three put-backs logged its slot
 
 
 def test_stacks_without_next_of_count_as_get_indexes(make: Make, name: str) -> None:

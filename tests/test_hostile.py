@@ -164,7 +164,7 @@ def targeted(raw: bytes) -> dict[str, bytes]:
         "meta_len 2**32-1": forge(raw, meta_len=2**32 - 1), "meta_len 0": forge(raw, meta_len=0),
         "total wrong": forge(raw, total=head["total"] + 64), "data offset unaligned": forge(raw, data_offset=head["data_offset"] + 8),
         "data offset past the end": forge(raw, data_offset=2**40), "data offset 0": forge(raw, data_offset=0),
-        "version 2": forge(raw, version=2), "pid -1": forge(raw, pid=-1), "pid 0": forge(raw, pid=0),
+        "version 1": forge(raw, version=1), "version 3": forge(raw, version=3), "pid -1": forge(raw, pid=-1), "pid 0": forge(raw, pid=0),
         "pid 2**40": forge(raw, pid=2**40), "started NaN": forge(raw, started=math.nan), "started inf": forge(raw, started=math.inf),
         "started -1": forge(raw, started=-1.0), "fingerprint zero": forge(raw, fingerprint=bytes(16)),
         "magic wrong": forge(raw, magic=b"NOTOURS!"), "truncated 100": raw[:100], "truncated 63": raw[:63],
