@@ -1,0 +1,185 @@
+"""Review of the device copy's one-call sample, private memory and log of edits: the interleavings
+that the log of edits must survive (a refresh between an edit's log and its change, a writer that
+overwrites entries of the log while a refresh reads them), and the counter the log lives in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmbuffer as sb
+from shmbuffer import native
+from shmbuffer.device import DeviceReplay
+from shmbuffer.protocol.layout import EDIT_LOG, Counter
+
+from .conftest import MUJOCO, transition
+
+torch = pytest.importorskip("torch")
+Make = Callable[..., sb.ReplayBuffer]
+PATHS = ["native", "python"]
+
+
+def on_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """The C refresh (one call), or the Python steps."""
+    if path == "native" and native.lib is None:
+        pytest.skip("the C extension is not built")
+    if path == "python":
+        monkeypatch.setattr(native, "lib", None)
+
+
+def assert_held_rows_current(dev: DeviceReplay) -> None:
+    """Every row the copy may draw is the row the shared buffer holds in that slot now, byte for
+    byte, committed with the stamp the copy recorded (to call once no writer runs and after a sync)."""
+    slots = np.flatnonzero(dev.usable)
+    assert np.array_equal(dev.held[slots], dev.buf.ring.stamp[slots]), "a held row is no longer the slot's row"
+    for key, column in dev.columns.items():
+        mine = dev.rows[key].numpy()[slots]
+        stale = np.flatnonzero((mine != column[slots]).reshape(slots.size, -1).any(1))
+        assert not stale.size, f"{key}: the copy holds {stale.size} stale rows, slots {slots[stale][:8].tolist()}"
+
+
+def refresh_after_each_log(monkeypatch: pytest.MonkeyPatch, buf: sb.ReplayBuffer, dev: DeviceReplay) -> None:
+    """A refresh (another process's refresher, say) runs just after an edit is logged, before its
+    writer goes on."""
+    real = buf.ring.log_edits
+
+    def log_then_refresh(slots: np.ndarray) -> None:
+        real(slots)
+        dev.sync()
+
+    monkeypatch.setattr(buf.ring, "log_edits", log_then_refresh)
+
+
+def test_an_update_or_delete_does_not_mark_the_buffer_interleaved(make: Make, name: str) -> None:
+    """``Counter.EDITS`` has a word of its own: an ``update()`` or ``delete()`` leaves n-step
+    samples and windows allowed, and the flag of interleaved episodes leaves the log's count alone."""
+    buf = make(MUJOCO, 64, name=name, episodes=True)
+    buf.push(transition(0, 16), episode=0)
+    ids = buf.get(slice(None)).index
+    buf.update(ids[3:5], reward=np.float32(-1.0))
+    buf.delete(ids[7:8])
+    assert not buf.block.interleaved
+    assert buf.sample(8, n_step=2).steps.shape == (8,)  # refused once the buffer reads as interleaved
+    assert buf.sample_sequences(2, 3).mask.shape == (2, 3)
+
+    other = make(MUJOCO, 64, name=name + "b", episodes=True)
+    other.push(transition(0, 3), episode=np.array([0, 1, 0]))  # a vector env's steps in one lane
+    assert other.block.interleaved
+    assert int(other.block.counters[Counter.EDITS]) == 0  # no edit was logged
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_refresh_between_an_updates_log_and_its_writes_never_keeps_the_old_row(
+        make: Make, name: str, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """An ``update()`` logs its slots; a refresh that reads the log before the update's rows go odd
+    sees them committed, copies them as they were and holds them; the update then rewrites them
+    and puts the same stamps back. The log's entry is behind that refresh, so no later refresh
+    copies the rows again: the copy must never keep serving the row as it was."""
+    on_path(monkeypatch, path)
+    buf = make(MUJOCO, 64, name=name)
+    buf.push(transition(0, 32))
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
+    ids = buf.get(slice(None)).index
+    refresh_after_each_log(monkeypatch, buf, dev)
+    buf.update(ids[5:7], reward=np.float32(-3.0))
+    monkeypatch.undo()
+    dev.sync()
+    dev.sync()
+    assert_held_rows_current(dev)
+    assert len(dev) == 32
+    got = dev.sample(2000)
+    assert np.array_equal(got.reward.numpy(), np.asarray(buf.take(got.index.numpy()).reward))
+    dev.close()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_refresh_between_a_deletes_log_and_its_stamps_never_keeps_the_deleted_row(
+        make: Make, name: str, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """A ``delete()`` logs its slots, then zeroes their stamps: a refresh between the two sees the
+    rows committed and holds them; the deleted rows must not stay drawable."""
+    on_path(monkeypatch, path)
+    buf = make(MUJOCO, 64, name=name)
+    buf.push(transition(0, 32))
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
+    ids = buf.get(slice(None)).index
+    refresh_after_each_log(monkeypatch, buf, dev)
+    buf.delete(ids[10:12])
+    monkeypatch.undo()
+    dev.sync()
+    dev.sync()
+    slots = buf.ring.slots(ids[10:12])
+    assert not dev.usable[slots].any(), "a deleted row is still drawable"
+    assert len(dev) == 30
+    assert not np.isin(dev.sample(4000).index.numpy(), ids[10:12]).any()
+    assert_held_rows_current(dev)
+    dev.close()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_rows_an_undone_push_puts_back_are_held_again(
+        make: Make, name: str, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """A push that fails before its copy is undone: the cursors move back and the slots get their
+    old rows (and stamps) back. A refresh that ran during the push dropped those rows (their slots
+    odd); one that reads the undo's entry must find the old rows and hold them again, not leave
+    them out of the copy until the lane laps them."""
+    on_path(monkeypatch, path)
+    buf = make(MUJOCO, 8, name=name)
+    buf.push(transition(0, 8))
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
+    assert len(dev) == 8
+    res = buf.ring.reserve(3, deferring=False)  # rows 8-10 over rows 0-2's slots, odd
+    assert dev.sync() == 0 and len(dev) == 5
+    refresh_after_each_log(monkeypatch, buf, dev)
+    buf.ring.undo(res, copied=False)
+    monkeypatch.undo()
+    assert len(buf) == 8
+    dev.sync()
+    dev.sync()
+    assert_held_rows_current(dev)
+    assert len(dev) == 8, "the rows put back are never held again"
+    assert set(dev.sample(2000).index.numpy().tolist()) == set(buf.get(slice(None)).index.tolist())
+    dev.close()
+
+
+class _EntriesThenRefresh:
+    """The log's array as a writer sees it: after the writer stores its entries (and before
+    whatever it stores next) a refresh runs once: a writer overwriting entries of the log while a
+    refresh (another process's) reads them."""
+
+    def __init__(self, real: np.ndarray, refresh: Callable[[], Any]) -> None:
+        self.real, self.refresh = real, refresh
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.real[key] = value
+        refresh, self.refresh = self.refresh, lambda: None
+        refresh()
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.real[key]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_entries_overwritten_while_a_refresh_reads_them_are_not_taken_as_read(
+        make: Make, name: str, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """A refresh 1000 edits behind reads the log while an update of 100 more rows has stored its
+    entries (over the oldest 76 the refresh is reading) but not yet its count: the count says 1000,
+    within the log, so the refresh takes the overwritten entries for the old ones. The rows the
+    first update changed must still be copied again (here: a full refresh)."""
+    on_path(monkeypatch, path)
+    buf = make(MUJOCO, 2048, name=name)
+    buf.push(transition(0, 2000))
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
+    ids = buf.get(slice(None)).index
+    buf.update(ids[:1000], reward=np.float32(-1.0))  # 1000 entries the copy has not read
+    monkeypatch.setattr(buf.ring, "_edits", _EntriesThenRefresh(buf.ring._edits, dev.sync))
+    buf.update(ids[1000:1100], reward=np.float32(-2.0))  # 100 more: entries 1000-1099 over 0-75
+    monkeypatch.undo()
+    assert EDIT_LOG == 1024
+    dev.sync()
+    dev.sync()
+    assert_held_rows_current(dev)
+    assert len(dev) == 2000
+    dev.close()
