@@ -160,7 +160,7 @@ def test_layout_h_states_the_python_layout() -> None:
     specs = {c.name: c for c in layout.columns(sb.Schema(x=((), "float32")), layout.Options(capacity=12, lanes=3))}
     python = {
         "LANE_WORDS": layout.LANE_WORDS, "LANE_CURSOR": layout.Lane.CURSOR, "LANE_BASE": layout.Lane.BASE,
-        "STATS_WORDS": specs["_stats"].shape[0], "COUNTER_UPDATES": Counter.UPDATES, "COUNTER_DELETES": Counter.DELETES, "COUNTER_DEVICE_ROWS": Counter.DEVICE_ROWS, "COUNTER_DEVICE_AT": Counter.DEVICE_AT, "COUNTER_INSERTED": Counter.INSERTED, "COUNTER_FROZEN": Counter.FROZEN, "COUNTER_REMOVED": Counter.REMOVED, "COUNTER_EDITS": Counter.EDITS,
+        "STATS_WORDS": specs["_stats"].shape[0], "COUNTER_UPDATES": Counter.UPDATES, "COUNTER_DELETES": Counter.DELETES, "COUNTER_DEVICE_ROWS": Counter.DEVICE_ROWS, "COUNTER_DEVICE_AT": Counter.DEVICE_AT, "COUNTER_INSERTED": Counter.INSERTED, "COUNTER_FROZEN": Counter.FROZEN, "COUNTER_REMOVED": Counter.REMOVED, "COUNTER_EDITS": Counter.EDITS, "COUNTER_EDITS_BEGUN": Counter.EDITS_BEGUN,
         "WRITERS": layout.WRITERS, "LOCK_SIZE": lock.SIZE, "LOCK_REPAIR": lock.REPAIR,
         "KIND_END": frames.END, "KIND_START": frames.START, "KIND_ZERO": frames.ZERO, "KIND_LEAD": frames.LEAD,
         "FANOUT": sumtree.FANOUT, "INVALID_ID": ring.INVALID,

@@ -13,9 +13,9 @@ to date:
    ``chunk`` rows), and the ``pending`` rows of earlier refreshes whose stamps now say
    committed. No slot is scanned: a refresh costs the rows that came in. The rows changed in
    place since (an ``update()``, a ``delete()``, a failed push put back) are read from the block's
-   log of edits (``Counter.EDITS``, ``Ring.log_edits``: each logs its slots before it changes
-   them, since an update puts back the stamp it found and the stamps cannot tell): their slots
-   are dropped and the rows they hold now are pending. A ``clear()`` (the lanes' bases), or more
+   log of edits (``Counter.EDITS``, ``Ring.log_edits``: each logs its slots once their stamps
+   changed and before their bytes do, since an update puts back the stamp it found and the stamps
+   cannot tell): their slots are dropped and the rows they hold now are pending. A ``clear()`` (the lanes' bases), or more
    edits than the log holds (``EDIT_LOG``), makes it a full one: the held rows that left their
    lanes are dropped, no row is pending, and every row of the lanes is copied again, a piece at a
    time (the rows not yet copied again stay drawable, as they were committed);
@@ -75,7 +75,7 @@ from ..protocol.reader import Source
 from ..protocol.rows import committed, committed_of_id, lane_of, number_of, number_of_stamp, row_id
 
 _UPDATES, _DELETES, _INSERTED = int(Counter.UPDATES), int(Counter.DELETES), int(Counter.INSERTED)
-_EDITS = int(Counter.EDITS)
+_EDITS, _EDITS_BEGUN = int(Counter.EDITS), int(Counter.EDITS_BEGUN)
 _DEVICE_ROWS, _DEVICE_AT = int(Counter.DEVICE_ROWS), int(Counter.DEVICE_AT)
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 COUNT, PENDING, UPDATES, DELETES, INSERTED, AT, DONE, ERROR, SPENT, TAKEN, WAITED, CPU, EDITS = range(13)
@@ -350,7 +350,7 @@ class DeviceRows:
         the log's entries were overwritten as they were read (the caller copies every row)."""
         block, ring, lanes, lc = self.buf.block, self.buf.ring, self.lanes, self.lane_capacity
         slots = block.edits[np.arange(seen, edits) % EDIT_LOG]
-        if int(block.counters[_EDITS]) - seen > EDIT_LOG or not ((slots >= 0) & (slots < self.capacity)).all():
+        if self._overwritten(seen) or not ((slots >= 0) & (slots < self.capacity)).all():
             return False
         self._forget_lapped(start)
         slots = np.unique(slots)
@@ -371,9 +371,15 @@ class DeviceRows:
         if now == edits:
             return np.zeros(slots.shape, bool)
         logged = block.edits[np.arange(edits, now) % EDIT_LOG] if now - edits <= EDIT_LOG else None
-        if logged is None or int(block.counters[_EDITS]) - edits > EDIT_LOG:
+        if logged is None or self._overwritten(edits):
             return None
         return np.isin(slots, logged)
+
+    def _overwritten(self, first: int) -> bool:
+        """Whether the log's entries from ``first`` may have been overwritten by now (read after
+        them): a writer stores ``Counter.EDITS_BEGUN`` before its entries, ``EDITS`` after."""
+        counters = self.buf.block.counters
+        return max(int(counters[_EDITS_BEGUN]), int(counters[_EDITS])) - first > EDIT_LOG
 
     def _retry_pending(self, start: np.ndarray, edits: int) -> tuple[int, bool]:
         """The pending rows: those that left their lane forgotten, those now committed copied

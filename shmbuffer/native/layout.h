@@ -30,7 +30,8 @@
 #define COUNTER_INSERTED 10 /* Counter.INSERTED: rows ever reserved, all lanes */
 #define COUNTER_FROZEN 11   /* Counter.FROZEN: 1 once the buffer is read-only */
 #define COUNTER_REMOVED 13  /* Counter.REMOVED: 1 once a row was deleted or used up (max_use) */
-#define COUNTER_EDITS 12    /* Counter.EDITS: slots of in-place changes ever logged in _edits */
+#define COUNTER_EDITS 14    /* Counter.EDITS: slots of in-place changes ever logged in _edits */
+#define COUNTER_EDITS_BEGUN 15 /* Counter.EDITS_BEGUN: EDITS once the edit being logged counts, stored before its entries */
 
 #define WRITERS 1024 /* layout.WRITERS: entries of the writer table (_writer_pid, int64) */
 

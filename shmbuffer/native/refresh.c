@@ -155,13 +155,19 @@ static int64_t read_log(Refresh *r, int64_t from, int64_t to) {
         if (s < 0 || s >= r->s.capacity) return -1;
         r->logged[j - from] = s;
     }
-    return edits_now(r) - from > r->log_len ? -1 : to - from;
+    /* the entries' loads before the counts' (an acquire fence: the relaxed loads above stay
+     * above); a writer stores EDITS_BEGUN before its entries, EDITS after them, so an entry
+     * overwritten as it was read shows in EDITS_BEGUN */
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    int64_t begun = __atomic_load_n(&r->counters[COUNTER_EDITS_BEGUN], __ATOMIC_RELAXED), now = edits_now(r);
+    return (begun > now ? begun : now) - from > r->log_len ? -1 : to - from;
 }
 
 /* after the copies of k rows (into slot0 + i, or the slots of ids[i]): ok[i] cleared where an
  * edit logged since the refresh began names the row's slot (the row is read again once the edit
  * is done: an update puts back the stamp it found); -1 when more were logged than the log holds */
 static int unless_edited(Refresh *r, int64_t slot0, const int64_t *ids, int64_t k) {
+    __atomic_thread_fence(__ATOMIC_ACQUIRE); /* the copies' second stamps (relaxed loads) before the count */
     int64_t now = edits_now(r);
     if (now == r->edits) return 0;
     int64_t m = read_log(r, r->edits, now);

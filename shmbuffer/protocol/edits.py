@@ -89,9 +89,9 @@ def update(src: Source, rows: Batch | Any, data: Any = None, fields: dict[str, A
         idx = ids[live]
         slots = ring.slots(idx)
         _check_ends(src, idx, slots, {n: a[live] for n, a in arrays.items()})  # under the lock: no push moves the lanes
-        ring.log_edits(slots)  # before anything changes: a device copy re-reads these slots
         ring.owner[slots] = w  # the owner first: an odd stamp always names its writer
         ring.stamp[slots] = ring.expected(idx) - 1
+        ring.log_edits(slots)  # once odd, before the bytes change: a device copy re-reads these slots
         src.block.counters[Counter.UPDATES] += 1  # after the odd stamps (reader._unless_updated)
         if priority is not None and prios is not None:
             prios.set_rows(slots, priority[live], fresh=False)
@@ -182,8 +182,8 @@ def delete(src: Source, rows: Batch | Any) -> int:
         if not slots.size:
             return 0
         src.block.arrays["_stats"][Counter.REMOVED] = 1  # before the rows go: len never over-counts
-        ring.log_edits(slots)
         ring.stamp[slots] = 0
+        ring.log_edits(slots)  # once gone: a refresh that reads the entry never finds them committed
         src.block.counters[Counter.DELETES] += 1
         if prios is not None:
             prios.remove(slots)

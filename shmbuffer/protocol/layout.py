@@ -67,17 +67,13 @@ class Counter(IntEnum):
     turned odd): a reader whose copy this count moved across discards it (``gather.gather``)"""
     DELETES = 3
     """deletes of stored rows (``ReplayBuffer.delete``, under the lock, after their stamps went to
-    0): a device copy (``device/rows.py``) refreshes every row when it moved"""
+    0): a device copy's lag question (``device/replay.py``) counts them as a change"""
     DEVICE_ROWS = 4
     """``INSERTED`` as the newest refresh of a device copy of this buffer read it (0: none yet);
     ``INSERTED - DEVICE_ROWS`` is how many rows the copy is behind (``top``)"""
     DEVICE_AT = 5
     """when that refresh read the lanes, ``time.monotonic_ns()`` (one clock for every process of
     the host), 0 once the copy closed; with several device copies, the newest refresh's"""
-    EDITS = 12
-    """slots of rows changed in place ever logged in ``_edits`` (an ``update``, a ``delete``, a
-    failed push put back), each logged before its row changes: a device copy re-reads exactly
-    those (``device/rows.py``), or every row when more than ``EDIT_LOG`` came since it looked"""
     RECLAIMED = 8
     """rows of dead writers reclaimed or reaped"""
     LOCK_RECOVERIES = 9
@@ -91,12 +87,21 @@ class Counter(IntEnum):
     INTERLEAVED = 12
     """1 once a push without ``lane=`` put rows of several episodes into one lane (a vector env's
     step): windows (n-step, sequences, groups, episodes) are refused from then on"""
+    EDITS = 14
+    """slots of rows changed in place ever logged in ``_edits`` (an ``update``, a ``delete``, a
+    failed push put back), each logged once its stamp changed (odd, or 0) and before its bytes
+    change (a push put back: before and after its stamps go back): a device copy re-reads exactly
+    those (``device/rows.py``), or every row when more than ``EDIT_LOG`` came since it looked"""
+    EDITS_BEGUN = 15
+    """``EDITS`` as the log will read once the edit being logged is counted, stored before its
+    entries: a reader that finds it more than ``EDIT_LOG`` past the first entry it read knows
+    that entry may have been overwritten as it read it (``Ring.log_edits``)"""
 
 
 LANE_WORDS = 8
+"""Words (int64) of each lane's row of ``_lanes``: one cache line a lane (``native/layout.h`` too)."""
 EDIT_LOG = 1024
 """Entries of ``_edits``: the in-place changes a device copy can follow without copying every row."""
-"""Words (int64) of each lane's row of ``_lanes``: one cache line a lane (``native/layout.h`` too)."""
 
 
 class Lane(IntEnum):

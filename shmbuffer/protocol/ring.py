@@ -99,7 +99,7 @@ _REMOVED = int(Counter.REMOVED)
 """Set once a slot of the lanes' rows is left empty (a dead writer's, an abandoned push's): ``len`` and
 ``get``'s positions then leave such slots out, as deleted rows (``edits.removed``)."""
 _INSERTED, _FROZEN, _UPDATES = int(Counter.INSERTED), int(Counter.FROZEN), int(Counter.UPDATES)
-_EDITS = int(Counter.EDITS)
+_EDITS, _EDITS_BEGUN = int(Counter.EDITS), int(Counter.EDITS_BEGUN)
 _INT64_MAX = np.iinfo(np.int64).max
 Gate = Callable[[int, int, int], bool]
 """``gate(inserted, sampled, size) -> allowed``: a rate limiter's test (``limiter.py``)."""
@@ -397,9 +397,10 @@ class Ring:
             # a reader whose copy spans the reservation and this undo sees the same stamp before
             # and after: the count makes it read again (reader._unless_updated), as for update()
             self._stats[_UPDATES] += 1
-            self.log_edits(slots)
+            self.log_edits(slots)  # before the stamps: a refresh whose copy spans the bytes put back drops it
             self._lanes[:, _CURSOR] = cursors  # the cursors first: see "every prefix" in the module docstring
             self.stamp[slots] = old
+            self.log_edits(slots)  # after them: a refresh that read the first entry (odd rows) holds the old rows again
             self._stats[_INSERTED] = inserted
             if restore is not None:
                 restore()
@@ -488,11 +489,20 @@ class Ring:
 
     def log_edits(self, slots: np.ndarray) -> None:
         """Log that the rows in ``slots`` change in place now (an update, a delete, a push put
-        back), before they change: ``_edits`` gets the slots, then ``Counter.EDITS`` counts them
-        (x86-64 keeps the two stores in order), so a device copy that finds the count moved
-        re-reads exactly those slots, and one that finds it moved by more than ``EDIT_LOG``
-        (entries it has not read were overwritten) re-reads every row. The caller holds the lock."""
+        back): ``Counter.EDITS_BEGUN`` says how far the log goes once they count, then ``_edits``
+        gets the slots, then ``Counter.EDITS`` counts them (x86-64 keeps the stores in order), so
+        a device copy that finds the count moved re-reads exactly those slots, and one that finds
+        it moved by more than ``EDIT_LOG``, or finds ``EDITS_BEGUN`` that far past the entries it
+        read (a writer overwrote them as it read them), re-reads every row.
+
+        The caller holds the lock, and logs once the rows' stamps changed (odd for an update, 0
+        for a delete) and before their bytes change: a refresh that reads the entry then finds the
+        change begun (the rows being written, or gone), and a refresh whose copy the change's
+        bytes cross read the count before the entry and finds it after its copies. A push put
+        back logs before its stamps go back (its bytes changed under the odd stamps) and again
+        after (so that a refresh finds the old rows there and holds them again)."""
         n, k = int(self._stats[_EDITS]), int(slots.size)
+        self._stats[_EDITS_BEGUN] = max(int(self._stats[_EDITS_BEGUN]), n + k)  # before the entries
         if k <= EDIT_LOG:
             self._edits[(n + np.arange(k)) % EDIT_LOG] = slots
         self._stats[_EDITS] = n + k
