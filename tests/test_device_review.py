@@ -183,3 +183,66 @@ def test_entries_overwritten_while_a_refresh_reads_them_are_not_taken_as_read(
     assert_held_rows_current(dev)
     assert len(dev) == 2000
     dev.close()
+
+
+class _RefreshBeforeWrite:
+    """A field's column as ``update()`` writes it: a refresh runs first (the update's rows odd,
+    its bytes not written yet), once."""
+
+    def __init__(self, real: np.ndarray, refresh: Callable[[], Any]) -> None:
+        self.real, self.refresh = real, refresh
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        refresh, self.refresh = self.refresh, lambda: None
+        refresh()
+        self.real[key] = value
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.real[key]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_new_row_being_updated_during_a_refresh_is_pending_once(
+        make: Make, name: str, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Rows pushed since the last refresh and being updated as the next one runs: the log names
+    them (pending) and they are new (the refresh's run copies them, odd: pending again). Pending
+    twice, the refresh after the update held each twice: inconsistent slot lists (the C refresh
+    raises; the Python steps count the slot twice in ``dense``)."""
+    on_path(monkeypatch, path)
+    buf = make(MUJOCO, 64, name=name)
+    buf.push(transition(0, 8))
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
+    buf.push(transition(8, 4))  # new since the refresh
+    ids = buf.get(slice(None)).index
+    monkeypatch.setitem(buf.block.fields, "reward", _RefreshBeforeWrite(buf.block.fields["reward"], dev.sync))
+    buf.update(ids[9:11], reward=np.float32(-5.0))
+    monkeypatch.undo()
+    dev.sync()  # the C refresh raised: "the device copy's slot lists are inconsistent"
+    count = len(dev)
+    assert count == 12 and np.unique(dev.dense[:count]).size == count
+    assert_held_rows_current(dev)
+    dev.close()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_undone_push_over_more_than_half_the_lane_refreshes(
+        make: Make, name: str, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """A refresh during a push of 5 rows into a lane of 8 leaves their ids pending; the push is
+    undone (the cursor moves back under them) and the next refresh finds the 5 old rows to copy:
+    the ids above the cursor must not stay pending beside them (10 ids for 8 slots)."""
+    on_path(monkeypatch, path)
+    buf = make(MUJOCO, 8, name=name)
+    buf.push(transition(0, 8))
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
+    res = buf.ring.reserve(5, deferring=False)
+    dev.sync()
+    assert dev.pending.size == 5
+    buf.ring.undo(res, copied=False)
+    dev.sync()
+    assert len(dev) == 8 and dev.pending.size == 0
+    assert_held_rows_current(dev)
+    buf.push(transition(100, 3))  # the undone rows' numbers again, now committed
+    dev.sync()
+    assert len(dev) == 8 and dev.pending.size == 0
+    assert_held_rows_current(dev)
+    dev.close()
