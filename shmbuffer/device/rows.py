@@ -322,7 +322,7 @@ class DeviceRows:
                 self._drop(slots[number_of_stamp(self.held[slots]) < start[slots // lc]])
                 state[PENDING] = 0
         else:
-            taken, spoiled = self._retry_pending(start, edits)
+            taken, spoiled = self._retry_pending(start, cursors, edits)
         first = start if full else np.maximum(self.next, start)
         for s0, n0, k in ([] if spoiled else self._runs(first, cursors)):
             slots = np.arange(s0, s0 + k)
@@ -346,19 +346,21 @@ class DeviceRows:
     def _take_edits(self, seen: int, edits: int, start: np.ndarray, stop: np.ndarray) -> bool:
         """The rows changed in place since the last refresh (the log's entries ``seen`` to
         ``edits``): their slots dropped, and the row each slot holds now (committed or being
-        written, within its lane's rows) pending, to be copied once committed. ``False`` when
-        the log's entries were overwritten as they were read (the caller copies every row)."""
+        written, within its lane's rows, and older than the rows this refresh copies anyway:
+        never pending twice) pending, to be copied once committed. ``False`` when the log's
+        entries were overwritten as they were read (the caller copies every row)."""
         block, ring, lanes, lc = self.buf.block, self.buf.ring, self.lanes, self.lane_capacity
         slots = block.edits[np.arange(seen, edits) % EDIT_LOG]
         if self._overwritten(seen) or not ((slots >= 0) & (slots < self.capacity)).all():
             return False
-        self._forget_lapped(start)
+        self._forget_lapped(start, stop)
         slots = np.unique(slots)
         with self.lock:
             self._drop(slots)
         stamps, lane = ring.stamp[slots], slots // lc
         n = number_of_stamp(stamps)
-        now = (stamps != 0) & (n >= start[lane]) & (n < stop[lane])
+        first = np.minimum(np.maximum(self.next, start), stop)  # the rows from there are copied below
+        now = (stamps != 0) & (n >= start[lane]) & (n < first[lane])
         ids = row_id(n[now], lane[now], lanes)
         self._add_pending(ids[~np.isin(ids, self.pending)])
         return True
@@ -381,12 +383,12 @@ class DeviceRows:
         counters = self.buf.block.counters
         return max(int(counters[_EDITS_BEGUN]), int(counters[_EDITS])) - first > EDIT_LOG
 
-    def _retry_pending(self, start: np.ndarray, edits: int) -> tuple[int, bool]:
+    def _retry_pending(self, start: np.ndarray, stop: np.ndarray, edits: int) -> tuple[int, bool]:
         """The pending rows: those that left their lane forgotten, those now committed copied
         (dropped first), the others kept; the rows held, and whether more edits than the log
         holds came during the copy."""
         ring, lanes = self.buf.ring, self.lanes
-        self._forget_lapped(start)
+        self._forget_lapped(start, stop)
         ids = self.pending
         ready = ring.stamp[ring.slots(ids)] == committed_of_id(ids, lanes)
         again, keep = ids[ready], ids[~ready]
@@ -406,11 +408,13 @@ class DeviceRows:
             self._add_pending(again[~got])
         return int(np.count_nonzero(got)), False
 
-    def _forget_lapped(self, start: np.ndarray) -> None:
-        """The pending rows that left their lane are forgotten."""
+    def _forget_lapped(self, start: np.ndarray, stop: np.ndarray) -> None:
+        """The pending rows that left their lane are forgotten: lapped, or above its cursor (a
+        push undone under them: the refresh that copies the lane from there copies them)."""
         ids, lanes = self.pending, self.lanes
+        n, lane = number_of(ids, lanes), lane_of(ids, lanes)
         self.state[PENDING] = 0
-        self._add_pending(ids[number_of(ids, lanes) >= start[lane_of(ids, lanes)]])
+        self._add_pending(ids[(n >= start[lane]) & (n < stop[lane])])
 
     def _add_pending(self, ids: np.ndarray) -> None:
         n = int(self.state[PENDING])

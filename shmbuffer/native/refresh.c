@@ -205,23 +205,25 @@ static void refresh_piece(Refresh *r, int64_t lane, int64_t n, int64_t k) {
     pthread_mutex_unlock(r->mutex);
 }
 
-/* the pending rows that left their lane forgotten */
-static void pending_forget(Refresh *r, const int64_t *start) {
+/* the pending rows that left their lane forgotten: lapped, or above its cursor (a push undone
+ * under them: the refresh that copies the lane from there copies them) */
+static void pending_forget(Refresh *r, const int64_t *start, const int64_t *cur) {
     int64_t kept = 0, lanes = r->lanes, n = r->s.state[ST_PENDING];
     for (int64_t i = 0; i < n; i++) {
-        int64_t id = r->s.pending[i];
-        if (number_of_id(id, lanes) >= start[lane_of_id(id, lanes)]) r->s.pending[kept++] = id;
+        int64_t id = r->s.pending[i], num = number_of_id(id, lanes), lane = lane_of_id(id, lanes);
+        if (num >= start[lane] && num < cur[lane]) r->s.pending[kept++] = id;
     }
     r->s.state[ST_PENDING] = kept;
 }
 
 /* the rows changed in place since the last refresh (the log's entries from `seen`): their slots
- * dropped, and the row each holds now (committed or being written, within its lane's rows)
- * pending unless it is; -1 when the entries were overwritten as they were read (a full refresh) */
-static int refresh_edits(Refresh *r, int64_t seen, const int64_t *cur, const int64_t *start) {
+ * dropped, and the row each holds now (committed or being written, within its lane's rows, and
+ * older than nxt, from where this refresh copies the lane anyway: never pending twice) pending
+ * unless it is; -1 when the entries were overwritten as they were read (a full refresh) */
+static int refresh_edits(Refresh *r, int64_t seen, const int64_t *cur, const int64_t *start, const int64_t *nxt) {
     int64_t m = read_log(r, seen, r->edits), *pending = r->s.pending, lanes = r->lanes;
     if (m < 0) return -1;
-    pending_forget(r, start);
+    pending_forget(r, start, cur);
     lists_lock(r);
     for (int64_t j = 0; j < m; j++) slot_drop(&r->s, r->logged[j]);
     pthread_mutex_unlock(r->mutex);
@@ -230,22 +232,23 @@ static int refresh_edits(Refresh *r, int64_t seen, const int64_t *cur, const int
     for (int64_t j = 0; j < m; j++) {
         int64_t s = r->logged[j], lane = s / r->lc, st = __atomic_load_n(&r->stamp[s], __ATOMIC_ACQUIRE);
         int64_t num = number_of_stamp(st), id = row_id(num, lane, lanes), known = 0;
-        if (!st || num < start[lane] || num >= cur[lane]) continue;
+        if (!st || num < start[lane] || num >= cur[lane] || num >= nxt[lane]) continue;
         for (int64_t p = 0; r->mark[s] && p < r->s.state[ST_PENDING] && !known; p++) known = pending[p] == id;
         if (known) continue;
-        if (r->s.state[ST_PENDING] >= r->s.capacity) return -1;
+        if (r->s.state[ST_PENDING] >= r->s.capacity) break; /* cannot be (ids of distinct slots): a full refresh */
         pending[r->s.state[ST_PENDING]++] = id;
         r->mark[s] = 1;
     }
     for (int64_t p = 0; p < r->s.state[ST_PENDING]; p++) r->mark[slot_of_id(pending[p], lanes, r->lc)] = 0;
-    return 0;
+    for (int64_t j = 0; j < m; j++) r->mark[r->logged[j]] = 0; /* the marks all 0 again, whatever happened */
+    return r->s.state[ST_PENDING] >= r->s.capacity ? -1 : 0;
 }
 
 /* the pending rows of earlier refreshes: those that left their lane forgotten, those now
  * committed copied one by one (dropped first), the others kept */
-static void refresh_pending(Refresh *r, const int64_t *start) {
+static void refresh_pending(Refresh *r, const int64_t *start, const int64_t *cur) {
     int64_t kept = 0, ntry = 0, lanes = r->lanes, n;
-    pending_forget(r, start);
+    pending_forget(r, start, cur);
     n = r->s.state[ST_PENDING];
     for (int64_t i = 0; i < n; i++) {
         int64_t id = r->s.pending[i], lane = lane_of_id(id, lanes), num = number_of_id(id, lanes);
@@ -415,9 +418,9 @@ static int64_t refresh_run(Views *v) {
         start[l] = first_row(cur[l], base[l], r.lc);
         full |= base[l] != bases[l];
     }
-    if (!full && r.edits != seen) full = refresh_edits(&r, seen, cur, start) < 0;
+    if (!full && r.edits != seen) full = refresh_edits(&r, seen, cur, start, nxt) < 0;
     if (full) refresh_full(&r, start);
-    else refresh_pending(&r, start);
+    else refresh_pending(&r, start, cur);
     for (int64_t l = 0; l < lanes && !r.spoiled && !r.s.bad; l++) {
         int64_t n = full || nxt[l] < start[l] ? start[l] : nxt[l];
         while (n < cur[l] && !r.spoiled && !r.s.bad) {
