@@ -246,3 +246,24 @@ def test_an_undone_push_over_more_than_half_the_lane_refreshes(
     assert len(dev) == 8 and dev.pending.size == 0
     assert_held_rows_current(dev)
     dev.close()
+
+
+def test_close_between_the_one_call_draw_and_the_n_step_returns_says_closed(
+        make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another thread closes the copy after the C draw and before the n-step returns are built
+    from the device columns: the sample says closed (as every other path does), not a KeyError."""
+    if native.lib is None:
+        pytest.skip("the C extension is not built")
+    buf = make(MUJOCO, 64, name=name, episodes=True)
+    buf.push(transition(0, 16), episode=0)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
+    real = dev._uniform_one_call
+
+    def draw_then_close(n: int) -> sb.Batch:
+        batch = real(n)
+        dev.close()
+        return batch
+
+    monkeypatch.setattr(dev, "_uniform_one_call", draw_then_close)
+    with pytest.raises(sb.ClosedError, match="closed"):
+        dev.sample(4, n_step=3)

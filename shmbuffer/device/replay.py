@@ -273,6 +273,8 @@ class DeviceReplay(DeviceRows):
             batch = self._uniform_one_call(int(n))  # takes the lock itself, in C
             if n_step > 1:
                 with self.lock:
+                    if self.closed:  # since the draw (another thread): the device columns are gone
+                        raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
                     self._n_step(batch, int(n_step), float(gamma), fields)
             self.buf.ring.count_sampled(int(n))
             return batch
