@@ -267,3 +267,45 @@ def test_close_between_the_one_call_draw_and_the_n_step_returns_says_closed(
     monkeypatch.setattr(dev, "_uniform_one_call", draw_then_close)
     with pytest.raises(sb.ClosedError, match="closed"):
         dev.sample(4, n_step=3)
+
+
+def test_the_c_lag_question_equals_the_python_steps(make: Make, name: str) -> None:
+    """``behind`` (C) and ``_behind_steps`` give the same answer over rows, updates, deletes, a
+    clear and each bound and share (the seconds bound far passed or far ahead: no timing)."""
+    if native.lib is None:
+        pytest.skip("the C extension is not built")
+    import time
+
+    buf = make(MUJOCO, 64, name=name, lanes=2)
+    buf.push(transition(0, 8), lane=0)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
+    ids = buf.get(slice(None)).index
+    from shmbuffer.device.rows import AT
+
+    def compare() -> int:
+        n = 0
+        for rows_bound in (None, 0, 1, 3, 7, 100):
+            for seconds in (None, 0.0, 0.01, 1e6):
+                for at in (0, time.monotonic_ns() + 10**15):
+                    dev.max_lag_rows, dev.max_lag_s = rows_bound, seconds
+                    dev.state[AT] = at
+                    for share in (0.5, 1.0, 0.3):
+                        assert dev._behind(share) == dev._behind_steps(share), (rows_bound, seconds, at, share)
+                        n += 1
+        return n
+
+    assert compare()
+    buf.push(transition(8, 3), lane=1)
+    compare()
+    dev.sync()
+    compare()
+    buf.update(ids[:1], reward=np.float32(2.0))
+    compare()
+    dev.sync()
+    buf.delete(ids[1:2])
+    compare()
+    buf.push(transition(20, 5), lane=0)
+    compare()
+    buf.clear()
+    compare()
+    dev.close()
