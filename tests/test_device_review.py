@@ -53,6 +53,12 @@ def refresh_after_each_log(monkeypatch: pytest.MonkeyPatch, buf: sb.ReplayBuffer
     monkeypatch.setattr(buf.ring, "log_edits", log_then_refresh)
 
 
+def test_every_counter_has_a_word_of_its_own() -> None:
+    """No two ``Counter`` names share a word of ``_stats`` (an ``IntEnum`` makes the second an alias)."""
+    words = [int(c) for c in Counter.__members__.values()]
+    assert len(set(words)) == len(words), {n: int(c) for n, c in Counter.__members__.items()}
+
+
 def test_an_update_or_delete_does_not_mark_the_buffer_interleaved(make: Make, name: str) -> None:
     """``Counter.EDITS`` has a word of its own: an ``update()`` or ``delete()`` leaves n-step
     samples and windows allowed, and the flag of interleaved episodes leaves the log's count alone."""
