@@ -4,6 +4,7 @@ overwrites entries of the log while a refresh reads them), and the counter the l
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from shmbuffer.device import DeviceReplay
 from shmbuffer.protocol.layout import EDIT_LOG, Counter
 
 from .conftest import MUJOCO, transition
+from .test_device import whole
 
 torch = pytest.importorskip("torch")
 Make = Callable[..., sb.ReplayBuffer]
@@ -314,4 +316,39 @@ def test_the_c_lag_question_equals_the_python_steps(make: Make, name: str) -> No
     compare()
     buf.clear()
     compare()
+    dev.close()
+
+
+def _pusher_updater(handle: sb.BufferHandle, rounds: int) -> None:
+    """Push 8 rows, then rewrite the 8 newest (pushed since the copy's last refresh, often) as
+    other whole rows, ``rounds`` times."""
+    buf = sb.ReplayBuffer.attach(handle)
+    for r in range(rounds):
+        buf.push(transition(100 * r, 8))
+        newest = buf.get(slice(-8, None)).index
+        buf.update(newest, **transition(100 * r + 50, 8))
+    buf.close()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_updates_of_new_rows_while_the_refresher_runs(
+        make: Make, name: str, monkeypatch: pytest.MonkeyPatch, path: str, procs: list[Any]) -> None:
+    """A writer process pushes and at once rewrites its newest rows by ``update()`` (TorchRL's
+    storage writes so) while the background refresher refreshes and the learner samples: the
+    refresher never stops on inconsistent lists, every row drawn is whole, and once the writer is
+    done a sync leaves every held row current."""
+    on_path(monkeypatch, path)
+    buf = make(MUJOCO, 512, name=name)
+    buf.push(transition(0, 8))
+    dev = DeviceReplay(buf, "cpu", max_lag_s=0.001, seed=1)
+    p = mp.get_context("fork").Process(target=_pusher_updater, args=(buf.handle, 1500))
+    procs.append(p)
+    p.start()
+    while p.is_alive():
+        whole(dev.sample(64))  # raises once the refresher stopped on inconsistent lists
+    p.join(60)
+    assert p.exitcode == 0
+    dev.sync()
+    whole(dev.sample(256))
+    assert_held_rows_current(dev)
     dev.close()
