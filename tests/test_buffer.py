@@ -419,8 +419,8 @@ def test_a_copy_that_fails_gives_the_rows_back(make: Make, name: str) -> None:
     armed[0] = False
     assert all(np.array_equal(v, before[k]) for k, v in buf.block.arrays.items()
                if k not in ("_mutex", "_owner", "_stats", "_edits"))
-    edits = int(buf.block.counters[Counter.EDITS])  # both put-backs are logged: slots 4, 5, then 2, 3
-    assert edits == 4 and buf.block.arrays["_edits"][:edits].tolist() == [4, 5, 2, 3]
+    edits = int(buf.block.counters[Counter.EDITS])  # both put-backs are logged, before and after their stamps
+    assert edits == 8 and buf.block.arrays["_edits"][:edits].tolist() == [4, 5, 4, 5, 2, 3, 2, 3]
     assert len(buf) == 8 and buf.stats["inserted"] == 10
     assert seq_of(buf.get(slice(None))).tolist() == list(range(2, 10))
     other = sb.ReplayBuffer.attach(buf.handle)  # a writer that reserved after the failed push: that push's rows
