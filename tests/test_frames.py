@@ -687,7 +687,8 @@ def test_a_push_clears_overtake_again_and_again_is_refused_with_nothing_stored(
         buf.push(**rows[3])
     assert len(calls) == 3 and len(buf) == 2
     assert all(np.array_equal(buf.block.arrays[k], v) for k, v in before.items())
-    assert int(buf.block.counters[Counter.EDITS]) == 3  # each of the three put-backs logged its slot
+    edits = int(buf.block.counters[Counter.EDITS])  # each put-back logged, before and after its stamps
+    assert edits == 6 and buf.block.arrays["_edits"][:edits].tolist() == [3] * 6
 
 
 def test_stacks_without_next_of_count_as_get_indexes(make: Make, name: str) -> None:
