@@ -352,3 +352,28 @@ def test_updates_of_new_rows_while_the_refresher_runs(
     whole(dev.sample(256))
     assert_held_rows_current(dev)
     dev.close()
+
+
+def test_two_copies_of_one_buffer_follow_the_log_each_at_its_own_pace(
+        make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two device copies (the C refresh and the Python steps where the extension is built) read the
+    one log: one refreshes after every few edits, the other only after more than the log holds
+    (a full refresh); both end with every held row current and none deleted."""
+    buf = make(MUJOCO, 2048, name=name, lanes=2)
+    for lane in range(2):
+        buf.push(transition(np.arange(lane * 1024, lane * 1024 + 900)), lane=lane)
+    often = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
+    monkeypatch.setattr(native, "lib", None)
+    seldom = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=1)
+    ids = buf.get(slice(None)).index
+    rng = np.random.default_rng(0)
+    for r in range(12):
+        buf.update(rng.choice(ids, 100, replace=False), reward=np.float32(-r))
+        buf.delete(ids[r:r + 1])
+        often.sync()
+    seldom.sync()
+    for dev in (often, seldom):
+        assert_held_rows_current(dev)
+        assert len(dev) == 1800 - 12
+        assert not np.isin(dev.sample(3000).index.numpy(), ids[:12]).any()
+        dev.close()
