@@ -394,10 +394,10 @@ class Ring:
         # slots held, and no slot held a dead writer's odd row (reclaimed: its owner is gone)
         if (mine.all() and np.array_equal(self._lanes, after) and not res.dirty
                 and not rows.is_writing(old).any()):
-            # a reader whose copy spans the reservation and this undo sees the same stamp before
-            # and after: the count makes it read again (reader._unless_updated), as for update()
+            # a reader whose copy spans the reservation and this undo sees the same stamp before and
+            # after: the count (and the log, for a device copy) makes it read again, as for update()
             self._stats[_UPDATES] += 1
-            self.log_edits(slots)  # before the stamps: a refresh whose copy spans the bytes put back drops it
+            self.log_edits(slots)
             self._lanes[:, _CURSOR] = cursors  # the cursors first: see "every prefix" in the module docstring
             self.stamp[slots] = old
             self.log_edits(slots)  # after them: a refresh that read the first entry (odd rows) holds the old rows again
@@ -488,19 +488,11 @@ class Ring:
         return lost
 
     def log_edits(self, slots: np.ndarray) -> None:
-        """Log that the rows in ``slots`` change in place now (an update, a delete, a push put
-        back): ``Counter.EDITS_BEGUN`` says how far the log goes once they count, then ``_edits``
-        gets the slots, then ``Counter.EDITS`` counts them (x86-64 keeps the stores in order), so
-        a device copy that finds the count moved re-reads exactly those slots, and one that finds
-        it moved by more than ``EDIT_LOG``, or finds ``EDITS_BEGUN`` that far past the entries it
-        read (a writer overwrote them as it read them), re-reads every row.
-
-        The caller holds the lock, and logs once the rows' stamps changed (odd for an update, 0
-        for a delete) and before their bytes change: a refresh that reads the entry then finds the
-        change begun (the rows being written, or gone), and a refresh whose copy the change's
-        bytes cross read the count before the entry and finds it after its copies. A push put
-        back logs before its stamps go back (its bytes changed under the odd stamps) and again
-        after (so that a refresh finds the old rows there and holds them again)."""
+        """Log that the rows in ``slots`` change in place (an update, a delete, a push put back):
+        ``Counter.EDITS_BEGUN`` first, then ``_edits`` gets the slots, then ``Counter.EDITS``
+        counts them (x86-64 keeps the stores in order): a device copy re-reads those slots, or every
+        row once ``EDIT_LOG`` were passed or overwritten as it read them. The caller holds the lock
+        and logs once the stamps changed, before the bytes do (``Counter.EDITS``)."""
         n, k = int(self._stats[_EDITS]), int(slots.size)
         self._stats[_EDITS_BEGUN] = max(int(self._stats[_EDITS_BEGUN]), n + k)  # before the entries
         if k <= EDIT_LOG:
