@@ -1,5 +1,5 @@
-"""Review of the device copy's one-call sample, private memory and log of edits: the interleavings
-that the log of edits must survive (a refresh between an edit's log and its change, a writer that
+"""The device copy and the block's log of edits (``Counter.EDITS``, ``Ring.log_edits``), with the
+one-call sample and lag question beside them: the interleavings that the log of edits must survive (a refresh between an edit's log and its change, a writer that
 overwrites entries of the log while a refresh reads them), and the counter the log lives in."""
 
 from __future__ import annotations
