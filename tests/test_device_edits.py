@@ -377,3 +377,21 @@ def test_two_copies_of_one_buffer_follow_the_log_each_at_its_own_pace(
         assert len(dev) == 1800 - 12
         assert not np.isin(dev.sample(3000).index.numpy(), ids[:12]).any()
         dev.close()
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_under_a_row_bound_a_delete_is_seen_by_the_next_sample(make: Callable[..., sb.ReplayBuffer], name: str,
+                                                               monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """``max_lag_rows=0`` without a time bound: a row deleted is never drawn by a later sample,
+    even when no row came in since (the delete alone makes the sample refresh)."""
+    if path == "native" and native.lib is None:
+        pytest.skip("the C extension is not built")
+    if path == "python":
+        monkeypatch.setattr(native, "lib", None)
+    buf = make(MUJOCO, 32, name=name)
+    ids = buf.push(transition(0, 10))
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, max_lag_s=None, refresher=False, seed=0)
+    assert ids[3] in dev.sample(500).index.numpy()
+    buf.delete(ids[3:4])
+    assert ids[3] not in dev.sample(2000).index.numpy() and len(dev) == 9
+    dev.close()

@@ -9,7 +9,7 @@ are not drawn yet, and a row overwritten, updated or deleted since (or during it
 from the device copy (whole: the row as it was committed). ``max_lag_rows`` and ``max_lag_s``
 bound that lag: a ``sample`` refreshes first when more rows were inserted since the last refresh
 began than ``max_lag_rows``, or when rows came in and it began more than ``max_lag_s`` ago
-(``lag()`` measures both), or, under a row bound, when an ``update()`` ran. A sample that finds a
+(``lag()`` measures both), or, under a row bound, when an ``update()`` or ``delete()`` ran. A sample that finds a
 bound broken while a refresh is under way waits for that refresh and looks again, so it refreshes
 itself only when that one did not bring the copy within the bound. Otherwise a sample never
 waits for a refresh's copies, only for its changes of the slot lists (``device/rows.py``). The
@@ -203,8 +203,8 @@ class DeviceReplay(DeviceRows):
     def _behind(self, share: float) -> bool:
         """Whether the copy is more than ``share`` of a bound behind: rows came in (or rows were
         updated or deleted) and the last refresh began longer ago than ``share * max_lag_s``, or
-        more than ``share * max_lag_rows`` rows came in, or (under a row bound) an ``update()``
-        ran; or a ``clear()`` happened since. Without bounds (``share < 1``: the refresher's
+        more than ``share * max_lag_rows`` rows came in, or (under a row bound) an ``update()`` or
+        a ``delete()`` ran; or a ``clear()`` happened since. Without bounds (``share < 1``: the refresher's
         question) whenever something changed."""
         rows_bound, seconds_bound = self.max_lag_rows, self.max_lag_s
         if self._one_call is None:
@@ -221,9 +221,8 @@ class DeviceReplay(DeviceRows):
         if not np.array_equal(self.buf.ring.cursors[:, _BASE], self.bases):
             return True
         rows, seconds = self.lag()
-        updated = int(counters[_UPDATES]) != self.state[UPDATES]
-        edited = updated or int(counters[_DELETES]) != self.state[DELETES]
-        if rows_bound is not None and (rows > share * rows_bound or updated):
+        edited = int(counters[_UPDATES]) != self.state[UPDATES] or int(counters[_DELETES]) != self.state[DELETES]
+        if rows_bound is not None and (rows > share * rows_bound or edited):
             return True
         changed = rows > 0 or edited
         if changed and seconds_bound is not None and seconds > share * seconds_bound:

@@ -495,7 +495,7 @@ typedef struct {
 } Refresher;
 
 /* replay.py's _behind, from the shared cursors and counters and the copy's state and bases: a
- * lane cleared, or past a bound (rows_bound rows, or an update, under a row bound; ns_bound ns
+ * lane cleared, or past a bound (rows_bound rows, or an update or a delete, under a row bound; ns_bound ns
  * since the last refresh began, once something changed; < 0: no such bound), or, with no bound
  * and `idle` (the refresher's question), anything changed */
 static int copy_behind(const int64_t *cur, Py_ssize_t lanes, const int64_t *counters, const int64_t *state,
@@ -503,9 +503,9 @@ static int copy_behind(const int64_t *cur, Py_ssize_t lanes, const int64_t *coun
     for (Py_ssize_t l = 0; l < lanes; l++)
         if (load_base(cur, l) != bases[l]) return 1;
     int64_t rows = __atomic_load_n(&counters[COUNTER_INSERTED], __ATOMIC_ACQUIRE) - state[ST_INSERTED];
-    int updated = __atomic_load_n(&counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE) != state[ST_UPDATES];
-    int edited = updated || __atomic_load_n(&counters[COUNTER_DELETES], __ATOMIC_ACQUIRE) != state[ST_DELETES];
-    if (rows_bound >= 0 && (rows > rows_bound || updated)) return 1;
+    int edited = __atomic_load_n(&counters[COUNTER_UPDATES], __ATOMIC_ACQUIRE) != state[ST_UPDATES] ||
+                 __atomic_load_n(&counters[COUNTER_DELETES], __ATOMIC_ACQUIRE) != state[ST_DELETES];
+    if (rows_bound >= 0 && (rows > rows_bound || edited)) return 1;
     int changed = rows > 0 || edited;
     if (changed && ns_bound >= 0 && now_ns() - state[ST_AT] > ns_bound) return 1;
     return changed && idle && rows_bound < 0 && ns_bound < 0;
