@@ -637,6 +637,19 @@ PyObject *py_refresher_running(PyObject *self, PyObject *capsule) {
 }
 
 /* -- the copy's questions and samples on the learner's thread --------------------------------- */
+/* views of n arrays of int64 words (views[i] of objs[i], writable[i]): 0, or -1 with an error
+ * set and none held */
+static int words_open(PyObject *const *objs, Py_buffer *const *views, const int *writable, const char *const *names,
+                      int n) {
+    for (int i = 0; i < n; i++) {
+        if (get_buf(objs[i], views[i], writable[i], 8, names[i]) < 0) {
+            while (i--) PyBuffer_Release(views[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* behind(cursors, counters, state, bases, rows_bound, ns_bound, idle) -> bool: copy_behind, the
  * bounds already the share the caller asks about (< 0: none) */
 PyObject *py_behind(PyObject *self, PyObject *args) {
@@ -645,15 +658,12 @@ PyObject *py_behind(PyObject *self, PyObject *args) {
     int idle;
     if (!PyArg_ParseTuple(args, "OOOOLLp", &cur_o, &cnt_o, &st_o, &bases_o, &rows_bound, &ns_bound, &idle)) return NULL;
     Py_buffer cub, cnb, sb, bb;
-    if (get_buf(cur_o, &cub, 0, 8, "cursors") < 0) return NULL;
     Py_buffer *held[] = {&cub, &cnb, &sb, &bb};
-    int n = 1, behind = -1;
-    if (get_buf(cnt_o, &cnb, 0, 8, "counters") < 0) goto done;
-    n = 2;
-    if (get_buf(st_o, &sb, 0, 8, "state") < 0) goto done;
-    n = 3;
-    if (get_buf(bases_o, &bb, 0, 8, "bases") < 0) goto done;
-    n = 4;
+    PyObject *objs[] = {cur_o, cnt_o, st_o, bases_o};
+    static const char *const names[] = {"cursors", "counters", "state", "bases"};
+    static const int writable[] = {0, 0, 0, 0};
+    int n = 4, behind = -1;
+    if (words_open(objs, held, writable, names, n) < 0) return NULL;
     Py_ssize_t lanes = bb.len / 8;
     if (cub.len != lanes * LANE_WORDS * 8 || cnb.len < STATS_WORDS * 8 || sb.len < ST_WORDS * 8) {
         PyErr_SetString(PyExc_ValueError, "behind: expected the ring's cursors, the block's counters, the copy's state and bases");
@@ -680,22 +690,19 @@ PyObject *py_device_sample(PyObject *self, PyObject *args) {
         return NULL;
     Py_buffer mb, hb, db, sb, rb, ib;
     Py_buffer *views[] = {&mb, &hb, &db, &sb, &rb, &ib};
+    PyObject *objs[] = {held_o, dense_o, st_o, rng_o, ids_o};
+    static const char *const names[] = {"held", "dense", "state", "rng", "ids"};
+    static const int writable[] = {0, 0, 0, 1, 1};
     Columns c;
     c.n = 0;
     int nv = 0;
     int64_t *slots = NULL;
     PyObject *result = NULL;
     if (get_mutex(m_o, &mb) < 0) return NULL;
-    nv = 1;
-    if (get_buf(held_o, &hb, 0, 8, "held") < 0) goto done;
-    nv = 2;
-    if (get_buf(dense_o, &db, 0, 8, "dense") < 0) goto done;
-    nv = 3;
-    if (get_buf(st_o, &sb, 0, 8, "state") < 0) goto done;
-    nv = 4;
-    if (get_buf(rng_o, &rb, 1, 8, "rng") < 0) goto done;
-    nv = 5;
-    if (get_buf(ids_o, &ib, 1, 8, "ids") < 0) goto done;
+    if (words_open(objs, views + 1, writable, names, 5) < 0) {
+        PyBuffer_Release(&mb);
+        return NULL;
+    }
     nv = 6;
     Py_ssize_t capacity = hb.len / 8, n = ib.len / 8;
     if (capacity < 1 || lanes < 1 || capacity % lanes || db.len != hb.len || sb.len < ST_WORDS * 8 || rb.len != 32 || n < 1) {
