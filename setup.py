@@ -11,7 +11,7 @@ setup(
         Extension(
             "shmbuffer.native._native",
             sources=[NATIVE + f for f in ("module.c", "common.c", "tree.c", "priorities.c", "gather.c", "sample.c", "copies.c",
-                                          "plan.c", "push.c", "method.c", "pool.c", "refresh.c")],
+                                          "plan.c", "push.c", "method.c", "pool.c", "refresh.c", "learner.c")],
             depends=[NATIVE + "layout.h", NATIVE + "native.h"],
             extra_compile_args=["-O3", "-std=c11", "-fno-strict-aliasing", "-fvisibility=hidden"],
             optional=True,

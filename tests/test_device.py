@@ -552,6 +552,47 @@ def test_the_background_refresher_keeps_rows_whole_current_and_never_cleared(
     assert not dev.refreshing
 
 
+def _wide_writer(handle: sb.BufferHandle) -> None:
+    """Push 8-row batches into both lanes as fast as it can, each row's ``obs`` all its row number in
+    its lane (until the test stops it)."""
+    buf = sb.ReplayBuffer.attach(handle)
+    for t in range(1, 2**30, 8):  # row 0 of each lane: the test's
+        for lane in range(2):
+            buf.push(obs=np.repeat(np.arange(t, t + 8, dtype=np.float32)[:, None], 4096, 1),
+                     n=np.arange(t, t + 8), lane=lane)
+
+
+@needs_lib
+def test_a_sample_copying_a_slot_a_refresh_copies_into_draws_it_again(make: Make, name: str, procs: list[Any]) -> None:
+    """The C uniform sample copies its rows outside the copy's lock: rows of 16 KiB in 64 slots,
+    rewritten as fast as a writer can and refreshed every half millisecond, are each whole (``obs``
+    all one number: its row number in its lane, as its id says) however often a refresh copied
+    into a slot while a sample copied it out; such rows were drawn again (``state[REDRAWN]``)."""
+    from shmbuffer.device.rows import REDRAWN
+
+    buf = make(sb.Schema(obs=((4096,), "float32"), n=((), "int64")), 64, name=name, lanes=2)
+    buf.push(obs=np.zeros((2, 4096), np.float32), n=np.zeros(2, np.int64), lane=np.arange(2))
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=0.001, seed=3)
+    assert dev.refreshing and dev.one_call
+    writer = mp.get_context("fork").Process(target=_wide_writer, args=(buf.handle,))
+    procs.append(writer)
+    writer.start()
+    samples, t0 = 0, time.monotonic()
+    while (samples < 300 or not dev.state[REDRAWN]) and time.monotonic() - t0 < 60:
+        try:
+            batch = dev.sample(32)
+        except sb.EmptyBufferError:  # every slot mid-write or being copied again at that moment
+            continue
+        obs, n, ids = batch.obs.numpy(), batch.n.numpy(), batch.index.numpy()
+        assert (obs == obs[:, :1]).all(), "a torn row: a refresh copied into its slot as the sample copied it"
+        assert np.array_equal(obs[:, 0], n) and np.array_equal(n, ids // 2)
+        samples += 1
+    assert samples >= 300 and dev.state[REDRAWN] > 0, (samples, dev.state[REDRAWN])
+    writer.kill()
+    writer.join(10)
+    dev.close()
+
+
 def test_a_refresh_copies_the_new_rows_not_every_slot(make: Make, name: str, path: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The rows copied are the lanes' new rows (found from the cursors), in at most two runs a lane:

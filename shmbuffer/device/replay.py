@@ -24,8 +24,10 @@ is never drawn. Each refresh publishes ``INSERTED`` and the time it began in the
 ``sample(n)`` asks the buffer's sampler what may draw in its place (``Sampler.served``): a
 uniform sampler's rows are drawn on the device, uniformly over the usable slots
 (``torch.randint``; on the CPU with the C extension the draw, from its own xoshiro256** stream
-seeded by ``seed``, and the copy of the rows drawn are one call under the lock, as the host's
-one-call sample is: ``native/refresh.c``'s ``device_sample``); any other sampler draws on the host, by its own ``draw`` (a prioritized one
+seeded by ``seed``, and the copy of the rows drawn are one call, as the host's one-call sample
+is: ``native/learner.c``'s ``device_sample``, which draws under the lock and copies outside it,
+drawing again any row whose slot a refresh dropped meanwhile, as ``dropped`` shows); any other
+sampler draws on the host, by its own ``draw`` (a prioritized one
 from the shared sum tree, with ``ReplayBuffer.sample``'s importance weights; a user's sampler as
 it draws), keeping the drawn rows the device holds as committed and drawing again for the others.
 ``update_priorities`` writes the shared tree, so every process sees it. A batch has the fields,
@@ -141,7 +143,7 @@ class DeviceReplay(DeviceRows):
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(seeds.generate_state(1)[0]))
         self._rng = seeds.spawn(1)[0].generate_state(4, np.uint64)
-        """The C uniform draw's xoshiro256** state (CPU, C extension: ``native/refresh.c``)."""
+        """The C uniform draw's xoshiro256** state (CPU, C extension: ``native/learner.c``)."""
         self._outs = [(name, dev.shape[1:], dev.numpy().dtype) for name, dev in self.rows.items()] \
             if self._draw_call is not None else []
         self._refresher = Refresher()
@@ -209,7 +211,7 @@ class DeviceReplay(DeviceRows):
         rows_bound, seconds_bound = self.max_lag_rows, self.max_lag_s
         if self._one_call is None:
             return self._behind_steps(share)
-        return bool(self._one_call[0].behind(  # the steps below in one C call (native/refresh.c's copy_behind)
+        return bool(self._one_call[0].behind(  # the steps below in one C call (native/learner.c's behind)
             self.buf.ring.cursors, self.buf.block.counters, self.state, self.bases,
             -1 if rows_bound is None else int(share * rows_bound),
             -1 if seconds_bound is None else int(share * seconds_bound * 1e9), share < 1))
@@ -303,15 +305,16 @@ class DeviceReplay(DeviceRows):
         return self._batch(pick, self._ids_of(pick), None)
 
     def _uniform_one_call(self, n: int) -> Batch:
-        """``_uniform`` as one C call (``native/refresh.c``'s ``device_sample``: the draw over the
-        usable slots and the copy of their rows, under the lock), into new tensors."""
+        """``_uniform`` as one C call (``native/learner.c``'s ``device_sample``: the draw over the
+        usable slots under the lock and the copy of their rows outside it, checked by the slots'
+        last drops), into new tensors."""
         draw = self._draw_call
         if draw is None:
             raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
         lib, *args = draw
         outs = [np.empty((n, *shape), dtype) for _, shape, dtype in self._outs]
         ids = np.empty(n, np.int64)
-        if not lib.device_sample(*args[:4], self._rng, args[4], tuple(outs), ids, self.lanes):
+        if not lib.device_sample(*args[:5], self._rng, args[5], tuple(outs), ids, self.lanes):
             if self.closed:
                 raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
             raise EmptyBufferError(f"sample({n}): the device copy of buffer {self.buf.name!r} holds no rows yet "

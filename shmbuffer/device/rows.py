@@ -78,14 +78,16 @@ _UPDATES, _DELETES, _INSERTED = int(Counter.UPDATES), int(Counter.DELETES), int(
 _EDITS, _EDITS_BEGUN = int(Counter.EDITS), int(Counter.EDITS_BEGUN)
 _DEVICE_ROWS, _DEVICE_AT = int(Counter.DEVICE_ROWS), int(Counter.DEVICE_AT)
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
-COUNT, PENDING, UPDATES, DELETES, INSERTED, AT, DONE, ERROR, SPENT, TAKEN, WAITED, CPU, EDITS = range(13)
+COUNT, PENDING, UPDATES, DELETES, INSERTED, AT, DONE, ERROR, SPENT, TAKEN, WAITED, CPU, EDITS, REDRAWN, DROPS = range(15)
 """The words of ``DeviceRows.state`` (``native/refresh.c``'s ``ST_*``): usable slots, pending ids,
 ``Counter.UPDATES`` and ``DELETES`` as of the last refresh (the lag question's), ``Counter.INSERTED``
 and ``time.monotonic_ns()`` as it began, refreshes done, 1 once the C refresher stopped on an
 error, and all told the ns spent in refreshes, the rows they took in, and the ns of those spent
 waiting for the lock while a sample held it, and the ns of CPU time the refreshing thread spent in
 them (the last two: the C refresh); then ``Counter.EDITS`` as the last refresh began (-1: copy
-every row again)."""
+every row again), the rows the C uniform sample drew again, all told (a refresh dropped their
+slot while the sample copied them), and the changes of the lists that dropped slots, all told
+(``dropped``)."""
 
 
 _MADV_WIPEONFORK = getattr(mmap, "MADV_WIPEONFORK", 18)  # Linux's number, where Python's mmap lacks the name
@@ -116,7 +118,7 @@ def _torch() -> Any:
 
 class NativeLock:
     """The lock of the slot lists that the C refresh takes without the GIL: a pthread mutex in a
-    numpy array (``native/refresh.c``); ``with``, ``acquire`` and ``release`` as a ``threading.Lock``."""
+    numpy array (``native/learner.c``); ``with``, ``acquire`` and ``release`` as a ``threading.Lock``."""
 
     def __init__(self, lib: Any) -> None:
         self.lib = lib
@@ -181,6 +183,10 @@ class DeviceRows:
         cap = self.capacity
         self.held = host_zeros(cap, np.int64)
         """The stamp of the row each device slot holds, 0 where it holds none usable (host memory)."""
+        self.dropped = host_zeros(cap, np.int64)
+        """Each slot's last drop, as ``state[DROPS]`` then: every change of the lists that drops
+        slots counts itself there first, and stores the count here before anything is copied into
+        them (the C uniform sample, which copies outside the lock, checks its rows by it)."""
         self.dense = host_zeros(cap, np.int64)
         """The usable slots: the first ``len()`` entries, in no order."""
         self.where = host_zeros(cap, np.int64)
@@ -210,9 +216,9 @@ class DeviceRows:
             outs = (*(dev.numpy() for dev in self.rows.values()), *(m[1] for m in mirrors))
             self.lock: Any = NativeLock(lib)
             self._one_call = (lib, (self.lock.mutex, block.stamp, ring.cursors, block.counters, block.edits, sources,
-                                    outs, self.held, self.dense, self.where, self.next, self.bases, self.pending_ids,
+                                    outs, self.held, self.dropped, self.dense, self.where, self.next, self.bases, self.pending_ids,
                                     self.state))
-            self._draw_call = (lib, self.lock.mutex, self.held, self.dense, self.state, outs[:len(self.rows)])
+            self._draw_call = (lib, self.lock.mutex, self.held, self.dropped, self.dense, self.state, outs[:len(self.rows)])
         else:
             self.lock = threading.Lock()
         """The slot lists' lock: a sample holds it while it draws and gathers, a refresh while it
@@ -495,8 +501,10 @@ class DeviceRows:
     # -- the held and usable slots (under lock): each change costs the slots it touches -----------
     def _drop(self, slots: np.ndarray) -> None:
         """``slots`` (distinct) hold nothing usable: out of ``held`` and of the usable slots, whose
-        last entries fill the places they leave."""
+        last entries fill the places they leave; ``dropped`` says when."""
         self.held[slots] = 0
+        self.state[DROPS] += 1
+        self.dropped[slots] = self.state[DROPS]
         if self.device.type != "cpu":  # on the CPU it is a view of ``held``
             self._held_dev[_torch().from_numpy(slots).to(self.device)] = 0
         places = self.where[slots]

@@ -10,7 +10,7 @@
  * definitions by tests/test_native.py), native.h (what the C files share), common.c (buffer
  * views, the lock), tree.c (the priority tree), priorities.c (prioritized draws and updates),
  * gather.c (the reader's stamped copies, a lane's runs of rows, frame stacks), refresh.c (a device copy's
- * refresh on the CPU and its mutex), sample.c (the one-call sample: draw, gather,
+ * refresh on the CPU), learner.c (that copy's mutex, lag question and uniform sample), sample.c (the one-call sample: draw, gather,
  * re-draws, weights), pool.c (the threads that share a big gather's copies), copies.c (a push's copies, commit and
  * reservation as steps Python drives), plan.c and push.c (the one-call push), method.c
  * (ReplayBuffer.push as a method whose usual calls run in C).
@@ -41,18 +41,18 @@ static PyMethodDef methods[] = {
     {"gather_run", py_gather_run, METH_VARARGS,
      "gather_run(first, n0, stamp, sources, outs, ok) -> intact rows: a lane's consecutive rows with the stamp check."},
     {"refresh", (PyCFunction)(void (*)(void))py_refresh, METH_FASTCALL,
-     "refresh(mutex, stamp, cursors, counters, log, sources, outs, held, dense, where, nxt, bases, pending, state, "
-     "piece, publish, seen) -> rows newly held, or -1 when another refresh ran since state[6] was seen: a device copy's "
+     "refresh(mutex, stamp, cursors, counters, log, sources, outs, held, dropped, dense, where, nxt, bases, pending, "
+     "state, piece, publish, seen) -> rows newly held, or -1 when another refresh ran since state[6] was seen: a device copy's "
      "refresh on the CPU, without the GIL (device/rows.py)."},
     {"refresher_start", (PyCFunction)(void (*)(void))py_refresher_start, METH_FASTCALL,
-     "refresher_start(<refresh's first 16 arguments>, pace_s, rows_bound, seconds_bound) -> a background refresher "
+     "refresher_start(<refresh's first 17 arguments>, pace_s, rows_bound, seconds_bound) -> a background refresher "
      "thread that never takes the GIL."},
     {"refresher_stop", py_refresher_stop, METH_O, "refresher_stop(refresher): end it (joined). Idempotent."},
     {"refresher_running", py_refresher_running, METH_O, "refresher_running(refresher) -> whether it runs."},
     {"behind", py_behind, METH_VARARGS,
      "behind(cursors, counters, state, bases, rows_bound, ns_bound, idle) -> whether a device copy is past its bounds."},
     {"device_sample", py_device_sample, METH_VARARGS,
-     "device_sample(mutex, held, dense, state, rng, sources, outs, ids, lanes) -> rows drawn uniformly over a device "
+     "device_sample(mutex, held, dropped, dense, state, rng, sources, outs, ids, lanes) -> rows drawn uniformly over a device "
      "copy's usable slots and copied from its columns (CPU), 0 when it holds none."},
     {"mutex_init", py_mutex_init, METH_O, "mutex_init(mutex): two private pthread mutexes in 128 bytes of a numpy array (the slot lists', the refreshes')."},
     {"mutex_lock", py_mutex_lock, METH_O, "mutex_lock(mutex): take it (the GIL released while it is busy)."},

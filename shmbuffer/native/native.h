@@ -6,6 +6,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <sys/types.h>
 
@@ -50,7 +51,7 @@ static inline int64_t load_base(const int64_t *cur, int64_t lane) {
 void ids_of_slots(const int64_t *stamp, const int64_t *cur, Py_ssize_t lanes, int64_t lc, const int64_t *slots,
                   const double *leaves, int64_t *ids, Py_ssize_t n);
 
-/* -- the draws' generator: xoshiro256** (sample.c's read plans, refresh.c's device samples) ----- */
+/* -- the draws' generator: xoshiro256** (sample.c's read plans, learner.c's device samples) ----- */
 static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
 static inline uint64_t next_u64(uint64_t *s) {
@@ -207,6 +208,39 @@ PyObject *push_from_args(PushPlan *p, PyObject *const *args, Py_ssize_t given, P
 
 /* -- the push method (method.c) ---------------------------------------------------------------- */
 extern PyTypeObject PushMethodType, BoundPushType;
+
+/* -- a device copy on the CPU (refresh.c: its refresh; learner.c: its mutex, lag question and
+ * uniform sample on the learner's thread) ----------------------------------------------------- */
+/* the words of the copy's state array (rows.py's State) */
+#define ST_COUNT 0    /* usable slots: the first ST_COUNT entries of dense */
+#define ST_PENDING 1  /* ids in pending */
+#define ST_UPDATES 2  /* Counter.UPDATES as of the last refresh (the lag question's) */
+#define ST_DELETES 3  /* Counter.DELETES as of the last refresh (the lag question's) */
+#define ST_INSERTED 4 /* Counter.INSERTED read as the last refresh began */
+#define ST_AT 5       /* CLOCK_MONOTONIC ns as the last refresh began (Python's time.monotonic_ns) */
+#define ST_DONE 6     /* refreshes done */
+#define ST_ERROR 7    /* 1: the background refresher stopped on inconsistent slot lists */
+#define ST_SPENT 8    /* ns spent inside refreshes, all told */
+#define ST_TAKEN 9    /* rows taken in by refreshes, all told */
+#define ST_WAITED 10  /* ns of ST_SPENT waiting for the slot lists' mutex (a sample held it), all told */
+#define ST_CPU 11     /* ns of CPU time the refreshing thread spent in them, all told */
+#define ST_EDITS 12   /* Counter.EDITS as the last refresh began, -1: copy every row again */
+#define ST_REDRAWN 13 /* rows device_sample drew again: a refresh dropped their slot as they were copied */
+#define ST_DROPS 14   /* the lists' changes that dropped slots (each drop stores it in the slot's `dropped`) */
+#define ST_WORDS 16
+/* the copy's two private pthread mutexes in 2 * MUTEX_BYTES of a numpy array of the copy's: the
+ * slot lists' at byte 0, the refreshes' (one at a time) at byte MUTEX_BYTES */
+#define MUTEX_BYTES 64
+/* the view of a copy's mutexes, checked: 0, or -1 with an error set and none held */
+int get_mutex(PyObject *o, Py_buffer *view);
+pthread_mutex_t *refresh_mutex(void *mutexes);
+int64_t now_ns(void); /* CLOCK_MONOTONIC ns (Python's time.monotonic_ns) */
+/* replay.py's _behind, from the shared cursors and counters and the copy's state and bases: a
+ * lane cleared, or past a bound (rows_bound rows, or an update or a delete, under a row bound;
+ * ns_bound ns since the last refresh began, once something changed; < 0: no such bound), or, with
+ * no bound and `idle` (the refresher's question), anything changed */
+int copy_behind(const int64_t *cur, Py_ssize_t lanes, const int64_t *counters, const int64_t *state,
+                const int64_t *bases, int64_t rows_bound, int64_t ns_bound, int idle);
 
 /* -- the module's functions ------------------------------------------------------------------- */
 PyObject *py_tree_find(PyObject *self, PyObject *args);

@@ -2,34 +2,18 @@
  * states the rules): the lanes' new rows found from their cursors, copied a piece at a time by the
  * reader's stamped rule straight into the copy's columns, and the copy's slot lists kept, all
  * without the GIL. The slot lists (held, dense, where, the count) change only under the copy's
- * mutex, which its samples take while they draw and gather; the copies run outside it, into slots
- * dropped from the lists first, so a sample never waits for a copy, only for a list change. */
+ * mutex, which a sample takes while it draws; the copies run outside it, into slots dropped from
+ * the lists first, so a sample never waits for a copy, only for a list change. Each change that
+ * drops counts itself (ST_DROPS) and stamps its slots with the count (dropped), by which the
+ * uniform sample, whose copy runs outside the mutex too, knows whether a row it copied was being
+ * copied into meanwhile (learner.c's device_sample). */
 #include "native.h"
 
-#include <pthread.h>
 #include <string.h>
 #include <time.h>
 
-/* the words of the copy's state array (rows.py's State) */
-#define ST_COUNT 0    /* usable slots: the first ST_COUNT entries of dense */
-#define ST_PENDING 1  /* ids in pending */
-#define ST_UPDATES 2  /* Counter.UPDATES as of the last refresh (the lag question's) */
-#define ST_DELETES 3  /* Counter.DELETES as of the last refresh (the lag question's) */
-#define ST_INSERTED 4 /* Counter.INSERTED read as the last refresh began */
-#define ST_AT 5       /* CLOCK_MONOTONIC ns as the last refresh began (Python's time.monotonic_ns) */
-#define ST_DONE 6     /* refreshes done */
-#define ST_ERROR 7    /* 1: the background refresher stopped on inconsistent slot lists */
-#define ST_SPENT 8    /* ns spent inside refreshes, all told */
-#define ST_TAKEN 9    /* rows taken in by refreshes, all told */
-#define ST_WAITED 10  /* ns of ST_SPENT waiting for the slot lists' mutex (a sample held it), all told */
-#define ST_CPU 11     /* ns of CPU time the refreshing thread spent in them, all told */
-#define ST_EDITS 12   /* Counter.EDITS as the last refresh began, -1: copy every row again */
-#define ST_WORDS 16
-
 /* -- the copy's mutexes: private pthread mutexes in a numpy array of the copy's ---------------- */
-/* the slot lists' mutex at byte 0, the refreshes' (one at a time) at byte MUTEX_BYTES */
-#define MUTEX_BYTES 64
-static int get_mutex(PyObject *o, Py_buffer *view) {
+int get_mutex(PyObject *o, Py_buffer *view) {
     if (get_buf(o, view, 1, 0, "mutex") < 0) return -1;
     if (view->len < 2 * MUTEX_BYTES || sizeof(pthread_mutex_t) > MUTEX_BYTES || ((uintptr_t)view->buf % 8)) {
         PyBuffer_Release(view);
@@ -39,46 +23,11 @@ static int get_mutex(PyObject *o, Py_buffer *view) {
     return 0;
 }
 
-static pthread_mutex_t *refresh_mutex(void *mutexes) { return (pthread_mutex_t *)((char *)mutexes + MUTEX_BYTES); }
-
-PyObject *py_mutex_init(PyObject *self, PyObject *arg) {
-    Py_buffer m;
-    if (get_mutex(arg, &m) < 0) return NULL;
-    int rc = pthread_mutex_init((pthread_mutex_t *)m.buf, NULL);
-    if (!rc) rc = pthread_mutex_init(refresh_mutex(m.buf), NULL);
-    PyBuffer_Release(&m);
-    if (rc) return PyErr_Format(PyExc_OSError, "pthread_mutex_init: error %d", rc);
-    Py_RETURN_NONE;
-}
-
-/* the mutex taken; while it is busy the GIL is released (the refresh holds it without the GIL) */
-PyObject *py_mutex_lock(PyObject *self, PyObject *arg) {
-    Py_buffer m;
-    if (get_mutex(arg, &m) < 0) return NULL;
-    pthread_mutex_t *mutex = (pthread_mutex_t *)m.buf;
-    int rc = pthread_mutex_trylock(mutex);
-    if (rc) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = pthread_mutex_lock(mutex);
-        Py_END_ALLOW_THREADS
-    }
-    PyBuffer_Release(&m);
-    if (rc) return PyErr_Format(PyExc_OSError, "pthread_mutex_lock: error %d", rc);
-    Py_RETURN_NONE;
-}
-
-PyObject *py_mutex_unlock(PyObject *self, PyObject *arg) {
-    Py_buffer m;
-    if (get_mutex(arg, &m) < 0) return NULL;
-    int rc = pthread_mutex_unlock((pthread_mutex_t *)m.buf);
-    PyBuffer_Release(&m);
-    if (rc) return PyErr_Format(PyExc_OSError, "pthread_mutex_unlock: error %d", rc);
-    Py_RETURN_NONE;
-}
+pthread_mutex_t *refresh_mutex(void *mutexes) { return (pthread_mutex_t *)((char *)mutexes + MUTEX_BYTES); }
 
 /* -- the slot lists (under the mutex): each change costs the slot it changes ------------------- */
 typedef struct {
-    int64_t *held, *dense, *where, *state, *pending;
+    int64_t *held, *dropped, *dense, *where, *state, *pending; /* dropped: ST_DROPS at each slot's last drop */
     int64_t capacity;
     int bad; /* a list entry out of range: the refresh stops and raises */
 } Slots;
@@ -86,6 +35,7 @@ typedef struct {
 /* slot holds nothing usable: out of held, its place in dense taken by the last entry */
 static void slot_drop(Slots *s, int64_t slot) {
     __atomic_store_n(&s->held[slot], 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->dropped[slot], s->state[ST_DROPS], __ATOMIC_RELAXED); /* what device_sample checks */
     int64_t p = s->where[slot], last = s->state[ST_COUNT] - 1;
     if (p < 0) return;
     if (p > last || last >= s->capacity) { s->bad = 1; return; }
@@ -134,7 +84,6 @@ typedef struct {
     int64_t taken;
 } Refresh;
 
-static int64_t now_ns(void);
 
 /* the slot lists' mutex taken; the time it was busy (a sample drew) counted in ST_WAITED */
 static void lists_lock(Refresh *r) {
@@ -142,6 +91,20 @@ static void lists_lock(Refresh *r) {
     int64_t t = now_ns();
     pthread_mutex_lock(r->mutex);
     r->s.state[ST_WAITED] += now_ns() - t;
+}
+
+/* the mutex taken for drops: one more change that drops (ST_DROPS, which each drop stores) */
+static void drops_begin(Refresh *r) {
+    lists_lock(r);
+    __atomic_store_n(&r->s.state[ST_DROPS], r->s.state[ST_DROPS] + 1, __ATOMIC_RELAXED);
+}
+
+/* the mutex let go after drops, before any copy into the slots dropped: the release fence keeps
+ * ST_DROPS and the slots' `dropped` ahead of the copies' stores (a sample that read a byte copied
+ * sees them: learner.c's device_sample) */
+static void drops_done(Refresh *r) {
+    pthread_mutex_unlock(r->mutex);
+    __atomic_thread_fence(__ATOMIC_RELEASE);
 }
 
 static int64_t edits_now(const Refresh *r) { return __atomic_load_n(&r->counters[COUNTER_EDITS], __ATOMIC_ACQUIRE); }
@@ -183,9 +146,9 @@ static int unless_edited(Refresh *r, int64_t slot0, const int64_t *ids, int64_t 
  * others pending */
 static void refresh_piece(Refresh *r, int64_t lane, int64_t n, int64_t k) {
     int64_t slot0 = slot_of(lane, n, r->lc);
-    lists_lock(r);
+    drops_begin(r);
     for (int64_t i = 0; i < k; i++) slot_drop(&r->s, slot0 + i);
-    pthread_mutex_unlock(r->mutex);
+    drops_done(r);
     copy_piece(r->c, r->stamp, slot0, k, n, r->firsts, r->ok);
     if (unless_edited(r, slot0, NULL, k) < 0) {
         r->spoiled = 1;
@@ -224,9 +187,9 @@ static int refresh_edits(Refresh *r, int64_t seen, const int64_t *cur, const int
     int64_t m = read_log(r, seen, r->edits), *pending = r->s.pending, lanes = r->lanes;
     if (m < 0) return -1;
     pending_forget(r, start, cur);
-    lists_lock(r);
+    drops_begin(r);
     for (int64_t j = 0; j < m; j++) slot_drop(&r->s, r->logged[j]);
-    pthread_mutex_unlock(r->mutex);
+    drops_done(r);
     int64_t np = r->s.state[ST_PENDING];
     for (int64_t p = 0; p < np; p++) r->mark[slot_of_id(pending[p], lanes, r->lc)] = 1;
     for (int64_t j = 0; j < m; j++) {
@@ -259,9 +222,9 @@ static void refresh_pending(Refresh *r, const int64_t *start, const int64_t *cur
     }
     r->s.state[ST_PENDING] = kept;
     if (!ntry) return;
-    lists_lock(r);
+    drops_begin(r);
     for (int64_t i = 0; i < ntry; i++) slot_drop(&r->s, slot_of_id(r->tried[i], lanes, r->lc));
-    pthread_mutex_unlock(r->mutex);
+    drops_done(r);
     for (int64_t a = 0; a < ntry && !r->spoiled; a += r->piece) {
         int64_t k = ntry - a < r->piece ? ntry - a : r->piece;
         for (int64_t i = 0; i < k; i++) {
@@ -294,15 +257,15 @@ static void refresh_full(Refresh *r, const int64_t *start) {
         int64_t h = r->s.held[slot];
         if (h && number_of_stamp(h) < start[slot / r->lc]) r->tried[m++] = slot;
     }
-    lists_lock(r);
+    drops_begin(r);
     for (int64_t i = 0; i < m && !r->s.bad; i++) slot_drop(&r->s, r->tried[i]);
     r->s.state[ST_PENDING] = 0;
-    pthread_mutex_unlock(r->mutex);
+    drops_done(r);
 }
 
 /* -- the views of one copy's arrays, held while a refresh or the refresher uses them ---------- */
 typedef struct {
-    Py_buffer mb, stb, cub, cnb, lgb, hb, db, wb, nb, bb, pb, sb;
+    Py_buffer mb, stb, cub, cnb, lgb, hb, dpb, db, wb, nb, bb, pb, sb;
     int held; /* views held, in the order above */
     Columns c;
     Py_ssize_t capacity, lanes, piece, log_len;
@@ -312,7 +275,8 @@ typedef struct {
 } Views;
 
 static void views_close(Views *v) {
-    Py_buffer *all[] = {&v->mb, &v->stb, &v->cub, &v->cnb, &v->lgb, &v->hb, &v->db, &v->wb, &v->nb, &v->bb, &v->pb, &v->sb};
+    Py_buffer *all[] = {&v->mb, &v->stb, &v->cub, &v->cnb, &v->lgb, &v->hb, &v->dpb, &v->db, &v->wb, &v->nb, &v->bb, &v->pb,
+                         &v->sb};
     columns_close(&v->c);
     for (int i = 0; i < v->held; i++) PyBuffer_Release(all[i]);
     v->held = 0;
@@ -322,10 +286,11 @@ static void views_close(Views *v) {
     v->ok = NULL;
 }
 
-/* the views of (mutex, stamp, cursors, counters, log, sources, outs, held, dense, where, nxt,
+/* the views of (mutex, stamp, cursors, counters, log, sources, outs, held, dropped, dense, where, nxt,
  * bases, pending, state), checked: -1 with an error set, none held */
 static int views_open(Views *v, PyObject *const *o, Py_ssize_t piece, int publish) {
-    Py_buffer *all[] = {&v->mb, &v->stb, &v->cub, &v->cnb, &v->lgb, &v->hb, &v->db, &v->wb, &v->nb, &v->bb, &v->pb, &v->sb};
+    Py_buffer *all[] = {&v->mb, &v->stb, &v->cub, &v->cnb, &v->lgb, &v->hb, &v->dpb, &v->db, &v->wb, &v->nb, &v->bb, &v->pb,
+                         &v->sb};
     memset(v, 0, sizeof(*v));
     if (!PyTuple_Check(o[5]) || !PyTuple_Check(o[6])) {
         PyErr_SetString(PyExc_TypeError, "refresh: sources and outs must be tuples");
@@ -353,9 +318,9 @@ static int views_open(Views *v, PyObject *const *o, Py_ssize_t piece, int publis
         PyErr_SetString(PyExc_ValueError, "refresh: log: expected the block's _edits");
         goto fail;
     }
-    Py_ssize_t words[] = {v->capacity, v->capacity, v->capacity, v->lanes, v->lanes, v->capacity, ST_WORDS};
-    const char *names[] = {"held", "dense", "where", "nxt", "bases", "pending", "state"};
-    for (int i = 0; i < 7; i++) {
+    Py_ssize_t words[] = {v->capacity, v->capacity, v->capacity, v->capacity, v->lanes, v->lanes, v->capacity, ST_WORDS};
+    const char *names[] = {"held", "dropped", "dense", "where", "nxt", "bases", "pending", "state"};
+    for (int i = 0; i < 8; i++) {
         if (get_buf(o[7 + i], all[5 + i], 1, 8, names[i]) < 0) goto fail;
         v->held = 6 + i;
         if (all[5 + i]->len < words[i] * 8) {
@@ -390,14 +355,14 @@ static int64_t clock_ns(clockid_t clock) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static int64_t now_ns(void) { return clock_ns(CLOCK_MONOTONIC); }
+int64_t now_ns(void) { return clock_ns(CLOCK_MONOTONIC); }
 
 /* one refresh (rows.py's steps); the caller holds the refresh mutex, not the GIL. Returns the
  * rows taken in, -1 when the slot lists were found inconsistent. */
 static int64_t refresh_run(Views *v) {
     int64_t *state = (int64_t *)v->sb.buf, lanes = v->lanes;
     Refresh r = {(pthread_mutex_t *)v->mb.buf,
-                 {(int64_t *)v->hb.buf, (int64_t *)v->db.buf, (int64_t *)v->wb.buf, state, (int64_t *)v->pb.buf, v->capacity, 0},
+                 {(int64_t *)v->hb.buf, (int64_t *)v->dpb.buf, (int64_t *)v->db.buf, (int64_t *)v->wb.buf, state, (int64_t *)v->pb.buf, v->capacity, 0},
                  &v->c, (const int64_t *)v->stb.buf, (const int64_t *)v->cnb.buf, (const int64_t *)v->lgb.buf, lanes,
                  v->capacity / lanes, v->piece, v->log_len, 0,
                  v->scratch, v->scratch + v->piece, v->scratch + v->piece + v->capacity, v->ok, v->ok + v->piece, 0, 0};
@@ -452,20 +417,20 @@ static int64_t refresh_run(Views *v) {
     return r.s.bad ? -1 : r.taken;
 }
 
-/* refresh(mutex, stamp, cursors, counters, log, sources, outs, held, dense, where, nxt, bases,
+/* refresh(mutex, stamp, cursors, counters, log, sources, outs, held, dropped, dense, where, nxt, bases,
  * pending, state, piece, publish, seen) -> rows taken in, or -1 without a refresh when seen >= 0 and another
  * refresh was done since the caller read state[ST_DONE] == seen (it waited for that one). sources:
  * the buffer's (capacity, w) columns; outs: the copy's, the same shapes (rows land in their own
- * slots). held, dense, where, pending: capacity int64; nxt, bases: one int64 a lane; state:
+ * slots). held, dropped, dense, where, pending: capacity int64; nxt, bases: one int64 a lane; state:
  * ST_WORDS int64. The GIL is released for the whole call. */
 PyObject *py_refresh(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 17) {
-        PyErr_SetString(PyExc_TypeError, "refresh: expected 17 arguments");
+    if (nargs != 18) {
+        PyErr_SetString(PyExc_TypeError, "refresh: expected 18 arguments");
         return NULL;
     }
-    Py_ssize_t piece = PyLong_AsSsize_t(args[14]);
-    int publish = PyObject_IsTrue(args[15]);
-    long long seen = PyLong_AsLongLong(args[16]);
+    Py_ssize_t piece = PyLong_AsSsize_t(args[15]);
+    int publish = PyObject_IsTrue(args[16]);
+    long long seen = PyLong_AsLongLong(args[17]);
     if (PyErr_Occurred() || publish < 0) return NULL;
     Views v;
     if (views_open(&v, args, piece, publish) < 0) return NULL;
@@ -494,11 +459,7 @@ typedef struct {
     int64_t pace_ns, rows_bound, ns_bound; /* bounds already halved (REFRESH_AT); -1: none */
 } Refresher;
 
-/* replay.py's _behind, from the shared cursors and counters and the copy's state and bases: a
- * lane cleared, or past a bound (rows_bound rows, or an update or a delete, under a row bound; ns_bound ns
- * since the last refresh began, once something changed; < 0: no such bound), or, with no bound
- * and `idle` (the refresher's question), anything changed */
-static int copy_behind(const int64_t *cur, Py_ssize_t lanes, const int64_t *counters, const int64_t *state,
+int copy_behind(const int64_t *cur, Py_ssize_t lanes, const int64_t *counters, const int64_t *state,
                        const int64_t *bases, int64_t rows_bound, int64_t ns_bound, int idle) {
     for (Py_ssize_t l = 0; l < lanes; l++)
         if (load_base(cur, l) != bases[l]) return 1;
@@ -577,18 +538,18 @@ static void refresher_free(PyObject *capsule) {
     PyMem_Free(t);
 }
 
-/* refresher_start(mutex, stamp, cursors, counters, log, sources, outs, held, dense, where, nxt,
+/* refresher_start(mutex, stamp, cursors, counters, log, sources, outs, held, dropped, dense, where, nxt,
  * bases, pending, state, piece, publish, pace_s, rows_bound, seconds_bound) -> a capsule: a thread that
  * looks at the lag every pace_s and refreshes (refresh_run) once it passes a bound (already the
  * share the caller wants; < 0: none), without the GIL ever. refresher_stop(capsule) ends it. */
 PyObject *py_refresher_start(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 19) {
-        PyErr_SetString(PyExc_TypeError, "refresher_start: expected 19 arguments");
+    if (nargs != 20) {
+        PyErr_SetString(PyExc_TypeError, "refresher_start: expected 20 arguments");
         return NULL;
     }
-    Py_ssize_t piece = PyLong_AsSsize_t(args[14]);
-    int publish = PyObject_IsTrue(args[15]);
-    double pace = PyFloat_AsDouble(args[16]), rows = PyFloat_AsDouble(args[17]), secs = PyFloat_AsDouble(args[18]);
+    Py_ssize_t piece = PyLong_AsSsize_t(args[15]);
+    int publish = PyObject_IsTrue(args[16]);
+    double pace = PyFloat_AsDouble(args[17]), rows = PyFloat_AsDouble(args[18]), secs = PyFloat_AsDouble(args[19]);
     if (PyErr_Occurred() || publish < 0) return NULL;
     if (!(pace > 0 && pace < 1)) {
         PyErr_SetString(PyExc_ValueError, "refresher_start: expected 0 < pace_s < 1");
@@ -634,125 +595,4 @@ PyObject *py_refresher_running(PyObject *self, PyObject *capsule) {
     Refresher *t = (Refresher *)PyCapsule_GetPointer(capsule, REFRESHER_CAPSULE);
     if (!t) return NULL;
     return PyBool_FromLong(t->started && !((int64_t *)t->v.sb.buf)[ST_ERROR]);
-}
-
-/* -- the copy's questions and samples on the learner's thread --------------------------------- */
-/* views of n arrays of int64 words (views[i] of objs[i], writable[i]): 0, or -1 with an error
- * set and none held */
-static int words_open(PyObject *const *objs, Py_buffer *const *views, const int *writable, const char *const *names,
-                      int n) {
-    for (int i = 0; i < n; i++) {
-        if (get_buf(objs[i], views[i], writable[i], 8, names[i]) < 0) {
-            while (i--) PyBuffer_Release(views[i]);
-            return -1;
-        }
-    }
-    return 0;
-}
-
-/* behind(cursors, counters, state, bases, rows_bound, ns_bound, idle) -> bool: copy_behind, the
- * bounds already the share the caller asks about (< 0: none) */
-PyObject *py_behind(PyObject *self, PyObject *args) {
-    PyObject *cur_o, *cnt_o, *st_o, *bases_o;
-    long long rows_bound, ns_bound;
-    int idle;
-    if (!PyArg_ParseTuple(args, "OOOOLLp", &cur_o, &cnt_o, &st_o, &bases_o, &rows_bound, &ns_bound, &idle)) return NULL;
-    Py_buffer cub, cnb, sb, bb;
-    Py_buffer *held[] = {&cub, &cnb, &sb, &bb};
-    PyObject *objs[] = {cur_o, cnt_o, st_o, bases_o};
-    static const char *const names[] = {"cursors", "counters", "state", "bases"};
-    static const int writable[] = {0, 0, 0, 0};
-    int n = 4, behind = -1;
-    if (words_open(objs, held, writable, names, n) < 0) return NULL;
-    Py_ssize_t lanes = bb.len / 8;
-    if (cub.len != lanes * LANE_WORDS * 8 || cnb.len < STATS_WORDS * 8 || sb.len < ST_WORDS * 8) {
-        PyErr_SetString(PyExc_ValueError, "behind: expected the ring's cursors, the block's counters, the copy's state and bases");
-        goto done;
-    }
-    behind = copy_behind((const int64_t *)cub.buf, lanes, (const int64_t *)cnb.buf, (const int64_t *)sb.buf,
-                         (const int64_t *)bb.buf, rows_bound, ns_bound, idle);
-done:
-    for (int i = 0; i < n; i++) PyBuffer_Release(held[i]);
-    return behind < 0 ? NULL : PyBool_FromLong(behind);
-}
-
-/* device_sample(mutex, held, dense, state, rng, sources, outs, ids, lanes) -> rows drawn: len(ids)
- * slots drawn uniformly over the copy's usable ones (the first state[ST_COUNT] of dense) by the
- * generator `rng` (4 uint64, xoshiro256**), their rows copied from the copy's columns (sources,
- * (capacity, w) each) into the outs ((len(ids), w)), their ids (from held) into ids; 0 when no
- * slot is usable. All under the slot lists' mutex (a refresh copies only into slots it dropped
- * from the lists first), which is waited for without the GIL, as big copies are made. */
-PyObject *py_device_sample(PyObject *self, PyObject *args) {
-    PyObject *m_o, *held_o, *dense_o, *st_o, *rng_o, *src_o, *out_o, *ids_o;
-    Py_ssize_t lanes;
-    if (!PyArg_ParseTuple(args, "OOOOOO!O!On", &m_o, &held_o, &dense_o, &st_o, &rng_o, &PyTuple_Type, &src_o, &PyTuple_Type,
-                          &out_o, &ids_o, &lanes))
-        return NULL;
-    Py_buffer mb, hb, db, sb, rb, ib;
-    Py_buffer *views[] = {&mb, &hb, &db, &sb, &rb, &ib};
-    PyObject *objs[] = {held_o, dense_o, st_o, rng_o, ids_o};
-    static const char *const names[] = {"held", "dense", "state", "rng", "ids"};
-    static const int writable[] = {0, 0, 0, 1, 1};
-    Columns c;
-    c.n = 0;
-    int nv = 0;
-    int64_t *slots = NULL;
-    PyObject *result = NULL;
-    if (get_mutex(m_o, &mb) < 0) return NULL;
-    if (words_open(objs, views + 1, writable, names, 5) < 0) {
-        PyBuffer_Release(&mb);
-        return NULL;
-    }
-    nv = 6;
-    Py_ssize_t capacity = hb.len / 8, n = ib.len / 8;
-    if (capacity < 1 || lanes < 1 || capacity % lanes || db.len != hb.len || sb.len < ST_WORDS * 8 || rb.len != 32 || n < 1) {
-        PyErr_SetString(PyExc_ValueError, "device_sample: expected held and dense of the capacity (lanes dividing it), "
-                                          "the state, 4 uint64 of rng and at least one id");
-        goto done;
-    }
-    if (columns_open(&c, src_o, out_o, capacity, n) < 0) goto done;
-    slots = (int64_t *)PyMem_Malloc((size_t)n * sizeof(int64_t));
-    if (!slots) { PyErr_NoMemory(); goto done; }
-    pthread_mutex_t *mutex = (pthread_mutex_t *)mb.buf;
-    const int64_t *held = (const int64_t *)hb.buf, *dense = (const int64_t *)db.buf, *state = (const int64_t *)sb.buf;
-    int64_t *ids = (int64_t *)ib.buf, lc = capacity / lanes;
-    uint64_t *rng = (uint64_t *)rb.buf;
-    if (!(rng[0] | rng[1] | rng[2] | rng[3])) rng[0] = 1; /* the one state xoshiro cannot leave */
-    if (pthread_mutex_trylock(mutex)) {
-        Py_BEGIN_ALLOW_THREADS
-        pthread_mutex_lock(mutex);
-        Py_END_ALLOW_THREADS
-    }
-    int64_t count = state[ST_COUNT], bad = count < 0 || count > capacity;
-    /* the draws are random places: each step asks for the next one's lines first, so the misses
-     * overlap; with every slot usable the place is the slot (dense is then a permutation) */
-    for (Py_ssize_t i = 0; i < n && count > 0 && !bad; i++) {
-        slots[i] = next_below(rng, count);
-        if (count < capacity) __builtin_prefetch(&dense[slots[i]]);
-    }
-    for (Py_ssize_t i = 0; i < n && count > 0 && !bad && count < capacity; i++) {
-        slots[i] = dense[slots[i]];
-        bad = slots[i] < 0 || slots[i] >= capacity;
-    }
-    for (Py_ssize_t i = 0; i < n && count > 0 && !bad; i++) __builtin_prefetch(&held[slots[i]]);
-    for (Py_ssize_t i = 0; i < n && count > 0 && !bad; i++) {
-        int64_t s = slots[i];
-        bad = !is_committed(held[s]);
-        ids[i] = bad ? INVALID_ID : row_id(number_of_stamp(held[s]), s / lc, lanes);
-    }
-    if (count > 0 && !bad) {
-        PyThreadState *ts = c.total >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
-        copy_slots(&c, slots, n);
-        if (ts) PyEval_RestoreThread(ts);
-    }
-    pthread_mutex_unlock(mutex);
-    if (bad)
-        PyErr_SetString(PyExc_ValueError, "device_sample: the device copy's slot lists are inconsistent (a bug: please report it)");
-    else
-        result = PyLong_FromSsize_t(count > 0 ? n : 0);
-done:
-    columns_close(&c);
-    PyMem_Free(slots);
-    for (int i = 0; i < nv; i++) PyBuffer_Release(views[i]);
-    return result;
 }
