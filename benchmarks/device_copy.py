@@ -20,12 +20,13 @@ Cases (each prints one line and goes into the JSON ``--out``):
   batches/s of each and their ratio, each call's latency (median, 99th percentile), the lag seen
   before each resident sample (rows, ms), the refresher's rows/s while it copies (the refresh's
   own clock, ``DeviceRows.state``: rows taken in over the seconds spent inside refreshes) against
-  ``np.copyto`` of the same bytes, the share of those seconds spent waiting while a sample held
-  the copy's lock, the same rows over the CPU time the refreshing thread spent (what the load
-  does not change) against ``np.copyto``, and against ``fresh_copy`` (``np.copyto`` of the rows the
-  writers just wrote, as they come in: the floor for rows another core wrote moments before, which
-  a hot ``np.copyto`` of the same bytes is not), whether a refresh was one C call, and the
-  machine's 1-minute load.
+  ``np.copyto`` of the same bytes in cache (``memcpy``: the average refresh's rows, copied again and
+  again) and from memory (``memcpy_memory``: the buffer's bytes, once), the share of those seconds
+  spent waiting while a sample held the copy's lock, the same rows over the CPU time the refreshing thread spent (what the load
+  does not change) against ``np.copyto``, the refresher's rows/s (wall, and per CPU-second) against
+  ``fresh_copy`` (``np.copyto`` of the rows the writers just wrote, as they come in: the floor for
+  rows another core wrote moments before, which a hot ``np.copyto`` of the same bytes is not),
+  whether a refresh was one C call, and the machine's 1-minute load.
 """
 
 from __future__ import annotations
@@ -279,6 +280,11 @@ def case_keep_up(capacity: int, device: str, tag: str, seconds: float, ingest: f
     each = int(max(1.0, spent[1] // max(1.0, spent[2]))) * 165
     src, dst = np.ones(each, np.uint8), np.empty(each, np.uint8)
     memcpy = rate(lambda: np.copyto(dst, src), 0.3) * each / 165
+    whole, into = np.ones(capacity * 165, np.uint8), np.ones(capacity * 165, np.uint8)  # touched: no page faults
+    t = time.perf_counter()
+    np.copyto(into, whole)
+    memcpy_memory = capacity / (time.perf_counter() - t)  # the buffer's bytes, from memory: no cache holds them
+    del whole, into
     res = {k: float(np.mean([r[k] for r in runs["resident"]])) for k in runs["resident"][0]}
     host = {k: float(np.mean([r[k] for r in runs["host"]])) for k in runs["host"][0]}
     refresh_rows_s = spent[1] / spent[0] if spent[0] else 0.0
@@ -292,6 +298,8 @@ def case_keep_up(capacity: int, device: str, tag: str, seconds: float, ingest: f
             "refresh_vs_memcpy": refresh_rows_s / memcpy, "refresh_waited_share": waited / spent[0] if spent[0] else 0.0,
             "refresh_cpu_vs_memcpy": spent[1] / cpu / memcpy if cpu else 0.0,
             "fresh_copy_rows_s": fresh, "refresh_vs_fresh_copy": refresh_rows_s / fresh if fresh else 0.0,
+            "refresh_cpu_vs_fresh_copy": spent[1] / cpu / fresh if cpu and fresh else 0.0,
+            "refresh_vs_memcpy_memory": refresh_rows_s / memcpy_memory,
             "refresh_one_call": one_call, "load_1min": os.getloadavg()[0]}
 
 
