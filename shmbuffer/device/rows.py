@@ -29,7 +29,11 @@ to date:
 
 The slot lists change only under the copy's lock (``lock``), which a sample holds while it draws
 and gathers; the copies run outside it, into slots dropped first. So a sample waits for a refresh
-only while it changes the lists (microseconds), never while it copies.
+only while it changes the lists (microseconds), never while it copies. Each change that drops
+slots counts itself (``state[DROPS]``) and stores the count in their ``dropped`` before anything
+is copied into them: by that the C uniform sample (``native/learner.c``'s ``device_sample``)
+gathers outside the lock too, holding it only to draw, and draws again the rows whose slot was
+dropped after its draw (``state[REDRAWN]``), so the refresh seldom waits for a sample either.
 
 On the CPU with the C extension the whole refresh is one call without the GIL
 (``native/refresh.c``: the lists in the arrays here, the lock a pthread mutex in ``lock``, a second
@@ -216,13 +220,13 @@ class DeviceRows:
             outs = (*(dev.numpy() for dev in self.rows.values()), *(m[1] for m in mirrors))
             self.lock: Any = NativeLock(lib)
             self._one_call = (lib, (self.lock.mutex, block.stamp, ring.cursors, block.counters, block.edits, sources,
-                                    outs, self.held, self.dropped, self.dense, self.where, self.next, self.bases, self.pending_ids,
-                                    self.state))
+                                    outs, self.held, self.dropped, self.dense, self.where, self.next, self.bases,
+                                    self.pending_ids, self.state))
             self._draw_call = (lib, self.lock.mutex, self.held, self.dropped, self.dense, self.state, outs[:len(self.rows)])
         else:
             self.lock = threading.Lock()
-        """The slot lists' lock: a sample holds it while it draws and gathers, a refresh while it
-        changes the lists (never while it copies)."""
+        """The slot lists' lock: a sample holds it while it draws and gathers (the C uniform sample
+        only while it draws), a refresh while it changes the lists (never while it copies)."""
         self._staging = {} if cpu else {
             name: torch.empty((self.chunk, *col.shape[1:]), dtype=torch_dtype(col.dtype), pin_memory=True)
             for name, col in self.columns.items()}
