@@ -552,6 +552,21 @@ def test_the_background_refresher_keeps_rows_whole_current_and_never_cleared(
     assert not dev.refreshing
 
 
+def test_the_state_words_are_the_c_refreshs() -> None:
+    """``DeviceRows.state``'s words (``device/rows.py``) are ``native/native.h``'s ``ST_*``, the
+    array as long as ``ST_WORDS``: the C refresh and sample read and write the same words."""
+    import re
+    from pathlib import Path
+
+    from shmbuffer.device import rows
+
+    header = (Path(native.__file__).parent / "native.h").read_text()
+    words = {k: int(v) for k, v in re.findall(r"#define ST_(\w+) (\d+)", header)}
+    assert words.pop("WORDS") == rows.STATE_WORDS
+    assert words == {k: getattr(rows, k) for k in words}
+    assert len(words) == 15 and max(words.values()) < rows.STATE_WORDS
+
+
 def _wide_writer(handle: sb.BufferHandle) -> None:
     """Push 8-row batches into both lanes as fast as it can, each row's ``obs`` all its row number in
     its lane (until the test stops it)."""

@@ -94,6 +94,9 @@ slot while the sample copied them), and the changes of the lists that dropped sl
 (``dropped``)."""
 
 
+STATE_WORDS = 16
+"""The length of ``DeviceRows.state`` (``native.h``'s ``ST_WORDS``): room for a few more words."""
+
 _MADV_WIPEONFORK = getattr(mmap, "MADV_WIPEONFORK", 18)  # Linux's number, where Python's mmap lacks the name
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 
@@ -196,7 +199,7 @@ class DeviceRows:
         self.where = host_zeros(cap, np.int64)
         self.where[:] = -1
         """Each slot's place in ``dense``, -1 where it is not usable."""
-        self.state = np.zeros(16, np.int64)
+        self.state = np.zeros(STATE_WORDS, np.int64)
         """The refresh's counts and times (``COUNT``, ``PENDING``, ``UPDATES``, ...: see ``COUNT``)."""
         self.state[EDITS] = -1  # the first refresh copies every row
         self.pending_ids = host_zeros(cap, np.int64)
