@@ -7,12 +7,9 @@
     batch = buf.sample(256)                    # batch.obs, batch["obs"], batch.index
     other = ReplayBuffer.attach(buf.handle)    # in any process
 
-Lifecycle: the constructing process creates the block and owns it; ``attach`` maps an existing
-block and never removes it. ``close()`` unmaps this process's view (``BufferError`` while arrays
-from ``view()``/``column()`` live; close again once they are gone); ``unlink()`` removes the name,
-by itself when the creator exits or drops the buffer. Both are idempotent. A ``with`` block closes
-(and, in the creator, unlinks); views still alive keep the mapping until they go. A buffer
-pickles as its handle: a spawned worker attaches.
+The block, its handle and its lifecycle (``attach``, ``close``, ``unlink``, ``with``) are
+``MappedBlock``'s (``mapped.py``), which ``ReplayBuffer`` extends. A buffer pickles as its handle:
+a spawned worker attaches a ``ReplayBuffer``.
 
 ``sample`` and ``get`` return stamped copies (never a torn row); ``view`` and ``column`` return
 zero-copy, read-only views of live memory. Each method hands its call to the module that does it
@@ -22,9 +19,7 @@ zero-copy, read-only views of live memory. Each method hands its call to the mod
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,14 +27,14 @@ import numpy as np
 from . import hindsight as her
 from . import hints, persistence, sequences, views
 from .batch import Batch
-from .errors import SchemaError, closed
+from .errors import closed
 from .loader import Loader
-from .protocol import edits, layout, push, reader
+from .mapped import BufferHandle, MappedBlock
+from .protocol import edits, push, reader
 from .protocol.frames_push import Pusher
-from .protocol.layout import UNIFORM, Block, Options
+from .protocol.layout import UNIFORM, Options
 from .protocol.priorities import Priorities
 from .protocol.push import Copier
-from .protocol.ring import Ring, check_platform
 from .sample_paths import SamplePaths, count
 from .sampling.limiter import RateLimiter
 from .sampling.samplers import Sampler
@@ -49,14 +44,7 @@ from .shm.segment import Segment
 __all__ = ["BufferHandle", "Options", "ReplayBuffer"]
 
 
-@dataclass(frozen=True)
-class BufferHandle:
-    """What another process needs to attach: the buffer's name. Small, plain and picklable."""
-
-    name: str
-
-
-class ReplayBuffer:
+class ReplayBuffer(MappedBlock):
     """A fixed-schema ring of rows in one shared-memory block (see the module docstring).
 
     :param schema: the fields: a ``Schema`` or a cpprb ``env_dict``.
@@ -80,8 +68,6 @@ class ReplayBuffer:
     :param seed: seeds this process's sampling (an int or a ``numpy.random.Generator``).
     """
 
-    _ring: Ring | None = None
-    _segment: Segment | None = None
     _paths: SamplePaths | None = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ReplayBuffer:
@@ -102,47 +88,12 @@ class ReplayBuffer:
         schema = as_schema(schema)
         opts = Options.make(schema, capacity, sampler=sampler, max_use=max_use, lanes=lanes, envs=envs,
                             episodes=episodes, limiter=limiter, next_of=next_of, stack=stack)
-        check_platform()
-        segment = layout.create(name, schema, opts)
-        try:
-            self._setup(segment, schema, opts, seed, initialise=True)
-        except BaseException:
-            segment.close()
-            segment.unlink()
-            raise
-
-    @classmethod
-    def attach(
-        cls, handle: BufferHandle | str, *, schema: Schema | Mapping[str, Any] | None = None,
-        seed: int | np.random.Generator | None = None,
-    ) -> ReplayBuffer:
-        """Map an existing buffer by handle or name. With ``schema``, refuse another layout."""
-        check_platform()
-        name = handle.name if isinstance(handle, BufferHandle) else handle
-        segment = Segment.attach(name)
-        try:
-            found, opts = layout.read(name, segment.meta, segment.header.fingerprint)
-            if schema is not None and as_schema(schema) != found:
-                raise SchemaError(f"buffer {name!r} has schema {found}, expected {as_schema(schema)}")
-            self = cls.__new__(cls)
-            self._setup(segment, found, opts, seed, initialise=False)
-        except BaseException:
-            segment.close()
-            raise
-        return self
+        self._create(name, schema, opts, seed)
 
     def _setup(self, segment: Segment, schema: Schema, opts: Options, seed: Any, *, initialise: bool) -> None:
-        self._segment = segment
-        self.schema = schema
-        self.options = opts
-        self.name = segment.name
-        self._block = Block(schema, opts, segment.arrays)
-        self._ring = Ring(segment.arrays, initialise=initialise)
-        self._copier = Copier(self._block, self._ring, opts.envs)
-        self._pusher = None if opts.frames is None else Pusher(opts.frames, schema, self._block.stored)
-        self._prios = Priorities(segment.arrays, opts.sampler, opts.max_use, initialise=initialise) if opts.tree else None
-        if self._prios is not None:
-            self._ring.repairs.append(self._prios.repair)
+        super()._setup(segment, schema, opts, seed, initialise=initialise)  # the block, ring and tree
+        self._copier = Copier(self.block, self.ring, opts.envs)
+        self._pusher = None if opts.frames is None else Pusher(opts.frames, schema, self.block.stored)
         self._paths = SamplePaths()
         self._fast_push = push.fast_push(self, self._copier, self._pusher)
         SEATS.seat(self, self._copier.plan if self._fast_push is not None else None)  # buf.push: an attribute read
@@ -152,80 +103,20 @@ class ReplayBuffer:
     def __dir__(self) -> list[str]:
         return [name for name in super().__dir__() if name not in hints.METHODS]  # the hints set below
 
-    # -- identity and lifecycle ----------------------------------------------------------------
-    @property
-    def handle(self) -> BufferHandle:
-        """A small picklable handle naming this buffer: ``ReplayBuffer.attach(handle)`` in another process."""
-        return BufferHandle(self.name)
-
+    # -- identity and lifecycle (the rest is MappedBlock's) --------------------------------------
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_attach_by_handle, (self.handle,))
-
-    @property
-    def ring(self) -> Ring:
-        """The ring (``ring.py``). With ``block`` and ``priorities``, the reader's interface
-        (``protocol.reader.Source``) for the modules built on the protocol; user code needs none."""
-        if self._ring is None:
-            raise closed(self.name)
-        return self._ring
-
-    @property
-    def block(self) -> Block:
-        """Named views of the block's columns (``layout.py``): the reader's interface (``ring``)."""
-        if self._ring is None:
-            raise closed(self.name)
-        return self._block
-
-    @property
-    def priorities(self) -> Priorities | None:
-        """The priority tree and use counts, or ``None`` without a tree: the reader's interface (``ring``)."""
-        if self._ring is None:
-            raise closed(self.name)
-        return self._prios
-
-    @property
-    def owner(self) -> bool:
-        """Whether this object created the buffer (and so removes it from ``/dev/shm`` on ``unlink``)."""
-        return self._segment is not None and self._segment.owner
-
-    @property
-    def closed(self) -> bool:
-        """Whether ``close()`` has been called on this object."""
-        return self._ring is None
-
-    def close(self) -> None:
-        """Unmap this process's view (see the module docstring). Idempotent. In a ``finally`` or
-        ``except`` block it lets go as ``with`` does (the mapping goes with the last view): the
-        exception being handled holds, in its traceback, the internals of the call that raised."""
-        self._close(defer=sys.exc_info()[0] is not None)
+        return (_attach_by_handle, (self.handle,))  # a subclass's pickle attaches a ReplayBuffer too
 
     def _close(self, *, defer: bool) -> None:
-        if self._segment is None:
-            return
-        SEATS.unseat(self)  # push is the method again, which says closed; one held elsewhere keeps this buffer
-        if self._copier is not None:
-            self._copier.close()  # the one-call push's views of the block (a held push's too)
-        if self._paths is not None:
-            self._paths.close()  # the one-call sample's
-        if self._ring is not None:
-            self._ring.lock.let_go()  # a robust mutex this process holds must stay mapped (lock.py)
-        self._ring = self._prios = self._fast_push = None
-        self._block = self._copier = None  # type: ignore[assignment]
-        self._segment.close(defer=defer)
-
-    def unlink(self) -> None:
-        """Remove the buffer's name from ``/dev/shm``; open views stay valid. Idempotent."""
         if self._segment is not None:
-            self._segment.unlink()
-
-    def __enter__(self) -> ReplayBuffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        owner = self.owner
-        self._close(defer=True)  # views still held keep the mapping alive until they go
-        if owner:
-            self.unlink()
+            SEATS.unseat(self)  # push is the method again, which says closed; one held elsewhere keeps this buffer
+            if self._copier is not None:
+                self._copier.close()  # the one-call push's views of the block (a held push's too)
+            if self._paths is not None:
+                self._paths.close()  # the one-call sample's
+            self._fast_push = None
+            self._copier = None  # type: ignore[assignment]
+        super()._close(defer=defer)  # then the ring's lock and the mapping
 
     def __repr__(self) -> str:
         if self.closed:

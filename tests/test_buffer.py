@@ -271,6 +271,22 @@ def test_handle_is_small_and_independent_of_capacity(make: Make, name: str) -> N
         clone.close()
 
 
+def test_a_subclass_attaches_as_itself_and_pickles_as_a_replay_buffer(name: str) -> None:
+    """``attach`` and ``load`` build the class they are called on; a pickle (a spawned worker's
+    argument) names no class, so even a local subclass crosses and attaches a ``ReplayBuffer``."""
+
+    class Mine(sb.ReplayBuffer):
+        pass
+
+    with Mine(MUJOCO, capacity=10, name=name) as buf:
+        buf.push(**transition(0))  # the C push is seated on a subclass that keeps the method
+        with Mine.attach(name) as same, pickle.loads(pickle.dumps(buf)) as clone:
+            assert type(same) is Mine and type(clone) is sb.ReplayBuffer
+            clone.push(**transition(1))
+            assert len(same) == 2 and not clone.owner and seq_of(same.get(-1)).tolist() == 1
+        assert same.closed and clone.closed and not buf.closed
+
+
 def test_close_and_unlink_are_idempotent(name: str) -> None:
     buf = sb.ReplayBuffer(MUJOCO, capacity=10, name=name)
     path = segment.path_of(name)
