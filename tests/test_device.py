@@ -589,23 +589,23 @@ def test_a_sample_copying_a_slot_a_refresh_copies_into_draws_it_again(make: Make
     buf.push(obs=np.zeros((2, 4096), np.float32), n=np.zeros(2, np.int64), lane=np.arange(2))
     dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=0.001, seed=3)
     assert dev.refreshing and dev.one_call
-    writer = mp.get_context("fork").Process(target=_wide_writer, args=(buf.handle,))
-    procs.append(writer)
-    writer.start()
-    samples, t0 = 0, time.monotonic()
-    while (samples < 300 or not dev.state[REDRAWN]) and time.monotonic() - t0 < 60:
-        try:
-            batch = dev.sample(32)
-        except sb.EmptyBufferError:  # every slot mid-write or being copied again at that moment
-            continue
-        obs, n, ids = batch.obs.numpy(), batch.n.numpy(), batch.index.numpy()
-        assert (obs == obs[:, :1]).all(), "a torn row: a refresh copied into its slot as the sample copied it"
-        assert np.array_equal(obs[:, 0], n) and np.array_equal(n, ids // 2)
-        samples += 1
-    assert samples >= 300 and dev.state[REDRAWN] > 0, (samples, dev.state[REDRAWN])
-    writer.kill()
-    writer.join(10)
-    dev.close()
+    try:
+        writer = mp.get_context("fork").Process(target=_wide_writer, args=(buf.handle,))
+        procs.append(writer)
+        writer.start()
+        samples, t0 = 0, time.monotonic()
+        while (samples < 300 or not dev.state[REDRAWN]) and time.monotonic() - t0 < 60:
+            try:
+                batch = dev.sample(32)
+            except sb.EmptyBufferError:  # every slot mid-write or being copied again at that moment
+                continue
+            obs, n, ids = batch.obs.numpy(), batch.n.numpy(), batch.index.numpy()
+            assert (obs == obs[:, :1]).all(), "a torn row: a refresh copied into its slot as the sample copied it"
+            assert np.array_equal(obs[:, 0], n) and np.array_equal(n, ids // 2)
+            samples += 1
+        assert samples >= 300 and dev.state[REDRAWN] > 0, (samples, dev.state[REDRAWN])
+    finally:
+        dev.close()  # the refresher thread stops even when an assertion failed (procs kills the writer)
 
 
 def test_a_refresh_copies_the_new_rows_not_every_slot(make: Make, name: str, path: str,
