@@ -233,7 +233,7 @@ class DequeBuffer(Facade):
             if stored.get("priority") is None:
                 stored["priority"] = 1.0 if store.buffer is None else store.buffer.priorities.max_priority  # type: ignore[union-attr]
             priority = float(check_priorities(stored["priority"], 1, "push: meta['priority']")[0])
-        layout = store.layout or Layout.first(data, stored, store.object_bytes, store.meta_bytes)
+        layout = store.layout or Layout.first(data, stored, store.object_bytes, store.meta_bytes, store.trusted)
         row = layout.row(data, stored, store.trusted)  # raises before anything is stored
         buf = store.make(layout)
         index = int(buf.push(row, priority=priority)[0])

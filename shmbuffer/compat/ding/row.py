@@ -5,12 +5,9 @@ object and meta slots (a pickle in a fixed-size ``uint8`` field) that take the r
 
 from __future__ import annotations
 
-import io
 import keyword
-import pickle
 import sys
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -19,6 +16,8 @@ from ...buffer import ReplayBuffer
 from ...errors import UnsafePickle
 from ...protocol import places
 from ...schema import RESERVED, Schema
+from . import codec
+from .codec import BufferedData
 
 DATA, OBJECT, META = "ding_data", "ding_object", "ding_meta"
 """The row's own fields: a bare ``data``'s column, the object slot, the meta slot."""
@@ -26,17 +25,6 @@ OBJECT_BYTES, META_BYTES = 1024, 256
 """The slots' least default sizes."""
 DERIVED = ("priority_idx", "priority_IS")
 """Meta keys computed at every read (the row's slot, its IS weight), never stored."""
-_PICKLE = 5
-
-
-@dataclass
-class BufferedData:
-    """One row as DI-engine returns it: ``data``, ``index`` (its id) and ``meta``."""
-
-    data: Any
-    index: Any
-    meta: Any = field(default_factory=dict)
-
 
 
 class Column(NamedTuple):
@@ -110,76 +98,47 @@ def _nameable(key: Any) -> bool:
 
 
 def _slot(payload: Any, size: int, what: str, trusted: bool) -> np.ndarray:
-    """``payload`` pickled into a slot of ``size`` bytes (zeros for ``None``), or ``ValueError``;
-    untrusted, a payload that ``_Unpickler`` would refuse to read back is refused now."""
+    """``payload`` encoded into a slot of ``size`` bytes (zeros for ``None``, see ``codec``), or
+    ``UnsafePickle``, ``TypeError`` or ``ValueError`` saying why it cannot be stored."""
     out = np.zeros(size, np.uint8)
     if payload is None:
         return out
-    try:
-        raw = pickle.dumps(payload, protocol=_PICKLE)
-    except (pickle.PicklingError, TypeError, AttributeError) as e:
-        raise TypeError(f"DequeBuffer: the {what} cannot be pickled into the row ({e}); push picklable objects "
-                        "(numbers, arrays, tensors, str, lists and dicts of them, dataclasses); nothing was stored") from None
-    if not trusted:
-        try:
-            _Unpickler(io.BytesIO(raw)).load()
-        except UnsafePickle as e:
-            raise UnsafePickle(f"DequeBuffer: the {what} cannot be stored: {e}; nothing was stored") from None
+    raw = _encode(payload, what, trusted)
     if len(raw) > size:
         option = "object_bytes" if what == "data" else "meta_bytes"
         raise ValueError(
-            f"DequeBuffer: the {what} pickles to {len(raw)} bytes, more than its slot of {size} bytes in each row "
+            f"DequeBuffer: the {what} takes {len(raw)} bytes, more than its slot of {size} bytes in each row "
             f"(set at the first push); create the buffer with DequeBuffer(size, {option}={len(raw)} or more), or "
             "push arrays as values of a dict (they get columns of their own); nothing was stored")
     out[:len(raw)] = np.frombuffer(raw, np.uint8)
     return out
 
 
-_SAFE = {
-    "builtins": {"complex", "set", "frozenset", "bytearray", "slice", "range", "bool", "int", "float", "str",
-                 "bytes", "list", "dict", "tuple"},
-    "collections": {"OrderedDict", "deque", "Counter", "defaultdict"},
-    "numpy": {"dtype", "ndarray"},
-    "numpy.core.multiarray": {"_reconstruct", "scalar"},
-    "numpy._core.multiarray": {"_reconstruct", "scalar"},
-    "numpy.core.numeric": {"_frombuffer"},
-    "numpy._core.numeric": {"_frombuffer"},
-    "torch": {"Size", "device"} | {f"{d}" for d in ("float16", "bfloat16", "float32", "float64", "int8", "int16",
-                                                    "int32", "int64", "uint8", "bool", "complex64", "complex128")},
-    "torch._utils": {"_rebuild_tensor_v2", "_rebuild_tensor"},
-    "torch.storage": {"_load_from_bytes"},
-    __name__: {"BufferedData"},
-}
-"""What a slot may name by default (``_Unpickler``): plain data, numpy arrays, scalars and dtypes,
-torch tensors, the facade's own row type."""
+def _encode(payload: Any, what: str, trusted: bool) -> bytes:
+    """``payload``'s bytes for the slot of ``what`` (``codec.encode``), or the error saying why not."""
+    try:
+        return codec.encode(payload, trusted)
+    except UnsafePickle as e:
+        refused = e
+    except TypeError as e:  # pickle's refusal
+        raise _unpicklable(what, e) from None
+    except ValueError as e:
+        raise ValueError(f"DequeBuffer: the {what} cannot be stored: {e}; nothing was stored") from None
+    try:  # trusted_pickles=True would not store what pickle cannot: say that instead
+        codec.encode(payload, True)
+    except TypeError as e:
+        raise _unpicklable(what, e) from None
+    raise UnsafePickle(f"DequeBuffer: the {what} cannot be stored: {refused}; nothing was stored") from None
 
 
-class _Unpickler(pickle.Unpickler):
-    """Loads only what ``_SAFE`` names: a process that can write the shared block cannot run code in
-    a reader through a crafted slot. A torch storage's bytes are loaded with
-    ``torch.load(weights_only=True)`` (torch's own restricted unpickler), not as pickles."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _SAFE.get(module, ()):
-            if (module, name) == ("torch.storage", "_load_from_bytes"):
-                return _storage
-            return super().find_class(module, name)
-        raise UnsafePickle(
-            f"a stored object names {module}.{name}, which DequeBuffer does not unpickle by default (plain data, "
-            "numpy arrays and scalars, torch tensors only): a process that can write the shared buffer could "
-            "otherwise run code here. Push plain data, or create the buffer with DequeBuffer(size, "
-            "trusted_pickles=True) if every process that can attach to it is trusted")
-
-
-def _storage(raw: bytes) -> Any:
-    import torch
-
-    return torch.load(io.BytesIO(raw), weights_only=True)
+def _unpicklable(what: str, e: TypeError) -> TypeError:
+    return TypeError(f"DequeBuffer: the {what} cannot be pickled into the row ({e}); push picklable objects "
+                     "(numbers, arrays, tensors, str, lists and dicts of them, dataclasses); nothing was stored")
 
 
 def _unslots(slots: np.ndarray, trusted: bool, ids: np.ndarray, what: str) -> list[Any]:
-    """Each slot's object (``None`` when empty): a pickle always starts with a non-zero byte, and
-    unpickling ignores the zeros after its end. Untrusted (the default), only ``_SAFE``'s types."""
+    """Each slot's object (``None`` when empty, see ``codec``); bytes another process wrote that
+    are not what this buffer writes raise ``UnsafePickle`` naming the row."""
     full = (slots[:, 0] != 0).tolist()
     out: list[Any] = []
     for j in range(len(full)):
@@ -187,13 +146,14 @@ def _unslots(slots: np.ndarray, trusted: bool, ids: np.ndarray, what: str) -> li
             out.append(None)
             continue
         try:
-            out.append(pickle.loads(slots[j]) if trusted else _Unpickler(io.BytesIO(slots[j].tobytes())).load())
+            out.append(codec.decode(slots[j].tobytes(), trusted))
         except UnsafePickle as e:
             raise UnsafePickle(f"DequeBuffer: row {int(ids[j])}'s {what}: {e}") from None
-        except Exception as e:  # garbage in the slot: not a pickle this facade wrote
-            raise UnsafePickle(f"DequeBuffer: row {int(ids[j])}'s {what} slot does not hold a pickle this buffer "
-                               f"wrote ({type(e).__name__}: {e}); another process wrote bytes into it directly. "
-                               "Delete the row (buffer.delete) or clear the buffer") from None
+        except Exception as e:  # noqa: BLE001  (garbage in the slot, whatever it makes a reader raise)
+            raise UnsafePickle(f"DequeBuffer: row {int(ids[j])}'s {what} slot does not hold what this buffer "
+                               f"writes ({type(e).__name__}: {e}); another process wrote bytes into it directly, "
+                               "or a save_data file was altered. Delete the row (buffer.delete) or clear the "
+                               "buffer") from None
     return out
 
 
@@ -208,8 +168,9 @@ class Layout:
         self.meta_bytes = meta_bytes
 
     @classmethod
-    def first(cls, data: Any, meta: Mapping[str, Any], object_bytes: int | None, meta_bytes: int | None) -> Layout:
-        """The layout the first push gives."""
+    def first(cls, data: Any, meta: Mapping[str, Any], object_bytes: int | None, meta_bytes: int | None,
+              trusted: bool) -> Layout:
+        """The layout the first push gives (the slots 4 times its own, at least the defaults)."""
         columns: dict[str, Column] = {}
         bare = False
         if type(data) is dict:
@@ -224,9 +185,9 @@ class Layout:
         layout = cls(columns, bare, 0, 0)
         if object_bytes is None:
             _, rest = layout.split(data)
-            object_bytes = max(OBJECT_BYTES, 4 * len(pickle.dumps(rest, protocol=_PICKLE)) if rest is not None else 0)
+            object_bytes = max(OBJECT_BYTES, 4 * len(_encode(rest, "data", trusted)) if rest is not None else 0)
         if meta_bytes is None:
-            meta_bytes = max(META_BYTES, 4 * len(pickle.dumps(dict(meta), protocol=_PICKLE)) if meta else 0)
+            meta_bytes = max(META_BYTES, 4 * len(_encode(dict(meta), "meta", trusted)) if meta else 0)
         layout.object_bytes, layout.meta_bytes = -(-object_bytes // 8) * 8, -(-meta_bytes // 8) * 8
         if not layout.columns and not layout.object_bytes:
             raise ValueError("DequeBuffer: with object_bytes=0 the first push must be numbers or arrays "
@@ -272,7 +233,7 @@ class Layout:
         return cols
 
     def meta_fields(self, meta: Mapping[str, Any], trusted: bool) -> dict[str, np.ndarray]:
-        """The meta slot's field for ``meta`` (pickled); ``ValueError`` when it does not fit."""
+        """The meta slot's field for ``meta`` (``codec``); ``ValueError`` when it does not fit."""
         if not self.meta_bytes:
             if meta:
                 raise ValueError(f"DequeBuffer: this buffer has no meta slot (meta_bytes=0); got meta keys {list(meta)}")
@@ -290,7 +251,7 @@ class Layout:
 
     def datas(self, fields: Mapping[str, np.ndarray], rows: list[int], ids: np.ndarray, trusted: bool) -> list[Any]:
         """Rows ``rows`` of gathered ``fields`` (``ids`` theirs), each as it was pushed; ``trusted``:
-        any pickled class is loaded, else only plain data (``_Unpickler``)."""
+        pickles are loaded too, else only plain data (``codec``)."""
         payloads = _unslots(fields[OBJECT][rows], trusted, ids, "data") if self.object_bytes else [None] * len(rows)
         columns = {name: _values(c, fields[name][rows]) for name, c in self.columns.items()}
         out = []

@@ -1,0 +1,437 @@
+"""The bytes of the object and meta slots of ``shmbuffer.compat.ding`` (a row's ``ding_object`` and
+``ding_meta``, fixed-size ``uint8`` fields), and ``BufferedData``, the row as DI-engine returns it.
+
+Any process that can attach to the shared block can write any bytes into a slot, and so can anyone
+who edits a ``save_data`` file. So by default a slot holds plain data in this encoding, whose reader
+builds only plain values: it runs no code, makes no object that holds a pointer (no object array or
+dtype, no class), and allocates nothing larger than the slot. A slot of ``n`` bytes holds one of:
+
+* zeros: no object (``None``);
+* ``0x01`` (the encoding's version), one *value*, then zeros to the slot's end;
+* ``0x80``: a pickle (protocol 5, whose first byte is ``0x80``), then zeros. Only a ``DequeBuffer``
+  made with ``trusted_pickles=True`` writes pickles (any class) or reads them; any other reader
+  raises ``UnsafePickle`` naming what the pickle names, without loading it.
+
+A value is one tag byte, then its body. In bodies, numbers are little-endian: ``u1``/``u4`` an
+unsigned 8/32-bit count or length, ``i8`` a signed 64-bit integer, ``f8`` an IEEE double:
+
+======  ===============================  ==================================================
+tag     value                            body
+======  ===============================  ==================================================
+``N``   ``None``                         --
+``T``   ``True``                         --
+``F``   ``False``                        --
+``q``   ``int`` in int64's range         ``i8``
+``I``   any other ``int``                ``u4`` length, that many bytes (two's complement)
+``d``   ``float``                        ``f8``
+``j``   ``complex``                      ``f8`` real, ``f8`` imaginary
+``s``   ``str``                          ``u4`` length, UTF-8 (``surrogatepass``)
+``b``   ``bytes``                        ``u4`` length, the bytes
+``B``   ``bytearray``                    ``u4`` length, the bytes
+``l``   ``list``                         ``u4`` count, the items' values
+``t``   ``tuple``                        ``u4`` count, the items' values
+``S``   ``set``                          ``u4`` count, the items' values
+``f``   ``frozenset``                    ``u4`` count, the items' values
+``m``   ``dict``                         ``u4`` count, key and value values in turn
+``o``   ``collections.OrderedDict``      as ``m``
+``C``   ``collections.Counter``          as ``m``
+``u``   ``collections.defaultdict``      ``u1`` factory (``FACTORIES``), then as ``m``
+``Q``   ``collections.deque``            ``maxlen`` (a ``N`` or ``q`` value), then as ``l``
+``r``   ``range``                        start, stop, step (three ``q``/``I`` values)
+``c``   ``slice``                        start, stop, step (three values)
+``a``   ``numpy.ndarray``                dtype, ``u1`` ndim, ndim ``i8`` dims, the bytes
+``g``   a numpy scalar                   dtype, the bytes (one item)
+``y``   ``numpy.dtype``                  dtype
+``x``   ``torch.Tensor``                 ``u1`` torch dtype (``TORCH``), ``u1`` requires_grad,
+                                         device (an ``s`` value), ``u1`` ndim, ndim ``i8``
+                                         dims, the bytes
+``z``   ``torch.Size``                   ``u4`` count, ``i8`` each
+``e``   ``torch.dtype``                  ``u1`` torch dtype (``TORCH``)
+``D``   ``torch.device``                 its name (an ``s`` value)
+``R``   ``BufferedData``                 data, index, meta (three values)
+======  ===============================  ==================================================
+
+A numpy dtype is ``u1`` length then its ASCII ``dtype.str``, which must be a kind whose items are
+plain bytes: bool, numbers, fixed-width strings, datetimes (``|b1``, ``<i8``, ``>f4``, ``<c16``,
+``<U5``, ``|S3``, ``<M8[ns]``: ``[<>|]``, then ``[biufcSU]`` and a size or ``[mM]8`` and a unit), as
+numpy itself writes it. An array's or a tensor's bytes are its items in C order,
+``prod(dims) * itemsize`` of them. Anything else (an object or structured array, a subclass, a
+user's class) is refused at the push with ``UnsafePickle`` naming it; ``trusted_pickles=True``
+stores it as a pickle.
+
+The reader checks every length, count and array size against the bytes left in the slot before it
+makes anything, every value takes at least one byte, and values nest at most ``DEPTH`` deep: a slot
+of ``n`` bytes reads as at most ``n`` objects, none larger than ``n`` bytes. Bytes it does not read
+as this encoding raise ``UnsafePickle``, naming the row. Shared references and cycles are not kept
+(a value referenced twice is written twice; a cycle is refused as too deep).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+import re
+import struct
+import sys
+from collections import Counter, OrderedDict, defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ...errors import UnsafePickle
+
+VERSION, PICKLED = 0x01, 0x80
+"""A slot's first byte: this encoding, or a pickle (``trusted_pickles=True`` only)."""
+DEPTH = 100
+"""How deep values nest at most."""
+TORCH = ("float16", "bfloat16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool",
+         "complex64", "complex128")
+"""The torch dtypes stored, by number."""
+FACTORIES: tuple[Any, ...] = (None, list, dict, set, int, float, str, tuple)
+"""The ``default_factory`` of a ``defaultdict`` stored, by number."""
+_PICKLE = 5
+_U4, _I8, _F8, _C16 = struct.Struct("<I"), struct.Struct("<q"), struct.Struct("<d"), struct.Struct("<dd")
+_DTYPE = re.compile(r"[<>|]([biufcSU][0-9]{1,9}|[mM]8(\[[0-9]{0,9}[a-zA-Z]{1,2}\])?)")
+_MAPS: dict[type, bytes] = {dict: b"m", OrderedDict: b"o", Counter: b"C"}
+_SEQS: dict[type, bytes] = {list: b"l", tuple: b"t", set: b"S", frozenset: b"f"}
+
+
+@dataclass
+class BufferedData:
+    """One row as DI-engine returns it: ``data``, ``index`` (its id) and ``meta``."""
+
+    data: Any
+    index: Any
+    meta: Any = field(default_factory=dict)
+
+
+def encode(value: Any, trusted: bool) -> bytes:
+    """``value``'s bytes for a slot: this encoding, or with ``trusted`` a pickle. Raises
+    ``UnsafePickle`` naming what this encoding does not store, ``TypeError`` what pickle does not."""
+    if trusted:
+        try:
+            return pickle.dumps(value, protocol=_PICKLE)
+        except (pickle.PicklingError, TypeError, AttributeError) as e:
+            raise TypeError(str(e)) from None
+    out = bytearray((VERSION,))
+    _put(out, value, 0)
+    return bytes(out)
+
+
+def decode(raw: bytes, trusted: bool) -> Any:
+    """The value of a slot's bytes ``raw`` (``None`` for zeros); ``ValueError`` saying why bytes
+    are not a value this module wrote, ``UnsafePickle`` for a pickle unless ``trusted``."""
+    first = raw[0] if raw else 0
+    if first == VERSION:
+        reader = _Reader(raw)
+        value = reader.value(0)
+        if len(raw.rstrip(b"\0")) > reader.pos:
+            raise ValueError(f"bytes follow the value at offset {reader.pos}")
+        return value
+    if first == PICKLED:
+        if trusted:
+            return pickle.loads(raw)
+        raise UnsafePickle(f"it holds a pickle{_names(raw)}, which DequeBuffer loads only with trusted_pickles=True: "
+                           "a process that can write the shared buffer could otherwise run code here. Create the "
+                           "buffer with DequeBuffer(size, trusted_pickles=True) if every process that can attach "
+                           "to it is trusted")
+    if first == 0 and not raw.rstrip(b"\0"):
+        return None
+    raise ValueError(f"it starts with byte {first:#04x}, expected {VERSION:#04x} (plain data), "
+                     f"{PICKLED:#04x} (a pickle) or an empty slot")
+
+
+def _names(raw: bytes) -> str:
+    """What a pickle names (``" naming os.system"``), read without loading it."""
+    names, strings = [], []
+    try:
+        for op, arg, _ in pickletools.genops(io.BytesIO(raw)):
+            if op.name == "GLOBAL":
+                names.append(".".join(str(arg).split(" ", 1)))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(arg, str):
+                strings.append(arg)
+            if op.name == "STOP":
+                break
+    except Exception:  # noqa: BLE001  (only for the message: a broken pickle names what it named so far)
+        pass
+    return f" naming {', '.join(dict.fromkeys(names))}" if names else ""
+
+
+# -- writing -------------------------------------------------------------------------------------
+def _refuse(value: Any, what: str = "") -> UnsafePickle:
+    kind = type(value)
+    return UnsafePickle(
+        f"a stored object is a {kind.__module__}.{kind.__qualname__}{what}, which DequeBuffer does not store by "
+        "default (None, bool, int, float, complex, str, bytes, containers of them, numpy arrays, scalars "
+        "and dtypes of numbers, bools, strings or datetimes, torch tensors): a process that can write the shared buffer could otherwise make "
+        "the reader build any object. Push plain data, or create the buffer with DequeBuffer(size, "
+        "trusted_pickles=True) if every process that can attach to it is trusted")
+
+
+def _u4(out: bytearray, n: int) -> None:
+    out += _U4.pack(n)
+
+
+def _int(out: bytearray, v: int) -> None:
+    if -(1 << 63) <= v < (1 << 63):
+        out += b"q"
+        out += _I8.pack(v)
+    else:
+        raw = v.to_bytes(v.bit_length() // 8 + 1, "little", signed=True)
+        out += b"I"
+        _u4(out, len(raw))
+        out += raw
+
+
+def _dtype(out: bytearray, dt: np.dtype[Any], owner: Any) -> None:
+    s = dt.str
+    if not _DTYPE.fullmatch(s):
+        raise _refuse(owner, f" of dtype {dt}")
+    out += bytes((len(s),))
+    out += s.encode("ascii")
+
+
+def _dims(out: bytearray, shape: tuple[int, ...]) -> None:
+    out += bytes((len(shape),))
+    for n in shape:
+        out += _I8.pack(n)
+
+
+def _put(out: bytearray, v: Any, depth: int) -> None:
+    if depth > DEPTH:
+        raise ValueError(f"it nests more than {DEPTH} deep, or holds itself (a cycle)")
+    kind = type(v)
+    if kind is str:
+        raw = v.encode("utf-8", "surrogatepass")
+        out += b"s"
+        _u4(out, len(raw))
+        out += raw
+    elif kind in _MAPS or kind is defaultdict:
+        if kind is defaultdict:
+            if v.default_factory not in FACTORIES:
+                raise _refuse(v, f" whose default_factory is {v.default_factory!r}")
+            out += b"u"
+            out += bytes((FACTORIES.index(v.default_factory),))
+        else:
+            out += _MAPS[kind]
+        _u4(out, len(v))
+        for k, x in v.items():
+            _put(out, k, depth + 1)
+            _put(out, x, depth + 1)
+    elif kind in _SEQS:
+        out += _SEQS[kind]
+        _u4(out, len(v))
+        for x in v:
+            _put(out, x, depth + 1)
+    elif kind is int:
+        _int(out, v)
+    elif kind is float:
+        out += b"d"
+        out += _F8.pack(v)
+    elif v is None or kind is bool:
+        out += b"N" if v is None else b"T" if v else b"F"
+    elif kind is np.ndarray:
+        out += b"a"
+        _dtype(out, v.dtype, v)
+        _dims(out, v.shape)
+        out += v.tobytes()
+    elif isinstance(v, np.generic):
+        out += b"g"
+        _dtype(out, v.dtype, v)
+        out += v.tobytes()
+    elif isinstance(v, np.dtype):
+        out += b"y"
+        _dtype(out, v, v)
+    elif kind in (bytes, bytearray):
+        out += b"b" if kind is bytes else b"B"
+        _u4(out, len(v))
+        out += v
+    elif kind is complex:
+        out += b"j"
+        out += _C16.pack(v.real, v.imag)
+    elif kind is deque:
+        out += b"Q"
+        _put(out, v.maxlen, depth + 1)
+        _put(out, list(v), depth)
+    elif kind in (range, slice):
+        out += b"r" if kind is range else b"c"
+        for x in (v.start, v.stop, v.step):
+            _put(out, x, depth + 1)
+    elif kind is BufferedData:
+        out += b"R"
+        for x in (v.data, v.index, v.meta):
+            _put(out, x, depth + 1)
+    elif kind.__module__.startswith("torch"):
+        _torch(out, v, depth)
+    else:
+        raise _refuse(v)
+
+
+def _torch(out: bytearray, v: Any, depth: int) -> None:
+    import torch
+
+    if isinstance(v, torch.dtype) and str(v)[6:] in TORCH:
+        out += b"e"
+        out += bytes((TORCH.index(str(v)[6:]),))
+    elif type(v) is torch.device:
+        out += b"D"
+        _put(out, str(v), depth + 1)
+    elif type(v) is torch.Size:
+        out += b"z"
+        _u4(out, len(v))
+        for n in v:
+            out += _I8.pack(n)
+    elif type(v) is torch.Tensor and v.layout == torch.strided and str(v.dtype)[6:] in TORCH:
+        out += b"x"
+        out += bytes((TORCH.index(str(v.dtype)[6:]), v.requires_grad))
+        _put(out, str(v.device), depth + 1)
+        _dims(out, tuple(v.shape))
+        flat = v.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        out += flat.view(torch.uint8).numpy().tobytes()
+    else:
+        raise _refuse(v, f" ({v.dtype}, {v.layout})" if isinstance(v, torch.Tensor) else "")
+
+
+# -- reading -------------------------------------------------------------------------------------
+class _Reader:
+    """Reads one value from ``raw`` at ``pos``; any length larger than the bytes left is refused
+    before anything is made of it."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw, self.pos = raw, 1
+
+    def take(self, n: int) -> bytes:
+        if n > len(self.raw) - self.pos:
+            raise ValueError(f"a value at offset {self.pos} needs {n} bytes, the slot has {len(self.raw) - self.pos} left")
+        self.pos += n
+        return self.raw[self.pos - n:self.pos]
+
+    def u1(self) -> int:
+        return self.take(1)[0]
+
+    def u4(self) -> int:
+        n: int = _U4.unpack(self.take(4))[0]
+        return n
+
+    def i8(self) -> int:
+        n: int = _I8.unpack(self.take(8))[0]
+        return n
+
+    def value(self, depth: int) -> Any:
+        if depth > DEPTH:
+            raise ValueError(f"values nest more than {DEPTH} deep")
+        tag = self.take(1)
+        read = _READ.get(tag)
+        if read is None:
+            raise ValueError(f"unknown tag {tag!r} at offset {self.pos - 1}")
+        return read(self, depth + 1)
+
+    def count(self) -> int:
+        n = self.u4()
+        if n > len(self.raw) - self.pos:  # every item takes a byte at least
+            raise ValueError(f"a count of {n} at offset {self.pos - 4}, the slot has {len(self.raw) - self.pos} bytes left")
+        return n
+
+    def items(self, depth: int) -> list[Any]:
+        return [self.value(depth) for _ in range(self.count())]
+
+    def pairs(self, depth: int) -> list[tuple[Any, Any]]:
+        return [(self.value(depth), self.value(depth)) for _ in range(self.count())]
+
+    def dtype(self) -> np.dtype[Any]:
+        s = self.take(self.u1()).decode("ascii", "replace")
+        if not _DTYPE.fullmatch(s) or np.dtype(s).str != s:
+            raise ValueError(f"dtype {s!r}: expected a bool, number, fixed-width string or datetime dtype")
+        return np.dtype(s)
+
+    def shape(self, itemsize: int) -> tuple[tuple[int, ...], bytes]:
+        dims = tuple(self.i8() for _ in range(self.u1()))
+        if any(n < 0 for n in dims) or len(dims) > 32:
+            raise ValueError(f"shape {dims}: expected at most 32 sizes >= 0")
+        n = itemsize
+        for d in dims:
+            n *= d
+        return dims, self.take(n)
+
+    def array(self, depth: int) -> np.ndarray:
+        dt = self.dtype()
+        dims, raw = self.shape(dt.itemsize)
+        return np.frombuffer(raw, dt).reshape(dims).copy()  # its own, writable memory
+
+    def tensor(self, depth: int) -> Any:
+        import torch
+
+        dt = getattr(torch, TORCH[self.u1()])
+        grad = self.u1()
+        device = torch.device(self.value(depth))
+        dims, raw = self.shape(torch.empty((), dtype=dt).element_size())
+        out = torch.empty(dims, dtype=dt)
+        if raw:
+            out.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(raw, np.uint8)
+        out = out.to(device)
+        return out.requires_grad_() if grad else out
+
+
+def _str(r: _Reader, depth: int) -> str:
+    return r.take(r.u4()).decode("utf-8", "surrogatepass")
+
+
+def _defaultdict(r: _Reader, depth: int) -> defaultdict[Any, Any]:
+    factory = FACTORIES[r.u1()]
+    return defaultdict(factory, r.pairs(depth))
+
+
+def _deque(r: _Reader, depth: int) -> deque[Any]:
+    maxlen = r.value(depth)
+    if maxlen is not None and (type(maxlen) is not int or maxlen < 0):
+        raise ValueError(f"a deque's maxlen {maxlen!r}: expected None or an int >= 0")
+    if r.take(1) != b"l":
+        raise ValueError("a deque's items: expected a list")
+    return deque(r.items(depth), maxlen)
+
+
+def _torch_value(kind: str) -> Callable[[_Reader, int], Any]:
+    def read(r: _Reader, depth: int) -> Any:
+        import torch
+
+        if kind == "e":
+            return getattr(torch, TORCH[r.u1()])
+        if kind == "D":
+            return torch.device(r.value(depth))
+        return torch.Size([r.i8() for _ in range(r.count())])
+    return read
+
+
+_READ: dict[bytes, Callable[[_Reader, int], Any]] = {
+    b"N": lambda r, d: None, b"T": lambda r, d: True, b"F": lambda r, d: False,
+    b"q": lambda r, d: r.i8(), b"I": lambda r, d: int.from_bytes(r.take(r.u4()), "little", signed=True),
+    b"d": lambda r, d: _F8.unpack(r.take(8))[0], b"j": lambda r, d: complex(*_C16.unpack(r.take(16))),
+    b"s": _str, b"b": lambda r, d: r.take(r.u4()), b"B": lambda r, d: bytearray(r.take(r.u4())),
+    b"l": lambda r, d: r.items(d), b"t": lambda r, d: tuple(r.items(d)),
+    b"S": lambda r, d: set(r.items(d)), b"f": lambda r, d: frozenset(r.items(d)),
+    b"m": lambda r, d: dict(r.pairs(d)), b"o": lambda r, d: OrderedDict(r.pairs(d)),
+    b"C": lambda r, d: Counter(dict(r.pairs(d))), b"u": _defaultdict, b"Q": _deque,
+    b"r": lambda r, d: range(*(_int_value(r, d) for _ in range(3))),
+    b"c": lambda r, d: slice(r.value(d), r.value(d), r.value(d)),
+    b"a": _Reader.array, b"g": lambda r, d: _scalar(r),
+    b"y": lambda r, d: r.dtype(), b"x": _Reader.tensor,
+    b"z": _torch_value("z"), b"e": _torch_value("e"), b"D": _torch_value("D"),
+    b"R": lambda r, d: BufferedData(r.value(d), r.value(d), r.value(d)),
+}
+
+
+def _scalar(r: _Reader) -> Any:
+    dt = r.dtype()
+    return np.frombuffer(r.take(dt.itemsize), dt)[0]
+
+
+def _int_value(r: _Reader, depth: int) -> int:
+    v = r.value(depth)
+    if type(v) is not int:
+        raise ValueError(f"a range's bound {v!r}: expected an int")
+    return v
