@@ -608,3 +608,120 @@ def test_load_data_of_a_buffer_never_pushed_to_empties_the_buffer(deque: Callabl
     assert buffer.count() == 0 and buffer.export_data() == []
     buffer.push({"obs": np.full(2, 7, np.float32)})  # the layout stays: the buffer goes on
     assert [r.data["obs"].tolist() for r in buffer.export_data()] == [[7, 7]]
+
+
+# -- hostile slots: bytes another process (or an altered file) puts where the slots are ----------
+class _Reduce:
+    """Pickles as ``func(*args)``, then ``__setstate__(state)``: what a crafted pickle can ask for."""
+
+    def __init__(self, func: Any, args: tuple[Any, ...], state: Any = None) -> None:
+        self.func, self.args, self.state = func, args, state
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (self.func, self.args) if self.state is None else (self.func, self.args, self.state)
+
+
+def _object_array(how: str) -> _Reduce:
+    """An object array whose element is a pointer of our choosing: an object dtype with its flags
+    zeroed (numpy takes that state) lets numpy build it from bytes, by ``_frombuffer`` or by
+    ``_reconstruct`` and ``__setstate__``."""
+    try:
+        from numpy._core import multiarray, numeric
+    except ImportError:  # numpy < 2
+        from numpy.core import multiarray, numeric  # type: ignore[no-redef]
+    dtype = _Reduce(np.dtype, ("O8", False, True), (3, "|", None, None, None, -1, -1, 0))
+    pointer = (0x4141414141).to_bytes(8, "little")
+    if how == "frombuffer":
+        return _Reduce(numeric._frombuffer, (pointer, dtype, (1,), "C"))
+    return _Reduce(multiarray._reconstruct, (np.ndarray, (0,), b"b"), (1, (1,), dtype, False, pointer))
+
+
+PLANTED = {  # the way in: where the pickle goes, and the array rebuilder or the allocation it calls
+    "data slot, _frombuffer": ("data", "frombuffer"),
+    "data slot, _reconstruct": ("data", "reconstruct"),
+    "meta slot of a prioritized buffer": ("meta", "frombuffer"),
+    "save_data file": ("file", "frombuffer"),
+    "data slot, bytearray(256 MiB)": ("data", "bytearray"),
+}
+
+
+def planted(way: str, name: str, folder: str) -> None:
+    """Run in a child process (a crash must not take pytest with it): plant ``way``'s pickle, read
+    it the way a learner does, and check it is refused with ``UnsafePickle``, that nothing near the
+    asked-for size was allocated, and that the buffer still works. Prints the refusal."""
+    import pickle
+    import tracemalloc
+
+    from shmbuffer import UnsafePickle
+    from shmbuffer.compat.ding.row import META, OBJECT
+
+    where, how = PLANTED[way]
+    payload = _Reduce(bytearray, (1 << 28,)) if how == "bytearray" else _object_array(how)
+    raw = pickle.dumps(payload, protocol=5)
+    buffer = DequeBuffer(size=4, name=name)
+    reader = DequeBuffer(size=4, name=f"{name}-file")
+    try:
+        if where == "meta":
+            buffer.use(ding.PriorityExperienceReplay(buffer, IS_weight=True))
+        good = buffer.push({"obs": np.ones(2), "note": "good"}, meta={"label": 1})
+        bad = buffer.push({"obs": np.zeros(2), "note": "plain"}, meta={"label": 2})
+        store = buffer.buffer
+        assert store is not None
+        field = META if where == "meta" else OBJECT
+        slot = np.zeros(store.schema[field].shape, np.uint8)
+        slot[:len(raw)] = np.frombuffer(raw, np.uint8)
+        store.update(np.array([bad.index]), {field: slot})  # what any attached process can do
+        path = os.path.join(folder, "rows.npz")
+        if where == "file":
+            buffer.delete(bad.index)  # the altered bytes are the file's only
+            buffer.save_data(path)
+            buffer.push({"obs": np.zeros(2), "note": "plain"}, meta={"label": 2})
+            with np.load(path) as z:
+                arrays = {k: z[k] for k in z.files}
+            arrays[OBJECT][0] = slot
+            with open(path, "wb") as f:
+                np.savez(f, **arrays)
+        tracemalloc.start()
+        try:
+            if where == "file":
+                reader.load_data(path)
+                got = reader.sample(1)
+            else:
+                got = buffer.sample(2)
+        except UnsafePickle as e:
+            print("refused:", e)
+        else:
+            raise AssertionError(f"read without an error: {[type(d.data).__name__ for d in got]}")
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert peak < 1 << 20, f"the read allocated {peak} bytes at its peak"
+        if where == "file":
+            assert reader.buffer is None and reader.count() == 0  # the refused file changed nothing
+            reader.push({"obs": np.ones(2), "note": "after"})
+            assert [d.data["note"] for d in reader.sample(1)] == ["after"]
+        [again] = buffer.sample(indices=[good.index])
+        assert again.data["note"] == "good" and again.meta["label"] == 1
+        newer = buffer.push({"obs": np.ones(2), "note": "newer"}, meta={"label": 3})
+        assert buffer.sample(indices=[newer.index])[0].data["note"] == "newer"
+    finally:
+        buffer.close()
+        reader.close()
+
+
+@pytest.mark.parametrize("way", list(PLANTED))
+def test_a_planted_slot_cannot_crash_the_reader_or_forge_objects(way: str, name: str, tmp_path: Any) -> None:
+    """An object dtype with zeroed flags lets numpy's pickle build an object array whose element is
+    any pointer, which the reader's next touch follows (SIGSEGV); ``bytearray(n)`` allocates any
+    size. Planted in a data slot, a prioritized buffer's meta slot or a ``save_data`` file, each is
+    refused with ``UnsafePickle`` naming what it names; the reader lives on, the buffer works."""
+    import subprocess
+    import sys
+
+    from .test_cli import ENV, ROOT
+
+    code = f"from tests.test_compat_ding import planted; planted({way!r}, {name!r}, {str(tmp_path)!r})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 0, f"the reader exited with {proc.returncode}: {proc.stderr[-3000:]}"
+    [line] = [s for s in proc.stdout.splitlines() if s.startswith("refused:")]
+    assert f"{PLANTED[way][1]}" in line and "trusted_pickles=True" in line, line

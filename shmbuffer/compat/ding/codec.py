@@ -145,18 +145,23 @@ def decode(raw: bytes, trusted: bool) -> Any:
 
 
 def _names(raw: bytes) -> str:
-    """What a pickle names (``" naming os.system"``), read without loading it."""
-    names, strings = [], []
+    """What a pickle names (``" naming os.system"``), read without loading it: ``seen`` follows the
+    strings it pushes (``None`` for anything else) and memoizes, which ``STACK_GLOBAL`` takes."""
+    names: list[str] = []
+    seen: list[str | None] = []
+    memo: dict[Any, str | None] = {}
     try:
         for op, arg, _ in pickletools.genops(io.BytesIO(raw)):
             if op.name == "GLOBAL":
-                names.append(".".join(str(arg).split(" ", 1)))
-            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
-                names.append(f"{strings[-2]}.{strings[-1]}")
-            elif isinstance(arg, str):
-                strings.append(arg)
-            if op.name == "STOP":
-                break
+                names.append(str(arg).replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(seen) >= 2:
+                names.append(f"{seen[-2]}.{seen[-1]}")
+            elif op.name in ("MEMOIZE", "PUT", "BINPUT", "LONG_BINPUT"):
+                memo[len(memo) if op.name == "MEMOIZE" else arg] = seen[-1] if seen else None
+            elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+                seen.append(memo.get(arg))
+            elif op.name not in ("PROTO", "FRAME"):
+                seen.append(arg if isinstance(arg, str) else None)
     except Exception:  # noqa: BLE001  (only for the message: a broken pickle names what it named so far)
         pass
     return f" naming {', '.join(dict.fromkeys(names))}" if names else ""

@@ -485,7 +485,7 @@ class DequeBuffer(Facade):
     # -- files -------------------------------------------------------------------------------------
     def save_data(self, file_name: str) -> None:
         """Write every row held (fields, priorities) and the layout to ``file_name`` (an ``.npz``
-        archive whatever its name; its object slots are pickles)."""
+        archive whatever its name; its slots as ``codec`` writes them)."""
         folder = os.path.dirname(file_name)
         if folder:
             os.makedirs(folder, exist_ok=True)
@@ -496,7 +496,10 @@ class DequeBuffer(Facade):
             np.savez(f, **arrays)
 
     def load_data(self, file_name: str) -> None:
-        """Replace the rows held by those ``save_data`` wrote (they get new indices)."""
+        """Replace the rows held by those ``save_data`` wrote (they get new indices). Without
+        ``trusted_pickles``, every slot is read first: a file whose slots this buffer would not read
+        back (an altered file, or one a trusting buffer saved with pickles) raises ``UnsafePickle``
+        and changes nothing."""
         with np.load(file_name, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
         described = json.loads(str(arrays.pop("ding_layout")))
@@ -508,6 +511,7 @@ class DequeBuffer(Facade):
                                  f"{layout.object_bytes}/{layout.meta_bytes} bytes; this buffer's are "
                                  f"{store.layout.describe()} and {store.layout.object_bytes}/{store.layout.meta_bytes}: "
                                  "load it into a new DequeBuffer")
+            layout.check_slots(arrays, store.trusted, f"load_data({file_name!r})")
             buf = store.make(layout)
         else:  # the save of a buffer no row was pushed to: no rows, and no columns to check
             if store.buffer is not None:

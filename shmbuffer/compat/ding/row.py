@@ -277,6 +277,20 @@ class Layout:
             return [{} for _ in rows]
         return [{} if m is None else m for m in _unslots(fields[META][rows], trusted, ids, "meta")]
 
+    def check_slots(self, arrays: Mapping[str, Any], trusted: bool, source: str) -> None:
+        """Refuse slots in ``arrays`` (a file's rows, ``source``) that are not this layout's, or
+        (``trusted`` off) that this buffer would not read back: ``UnsafePickle`` naming the row
+        (its place in the file)."""
+        for name, size, what in ((OBJECT, self.object_bytes, "data"), (META, self.meta_bytes, "meta")):
+            if not size:
+                continue
+            slots = np.asarray(arrays.get(name, np.zeros((0, 0), np.uint8)))
+            if slots.dtype != np.uint8 or slots.ndim != 2 or slots.shape[1] != size:
+                raise ValueError(f"{source}: the {what} slots ({name}): expected rows of {size} bytes (uint8), "
+                                 f"got {slots.shape} {slots.dtype}")
+            if not trusted:
+                _unslots(slots, trusted, np.arange(len(slots)), what)
+
     def describe(self) -> str:
         """The columns, for error messages."""
         return "{" + ", ".join(f"{k!r}: {c.kind} {c.shape} {np.dtype(c.dtype).name}" for k, c in self.columns.items()) + "}"
