@@ -730,3 +730,111 @@ def test_a_planted_slot_cannot_crash_the_reader_or_forge_objects(way: str, name:
     assert proc.returncode == 0, f"the reader exited with {proc.returncode}: {proc.stderr[-3000:]}"
     [line] = [s for s in proc.stdout.splitlines() if s.startswith("refused:")]
     assert f"{PLANTED[way][1]}" in line and "trusted_pickles=True" in line, line
+
+
+def test_slots_keep_plain_data_of_every_kind(deque: Callable[..., DequeBuffer]) -> None:
+    """Without ``trusted_pickles``, every plain kind a push's leftovers can hold reads back equal,
+    of its type; an object array is refused at the push, naming its dtype, and stored with
+    ``trusted_pickles=True``."""
+    import collections
+
+    from shmbuffer import UnsafePickle
+
+    counts: collections.defaultdict[str, list[int]] = collections.defaultdict(list, {"a": [1]})
+    value = {
+        "nested": [("t", 2**80, -2**63, 1.5, 2 + 3j, None, True), {"k": b"raw", 3: bytearray(b"ba")}],
+        "sets": (set([1, "a"]), frozenset([2.5])), "range": range(1, 9, 2), "slice": slice(None, 4, None),
+        "ordered": collections.OrderedDict(b=1, a=2), "counter": collections.Counter("abca"), "counts": counts,
+        "window": collections.deque([1, 2], maxlen=3), "text": "é\ud800",
+        "arrays": [np.arange(6, dtype=">i4").reshape(2, 3), np.asfortranarray(np.ones((2, 3))), np.array(7.0),
+                   np.zeros((0, 4), np.uint8), np.array([True, False]), np.array(["s", "tu"]), np.array([b"x"]),
+                   np.array(["2024-01-02"], "datetime64[D]"), np.ones(2, np.complex64)],
+        "scalars": [np.float16(1.5), np.bool_(True), np.uint64(2**64 - 1), np.dtype("<f4")],
+        "tensors": [torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), torch.ones(2, requires_grad=True),
+                    torch.tensor(3, dtype=torch.int8), torch.ones(3)[::2], torch.Size([2, 3]),
+                    torch.device("cpu"), torch.float16],
+        "row": BufferedData(data=[1], index=4, meta={"m": 1}),
+    }
+    buffer = deque(size=2, object_bytes=4096)
+    item = buffer.push(value, meta={"nested": value["nested"]})
+    [got] = buffer.sample(indices=[item.index])
+
+    def same(a: Any, b: Any) -> bool:
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, np.ndarray):
+            return a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all()) and a.flags.writeable
+        if isinstance(a, torch.Tensor):
+            return a.dtype == b.dtype and torch.equal(a.detach(), b.detach()) and a.requires_grad == b.requires_grad
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+        if isinstance(a, dict):
+            return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+        return bool(a == b)
+
+    assert same(got.data, value) and got.data["counts"].default_factory is list
+    assert got.data["window"].maxlen == 3 and same(got.meta["nested"], value["nested"])
+    objects = np.array([1, "one"], dtype=object)
+    with pytest.raises(UnsafePickle, match=r"numpy\.ndarray of dtype object.*trusted_pickles=True"):
+        buffer.push({"objects": objects})
+    assert buffer.count() == 1
+    trusting = deque(size=2, trusted_pickles=True)
+    stored = trusting.push({"objects": objects})
+    assert trusting.sample(indices=[stored.index])[0].data["objects"].tolist() == [1, "one"]
+
+
+def _u4(n: int) -> bytes:
+    return n.to_bytes(4, "little")
+
+
+def _i8(n: int) -> bytes:
+    return n.to_bytes(8, "little", signed=True)
+
+
+CRAFTED = {  # bytes for a slot, and what the refusal says
+    "a string longer than the slot": (b"s" + _u4(2**32 - 1), "needs 4294967295 bytes"),
+    "a list of more items than bytes": (b"l" + _u4(10**9), "a count of 1000000000"),
+    "a huge array": (b"a\x03<f8\x02" + _i8(2**40) + _i8(2**40), "bytes, the slot has"),
+    "a huge tensor": (b"x\x02\x00s" + _u4(3) + b"cpu\x01" + _i8(2**50), "bytes, the slot has"),
+    "a negative size": (b"a\x03<f8\x01" + _i8(-8), "expected at most 32 sizes >= 0"),
+    "an object dtype": (b"a\x03|O8\x01" + _i8(1) + _i8(0x4141414141), "dtype '|O8'"),
+    "a structured dtype": (b"y\x03|V8", "dtype '|V8'"),
+    "a dtype not as numpy writes it": (b"y\x03<b1", "dtype '<b1'"),
+    "a huge int": (b"I" + _u4(2**31), "needs 2147483648 bytes"),
+    "values nested too deep": (b"l\x01\x00\x00\x00" * 150 + b"N", "nest more than 100 deep"),
+    "an unknown tag": (b"Z", "unknown tag"),
+    "bytes after the value": (b"N\x05", "bytes follow the value"),
+    "a torch dtype out of the table": (b"e\xff", "IndexError"),
+    "a defaultdict factory out of the table": (b"u\x09" + _u4(0), "IndexError"),
+    "an unhashable key": (b"m" + _u4(1) + b"l" + _u4(0) + b"N", "unhashable"),
+    "a deque of a negative length": (b"Q" + b"q" + _i8(-1) + b"l" + _u4(0), "maxlen"),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_crafted_slot_bytes_are_refused_without_allocating(deque: Callable[..., DequeBuffer], case: str) -> None:
+    """Bytes in this facade's own encoding, crafted: each raises ``UnsafePickle`` naming the row and
+    why, allocating nothing near what they ask for; the buffer reads its other rows."""
+    import tracemalloc
+
+    from shmbuffer import UnsafePickle
+    from shmbuffer.compat.ding.row import OBJECT
+
+    buffer = deque(size=4)
+    good = buffer.push({"obs": np.ones(2), "note": "good"})
+    bad = buffer.push({"obs": np.zeros(2), "note": "plain"})
+    store = buffer.buffer
+    assert store is not None
+    raw, says = CRAFTED[case]
+    slot = np.zeros(store.schema[OBJECT].shape, np.uint8)
+    slot[:1 + len(raw)] = np.frombuffer(b"\x01" + raw, np.uint8)
+    store.update(np.array([bad.index]), {OBJECT: slot})
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsafePickle, match=f"row {bad.index}'s data slot does not hold what this buffer writes") as e:
+            buffer.sample(indices=[bad.index])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert says in str(e.value) and peak < 1 << 20
+    assert buffer.sample(indices=[good.index])[0].data["note"] == "good"

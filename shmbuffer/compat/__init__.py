@@ -14,7 +14,7 @@ constructor where the library has one (Velora, MindSpore RL), else from the firs
 nerveX). nerveX's, Velora's and MindSpore RL's rows must keep the same numeric fields, shapes and
 dtypes, and what cannot be stored that way (a string, a Python object, a nested dict) is refused
 with ``TypeError`` saying what to push instead. DI-engine's buffer stores any object, so its facade
-pickles what the columns do not take into fixed-size slots of the row (see ``ding.py``). Each facade's ``buffer`` is its ``ReplayBuffer``; ``close()`` (or ``with``)
+encodes what the columns do not take into fixed-size slots of the row (see ``ding``). Each facade's ``buffer`` is its ``ReplayBuffer``; ``close()`` (or ``with``)
 closes it and, in the creating process, removes it.
 
 This package imports the root package; nothing below it imports this package.

@@ -73,7 +73,6 @@ import pickle
 import pickletools
 import re
 import struct
-import sys
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -162,7 +161,7 @@ def _names(raw: bytes) -> str:
                 seen.append(memo.get(arg))
             elif op.name not in ("PROTO", "FRAME"):
                 seen.append(arg if isinstance(arg, str) else None)
-    except Exception:  # noqa: BLE001  (only for the message: a broken pickle names what it named so far)
+    except Exception:  # only for the message: a broken pickle names what it named up to there
         pass
     return f" naming {', '.join(dict.fromkeys(names))}" if names else ""
 

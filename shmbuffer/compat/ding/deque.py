@@ -150,11 +150,12 @@ class DequeBuffer(Facade):
     :param meta_bytes: bytes of each row's meta slot.
     :param name: the shared-memory block's name.
     :param seed: seeds the sampling.
-    :param trusted_pickles: load any class from the object and meta slots. By default only plain
-        data is unpickled (builtins, containers, numpy arrays and scalars, torch tensors, the
-        facade's own types) and anything else raises ``UnsafePickle``: a process that can attach
-        to the shared block can write any bytes into a slot, and unpickling runs code. Turn it
-        on only when every process that can attach to the buffer is trusted.
+    :param trusted_pickles: pickle the object and meta slots, and load pickles from them: any
+        class. By default slots hold plain data (builtins, containers, numpy arrays, scalars and
+        dtypes of plain kinds, torch tensors, ``BufferedData``) in ``codec``'s encoding, and
+        anything else raises ``UnsafePickle``: a process that can attach to the shared block can
+        write any bytes into a slot, and unpickling runs code. Turn it on only when every process
+        that can attach to the buffer (and every ``save_data`` file it loads) is trusted.
     """
 
     def __init__(self, size: int, sliced: bool = False, *, object_bytes: int | None = None,

@@ -1,6 +1,6 @@
 """The row of ``shmbuffer.compat.ding``: which values of a push get a column of their own, and the
-object and meta slots (a pickle in a fixed-size ``uint8`` field) that take the rest (``Layout``);
-``BufferedData``, the row as DI-engine returns it. The package's docstring describes the row.
+object and meta slots (fixed-size ``uint8`` fields, their bytes as ``codec`` specifies) that take
+the rest (``Layout``). The package's docstring describes the row.
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def _unslots(slots: np.ndarray, trusted: bool, ids: np.ndarray, what: str) -> li
             out.append(codec.decode(slots[j].tobytes(), trusted))
         except UnsafePickle as e:
             raise UnsafePickle(f"DequeBuffer: row {int(ids[j])}'s {what}: {e}") from None
-        except Exception as e:  # noqa: BLE001  (garbage in the slot, whatever it makes a reader raise)
+        except Exception as e:  # bytes no writer of this buffer wrote, whatever they make the reader raise
             raise UnsafePickle(f"DequeBuffer: row {int(ids[j])}'s {what} slot does not hold what this buffer "
                                f"writes ({type(e).__name__}: {e}); another process wrote bytes into it directly, "
                                "or a save_data file was altered. Delete the row (buffer.delete) or clear the "
