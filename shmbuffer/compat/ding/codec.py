@@ -7,7 +7,8 @@ builds only plain values: it runs no code, makes no object that holds a pointer 
 dtype, no class), and allocates nothing larger than the slot. A slot of ``n`` bytes holds one of:
 
 * zeros: no object (``None``);
-* ``0x01`` (the encoding's version), one *value*, then zeros to the slot's end;
+* ``0x01`` (the encoding's version), one *value*, then zeros to the slot's end (a reader
+  ignores what follows the value);
 * ``0x80``: a pickle (protocol 5, whose first byte is ``0x80``), then zeros. Only a ``DequeBuffer``
   made with ``trusted_pickles=True`` writes pickles (any class) or reads them; any other reader
   raises ``UnsafePickle`` naming what the pickle names, without loading it.
@@ -68,6 +69,7 @@ as this encoding raise ``UnsafePickle``, naming the row. Shared references and c
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import pickletools
@@ -125,10 +127,10 @@ def decode(raw: bytes, trusted: bool) -> Any:
     are not a value this module wrote, ``UnsafePickle`` for a pickle unless ``trusted``."""
     first = raw[0] if raw else 0
     if first == VERSION:
-        reader = _Reader(raw)
-        value = reader.value(0)
-        if len(raw.rstrip(b"\0")) > reader.pos:
-            raise ValueError(f"bytes follow the value at offset {reader.pos}")
+        try:
+            value, _ = _value(raw, 1, 0)
+        except (IndexError, struct.error):
+            raise ValueError("the slot ends inside a value") from None
         return value
     if first == PICKLED:
         if trusted:
@@ -193,11 +195,17 @@ def _int(out: bytearray, v: int) -> None:
 
 
 def _dtype(out: bytearray, dt: np.dtype[Any], owner: Any) -> None:
-    s = dt.str
-    if not _DTYPE.fullmatch(s):
+    name = _name(dt)
+    if name is None:
         raise _refuse(owner, f" of dtype {dt}")
-    out += bytes((len(s),))
-    out += s.encode("ascii")
+    out += name
+
+
+@functools.lru_cache(maxsize=256)
+def _name(dt: np.dtype[Any]) -> bytes | None:
+    """``dt`` as this encoding writes it (``u1`` length, ``dtype.str``), ``None`` if it is not stored."""
+    s = dt.str
+    return bytes((len(s),)) + s.encode("ascii") if _DTYPE.fullmatch(s) else None
 
 
 def _dims(out: bytearray, shape: tuple[int, ...]) -> None:
@@ -302,140 +310,198 @@ def _torch(out: bytearray, v: Any, depth: int) -> None:
 
 
 # -- reading -------------------------------------------------------------------------------------
-class _Reader:
-    """Reads one value from ``raw`` at ``pos``; any length larger than the bytes left is refused
-    before anything is made of it."""
+def _value(raw: bytes, pos: int, depth: int) -> tuple[Any, int]:
+    """The value at ``pos`` and where it ends. Fixed-size reads past the end raise ``IndexError``
+    or ``struct.error`` (``decode`` words them); every length is checked before it is used."""
+    if depth > DEPTH:
+        raise ValueError(f"values nest more than {DEPTH} deep")
+    tag = raw[pos:pos + 1]
+    pos += 1
+    if tag == b"s":
+        n, pos = _length(raw, pos)
+        return raw[pos:pos + n].decode("utf-8", "surrogatepass"), pos + n
+    if tag == b"q":
+        return _I8.unpack_from(raw, pos)[0], pos + 8
+    if tag == b"d":
+        return _F8.unpack_from(raw, pos)[0], pos + 8
+    build = _CONTAINERS.get(tag)
+    if build is not None:
+        n, pos = _length(raw, pos)
+        items: list[Any] = []
+        append, size = items.append, len(raw)
+        for _ in range(2 * n if tag in (b"m", b"o", b"C") else n):
+            # the leaves read here, not by a call each: most values are leaves, and the calls
+            # would double a read's time
+            kind = raw[pos]
+            if kind == 0x73:  # "s"
+                m = _U4.unpack_from(raw, pos + 1)[0]
+                pos += 5
+                if m > size - pos:
+                    raise ValueError(f"a length of {m} at offset {pos - 4}, the slot has {size - pos} bytes left")
+                append(raw[pos:pos + m].decode("utf-8", "surrogatepass"))
+                pos += m
+            elif kind == 0x71:  # "q"
+                append(_I8.unpack_from(raw, pos + 1)[0])
+                pos += 9
+            elif kind == 0x64:  # "d"
+                append(_F8.unpack_from(raw, pos + 1)[0])
+                pos += 9
+            elif kind == 0x4E:  # "N"
+                append(None)
+                pos += 1
+            else:
+                item, pos = _value(raw, pos, depth + 1)
+                append(item)
+        return build(items), pos
+    if tag in (b"N", b"T", b"F"):
+        return _CONSTANTS[tag], pos
+    read = _READ.get(tag)
+    if read is None:
+        raise ValueError(f"unknown tag {tag!r} at offset {pos - 1}")
+    return read(raw, pos, depth + 1)
 
-    def __init__(self, raw: bytes) -> None:
-        self.raw, self.pos = raw, 1
 
-    def take(self, n: int) -> bytes:
-        if n > len(self.raw) - self.pos:
-            raise ValueError(f"a value at offset {self.pos} needs {n} bytes, the slot has {len(self.raw) - self.pos} left")
-        self.pos += n
-        return self.raw[self.pos - n:self.pos]
+def _length(raw: bytes, pos: int) -> tuple[int, int]:
+    """A ``u4`` length (of bytes, or of items that take a byte at least) no longer than the slot's rest."""
+    n: int = _U4.unpack_from(raw, pos)[0]
+    if n > len(raw) - pos - 4:
+        raise ValueError(f"a length of {n} at offset {pos}, the slot has {len(raw) - pos - 4} bytes left")
+    return n, pos + 4
 
-    def u1(self) -> int:
-        return self.take(1)[0]
 
-    def u4(self) -> int:
-        n: int = _U4.unpack(self.take(4))[0]
-        return n
+def _dtype_at(raw: bytes, pos: int) -> tuple[np.dtype[Any], int]:
+    n = raw[pos]
+    return _checked(raw[pos + 1:pos + 1 + n]), pos + 1 + n
 
-    def i8(self) -> int:
-        n: int = _I8.unpack(self.take(8))[0]
-        return n
 
-    def value(self, depth: int) -> Any:
-        if depth > DEPTH:
-            raise ValueError(f"values nest more than {DEPTH} deep")
-        tag = self.take(1)
-        read = _READ.get(tag)
-        if read is None:
-            raise ValueError(f"unknown tag {tag!r} at offset {self.pos - 1}")
-        return read(self, depth + 1)
+@functools.lru_cache(maxsize=256)
+def _checked(name: bytes) -> np.dtype[Any]:
+    """The dtype ``name`` (``dtype.str``) names, if it is one this encoding stores."""
+    s = name.decode("ascii", "replace")
+    if not _DTYPE.fullmatch(s) or np.dtype(s).str != s:
+        raise ValueError(f"dtype {s!r}: expected a bool, number, fixed-width string or datetime dtype, "
+                         "as numpy writes it")
+    return np.dtype(s)
 
-    def count(self) -> int:
-        n = self.u4()
-        if n > len(self.raw) - self.pos:  # every item takes a byte at least
-            raise ValueError(f"a count of {n} at offset {self.pos - 4}, the slot has {len(self.raw) - self.pos} bytes left")
-        return n
 
-    def items(self, depth: int) -> list[Any]:
-        return [self.value(depth) for _ in range(self.count())]
-
-    def pairs(self, depth: int) -> list[tuple[Any, Any]]:
-        return [(self.value(depth), self.value(depth)) for _ in range(self.count())]
-
-    def dtype(self) -> np.dtype[Any]:
-        s = self.take(self.u1()).decode("ascii", "replace")
-        if not _DTYPE.fullmatch(s) or np.dtype(s).str != s:
-            raise ValueError(f"dtype {s!r}: expected a bool, number, fixed-width string or datetime dtype")
-        return np.dtype(s)
-
-    def shape(self, itemsize: int) -> tuple[tuple[int, ...], bytes]:
-        dims = tuple(self.i8() for _ in range(self.u1()))
-        if any(n < 0 for n in dims) or len(dims) > 32:
+def _data_at(raw: bytes, pos: int, itemsize: int) -> tuple[tuple[int, ...], int, int]:
+    """An array's dims, and where its ``prod(dims) * itemsize`` bytes start, checked against the slot's rest."""
+    ndim = raw[pos]
+    dims = struct.unpack_from(f"<{ndim}q", raw, pos + 1)
+    pos += 1 + 8 * ndim
+    n = itemsize
+    for d in dims:
+        if d < 0 or ndim > 32:
             raise ValueError(f"shape {dims}: expected at most 32 sizes >= 0")
-        n = itemsize
-        for d in dims:
-            n *= d
-        return dims, self.take(n)
-
-    def array(self, depth: int) -> np.ndarray:
-        dt = self.dtype()
-        dims, raw = self.shape(dt.itemsize)
-        return np.frombuffer(raw, dt).reshape(dims).copy()  # its own, writable memory
-
-    def tensor(self, depth: int) -> Any:
-        import torch
-
-        dt = getattr(torch, TORCH[self.u1()])
-        grad = self.u1()
-        device = torch.device(self.value(depth))
-        dims, raw = self.shape(torch.empty((), dtype=dt).element_size())
-        out = torch.empty(dims, dtype=dt)
-        if raw:
-            out.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(raw, np.uint8)
-        out = out.to(device)
-        return out.requires_grad_() if grad else out
+        n *= d
+    if n > len(raw) - pos:
+        raise ValueError(f"an array of {n} bytes at offset {pos}, the slot has {len(raw) - pos} bytes left")
+    return dims, pos, pos + n
 
 
-def _str(r: _Reader, depth: int) -> str:
-    return r.take(r.u4()).decode("utf-8", "surrogatepass")
+def _array(raw: bytes, pos: int, depth: int) -> tuple[np.ndarray, int]:
+    dt, pos = _dtype_at(raw, pos)
+    dims, start, pos = _data_at(raw, pos, dt.itemsize)
+    count = (pos - start) // dt.itemsize
+    return np.frombuffer(raw, dt, count, start).reshape(dims).copy(), pos  # its own, writable memory
 
 
-def _defaultdict(r: _Reader, depth: int) -> defaultdict[Any, Any]:
-    factory = FACTORIES[r.u1()]
-    return defaultdict(factory, r.pairs(depth))
+def _scalar(raw: bytes, pos: int, depth: int) -> tuple[Any, int]:
+    dt, pos = _dtype_at(raw, pos)
+    return np.frombuffer(raw, dt, 1, pos)[0], pos + dt.itemsize  # numpy checks the item is in the slot
 
 
-def _deque(r: _Reader, depth: int) -> deque[Any]:
-    maxlen = r.value(depth)
-    if maxlen is not None and (type(maxlen) is not int or maxlen < 0):
-        raise ValueError(f"a deque's maxlen {maxlen!r}: expected None or an int >= 0")
-    if r.take(1) != b"l":
-        raise ValueError("a deque's items: expected a list")
-    return deque(r.items(depth), maxlen)
+def _sized(raw: bytes, pos: int, depth: int) -> tuple[bytes, int]:
+    n, pos = _length(raw, pos)
+    return raw[pos:pos + n], pos + n
 
 
-def _torch_value(kind: str) -> Callable[[_Reader, int], Any]:
-    def read(r: _Reader, depth: int) -> Any:
-        import torch
+def _table(table: tuple[Any, ...], raw: bytes, pos: int, what: str) -> Any:
+    if raw[pos] >= len(table):
+        raise ValueError(f"{what} number {raw[pos]} at offset {pos}: expected < {len(table)}")
+    return table[raw[pos]]
 
-        if kind == "e":
-            return getattr(torch, TORCH[r.u1()])
-        if kind == "D":
-            return torch.device(r.value(depth))
-        return torch.Size([r.i8() for _ in range(r.count())])
+
+def _tensor(raw: bytes, pos: int, depth: int) -> tuple[Any, int]:
+    import torch
+
+    dt = getattr(torch, _table(TORCH, raw, pos, "torch dtype"))
+    grad = raw[pos + 1]
+    device, pos = _value(raw, pos + 2, depth)
+    dims, start, pos = _data_at(raw, pos, torch.empty((), dtype=dt).element_size())
+    out = torch.empty(dims, dtype=dt)
+    if pos > start:
+        out.reshape(-1).view(torch.uint8).numpy()[:] = np.frombuffer(raw, np.uint8, pos - start, start)
+    out = out.to(torch.device(device))
+    return (out.requires_grad_() if grad else out), pos
+
+
+def _torch_small(raw: bytes, pos: int, depth: int) -> tuple[Any, int]:
+    import torch
+
+    tag = raw[pos - 1:pos]
+    if tag == b"e":
+        return getattr(torch, _table(TORCH, raw, pos, "torch dtype")), pos + 1
+    if tag == b"D":
+        name, pos = _value(raw, pos, depth)
+        return torch.device(name), pos
+    n, pos = _length(raw, pos)
+    return torch.Size(struct.unpack_from(f"<{n}q", raw, pos)), pos + 8 * n
+
+
+def _values(n: int) -> Callable[[bytes, int, int], tuple[list[Any], int]]:
+    def read(raw: bytes, pos: int, depth: int) -> tuple[list[Any], int]:
+        out = []
+        for _ in range(n):
+            value, pos = _value(raw, pos, depth)
+            out.append(value)
+        return out, pos
     return read
 
 
-_READ: dict[bytes, Callable[[_Reader, int], Any]] = {
-    b"N": lambda r, d: None, b"T": lambda r, d: True, b"F": lambda r, d: False,
-    b"q": lambda r, d: r.i8(), b"I": lambda r, d: int.from_bytes(r.take(r.u4()), "little", signed=True),
-    b"d": lambda r, d: _F8.unpack(r.take(8))[0], b"j": lambda r, d: complex(*_C16.unpack(r.take(16))),
-    b"s": _str, b"b": lambda r, d: r.take(r.u4()), b"B": lambda r, d: bytearray(r.take(r.u4())),
-    b"l": lambda r, d: r.items(d), b"t": lambda r, d: tuple(r.items(d)),
-    b"S": lambda r, d: set(r.items(d)), b"f": lambda r, d: frozenset(r.items(d)),
-    b"m": lambda r, d: dict(r.pairs(d)), b"o": lambda r, d: OrderedDict(r.pairs(d)),
-    b"C": lambda r, d: Counter(dict(r.pairs(d))), b"u": _defaultdict, b"Q": _deque,
-    b"r": lambda r, d: range(*(_int_value(r, d) for _ in range(3))),
-    b"c": lambda r, d: slice(r.value(d), r.value(d), r.value(d)),
-    b"a": _Reader.array, b"g": lambda r, d: _scalar(r),
-    b"y": lambda r, d: r.dtype(), b"x": _Reader.tensor,
-    b"z": _torch_value("z"), b"e": _torch_value("e"), b"D": _torch_value("D"),
-    b"R": lambda r, d: BufferedData(r.value(d), r.value(d), r.value(d)),
+def _then(read: Callable[[bytes, int, int], tuple[Any, int]],
+          make: Callable[[Any], Any]) -> Callable[[bytes, int, int], tuple[Any, int]]:
+    def both(raw: bytes, pos: int, depth: int) -> tuple[Any, int]:
+        value, pos = read(raw, pos, depth)
+        return make(value), pos
+    return both
+
+
+def _defaultdict(raw: bytes, pos: int, depth: int) -> tuple[defaultdict[Any, Any], int]:
+    factory = _table(FACTORIES, raw, pos, "defaultdict factory")
+    n, pos = _length(raw, pos + 1)
+    items, pos = _values(2 * n)(raw, pos, depth)
+    return defaultdict(factory, _pairs(items)), pos
+
+
+def _deque(raw: bytes, pos: int, depth: int) -> tuple[deque[Any], int]:
+    (maxlen, items), pos = _values(2)(raw, pos, depth)
+    if (maxlen is not None and (type(maxlen) is not int or maxlen < 0)) or type(items) is not list:
+        raise ValueError(f"a deque at offset {pos}: expected its maxlen (None or an int >= 0), then a list")
+    return deque(items, maxlen), pos
+
+
+def _range(values: list[Any]) -> range:
+    if any(type(v) is not int for v in values):
+        raise ValueError(f"a range of {values}: expected ints")
+    return range(*values)
+
+
+def _pairs(items: list[Any]) -> Any:
+    return zip(items[::2], items[1::2], strict=True)
+
+
+_CONTAINERS: dict[bytes, Callable[[list[Any]], Any]] = {
+    b"l": lambda items: items, b"t": tuple, b"m": lambda items: dict(_pairs(items)), b"S": set,
+    b"f": frozenset, b"o": lambda items: OrderedDict(_pairs(items)), b"C": lambda items: Counter(dict(_pairs(items))),
 }
-
-
-def _scalar(r: _Reader) -> Any:
-    dt = r.dtype()
-    return np.frombuffer(r.take(dt.itemsize), dt)[0]
-
-
-def _int_value(r: _Reader, depth: int) -> int:
-    v = r.value(depth)
-    if type(v) is not int:
-        raise ValueError(f"a range's bound {v!r}: expected an int")
-    return v
+_CONSTANTS = {b"N": None, b"T": True, b"F": False}
+_READ: dict[bytes, Callable[[bytes, int, int], tuple[Any, int]]] = {
+    b"I": _then(_sized, lambda raw: int.from_bytes(raw, "little", signed=True)),
+    b"j": lambda raw, pos, d: (complex(*_C16.unpack_from(raw, pos)), pos + 16),
+    b"b": _sized, b"B": _then(_sized, bytearray), b"u": _defaultdict,
+    b"Q": _deque, b"r": _then(_values(3), _range), b"c": _then(_values(3), lambda v: slice(*v)),
+    b"a": _array, b"g": _scalar, b"y": lambda raw, pos, d: _dtype_at(raw, pos), b"x": _tensor,
+    b"z": _torch_small, b"e": _torch_small, b"D": _torch_small,
+    b"R": _then(_values(3), lambda v: BufferedData(*v)),
+}
