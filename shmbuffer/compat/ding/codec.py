@@ -36,8 +36,8 @@ tag     value                            body
 ``m``   ``dict``                         ``u4`` count, key and value values in turn
 ``o``   ``collections.OrderedDict``      as ``m``
 ``C``   ``collections.Counter``          as ``m``
-``u``   ``collections.defaultdict``      ``u1`` factory (``FACTORIES``), then as ``m``
-``Q``   ``collections.deque``            ``maxlen`` (a ``N`` or ``q`` value), then as ``l``
+``u``   ``collections.defaultdict``      ``u1`` factory (``FACTORIES``), then ``m``'s body
+``Q``   ``collections.deque``            ``maxlen`` (an ``N`` or ``q`` value), the items (an ``l`` value)
 ``r``   ``range``                        start, stop, step (three ``q``/``I`` values)
 ``c``   ``slice``                        start, stop, step (three values)
 ``a``   ``numpy.ndarray``                dtype, ``u1`` ndim, ndim ``i8`` dims, the bytes
@@ -62,7 +62,8 @@ stores it as a pickle.
 
 The reader checks every length, count and array size against the bytes left in the slot before it
 makes anything, every value takes at least one byte, and values nest at most ``DEPTH`` deep: a slot
-of ``n`` bytes reads as at most ``n`` objects, none larger than ``n`` bytes. Bytes it does not read
+of ``n`` bytes reads as at most ``n`` objects, an array, tensor, ``bytes`` or ``int`` of at most
+``n`` bytes, a ``str`` of at most ``n`` characters. Bytes it does not read
 as this encoding raise ``UnsafePickle``, naming the row. Shared references and cycles are not kept
 (a value referenced twice is written twice; a cycle is refused as too deep).
 """
