@@ -489,11 +489,13 @@ def _range(values: list[Any]) -> range:
 
 
 def _pairs(items: list[Any]) -> Any:
-    return zip(items[::2], items[1::2], strict=True)
+    """Keys and values in turn, as pairs (``items`` has an even length)."""
+    it = iter(items)
+    return zip(it, it)
 
 
 _CONTAINERS: dict[bytes, Callable[[list[Any]], Any]] = {
-    b"l": lambda items: items, b"t": tuple, b"m": lambda items: dict(_pairs(items)), b"S": set,
+    b"l": lambda items: items, b"t": tuple, b"m": lambda items: dict(zip(*[iter(items)] * 2)), b"S": set,
     b"f": frozenset, b"o": lambda items: OrderedDict(_pairs(items)), b"C": lambda items: Counter(dict(_pairs(items))),
 }
 _CONSTANTS = {b"N": None, b"T": True, b"F": False}
