@@ -799,6 +799,7 @@ CRAFTED = {  # bytes for a slot, and what the refusal says
     "a negative size": (b"a\x03<f8\x01" + _i8(-8), "expected at most 32 sizes >= 0"),
     "an object dtype": (b"a\x03|O8\x01" + _i8(1) + _i8(0x4141414141), "dtype '|O8'"),
     "a structured dtype": (b"y\x03|V8", "dtype '|V8'"),
+    "a dtype of items of no bytes": (b"a\x03|S0\x01" + _i8(2**62), "dtype '|S0'"),
     "a dtype not as numpy writes it": (b"y\x03<b1", "dtype '<b1'"),
     "a huge int": (b"I" + _u4(2**31), "a length of 2147483648"),
     "values nested too deep": (b"l\x01\x00\x00\x00" * 150 + b"N", "nest more than 100 deep"),

@@ -54,8 +54,8 @@ tag     value                            body
 
 A numpy dtype is ``u1`` length then its ASCII ``dtype.str``, which must be a kind whose items are
 plain bytes: bool, numbers, fixed-width strings, datetimes (``|b1``, ``<i8``, ``>f4``, ``<c16``,
-``<U5``, ``|S3``, ``<M8[ns]``: ``[<>|]``, then ``[biufcSU]`` and a size or ``[mM]8`` and a unit), as
-numpy itself writes it. An array's or a tensor's bytes are its items in C order,
+``<U5``, ``|S3``, ``<M8[ns]``: ``[<>|]``, then ``[biufcSU]`` and a size from 1, or ``[mM]8`` and a
+unit), as numpy itself writes it. An array's or a tensor's bytes are its items in C order,
 ``prod(dims) * itemsize`` of them. Anything else (an object or structured array, a subclass, a
 user's class) is refused at the push with ``UnsafePickle`` naming it; ``trusted_pickles=True``
 stores it as a pickle.
@@ -96,7 +96,7 @@ FACTORIES: tuple[Any, ...] = (None, list, dict, set, int, float, str, tuple)
 """The ``default_factory`` of a ``defaultdict`` stored, by number."""
 _PICKLE = 5
 _U4, _I8, _F8, _C16 = struct.Struct("<I"), struct.Struct("<q"), struct.Struct("<d"), struct.Struct("<dd")
-_DTYPE = re.compile(r"[<>|]([biufcSU][0-9]{1,9}|[mM]8(\[[0-9]{0,9}[a-zA-Z]{1,2}\])?)")
+_DTYPE = re.compile(r"[<>|]([biufcSU][1-9][0-9]{0,8}|[mM]8(\[[0-9]{0,9}[a-zA-Z]{1,2}\])?)")
 _MAPS: dict[type, bytes] = {dict: b"m", OrderedDict: b"o", Counter: b"C"}
 _SEQS: dict[type, bytes] = {list: b"l", tuple: b"t", set: b"S", frozenset: b"f"}
 
@@ -491,11 +491,11 @@ def _range(values: list[Any]) -> range:
 def _pairs(items: list[Any]) -> Any:
     """Keys and values in turn, as pairs (``items`` has an even length)."""
     it = iter(items)
-    return zip(it, it)
+    return zip(it, it, strict=True)
 
 
 _CONTAINERS: dict[bytes, Callable[[list[Any]], Any]] = {
-    b"l": lambda items: items, b"t": tuple, b"m": lambda items: dict(zip(*[iter(items)] * 2)), b"S": set,
+    b"l": lambda items: items, b"t": tuple, b"m": lambda items: dict(_pairs(items)), b"S": set,
     b"f": frozenset, b"o": lambda items: OrderedDict(_pairs(items)), b"C": lambda items: Counter(dict(_pairs(items))),
 }
 _CONSTANTS = {b"N": None, b"T": True, b"F": False}
