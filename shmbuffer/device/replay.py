@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import arguments
 from ..batch import Batch, torch_views
 from ..errors import ClosedError, EmptyBufferError, FieldError, LayoutError
 from ..frames import Stack, stack_columns, stack_plan
@@ -133,13 +134,13 @@ class DeviceReplay(DeviceRows):
         for name, value in (("max_lag_rows", max_lag_rows), ("chunk", chunk)):
             if value is not None and (type(value) is not int or value < (1 if name == "chunk" else 0)):
                 raise ValueError(f"DeviceReplay: {name} must be an int >= {1 if name == 'chunk' else 0}, got {value!r}")
-        if max_lag_s is not None and not max_lag_s >= 0:
-            raise ValueError(f"DeviceReplay: max_lag_s must be a number >= 0, got {max_lag_s!r}")
+        if max_lag_s is not None:
+            arguments.timeout(max_lag_s, "DeviceReplay: max_lag_s")
+        seeds = arguments.seeds(seed, "DeviceReplay: seed")
         super().__init__(buf, device, chunk)
         self.max_lag_rows, self.max_lag_s = max_lag_rows, max_lag_s
         self.spec = opts.frames
         """The buffer's frames stored once (``next_of``/``stack``), or ``None``."""
-        seeds = np.random.SeedSequence(seed)
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(seeds.generate_state(1)[0]))
         self._rng = seeds.spawn(1)[0].generate_state(4, np.uint64)
