@@ -113,6 +113,8 @@ def _check_sample_keywords(buffer: Any, sample: Any, kwargs: dict[str, Any]) -> 
     unknown = {k: v for k, v in kwargs.items() if k not in named}
     if named and unknown:  # a sample(n, **kwargs) (a Mix's) passes them on: its sources check them
         raise hints.keyword_error("Loader", unknown)
+    if kwargs.get("timeout") is not None:
+        arguments.timeout(kwargs["timeout"], "Loader: timeout")
 
 
 class _Handoff:
@@ -296,7 +298,7 @@ class Loader:
         if limiter is None:
             return self.buffer.sample(self._batch_size, **kwargs)
         given = kwargs.pop("timeout", None)
-        total = limiter.timeout if given is None else arguments.timeout(given, "Loader: timeout")
+        total = limiter.timeout if given is None else float(given)  # checked by _check_sample_keywords
         deadline = time.monotonic() + total
         while True:
             left = max(deadline - time.monotonic(), 0.0)
