@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from . import hindsight as her
 from . import arguments, hints, persistence, sequences, views
+from . import hindsight as her
 from .batch import Batch
 from .errors import closed
 from .loader import Loader

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import hindsight as her
 from . import arguments, hints, native, sequences
+from . import hindsight as her
 from .batch import Batch
 from .errors import EmptyBufferError
 from .protocol import reader

@@ -194,7 +194,8 @@ class RecordTransitions(_VectorWrapper):
     def step(self, actions: Any) -> Any:
         """Step the envs and push one row per env that made a transition."""
         obs, reward, terminated, truncated, info = self.env.step(actions)
-        if self._obs is None:
+        before = self._obs
+        if before is None:
             raise RuntimeError("RecordTransitions: step before reset; call reset() first")
         obs = np.array(obs)
         terminated = np.asarray(terminated, bool)
@@ -205,7 +206,7 @@ class RecordTransitions(_VectorWrapper):
         moved = ~self._resetting if self.autoreset_mode == NEXT_STEP else np.ones(self.num_envs, bool)
         try:
             if moved.any():
-                self._push(obs, actions, reward, terminated, truncated, info, moved, ended)
+                self._push(before, obs, actions, reward, terminated, truncated, info, moved, ended)
         except BaseException as exc:
             _raise_saying(exc, f"RecordTransitions: this step's {int(moved.sum())} rows (envs "
                                f"{np.flatnonzero(moved).tolist()}) were not pushed and are lost; the recorder "
@@ -219,13 +220,13 @@ class RecordTransitions(_VectorWrapper):
             self._obs = obs
         return obs, reward, terminated, truncated, info
 
-    def _push(self, obs: np.ndarray, actions: Any, reward: Any, terminated: np.ndarray, truncated: np.ndarray,
-              info: dict[str, Any], moved: np.ndarray, ended: np.ndarray) -> None:
-        """Push the transitions of the ``moved`` envs."""
+    def _push(self, before: np.ndarray, obs: np.ndarray, actions: Any, reward: Any, terminated: np.ndarray,
+              truncated: np.ndarray, info: dict[str, Any], moved: np.ndarray, ended: np.ndarray) -> None:
+        """Push the transitions of the ``moved`` envs, from ``before`` to ``obs``."""
         next_obs = obs.copy()
         if self.autoreset_mode == SAME_STEP and ended.any():
             next_obs[ended] = self._final(info, ended)
-        rows = _row(self._names, self._obs[moved], np.asarray(actions)[moved], np.asarray(reward)[moved],
+        rows = _row(self._names, before[moved], np.asarray(actions)[moved], np.asarray(reward)[moved],
                     next_obs[moved], terminated[moved], truncated[moved])
         episode = (self._ids | self._episode)[moved] if self.buffer.options.episodes else None
         lane = self._lanes[moved] if self.buffer.lanes > 1 else None
