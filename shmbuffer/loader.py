@@ -108,8 +108,11 @@ def _check_sample_keywords(buffer: Any, sample: Any, kwargs: dict[str, Any]) -> 
     if sample is not None:
         raise TypeError(f"Loader: the keywords {sorted(kwargs)} go to buffer.sample, which sample= replaces; "
                         "pass them in your sample function instead")
-    named = {k for k, p in inspect.signature(buffer.sample).parameters.items()
-             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"n", "out"}
+    try:
+        params = inspect.signature(buffer.sample).parameters
+    except (AttributeError, TypeError, ValueError):  # no sample, or one Python cannot look into: it checks them itself
+        params = {}  # type: ignore[assignment]
+    named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"n", "out"}
     unknown = {k: v for k, v in kwargs.items() if k not in named}
     if named and unknown:  # a sample(n, **kwargs) (a Mix's) passes them on: its sources check them
         raise hints.keyword_error("Loader", unknown)
