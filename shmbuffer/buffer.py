@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from . import arguments, hints, persistence, sequences, views
 from . import hindsight as her
-from . import hints, persistence, sequences, views
 from .batch import Batch
 from .errors import closed
 from .loader import Loader
@@ -91,13 +91,14 @@ class ReplayBuffer(MappedBlock):
         self._create(name, schema, opts, seed)
 
     def _setup(self, segment: Segment, schema: Schema, opts: Options, seed: Any, *, initialise: bool) -> None:
+        rng = arguments.generator(seed, "ReplayBuffer: seed")  # before anything is laid on the segment
         super()._setup(segment, schema, opts, seed, initialise=initialise)  # the block, ring and tree
         self._copier = Copier(self.block, self.ring, opts.envs)
         self._pusher = None if opts.frames is None else Pusher(opts.frames, schema, self.block.stored)
         self._paths = SamplePaths()
         self._fast_push = push.fast_push(self, self._copier, self._pusher)
         SEATS.seat(self, self._copier.plan if self._fast_push is not None else None)  # buf.push: an attribute read
-        self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+        self.rng = rng
         """This process's random generator for sampling."""
 
     def __dir__(self) -> list[str]:
@@ -202,7 +203,8 @@ class ReplayBuffer(MappedBlock):
             (``True``, or one flag per row): its next observation goes in an end row after it.
         """
         one = self._fast_push  # the usual push as one C call (push.fast_push); None: the steps decide
-        if one is not None and priority is None and not resume and flush is False and (data is None or not fields):
+        if (one is not None and priority is None and timeout is None and not resume and flush is False
+                and (data is None or not fields)):
             ids = one(fields if data is None else data, lane, episode)
             if ids is not None:
                 return ids

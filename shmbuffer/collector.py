@@ -48,6 +48,7 @@ from typing import Any
 import multiprocess
 import numpy as np
 
+from . import arguments
 from .buffer import BufferHandle, ReplayBuffer
 from .errors import ShmBufferError, WaitTimeout
 from .progress import Progress
@@ -280,6 +281,7 @@ class Collector:
 
     def warm(self, rows: int, *, timeout: float = 300.0) -> None:
         """Block until the buffer has received ``rows`` rows (Velora's ``warm``)."""
+        timeout = arguments.timeout(timeout, "Collector.warm: timeout")
         deadline = time.monotonic() + timeout
         with Progress(f"warm({rows})", rows) as line:  # a line on a terminal, once it takes a while
             while (got := self.buffer.stats["inserted"]) < rows:
@@ -291,6 +293,7 @@ class Collector:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop and join every worker (killing those that do not exit in ``timeout``). Idempotent."""
+        timeout = arguments.timeout(timeout, "Collector.stop: timeout")
         if self._stopped:
             return
         self._stopped = True

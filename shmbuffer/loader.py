@@ -50,6 +50,7 @@ naming what differs.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections import deque
@@ -58,11 +59,13 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from . import arguments, hints
 from .batch import Batch, torch_views
 from .device import DeviceReplay
 from .errors import CapacityError, FieldError, LayoutError, WaitTimeout
 from .protocol.layout import Block
 from .protocol.one_call import sample_for_another
+from .sampling.samplers import check_batch_size
 
 SLICE = 0.1
 """Seconds a default-path sample may wait for a rate limiter before the thread looks at ``close()``."""
@@ -95,6 +98,26 @@ def _wake(token: threading.Lock) -> None:
         token.release()
     except RuntimeError:  # already given, not yet taken
         pass
+
+
+def _check_sample_keywords(buffer: Any, sample: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse keywords ``buffer.sample`` does not take now, not at the first batch (a mistyped
+    ``Loader`` keyword lands here), and keywords that a ``sample=`` function would never see."""
+    if not kwargs:
+        return
+    if sample is not None:
+        raise TypeError(f"Loader: the keywords {sorted(kwargs)} go to buffer.sample, which sample= replaces; "
+                        "pass them in your sample function instead")
+    try:
+        params = inspect.signature(buffer.sample).parameters
+    except (AttributeError, TypeError, ValueError):  # no sample, or one Python cannot look into: it checks them itself
+        params = {}  # type: ignore[assignment]
+    named = {k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"n", "out"}
+    unknown = {k: v for k, v in kwargs.items() if k not in named}
+    if named and unknown:  # a sample(n, **kwargs) (a Mix's) passes them on: its sources check them
+        raise hints.keyword_error("Loader", unknown)
+    if kwargs.get("timeout") is not None:
+        arguments.timeout(kwargs["timeout"], "Loader: timeout")
 
 
 class _Handoff:
@@ -198,6 +221,8 @@ class Loader:
 
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        batch_size = check_batch_size(batch_size, "Loader: batch_size")
+        _check_sample_keywords(buffer, sample, sample_kwargs)
         self._torch = torch
         self.buffer = buffer
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -276,7 +301,7 @@ class Loader:
         if limiter is None:
             return self.buffer.sample(self._batch_size, **kwargs)
         given = kwargs.pop("timeout", None)
-        total = limiter.timeout if given is None else float(given)
+        total = limiter.timeout if given is None else float(given)  # checked by _check_sample_keywords
         deadline = time.monotonic() + total
         while True:
             left = max(deadline - time.monotonic(), 0.0)

@@ -62,7 +62,7 @@ class MappedBlock:
             self = cls.__new__(cls)
             self._setup(segment, found, opts, seed, initialise=False)
         except BaseException:
-            segment.close()
+            segment.close(defer=True)  # the traceback may hold views of a half-made setup's parts
             raise
         return self
 
@@ -72,7 +72,7 @@ class MappedBlock:
         try:
             self._setup(segment, schema, opts, seed, initialise=True)
         except BaseException:
-            segment.close()
+            segment.close(defer=True)  # the traceback may hold views of a half-made setup's parts
             segment.unlink()
             raise
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from . import arguments
 from .batch import Batch
 from .buffer import BufferHandle, ReplayBuffer
 from .errors import EmptyBufferError, SchemaError, WaitTimeout
@@ -159,6 +160,12 @@ class Mix:
                  timeout: float = 60.0) -> None:
         if not sources:
             raise ValueError("Mix: give at least one (buffer, weight) pair")
+        for i, pair in enumerate(sources):
+            if not (isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(pair[0], ReplayBuffer)):
+                got = type(pair[0]).__name__ if isinstance(pair, tuple | list) and len(pair) == 2 else repr(pair)
+                raise TypeError(f"Mix: source {i}: expected a (ReplayBuffer, weight) pair, got {got}; "
+                                "pass Mix([(agent, 0.75), (expert, 0.25)])")
+        timeout = arguments.timeout(timeout, "Mix: timeout")
         if on_short not in ("wait", "raise"):
             raise ValueError(f"Mix: on_short must be 'wait' or 'raise', got {on_short!r}")
         weights = np.array([float(w) for _, w in sources])

@@ -15,8 +15,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from . import arguments, hints, native, sequences
 from . import hindsight as her
-from . import hints, native, sequences
 from .batch import Batch
 from .errors import EmptyBufferError
 from .protocol import reader
@@ -68,6 +68,8 @@ class SamplePaths:
         if unknown:  # another library's keyword (cpprb's beta, SB3's env ...): name ours
             raise hints.keyword_error("sample", unknown)
         n = check_batch_size(n)
+        if timeout is not None:
+            timeout = arguments.timeout(timeout, "sample: timeout")
         if hindsight is not None:
             if not isinstance(hindsight, her.Hindsight):
                 raise TypeError(f"sample: hindsight must be a shmbuffer.Hindsight, got {type(hindsight).__name__}")

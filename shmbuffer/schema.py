@@ -27,6 +27,7 @@ import difflib
 import hashlib
 import json
 import keyword
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,11 @@ RESERVED = frozenset(
 )
 """Names a field cannot take: ``Batch`` uses them for its attributes and methods, ``push`` for
 its keyword options."""
+
+
+MAX_ROW_BYTES = 2**48
+"""The most bytes one row of a field may take: more than any machine's shared memory, and far
+from the 64-bit sizes that the block's layout computes with."""
 
 
 def _shape(value: Any, name: str) -> tuple[int, ...]:
@@ -85,7 +91,7 @@ class Field:
     @property
     def row_bytes(self) -> int:
         """The bytes one row of this field takes."""
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize  # Python ints: no wrap-around for a huge shape
 
     def describe(self) -> str:
         """``shape dtype``, as error messages show a field."""
@@ -162,7 +168,11 @@ class Schema:
             value = (value.get("shape", ()), value.get("dtype", np.float32))
         if not isinstance(value, tuple) or len(value) != 2:
             raise SchemaError(f"field {name!r}: expected (shape, dtype), got {value!r}")
-        return Field(name, _shape(value[0], name), _dtype(value[1], name))
+        field = Field(name, _shape(value[0], name), _dtype(value[1], name))
+        if field.row_bytes > MAX_ROW_BYTES:
+            raise SchemaError(f"field {name!r}: one row of {field.describe()} takes {field.row_bytes} bytes, expected at "
+                              f"most 2**48 (more than any machine's shared memory); check the shape")
+        return field
 
     def _plan(self) -> tuple[Record, tuple[Field, ...]]:
         small = [f for f in self._fields.values() if f.row_bytes <= PACK_LIMIT]

@@ -33,6 +33,12 @@ Autoreset (how a vector env starts a sub-env's next episode) decides which step 
 The mode is read from ``envs.metadata["autoreset_mode"]``; an env without it follows the installed
 Gymnasium's default (next-step from 1.0, same-step before), or the ``autoreset_mode`` given.
 
+A push that fails (a rate limiter's ``WaitTimeout``, say) loses exactly that step's rows, and its
+error says so; the recorder follows the envs all the same (their observations, resets and episode
+numbers), so the rows of the steps after it are right. In ``AsyncVectorEnv`` such an error ends
+the worker, as any error does in Gymnasium's workers, and the main process is told which env's
+step was not pushed.
+
 ``AsyncVectorEnv`` needs none of this: its workers (Gymnasium's own, through the ``worker=`` hook)
 wrap each sub-env in a recorder that sees the env's own ``reset`` and ``step`` calls, where every
 step is a transition whatever the mode. A worker killed mid-push leaves no torn row: the buffer's
@@ -43,13 +49,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import gymnasium
 import numpy as np
 
 from .buffer import BufferHandle, ReplayBuffer
-from .errors import SchemaError
+from .errors import SchemaError, ShmBufferError
 
 FIELDS = ("obs", "action", "reward", "next_obs", "done", "terminated", "truncated")
 """The fields a step fills."""
@@ -120,6 +126,15 @@ def _row(names: set[str], obs: Any, action: Any, reward: Any, next_obs: Any, ter
     return {k: v for k, v in row.items() if k in names}
 
 
+def _raise_saying(exc: BaseException, what: str) -> NoReturn:
+    """Raise ``exc`` saying ``what`` first: as a new one of its type, chained to it (shmbuffer's
+    errors take one message), whose text crosses a worker's pipe; any other with ``what`` as a note."""
+    if isinstance(exc, ShmBufferError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
+        raise type(exc)(f"{what}: {exc.args[0]}") from exc
+    exc.add_note(what)
+    raise exc
+
+
 # 0.29 calls it VectorEnvWrapper
 _VectorWrapper: Any = getattr(gymnasium.vector, "VectorWrapper", None) or getattr(gymnasium.vector, "VectorEnvWrapper")  # noqa: B009
 
@@ -179,7 +194,8 @@ class RecordTransitions(_VectorWrapper):
     def step(self, actions: Any) -> Any:
         """Step the envs and push one row per env that made a transition."""
         obs, reward, terminated, truncated, info = self.env.step(actions)
-        if self._obs is None:
+        before = self._obs
+        if before is None:
             raise RuntimeError("RecordTransitions: step before reset; call reset() first")
         obs = np.array(obs)
         terminated = np.asarray(terminated, bool)
@@ -188,22 +204,33 @@ class RecordTransitions(_VectorWrapper):
         if self._guessed and ended.any() and any(k in info for k in FINAL_KEYS):
             self.autoreset_mode, self._guessed = SAME_STEP, False
         moved = ~self._resetting if self.autoreset_mode == NEXT_STEP else np.ones(self.num_envs, bool)
+        try:
+            if moved.any():
+                self._push(before, obs, actions, reward, terminated, truncated, info, moved, ended)
+        except BaseException as exc:
+            _raise_saying(exc, f"RecordTransitions: this step's {int(moved.sum())} rows (envs "
+                               f"{np.flatnonzero(moved).tolist()}) were not pushed and are lost; the recorder "
+                               "follows the envs, so the steps after it are recorded as usual")
+        finally:  # the envs stepped, pushed or not: so does the recorder
+            if self.autoreset_mode == NEXT_STEP:
+                self._episode[self._resetting] += 1
+                self._resetting = moved & ended
+            elif self.autoreset_mode == SAME_STEP:
+                self._episode[ended] += 1
+            self._obs = obs
+        return obs, reward, terminated, truncated, info
+
+    def _push(self, before: np.ndarray, obs: np.ndarray, actions: Any, reward: Any, terminated: np.ndarray,
+              truncated: np.ndarray, info: dict[str, Any], moved: np.ndarray, ended: np.ndarray) -> None:
+        """Push the transitions of the ``moved`` envs, from ``before`` to ``obs``."""
         next_obs = obs.copy()
         if self.autoreset_mode == SAME_STEP and ended.any():
             next_obs[ended] = self._final(info, ended)
-        if moved.any():
-            rows = _row(self._names, self._obs[moved], np.asarray(actions)[moved], np.asarray(reward)[moved],
-                        next_obs[moved], terminated[moved], truncated[moved])
-            episode = (self._ids | self._episode)[moved] if self.buffer.options.episodes else None
-            lane = self._lanes[moved] if self.buffer.lanes > 1 else None
-            self.buffer.push(rows, lane=lane, episode=episode)
-        if self.autoreset_mode == NEXT_STEP:
-            self._episode[self._resetting] += 1
-            self._resetting = moved & ended
-        elif self.autoreset_mode == SAME_STEP:
-            self._episode[ended] += 1
-        self._obs = obs
-        return obs, reward, terminated, truncated, info
+        rows = _row(self._names, before[moved], np.asarray(actions)[moved], np.asarray(reward)[moved],
+                    next_obs[moved], terminated[moved], truncated[moved])
+        episode = (self._ids | self._episode)[moved] if self.buffer.options.episodes else None
+        lane = self._lanes[moved] if self.buffer.lanes > 1 else None
+        self.buffer.push(rows, lane=lane, episode=episode)
 
     def __enter__(self) -> RecordTransitions:
         return self
@@ -265,16 +292,21 @@ class _Recorded:
         rows = _row(self._names, self._obs[None], np.asarray(action)[None], np.asarray([reward]), np.asarray(obs)[None],
                     np.asarray([terminated], bool), np.asarray([truncated], bool))
         episode = self._id | self._episode if self.buffer.options.episodes else None
-        self.buffer.push(rows, lane=self._lane, episode=episode)
+        try:
+            self.buffer.push(rows, lane=self._lane, episode=episode)
+        except Exception as exc:  # Gymnasium ends the worker and re-raises the error's message in the main process
+            _raise_saying(exc, f"AsyncVectorEnv: env {self._id >> 32}'s step was not pushed, and its worker ends "
+                               "(Gymnasium ends a worker at any error); close() the envs and make them again")
         self._obs = np.array(obs)
         return obs, reward, terminated, truncated, info
 
     def close(self) -> None:
-        """Close the env and this process's mapping of the buffer."""
+        """Close the env and this process's mapping of the buffer (let go of, when the traceback of
+        the error that ends the worker still holds views of it: the process ends anyway)."""
         try:
             self.env.close()
         finally:
-            self.buffer.close()
+            self.buffer.__exit__(None, None, None)  # an attached buffer: closed, never unlinked
 
 
 def _worker(handle: BufferHandle, lanes: tuple[int, ...], index: int, env_fn: Callable[[], Any], *rest: Any) -> None:

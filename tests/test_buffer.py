@@ -80,6 +80,25 @@ def test_sampling_is_uniform(make: Make, name: str) -> None:
     assert np.abs(counts - 10_000).max() < 500
 
 
+@pytest.mark.parametrize("seed", [-1, "a", 1.5, True, [1, -2]], ids=repr)
+def test_a_bad_seed_is_refused_with_its_own_error(seed: object, make: Make, name: str) -> None:
+    """A seed numpy refuses is refused before the buffer is usable, with numpy's error as the
+    cause: no block is left behind, and a buffer attached to is left as it was."""
+    match = r"ReplayBuffer: seed: expected an int >= 0, a numpy.random.Generator or None, got"
+    before = set(segment.list_names())
+    with pytest.raises(ValueError, match=match) as made:
+        sb.ReplayBuffer(MUJOCO, 16, name=name + "c", seed=seed)  # type: ignore[arg-type]
+    assert set(segment.list_names()) == before, "the refused buffer's block was left behind"
+    buf = make(MUJOCO, capacity=16, name=name)
+    buf.push(transition(0, 4))
+    with pytest.raises(ValueError, match=match) as attached:
+        sb.ReplayBuffer.attach(buf.handle, seed=seed)  # type: ignore[arg-type]
+    if seed is not True:  # numpy takes True for 1: refused before numpy sees it
+        assert isinstance(made.value.__cause__, (TypeError, ValueError))
+        assert isinstance(attached.value.__cause__, (TypeError, ValueError))
+    assert len(buf) == 4 and np.array_equal(buf.export()["reward"], np.arange(4))
+
+
 def test_seed_makes_sampling_reproducible(make: Make, name: str) -> None:
     buf = make(MUJOCO, capacity=100, name=name)
     buf.push(transition(0, 100))

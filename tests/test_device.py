@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -108,6 +109,35 @@ def test_a_row_being_written_is_never_usable(make: Make, name: str) -> None:
     assert set(seq_of(dev.sample(300))) == {0, 1, 2, 3, 6, 7}
 
 
+@pytest.mark.parametrize("sampler", [sb.Uniform(), sb.Prioritized(alpha=1.0, beta=0.5)], ids=["uniform", "tree"])
+def test_a_sample_waits_for_rows_the_copy_lacks_while_the_buffer_holds_them(make: Make, name: str,
+                                                                            sampler: sb.Sampler) -> None:
+    """A copy with no row to draw while the buffer holds rows (every slot being written when it
+    refreshed, as when writers lap a small ring faster than it refreshes) refreshes and draws
+    again, as the host's sample waits for rows being written: within ``GIVE_UP`` seconds, then
+    ``WaitTimeout``. An empty buffer still raises ``EmptyBufferError`` at once."""
+    buf = make(MUJOCO, 8, name=name, sampler=sampler)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
+    start = time.monotonic()
+    with pytest.raises(sb.EmptyBufferError, match=r"holds no rows|holds none of the rows"):
+        dev.sample(4)
+    assert time.monotonic() - start < 0.5
+    res = buf.ring.reserve(8, deferring=False)  # every slot being written
+    assert dev.sync() == 0 and len(dev) == 0
+    start = time.monotonic()
+    with pytest.raises(sb.WaitTimeout, match=r"held no row to draw for 1 s while the buffer holds 8"):
+        dev.sample(4)
+    assert 0.9 < time.monotonic() - start < 5
+    late = threading.Timer(0.2, lambda: (buf.ring.abandon(res), buf.push(transition(8, 8))))
+    late.start()
+    try:
+        batch = dev.sample(64)
+    finally:
+        late.join()
+    assert set(whole(batch)) == set(range(8, 16))
+    assert buf.stats["sampled"] == 64  # the refused draws counted nothing
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_prioritized_draws_from_the_shared_tree(make: Make, name: str, device: str) -> None:
     buf = make(MUJOCO, 16, name=name, sampler=sb.Prioritized(alpha=1.0, beta=0.5), seed=6)
@@ -191,6 +221,14 @@ def test_refused_buffers_name_the_alternative(make: Make, name: str, monkeypatch
         DeviceReplay(used, "cpu")
     with pytest.raises(ValueError, match="max_lag_rows"):
         DeviceReplay(make(MUJOCO, 8, name=name + "a"), "cpu", max_lag_rows=-1)
+    small = make(MUJOCO, 8, name=name + "s")
+    for bad in (float("nan"), "x", -1.0):
+        with pytest.raises(ValueError, match=r"DeviceReplay: max_lag_s: expected seconds, a finite number >= 0"):
+            DeviceReplay(small, "cpu", max_lag_s=bad)  # type: ignore[arg-type]
+    for seed in (-1, "a", 1.5):
+        with pytest.raises(ValueError, match=r"DeviceReplay: seed: expected an int >= 0 or None, got") as refused:
+            DeviceReplay(small, "cpu", seed=seed)  # type: ignore[arg-type]
+        assert isinstance(refused.value.__cause__, (TypeError, ValueError))  # numpy's own, chained
     big = make(MUJOCO, 4096, name=name + "b")
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000, 80_000))
     with pytest.raises(sb.CapacityError, match=r"needs [\d,]+ bytes on cuda.*1,000 free of 80,000"):

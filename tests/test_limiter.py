@@ -6,6 +6,7 @@ import multiprocessing as mp
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 import shmbuffer as sb
@@ -134,3 +135,36 @@ def test_min_size_counts_rows_held(make: Make, name: str) -> None:
     buf.push(transition(20, 5))
     with pytest.raises(sb.WaitTimeout, match="min_size=10"):
         buf.sample(1)  # 25 rows were inserted, but the buffer holds 5
+
+
+NOT_SECONDS = [float("nan"), np.float32("nan"), "0.5", True, -1.0, float("inf")]
+"""Timeouts refused wherever one is taken: NaN (a wait bounded by it never ends), text, a bool,
+a negative or an endless one."""
+
+
+def state(buf: sb.ReplayBuffer) -> tuple[dict, dict]:
+    return buf.export(), dict(buf.stats)
+
+
+def same(a: tuple[dict, dict], b: tuple[dict, dict]) -> bool:
+    return a[1] == b[1] and a[0].keys() == b[0].keys() and all(np.array_equal(a[0][k], b[0][k]) for k in a[0])
+
+
+@pytest.mark.parametrize("bad", NOT_SECONDS, ids=repr)
+def test_a_timeout_that_is_not_seconds_is_refused_at_once(make: Make, name: str, bad: object) -> None:
+    with pytest.raises(ValueError, match=r"RateLimiter: timeout: expected seconds, a finite number > 0, got"):
+        sb.RateLimiter(timeout=bad)  # type: ignore[arg-type]
+    gated = make(MUJOCO, capacity=100, name=name + "g",
+                 limiter=sb.RateLimiter(samples_per_insert=1.0, min_size=1, error=8, block_writers=True, timeout=5))
+    plain = make(MUJOCO, capacity=100, name=name + "p")
+    for buf in (gated, plain):
+        buf.push(transition(0, 3))
+        before = state(buf)
+        start = time.monotonic()
+        with pytest.raises(ValueError, match=r"push: timeout: expected seconds, a finite number >= 0, got"):
+            buf.push(transition(3, 1), timeout=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"sample: timeout: expected seconds"):
+            buf.sample(2, timeout=bad)  # type: ignore[arg-type]
+        assert time.monotonic() - start < 1.0, "refused before any wait"
+        assert same(state(buf), before)
+        assert buf.ring.sampled == 0

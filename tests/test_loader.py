@@ -574,3 +574,28 @@ def test_cuda_batches_stay_valid_while_referenced(make: Make, name: str) -> None
     torch.cuda.synchronize()
     for batch in kept:
         seq_of(batch.numpy())
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "4", None])
+def test_a_batch_size_that_is_not_a_row_count_is_refused(bad: Any, make: Make, name: str) -> None:
+    buf = make(MUJOCO, capacity=16, name=name)
+    buf.push(transition(0, 16))
+    with pytest.raises(ValueError, match=r"Loader: batch_size: expected a positive number of rows, got"):
+        Loader(buf, bad)
+    assert buf.stats["sampled"] == 0
+
+
+def test_sample_keywords_are_checked_when_the_loader_is_made(make: Make, name: str) -> None:
+    """A mistyped keyword (``sample_kwargs=``), one ``sample=`` would never see, and a timeout that
+    is not seconds are refused by the constructor, not at the first batch."""
+    buf = make(MUJOCO, capacity=16, name=name)
+    buf.push(transition(0, 16))
+    with pytest.raises(TypeError, match=r"Loader\(\) got an unexpected keyword argument 'sample_kwargs'"):
+        Loader(buf, 4, sample_kwargs={"replace": False})
+    with pytest.raises(TypeError, match=r"the keywords \['n_step'\] go to buffer.sample, which sample= replaces"):
+        Loader(buf, 4, sample=lambda b: b.sample(4), n_step=3)
+    with pytest.raises(ValueError, match="Loader: timeout: expected seconds"):
+        Loader(buf, 4, timeout=float("nan"))
+    assert buf.stats["sampled"] == 0
+    with Loader(buf, 4, replace=False, timeout=1, batches=1) as loader:  # sample's own keywords pass
+        assert len(next(iter(loader)).index.unique()) == 4

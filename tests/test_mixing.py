@@ -235,3 +235,17 @@ def test_group_push_is_all_or_nothing(name: str) -> None:
         assert len(group["a"]) == 0 and len(group["b"]) == 0
         group.push(transition(0, 2), to=["a"], episode=[3, 3])
         assert len(group["a"]) == 2
+
+
+def test_a_mix_refuses_what_it_cannot_sample(make: Make, name: str) -> None:
+    """A source that is not a (buffer, weight) pair, and a timeout that is not seconds (a NaN one
+    would make a short source's wait endless), are refused when the mix is made."""
+    a = make(MUJOCO, capacity=10, name=name)
+    a.push(transition(0, 5))
+    for bad, what in (((np.zeros(3), 1.0), "ndarray"), ((a.handle, 1.0), "BufferHandle"), (a, "ReplayBuffer")):
+        with pytest.raises(TypeError, match=rf"Mix: source 1: expected a \(ReplayBuffer, weight\) pair, got .*{what}"):
+            sb.Mix([(a, 1.0), bad])  # type: ignore[list-item]
+    for timeout in (float("nan"), "1", -1):
+        with pytest.raises(ValueError, match="Mix: timeout: expected seconds"):
+            sb.Mix([(a, 1.0)], timeout=timeout)  # type: ignore[arg-type]
+    assert len(a) == 5 and a.stats["inserted"] == 5

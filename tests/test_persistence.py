@@ -1094,6 +1094,22 @@ def test_save_refuses_a_directory_of_another_user(make: Make, name: str, tmp_pat
     assert not (tmp_path / "new").exists()
 
 
+def test_save_refuses_an_empty_path_and_a_wait_that_is_not_seconds(
+    make: Make, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``save("")`` would write into the current folder (``Path("")`` is ``.``); a NaN ``wait``
+    would wait for good for a row being written. Both are refused, and nothing is written."""
+    buf = make(MUJOCO, capacity=8, name=name)
+    buf.push(transition(0, 8))
+    monkeypatch.chdir(tmp_path)
+    for path in ("", b"", None):
+        with pytest.raises(ValueError, match=r"save: path: expected a folder's path .* got"):
+            sb.save(buf, path)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"save: wait: expected seconds"):
+        buf.save(tmp_path / "s", wait=float("nan"))
+    assert os.listdir(tmp_path) == [] and len(buf) == 8 and buf.stats["inserted"] == 8
+
+
 def test_a_save_while_other_rows_are_updated_all_the_time_keeps_every_row(
     make: Make, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -49,6 +49,8 @@ def test_json_round_trip() -> None:
         ({"x": ((), ">f4")}, "byte order"),
         ({"x": ((), "nonsense")}, "not a numpy dtype"),
         ({"x": (3, "f4", 1)}, r"expected \(shape, dtype\)"),
+        ({"x": ((2**31, 2**31), "f4")}, r"one row of \(2147483648, 2147483648\) float32 takes .* at most 2\*\*48"),
+        ({"x": ((2**64,), "u1")}, r"at most 2\*\*48"),
         ({}, "at least one"),
     ],
 )

@@ -186,6 +186,95 @@ GYM_ERROR = "ignore:.*ERROR:UserWarning"
 """Gymnasium's log line (a warning) when a worker reports an error: the error itself is checked."""
 
 
+def by_hand(mode: AutoresetMode, n: int, actions: np.ndarray) -> list[list[Any]]:
+    """The rows of ``n`` seeded ``EpisodeEnv`` stepped with ``actions``, written by hand from
+    the module's rules (one list per step): ``(env, obs, action, reward, next_obs, done,
+    truncated, episode id)``."""
+    vec = gym.vector.SyncVectorEnv([EpisodeEnv] * n, autoreset_mode=mode)
+    obs, _ = vec.reset(seed=list(range(n)))
+    episode, resetting, steps = np.zeros(n, np.int64), np.zeros(n, bool), []
+    for a in actions:
+        nxt, reward, terminated, truncated, info = vec.step(a)
+        rows = []
+        for i in range(n):
+            if mode == AutoresetMode.NEXT_STEP and resetting[i]:
+                episode[i] += 1  # the reset step: no transition
+                continue
+            ended = terminated[i] or truncated[i]
+            final = info["final_obs"][i] if mode == AutoresetMode.SAME_STEP and ended else nxt[i]
+            rows.append([i, obs[i].tolist(), int(a[i]), float(reward[i]), np.asarray(final).tolist(),
+                         bool(terminated[i]), bool(truncated[i]), i << 32 | int(episode[i])])
+            if mode == AutoresetMode.SAME_STEP and ended:
+                episode[i] += 1
+        resetting = terminated | truncated if mode == AutoresetMode.NEXT_STEP else resetting
+        obs = nxt
+        steps.append(rows)
+    vec.close()
+    return steps
+
+
+def recorded(buf: sb.ReplayBuffer, n: int) -> list[list[Any]]:
+    """The buffer's rows as ``by_hand`` writes them, each env's in the order pushed."""
+    rows = buf.export()
+    order = np.argsort(rows["index"], kind="stable")
+    out = [[int(rows["index"][k] % n), rows["obs"][k].tolist(), int(rows["action"][k]), float(rows["reward"][k]),
+            rows["next_obs"][k].tolist(), bool(rows["done"][k]), bool(rows["truncated"][k]), int(rows["episode"][k])]
+           for k in order]
+    return sorted(out, key=lambda r: r[0])  # stable: each env's rows stay in order
+
+
+@pytest.mark.parametrize("mode", MODES[:2], ids=lambda m: m.value)
+def test_a_failed_push_loses_that_steps_rows_only(mode: AutoresetMode) -> None:
+    """A push that times out (a rate limiter holding writers back) in a step where episodes end
+    loses exactly that step's rows and says so; the recorder follows the envs all the same, so
+    every later row, across resets, is the envs' real transition."""
+    n, total = 3, 60
+    actions = np.random.default_rng(0).integers(0, 2, (total, n))
+    reference = by_hand(mode, n, actions)
+    ends = [s for s, rows in enumerate(reference) if s >= 5 and any(r[5] or r[6] for r in rows)]
+    fail = ends[0]  # an episode ends in the failed step: the resets after it must still be followed
+    admitted = sum(len(rows) for rows in reference[:fail])
+    limiter = sb.RateLimiter(samples_per_insert=1.0, min_size=1, error=admitted - 1, block_writers=True, timeout=0.05)
+    failed: list[tuple[int, Exception]] = []
+    with buffer(n, limiter=limiter) as buf, \
+            RecordTransitions(gym.vector.SyncVectorEnv([EpisodeEnv] * n, autoreset_mode=mode), buf) as envs:
+        envs.reset(seed=list(range(n)))
+        for step, a in enumerate(actions):
+            if failed:
+                buf.sample(n)  # a learner: room for the next push
+            try:
+                envs.step(a)
+            except sb.WaitTimeout as exc:
+                failed.append((step, exc))
+        assert [s for s, _ in failed] == [fail]
+        want = sorted((r for s, rows in enumerate(reference) if s != fail for r in rows), key=lambda r: r[0])
+        assert recorded(buf, n) == want
+        lost = sorted(r[0] for r in reference[fail])
+        assert f"this step's {len(lost)} rows (envs {lost}) were not pushed" in str(failed[0][1])
+
+
+@pytest.mark.filterwarnings(GYM_CLOSE)
+@pytest.mark.filterwarnings(GYM_ERROR)
+def test_a_workers_failed_push_says_what_happened(capfd: pytest.CaptureFixture[str]) -> None:
+    """A worker whose push times out ends as Gymnasium's workers do at an error: the main process
+    is told which env's step was not pushed, and the worker closes its mapping without an error."""
+    limiter = sb.RateLimiter(samples_per_insert=1.0, min_size=1, error=4, block_writers=True, timeout=0.1)
+    with buffer(2, limiter=limiter) as buf:
+        envs = AsyncVectorEnv([EpisodeEnv] * 2, buf)
+        try:
+            obs, _ = envs.reset(seed=[0, 1])
+            with pytest.raises(sb.WaitTimeout, match=r"env \d's step was not pushed, and its worker ends.*rate limiter"):
+                for _ in range(20):
+                    obs, *_ = envs.step(policy(obs))
+        finally:
+            envs.close()
+        assert all(p.exitcode is not None for p in envs.processes)
+        check_rows(buf.export(), 2)
+    assert "BufferError" not in capfd.readouterr().err
+
+
+
+
 @pytest.mark.filterwarnings(GYM_CLOSE)
 @pytest.mark.filterwarnings(GYM_ERROR)
 def test_an_env_error_reaches_the_main_process_as_gymnasiums_does() -> None:

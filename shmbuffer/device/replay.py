@@ -18,7 +18,10 @@ default is ``max_lag_s=0.01`` and no row bound: the refresher refreshes at half 
 ``benchmarks/HISTORY.md``), and a sample waits only when the refresher fell behind.
 ``max_lag_rows=0`` makes every sample see every row committed before it (each sample then
 refreshes while writers push). A ``clear()`` always makes the next sample refresh: a cleared row
-is never drawn. Each refresh publishes ``INSERTED`` and the time it began in the block
+is never drawn. A sample that finds no row to draw in the copy while the buffer holds rows (writers
+lapping a small ring faster than the copy refreshes) refreshes and draws again, for up to
+``reader.GIVE_UP`` seconds as the host's reader waits for rows being written, then raises
+``WaitTimeout``; only an empty buffer raises ``EmptyBufferError`` at once. Each refresh publishes ``INSERTED`` and the time it began in the block
 (``Counter.DEVICE_ROWS``/``DEVICE_AT``), which ``shmbuffer top`` shows as the copy's lag.
 
 ``sample(n)`` asks the buffer's sampler what may draw in its place (``Sampler.served``): a
@@ -53,17 +56,20 @@ over frames stored once, ``max_use``, a rate limiter; groups and whole episodes 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from .. import arguments
 from ..batch import Batch, torch_views
-from ..errors import ClosedError, EmptyBufferError, FieldError, LayoutError
+from ..errors import ClosedError, EmptyBufferError, FieldError, LayoutError, WaitTimeout
 from ..frames import Stack, stack_columns, stack_plan
 from ..frames import center as frames_center
+from ..protocol.edits import held
 from ..protocol.layout import Counter, Lane
-from ..protocol.reader import Source
+from ..protocol.reader import GIVE_UP, Source
 from ..protocol.rows import committed, committed_of_id, slot, slot_of_id, window
 from ..sequences import check_n_step, check_windows, n_step_fields, window_mask
 from .refresher import PACE_S, Refresher, forget
@@ -133,13 +139,13 @@ class DeviceReplay(DeviceRows):
         for name, value in (("max_lag_rows", max_lag_rows), ("chunk", chunk)):
             if value is not None and (type(value) is not int or value < (1 if name == "chunk" else 0)):
                 raise ValueError(f"DeviceReplay: {name} must be an int >= {1 if name == 'chunk' else 0}, got {value!r}")
-        if max_lag_s is not None and not max_lag_s >= 0:
-            raise ValueError(f"DeviceReplay: max_lag_s must be a number >= 0, got {max_lag_s!r}")
+        if max_lag_s is not None:
+            arguments.timeout(max_lag_s, "DeviceReplay: max_lag_s")
+        seeds = arguments.seeds(seed, "DeviceReplay: seed")
         super().__init__(buf, device, chunk)
         self.max_lag_rows, self.max_lag_s = max_lag_rows, max_lag_s
         self.spec = opts.frames
         """The buffer's frames stored once (``next_of``/``stack``), or ``None``."""
-        seeds = np.random.SeedSequence(seed)
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(seeds.generate_state(1)[0]))
         self._rng = seeds.spawn(1)[0].generate_state(4, np.uint64)
@@ -266,6 +272,25 @@ class DeviceReplay(DeviceRows):
             if self.spec is not None:
                 raise FieldError(f"sample(n_step={n_step}): the device copy does not rebuild n-step returns over "
                                  "frames stored once (next_of/stack) yet: buf.sample(n, n_step=...) does")
+        deadline = 0.0
+        while True:
+            try:
+                return self._sample_once(int(n), int(n_step), float(gamma), fields)
+            except EmptyBufferError:
+                # rows the copy lacks while the buffer holds some (writers lapping a small ring
+                # faster than it refreshes): refreshed and drawn again, as the host's reader waits
+                if self.closed or held(self.buf) == 0:
+                    raise
+                deadline = deadline or time.monotonic() + GIVE_UP
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(f"sample({n}): the device copy of buffer {self.buf.name!r} held no row to draw for "
+                                      f"{GIVE_UP:.0f} s while the buffer holds {held(self.buf)}: writers overwrite "
+                                      "rows faster than the copy refreshes; give the buffer a larger capacity") from None
+                time.sleep(0.0005)
+                self.sync()
+
+    def _sample_once(self, n: int, n_step: int, gamma: float, fields: dict[str, str] | None) -> Batch:
+        """``sample`` once: ``EmptyBufferError`` when the copy holds no row to draw."""
         if self.closed:
             raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
         self._maybe_sync()

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import arguments
 from ..progress import Progress as Line
 from ..protocol.frames_push import end_rows
 from ..protocol.rows import lane_of, number_of
@@ -112,6 +113,10 @@ def save(buf: Buffer, path: str | os.PathLike[str], *, progress: Progress = None
     at the start that were neither saved nor holes), moved (whether the tensors had to be moved
     over rows dropped late)."""
     t0 = time.perf_counter()
+    if not isinstance(path, str | os.PathLike) or not os.fspath(path):  # Path("") is the current folder
+        raise ValueError(f"save: path: expected a folder's path (a str or os.PathLike, not empty), got {path!r}; "
+                         "name the folder to save into, e.g. save('runs/buffer')")
+    wait = arguments.timeout(wait, "save: wait")
     folder = Path(path)
     dfd, made = _open_folder(folder)
     save_id = secrets.token_hex(8)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import native
+from .. import arguments, native
 from ..errors import FieldError, ReadOnlyError
 from ..schema import Schema, stack_rows
 from ..shm.lock import resume_signals
@@ -198,6 +198,8 @@ def push(
 ) -> np.ndarray:
     """``_push_once``; a frames push that a ``clear()`` overtook (undone, nothing stored) is checked and
     laid out again against the cleared lane, up to three times."""
+    if timeout is not None:
+        timeout = arguments.timeout(timeout, "push: timeout")
     for _ in range(2):
         try:
             return _push_once(src, copier, data, lane=lane, episode=episode, priority=priority, timeout=timeout,

@@ -19,6 +19,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from .. import arguments
 from ..batch import Batch
 from ..buffer import ReplayBuffer
 from ..errors import EmptyBufferError, FieldError, UnknownIdError
@@ -83,6 +84,7 @@ class ShardedBuffer:
         force_remote: bool = False, seed: int | None = None, timeout: float = 120.0,
         sources: Sequence[str] | None = None, **options: Any,
     ) -> None:
+        timeout = arguments.timeout(timeout, "ShardedBuffer: timeout")
         if sampler.served is None:
             raise ValueError(f"ShardedBuffer: sampler {sampler!r} draws with its own draw only (served=None), and a "
                              "batch split over shards by their sizes would not be its distribution: sample such a "
@@ -177,6 +179,7 @@ class ShardedBuffer:
 
     def refresh(self, timeout: float = 60.0) -> dict[int, dict[str, Any]]:
         """Ask every remote shard for its state now (one round trip, all at once)."""
+        timeout = arguments.timeout(timeout, "ShardedBuffer.refresh: timeout")
         refs = {i: rem.actor.state.remote() for i, rem in self._remote.items()}
         self.remote_calls += len(refs)
         for i, ref in refs.items():
@@ -481,6 +484,7 @@ class ShardedBuffer:
 
     def close(self, timeout: float = 30.0) -> None:
         """Close the local view, remove every shard (its block and its actor). Idempotent."""
+        timeout = arguments.timeout(timeout, "ShardedBuffer.close: timeout")
         if self._closed and not self._actors:
             return
         self._closed = True

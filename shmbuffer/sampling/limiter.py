@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .. import arguments
 from ..errors import WaitTimeout
 
 
@@ -49,8 +50,7 @@ class RateLimiter:
             raise ValueError(f"RateLimiter: min_size must be an int >= 1, got {self.min_size!r}")
         if not self.error >= 0:
             raise ValueError(f"RateLimiter: error must be >= 0, got {self.error!r}")
-        if self.timeout <= 0:
-            raise ValueError(f"RateLimiter: timeout must be positive, got {self.timeout!r}")
+        arguments.timeout(self.timeout, "RateLimiter: timeout", positive=True)
 
     @property
     def gates_writers(self) -> bool:
@@ -88,7 +88,7 @@ class RateLimiter:
         """Poll ``ready`` until it holds; ``WaitTimeout`` after ``timeout`` (default: the limiter's)."""
         if ready():
             return
-        limit = self.timeout if timeout is None else timeout
+        limit = self.timeout if timeout is None else arguments.timeout(timeout, f"{what}: timeout")
         deadline = time.monotonic() + limit
         pause = 0.0001
         while not ready():
