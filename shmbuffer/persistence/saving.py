@@ -19,6 +19,7 @@ options.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -214,6 +215,7 @@ def create_file(name: str, dfd: int) -> int:
     return fd
 
 
+@functools.cache
 def release() -> str:
     """This release's version, for a save's ``shmbuffer_version``."""
     from importlib.metadata import PackageNotFoundError, version
