@@ -27,7 +27,7 @@ import numpy as np
 from . import hindsight as her
 from . import hints, persistence, sequences, views
 from .batch import Batch
-from .errors import LayoutError, closed
+from .errors import closed
 from .loader import Loader
 from .mapped import BufferHandle, MappedBlock
 from .protocol import edits, push, reader
@@ -35,7 +35,7 @@ from .protocol.frames_push import Pusher
 from .protocol.layout import UNIFORM, Options
 from .protocol.priorities import Priorities
 from .protocol.push import Copier
-from .sample_paths import SamplePaths, count
+from .sample_paths import SamplePaths, count, generator_from_state, generator_state
 from .sampling.limiter import RateLimiter
 from .sampling.samplers import Sampler
 from .schema import Schema, as_schema
@@ -348,7 +348,7 @@ class ReplayBuffer(MappedBlock):
         pusher = self._pusher
         pending = pusher.last if pusher is not None and pusher.pid == os.getpid() else None
         return persistence.checkpoint(self, path, wait=wait, sync=sync, pending=pending,
-                                      generator=generator_state(self))
+                                      generator=generator_state(self._paths, self.rng))
 
     @classmethod
     def resume(cls, path: str | os.PathLike[str], name: str | None = None) -> ReplayBuffer:
@@ -357,14 +357,20 @@ class ReplayBuffer(MappedBlock):
         what the checkpointed buffer drew after the checkpoint (``persistence/resume.py``)."""
         buf, man, lasts = persistence.resume(path, cls, name=name)
         try:
-            if buf._pusher is not None:
-                buf._pusher.last = lasts
+            if buf.pusher is not None:
+                buf.pusher.last = lasts
             if man.generator is not None:
-                set_generator_state(buf, man.generator, man.file)
+                buf.rng = generator_from_state(man.generator, man.file)
         except BaseException:
             buf.__exit__(None, None, None)
             raise
         return buf
+
+    @property
+    def pusher(self) -> Pusher | None:
+        """With ``next_of``/``stack``: this process's memory of the row it pushed last into each
+        lane (``frames_push.Pusher``), which the next push continues; ``None`` otherwise."""
+        return self._pusher
 
     def export(self) -> dict[str, np.ndarray]:
         """All rows as numpy arrays in ``get`` order, plus ``index`` (and ``episode``)."""
@@ -380,34 +386,6 @@ class ReplayBuffer(MappedBlock):
                     capacity: int | None = None, **options: Any) -> ReplayBuffer:
         """A new buffer of these rows (DI-engine's ``import_data``)."""
         return persistence.from_arrays(as_schema(schema), arrays, cls, capacity, **options)
-
-
-def generator_state(buf: ReplayBuffer) -> dict[str, Any]:
-    """The state of ``buf``'s sampling generator, for a checkpoint: ``rng``'s. The one-call sample's
-    own generator (``one_call.OneCall``) is made again from ``rng`` at the next sample, so that what
-    is drawn after the checkpoint follows from this state alone."""
-    if buf._paths is not None:
-        buf._paths.close()
-    state: dict[str, Any] = buf.rng.bit_generator.state
-    return state
-
-
-def set_generator_state(buf: ReplayBuffer, state: dict[str, Any], file: Any) -> None:
-    """Give ``buf`` a sampling generator in ``state`` (``generator_state``'s); ``LayoutError``
-    naming ``file`` when it is not a numpy bit generator's state."""
-    kind = state.get("bit_generator")
-    maker = getattr(np.random, kind, None) if kind in ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64") else None
-    try:
-        if maker is None:
-            raise ValueError(f"bit_generator {kind!r}")
-        bits = maker()
-        bits.state = state
-    except (TypeError, ValueError, KeyError, OverflowError) as exc:
-        raise LayoutError(f"{file}: checkpoint.generator is not a numpy bit generator's state ({exc}); the manifest "
-                          "is damaged: resume from another folder") from None
-    buf.rng = np.random.Generator(bits)
-    if buf._paths is not None:
-        buf._paths.close()
 
 
 def _attach_by_handle(handle: BufferHandle) -> ReplayBuffer:

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
-from shmbuffer.buffer import generator_state
 from shmbuffer.persistence.manifest import MANIFEST, read_manifest
 from shmbuffer.protocol.layout import EDIT_LOG, Counter
 from shmbuffer.protocol.rows import slot
 from shmbuffer.protocol.snapshot import columns
+from shmbuffer.sample_paths import generator_state
 from shmbuffer.shm import segment
 
 Make = Callable[..., sb.ReplayBuffer]
@@ -470,7 +470,7 @@ def test_a_checkpoint_killed_at_any_point_leaves_the_last_complete_one(make: Mak
         while at < man.sequence:
             at += 1
             drive(ref, kind, at)
-            generator_state(ref)  # as a checkpoint does
+            generator_state(ref._paths, ref.rng)  # as a checkpoint does
         new = sb.ReplayBuffer.resume(folder, name=f"{name}k{kill}")
         try:
             assert_same(state(ref), state(new))

@@ -24,6 +24,7 @@ This module re-exports their public names.
 from __future__ import annotations
 
 from .arrays import export, from_arrays, import_rows, pending, pieces, set_uses
+from .checkpoint import checkpoint
 from .format import (
     ALIGN,
     FORMAT,
@@ -37,7 +38,6 @@ from .format import (
     VERSION,
     VERSIONS,
 )
-from .checkpoint import checkpoint
 from .loading import READERS, load
 from .manifest import CHECKPOINT_VERSION, MANIFEST
 from .resume import resume

@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import FieldError, LayoutError
 from ..protocol.frames_push import Last
 from ..protocol.layout import EDIT_LOG, Counter
-from ..protocol.rows import committed, slot, writing
+from ..protocol.snapshot import at_one_moment
 from .format import ALIGN, FORMAT, Layout, Tensor, tensor_of, tensors, version_of
 from .loading import pread_into
 from .manifest import (
@@ -340,33 +340,21 @@ def _copy_new(buf: Buffer, chunk: _Chunk, files: list[Tensor], prev: Manifest | 
 
 
 def _locked(buf: Buffer, lanes: list[_Lane]) -> tuple[int, dict[str, Any]]:
-    """Under the ring's lock, at one moment: the log of edits' count, each lane's stamps (as
-    ``present``), leaves and use counts of its rows ``[keep, end)``, the counters and the largest
-    priority. Then each lane's rows up to the newest one overwritten by then go."""
-    ring, prios, counters = buf.ring, buf.priorities, buf.block.counters
-    lc = ring.lane_capacity
-    stamps = []
-    with ring.lock:
-        edits, begun = int(counters[_EDITS]), int(counters[_EDITS_BEGUN])
-        for ln in lanes:
-            slots = slot(ln.run.lane, np.arange(ln.keep, ln.run.end, dtype=np.int64), lc)
-            stamps.append(ring.stamp[slots])
-            ln.leaves = prios.tree.leaves[slots] if prios is not None else None
-            ln.uses = prios.uses[slots] if prios is not None and prios.uses is not None else None
-            ln.at_lock = ln.keep
-        state = {
-            "begun": begun, "stats": ring.stats, "inserted": ring.inserted,
-            "counters": {"sample_calls": int(counters[Counter.SAMPLE_CALLS]), "removed": int(counters[Counter.REMOVED]),
-                         "interleaved": int(counters[Counter.INTERLEAVED])},
-            "max_priority": prios.max_priority if prios is not None else None,
-        }
-    for ln, st in zip(lanes, stamps, strict=True):
-        n = np.arange(ln.keep, ln.run.end, dtype=np.int64)
-        lapped = np.flatnonzero((st != committed(n)) & (st != writing(n)) & (st != 0))
+    """At one moment (``protocol.snapshot.at_one_moment``): the log of edits' count, each lane's
+    rows that are there (as ``present``, the empty ones not), leaves and use counts of its rows
+    ``[keep, end)``, the counters and the largest priority. Then each lane's rows up to the newest
+    one overwritten by then go."""
+    now = at_one_moment(buf, [(ln.run.lane, ln.keep, ln.run.end) for ln in lanes])
+    for i, ln in enumerate(lanes):
+        ln.leaves, ln.uses, ln.at_lock = now.leaves[i], now.uses[i], ln.keep
+        lapped = np.flatnonzero(~now.there[i] & ~now.empty[i])
         if lapped.size:
             ln.keep += int(lapped[-1]) + 1
-        ln.present = st != 0
-    return edits, state
+        ln.present = ~now.empty[i]
+    c = now.counters
+    state = {"begun": c["edits_begun"], "stats": c["stats"], "inserted": c["inserted"], "max_priority": c["max_priority"],
+             "counters": {k: c[k] for k in ("sample_calls", "removed", "interleaved")}}
+    return c["edits"], state
 
 
 def _again(buf: Buffer, lanes: list[_Lane], since: int, edits: int) -> list[tuple[int, int, int]]:

@@ -95,7 +95,7 @@ def _check_state(man: Manifest, newest: ChunkFile, schema: Any, opts: Any) -> di
             f = schema[n]
             t = tensor_of(n, f.shape, f.dtype)
             want[f"_last/{n}"] = (t.code, t.file_shape(len(man.pending)))
-    got = {n: (e.code, list(e.shape)) for n, e in newest.entries.items() if not n.split("/")[0] in BLOCKS}
+    got = {n: (e.code, list(e.shape)) for n, e in newest.entries.items() if n.split("/")[0] not in BLOCKS}
     if got != want:
         raise LayoutError(f"{newest.file}: state tensors {str(got)[:500]}, expected {want} for {man.file}: the chunk "
                           "or the manifest is altered")

@@ -57,7 +57,7 @@ from .gather import Rows, gather, settle
 from .layout import Counter
 from .rows import committed, row_id, slot, writing
 
-__all__ = ["CHUNK_BYTES", "Buffer", "Piece", "Run", "Snapshot", "columns"]
+__all__ = ["CHUNK_BYTES", "Buffer", "Moment", "Piece", "Run", "Snapshot", "at_one_moment", "columns"]
 
 CHUNK_BYTES = 64 << 20
 """Bytes of rows copied (or read) at a time."""
@@ -314,3 +314,42 @@ def restore_counters(buf: Buffer, values: dict[Counter, int], removed: bool) -> 
         counters[at] = value
     if removed:
         counters[Counter.REMOVED] = 1
+
+
+@dataclass
+class Moment:
+    """``at_one_moment``'s answer: per span, which rows are there and which slots empty, their
+    leaves and use counts (``None`` without them); the counters as they were."""
+
+    there: list[np.ndarray]
+    empty: list[np.ndarray]
+    leaves: list[np.ndarray | None]
+    uses: list[np.ndarray | None]
+    counters: dict[str, Any]
+
+
+def at_one_moment(buf: Buffer, spans: list[tuple[int, int, int]]) -> Moment:
+    """Under the ring's lock, for each ``(lane, n0, n1)`` of ``spans``: which of the rows
+    ``[n0, n1)`` are still there (their stamps name them, committed or being updated), which slots
+    are empty (stamp 0: deleted, reaped, abandoned), their leaves and use counts; and the counters
+    (``edits`` and ``edits_begun`` of the log of edits, ``stats``, ``inserted``, ``sample_calls``,
+    ``removed``, ``interleaved``, ``max_priority``): a checkpoint's rows, leaves and log as of one
+    moment (``persistence/checkpoint.py``)."""
+    ring, prios, counters = buf.ring, buf.priorities, buf.block.counters
+    out = Moment([], [], [], [], {})
+    with ring.lock:
+        for lane, n0, n1 in spans:
+            numbers = np.arange(n0, n1, dtype=np.int64)
+            slots = slot(lane, numbers, ring.lane_capacity)
+            s = ring.stamp[slots]
+            out.there.append((s == committed(numbers)) | (s == writing(numbers)))
+            out.empty.append(s == 0)
+            out.leaves.append(prios.tree.leaves[slots] if prios is not None else None)
+            out.uses.append(prios.uses[slots] if prios is not None and prios.uses is not None else None)
+        out.counters = {
+            "edits": int(counters[Counter.EDITS]), "edits_begun": int(counters[Counter.EDITS_BEGUN]),
+            "stats": ring.stats, "inserted": ring.inserted, "sample_calls": int(counters[Counter.SAMPLE_CALLS]),
+            "removed": int(counters[Counter.REMOVED]), "interleaved": int(counters[Counter.INTERLEAVED]),
+            "max_priority": prios.max_priority if prios is not None else None,
+        }
+    return out
