@@ -103,12 +103,12 @@ class _Chunk:
     """A chunk being written: tensors appended to the data section; the header written last into
     the room reserved for it (an upper bound: every number in it at most ``_BIG``)."""
 
-    def __init__(self, dfd: int, tmp: str, chunk_id: str, version: int, names: list[str]) -> None:
+    def __init__(self, dfd: int, tmp: str, chunk_id: str, version: int, planned: dict[str, Tensor]) -> None:
         self.fd = create_file(tmp, dfd)
         self.meta = {"format": FORMAT, "format_version": str(version), "save_id": chunk_id, "checkpoint": "1"}
         most: dict[str, Any] = {"__metadata__": self.meta}
-        for n in names:
-            most[n] = {"dtype": "BOOL", "shape": [_BIG] * 8, "data_offsets": [_BIG, _BIG]}
+        for n, t in planned.items():
+            most[n] = {"dtype": t.code, "shape": t.file_shape(_BIG), "data_offsets": [_BIG, _BIG]}
         self.data_start = -(-(8 + len(json.dumps(most, separators=(",", ":")))) // ALIGN) * ALIGN
         self.at = 0
         self.entries: dict[str, tuple[str, list[int], int, int]] = {}
@@ -250,8 +250,10 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
     me = len(chunks)  # this chunk's index until compaction renumbers them
     chunk_id = secrets.token_hex(8)
     tmp = f".{chunk_name(sequence)}.{chunk_id}.tmp"
-    names = [f"{b}/{t.name}" for b in BLOCKS for t in files] + ["_leaf", "_uses"]
-    chunk = _Chunk(dfd, tmp, chunk_id, version_of(buf.options), names + [f"_last/{n}" for n in buf.schema.names])
+    planned = {f"{b}/{t.name}": t for b in BLOCKS for t in files}
+    planned |= {t.name: t for t in everything if t.name in ("_leaf", "_uses")}
+    planned |= {f"_last/{f.name}": tensor_of(f.name, f.shape, f.dtype) for f in buf.schema}
+    chunk = _Chunk(dfd, tmp, chunk_id, version_of(buf.options), planned)
     try:
         snap, lanes, new_rows = _copy_new(buf, chunk, files, prev, wait, me)
         edits, state = _locked(buf, lanes)
