@@ -27,7 +27,7 @@ from shmbuffer.sample_paths import generator_state
 from shmbuffer.shm import segment
 
 Make = Callable[..., sb.ReplayBuffer]
-KINDS = ["uniform", "lanes", "episodes", "prioritized", "max_use", "frames"]
+KINDS = ["uniform", "lanes", "episodes", "prioritized", "max_use", "limiter", "frames"]
 FRAME = (6, 6)
 
 
@@ -53,6 +53,7 @@ def options(kind: str) -> tuple[sb.Schema, int, dict[str, Any]]:
     opts: dict[str, Any] = {
         "uniform": {}, "lanes": dict(lanes=3), "episodes": dict(episodes=True),
         "prioritized": dict(sampler=sb.Prioritized(0.6, 0.4), lanes=2), "max_use": dict(max_use=2),
+        "limiter": dict(limiter=sb.RateLimiter(samples_per_insert=2.0, min_size=8, error=40.0, timeout=5.0)),
     }[kind]
     return schema, 48, opts
 
