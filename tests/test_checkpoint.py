@@ -5,6 +5,7 @@ tampered with, and consistent while writers and a learner run."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -212,6 +213,32 @@ def test_checkpoints_write_only_what_changed(make: Make, name: str, tmp_path: Pa
     assert (first["new"], first["full"]) == (800, True)
     assert (later["new"], later["edited"], later["full"], later["rows"]) == (10, 2, False, 810)
     assert later["bytes"] < first["bytes"] / 20
+
+
+def test_rows_edited_while_a_checkpoint_runs_are_read_again(make: Make, resumed: list, name: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows updated or deleted after the checkpoint copied them (a new row, an older one) are read
+    again once the log of edits is read: the checkpoint holds them as they are then."""
+    module = importlib.import_module("shmbuffer.persistence.checkpoint")  # the package's name is the function
+    buf = make(sb.Schema(x=((), "int64")), 64, name=name, max_use=3)
+    ids = buf.push(x=np.arange(20))
+    buf.checkpoint(tmp_path / "c")
+    new = buf.push(x=np.arange(20, 30))
+    real = module._locked
+
+    def edit_first(b: Any, lanes: Any) -> Any:
+        buf.update(new[[2]], x=np.array([-1]))
+        buf.update(ids[[5]], x=np.array([-2]))
+        buf.delete(ids[[7]])
+        return real(b, lanes)
+
+    monkeypatch.setattr(module, "_locked", edit_first)
+    got = buf.checkpoint(tmp_path / "c")
+    assert (got["new"], got["edited"], got["full"]) == (10, 3, False)
+    back = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(back)
+    assert_same(state(buf), state(back))
+    assert back.export()["x"].tolist() == [*range(5), -2, 6, *range(8, 22), -1, *range(23, 30)]
 
 
 def test_an_overrun_log_of_edits_writes_every_row(make: Make, resumed: list, name: str, tmp_path: Path) -> None:
