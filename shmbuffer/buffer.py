@@ -35,7 +35,7 @@ from .protocol.frames_push import Pusher
 from .protocol.layout import UNIFORM, Options
 from .protocol.priorities import Priorities
 from .protocol.push import Copier
-from .sample_paths import SamplePaths, count
+from .sample_paths import SamplePaths, count, generator_from_state, generator_state
 from .sampling.limiter import RateLimiter
 from .sampling.samplers import Sampler
 from .schema import Schema, as_schema
@@ -341,6 +341,38 @@ class ReplayBuffer(MappedBlock):
              seed: int | np.random.Generator | None = None) -> ReplayBuffer:
         """A new buffer holding a save: the same rows, ids, priorities and uses (Velora's ``load``)."""
         return persistence.load(path, cls, name=name, capacity=capacity, seed=seed)
+
+    def checkpoint(self, path: str | os.PathLike[str], *, wait: float = 1.0, sync: bool = True) -> dict[str, Any]:
+        """Write a checkpoint to the folder ``path``: every row the first time, then only what changed
+        since the last checkpoint there (new rows, rows updated or deleted, every row's priority and
+        use count, the counters, this process's pending ``next_of`` steps and sampling generator),
+        while writers go on; crash-safe (``persistence/manifest.py``). ``ReplayBuffer.resume`` reads it."""
+        pusher = self._pusher
+        pending = pusher.last if pusher is not None and pusher.pid == os.getpid() else None
+        return persistence.checkpoint(self, path, wait=wait, sync=sync, pending=pending,
+                                      generator=generator_state(self._paths, self.rng))
+
+    @classmethod
+    def resume(cls, path: str | os.PathLike[str], name: str | None = None) -> ReplayBuffer:
+        """A new buffer as at the last complete checkpoint in ``path``: the same rows, ids, lanes,
+        episodes, priorities, uses, counters, pending steps and sampling generator, so that it draws
+        what the checkpointed buffer drew after the checkpoint (``persistence/resume.py``)."""
+        buf, man, lasts = persistence.resume(path, cls, name=name)
+        try:
+            if buf.pusher is not None:
+                buf.pusher.last = lasts
+            if man.generator is not None:
+                buf.rng = generator_from_state(man.generator, man.file)
+        except BaseException:
+            buf.__exit__(None, None, None)
+            raise
+        return buf
+
+    @property
+    def pusher(self) -> Pusher | None:
+        """With ``next_of``/``stack``: this process's memory of the row it pushed last into each
+        lane (``frames_push.Pusher``), which the next push continues; ``None`` otherwise."""
+        return self._pusher
 
     def export(self) -> dict[str, np.ndarray]:
         """All rows as numpy arrays in ``get`` order, plus ``index`` (and ``episode``)."""

@@ -7,6 +7,8 @@
     shmbuffer gc [--dry-run] [--force] [NAME ...]   remove buffers whose creator is dead
     shmbuffer save NAME PATH [--force]          save a live buffer (persistence/saving.py)
     shmbuffer load PATH --name NAME             load a save and hold it until interrupted
+    shmbuffer checkpoint NAME PATH [--no-sync]  checkpoint a live buffer: only what changed since the last one
+    shmbuffer resume PATH [--name NAME]         resume the last complete checkpoint and hold it until interrupted
     shmbuffer bench [--seconds S] [--json]      memcpy, push and sample rates on this machine
     shmbuffer top [--all] [--once] [--json]     a live view: fill, rows in/out per second, writers (top.py)
     shmbuffer demo [--seed 1 ...]               the demo: DQN + PER on CartPole (demo.py)
@@ -284,6 +286,35 @@ def _save(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoint(args: argparse.Namespace) -> int:
+    buf = ReplayBuffer.attach(args.name)
+    try:
+        out = buf.checkpoint(args.path, sync=not args.no_sync)
+    finally:
+        buf.close()
+    what = "every row" if out["full"] else f"{out['new']} new rows, {out['edited']} edited"
+    print(f"checkpoint {out['sequence']} of {args.name!r} in {out['path']}: {out['rows']} rows ({what}; "
+          f"{segment.human(out['bytes'])} written, {segment.human(out['folder_bytes'])} in the folder, "
+          f"{out['seconds']:.2f} s)")
+    return 0
+
+
+def _resume(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
+    buf = ReplayBuffer.resume(args.path, name=args.name)
+    try:
+        print(f"resumed {len(buf)} rows into {buf.name!r}; holding it until interrupted "
+              "(Ctrl-C or SIGTERM removes it)", flush=True)
+        while True:
+            signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        buf.close()
+        buf.unlink()
+    return 0
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -505,6 +536,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=int, default=None,
                    help="rows the new buffer holds (default: the saved capacity; each lane must still hold its saved rows)")
     p.set_defaults(run=_load)
+    p = _command(sub, "checkpoint", "checkpoint a live buffer to a folder: every row the first time, then what changed")
+    p.add_argument("name", type=_name, help="the live buffer's name, or /dev/shm/shmbuffer-NAME")
+    p.add_argument("path", help="the checkpoint folder (manifest + chunks); created if it does not exist")
+    p.add_argument("--no-sync", action="store_true", help="skip the fsyncs (safe from a killed process, not a power cut)")
+    p.set_defaults(run=_checkpoint)
+    p = _command(sub, "resume", "resume a buffer from its last complete checkpoint and hold it until interrupted")
+    p.add_argument("path", help="a folder written by `shmbuffer checkpoint` or buf.checkpoint()")
+    p.add_argument("--name", type=_new_name, default=None,
+                   help="the new buffer's name in /dev/shm (default: a new name; the checkpointed buffer's name "
+                        "lets the next checkpoint to PATH add to it)")
+    p.set_defaults(run=_resume)
     p = _command(sub, "bench", "a quick probe: memcpy, push and sample rates")
     p.add_argument("--seconds", type=float, default=0.5, help="seconds per measurement")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -18,7 +18,7 @@ import numpy as np
 from . import arguments, hints, native, sequences
 from . import hindsight as her
 from .batch import Batch
-from .errors import EmptyBufferError
+from .errors import EmptyBufferError, LayoutError
 from .protocol import reader
 from .protocol.gather import check_out
 from .protocol.one_call import OneCall
@@ -26,7 +26,7 @@ from .protocol.reader import Source
 from .sampling.limiter import counted
 from .sampling.samplers import check_batch_size
 
-__all__ = ["Buffer", "SamplePaths", "check_transitions", "count"]
+__all__ = ["Buffer", "SamplePaths", "check_transitions", "count", "generator_from_state", "generator_state"]
 
 
 class Buffer(Source, Protocol):
@@ -145,3 +145,28 @@ def count(src: Source, rows: int, timeout: float | None, draw: Callable[[], Any]
         src.ring.count_sampled(rows)
         return result
     return counted(limiter, src.ring, rows, timeout, draw)
+
+
+def generator_state(paths: SamplePaths | None, rng: np.random.Generator) -> dict[str, Any]:
+    """The state of a buffer's sampling generator ``rng``, for a checkpoint. The one-call sample's
+    own generator (``OneCall``, in ``paths``) is made again from ``rng`` at the next sample, so that
+    what is drawn after the checkpoint follows from this state alone."""
+    if paths is not None:
+        paths.close()
+    return dict(rng.bit_generator.state)
+
+
+def generator_from_state(state: dict[str, Any], file: Any) -> np.random.Generator:
+    """A generator in ``state`` (``generator_state``'s); ``LayoutError`` naming ``file`` when it is
+    not a numpy bit generator's state."""
+    kind = state.get("bit_generator")
+    maker = getattr(np.random, kind, None) if kind in ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64") else None
+    try:
+        if maker is None:
+            raise ValueError(f"bit_generator {kind!r}")
+        bits = maker()
+        bits.state = state
+    except (TypeError, ValueError, KeyError, OverflowError) as exc:
+        raise LayoutError(f"{file}: checkpoint.generator is not a numpy bit generator's state ({exc}); the manifest "
+                          "is damaged: resume from another folder") from None
+    return np.random.Generator(bits)

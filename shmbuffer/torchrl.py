@@ -62,6 +62,7 @@ Keys may be nested (``("next", "obs")``); a field is named by joining them with 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -80,6 +81,9 @@ from torchrl.data.replay_buffers.storages import Storage, StoreStorage
 from . import tensordicts
 from .buffer import ReplayBuffer as SharedBuffer
 from .errors import EmptyBufferError
+from .persistence import MANIFEST
+from .persistence import META as SAVE_META
+from .persistence import ROWS as SAVE_ROWS
 from .protocol import places
 from .schema import RESERVED, Schema
 from .tensordicts import SEP
@@ -606,10 +610,15 @@ class ShmStorage(StoreStorage):
         return type(self.checkpointer) is not StorageCheckpointerBase
 
     def dumps(self, path: Any) -> None:
-        """Save the rows into the directory ``path``, replacing an earlier dump there."""
+        """Checkpoint the rows into the directory ``path`` (``ReplayBuffer.checkpoint``): the first
+        dump there writes every row, a later one what changed since (a full save left there by an
+        older release is removed)."""
         if self._custom_checkpointer():
             return super().dumps(path)
-        self._need().save(path, overwrite=True)
+        self._need().checkpoint(path)
+        for old in (SAVE_META, SAVE_ROWS):  # an older release's full dump: the checkpoint replaces it
+            with contextlib.suppress(FileNotFoundError):
+                (Path(path) / old).unlink()
         (Path(path) / META).write_text(json.dumps(self._meta()))
         return None
 
@@ -619,7 +628,8 @@ class ShmStorage(StoreStorage):
             return super().loads(path)
         meta = Path(path) / META
         kinds = json.loads(meta.read_text()) if meta.exists() else {}
-        with SharedBuffer.load(path) as saved:
+        restore = SharedBuffer.resume if (Path(path) / MANIFEST).exists() else SharedBuffer.load
+        with restore(path) as saved:
             rows = _slot_order(saved.export(), saved.capacity)
             self.load_state_dict({"rows": rows, "schema": saved.schema.to_json(), **kinds})
         return None

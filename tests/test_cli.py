@@ -232,6 +232,43 @@ def test_save_and_load(make: Make, name: str, tmp_path: Path, cleanup: list[str]
     assert out.returncode == 1 and "does not exist" in out.stderr
 
 
+def test_checkpoint_and_resume(make: Make, name: str, tmp_path: Path, cleanup: list[str]) -> None:
+    """``shmbuffer checkpoint`` writes every row the first time, then only the new ones;
+    ``shmbuffer resume`` holds the last complete checkpoint until interrupted."""
+    buf = make(MUJOCO, capacity=50, name=name)
+    buf.push(transition(0, 30))
+    out = cli("checkpoint", name, str(tmp_path / "c")).stdout
+    assert f"checkpoint 1 of {name!r}" in out and "30 rows (every row" in out
+    buf.push(transition(30, 5))
+    out = cli("checkpoint", name, str(tmp_path / "c"), "--no-sync").stdout
+    assert f"checkpoint 2 of {name!r}" in out and "35 rows (5 new rows, 0 edited" in out
+    copy = name + "-copy"
+    cleanup.append(copy)
+    proc = subprocess.Popen([sys.executable, "-m", "shmbuffer.cli", "resume", str(tmp_path / "c"), "--name", copy],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().startswith(f"resumed 35 rows into {copy!r}")
+        other = sb.ReplayBuffer.attach(copy)
+        try:
+            rows = other.get(slice(None))
+            assert np.array_equal(rows.index, np.arange(35)) and np.array_equal(seq_of(rows), rows.index)
+        finally:
+            other.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert proc.stderr is not None and proc.stderr.read() == ""
+    finally:
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+    assert not os.path.exists(segment.path_of(copy))
+    out = cli("resume", str(tmp_path / "nothing"), "--name", copy, ok=False)
+    assert out.returncode == 1 and "does not exist" in out.stderr
+
+
 def test_demo_gives_every_env_its_own_lane(make: Make, name: str) -> None:
     """``--workers 3`` makes 12 envs, which do not divide the default capacity: the demo used one
     lane for all, the envs' steps interleaved, and every 3-step return was a 1-step one.

@@ -239,6 +239,25 @@ def test_extend_past_max_size_wraps_keeping_the_newest(start: int, name: str, st
     assert sorted(ours.get(slice(None)).tolist()) == list(range(115, 125))
 
 
+def test_a_second_dumps_writes_only_the_new_rows(name: str, storages: list[ShmStorage], tmp_path: Any) -> None:
+    """``dumps`` is a checkpoint: a second one into the same directory writes only the rows added
+    since (a chunk of its own, the first one kept), and ``loads`` reads the last one."""
+    ours = ShmStorage(1000, name=name)
+    storages.append(ours)
+    rb = _rb(ours)
+    rb.extend(TensorDict({"a": torch.arange(600)}, [600]))
+    ours.dumps(tmp_path / "d")
+    rb.extend(TensorDict({"a": torch.arange(600, 603)}, [3]))
+    ours.dumps(tmp_path / "d")
+    chunks = sorted(p.name for p in (tmp_path / "d").iterdir() if p.name.startswith("chunk-"))
+    assert chunks == ["chunk-00000001.safetensors", "chunk-00000002.safetensors"]
+    assert (tmp_path / "d" / chunks[1]).stat().st_size < (tmp_path / "d" / chunks[0]).stat().st_size / 4
+    back = ShmStorage(1000, name=name + "b")
+    storages.append(back)
+    back.loads(tmp_path / "d")
+    assert back.get(torch.arange(603))["a"].tolist() == list(range(603))
+
+
 def test_dumps_twice_and_loads_puts_rows_back_in_their_slots(name: str, storages: list[ShmStorage], tmp_path: Any) -> None:
     """``dumps`` twice into one directory replaces the dump (it raised FileExistsError); a wrapped
     storage loads with every row in its slot, so the restored writer goes on as TorchRL's does."""

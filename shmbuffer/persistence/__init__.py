@@ -14,6 +14,9 @@ The package, lowest module first:
 * ``saving``: ``save``: the directory and its files, written safely.
 * ``loading``: ``load``, with every entry checked, and one reader per format version (``READERS``).
 * ``arrays``: ``export``, ``pieces``, ``from_arrays``, ``import_rows``, ``set_uses``, ``pending``.
+* ``manifest``: the checkpoint format (its docstring is the spec): a manifest and chunks, checked.
+* ``checkpoint``: ``checkpoint``: what changed since the last checkpoint, crash-safe.
+* ``resume``: ``resume``: a new buffer as at the last complete checkpoint.
 
 This module re-exports their public names.
 """
@@ -21,6 +24,7 @@ This module re-exports their public names.
 from __future__ import annotations
 
 from .arrays import export, from_arrays, import_rows, pending, pieces, set_uses
+from .checkpoint import checkpoint
 from .format import (
     ALIGN,
     FORMAT,
@@ -35,11 +39,13 @@ from .format import (
     VERSIONS,
 )
 from .loading import READERS, load
+from .manifest import CHECKPOINT_VERSION, MANIFEST
+from .resume import resume
 from .saving import Progress, save
 from .snapshot import CHUNK_BYTES, Buffer
 
 __all__ = [
-    "ALIGN", "CHUNK_BYTES", "FORMAT", "FORMAT_VERSION_1", "FORMAT_VERSION_2", "MAX_BLOCK", "MAX_HEADER", "MAX_ROW",
-    "META", "READERS", "ROWS", "VERSION", "VERSIONS", "Buffer", "Progress", "export", "from_arrays", "import_rows",
-    "load", "pending", "pieces", "save", "set_uses",
+    "ALIGN", "CHECKPOINT_VERSION", "CHUNK_BYTES", "FORMAT", "FORMAT_VERSION_1", "FORMAT_VERSION_2", "MAX_BLOCK", "MAX_HEADER", "MAX_ROW",
+    "MANIFEST", "META", "READERS", "ROWS", "VERSION", "VERSIONS", "Buffer", "Progress", "checkpoint", "export",
+    "from_arrays", "import_rows", "load", "pending", "pieces", "resume", "save", "set_uses",
 ]

@@ -93,7 +93,7 @@ from ..protocol.layout import Options
 from ..schema import Schema
 
 __all__ = ["ALIGN", "FORMAT", "FORMAT_VERSION_1", "FORMAT_VERSION_2", "MAX_BLOCK", "MAX_HEADER", "MAX_ROW", "META",
-           "ROWS", "VERSION", "VERSIONS", "Layout", "Tensor", "tensors", "version_of"]
+           "ROWS", "VERSION", "VERSIONS", "Layout", "Tensor", "tensor_of", "tensors", "version_of"]
 
 FORMAT = "shmbuffer"
 """``format`` in ``meta.json`` and in the header's ``__metadata__``."""
@@ -157,7 +157,8 @@ class Tensor:
         return {"name": self.name, "dtype": self.code, "shape": self.file_shape(rows), "numpy": self.dtype.str}
 
 
-def _tensor(name: str, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Tensor:
+def tensor_of(name: str, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Tensor:
+    """The tensor of a field ``name`` of this shape and dtype (its safetensors code, its trailing dimensions)."""
     key = f"{dtype.kind}{dtype.itemsize}"
     if key in CODES:
         return Tensor(name, shape, dtype, CODES[key], ())
@@ -171,16 +172,16 @@ def tensors(schema: Schema, opts: Options) -> list[Tensor]:
     With ``next_of``/``stack`` (format version 2) the fields are the stored ones and ``_kind``
     comes along (``frames.py``)."""
     frames = opts.frames
-    out = [_tensor(f.name, f.shape, f.dtype) for f in (schema if frames is None else frames.stored(schema))]
+    out = [tensor_of(f.name, f.shape, f.dtype) for f in (schema if frames is None else frames.stored(schema))]
     if frames is not None:
-        out.append(_tensor(KIND, (), np.dtype(np.uint8)))
+        out.append(tensor_of(KIND, (), np.dtype(np.uint8)))
     if opts.episodes:
-        out.append(_tensor("_episode", (), np.dtype(np.int64)))
+        out.append(tensor_of("_episode", (), np.dtype(np.int64)))
     if opts.tree:
-        out.append(_tensor("_leaf", (), np.dtype(np.float64)))
+        out.append(tensor_of("_leaf", (), np.dtype(np.float64)))
     if opts.max_use is not None:
-        out.append(_tensor("_uses", (), np.dtype(np.uint32)))
-    out.append(_tensor("_present", (), np.dtype(np.bool_)))
+        out.append(tensor_of("_uses", (), np.dtype(np.uint32)))
+    out.append(tensor_of("_present", (), np.dtype(np.bool_)))
     return sorted(out, key=lambda t: -t.dtype.itemsize)
 
 

@@ -14,9 +14,9 @@ at most ``MAX_BLOCK``, ``options.frames`` set exactly in a version-2 save, the t
 the schema and options); and every entry of the safetensors header (object, dtype code, shape,
 offsets that tile the data section, metadata strings, the same ``save_id`` and format version as
 ``meta.json``). As it reads the rows it checks ``_present`` (0 or 1), ``_leaf`` (in ``[0,
-MAX_LEAF]``), ``_uses`` (at most ``max_use``), the two together (``_check_leaves``: a used-up row's
+MAX_LEAF]``), ``_uses`` (at most ``max_use``), the two together (``check_leaves``: a used-up row's
 leaf 0, another's the leaf its sampler gives) and that a hole's bytes are zeros in every tensor;
-once they are read, a version-2 save's ``_kind`` (``_check_kinds``: defined kinds only, end rows
+once they are read, a version-2 save's ``_kind`` (``check_kinds``: defined kinds only, end rows
 where episodes end unless another episode starts there, episodes starting after them). Whatever is malformed raises ``LayoutError``
 naming the file and the entry; JSON nested too deep to parse is malformed too.
 
@@ -66,16 +66,17 @@ from .format import (
     tensors,
 )
 
-__all__ = ["READERS", "load", "read_v1", "read_v2"]
+__all__ = ["READERS", "STATS", "check_kinds", "check_leaves", "load", "open_regular", "pread_into", "read_header", "read_meta",
+           "read_v1", "read_v2"]
 
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_STATS = {"sampled": Counter.SAMPLED, "reclaimed": Counter.RECLAIMED, "inserted": Counter.INSERTED,
+STATS = {"sampled": Counter.SAMPLED, "reclaimed": Counter.RECLAIMED, "inserted": Counter.INSERTED,
           "sample_calls": Counter.SAMPLE_CALLS, "removed": Counter.REMOVED}
 """The counters a load restores (lock recoveries belong to the old lock): ``sample_calls`` carries
 the annealing of ``Prioritized.beta`` on, ``removed`` says rows were deleted or used up."""
 
 
-def _pread_into(fd: int, a: np.ndarray, offset: int, file: Path) -> None:
+def pread_into(fd: int, a: np.ndarray, offset: int, file: Path) -> None:
     view = a.reshape(-1).view(np.uint8).data
     while view.nbytes:
         n = os.preadv(fd, [view], offset)
@@ -102,7 +103,7 @@ def load(
     a buffer larger than ``/dev/shm`` has room for raises ``OutOfSharedMemory``, as creating it would."""
     folder = Path(path)
     meta_file = folder / META
-    fd = _open_regular(meta_file, f"load: {meta_file} does not exist; expected a directory written by shmbuffer.save")
+    fd = open_regular(meta_file, f"load: {meta_file} does not exist; expected a directory written by shmbuffer.save")
     try:
         size = os.fstat(fd).st_size
         if size > MAX_HEADER:
@@ -127,7 +128,7 @@ def load(
     return read(folder, meta, factory, name=name, capacity=capacity, seed=seed)
 
 
-def _open_regular(file: Path, missing: str) -> int:
+def open_regular(file: Path, missing: str) -> int:
     """``file`` opened for reading, never through a link and without blocking (a FIFO would
     block), or ``LayoutError`` when it is not a regular file."""
     try:
@@ -233,7 +234,7 @@ class _Saved:
     save_id: str
 
 
-def _read_meta(meta_file: Path, meta: dict[str, Any], version: int) -> _Saved:
+def read_meta(meta_file: Path, meta: dict[str, Any], version: int) -> _Saved:
     """Check every entry of a ``meta.json`` of format ``version``: its type, its range and its
     agreement with the others (see the module docstring); ``LayoutError`` naming the first one that
     is wrong."""
@@ -359,7 +360,7 @@ def _header_entry(e: Any) -> bool:
             and isinstance(offsets, list) and len(offsets) == 2 and all(type(x) is int for x in offsets))
 
 
-def _read_header(file: Path, fd: int) -> tuple[int, dict[str, str], dict[str, _Entry]]:
+def read_header(file: Path, fd: int) -> tuple[int, dict[str, str], dict[str, _Entry]]:
     """Check a safetensors file's header against the file; return the data section's offset,
     the ``__metadata__`` and the tensors."""
     size = os.fstat(fd).st_size
@@ -431,7 +432,7 @@ def _read(folder: Path, meta: dict[str, Any], version: int, factory: Callable[..
           capacity: int | None, seed: Any) -> Buffer:
     """A new buffer holding the save in ``folder`` of format ``version`` (whose ``meta.json`` is ``meta``)."""
     meta_file, rows_file = folder / META, folder / ROWS
-    saved = _read_meta(meta_file, meta, version)
+    saved = read_meta(meta_file, meta, version)
     schema, opts, lanes, rows = saved.schema, saved.opts, saved.lanes, saved.rows
     files = tensors(schema, opts)
     expected = [(t.name, t.code, tuple(t.file_shape(rows)), t.dtype.str) for t in files]
@@ -446,9 +447,9 @@ def _read(folder: Path, meta: dict[str, Any], version: int, factory: Callable[..
             f"load: capacity {cap} gives lanes of {cap // opts.lanes} rows, but a lane of {folder} holds "
             f"{most} rows: expected capacity >= {most * opts.lanes}"
         )
-    fd = _open_regular(rows_file, f"load: {rows_file} does not exist ({meta_file} does)")
+    fd = open_regular(rows_file, f"load: {rows_file} does not exist ({meta_file} does)")
     try:
-        data_start, head_meta, entries = _read_header(rows_file, fd)
+        data_start, head_meta, entries = read_header(rows_file, fd)
         if head_meta.get("save_id") != saved.save_id:
             raise LayoutError(
                 f"{rows_file} and {meta_file} come from different saves (save_id "
@@ -469,12 +470,12 @@ def _read(folder: Path, meta: dict[str, Any], version: int, factory: Callable[..
             with Line(f"loading {folder}", sum(stop - first for first, stop, _ in lanes)) as line:
                 removed = _fill(buf, fd, rows_file, data_start, entries, files, lanes, line)
             if opts.frames is not None:
-                _check_kinds(buf, lanes, rows_file)
+                check_kinds(buf, lanes, rows_file)
             arrays = columns(buf)
             if saved.max_priority is not None:
                 arrays["_prio"][0] = saved.max_priority
             # removed from the rows, not the counters (saves older than them have none)
-            snapshot.restore_counters(buf, {at: saved.stats.get(key, 0) for key, at in _STATS.items()}, removed)
+            snapshot.restore_counters(buf, {at: saved.stats.get(key, 0) for key, at in STATS.items()}, removed)
             new_lc = buf.lane_capacity
             for lane, (first, stop, base) in enumerate(lanes):
                 # the saved base reproduces the bounds unless the lanes grew or rows were dropped
@@ -510,7 +511,7 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
             s0 = int(slot(lane, n0, lc))
             sl = slice(s0, s0 + n1 - n0)
             flags = np.empty(n1 - n0, np.uint8)
-            _pread_into(fd, flags, data_start + entries["_present"].begin + pos + n0 - first, file)
+            pread_into(fd, flags, data_start + entries["_present"].begin + pos + n0 - first, file)
             if flags.size and flags.max() > 1:
                 raise LayoutError(f"{file}: tensor '_present' holds {int(flags.max())}, expected 0 or 1")
             present = flags.astype(bool)
@@ -523,11 +524,11 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
                 offset = data_start + entries[t.name].begin + (pos + n0 - first) * t.row_bytes
                 target = targets[t.name][sl] if t.name != "_leaf" else None
                 if target is not None and target.flags.c_contiguous:
-                    _pread_into(fd, target, offset, file)
+                    pread_into(fd, target, offset, file)
                     staged = target
                 else:
                     staged = np.empty((n1 - n0, *t.shape), t.dtype)
-                    _pread_into(fd, staged, offset, file)
+                    pread_into(fd, staged, offset, file)
                 if not present.all() and staged[~present].any():
                     hole = int(np.flatnonzero(~present)[0]) + n0
                     raise LayoutError(
@@ -549,7 +550,7 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
                 got[t.name] = staged
             if "_leaf" in got:  # end and lead rows are never drawn: their leaves are 0
                 rows = present if KIND not in got else present & (got[KIND] & (END | LEAD) == 0)
-                removed |= _check_leaves(buf, got["_leaf"], got.get("_uses"), rows, file, lane, n0)
+                removed |= check_leaves(buf, got["_leaf"], got.get("_uses"), rows, file, lane, n0)
             snapshot.restore(buf, sl, n0, present)
             line.update(pos + n1 - first)
             n0 = n1
@@ -557,7 +558,7 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
     return removed
 
 
-def _check_leaves(buf: Buffer, leaf: np.ndarray, uses: np.ndarray | None, rows: np.ndarray, file: Path,
+def check_leaves(buf: Buffer, leaf: np.ndarray, uses: np.ndarray | None, rows: np.ndarray, file: Path,
                   lane: int, n0: int) -> bool:
     """A chunk's ``_leaf`` against its ``_uses``, as the sampler keeps them (under the lock,
     together): a row used up (``max_use``) has the leaf 0, any other the leaf its sampler gives a
@@ -590,7 +591,7 @@ _KINDS = {0, START, START | ZERO, END, LEAD, LEAD | START}
 with copies or with zeros), an end row, a lead row (the first of a resumed episode's)."""
 
 
-def _check_kinds(buf: Buffer, lanes: list[tuple[int, int, int]], file: Path) -> None:
+def check_kinds(buf: Buffer, lanes: list[tuple[int, int, int]], file: Path) -> None:
     """The ``_kind`` of a loaded frames save against its rows, which every reader trusts: only
     ``_KINDS``; with ``next_of`` an episode's last step is followed by its end row (or by another
     episode's start: then it is no transition), and an end row follows a step; the row after an episode's end (its end row, or its last step without

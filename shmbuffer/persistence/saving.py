@@ -19,6 +19,7 @@ options.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -37,7 +38,7 @@ from ..protocol.rows import lane_of, number_of
 from .format import ALIGN, FORMAT, META, ROWS, Layout, Tensor, tensors, version_of
 from .snapshot import CHUNK_BYTES, Buffer, Snapshot, copy_rows
 
-__all__ = ["Progress", "save"]
+__all__ = ["FileSink", "Progress", "create_file", "open_folder", "pwrite", "release", "save"]
 
 Progress = bool | Callable[[int, int], None] | None
 """``save``'s ``progress``: True for a line on stderr, False for none, a callable
@@ -45,7 +46,7 @@ Progress = bool | Callable[[int, int], None] | None
 _CREATE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR | os.O_CLOEXEC
 
 
-def _pwrite(fd: int, a: np.ndarray | bytes | memoryview, offset: int) -> None:
+def pwrite(fd: int, a: np.ndarray | bytes | memoryview, offset: int) -> None:
     view = np.ascontiguousarray(a).reshape(-1).view(np.uint8).data if isinstance(a, np.ndarray) else memoryview(a)
     while view.nbytes:
         n = os.pwrite(fd, view, offset)
@@ -72,7 +73,7 @@ class _Bar:
         self.line.close()
 
 
-class _FileSink:
+class FileSink:
     """The rows go to ``rows.safetensors`` through ``fd``, after a header of the planned size."""
 
     def __init__(self, fd: int, tensors: list[Tensor], save_id: str, version: int) -> None:
@@ -85,17 +86,17 @@ class _FileSink:
         os.ftruncate(self.fd, self.data_start + plan.data_bytes)
 
     def write(self, offset: int, a: np.ndarray) -> None:
-        _pwrite(self.fd, a, self.data_start + offset)
+        pwrite(self.fd, a, self.data_start + offset)
 
     def move(self, src: int, dst: int, nbytes: int) -> None:
         for done in range(0, nbytes, CHUNK_BYTES):
             k = min(CHUNK_BYTES, nbytes - done)
-            _pwrite(self.fd, os.pread(self.fd, k, self.data_start + src + done), self.data_start + dst + done)
+            pwrite(self.fd, os.pread(self.fd, k, self.data_start + src + done), self.data_start + dst + done)
 
     def finish(self, final: Layout) -> None:
         os.ftruncate(self.fd, self.data_start + final.data_bytes)
         head = final.header(self.tensors, self.save_id, self.version)
-        _pwrite(self.fd, struct.pack("<Q", self.data_start - 8) + head + b" " * (self.data_start - 8 - len(head)), 0)
+        pwrite(self.fd, struct.pack("<Q", self.data_start - 8) + head + b" " * (self.data_start - 8 - len(head)), 0)
 
 
 
@@ -118,7 +119,7 @@ def save(buf: Buffer, path: str | os.PathLike[str], *, progress: Progress = None
                          "name the folder to save into, e.g. save('runs/buffer')")
     wait = arguments.timeout(wait, "save: wait")
     folder = Path(path)
-    dfd, made = _open_folder(folder)
+    dfd, made = open_folder(folder)
     save_id = secrets.token_hex(8)
     tmp, meta_tmp = f".{ROWS}.{save_id}.tmp", f".{META}.{save_id}.tmp"
     try:
@@ -127,16 +128,16 @@ def save(buf: Buffer, path: str | os.PathLike[str], *, progress: Progress = None
         files = tensors(buf.schema, buf.options)
         snap = Snapshot(buf, wait, _waiting(buf, files))
         bar = _Bar(progress, f"saving {buf.name!r}", sum(r.saved_end - r.keep for r in snap.runs) * sum(t.row_bytes for t in files))
-        fd = _create(tmp, dfd)
+        fd = create_file(tmp, dfd)
         try:
-            sink = _FileSink(fd, files, save_id, version_of(buf.options))
+            sink = FileSink(fd, files, save_id, version_of(buf.options))
             final, moved = copy_rows(snap, files, sink, bar.add)
         finally:
             os.close(fd)
             bar.close()
-        fd = _create(meta_tmp, dfd)
+        fd = create_file(meta_tmp, dfd)
         try:
-            _pwrite(fd, (json.dumps(_meta(buf, snap, files, final, save_id), indent=1) + "\n").encode(), 0)
+            pwrite(fd, (json.dumps(_meta(buf, snap, files, final, save_id), indent=1) + "\n").encode(), 0)
         finally:
             os.close(fd)
         if not overwrite:
@@ -162,7 +163,7 @@ def save(buf: Buffer, path: str | os.PathLike[str], *, progress: Progress = None
     }
 
 
-def _open_folder(folder: Path) -> tuple[int, bool]:
+def open_folder(folder: Path) -> tuple[int, bool]:
     """The save directory opened (created with mode 0700 when it does not exist), and whether it
     was created here. An existing one must be a real directory (not a link) of this user: another
     user's directory, or a link they could point elsewhere, would let them read or swap the save."""
@@ -207,7 +208,7 @@ def _refuse_a_save(folder: Path, dfd: int) -> None:
         )
 
 
-def _create(name: str, dfd: int) -> int:
+def create_file(name: str, dfd: int) -> int:
     """A new file ``name`` in the directory ``dfd``, mode 0600 whatever the umask: never an
     existing file, never through a link."""
     fd = os.open(name, _CREATE, 0o600, dir_fd=dfd)
@@ -219,7 +220,8 @@ def _create(name: str, dfd: int) -> int:
     return fd
 
 
-def _version() -> str:
+@functools.cache
+def release() -> str:
     """This release's version, for a save's ``shmbuffer_version``."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -259,7 +261,7 @@ def _meta(buf: Buffer, snap: Snapshot, files: list[Tensor], layout: Layout, save
     return {
         "format": FORMAT,
         "format_version": version_of(buf.options),
-        "shmbuffer_version": _version(),
+        "shmbuffer_version": release(),
         "save_id": save_id,
         "name": buf.name,
         "schema": buf.schema.to_json(),

@@ -57,7 +57,7 @@ from .gather import Rows, gather, settle
 from .layout import Counter
 from .rows import committed, row_id, slot, writing
 
-__all__ = ["CHUNK_BYTES", "Buffer", "Piece", "Run", "Snapshot", "columns"]
+__all__ = ["CHUNK_BYTES", "Buffer", "Moment", "Piece", "Run", "Snapshot", "at_one_moment", "columns"]
 
 CHUNK_BYTES = 64 << 20
 """Bytes of rows copied (or read) at a time."""
@@ -314,3 +314,53 @@ def restore_counters(buf: Buffer, values: dict[Counter, int], removed: bool) -> 
         counters[at] = value
     if removed:
         counters[Counter.REMOVED] = 1
+
+
+@dataclass
+class Moment:
+    """``at_one_moment``'s answer: per span, which rows are there and which slots empty, their
+    leaves and use counts (``None`` without them); the counters as they were."""
+
+    there: list[np.ndarray]
+    empty: list[np.ndarray]
+    leaves: list[np.ndarray | None]
+    uses: list[np.ndarray | None]
+    counters: dict[str, Any]
+
+
+def _lane_rows(a: np.ndarray, lane: int, n0: int, n1: int, lc: int) -> np.ndarray:
+    """A copy of ``a`` at the slots of rows ``[n0, n1)`` of ``lane`` (one or two slices: no index array)."""
+    base, i0, k = lane * lc, n0 % lc, n1 - n0
+    if i0 + k <= lc:
+        return a[base + i0:base + i0 + k].copy()
+    return np.concatenate([a[base + i0:base + lc], a[base:base + i0 + k - lc]])
+
+
+def at_one_moment(buf: Buffer, spans: list[tuple[int, int, int]]) -> Moment:
+    """Under the ring's lock, for each ``(lane, n0, n1)`` of ``spans``: which of the rows
+    ``[n0, n1)`` are still there (their stamps name them, committed or being updated), which slots
+    are empty (stamp 0: deleted, reaped, abandoned), their leaves and use counts; and the counters
+    (``edits`` and ``edits_begun`` of the log of edits, ``stats``, ``inserted``, ``sample_calls``,
+    ``removed``, ``interleaved``, ``max_priority``): a checkpoint's rows, leaves and log as of one
+    moment (``persistence/checkpoint.py``). The lock is held for the copies only."""
+    ring, prios, counters = buf.ring, buf.priorities, buf.block.counters
+    lc = ring.lane_capacity
+    out = Moment([], [], [], [], {})
+    stamps = []
+    with ring.lock:
+        for lane, n0, n1 in spans:
+            stamps.append(_lane_rows(ring.stamp, lane, n0, n1, lc))
+            out.leaves.append(_lane_rows(prios.tree.leaves, lane, n0, n1, lc) if prios is not None else None)
+            out.uses.append(_lane_rows(prios.uses, lane, n0, n1, lc)
+                            if prios is not None and prios.uses is not None else None)
+        out.counters = {
+            "edits": int(counters[Counter.EDITS]), "edits_begun": int(counters[Counter.EDITS_BEGUN]),
+            "stats": ring.stats, "inserted": ring.inserted, "sample_calls": int(counters[Counter.SAMPLE_CALLS]),
+            "removed": int(counters[Counter.REMOVED]), "interleaved": int(counters[Counter.INTERLEAVED]),
+            "max_priority": prios.max_priority if prios is not None else None,
+        }
+    for (_, n0, n1), s in zip(spans, stamps, strict=True):
+        numbers = np.arange(n0, n1, dtype=np.int64)
+        out.there.append((s == committed(numbers)) | (s == writing(numbers)))
+        out.empty.append(s == 0)
+    return out

@@ -1,0 +1,514 @@
+"""Checkpoints (``buf.checkpoint``) and ``ReplayBuffer.resume``: exact for every kind of buffer,
+incremental, crash-safe (a checkpointing process killed at random points), compacted, refused when
+tampered with, and consistent while writers and a learner run."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import multiprocessing as mp
+import os
+import select
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shmbuffer as sb
+from shmbuffer.persistence.manifest import MANIFEST, read_manifest
+from shmbuffer.protocol.layout import EDIT_LOG, Counter
+from shmbuffer.protocol.rows import slot
+from shmbuffer.protocol.snapshot import columns
+from shmbuffer.sample_paths import generator_state
+from shmbuffer.shm import segment
+
+Make = Callable[..., sb.ReplayBuffer]
+KINDS = ["uniform", "lanes", "episodes", "prioritized", "max_use", "limiter", "frames"]
+FRAME = (6, 6)
+
+
+@pytest.fixture
+def resumed() -> Any:
+    """Buffers a test resumed, closed and unlinked at teardown."""
+    made: list[sb.ReplayBuffer] = []
+    yield made
+    for buf in made:
+        with contextlib.suppress(BufferError):
+            buf.close()
+        buf.unlink()
+
+
+def options(kind: str) -> tuple[sb.Schema, int, dict[str, Any]]:
+    """The schema, capacity and options of a buffer of ``kind``."""
+    if kind == "frames":
+        schema = sb.Schema(obs=((4, *FRAME), "uint8"), next_obs=((4, *FRAME), "uint8"), reward=((), "float32"),
+                           done=((), "bool"))
+        return schema, 96, dict(next_of="obs", stack={"obs": 4}, lanes=2, episodes=True,
+                                sampler=sb.Prioritized(0.6, 0.4))
+    schema = sb.Schema(x=((3,), "float32"), y=((), "int64"))
+    opts: dict[str, Any] = {
+        "uniform": {}, "lanes": dict(lanes=3), "episodes": dict(episodes=True),
+        "prioritized": dict(sampler=sb.Prioritized(0.6, 0.4), lanes=2), "max_use": dict(max_use=2),
+        "limiter": dict(limiter=sb.RateLimiter(samples_per_insert=2.0, min_size=8, error=40.0, timeout=5.0)),
+    }[kind]
+    return schema, 48, opts
+
+
+class Env:
+    """A lane's steps of stacked frames (frame ``t`` is all ``t % 251``), episodes of 7 steps."""
+
+    def __init__(self, lane: int, t: int = 0) -> None:
+        self.lane, self.t = lane, t
+
+    def steps(self, k: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        out: dict[str, list[Any]] = {"obs": [], "next_obs": [], "reward": [], "done": []}
+        eps = []
+        for _ in range(k):
+            t = self.t
+            start = t - t % 7
+
+            def stack(u: int, start: int = start) -> np.ndarray:
+                return np.stack([np.full(FRAME, max(start, v) % 251, np.uint8) for v in range(u - 3, u + 1)])
+
+            out["obs"].append(stack(t))
+            out["next_obs"].append(stack(t + 1))
+            out["reward"].append(np.float32(t))
+            out["done"].append(t % 7 == 6)
+            eps.append(self.lane * 10_000 + t // 7)
+            self.t += 1
+        return {n: np.stack(v) for n, v in out.items()}, np.array(eps, np.int64)
+
+
+def drive(buf: sb.ReplayBuffer, kind: str, step: int, envs: dict[int, Env] | None = None) -> None:
+    """Step ``step`` of a run: pushes, updates, deletes, priorities and samples, the same every time."""
+    rng = np.random.default_rng(step)
+    if kind == "frames":
+        assert envs is not None
+        for lane in range(buf.lanes):
+            env = envs.setdefault(lane, Env(lane))
+            data, eps = env.steps(int(rng.integers(1, 6)))
+            buf.push(data, lane=lane, episode=eps)
+    else:
+        k = int(rng.integers(1, 9))
+        data = {"x": rng.random((k, 3), np.float32), "y": rng.integers(0, 100, k)}
+        extra: dict[str, Any] = {}
+        if buf.lanes > 1:
+            extra["lane"] = rng.integers(0, buf.lanes, k)
+        if buf.options.episodes:
+            extra["episode"] = np.full(k, step // 3)
+        buf.push(data, **extra)
+        if len(buf) > 4 and step % 2:
+            ids = buf.export()["index"]
+            pick = rng.choice(ids, 2, replace=False)
+            buf.update(pick, y=np.array([-step, -step]))
+            if step % 3 == 0:
+                buf.delete(pick[:1])
+    if len(buf) >= 8:
+        batch = buf.sample(4)
+        if buf.priorities is not None and buf.priorities.prioritized:
+            buf.update_priorities(batch.index, rng.random(4) * 3)
+
+
+def state(buf: sb.ReplayBuffer) -> dict[str, Any]:
+    """Everything a resumed buffer must have as the original had it."""
+    ring = buf.ring
+    first, stop = ring.bounds()
+    lc = ring.lane_capacity
+    slots = np.concatenate([slot(lane, np.arange(first[lane], stop[lane]), lc) for lane in range(ring.lanes)])
+    arrays = columns(buf)
+    out: dict[str, Any] = {"stamps": arrays["_stamp"][slots].copy()}
+    slots = slots[out["stamps"] != 0]  # a hole's bytes are never read (a save writes zeros)
+    out |= {"first": first.tolist(), "stop": stop.tolist(), "len": len(buf),
+                           "base": ring.base(np.arange(ring.lanes)).tolist(), "stats": ring.stats}
+    for name in [*buf.block.fields, "_episode", "_uses"]:
+        if name in arrays:
+            out[name] = arrays[name][slots].copy()
+    prios = buf.priorities
+    if prios is not None:
+        out["leaves"] = prios.tree.leaves[slots].copy()
+        out["max_priority"] = prios.max_priority
+    c = buf.block.counters
+    out["counters"] = [int(c[i]) for i in (Counter.SAMPLE_CALLS, Counter.REMOVED, Counter.INTERLEAVED)]
+    out["rng"] = buf.rng.bit_generator.state
+    pusher = buf._pusher
+    if pusher is not None:
+        out["pending"] = {lane: (last.row, last.final, last.episode, {n: v.tolist() for n, v in last.values.items()})
+                          for lane, last in pusher.last.items() if last.row == stop[lane] - 1}
+    out["export"] = buf.export()
+    return out
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if key == "export":
+            assert a[key].keys() == b[key].keys()
+            for n in a[key]:
+                assert np.array_equal(a[key][n], b[key][n]), n
+        elif isinstance(a[key], np.ndarray):
+            assert np.array_equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def continue_run(buf: sb.ReplayBuffer, kind: str, steps: int = 4) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+    """What a learner draws: ``steps`` batches, with priority updates."""
+    out = []
+    for step in range(steps):
+        batch = buf.sample(6)
+        out.append((batch.index.copy(), {n: np.array(batch[n]) for n in buf.schema.names}))
+        if buf.priorities is not None and buf.priorities.prioritized:
+            buf.update_priorities(batch.index, np.random.default_rng(1000 + step).random(6) * 2)
+    return out
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_resumed_buffer_is_the_checkpointed_one_and_draws_what_it_drew(kind: str, make: Make, resumed: list,
+                                                                         name: str, tmp_path: Path) -> None:
+    """Every kind of buffer: after checkpoints between pushes, updates, deletes, priority updates
+    and samples (the ring lapped), a resumed buffer has the same rows, ids, lanes, episodes,
+    stamps, leaves, uses, counters, pending steps and generator, and draws the same batches with
+    the same priority updates as the original after the checkpoint."""
+    schema, capacity, opts = options(kind)
+    buf = make(schema, capacity, name=name, seed=7, **opts)
+    envs: dict[int, Env] = {}
+    summaries = []
+    for step in range(40):
+        drive(buf, kind, step, envs)
+        if step % 5 == 4:
+            summaries.append(buf.checkpoint(tmp_path / "c"))
+    assert summaries[0]["full"] and not any(s["full"] for s in summaries[1:])
+    assert any(s["edited"] for s in summaries) or kind in ("frames",)
+    before = state(buf)
+    new = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(new)
+    assert_same(before, state(new))
+    drawn, again = continue_run(buf, kind), continue_run(new, kind)
+    for (i1, d1), (i2, d2) in zip(drawn, again, strict=True):
+        assert np.array_equal(i1, i2)
+        for n in d1:
+            assert np.array_equal(d1[n], d2[n])
+    if kind == "frames":  # the pending steps go on: the next pushes continue the episodes
+        for b in (buf, new):
+            e = {lane: Env(lane, env.t) for lane, env in envs.items()}
+            for lane in range(b.lanes):
+                data, eps = e[lane].steps(3)
+                b.push(data, lane=lane, episode=eps)
+        assert_same(state(buf), state(new))
+
+
+def test_checkpoints_write_only_what_changed(make: Make, name: str, tmp_path: Path) -> None:
+    """A later checkpoint writes the new rows and the edited ones, not every row."""
+    buf = make(sb.Schema(x=((64,), "float32")), 1000, name=name)
+    buf.push(x=np.ones((800, 64), np.float32))
+    first = buf.checkpoint(tmp_path / "c")
+    buf.push(x=np.ones((10, 64), np.float32))
+    buf.update(np.array([3, 5]), x=np.zeros((2, 64), np.float32))
+    later = buf.checkpoint(tmp_path / "c")
+    assert (first["new"], first["full"]) == (800, True)
+    assert (later["new"], later["edited"], later["full"], later["rows"]) == (10, 2, False, 810)
+    assert later["bytes"] < first["bytes"] / 20
+
+
+def test_rows_edited_while_a_checkpoint_runs_are_read_again(make: Make, resumed: list, name: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows updated or deleted after the checkpoint copied them (a new row, an older one) are read
+    again once the log of edits is read: the checkpoint holds them as they are then."""
+    module = importlib.import_module("shmbuffer.persistence.checkpoint")  # the package's name is the function
+    buf = make(sb.Schema(x=((), "int64")), 64, name=name, max_use=3)
+    ids = buf.push(x=np.arange(20))
+    buf.checkpoint(tmp_path / "c")
+    new = buf.push(x=np.arange(20, 30))
+    real = module._locked
+
+    def edit_first(b: Any, lanes: Any) -> Any:
+        buf.update(new[[2]], x=np.array([-1]))
+        buf.update(ids[[5]], x=np.array([-2]))
+        buf.delete(ids[[7]])
+        return real(b, lanes)
+
+    monkeypatch.setattr(module, "_locked", edit_first)
+    got = buf.checkpoint(tmp_path / "c")
+    assert (got["new"], got["edited"], got["full"]) == (10, 3, False)
+    back = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(back)
+    assert_same(state(buf), state(back))
+    assert back.export()["x"].tolist() == [*range(5), -2, 6, *range(8, 22), -1, *range(23, 30)]
+
+
+def test_an_overrun_log_of_edits_writes_every_row(make: Make, resumed: list, name: str, tmp_path: Path) -> None:
+    """More rows edited between two checkpoints than the log of edits holds: the checkpoint cannot
+    tell which, so it writes every row, and none is missed."""
+    buf = make(sb.Schema(x=((), "int64")), 4 * EDIT_LOG, name=name)
+    ids = buf.push(x=np.arange(3 * EDIT_LOG))
+    buf.checkpoint(tmp_path / "c")
+    for i in range(0, ids.size, 64):  # every row, in updates of 64
+        buf.update(ids[i:i + 64], x=-np.arange(i, min(i + 64, ids.size)))
+    got = buf.checkpoint(tmp_path / "c")
+    assert got["full"] and got["new"] == ids.size
+    new = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(new)
+    assert np.array_equal(new.export()["x"], -np.arange(ids.size))
+
+
+def test_a_buffer_resumed_under_its_name_goes_on_incrementally(make: Make, resumed: list, name: str,
+                                                               tmp_path: Path) -> None:
+    """Resumed under the checkpointed buffer's name, the next checkpoint adds to the folder; under
+    another name it writes every row (it cannot know the rows are the same)."""
+    buf = make(sb.Schema(x=((), "int64")), 64, name=name)
+    buf.push(x=np.arange(40))
+    buf.checkpoint(tmp_path / "c")
+    buf.close()
+    buf.unlink()
+    new = sb.ReplayBuffer.resume(tmp_path / "c", name=name)
+    resumed.append(new)
+    new.push(x=np.arange(40, 45))
+    assert not new.checkpoint(tmp_path / "c")["full"]
+    other = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "o")
+    resumed.append(other)
+    assert other.checkpoint(tmp_path / "c")["full"]
+    assert other.export()["x"].tolist() == list(range(45))
+
+
+def test_compaction_keeps_the_folder_within_about_twice_the_buffer(make: Make, resumed: list, name: str,
+                                                                   tmp_path: Path) -> None:
+    """A ring lapped many times over many checkpoints: chunks less than half used are compacted,
+    those unused removed, and the folder stays within about twice the buffer's rows."""
+    buf = make(sb.Schema(x=((32,), "float32")), 256, lanes=2, name=name)
+    row = 32 * 4
+    for i in range(60):
+        buf.push(x=np.full((24, 32), i, np.float32), lane=i % 2)
+        got = buf.checkpoint(tmp_path / "c")
+        chunks = [p for p in os.listdir(tmp_path / "c") if p.startswith("chunk-")]
+        assert len(chunks) == len(read_manifest(tmp_path / "c").chunks)  # type: ignore[union-attr]
+        assert got["folder_bytes"] <= 2 * 256 * (row + 1) + 8 * 4096, i
+    assert got["kept"] >= 0
+    new = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(new)
+    assert_same(state(buf), state(new))
+
+
+def test_a_checkpoint_of_another_buffer_to_the_same_folder_is_refused(make: Make, name: str, tmp_path: Path) -> None:
+    buf = make(sb.Schema(x=((), "int64")), 16, name=name)
+    buf.push(x=np.arange(4))
+    buf.checkpoint(tmp_path / "c")
+    other = make(sb.Schema(x=((2,), "int64")), 16, name=name + "b")
+    with pytest.raises(sb.FieldError, match="another schema or options"):
+        other.checkpoint(tmp_path / "c")
+    assert read_manifest(tmp_path / "c").buffer == name  # type: ignore[union-attr]
+
+
+def _manifest_edit(folder: Path, edit: Callable[[dict[str, Any]], None]) -> None:
+    meta = json.loads((folder / MANIFEST).read_text())
+    edit(meta)
+    (folder / MANIFEST).write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage", ["manifest truncated", "manifest not json", "segment out of range", "chunk truncated",
+                                    "chunk missing", "chunk header altered", "present altered", "leaf altered",
+                                    "chunk of another checkpoint", "generator"])
+def test_a_damaged_checkpoint_is_refused(damage: str, make: Make, name: str, tmp_path: Path) -> None:
+    """Truncated or altered manifests and chunks raise ``LayoutError`` naming the file, before any
+    shared memory is made."""
+    buf = make(sb.Schema(x=((), "int64")), 16, name=name, sampler=sb.Prioritized(0.6, 0.4))
+    buf.push(x=np.arange(6))
+    buf.checkpoint(tmp_path / "c")
+    buf.push(x=np.arange(2))
+    buf.checkpoint(tmp_path / "c")
+    folder = tmp_path / "c"
+    man = read_manifest(folder)
+    assert man is not None
+    newest = folder / man.chunks[-1]["file"]
+    oldest = folder / man.chunks[0]["file"]
+    raw = bytearray(oldest.read_bytes())
+    head = 8 + int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:head])
+    match = None
+    if damage == "manifest truncated":
+        text = (folder / MANIFEST).read_bytes()
+        (folder / MANIFEST).write_bytes(text[:len(text) // 2])
+        match = "not valid JSON"
+    elif damage == "manifest not json":
+        (folder / MANIFEST).write_text("[1, 2]")
+    elif damage == "segment out of range":
+        _manifest_edit(folder, lambda m: m["checkpoint"]["segments"][0][0].__setitem__(4, 100))
+    elif damage == "chunk truncated":
+        oldest.write_bytes(bytes(raw[:-3]))
+        match = "truncated"
+    elif damage == "chunk missing":
+        oldest.unlink()
+    elif damage == "chunk header altered":
+        raw[head - 20:head - 10] = b"x" * 10
+        oldest.write_bytes(bytes(raw))
+    elif damage == "present altered":
+        at = head + header["new/_present"]["data_offsets"][0]
+        raw[at] = 7
+        oldest.write_bytes(bytes(raw))
+        match = "_present"
+    elif damage == "leaf altered":
+        new_raw = bytearray(newest.read_bytes())
+        h = 8 + int.from_bytes(new_raw[:8], "little")
+        at = h + json.loads(new_raw[8:h])["_leaf"]["data_offsets"][0]
+        new_raw[at:at + 8] = np.float64(-1.0).tobytes()
+        newest.write_bytes(bytes(new_raw))
+        match = "_leaf"
+    elif damage == "chunk of another checkpoint":
+        _manifest_edit(folder, lambda m: m["checkpoint"]["chunks"][0].__setitem__("id", "0" * 16))
+        match = "not the one"
+    else:
+        _manifest_edit(folder, lambda m: m["checkpoint"].__setitem__("generator", {"bit_generator": "Nope"}))
+        match = "generator"
+    error = FileNotFoundError if damage == "chunk missing" else sb.LayoutError
+    with pytest.raises(error, match=match):
+        sb.ReplayBuffer.resume(folder, name=name + "r")
+    assert not os.path.exists(segment.path_of(name + "r"))
+
+
+def test_resume_of_a_folder_without_a_checkpoint_says_so(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="checkpoint"):
+        sb.ReplayBuffer.resume(tmp_path)
+
+
+# -- writers and a learner running -------------------------------------------------------------------
+def _writer(handle: Any, stop: Any) -> None:
+    buf = sb.ReplayBuffer.attach(handle)
+    i = 0
+    while not stop.is_set():
+        k = 16
+        buf.push(x=np.arange(i, i + k, dtype=np.int64), y=np.zeros(k, np.int64))
+        i += k
+    buf.close()
+
+
+def _learner(handle: Any, stop: Any) -> None:
+    buf = sb.ReplayBuffer.attach(handle)
+    rng = np.random.default_rng(0)
+    while not stop.is_set():
+        if len(buf) < 32:
+            continue
+        batch = buf.sample(16)
+        buf.update_priorities(batch.index, rng.random(16) + 0.1)
+        buf.update(batch.index[:2], y=batch.x[:2] + 1_000_000)
+    buf.close()
+
+
+def test_checkpoints_while_a_writer_and_a_learner_run(make: Make, resumed: list, procs: list, name: str,
+                                                      tmp_path: Path) -> None:
+    """A writer pushes and a learner samples, updates priorities and rows while checkpoints are
+    taken: each checkpoint resumes to rows that are whole (each row's ``x`` its id, its ``y`` 0 or
+    its ``x`` plus the learner's mark), consecutive in their lane, with valid leaves."""
+    buf = make(sb.Schema(x=((), "int64"), y=((), "int64")), 4096, name=name, sampler=sb.Prioritized(0.6, 0.4))
+    ctx = mp.get_context("fork")
+    stop = ctx.Event()
+    for target in (_writer, _learner):
+        p = ctx.Process(target=target, args=(buf.handle, stop))
+        p.start()
+        procs.append(p)
+    try:
+        deadline = time.monotonic() + 10
+        while buf.ring.inserted < 2000 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sums = [buf.checkpoint(tmp_path / "c", sync=False) for _ in range(8)]
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(10)
+    assert not any(s["full"] for s in sums[1:])
+    new = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(new)
+    out = new.export()
+    assert out["index"].size > 0
+    assert np.array_equal(out["x"], out["index"])
+    assert np.isin(out["y"], [0]).sum() + (out["y"] == out["x"] + 1_000_000).sum() == out["y"].size
+    assert (np.diff(out["index"]) == 1).all()
+
+
+# -- killed while it checkpoints -----------------------------------------------------------------------
+def _child(folder: Path, name: str, kind: str, seed: int, out: int) -> None:
+    """Resume (or start) the run under ``name`` and go on: a step, a checkpoint, forever; tell
+    ``out`` when it has resumed (``r``) and how long each checkpoint took."""
+    schema, capacity, opts = options(kind)
+    man = read_manifest(folder, missing_ok=True)
+    if man is None:
+        buf = sb.ReplayBuffer(schema, capacity, name=name, seed=seed, **opts)
+        step = 0
+    else:
+        buf = sb.ReplayBuffer.resume(folder, name=name)
+        step = man.sequence
+    os.write(out, b"r")
+    while True:
+        step += 1
+        drive(buf, kind, step)
+        t0 = time.perf_counter()
+        buf.checkpoint(folder)
+        os.write(out, f"c{time.perf_counter() - t0:.4f}".encode())
+
+
+def test_a_checkpoint_killed_at_any_point_leaves_the_last_complete_one(make: Make, resumed: list, name: str,
+                                                                        tmp_path: Path) -> None:
+    """A process that steps and checkpoints in a loop, SIGKILLed at random points 50 times (from
+    its start to about two checkpoints in), each time resumed by the next one under the same name:
+    each time the folder resumes to exactly the state after its last complete checkpoint (a
+    reference run replays the same steps), never a half one, and no stray file outlives the next
+    checkpoint."""
+    kind = "prioritized"
+    schema, capacity, opts = options(kind)
+    folder = tmp_path / "c"
+    folder.mkdir()
+    ref = make(schema, capacity, name=name + "ref", seed=3, **opts)
+    at = 0
+    rng = np.random.default_rng(0)
+    interrupted = 0
+    took = 0.1
+    for kill in range(50):
+        before = set(os.listdir(folder))
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            try:
+                os.close(r)
+                _child(folder, name, kind, 3, w)
+            finally:
+                os._exit(0)
+        os.close(w)
+        try:
+            ready, _, _ = select.select([r], [], [], 30)
+            assert ready and os.read(r, 1) == b"r"
+            time.sleep(float(rng.uniform(0.0, 2.5 * took)))
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            said = b""
+            while chunk := os.read(r, 4096):
+                said += chunk
+        finally:
+            os.close(r)
+        times = [float(x) for x in said.decode().split("c")[1:] if x]
+        took = 0.5 * took + 0.5 * float(np.mean(times)) if times else took * 1.3  # none done: a longer window
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(segment.path_of(name))  # the killed child's buffer: the next one takes its name
+        interrupted += any(p.endswith(".tmp") for p in set(os.listdir(folder)) - before)
+        man = read_manifest(folder, missing_ok=True)
+        if man is None:
+            continue
+        while at < man.sequence:
+            at += 1
+            drive(ref, kind, at)
+            generator_state(ref._paths, ref.rng)  # as a checkpoint does
+        new = sb.ReplayBuffer.resume(folder, name=f"{name}k{kill}")
+        try:
+            assert_same(state(ref), state(new))
+        finally:
+            new.close()
+            new.unlink()
+    assert at >= 10, f"the children made progress ({at} checkpoints)"
+    assert interrupted >= 5, f"kills landed while a checkpoint was being written ({interrupted} of 50)"
+    last = sb.ReplayBuffer.resume(folder, name=name)
+    resumed.append(last)
+    last.checkpoint(folder)
+    listed = {c["file"] for c in read_manifest(folder).chunks}  # type: ignore[union-attr]
+    assert set(os.listdir(folder)) == listed | {MANIFEST, ".lock"}
