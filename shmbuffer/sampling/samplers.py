@@ -371,7 +371,7 @@ def sampler_from_json(spec: dict[str, Any], using: Any = None) -> Sampler:
                                  "module (or the class) that defines it")
         module = f"import {where['module']}" if _class_info(where) else "import the module that defines that Sampler subclass"
         raise UnknownSampler(
-            f"sampler kind {kind!r}{_of(where)} is not known in this process (known: {sorted(SAMPLERS)}): {module} "
+            f"sampler kind {kind!r} is not known in this process{_of(where)} (known: {sorted(SAMPLERS)}): {module} "
             "first (defining the class registers its kind), or pass it: ReplayBuffer.attach(name, sampler=TheClass)")
     return cls.from_json(spec)
 
