@@ -182,6 +182,10 @@ def _checked(draw: Any) -> Any:
     return checked_draw
 
 
+def _who(sampler: Sampler) -> str:
+    return drawn_by(sampler) or f"{type(sampler).__qualname__}.draw"
+
+
 def check_draw(sampler: Sampler, got: Any, ring: RingView, k: int) -> Draw:
     """What a user's ``draw`` of ``k`` returned, checked once for every path: a ``Draw`` of at
     most ``k`` ids in a 1-D integer array (as int64), each ``INVALID`` or of a row pushed so far
@@ -190,31 +194,35 @@ def check_draw(sampler: Sampler, got: Any, ring: RingView, k: int) -> Draw:
     rows to draw from (the reader says so)."""
     ids = getattr(got, "ids", None) if isinstance(got, tuple) else None
     leaves = got.leaves if ids is not None else None
-    who = drawn_by(sampler) or f"{type(sampler).__qualname__}.draw"
     if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.shape[0] > k:
         what = (f"{type(got).__name__}" if ids is None else f"ids {type(ids).__name__}" if not isinstance(ids, np.ndarray)
                 else f"ids of dtype {ids.dtype} and shape {ids.shape}")
-        raise SamplerError(f"{who} returned {what} for a draw of {k}: expected Draw(ids) with a 1-D integer array of "
+        raise SamplerError(f"{_who(sampler)} returned {what} for a draw of {k}: expected Draw(ids) with a 1-D integer array of "
                            f"at most {k} row ids (fewer only when it has no more rows to draw from); fix the draw")
     if ids.dtype != np.int64:
         ids = ids.astype(np.int64)  # uint64 past int64's range turns negative: refused below
     if sampler.weighted or leaves is not None:
         if not isinstance(leaves, np.ndarray) or leaves.shape != ids.shape or leaves.dtype.kind != "f":
             shape = getattr(leaves, "shape", None)
-            raise SamplerError(f"{who} returned leaves {type(leaves).__name__} of shape {shape} for {ids.shape[0]} "
+            raise SamplerError(f"{_who(sampler)} returned leaves {type(leaves).__name__} of shape {shape} for {ids.shape[0]} "
                                "ids: expected one float leaf per id (the tree's, tree.leaves[ring.slots(ids)]), "
                                f"{'which its importance weights are made of' if sampler.weighted else 'or None'}")
-        leaves = leaves.astype(np.float64, copy=False)
-    if ids.size:
+        if leaves.dtype != np.float64:
+            leaves = leaves.astype(np.float64)
+    lanes = ring.lanes
+    below = ring.span()[1] if lanes == 1 else None
+    if below is None:
         stop = ring.bounds()[1]
-        lanes = ring.lanes
+        below = int(stop.min()) * lanes  # an id below it is a row pushed so far, whatever its lane
+    if ids.size and not int(np.maximum.reduce(ids.view(np.uint64))) < below:  # negative ids are huge as uint64
+        stop = ring.bounds()[1]
         bad = ids < 0
         ok = ~bad
         bad[ok] = ids[ok] // lanes >= stop[ids[ok] % lanes]
         bad &= ids != INVALID
         if bad.any():
             raise SamplerError(
-                f"{who} returned ids that never named a row: {ids[bad][:5].tolist()} (at positions "
+                f"{_who(sampler)} returned ids that never named a row: {ids[bad][:5].tolist()} (at positions "
                 f"{np.flatnonzero(bad)[:5].tolist()} of {ids.shape[0]}): expected row ids (number * lanes + lane, "
                 f"each number below its lane's rows pushed so far, ring.bounds()), or INVALID for a draw to "
                 "throw away; fix the draw")
