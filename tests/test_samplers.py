@@ -61,6 +61,20 @@ class NewestPrioritized(sb.Prioritized):
         return sb.Draw(ids, tree.leaves[ring.slots(ids)])
 
 
+@dataclass(frozen=True)
+class Clipped(sb.Prioritized):
+    """Prioritized replay of clipped priorities: the leaf ``min(p, clip) ** alpha``."""
+
+    clip: float = 4.0
+    kind: ClassVar[str] = "test-clipped"
+
+    def leaf(self, priorities: np.ndarray) -> np.ndarray:
+        return np.minimum(priorities, self.clip) ** self.alpha
+
+    def priority_of(self, leaves: np.ndarray) -> np.ndarray:
+        return np.asarray(leaves, np.float64) ** (1.0 / self.alpha)
+
+
 SAMPLERS: dict[str, dict[str, Any]] = {
     "uniform": {},
     "uniform-lanes": {"lanes": 4},
@@ -70,6 +84,7 @@ SAMPLERS: dict[str, dict[str, Any]] = {
     "users-newest-k": {"sampler": NewestK(10_000)},  # a user's sampler (docs/samplers.md), drawing in Python
     "users-uniform-subclass": {"sampler": NewestUniform(10_000)},  # subclasses with draws of their own
     "users-prioritized-subclass": {"sampler": NewestPrioritized(k=10_000)},
+    "users-prioritized-leaf": {"sampler": Clipped(alpha=0.6, clip=0.5)},  # its own leaf, the built-in draw
 }
 
 
@@ -886,3 +901,44 @@ def test_attach_takes_the_samplers_class_or_module(make: Make, name: str) -> Non
     assert lines["class"] == "[4, 5]"
     assert lines["module"] == "NewestPrioritized(alpha=0.6, beta=0.4, beta_steps=None, eps=1e-06, k=2)"
     assert "the sampler is kind 'test-newest-prioritized'" in lines["other"] and "not NewestK's" in lines["other"]
+
+
+# -- a prioritized sampler's own leaf: the tree holds it, every path draws and weights by it -----------
+def test_a_subclass_leaf_is_drawn_and_weighted_on_every_path(path: str, make: Make, name: str, tmp_path: Path) -> None:
+    s = Clipped(alpha=1.0, beta=0.5, eps=0.0, clip=4.0)
+    assert Clipped.served == "tree"  # its draw and weights are Prioritized's: the C one-call sample draws it
+    buf = make(MUJOCO, capacity=8, name=name, seed=0, sampler=s)
+    ids = buf.push(transition(0, 8), priority=np.arange(1.0, 9.0))
+    leaves = np.array([1.0, 2, 3, 4, 4, 4, 4, 4])
+    assert buf.priority(ids).tolist() == leaves.tolist()
+
+    def follows_leaves(index: np.ndarray) -> None:
+        counts = np.bincount(index, minlength=8)
+        expected = leaves / leaves.sum() * counts.sum()
+        assert ((counts - expected) ** 2 / expected).sum() < 24  # 7 degrees of freedom, p < 0.001
+
+    follows_leaves(np.concatenate([buf.sample(512).index for _ in range(40)]))
+    batch = buf.sample(64)
+    np.testing.assert_allclose(batch.weight, (leaves[batch.index] / 1.0) ** -0.5, rtol=1e-6)
+    with sb.DeviceReplay(buf, "cpu") as copy:
+        got = [copy.sample(512) for _ in range(40)]
+        follows_leaves(np.concatenate([g.index.numpy() for g in got]))
+        np.testing.assert_allclose(got[0].weight.numpy(), leaves[got[0].index.numpy()] ** -0.5, rtol=1e-6)
+    assert buf.update_priorities([0, 1], [100.0, 0.5]) == 2
+    assert buf.priority([0, 1]).tolist() == [4.0, 0.5]
+    buf.push(transition(8, 1))  # a new row gets the largest priority so far (100): its leaf is clipped
+    assert buf.priority([8]).tolist() == [4.0]
+    buf.save(tmp_path / "s")
+    with sb.load(tmp_path / "s", name=name + "l") as back:
+        assert back.sampler == s and back.priority(back.get(slice(None)).index).tolist() == buf.priority(
+            buf.get(slice(None)).index).tolist()
+    exported = sb.export(buf)
+    assert exported["priority"].tolist() == buf.priority(exported["index"]).tolist()  # the leaf's inverse (alpha 1)
+
+
+def test_a_leaf_of_ones_own_needs_its_inverse_and_priorities() -> None:
+    leaf = {"leaf": lambda self, p: np.sqrt(p)}
+    with pytest.raises(TypeError, match="also writes priority_of"):
+        type("NoInverse", (sb.Prioritized,), {"kind": "test-no-inverse", **leaf})
+    with pytest.raises(TypeError, match="subclasses Prioritized"):
+        type("UniformLeaf", (sb.Uniform,), {"kind": "test-uniform-leaf", "priority_of": lambda self, v: v, **leaf})

@@ -46,7 +46,7 @@ import functools
 import math
 import types
 from dataclasses import asdict, dataclass, field, is_dataclass
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol, cast
 
 import numpy as np
 
@@ -117,6 +117,9 @@ class Sampler:
         if cls.prioritized and not any(c.__name__ == "Prioritized" and c.__module__ == __name__ for c in cls.__mro__):
             raise TypeError(f"{cls.__name__}: prioritized samplers follow Prioritized's formulas: subclass Prioritized")
         if cls.__module__ != __name__:  # a user's class: what it serves follows from its methods
+            if "leaf" in cls.__dict__ and (not cls.prioritized or "priority_of" not in cls.__dict__):
+                raise TypeError(f"{cls.__name__}: a class with its own leaf subclasses Prioritized and also writes "
+                                "priority_of, the leaf's inverse (exports write priorities)")
             if "served" in cls.__dict__:
                 raise TypeError(f"{cls.__name__}: served is not set by hand: a built-in path serves a sampler only "
                                 "while its draw and weights are Uniform's or Prioritized's own (then it is derived)")
@@ -144,6 +147,16 @@ class Sampler:
     def weights(self, tree: SumTree | None, leaves: np.ndarray | None, calls: int) -> np.ndarray | None:
         """Importance weights for drawn ``leaves`` after ``calls`` samples; ``None``: no weights."""
         return None
+
+    def leaf(self, priorities: np.ndarray) -> np.ndarray:
+        """The tree leaf of a row of each priority: 1 for a sampler that is not ``prioritized``
+        (a row under ``max_use`` counts while it has uses left); ``Prioritized``'s formula for it."""
+        return np.ones_like(priorities)
+
+    def priority_of(self, leaves: np.ndarray) -> np.ndarray:
+        """A priority whose leaf each of ``leaves`` is (``leaf``'s inverse: what an export writes);
+        1 for a sampler that is not ``prioritized``."""
+        return np.ones_like(leaves)
 
     def to_json(self) -> dict[str, Any]:
         """As JSON, for the block's metadata and saves: the kind and the settings, and for a class
@@ -287,6 +300,25 @@ class Prioritized(Sampler):
         if self.beta_steps is not None and (not isinstance(self.beta_steps, (int, np.integer)) or self.beta_steps < 0):
             raise ValueError(f"Prioritized: beta_steps must be an int >= 0 (0 or None: no annealing), got {self.beta_steps!r}")
 
+    def leaf(self, priorities: np.ndarray) -> np.ndarray:
+        """The tree leaf of each priority, ``(p + eps) ** alpha`` (``inf`` where one overflows:
+        the caller checks leaves against ``MAX_LEAF``). A subclass may give another leaf (clipped
+        priorities, ``np.minimum(p, c) ** self.alpha``; a larger priority never a smaller leaf),
+        with ``priority_of`` its inverse: the tree then holds its leaves, which every path draws
+        and weights by."""
+        return (priorities + self.eps) ** self.alpha
+
+    def priority_of(self, leaves: np.ndarray) -> np.ndarray:
+        """The priorities whose leaves these are, ``leaf ** (1 / alpha) - eps`` (0 for a leaf of 0,
+        at most the largest float); all ones at ``alpha`` 0, where every leaf is 1."""
+        leaves = np.asarray(leaves, dtype=np.float64)
+        if self.alpha == 0:
+            return np.ones_like(leaves)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            p = np.power(leaves, 1.0 / self.alpha) - self.eps
+        # a leaf of the largest priorities may round back just past the largest float
+        return np.where(leaves > 0, np.clip(p, 0.0, np.finfo(np.float64).max), 0.0)
+
     def beta_at(self, calls: int) -> float:
         """``beta`` after ``calls`` sample calls: linear from ``beta`` to 1 over ``beta_steps``."""
         if not self.beta_steps:
@@ -316,6 +348,12 @@ class Prioritized(Sampler):
 
 _BUILT_IN = {"uniform": (Uniform.draw, Sampler.weights), "tree": (Prioritized.draw, Prioritized.weights)}
 """``served``'s names and the draw and weights that a built-in path runs for them."""
+
+
+def formula(sampler: Sampler) -> Prioritized | None:
+    """``sampler`` when its leaves are ``Prioritized``'s own formula ``(p + eps) ** alpha`` (the
+    shortcuts that rely on it: its overflow bound, the C update), else ``None``."""
+    return cast(Prioritized, sampler) if sampler.prioritized and type(sampler).leaf is Prioritized.leaf else None
 
 
 def _finite(value: Any) -> bool:
