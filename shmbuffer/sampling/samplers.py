@@ -18,8 +18,12 @@ and every path asks it instead of checking its class:
   defining the subclass registers it (``SAMPLERS``), so another process that imports the same
   module attaches to, loads and saves buffers that use it.
 * ``prioritized``: it draws in proportion to the priorities ``update_priorities`` sets (a sum tree
-  in shared memory, ``priorities.py``); only ``Prioritized`` is, and the tree's leaf formula is
-  its own (``leaf``).
+  in shared memory, ``priorities.py``); only ``Prioritized`` and its subclasses are.
+* ``leaf(priorities)``: the tree leaf of each priority (``Prioritized``: ``(p + eps) ** alpha``;
+  any other sampler: 1, a row under ``max_use``), and ``priority_of(leaves)`` its inverse. The
+  tree, updates, pushes, exports and loads use them; a subclass of ``Prioritized`` may give its
+  own (with both), and is then still served by the tree's draw (``formula`` says whether the
+  shortcuts that rely on the built-in formula apply).
 * ``served``: which built-in draw the C one-call sample (``one_call.OneCall``) and the device copy
   (``device/replay.py``) may run in its place: ``"uniform"`` (uniform over the lanes' rows), ``"tree"``
   (from the priority tree), or ``None`` (only its own ``draw``, in Python: the C path leaves such
