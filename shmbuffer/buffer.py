@@ -239,7 +239,8 @@ class ReplayBuffer(MappedBlock):
         return edits.delete(self, rows)
 
     def priority(self, ids: Any) -> np.ndarray:
-        """The tree leaf of each row, ``(priority + eps) ** alpha`` (0 once used up or gone; 1 for
+        """The tree leaf of each row, the sampler's ``leaf`` of its priority (``Prioritized``'s:
+        ``(priority + eps) ** alpha``; 0 once used up or gone; 1 for
         a uniform row under ``max_use``); ``FieldError`` without a tree."""
         return Priorities.leaves_of(self.priorities, self.ring.slots(self.ring.check_ids(ids, "priority")))
 

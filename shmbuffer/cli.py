@@ -50,6 +50,7 @@ from .errors import ForeignBlock, LayoutError, SegmentNotFound, ShmBufferError
 from .persistence import pieces
 from .protocol import census
 from .protocol.layout import columns
+from .sampling.samplers import Unimported, not_imported
 from .schema import Schema
 from .shm import segment
 
@@ -217,7 +218,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     h = segment.read_header(args.name)
     _, capacity, bounds = census.unmapped(h)
-    buf = ReplayBuffer.attach(args.name)
+    buf = ReplayBuffer.attach(args.name, sampler=Unimported)  # the rows need no sampler class
     try:
         lc = buf.lane_capacity
         acc: dict[str, list[float]] = {}
@@ -244,7 +245,7 @@ def _inspect(args: argparse.Namespace) -> int:
             "creator_pid": h.creator_pid, "creator_alive": h.creator_alive, "fingerprint": h.fingerprint,
             "options": buf.options.to_json(), "stats": buf.stats, "rows": len(buf), "capacity": capacity,
             "lanes": [{"lane": i, "first": a, "stop": b, "rows": b - a, "capacity": lc} for i, (a, b) in enumerate(bounds)],
-            "fields": fields,
+            "fields": fields, "sampler_not_imported": not_imported(buf.sampler),
             "bytes_per_row": h.size / capacity,
             "bytes_per_row_without_frames": plain / capacity,
         }
@@ -257,6 +258,8 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{info['name']}  {info['path']}  layout v{info['layout_version']}  {segment.human(info['bytes'])}")
     print(f"creator pid {info['creator_pid']} ({alive})  fingerprint {info['fingerprint']}")
     print(f"rows {info['rows']}/{capacity}  options {json.dumps(info['options'])}")
+    if info["sampler_not_imported"]:
+        print(f"sampler {info['sampler_not_imported']}")
     print("stats " + "  ".join(f"{k} {v}" for k, v in info["stats"].items()))
     per, plain = info["bytes_per_row"], info["bytes_per_row_without_frames"]
     saving = f" ({plain / per:.1f}x less than the {segment.human(int(plain))} without next_of/stack)" if plain > per * 1.01 else ""
@@ -271,7 +274,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _save(args: argparse.Namespace) -> int:
-    buf = ReplayBuffer.attach(args.name)
+    buf = ReplayBuffer.attach(args.name, sampler=Unimported)  # the rows need no sampler class
     try:
         out = buf.save(args.path, progress=sys.stderr.isatty(), overwrite=args.force)
     except FileExistsError as exc:

@@ -30,6 +30,16 @@ class EmptyBufferError(ShmBufferError, LookupError):
     """Sampling or reading rows that are not there (an empty buffer, too few rows, a bad index)."""
 
 
+class SamplerError(ShmBufferError, ValueError):
+    """A sampler's own ``draw`` returned what no draw may (not a 1-D integer array, more ids than
+    asked, ids that never named a row): a bug of that sampler, which the message names."""
+
+
+class UnknownSampler(ShmBufferError, LookupError):
+    """A buffer or a save names a sampler kind that no class of this process defines: import the
+    module the message names, or pass the class (``ReplayBuffer.attach(name, sampler=Class)``)."""
+
+
 class PositionError(EmptyBufferError, IndexError):
     """``get(i)`` past the rows held: an ``IndexError`` too, as a sequence's index is."""
 

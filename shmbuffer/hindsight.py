@@ -72,6 +72,7 @@ from .protocol.layout import Counter
 from .protocol.reader import GIVE_UP, Source
 from .protocol.ring import INVALID, Ring
 from .protocol.rows import lane_of, number_of, row_id, slot
+from .sampling.samplers import drawn_by
 
 __all__ = ["STRATEGIES", "Hindsight", "sample"]
 
@@ -383,7 +384,8 @@ def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] |
     counting = prios is not None and prios.uses is not None
     episode_col = block.episode
     assert episode_col is not None  # plan() refused a buffer without episode ids
-    what = f"sample({n}, hindsight=...) of buffer {src.name!r}"
+    by = drawn_by(sampler)
+    what = f"sample({n}, hindsight=...) of buffer {src.name!r}" + (f" (drawn by {by})" if by else "")
 
     def accept(ids: np.ndarray, rows: Rows) -> np.ndarray:
         ok = rows.ok.copy()
@@ -418,7 +420,8 @@ def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] |
                 raise EmptyBufferError(f"{what}: the buffer is empty; push whole episodes first")
             first = sampler.draw(ring, tree, src.rng, k, again=True, slow=True)
             if first.ids.size < k:
-                raise EmptyBufferError(f"{what}: no row can be drawn (every row has priority 0 or is used up)")
+                why = f"the draw gave {first.ids.size} ids for the {k} asked" if by else "every row has priority 0 or is used up"
+                raise EmptyBufferError(f"{what}: no row can be drawn ({why})")
         try:
             return reader.fetch(block, ring, first.ids, redraw, reap=src.reap, values=first.leaves, accept=accept,
                                 claim=reader.Uses(src) if counting else None,

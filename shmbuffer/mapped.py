@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, TypeVar
 
 import numpy as np
@@ -22,6 +23,7 @@ from .protocol import layout
 from .protocol.layout import Block, Options
 from .protocol.priorities import Priorities
 from .protocol.ring import Ring, check_platform
+from .sampling.samplers import Sampler
 from .schema import Schema, as_schema
 from .shm.segment import Segment
 
@@ -48,15 +50,20 @@ class MappedBlock:
     @classmethod
     def attach(
         cls: type[_M], handle: BufferHandle | str, *, schema: Schema | Mapping[str, Any] | None = None,
-        seed: int | np.random.Generator | None = None,
+        seed: int | np.random.Generator | None = None, sampler: type[Sampler] | ModuleType | None = None,
     ) -> _M:
         """Map an existing buffer by handle or name, as the class this is called on
-        (``ReplayBuffer.attach`` gives a ``ReplayBuffer``). With ``schema``, refuse another layout."""
+        (``ReplayBuffer.attach`` gives a ``ReplayBuffer``). With ``schema``, refuse another layout.
+        ``sampler``: the class of the buffer's sampler (refused when the buffer's is another kind), or
+        the module that defines it, for a buffer made with a sampler of the user's; without it
+        such a buffer needs its class imported here (``UnknownSampler`` names it).
+        ``sampler=Unimported`` reads the rows of a buffer whose sampler class is not imported
+        (a stand-in that cannot draw: the command line's ``inspect``, ``top``, ``save``)."""
         check_platform()
         name = handle.name if isinstance(handle, BufferHandle) else handle
         segment = Segment.attach(name)
         try:
-            found, opts = layout.read(name, segment.meta, segment.header.fingerprint)
+            found, opts = layout.read(name, segment.meta, segment.header.fingerprint, sampler)
             if schema is not None and as_schema(schema) != found:
                 raise SchemaError(f"buffer {name!r} has schema {found}, expected {as_schema(schema)}")
             self = cls.__new__(cls)
@@ -92,6 +99,11 @@ class MappedBlock:
     def handle(self) -> BufferHandle:
         """A small picklable handle naming this buffer: ``ReplayBuffer.attach(handle)`` in another process."""
         return BufferHandle(self.name)
+
+    @property
+    def sampler(self) -> Sampler:
+        """The buffer's sampler (``options.sampler``): the one every process attached shares."""
+        return self.options.sampler
 
     @property
     def ring(self) -> Ring:

@@ -41,6 +41,7 @@ from .buffer import ReplayBuffer
 from .errors import ForeignBlock, LayoutError, SegmentNotFound
 from .protocol import census
 from .protocol.layout import WRITERS
+from .sampling.samplers import Unimported
 from .shm import segment
 
 
@@ -65,7 +66,7 @@ def read(name: str, before: Reading | None) -> tuple[dict[str, Any], Reading | N
     try:
         uid = os.lstat(path).st_uid
         ident = segment.identity(name)
-        buf = ReplayBuffer.attach(name)
+        buf = ReplayBuffer.attach(name, sampler=Unimported)  # the rows need no sampler class
     except (SegmentNotFound, FileNotFoundError):  # removed since it was listed
         return {"name": name, "error": "gone"}, None
     except ForeignBlock:

@@ -362,3 +362,24 @@ def test_cli_inspect_by_path_and_save_refuses_to_overwrite(make: Make, name: str
     again = _cli("save", name, str(tmp_path / "s"))
     assert again.returncode == 1 and "--force" in again.stderr and "Traceback" not in again.stderr
     assert _cli("save", name, str(tmp_path / "s"), "--force").returncode == 0
+
+
+def test_a_buffer_whose_sampler_class_the_command_lacks_is_inspected_and_saved(make: Make, name: str,
+                                                                                tmp_path: Path) -> None:
+    """The command line never imports a user's sampler module: it reads the rows anyway (they do
+    not depend on the sampler), says which sampler the buffer needs, and saves it whole."""
+    from .test_samplers import NewestPrioritized
+
+    buf = make(sb.Schema(x=((), "int64")), 100, sampler=NewestPrioritized(k=3), name=name)
+    buf.push(x=np.arange(20), priority=np.arange(1.0, 21.0))
+    text = cli("inspect", name).stdout
+    assert "damaged" not in text and "rows 20/100" in text
+    assert ("sampler kind 'test-newest-prioritized' (class NewestPrioritized of module tests.test_samplers), not "
+            "imported by this process") in text and "import tests.test_samplers" in text
+    info = json.loads(cli("inspect", "--json", name).stdout)
+    assert info["options"]["sampler"] == buf.sampler.to_json()
+    assert info["fields"][0]["min"] == 0 and info["fields"][0]["max"] == 19
+    cli("save", name, str(tmp_path / "s"))
+    with sb.load(tmp_path / "s", name=name + "l") as back:  # this process has the class: it samples again
+        assert back.sampler == NewestPrioritized(k=3) and set(back.sample(64).x.tolist()) == {17, 18, 19}
+        assert back.priority(back.get(slice(None)).index).tolist() == buf.priority(buf.get(slice(None)).index).tolist()

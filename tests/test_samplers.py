@@ -33,6 +33,48 @@ class NewestK(sb.Sampler):
 
 
 
+@dataclass(frozen=True)
+class NewestUniform(sb.Uniform):
+    """A subclass of ``Uniform`` with a draw of its own: uniform over each lane's newest ``k`` rows."""
+
+    k: int = 8
+    kind: ClassVar[str] = "test-newest-uniform"
+
+    def draw(self, ring: Any, tree: Any, rng: np.random.Generator, n: int, *, replace: bool = True,
+             taken: np.ndarray | None = None, again: bool = False, slow: bool = False) -> sb.Draw:
+        first, stop = ring.bounds()
+        return sb.Draw(uniform_ids(rng, n, np.maximum(first, stop - self.k), stop, replace=replace, taken=taken))
+
+
+@dataclass(frozen=True)
+class NewestPrioritized(sb.Prioritized):
+    """A subclass of ``Prioritized`` with a draw of its own: uniform over each lane's newest ``k``
+    rows, weighted by their leaves (``Prioritized.weights``)."""
+
+    k: int = 8
+    kind: ClassVar[str] = "test-newest-prioritized"
+
+    def draw(self, ring: Any, tree: Any, rng: np.random.Generator, n: int, *, replace: bool = True,
+             taken: np.ndarray | None = None, again: bool = False, slow: bool = False) -> sb.Draw:
+        first, stop = ring.bounds()
+        ids = uniform_ids(rng, n, np.maximum(first, stop - self.k), stop, replace=replace, taken=taken)
+        return sb.Draw(ids, tree.leaves[ring.slots(ids)])
+
+
+@dataclass(frozen=True)
+class Clipped(sb.Prioritized):
+    """Prioritized replay of clipped priorities: the leaf ``min(p, clip) ** alpha``."""
+
+    clip: float = 4.0
+    kind: ClassVar[str] = "test-clipped"
+
+    def leaf(self, priorities: np.ndarray) -> np.ndarray:
+        return np.minimum(priorities, self.clip) ** self.alpha
+
+    def priority_of(self, leaves: np.ndarray) -> np.ndarray:
+        return np.asarray(leaves, np.float64) ** (1.0 / self.alpha)
+
+
 SAMPLERS: dict[str, dict[str, Any]] = {
     "uniform": {},
     "uniform-lanes": {"lanes": 4},
@@ -40,6 +82,9 @@ SAMPLERS: dict[str, dict[str, Any]] = {
     "prioritized": {"sampler": sb.Prioritized(alpha=0.6, beta=0.4)},
     "prioritized-max-use": {"sampler": sb.Prioritized(), "max_use": 1000},
     "users-newest-k": {"sampler": NewestK(10_000)},  # a user's sampler (docs/samplers.md), drawing in Python
+    "users-uniform-subclass": {"sampler": NewestUniform(10_000)},  # subclasses with draws of their own
+    "users-prioritized-subclass": {"sampler": NewestPrioritized(k=10_000)},
+    "users-prioritized-leaf": {"sampler": Clipped(alpha=0.6, clip=0.5)},  # its own leaf, the built-in draw
 }
 
 
@@ -682,3 +727,218 @@ def test_a_users_sampler_draws_on_the_device_copy(make: Make, name: str) -> None
     with sb.DeviceReplay(buf, "cpu", max_lag_rows=0) as copy:
         got = copy.sample(1000).x.tolist()
         assert set(got) == newest and "weight" not in copy.sample(4).extras
+
+
+# -- subclasses of the built-in samplers with draws of their own: every path draws by them -------------
+NEWEST = [NewestUniform(k=10), NewestPrioritized(k=10)]
+
+
+def test_a_subclass_with_its_own_draw_is_not_served_by_a_built_in_one() -> None:
+    """``served`` follows the methods: a subclass that keeps the built-in draw and weights is
+    served as its base, one with its own draw (or weights) is not; nobody declares it."""
+
+    @dataclass(frozen=True)
+    class Renamed(sb.Prioritized):
+        kind: ClassVar[str] = "test-renamed-prioritized"
+
+    @dataclass(frozen=True)
+    class OwnWeights(sb.Prioritized):
+        kind: ClassVar[str] = "test-own-weights"
+
+        def weights(self, tree: Any, leaves: Any, calls: int) -> np.ndarray | None:
+            return None
+
+    assert (sb.Uniform.served, sb.Prioritized.served, Renamed.served) == ("uniform", "tree", "tree")
+    assert NewestUniform.served is None and NewestPrioritized.served is None and OwnWeights.served is None
+    with pytest.raises(TypeError, match="served is not set by hand"):
+        type("Liar", (NewestUniform,), {"kind": "test-liar", "served": "uniform"})
+
+
+@pytest.mark.parametrize("sampler", NEWEST, ids=lambda s: type(s).__name__)
+def test_a_subclass_draws_by_its_own_draw_on_every_path(sampler: sb.Sampler, path: str, make: Make, name: str) -> None:
+    """The newest 10 rows only, from the one-call sample (or the Python path), distinct rows, n-step
+    returns, a ``Loader``, a ``Mix`` and the device copy."""
+    schema = sb.Schema(x=((), "int64"), reward=((), "float32"), next_obs=((), "float32"), done=((), "bool"))
+    buf = make(schema, 1000, sampler=sampler, episodes=True, seed=0, name=name)
+    buf.push(x=np.arange(500), reward=np.ones(500), next_obs=np.zeros(500), done=np.zeros(500, bool), episode=0)
+    newest = set(range(490, 500))
+    assert set(buf.sample(1000).x.tolist()) == newest
+    assert set(buf.sample(10, replace=False).x.tolist()) == newest
+    assert set(buf.sample(200, n_step=3, gamma=0.9).x.tolist()) <= newest
+    assert set(sb.Mix([(buf, 1.0)]).sample(200).x.tolist()) <= newest
+    for background in (False, True):
+        with sb.Loader(buf, batch_size=200, batches=2, background=background) as loader:
+            for batch in loader:
+                assert set(batch.x.tolist()) <= newest
+    with sb.DeviceReplay(buf, "cpu", max_lag_rows=0) as copy:
+        got = copy.sample(500)
+        assert set(got.x.tolist()) <= newest and ("weight" in got.extras) == sampler.weighted
+    if sampler.weighted:
+        batch = buf.sample(64)
+        np.testing.assert_allclose(batch.weight, 1.0)  # every leaf the same: weight 1
+
+
+def test_a_subclass_with_its_own_draw_is_refused_by_the_sharded_buffer() -> None:
+    pytest.importorskip("ray")
+    from shmbuffer.ray import ShardedBuffer
+
+    for sampler in NEWEST:
+        with pytest.raises(ValueError, match=r"own draw only.*Uniform\(\) or Prioritized\(\)"):
+            ShardedBuffer(sb.Schema(x=((), "int64")), 100, sampler=sampler)
+
+
+# -- a user's draw is checked as it returns ---------------------------------------------------------
+@dataclass(frozen=True)
+class BadDraw(sb.Sampler):
+    """Uniform ids, then spoilt as ``how`` says."""
+
+    how: str = "many"
+    kind: ClassVar[str] = "test-bad-draw"
+
+    def draw(self, ring: Any, tree: Any, rng: np.random.Generator, n: int, *, replace: bool = True,
+             taken: np.ndarray | None = None, again: bool = False, slow: bool = False) -> Any:
+        first, stop = ring.bounds()
+        ids = uniform_ids(rng, n, first, stop, replace=replace, taken=taken)
+        spoilt = {"many": lambda: np.concatenate([ids, ids, ids[:3]]), "column": lambda: ids[:, None],
+                  "negative": lambda: ids - 1000, "floats": lambda: ids.astype(np.float64),
+                  "never-written": lambda: ids + 10_000, "few": lambda: ids[:-1], "no-draw": lambda: ids,
+                  "list": lambda: ids.tolist()}[self.how]()
+        return spoilt if self.how == "no-draw" else sb.Draw(spoilt)
+
+
+BAD_DRAWS = {
+    "many": (sb.SamplerError, r"ids of dtype int64 and shape \(\d+,\) for a draw of 8: expected Draw\(ids\) with a 1-D"),
+    "column": (sb.SamplerError, r"shape \(8, 1\) for a draw of 8"),
+    "negative": (sb.SamplerError, r"ids that never named a row: \[-"),
+    "floats": (sb.SamplerError, r"ids of dtype float64"),
+    "never-written": (sb.SamplerError, r"ids that never named a row: \[10"),
+    "few": (sb.EmptyBufferError, r"gave 7 (distinct )?ids for the 8 asked|gave fewer ids than asked"),
+    "no-draw": (sb.SamplerError, r"returned ndarray for a draw of 8: expected Draw\(ids\)"),
+    "list": (sb.SamplerError, r"returned ids list"),
+}
+
+
+@pytest.mark.parametrize("how", sorted(BAD_DRAWS))
+def test_a_bad_draw_is_named_at_once_on_every_path(how: str, path: str, make: Make, name: str) -> None:
+    """Whatever a user's draw returns wrong is refused at its first draw (no second of re-draws),
+    naming the class and its draw, and the buffer stays as it was."""
+    import time
+
+    error, match = BAD_DRAWS[how]
+    buf = make(sb.Schema(x=((), "int64")), 1000, sampler=BadDraw(how), seed=0, name=name)
+    buf.push(x=np.arange(500))
+    before = buf.stats
+    calls: list[Callable[[], Any]] = [lambda: buf.sample(8), lambda: buf.sample(8, replace=False),
+                                      lambda: sb.Mix([(buf, 1.0)]).sample(8)]
+    copy = sb.DeviceReplay(buf, "cpu")
+    try:
+        for call in [*calls, lambda: copy.sample(8)]:
+            start = time.monotonic()
+            with pytest.raises(error, match=match) as got:
+                call()
+            assert "test_samplers.BadDraw.draw" in str(got.value)
+            assert time.monotonic() - start < 0.5
+    finally:
+        copy.close()
+    assert buf.stats == before and len(buf) == 500
+
+
+def test_distinct_rows_beyond_what_a_users_draw_can_give_name_the_draw(make: Make, name: str) -> None:
+    buf = make(sb.Schema(x=((), "int64")), 10_000, sampler=NewestK(1000), seed=0, name=name)
+    buf.push(x=np.arange(5000))
+    assert len(buf.sample(1000, replace=False)) == 1000
+    with pytest.raises(sb.EmptyBufferError, match=r"sample\(1001, replace=False\): .*NewestK.draw gave 1000 distinct "
+                                                  r"ids for the 1001 asked, from buffer .* of 5000 rows"):
+        buf.sample(1001, replace=False)
+
+
+def test_the_buffers_sampler_is_an_attribute(make: Make, name: str) -> None:
+    buf = make(MUJOCO, 8, sampler=sb.Prioritized(alpha=0.5), name=name)
+    assert buf.sampler is buf.options.sampler and buf.sampler == sb.Prioritized(alpha=0.5)
+
+
+# -- a buffer whose sampler class another process lacks -------------------------------------------------
+def test_attach_takes_the_samplers_class_or_module(make: Make, name: str) -> None:
+    """A process that lacks the class is told its module; ``attach(sampler=)`` takes the class or
+    the module (another kind is refused); ``sampler=Unimported`` reads the rows without it."""
+    import subprocess
+    import sys
+
+    buf = make(sb.Schema(x=((), "int64")), 16, sampler=NewestPrioritized(k=2), name=name)
+    buf.push(x=np.arange(6))
+    code = f"""if True:
+        import sys
+        import shmbuffer as sb
+        from shmbuffer.sampling.samplers import Unimported
+        try:
+            sb.ReplayBuffer.attach({name!r})
+        except sb.UnknownSampler as e:
+            print("refused:", e)
+        with sb.ReplayBuffer.attach({name!r}, sampler=Unimported) as stand_in:
+            print("rows:", sorted(stand_in.get(slice(None)).x.tolist()), stand_in.sampler.to_json()["kind"])
+            try:
+                stand_in.sample(1)
+            except sb.UnknownSampler as e:
+                print("sample:", e)
+        import tests.test_samplers as module
+        with sb.ReplayBuffer.attach({name!r}, sampler=module.NewestPrioritized) as by_class:
+            print("class:", sorted(set(by_class.sample(64).x.tolist())))
+        with sb.ReplayBuffer.attach({name!r}, sampler=module) as by_module:
+            print("module:", by_module.sampler)
+        try:
+            sb.ReplayBuffer.attach({name!r}, sampler=module.NewestK)
+        except sb.UnknownSampler as e:
+            print("other:", e)
+    """
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 0, out.stderr
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    assert ("sampler kind 'test-newest-prioritized' is not known in this process (class NewestPrioritized of module "
+            "tests.test_samplers)") in lines["refused"] and "import tests.test_samplers first" in lines["refused"]
+    assert lines["rows"] == "[0, 1, 2, 3, 4, 5] test-newest-prioritized"
+    assert "not imported in this process" in lines["sample"]
+    assert lines["class"] == "[4, 5]"
+    assert lines["module"] == "NewestPrioritized(alpha=0.6, beta=0.4, beta_steps=None, eps=1e-06, k=2)"
+    assert "the sampler is kind 'test-newest-prioritized'" in lines["other"] and "not NewestK's" in lines["other"]
+
+
+# -- a prioritized sampler's own leaf: the tree holds it, every path draws and weights by it -----------
+def test_a_subclass_leaf_is_drawn_and_weighted_on_every_path(path: str, make: Make, name: str, tmp_path: Path) -> None:
+    s = Clipped(alpha=1.0, beta=0.5, eps=0.0, clip=4.0)
+    assert Clipped.served == "tree"  # its draw and weights are Prioritized's: the C one-call sample draws it
+    buf = make(MUJOCO, capacity=8, name=name, seed=0, sampler=s)
+    ids = buf.push(transition(0, 8), priority=np.arange(1.0, 9.0))
+    leaves = np.array([1.0, 2, 3, 4, 4, 4, 4, 4])
+    assert buf.priority(ids).tolist() == leaves.tolist()
+
+    def follows_leaves(index: np.ndarray) -> None:
+        counts = np.bincount(index, minlength=8)
+        expected = leaves / leaves.sum() * counts.sum()
+        assert ((counts - expected) ** 2 / expected).sum() < 24  # 7 degrees of freedom, p < 0.001
+
+    follows_leaves(np.concatenate([buf.sample(512).index for _ in range(40)]))
+    batch = buf.sample(64)
+    np.testing.assert_allclose(batch.weight, (leaves[batch.index] / 1.0) ** -0.5, rtol=1e-6)
+    with sb.DeviceReplay(buf, "cpu") as copy:
+        got = [copy.sample(512) for _ in range(40)]
+        follows_leaves(np.concatenate([g.index.numpy() for g in got]))
+        np.testing.assert_allclose(got[0].weight.numpy(), leaves[got[0].index.numpy()] ** -0.5, rtol=1e-6)
+    assert buf.update_priorities([0, 1], [100.0, 0.5]) == 2
+    assert buf.priority([0, 1]).tolist() == [4.0, 0.5]
+    buf.push(transition(8, 1))  # a new row gets the largest priority so far (100): its leaf is clipped
+    assert buf.priority([8]).tolist() == [4.0]
+    buf.save(tmp_path / "s")
+    with sb.load(tmp_path / "s", name=name + "l") as back:
+        assert back.sampler == s and back.priority(back.get(slice(None)).index).tolist() == buf.priority(
+            buf.get(slice(None)).index).tolist()
+    exported = sb.export(buf)
+    assert exported["priority"].tolist() == buf.priority(exported["index"]).tolist()  # the leaf's inverse (alpha 1)
+
+
+def test_a_leaf_of_ones_own_needs_its_inverse_and_priorities() -> None:
+    leaf = {"leaf": lambda self, p: np.sqrt(p)}
+    with pytest.raises(TypeError, match="also writes priority_of"):
+        type("NoInverse", (sb.Prioritized,), {"kind": "test-no-inverse", **leaf})
+    with pytest.raises(TypeError, match="subclasses Prioritized"):
+        type("UniformLeaf", (sb.Uniform,), {"kind": "test-uniform-leaf", "priority_of": lambda self, v: v, **leaf})

@@ -205,3 +205,12 @@ def test_top_shows_how_far_a_device_copy_is_behind(name: str) -> None:
     finally:
         buf.close()
         buf.unlink()
+
+
+def test_top_reads_a_buffer_whose_sampler_class_it_lacks(make: Make, name: str) -> None:
+    from .test_samplers import NewestK
+
+    buf = make(sb.Schema(x=((), "int64")), 100, sampler=NewestK(3), name=name)
+    buf.push(x=np.arange(20))
+    (b,) = json.loads(top("--once", "--json", "--interval", "0.1", name).stdout)["buffers"]
+    assert "error" not in b and b["rows"] == 20

@@ -71,6 +71,7 @@ from ..protocol.edits import held
 from ..protocol.layout import Counter, Lane
 from ..protocol.reader import GIVE_UP, Source
 from ..protocol.rows import committed, committed_of_id, slot, slot_of_id, window
+from ..sampling.samplers import drawn_by
 from ..sequences import check_n_step, check_windows, n_step_fields, window_mask
 from .refresher import PACE_S, Refresher, forget
 from .rows import DELETES, DONE, ERROR, INSERTED, UPDATES, DeviceRows
@@ -387,8 +388,11 @@ class DeviceReplay(DeviceRows):
             if todo.size == 0:
                 break
         if todo.size:
+            by = drawn_by(sampler)
             raise EmptyBufferError(f"sample({n}): the device copy of buffer {buf.name!r} holds none of the rows the "
-                                   "sampler draws (nothing pushed yet, or every row being written)")
+                                   "sampler draws (nothing pushed yet, or every row being written)"
+                                   + (f", or {by} gave fewer ids than asked (it has no more rows to draw from)"
+                                      if by else ""))
         weights = sampler.weights(tree, leaves, calls) if sampler.weighted else None
         w = None if weights is None else torch.from_numpy(np.ascontiguousarray(weights)).to(self.device)
         if self.spec is not None:

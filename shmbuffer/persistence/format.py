@@ -48,7 +48,8 @@ tensors, in file order (a stable sort by itemsize, largest first, of the list be
   episode's end row holding its final observation, a lead row holding older frames).
 * ``_episode`` I64 ``(rows,)``: the rows' episode ids, when the buffer keeps episodes.
 * ``_leaf`` F64 ``(rows,)``: the rows' leaves in the priority tree (``samplers.py``:
-  ``(p + eps) ** alpha``, 1 for a uniform row under ``max_use``, 0 once used up), when the buffer
+  the sampler's ``leaf(p)``, ``(p + eps) ** alpha`` for ``Prioritized``'s own, 1 for a uniform row
+  under ``max_use``, 0 once used up), when the buffer
   has a tree (``Prioritized`` or ``max_use``).
 * ``_uses`` U32 ``(rows,)``: times each row was drawn, with ``max_use``.
 * ``_present`` BOOL ``(rows,)``, always: 1 for a saved row, 0 for a hole, a row number whose slot

@@ -37,7 +37,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +49,7 @@ from ..protocol.layout import Counter, Options
 from ..protocol.priorities import MAX_LEAF
 from ..protocol.rows import lane_capacity, slot
 from ..protocol.snapshot import CHUNK_BYTES, Buffer, columns
-from ..sampling.samplers import Prioritized, sampler_from_json
+from ..sampling.samplers import sampler_from_json
 from ..schema import Schema
 from ..shm.segment import human
 from .format import (
@@ -322,11 +322,10 @@ def read_meta(meta_file: Path, meta: dict[str, Any], version: int) -> _Saved:
             raise m.bad("sampler_state", state, "an object with the key 'max_priority'")
         max_priority = m.number(state, "max_priority", "sampler_state.")
         if opts.sampler.prioritized:
-            s = cast(Prioritized, opts.sampler)
             with np.errstate(over="ignore"):
-                leaf = float(np.power(max_priority + s.eps, s.alpha))
+                leaf = float(opts.sampler.leaf(np.array([max_priority], np.float64))[0])
             if not leaf <= MAX_LEAF:
-                raise m.bad("sampler_state.max_priority", max_priority, f"a priority whose leaf (p + eps) ** alpha is <= {MAX_LEAF:g}")
+                raise m.bad("sampler_state.max_priority", max_priority, f"a priority whose leaf (sampler.leaf) is <= {MAX_LEAF:g}")
     stats_in = m.obj(meta, "stats")
     stats = {key: m.integer(stats_in, key, "stats.") for key in stats_in}
     if "counters" in meta:  # saves written before the counters existed have none (format.py)
@@ -539,7 +538,7 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
                     if not np.all((staged >= 0) & (staged <= MAX_LEAF)) or not prios.leaves_valid(staged):
                         raise LayoutError(
                             f"{file}: tensor '_leaf' holds negative or non-finite priorities, or leaves "
-                            f"above {MAX_LEAF:g} or of no finite priority: expected tree leaves (p + eps) ** alpha "
+                            f"above {MAX_LEAF:g} or of no finite priority: expected tree leaves (sampler.leaf(p)) "
                             f"in [0, {MAX_LEAF:g}] of finite priorities p; the file was altered or is not a save"
                         )
                     prios.tree.update(np.arange(sl.start, sl.stop), staged)
@@ -574,7 +573,8 @@ def check_leaves(buf: Buffer, leaf: np.ndarray, uses: np.ndarray | None, rows: n
     if not s.prioritized:
         bad = np.where(up, leaf != 0, leaf != 1)
     else:
-        bad = (up & (leaf != 0)) | (~up & (leaf == 0) & (cast(Prioritized, s).eps > 0))
+        zero = float(s.leaf(np.zeros(1))[0]) == 0  # whether a priority of 0 has the leaf 0 (eps 0)
+        bad = (up & (leaf != 0)) | (~up & (leaf == 0) & (not zero))
     bad &= rows
     if bad.any():
         at = int(np.flatnonzero(bad)[0])

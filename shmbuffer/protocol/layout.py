@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from .. import native
-from ..errors import CapacityError, FieldError, LayoutError
+from ..errors import CapacityError, FieldError, LayoutError, UnknownSampler
 from ..frames import KIND, Frames
 from ..sampling.limiter import RateLimiter
 from ..sampling.samplers import Sampler, Uniform, sampler_from_json
@@ -210,9 +210,9 @@ class Options:
                 **({} if self.frames is None else {"frames": self.frames.to_json()})}
 
     @classmethod
-    def from_json(cls, spec: dict[str, Any]) -> Options:
-        """The options that ``to_json`` gave."""
-        return cls(spec["capacity"], spec["lanes"], sampler_from_json(spec["sampler"]), spec["max_use"],
+    def from_json(cls, spec: dict[str, Any], sampler: Any = None) -> Options:
+        """The options that ``to_json`` gave; ``sampler`` as ``sampler_from_json``'s ``using``."""
+        return cls(spec["capacity"], spec["lanes"], sampler_from_json(spec["sampler"], sampler), spec["max_use"],
                    spec["episodes"], RateLimiter.from_json(spec.get("limiter")), spec.get("envs"),
                    Frames.from_json(spec.get("frames")))
 
@@ -289,17 +289,21 @@ def create(name: str | None, schema: Schema, opts: Options) -> Segment:
     return Segment.create(name, meta, columns(schema, opts), schema.fingerprint)
 
 
-def read(name: str, meta: dict[str, Any], fingerprint: str) -> tuple[Schema, Options]:
+def read(name: str, meta: dict[str, Any], fingerprint: str, sampler: Any = None) -> tuple[Schema, Options]:
     """The schema and options of a block from its metadata, checked: readable, the schema's
     fingerprint the header's, and the column table the one this release builds for them (another
-    release made the block, or it is damaged: ``LayoutError``)."""
+    release made the block, or it is damaged: ``LayoutError``). ``sampler``: as
+    ``sampler_from_json``'s ``using``; a sampler class this process lacks is ``UnknownSampler``,
+    not damage."""
     try:
         schema = Schema.from_json(meta["schema"])
-        opts = Options.from_json(meta["options"])
+        opts = Options.from_json(meta["options"], sampler)
         if opts.frames is not None:
             opts.frames.check(schema)
         expected = [(c.name, list(c.shape), c.dtype.str) for c in columns(schema, opts)]
         stored = [(c["name"], list(c["shape"]), c["dtype"]) for c in meta["columns"]]
+    except UnknownSampler as exc:  # a healthy buffer: this process lacks its sampler's class
+        raise UnknownSampler(f"buffer {name!r}: {exc}") from None
     except MALFORMED as exc:
         raise LayoutError(
             f"buffer {name!r} is damaged: its schema or options cannot be read "

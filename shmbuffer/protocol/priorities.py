@@ -37,12 +37,12 @@ tree from its leaves.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
 from ..errors import FieldError
-from ..sampling.samplers import Prioritized, Sampler
+from ..sampling.samplers import Sampler, formula
 from ..sampling.sumtree import SumTree
 from . import rows
 from .layout import Counter
@@ -73,23 +73,23 @@ def check_priorities(values: Any, k: int, what: str = "priority", *, sampler: Sa
             f"{np.flatnonzero(bad)[:3].tolist()}; nothing was changed"
         )
     if sampler is not None and sampler.prioritized:
-        s = cast(Prioritized, sampler)
         with np.errstate(over="ignore"):
-            bound(s, p, (p + s.eps) ** s.alpha, what)
+            bound(sampler, p, sampler.leaf(p), what)
     return p
 
 
-def bound(s: Prioritized, priorities: np.ndarray, leaves: np.ndarray, what: str) -> None:
+def bound(s: Sampler, priorities: np.ndarray, leaves: np.ndarray, what: str) -> None:
     """``FieldError`` unless every leaf is at most ``MAX_LEAF`` (the tree's total must stay finite)."""
     if not leaves.size or leaves.max() <= MAX_LEAF:
         return
     bad = ~(leaves <= MAX_LEAF)
-    assert s.alpha > 0  # otherwise every leaf is 1
-    with np.errstate(over="ignore"):
-        most = float(np.power(MAX_LEAF, 1.0 / s.alpha)) - s.eps
+    most = float(s.priority_of(np.array([MAX_LEAF]))[0])
+    built_in = formula(s)
+    how = (f"(p + {built_in.eps:g}) ** {built_in.alpha:g}" if built_in is not None
+           else f"({type(s).__qualname__}.leaf)")
     raise FieldError(
         f"{what}: got {priorities[bad][:3].tolist()} at positions {np.flatnonzero(bad)[:3].tolist()}, "
-        f"whose tree leaves (p + {s.eps:g}) ** {s.alpha:g} exceed {MAX_LEAF:g} (the tree's total must "
+        f"whose tree leaves {how} exceed {MAX_LEAF:g} (the tree's total must "
         f"stay finite); expected priorities <= {most:.6g}: scale them down; nothing was changed"
     )
 
@@ -102,7 +102,7 @@ class Priorities:
     ) -> None:
         self.sampler = sampler
         self.max_use = max_use
-        self.prioritized = isinstance(sampler, Prioritized)
+        self.prioritized = sampler.prioritized
         capacity = arrays["_stamp"].shape[0]
         self.tree = SumTree(capacity, arrays["_tree_sum"], arrays["_tree_min"])
         self._prio = arrays["_prio"]
@@ -111,17 +111,22 @@ class Priorities:
         self._lanes = arrays["_lanes"]
         self._stats = arrays["_stats"]
         self._safe = np.inf
-        """Priorities up to this have a leaf of at most ``MAX_LEAF``: no overflow to guard against."""
-        if isinstance(sampler, Prioritized) and sampler.alpha > 0:
+        """Priorities up to this have a leaf of at most ``MAX_LEAF``: no overflow to guard against
+        (known for ``Prioritized``'s own formula; -1 for a leaf of a subclass's: always guarded)."""
+        built_in = formula(sampler)
+        if built_in is not None and built_in.alpha > 0:
             with np.errstate(over="ignore"):
-                self._safe = float(np.power(MAX_LEAF, 1.0 / sampler.alpha)) - sampler.eps
+                self._safe = float(np.power(MAX_LEAF, 1.0 / built_in.alpha)) - built_in.eps
+        elif sampler.prioritized and built_in is None:
+            self._safe = -1.0
         self._sure = self._safe * (1 - 1e-9)
         """Priorities up to this certainly have a leaf of at most ``MAX_LEAF`` whatever the rounding
         of the power: the bound check is skipped (it would pass); above it the leaves are checked.
-        Verified here with a margin (else -1: the checks always run)."""
-        if isinstance(sampler, Prioritized) and np.isfinite(self._sure):
+        Verified here with a margin (else -1: the checks always run). The shortcuts that skip the
+        checks (one C pass, the C update) run only for ``Prioritized``'s own formula."""
+        if built_in is not None and np.isfinite(self._sure):
             with np.errstate(over="ignore"):
-                top = float(((np.array([self._sure]) + sampler.eps) ** sampler.alpha)[0])
+                top = float(built_in.leaf(np.array([self._sure]))[0])
             if not (self._sure >= 0 and top <= MAX_LEAF * (1 - 1e-12)):
                 self._sure = -1.0
         self._lib = self.tree.lib
@@ -167,36 +172,26 @@ class Priorities:
             self.mark_removed()
 
     def priorities_of(self, leaves: np.ndarray) -> np.ndarray:
-        """The priorities whose leaves these are, ``leaf ** (1 / alpha) - eps`` (the inverse of
-        ``leaf``; 0 for a leaf of 0); a uniform buffer's are 1."""
-        s = self.sampler
-        leaves = np.asarray(leaves, dtype=np.float64)
-        if not isinstance(s, Prioritized) or s.alpha == 0:
-            return np.ones_like(leaves)
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            p = np.power(leaves, 1.0 / s.alpha) - s.eps
-        # a leaf of the largest priorities may round back just past the largest float
-        return np.where(leaves > 0, np.clip(p, 0.0, np.finfo(np.float64).max), 0.0)
+        """The priorities whose leaves these are (the sampler's ``priority_of``, the inverse of
+        its ``leaf``; 0 for a leaf of 0); a uniform buffer's are 1."""
+        return self.sampler.priority_of(np.asarray(leaves, dtype=np.float64))
 
     def leaves_valid(self, leaves: np.ndarray) -> bool:
         """Whether every leaf is one of a finite priority: at most the leaf of the largest float
         (a loaded file's leaves are checked with it; ``priorities_of`` then gives finite values)."""
         s = self.sampler
-        if not isinstance(s, Prioritized):
+        if not s.prioritized:
             return True
         with np.errstate(over="ignore"):
-            top = float(np.power(np.finfo(np.float64).max + s.eps, s.alpha))
+            top = float(s.leaf(np.array([np.finfo(np.float64).max]))[0])
         return bool((np.asarray(leaves) <= top).all())
 
     def leaf(self, priorities: np.ndarray) -> np.ndarray:
-        """The leaves of these priorities (``inf`` where one overflows)."""
-        if isinstance(self.sampler, Prioritized):
-            s = self.sampler
-            if not priorities.size or priorities.max() <= self._safe:  # the usual case: nothing overflows
-                return (priorities + s.eps) ** s.alpha
-            with np.errstate(over="ignore"):
-                return (priorities + s.eps) ** s.alpha
-        return np.ones_like(priorities)
+        """The leaves of these priorities, by the sampler's ``leaf`` (``inf`` where one overflows)."""
+        if not priorities.size or priorities.max() <= self._safe:  # the usual case: nothing overflows
+            return self.sampler.leaf(priorities)
+        with np.errstate(over="ignore"):
+            return self.sampler.leaf(priorities)
 
     def _scan(self, p: np.ndarray) -> float:
         """The largest of ``p`` (float64) when all are finite and >= 0, in one C call; -1.0 when
@@ -238,12 +233,11 @@ class Priorities:
             leaves = self.leaf(np.full(slots.shape[0], self._prio[0]))
         elif priorities.size and 0 <= (most := self._scan(priorities)) <= self._sure:
             # one C pass gave the largest and showed every leaf is below MAX_LEAF (no bound check)
-            s = self.sampler
-            leaves = (priorities + s.eps) ** s.alpha if isinstance(s, Prioritized) else np.ones_like(priorities)
+            leaves = self.sampler.leaf(priorities)
             self._prio[0] = max(float(self._prio[0]), most)
         else:
             leaves = self.leaf(priorities)
-            if isinstance(self.sampler, Prioritized):
+            if self.prioritized:
                 bound(self.sampler, priorities, leaves, "priority")
             if priorities.size:
                 self._prio[0] = max(float(self._prio[0]), float(priorities.max()))
@@ -272,9 +266,7 @@ class Priorities:
                 or ids.ndim != 1 or values.shape != ids.shape or not (ids.flags.c_contiguous and values.flags.c_contiguous)
                 or not 0 <= lib.scan(values) <= self._sure):
             return None
-        s = self.sampler
-        assert isinstance(s, Prioritized)  # update_priorities checked it
-        leaves = (values + s.eps) ** s.alpha  # numpy's power, as set_rows: the same leaves to the bit
+        leaves = self.sampler.leaf(values)  # as set_rows: the same leaves to the bit
         tree = self.tree
         done: int | None = lib.update_priorities(ring.lock.memory, ids, values, leaves, view[0], view[1], tree.sums,
                                                  tree.mins, tree.plan, tree.capacity, self._prio)

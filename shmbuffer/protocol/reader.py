@@ -24,6 +24,7 @@ import numpy as np
 from .. import frames
 from ..batch import Batch
 from ..errors import EmptyBufferError, WaitTimeout
+from ..sampling.samplers import drawn_by
 from .gather import REDRAW_ROUNDS, Rows, assemble, gather, settle
 from .layout import Block, Counter, Options
 from .priorities import Priorities
@@ -182,7 +183,7 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
     # stratified over its n, so its spares are drawn apart (``again``: unstratified)
     first = sampler.draw(ring, tree, src.rng, n + (spares if tree is None else 0), replace=replace)
     if first.ids.size < n:
-        _nothing_to_draw(src, n, final=True)
+        _nothing_to_draw(src, n, final=True, got=first.ids.size, replace=replace)
     ids, leaves = first
     if spares and tree is not None:
         more = sampler.draw(ring, tree, src.rng, spares, replace=True, taken=ids, again=True)
@@ -205,8 +206,7 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
         rows = gather(block, ring, ids, out=out)
     if counting or not replace or not rows.ok.all():  # else the usual case: every row intact at once
         ids, rows, leaves = fetch(block, ring, ids, redraw, reap=src.reap, values=leaves, unique=not replace,
-                                  claim=Uses(src) if counting else None, out=out,
-                                  what=lambda: f"sample({n}) of buffer {src.name!r}", rows=rows)
+                                  claim=Uses(src) if counting else None, out=out, what=sampling(src, n), rows=rows)
     if leaves is None:  # drawn without a tree: no weights
         return assemble(block, ids, rows)
     weight = sampler.weights(tree, leaves, calls)
@@ -239,8 +239,23 @@ def redrawer(src: Source, n: int, replace: bool) -> Redraw:
     return redraw
 
 
-def _nothing_to_draw(src: Source, n: int, *, final: bool) -> None:
-    """Raise when no row can be drawn now or ever, saying why; return to let the reader wait a moment."""
+def sampling(src: Source, n: int) -> Callable[[], str]:
+    """What a sample of ``n`` is, for ``fetch``'s errors: the buffer, and a user's draw by name
+    (rows it keeps drawing that are not there are its own to explain)."""
+    by = drawn_by(src.options.sampler)
+    return lambda: f"sample({n}) of buffer {src.name!r}" + (f" (drawn by {by})" if by else "")
+
+
+def _nothing_to_draw(src: Source, n: int, *, final: bool, got: int = 0, replace: bool = True) -> None:
+    """Raise when no row can be drawn now or ever, saying why; return to let the reader wait a
+    moment. ``got``: the ids a first draw gave (a user's draw that gave fewer is named)."""
+    by = drawn_by(src.options.sampler)
+    if by is not None and final and len(src.ring):
+        distinct = "" if replace else " distinct"
+        raise EmptyBufferError(
+            f"sample({n}{'' if replace else ', replace=False'}): {by} gave {got}{distinct} ids for the {n} asked, "
+            f"from buffer {src.name!r} of {len(src.ring)} rows: a draw gives fewer only when it has no more rows to "
+            f"draw from; sample fewer rows, or wait until writers have pushed more")
     if len(src.ring) == 0:
         why = "is empty; push rows first" if final else "was emptied (cleared) while sampling"
         raise EmptyBufferError(f"sample({n}): buffer {src.name!r} {why}")

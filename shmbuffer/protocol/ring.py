@@ -88,6 +88,7 @@ from ..errors import (
     UnsupportedPlatform,
     WaitTimeout,
 )
+from ..sampling.samplers import INVALID
 from ..shm.lock import RobustLock, defer_signals
 from ..shm.segment import process_alive, start_time
 from . import rows
@@ -104,8 +105,6 @@ _INT64_MAX = np.iinfo(np.int64).max
 Gate = Callable[[int, int, int], bool]
 """``gate(inserted, sampled, size) -> allowed``: a rate limiter's test (``limiter.py``)."""
 _EMPTY = np.empty(0, np.int64)
-INVALID = -(2**62)
-"""An id no slot ever holds: its expected stamp is negative, and stamps never are."""
 _X86 = {"x86_64", "amd64"}  # 64-bit only: a 32-bit CPU stores an int64 stamp in two halves
 _counting = threading.Lock()  # this process's threads, one at a time on its ``_sampled`` entry
 

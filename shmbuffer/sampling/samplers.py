@@ -18,14 +18,25 @@ and every path asks it instead of checking its class:
   defining the subclass registers it (``SAMPLERS``), so another process that imports the same
   module attaches to, loads and saves buffers that use it.
 * ``prioritized``: it draws in proportion to the priorities ``update_priorities`` sets (a sum tree
-  in shared memory, ``priorities.py``); only ``Prioritized`` is, and the tree's leaf formula is
-  its own (``leaf``).
+  in shared memory, ``priorities.py``); only ``Prioritized`` and its subclasses are.
+* ``leaf(priorities)``: the tree leaf of each priority (``Prioritized``: ``(p + eps) ** alpha``;
+  any other sampler: 1, a row under ``max_use``), and ``priority_of(leaves)`` its inverse. The
+  tree, updates, pushes, exports and loads use them; a subclass of ``Prioritized`` may give its
+  own (with both), and is then still served by the tree's draw (``formula`` says whether the
+  shortcuts that rely on the built-in formula apply).
 * ``served``: which built-in draw the C one-call sample (``one_call.OneCall``) and the device copy
   (``device/replay.py``) may run in its place: ``"uniform"`` (uniform over the lanes' rows), ``"tree"``
   (from the priority tree), or ``None`` (only its own ``draw``, in Python: the C path leaves such
-  a sampler to the reader, never substituting another draw).
+  a sampler to the reader, never substituting another draw). Derived, never declared: a subclass
+  serves only while its ``draw`` and ``weights`` are ``Uniform``'s or ``Prioritized``'s own, so a
+  subclass of either that writes its own ``draw`` is drawn by it on every path.
 * ``draw(ring, tree, rng, k, ...) -> Draw`` gives row ids (and, from a tree, their leaves);
-  ``weights`` turns leaves into importance weights (``None``: the batch has none).
+  ``weights`` turns leaves into importance weights (``None``: the batch has none). A draw of a
+  class outside this module is checked as it returns (``check_draw``: a 1-D integer array of at
+  most ``k`` ids of rows pushed so far; ``SamplerError`` naming the draw), on every path; the
+  built-in draws are not (they are tested here).
+* ``to_json`` also says where a user's class is (module, name), so a process without it names it
+  (``UnknownSampler``) or reads the rows through a stand-in (``Unimported``).
 
 A sampler reads the ring (bounds, ids of slots; ``ring.py``) and the ``SumTree``
 (``sumtree.py``), never data: the reader (``reader.py``) reads the rows and asks for more where
@@ -35,19 +46,22 @@ shared state ``Prioritized`` and ``max_use`` draw from is ``priorities.py``.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import asdict, dataclass, is_dataclass
-from typing import Any, ClassVar, NamedTuple, Protocol
+import types
+from dataclasses import asdict, dataclass, field, is_dataclass
+from typing import Any, ClassVar, NamedTuple, Protocol, cast
 
 import numpy as np
 
+from ..errors import SamplerError, UnknownSampler
 from .sumtree import SumTree
 
 _NONE = np.empty(0, np.int64)
 
 
 class Draw(NamedTuple):
-    """What a sampler drew: row ``ids`` (``ring.INVALID`` for a draw to throw away) and, from the
+    """What a sampler drew: row ``ids`` (``INVALID`` for a draw to throw away) and, from the
     tree, their ``leaves`` (what importance weights are made of)."""
 
     ids: np.ndarray
@@ -78,11 +92,15 @@ class RingView(Protocol):
 SAMPLERS: dict[str, type[Sampler]] = {}
 """Every ``Sampler`` subclass by its ``kind``: what ``sampler_from_json`` builds."""
 
+INVALID = -(2**62)
+"""An id no slot ever holds (its expected stamp is negative, and stamps never are): a draw's
+way to throw a position away (``ring.py``)."""
+
 
 class Sampler:
     """What every sampler is (see "The interface" in the module docstring). Subclass it as a frozen
-    dataclass of the sampler's settings, set ``kind`` (and ``served``, ``prioritized`` where they
-    apply) and write ``draw``; ``weights`` defaults to none."""
+    dataclass of the sampler's settings, set ``kind`` (and ``prioritized`` where it applies) and
+    write ``draw``; ``weights`` defaults to none."""
 
     kind: ClassVar[str] = ""
     """The sampler's name in metadata and saves; unique among the subclasses."""
@@ -92,7 +110,9 @@ class Sampler:
     weighted: ClassVar[bool] = False
     """Its batches carry importance weights (``weights`` gives them)."""
     served: ClassVar[str | None] = None
-    """The built-in draw that may run in its place: ``"uniform"``, ``"tree"`` or ``None``."""
+    """The built-in draw that runs in its place: ``"uniform"``, ``"tree"`` or ``None``. Derived,
+    never declared: a class serves while its ``draw`` and ``weights`` are ``Uniform``'s or
+    ``Prioritized``'s own; a class that writes either is drawn by its own ``draw`` on every path."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -100,9 +120,17 @@ class Sampler:
             raise TypeError(f"{cls.__name__}: a Sampler subclass sets kind, its name in metadata and saves")
         if cls.prioritized and not any(c.__name__ == "Prioritized" and c.__module__ == __name__ for c in cls.__mro__):
             raise TypeError(f"{cls.__name__}: prioritized samplers follow Prioritized's formulas: subclass Prioritized")
-        if cls.served not in (None, "uniform", "tree") or (cls.served == "tree") != cls.prioritized:
-            raise TypeError(f"{cls.__name__}: served must be None, 'uniform' or, for a prioritized sampler, 'tree'; "
-                            f"got {cls.served!r}")
+        if cls.__module__ != __name__:  # a user's class: what it serves follows from its methods
+            if "leaf" in cls.__dict__ and (not cls.prioritized or "priority_of" not in cls.__dict__):
+                raise TypeError(f"{cls.__name__}: a class with its own leaf subclasses Prioritized and also writes "
+                                "priority_of, the leaf's inverse (exports write priorities)")
+            if "served" in cls.__dict__:
+                raise TypeError(f"{cls.__name__}: served is not set by hand: a built-in path serves a sampler only "
+                                "while its draw and weights are Uniform's or Prioritized's own (then it is derived)")
+            if "draw" in cls.__dict__:
+                cls.draw = _checked(cls.__dict__["draw"])  # type: ignore[method-assign]
+            cls.served = next((name for name, (draw, weights) in _BUILT_IN.items()
+                               if cls.draw is draw and cls.weights is weights), None)
         known = SAMPLERS.get(cls.kind)
         if known is not None and known.__qualname__ != cls.__qualname__:
             raise TypeError(f"{cls.__name__}: kind {cls.kind!r} is already {known.__module__}.{known.__qualname__}'s")
@@ -112,25 +140,110 @@ class Sampler:
         self, ring: RingView, tree: SumTree | None, rng: np.random.Generator, k: int, *, replace: bool = True,
         taken: np.ndarray | None = None, again: bool = False, slow: bool = False,
     ) -> Draw:
-        """``k`` ids of rows to read (``ring.INVALID`` for a draw to throw away; fewer when there are
+        """``k`` ids of rows to read (``INVALID`` for a draw to throw away; fewer when there are
         not enough rows). ``tree`` is the priority tree when the buffer has one (``prioritized``, or
         ``max_use``: leaf 0 once a row is used up, so draw from it then); ``replace=False`` wants
         distinct ids, none of ``taken``; ``again``: the reader re-draws rows that were not intact;
-        ``slow``: they kept failing (draw from ``ring.committed_ids()``)."""
+        ``slow``: they kept failing (draw from ``ring.committed_ids()``). A subclass's own ``draw``
+        is checked as it returns (``check_draw``)."""
         raise NotImplementedError(f"{type(self).__name__}.draw")
 
     def weights(self, tree: SumTree | None, leaves: np.ndarray | None, calls: int) -> np.ndarray | None:
         """Importance weights for drawn ``leaves`` after ``calls`` samples; ``None``: no weights."""
         return None
 
+    def leaf(self, priorities: np.ndarray) -> np.ndarray:
+        """The tree leaf of a row of each priority: 1 for a sampler that is not ``prioritized``
+        (a row under ``max_use`` counts while it has uses left); ``Prioritized``'s formula for it."""
+        return np.ones_like(priorities)
+
+    def priority_of(self, leaves: np.ndarray) -> np.ndarray:
+        """A priority whose leaf each of ``leaves`` is (``leaf``'s inverse: what an export writes);
+        1 for a sampler that is not ``prioritized``."""
+        return np.ones_like(leaves)
+
     def to_json(self) -> dict[str, Any]:
-        """As JSON, for the block's metadata and saves: the kind and the settings."""
-        return {"kind": self.kind, **(asdict(self) if is_dataclass(self) else {})}
+        """As JSON, for the block's metadata and saves: the kind and the settings, and for a class
+        defined outside shmbuffer where it is (``"class"``: its module, name and whether it is
+        prioritized), so a process without it can name it and stand in for it (``Unimported``)."""
+        out: dict[str, Any] = {"kind": self.kind}
+        cls = type(self)
+        if cls.__module__ != __name__:
+            out["class"] = {"module": cls.__module__, "name": cls.__qualname__, "prioritized": cls.prioritized}
+        return {**out, **(asdict(self) if is_dataclass(self) else {})}
 
     @classmethod
     def from_json(cls, spec: dict[str, Any]) -> Sampler:
-        """The sampler ``to_json`` gave (the kind already taken out of ``spec``)."""
+        """The sampler ``to_json`` gave (the kind and the class already taken out of ``spec``)."""
         return cls(**spec)
+
+
+def drawn_by(sampler: Sampler) -> str | None:
+    """``"module.Class.draw"`` when ``sampler`` draws by a draw of its own (not a built-in one):
+    what errors about its draws name; ``None`` for a built-in draw."""
+    draw = type(sampler).draw
+    if not getattr(draw, "checked", False):
+        return None
+    return f"{draw.__module__}.{draw.__qualname__}"
+
+
+def _checked(draw: Any) -> Any:
+    """``draw`` (a subclass's own), its result checked by ``check_draw``."""
+
+    @functools.wraps(draw)
+    def checked_draw(self: Sampler, ring: RingView, tree: SumTree | None, rng: np.random.Generator, k: int,
+                     **kwargs: Any) -> Draw:
+        return check_draw(self, draw(self, ring, tree, rng, k, **kwargs), ring, k)
+
+    checked_draw.checked = True  # type: ignore[attr-defined]
+    return checked_draw
+
+
+def _who(sampler: Sampler) -> str:
+    return drawn_by(sampler) or f"{type(sampler).__qualname__}.draw"
+
+
+def check_draw(sampler: Sampler, got: Any, ring: RingView, k: int) -> Draw:
+    """What a user's ``draw`` of ``k`` returned, checked once for every path: a ``Draw`` of at
+    most ``k`` ids in a 1-D integer array (as int64), each ``INVALID`` or of a row pushed so far
+    (``>= 0``, below its lane's cursor), and for a ``weighted`` sampler a leaf per id; else
+    ``SamplerError`` naming the draw. Fewer ids than ``k`` is the draw's way to say it has no more
+    rows to draw from (the reader says so)."""
+    ids = getattr(got, "ids", None) if isinstance(got, tuple) else None
+    leaves = got.leaves if ids is not None else None
+    if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.shape[0] > k:
+        what = (f"{type(got).__name__}" if ids is None else f"ids {type(ids).__name__}" if not isinstance(ids, np.ndarray)
+                else f"ids of dtype {ids.dtype} and shape {ids.shape}")
+        raise SamplerError(f"{_who(sampler)} returned {what} for a draw of {k}: expected Draw(ids) with a 1-D integer array of "
+                           f"at most {k} row ids (fewer only when it has no more rows to draw from); fix the draw")
+    if ids.dtype != np.int64:
+        ids = ids.astype(np.int64)  # uint64 past int64's range turns negative: refused below
+    if sampler.weighted or leaves is not None:
+        if not isinstance(leaves, np.ndarray) or leaves.shape != ids.shape or leaves.dtype.kind != "f":
+            shape = getattr(leaves, "shape", None)
+            raise SamplerError(f"{_who(sampler)} returned leaves {type(leaves).__name__} of shape {shape} for {ids.shape[0]} "
+                               "ids: expected one float leaf per id (the tree's, tree.leaves[ring.slots(ids)]), "
+                               f"{'which its importance weights are made of' if sampler.weighted else 'or None'}")
+        if leaves.dtype != np.float64:
+            leaves = leaves.astype(np.float64)
+    lanes = ring.lanes
+    below = ring.span()[1] if lanes == 1 else None
+    if below is None:
+        stop = ring.bounds()[1]
+        below = int(stop.min()) * lanes  # an id below it is a row pushed so far, whatever its lane
+    if ids.size and not int(np.maximum.reduce(ids.view(np.uint64))) < below:  # negative ids are huge as uint64
+        stop = ring.bounds()[1]
+        bad = ids < 0
+        ok = ~bad
+        bad[ok] = ids[ok] // lanes >= stop[ids[ok] % lanes]
+        bad &= ids != INVALID
+        if bad.any():
+            raise SamplerError(
+                f"{_who(sampler)} returned ids that never named a row: {ids[bad][:5].tolist()} (at positions "
+                f"{np.flatnonzero(bad)[:5].tolist()} of {ids.shape[0]}): expected row ids (number * lanes + lane, "
+                f"each number below its lane's rows pushed so far, ring.bounds()), or INVALID for a draw to "
+                "throw away; fix the draw")
+    return tuple.__new__(Draw, (ids, leaves))
 
 
 @dataclass(frozen=True)
@@ -191,6 +304,25 @@ class Prioritized(Sampler):
         if self.beta_steps is not None and (not isinstance(self.beta_steps, (int, np.integer)) or self.beta_steps < 0):
             raise ValueError(f"Prioritized: beta_steps must be an int >= 0 (0 or None: no annealing), got {self.beta_steps!r}")
 
+    def leaf(self, priorities: np.ndarray) -> np.ndarray:
+        """The tree leaf of each priority, ``(p + eps) ** alpha`` (``inf`` where one overflows:
+        the caller checks leaves against ``MAX_LEAF``). A subclass may give another leaf (clipped
+        priorities, ``np.minimum(p, c) ** self.alpha``; a larger priority never a smaller leaf),
+        with ``priority_of`` its inverse: the tree then holds its leaves, which every path draws
+        and weights by."""
+        return (priorities + self.eps) ** self.alpha
+
+    def priority_of(self, leaves: np.ndarray) -> np.ndarray:
+        """The priorities whose leaves these are, ``leaf ** (1 / alpha) - eps`` (0 for a leaf of 0,
+        at most the largest float); all ones at ``alpha`` 0, where every leaf is 1."""
+        leaves = np.asarray(leaves, dtype=np.float64)
+        if self.alpha == 0:
+            return np.ones_like(leaves)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            p = np.power(leaves, 1.0 / self.alpha) - self.eps
+        # a leaf of the largest priorities may round back just past the largest float
+        return np.where(leaves > 0, np.clip(p, 0.0, np.finfo(np.float64).max), 0.0)
+
     def beta_at(self, calls: int) -> float:
         """``beta`` after ``calls`` sample calls: linear from ``beta`` to 1 over ``beta_steps``."""
         if not self.beta_steps:
@@ -216,6 +348,16 @@ class Prioritized(Sampler):
             return out
         return importance_weights(leaves, tree.min, self.beta_at(calls))
 
+
+
+_BUILT_IN = {"uniform": (Uniform.draw, Sampler.weights), "tree": (Prioritized.draw, Prioritized.weights)}
+"""``served``'s names and the draw and weights that a built-in path runs for them."""
+
+
+def formula(sampler: Sampler) -> Prioritized | None:
+    """``sampler`` when its leaves are ``Prioritized``'s own formula ``(p + eps) ** alpha`` (the
+    shortcuts that rely on it: its overflow bound, the C update), else ``None``."""
+    return cast(Prioritized, sampler) if sampler.prioritized and type(sampler).leaf is Prioritized.leaf else None
 
 
 def _finite(value: Any) -> bool:
@@ -253,16 +395,109 @@ def check_batch_size(n: Any, what: str = "sample") -> int:
     return int(n)
 
 
-def sampler_from_json(spec: dict[str, Any]) -> Sampler:
-    """The sampler that a sampler's ``to_json`` gave, by its kind (``SAMPLERS``); ``ValueError``
-    naming the kind when no class of that kind is defined in this process."""
+def sampler_from_json(spec: dict[str, Any], using: Any = None) -> Sampler:
+    """The sampler that a sampler's ``to_json`` gave, by its kind (``SAMPLERS``). ``using``: the
+    class the caller says it is (``ReplayBuffer.attach(..., sampler=)``; another kind raises
+    ``UnknownSampler``), a module (imported: defining its classes registered their kinds), or
+    ``Unimported``: a stand-in where no class of that kind is defined here (the command line reads
+    such buffers). Without one, a kind no class of this process defines raises ``UnknownSampler``
+    naming the class and its module."""
     spec = dict(spec)
     kind = spec.pop("kind", None)
+    where = spec.pop("class", None)
     cls = SAMPLERS.get(kind) if isinstance(kind, str) else None
+    if isinstance(using, type) and issubclass(using, Sampler) and not issubclass(using, Unimported):
+        if cls is not using:
+            raise UnknownSampler(f"the sampler is kind {kind!r}{_of(where)}, not {using.__qualname__}'s "
+                                 f"({using.kind!r}): pass the class that defines kind {kind!r}")
+    elif using is not None and not isinstance(using, types.ModuleType) and using is not Unimported:
+        raise TypeError(f"sampler: expected the Sampler subclass of the buffer's sampler or the module that defines "
+                        f"it, got {using!r}")
     if cls is None:
-        raise ValueError(f"sampler kind {kind!r} is not known in this process (known: {sorted(SAMPLERS)}): import "
-                         "the module that defines that Sampler subclass first (defining it registers its kind)")
+        if using is Unimported:
+            return Unimported.of(kind, where, spec)
+        if isinstance(using, types.ModuleType):
+            raise UnknownSampler(f"module {using.__name__} defines no sampler of kind {kind!r}{_of(where)}; pass the "
+                                 "module (or the class) that defines it")
+        module = f"import {where['module']}" if _class_info(where) else "import the module that defines that Sampler subclass"
+        raise UnknownSampler(
+            f"sampler kind {kind!r} is not known in this process{_of(where)} (known: {sorted(SAMPLERS)}): {module} "
+            "first (defining the class registers its kind), or pass it: ReplayBuffer.attach(name, sampler=TheClass)")
     return cls.from_json(spec)
+
+
+def _class_info(where: Any) -> bool:
+    return isinstance(where, dict) and isinstance(where.get("module"), str) and isinstance(where.get("name"), str)
+
+
+def _of(where: Any) -> str:
+    return f" (class {where['name']} of module {where['module']})" if _class_info(where) else ""
+
+
+@dataclass(frozen=True)
+class Unimported(Sampler):
+    """A stand-in for a sampler whose class this process has not imported, so the buffer's rows
+    can be read (the command line's ``inspect``, ``top`` and ``save``: the rows do not depend on
+    the sampler): ``to_json`` gives the sampler's own JSON back, and a draw raises
+    ``UnknownSampler`` naming its class and module. ``attach(name, sampler=Unimported)`` asks for it."""
+
+    kind: ClassVar[str] = "(not imported)"
+
+    spec: dict[str, Any] = field(default_factory=dict)
+    """The sampler's JSON (``to_json``), kind and class included."""
+
+    @staticmethod
+    def of(kind: Any, where: Any, settings: dict[str, Any]) -> Sampler:
+        """The stand-in for kind ``kind`` (class ``where``) with these settings: a prioritized
+        one (``Prioritized``'s formulas over its alpha, beta and eps) when its class is."""
+        spec = {"kind": kind, **({} if where is None else {"class": where}), **settings}
+        if _class_info(where) and where.get("prioritized") is True:
+            keep = {k: settings[k] for k in ("alpha", "beta", "beta_steps", "eps") if k in settings}
+            return UnimportedPrioritized(**keep, spec=spec)
+        return Unimported(spec)
+
+    def to_json(self) -> dict[str, Any]:
+        """The sampler's own JSON, as its process wrote it."""
+        return dict(self.spec)
+
+    def draw(
+        self, ring: RingView, tree: SumTree | None, rng: np.random.Generator, k: int, *, replace: bool = True,
+        taken: np.ndarray | None = None, again: bool = False, slow: bool = False,
+    ) -> Draw:
+        """Refused: this process does not have the sampler's class."""
+        where = self.spec.get("class")
+        raise UnknownSampler(f"this buffer's sampler is kind {self.spec.get('kind')!r}{_of(where)}, not imported in "
+                             "this process (attached with sampler=Unimported, to read its rows): import it, "
+                             "or attach with sampler=TheClass, to sample")
+
+
+@dataclass(frozen=True)
+class UnimportedPrioritized(Prioritized):
+    """``Unimported`` for a prioritized sampler: the tree is kept (and saved) as its process keeps it."""
+
+    kind: ClassVar[str] = "(not imported, prioritized)"
+    served: ClassVar[str | None] = None
+
+    spec: dict[str, Any] = field(default_factory=dict)
+    """The sampler's JSON (``to_json``), kind and class included."""
+
+    to_json = Unimported.to_json
+    draw = Unimported.draw
+
+
+for _stand_in in (Unimported, UnimportedPrioritized):  # never built from a block's kind
+    del SAMPLERS[_stand_in.kind]
+
+
+def not_imported(sampler: Sampler) -> str | None:
+    """For a stand-in (``Unimported``): which sampler it stands in for and what sampling it needs
+    (what ``shmbuffer inspect`` says); ``None`` for any other sampler."""
+    if not isinstance(sampler, (Unimported, UnimportedPrioritized)):
+        return None
+    where: Any = sampler.spec.get("class")
+    module = where["module"] if _class_info(where) else "the module that defines it"
+    return (f"kind {sampler.spec.get('kind')!r}{_of(where)}, not imported by this process: its rows read, inspect "
+            f"and save as any buffer's; to sample it, import {module} (or attach(name, sampler=TheClass))")
 
 
 def uniform_ids(
