@@ -108,6 +108,11 @@ def _torch() -> Any:
     return torch
 
 
+class _DrawGaveFewer(EmptyBufferError):
+    """A user's draw gave fewer ids than asked: it has no more rows to draw from, and a refresh of
+    the copy would not change that."""
+
+
 class DeviceReplay(DeviceRows):
     """A copy of ``buf``'s rows on ``device``, refreshed from shared memory (see the module docstring).
 
@@ -277,10 +282,11 @@ class DeviceReplay(DeviceRows):
         while True:
             try:
                 return self._sample_once(int(n), int(n_step), float(gamma), fields)
-            except EmptyBufferError:
+            except EmptyBufferError as e:
                 # rows the copy lacks while the buffer holds some (writers lapping a small ring
-                # faster than it refreshes): refreshed and drawn again, as the host's reader waits
-                if self.closed or held(self.buf) == 0:
+                # faster than it refreshes): refreshed and drawn again, as the host's reader waits;
+                # a user's draw that gave fewer ids than asked has no more to give: said at once
+                if self.closed or held(self.buf) == 0 or isinstance(e, _DrawGaveFewer):
                     raise
                 deadline = deadline or time.monotonic() + GIVE_UP
                 if time.monotonic() > deadline:
@@ -361,6 +367,7 @@ class DeviceReplay(DeviceRows):
         ids = np.empty(n, np.int64)
         leaves = np.empty(n, np.float64)
         todo = np.arange(n)
+        fewer = False
         for round_ in range(2 * _ROUNDS):
             if round_ == _ROUNDS:
                 buf.reap()  # a dead writer's odd rows keep the leaves they took until reaped
@@ -375,6 +382,7 @@ class DeviceReplay(DeviceRows):
             d = sampler.draw(ring, tree, buf.rng, todo.size, again=round_ > 0)
             got = d.ids
             if got.shape[0] != todo.size:
+                fewer = True
                 break
             ok = got >= 0
             slots = ring.slots(np.where(ok, got, 0))
@@ -389,7 +397,7 @@ class DeviceReplay(DeviceRows):
                 break
         if todo.size:
             by = drawn_by(sampler)
-            raise EmptyBufferError(f"sample({n}): the device copy of buffer {buf.name!r} holds none of the rows the "
+            raise (_DrawGaveFewer if by and fewer else EmptyBufferError)(f"sample({n}): the device copy of buffer {buf.name!r} holds none of the rows the "
                                    "sampler draws (nothing pushed yet, or every row being written)"
                                    + (f", or {by} gave fewer ids than asked (it has no more rows to draw from)"
                                       if by else ""))
