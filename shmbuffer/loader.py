@@ -43,6 +43,11 @@ the learner. A custom ``sample=`` (or a ``Mix``) is called as it is, and ``close
 next batch. Once the loader has ended (every batch given, ``close()``, or an error re-raised),
 ``next()`` raises ``StopIteration`` again, or the same error.
 
+``framework="jax"`` yields JAX arrays instead (``Batch.to_jax``): on the CPU they share the
+sampled arrays' memory (each batch is gathered into fresh memory, so a batch stays valid as long
+as it is referenced); with ``device=`` a ``jax.Device`` each array is copied there once. The
+torch-only paths (pinned staging, the device copy) are not used.
+
 Every batch must have the keys and shapes of the first one (fields, extras such as ``weight``):
 the pinned staging memory is made for them, and a batch that differs raises ``FieldError``
 naming what differs.
@@ -58,7 +63,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .batch import Batch, torch_views
+from .batch import Batch, jax_module, torch_views
 from .device import DeviceReplay
 from .errors import CapacityError, FieldError, LayoutError, WaitTimeout
 from .protocol.layout import Block
@@ -177,6 +182,8 @@ class Loader:
         takes it on CUDA where it fits and serves the buffer, else the pinned path; ``False``
         never. ``loader.path`` says which path runs (``"resident"``, ``"pinned"`` or
         ``"host"``), ``loader.why`` why not resident.
+    :param framework: ``"torch"`` (tensors) or ``"jax"`` (JAX arrays; ``device`` is then a
+        ``jax.Device`` or ``None`` for the CPU).
     :param sample_kwargs: passed to ``buffer.sample`` (``n_step``, ``gamma``, ...).
     """
 
@@ -192,12 +199,23 @@ class Loader:
         batches: int | None = None,
         background: bool | None = None,
         resident: bool | None = None,
+        framework: str = "torch",
         **sample_kwargs: Any,
     ) -> None:
         import torch
 
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        if framework not in ("torch", "jax"):
+            raise ValueError(f"Loader(framework={framework!r}): expected 'torch' or 'jax'")
+        self._jax = framework == "jax"
+        self._jax_device = device if self._jax else None
+        if self._jax:
+            if resident:
+                raise ValueError("Loader(framework='jax', resident=True): the device copy serves torch tensors; "
+                                 "leave resident out for JAX")
+            jax_module()  # a missing jax is said at construction rather than at the first batch
+            device, resident = None, False
         self._torch = torch
         self.buffer = buffer
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -292,7 +310,9 @@ class Loader:
         if self._resident is not None:
             return self._resident.sample(self._batch_size)
         batch = self._draw()
-        return None if batch is None else batch.to("cpu")
+        if batch is None:
+            return None
+        return batch.to_jax(self._jax_device) if self._jax else batch.to("cpu")
 
     def _check_layout(self, arrays: dict[str, np.ndarray], made: int) -> None:
         """Every batch has the first one's keys, shapes and dtypes: the staging memory's."""

@@ -574,3 +574,27 @@ def test_cuda_batches_stay_valid_while_referenced(make: Make, name: str) -> None
     torch.cuda.synchronize()
     for batch in kept:
         seq_of(batch.numpy())
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_jax_batches_share_the_sampled_memory(background: bool, make: Make, name: str) -> None:
+    jax = pytest.importorskip("jax")
+    buf = images(make(IMAGES, capacity=32, name=name, seed=0))
+    with Loader(buf, batch_size=8, framework="jax", batches=3, background=background) as loader:
+        got = list(loader)
+    assert len(got) == 3 and loader.path == "host"
+    for batch in got:
+        assert isinstance(batch.obs, jax.Array) and batch.obs.devices() == {jax.devices("cpu")[0]}
+        rows = np.asarray(batch.index)
+        assert np.array_equal(np.asarray(batch.obs)[:, 0, 0, 0], rows % 256)  # row i holds i
+        assert np.array_equal(np.asarray(batch.reward), rows.astype(np.float32))
+    assert len({b.obs.unsafe_buffer_pointer() for b in got}) == 3  # fresh memory per batch: none overwritten
+
+
+def test_jax_loader_refuses_what_it_cannot_do(make: Make, name: str) -> None:
+    buf = images(make(IMAGES, capacity=8, name=name, seed=0))
+    with pytest.raises(ValueError, match="expected 'torch' or 'jax'"):
+        Loader(buf, framework="flax")
+    pytest.importorskip("jax")
+    with pytest.raises(ValueError, match="resident=True"):
+        Loader(buf, framework="jax", resident=True)
