@@ -33,6 +33,14 @@ Autoreset (how a vector env starts a sub-env's next episode) decides which step 
 The mode is read from ``envs.metadata["autoreset_mode"]``; an env without it follows the installed
 Gymnasium's default (next-step from 1.0, same-step before), or the ``autoreset_mode`` given.
 
+EnvPool (``envpool.make(..., env_type="gymnasium")``) is such a vector env, next-step: its
+synchronous ``step`` is recorded as above. Its asynchronous API is recorded too:
+``async_reset()``, then ``send(actions, env_id)`` and ``recv()``, whose batch holds whichever envs
+are ready, named by ``info["env_id"]``: each env's row goes into its own lane, from that env's
+last observation and the action last sent to it, and the batch that brings an env's first
+observation (after ``async_reset``, or EnvPool's autoreset step after an episode ended) writes no
+row for it.
+
 ``AsyncVectorEnv`` needs none of this: its workers (Gymnasium's own, through the ``worker=`` hook)
 wrap each sub-env in a recorder that sees the env's own ``reset`` and ``step`` calls, where every
 step is a transition whatever the mode. A worker killed mid-push leaves no torn row: the buffer's
@@ -159,6 +167,7 @@ class RecordTransitions(_VectorWrapper):
         self._resetting = np.zeros(n, bool)  # next-step mode: these envs' next step is their reset
         self._episode = np.full(n, -1, np.int64)
         self._ids = np.arange(n, dtype=np.int64) << 32
+        self._sent: np.ndarray | None = None  # EnvPool's send: each env's action waiting for its recv
 
     def reset(self, *, seed: int | list[int] | None = None, options: dict[str, Any] | None = None) -> Any:
         """Reset the envs (those of ``options["reset_mask"]`` when given); each starts an episode."""
@@ -203,6 +212,54 @@ class RecordTransitions(_VectorWrapper):
         elif self.autoreset_mode == SAME_STEP:
             self._episode[ended] += 1
         self._obs = obs
+        return obs, reward, terminated, truncated, info
+
+    # -- EnvPool's asynchronous API ------------------------------------------------------------
+    def async_reset(self) -> None:
+        """Reset every env without waiting (EnvPool's ``async_reset``): each env's next batch from
+        ``recv`` holds its first observation, not a transition."""
+        self.env.async_reset()
+        space = self.env.single_observation_space
+        self._obs = np.zeros((self.num_envs, *space.shape), space.dtype)
+        self._resetting[:] = True
+
+    def send(self, actions: Any, env_id: Any = None) -> None:
+        """Send ``actions`` to the envs ``env_id`` (default: all), as EnvPool's ``send``; the
+        actions are kept for the transitions ``recv`` completes."""
+        ids = np.arange(self.num_envs) if env_id is None else np.asarray(env_id, np.int64)
+        actions = np.asarray(actions)
+        if actions.shape[:1] != ids.shape:
+            raise ValueError(f"RecordTransitions.send: expected one action per env id ({ids.size}), got actions of "
+                             f"shape {actions.shape}")
+        if self._sent is None:
+            self._sent = np.zeros((self.num_envs, *actions.shape[1:]), actions.dtype)
+        self.env.send(actions, env_id)
+        self._sent[ids] = actions
+
+    def recv(self) -> Any:
+        """The next batch of ready envs (EnvPool's ``recv``): a row for each env in it whose step
+        was a transition (not its first observation after a reset, not the autoreset step after
+        its episode ended), into the env's lane ``info["env_id"]``."""
+        if self._sent is None and not self._resetting.all():
+            raise RuntimeError("RecordTransitions.recv: call async_reset() (or reset()) and send() first")
+        obs, reward, terminated, truncated, info = self.env.recv()
+        ids = np.asarray(info["env_id"], np.int64)
+        obs = np.array(obs)
+        terminated = np.asarray(terminated, bool)
+        truncated = np.asarray(truncated, bool)
+        moved = ~self._resetting[ids]
+        if moved.any():
+            assert self._obs is not None and self._sent is not None
+            at = ids[moved]
+            rows = _row(self._names, self._obs[at], self._sent[at], np.asarray(reward)[moved], obs[moved],
+                        terminated[moved], truncated[moved])
+            episode = (self._ids | self._episode)[at] if self.buffer.options.episodes else None
+            lane = self._lanes[at] if self.buffer.lanes > 1 else None
+            self.buffer.push(rows, lane=lane, episode=episode)
+        self._episode[ids[~moved]] += 1  # a first observation: an episode starts
+        self._resetting[ids] = moved & (terminated | truncated)
+        assert self._obs is not None
+        self._obs[ids] = obs
         return obs, reward, terminated, truncated, info
 
     def __enter__(self) -> RecordTransitions:
