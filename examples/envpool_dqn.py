@@ -10,10 +10,11 @@ into that env's lane (``info["env_id"]``), so the loop has no ``rb.add``; the st
 ended env is not a transition.
 
 At the end the greedy policy plays ``--eval-episodes`` episodes, and the run checks that their
-mean return reaches ``--target`` (a random policy scores about 22; 500 is the most). What a run at
-the defaults shows (the 2-core reference machine, shared with other agents' work): about 60 s for
-100,000 env steps and 12,000 updates, and a greedy return well above the target. It exits with
-status 1 below the target.
+mean return reaches ``--target`` (a random policy scores about 22; 500 is the most). What a run at the
+defaults shows (the 2-core reference machine, shared with other agents' work, load about 15):
+``OK: 100,000 env steps by 8 EnvPool envs (4 a batch), 98,665 rows pushed, 12,000 updates in 119
+s; return of the last episodes 216.9, greedy return 223.6``. It exits with status 1 below the
+target.
 """
 
 from __future__ import annotations

@@ -58,10 +58,9 @@ def _tensor(a: Any) -> Any:
 _set = object.__setattr__
 
 ALIGN = 64
-"""Bytes a gathered large field's memory is aligned to: XLA takes a host array through DLPack
-without a copy only at this alignment (``to_jax``), and it is a cache line. (The packed record is
-not aligned: ``to_jax`` copies its interleaved fields anyway, and finding an array's address costs
-microseconds a sample.)"""
+"""Bytes of alignment XLA needs to take a host array through DLPack without a copy (``to_jax``).
+``buffer.sample`` allocates with numpy (16-byte aligned): aligning every sample would cost each
+one microseconds; ``loader.aligned_outs`` makes aligned arrays to gather into."""
 
 
 def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -248,8 +247,10 @@ class Batch:
         each.
 
         What is shared on the CPU: every field gathered as its own array (the large fields: images,
-        frames) and every contiguous extra, when its memory is 64-byte aligned (``ALIGN``: the
-        gather aligns the large fields; XLA copies a host array at another alignment) and JAX
+        frames) and every contiguous extra, when its memory is 64-byte aligned (``ALIGN``; XLA
+        copies a host array at another alignment): ``Loader(framework="jax")`` gathers into such
+        memory, and so does ``buf.sample(n, out=loader.aligned_outs(buf, n))``; a plain
+        ``buf.sample(n)`` is numpy's 16-byte aligned memory, copied once and JAX
         keeps its dtype (64-bit ints and floats need ``jax.config.update("jax_enable_x64",
         True)``; without it JAX converts them to 32 bits, a copy). The small fields packed in one
         record (``batch.block``) are interleaved row by row and XLA takes only dense arrays: each

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import shmbuffer as sb
+from shmbuffer.loader import aligned_outs
 
 from .conftest import MUJOCO, transition
 
@@ -72,17 +73,21 @@ def _frames_buffer(make: Make, name: str) -> sb.ReplayBuffer:
     return buf
 
 
-def test_gathered_arrays_are_aligned_for_xla(make: Make, name: str, path: str) -> None:
+def test_aligned_outs_are_gathered_into_aligned_for_xla(make: Make, name: str, path: str) -> None:
     buf = _frames_buffer(make, name)
     for n in (1, 5, 32):
-        batch = buf.sample(n)
-        assert batch.frame.ctypes.data % sb.batch.ALIGN == 0
+        outs = aligned_outs(buf, n)
+        assert outs is not None and set(outs) == {"_block", "frame"}
+        batch = buf.sample(n, out=outs)
+        assert batch.frame.ctypes.data % sb.batch.ALIGN == 0 and batch.block.ctypes.data % sb.batch.ALIGN == 0
+        assert np.shares_memory(batch.frame, outs["frame"])
+        assert (batch.frame[:, 0, 0] == batch.index).all()  # row i holds i
 
 
 def test_to_jax_shares_the_large_fields_memory_on_the_cpu(make: Make, name: str, path: str) -> None:
     jax = pytest.importorskip("jax")
     buf = _frames_buffer(make, name)
-    batch = buf.sample(16)
+    batch = buf.sample(16, out=aligned_outs(buf, 16))
     got = batch.to_jax()
     assert got.keys() == batch.keys()
     assert all(isinstance(v, jax.Array) for v in got.values())
@@ -92,6 +97,8 @@ def test_to_jax_shares_the_large_fields_memory_on_the_cpu(make: Make, name: str,
     assert np.array_equal(np.asarray(got.action), batch.action)  # int64 (int32 without jax_enable_x64)
     batch.frame[0, 0, 0] = 200  # shared: JAX sees a write to the batch (which the docs ask not to do)
     assert int(got.frame[0, 0, 0]) == 200
+    plain = buf.sample(16)  # numpy's memory, 16-byte aligned: XLA may copy it, the values are the same
+    assert np.array_equal(np.asarray(plain.to_jax().frame), plain.frame)
 
 
 def test_to_jax_keeps_the_batch_memory_alive(make: Make, name: str) -> None:
@@ -100,9 +107,9 @@ def test_to_jax_keeps_the_batch_memory_alive(make: Make, name: str) -> None:
     import weakref
 
     buf = _frames_buffer(make, name)
-    batch = buf.sample(8)
+    batch = buf.sample(8, out=aligned_outs(buf, 8))
     want = batch.frame.copy()
-    alive = weakref.ref(batch.frame.base if batch.frame.base is not None else batch.frame)
+    alive = weakref.ref(batch.frame.base)  # the allocation the aligned frame is a view of
     frame = batch.to_jax().frame
     del batch
     gc.collect()
@@ -121,10 +128,10 @@ def test_to_jax_to_a_device_and_from_torch(make: Make, name: str) -> None:
     moved = batch.to_jax(cpu)
     assert all(v.devices() == {cpu} for v in moved.values())
     assert np.array_equal(np.asarray(moved.obs), batch.obs)
-    tensors = batch.to("cpu")
+    tensors = buf.sample(8, out=aligned_outs(buf, 8)).to("cpu")
     from_torch = tensors.to_jax()
     assert from_torch.frame.unsafe_buffer_pointer() == tensors.frame.data_ptr()
-    assert np.array_equal(np.asarray(from_torch.reward), batch.reward)
+    assert np.array_equal(np.asarray(from_torch.reward), tensors.reward.numpy())
 
 
 def test_to_jax_without_jax_says_which_extra(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:

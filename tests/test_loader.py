@@ -577,11 +577,21 @@ def test_cuda_batches_stay_valid_while_referenced(make: Make, name: str) -> None
 
 
 @pytest.mark.parametrize("background", [False, True])
-def test_jax_batches_share_the_sampled_memory(background: bool, make: Make, name: str) -> None:
+def test_jax_batches_share_the_sampled_memory(background: bool, make: Make, name: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     jax = pytest.importorskip("jax")
     buf = images(make(IMAGES, capacity=32, name=name, seed=0))
+    sampled: list[int] = []
+    to_jax = sb.Batch.to_jax
+
+    def spy(batch: sb.Batch, device: Any = None) -> sb.Batch:
+        sampled.append(batch.obs.ctypes.data)  # where the sample gathered the large field
+        return to_jax(batch, device)
+
+    monkeypatch.setattr(sb.Batch, "to_jax", spy)
     with Loader(buf, batch_size=8, framework="jax", batches=3, background=background) as loader:
         got = list(loader)
+    assert [b.obs.unsafe_buffer_pointer() for b in got] == sampled  # JAX reads the gathered memory
     assert len(got) == 3 and loader.path == "host"
     for batch in got:
         assert isinstance(batch.obs, jax.Array) and batch.obs.devices() == {jax.devices("cpu")[0]}

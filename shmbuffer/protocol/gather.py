@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .. import frames, native
-from ..batch import ALIGN, Batch, empty
+from ..batch import Batch
 from ..errors import FieldError
 from .layout import Block, Counter
 from .ring import INVALID, Ring
@@ -97,7 +97,7 @@ def _gather(
         packed = packed.take(slots, axis=0) if out is None else packed.take(slots, axis=0, out=out["_block"])
     cols = block.large if large is None else {n: c for n, c in block.large.items() if n in large}
     if out is None:
-        got = {n: c.take(slots, axis=0, out=empty((len(slots), *c.shape[1:]), c.dtype)) for n, c in cols.items()}
+        got = {n: c.take(slots, axis=0) for n, c in cols.items()}
     else:
         got = {n: c.take(slots, axis=0, out=out[n]) for n, c in cols.items()}
     episode = block.episode.take(slots) if block.episode is not None else None
@@ -344,13 +344,13 @@ def large_outs(cols: list[Out], n: int, out: dict[str, np.ndarray] | None) -> di
                 return None
             got[name] = a
         return got
-    sizes = [-(-n * math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN for _, shape, dtype in cols]
+    sizes = [-(-n * math.prod(shape) * dtype.itemsize // 64) * 64 for _, shape, dtype in cols]
     if len(cols) == 1 or sum(sizes) < _ARENA_BYTES:
-        return {name: empty((n, *shape), dtype) for name, shape, dtype in cols}
+        return {name: np.empty((n, *shape), dtype) for name, shape, dtype in cols}
     # one allocation for every large field: big blocks freed and allocated again each sample
     # stay in the heap (malloc keeps one block this size), where separate ones are handed
     # back to the kernel and fault their pages in again on every sample
-    arena, at = empty((sum(sizes),), np.uint8), 0
+    arena, at = np.empty(sum(sizes), np.uint8), 0
     for (name, shape, dtype), size in zip(cols, sizes, strict=True):
         got[name] = arena[at:at + size].view(dtype)[:n * math.prod(shape)].reshape(n, *shape)
         at += size
