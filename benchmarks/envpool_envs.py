@@ -37,6 +37,14 @@ import shmbuffer as sb
 
 ENVS = 8
 CAPACITY = 200_000
+"""Rows a store holds, at most ``MEMORY`` bytes of observations (every peer allocates it up front)."""
+MEMORY = 1 << 30
+
+
+def capacity_of(env: Any) -> int:
+    space = env.single_observation_space
+    row = 2 * int(np.prod(space.shape)) * np.dtype(space.dtype).itemsize  # obs and next_obs
+    return min(CAPACITY, MEMORY // row // ENVS * ENVS)
 
 
 def pool(env_id: str) -> Any:
@@ -71,7 +79,7 @@ def run_ours(env_id: str, seconds: float) -> float:
 
     env = pool(env_id)
     n = int(env.single_action_space.n)
-    with sb.ReplayBuffer(schema_of(env), CAPACITY, envs=ENVS) as buf:
+    with sb.ReplayBuffer(schema_of(env), capacity_of(env), envs=ENVS) as buf:
         rec = RecordTransitions(env, buf)
         rng = np.random.default_rng(0)
         rec.reset()
@@ -87,7 +95,7 @@ def run_cpprb(env_id: str, seconds: float) -> float:
     env = pool(env_id)
     n = int(env.single_action_space.n)
     space = env.single_observation_space
-    rb = cpprb.ReplayBuffer(CAPACITY, {"obs": {"shape": space.shape, "dtype": space.dtype}, "act": {"shape": 1},
+    rb = cpprb.ReplayBuffer(capacity_of(env), {"obs": {"shape": space.shape, "dtype": space.dtype}, "act": {"shape": 1},
                                        "rew": {}, "next_obs": {"shape": space.shape, "dtype": space.dtype},
                                        "done": {}, "truncated": {}})
     rng = np.random.default_rng(0)
@@ -113,7 +121,7 @@ def run_sb3(env_id: str, seconds: float) -> float:
 
     env = pool(env_id)
     n = int(env.single_action_space.n)
-    rb = ReplayBuffer(CAPACITY, env.single_observation_space, env.single_action_space, device="cpu", n_envs=ENVS,
+    rb = ReplayBuffer(capacity_of(env), env.single_observation_space, env.single_action_space, device="cpu", n_envs=ENVS,
                       optimize_memory_usage=False, handle_timeout_termination=True)
     rng = np.random.default_rng(0)
     state = {"obs": env.reset()[0]}

@@ -197,14 +197,16 @@ class RecordTransitions(_VectorWrapper):
         if self._guessed and ended.any() and any(k in info for k in FINAL_KEYS):
             self.autoreset_mode, self._guessed = SAME_STEP, False
         moved = ~self._resetting if self.autoreset_mode == NEXT_STEP else np.ones(self.num_envs, bool)
-        next_obs = obs.copy()
+        next_obs = obs
         if self.autoreset_mode == SAME_STEP and ended.any():
+            next_obs = obs.copy()
             next_obs[ended] = self._final(info, ended)
         if moved.any():
-            rows = _row(self._names, self._obs[moved], np.asarray(actions)[moved], np.asarray(reward)[moved],
-                        next_obs[moved], terminated[moved], truncated[moved])
-            episode = (self._ids | self._episode)[moved] if self.buffer.options.episodes else None
-            lane = self._lanes[moved] if self.buffer.lanes > 1 else None
+            at: Any = slice(None) if moved.all() else moved  # most steps: views, not boolean-mask copies
+            rows = _row(self._names, self._obs[at], np.asarray(actions)[at], np.asarray(reward)[at],
+                        next_obs[at], terminated[at], truncated[at])
+            episode = (self._ids | self._episode)[at] if self.buffer.options.episodes else None
+            lane = self._lanes[at] if self.buffer.lanes > 1 else None
             self.buffer.push(rows, lane=lane, episode=episode)
         if self.autoreset_mode == NEXT_STEP:
             self._episode[self._resetting] += 1
