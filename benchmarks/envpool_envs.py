@@ -64,17 +64,19 @@ def schema_of(env: Any) -> sb.Schema:
                      next_obs=(space.shape, space.dtype), done=((), "bool"), truncated=((), "bool"))
 
 
-def _timed(step: Any, seconds: float) -> float:
+def _timed(step: Any, seconds: float) -> tuple[float, float]:
+    """Env steps per wall-clock second and per CPU-second of this process (its EnvPool threads
+    included: on a machine loaded by other work, the cost that the wall clock hides)."""
     for _ in range(20):  # warm up
         step()
-    steps, t0 = 0, time.perf_counter()
+    steps, t0, c0 = 0, time.perf_counter(), time.process_time()
     while (now := time.perf_counter()) - t0 < seconds:
         step()
         steps += ENVS
-    return steps / (now - t0)
+    return steps / (now - t0), steps / (time.process_time() - c0)
 
 
-def run_ours(env_id: str, seconds: float) -> float:
+def run_ours(env_id: str, seconds: float) -> tuple[float, float]:
     from shmbuffer.vector import RecordTransitions
 
     env = pool(env_id)
@@ -89,7 +91,7 @@ def run_ours(env_id: str, seconds: float) -> float:
             rec.close()
 
 
-def run_cpprb(env_id: str, seconds: float) -> float:
+def run_cpprb(env_id: str, seconds: float) -> tuple[float, float]:
     import cpprb
 
     env = pool(env_id)
@@ -116,7 +118,7 @@ def run_cpprb(env_id: str, seconds: float) -> float:
         env.close()
 
 
-def run_sb3(env_id: str, seconds: float) -> float:
+def run_sb3(env_id: str, seconds: float) -> tuple[float, float]:
     from stable_baselines3.common.buffers import ReplayBuffer
 
     env = pool(env_id)
@@ -141,7 +143,7 @@ def run_sb3(env_id: str, seconds: float) -> float:
         env.close()
 
 
-def run_alone(env_id: str, seconds: float) -> float:
+def run_alone(env_id: str, seconds: float) -> tuple[float, float]:
     env = pool(env_id)
     n = int(env.single_action_space.n)
     rng = np.random.default_rng(0)
@@ -184,20 +186,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not runs(env_id):
             continue
         got: dict[str, list[float]] = {name: [] for name in SUBJECTS}
+        cpu: dict[str, list[float]] = {name: [] for name in SUBJECTS}
         for r in range(rounds):
             order = list(SUBJECTS)[r % len(SUBJECTS):] + list(SUBJECTS)[:r % len(SUBJECTS)]
             for name in order:
-                got[name].append(SUBJECTS[name](env_id, seconds))
-        med = {name: statistics.median(v) for name, v in got.items()}
-        # what storing costs a step: its time with the store less EnvPool's alone (same run)
-        cost = {name: 1e6 / med[name] - 1e6 / med["envpool alone"] for name in STORES}
-        res = {"steps_per_s": got, "median": med, "store_us_per_env_step": cost,
-               "ratio": {name: med["shmbuffer"] / med[name] for name in STORES[1:]},
-               "store_cost_ratio": {name: cost[name] / cost["shmbuffer"] for name in STORES[1:] if cost["shmbuffer"] > 0}}
+                wall, per_cpu = SUBJECTS[name](env_id, seconds)
+                got[name].append(wall)
+                cpu[name].append(per_cpu)
+        res: dict[str, Any] = {"steps_per_s": got, "steps_per_cpu_s": cpu}
+        for kind, runs_ in (("wall", got), ("cpu", cpu)):
+            med = {name: statistics.median(v) for name, v in runs_.items()}
+            # what storing costs an env step: its time with the store less EnvPool's alone (same run)
+            cost = {name: 1e6 / med[name] - 1e6 / med["envpool alone"] for name in STORES}
+            res[kind] = {"median": med, "store_us_per_env_step": cost,
+                         "ratio": {name: med["shmbuffer"] / med[name] for name in STORES[1:]}}
+            print(f"{env_id} ({'per wall-clock second' if kind == 'wall' else 'per CPU-second'}): "
+                  + ", ".join(f"{name} {v:,.0f}" for name, v in med.items())
+                  + "; shmbuffer / " + ", ".join(f"{k} {v:.2f}x" for k, v in res[kind]["ratio"].items())
+                  + "; storing costs " + ", ".join(f"{k} {v:.2f} us" for k, v in cost.items()) + " an env step")
         out["envs"][env_id] = res
-        print(f"{env_id}: " + ", ".join(f"{name} {v:,.0f} steps/s" for name, v in med.items())
-              + "; shmbuffer / " + ", ".join(f"{k} {v:.2f}x" for k, v in res["ratio"].items())
-              + "; storing costs " + ", ".join(f"{k} {v:.2f} us" for k, v in cost.items()) + " an env step")
     print(f"load average {out['machine']['load'][0]:.1f}")
     if args.out:
         args.out.write_text(json.dumps(out, indent=2))
