@@ -7,7 +7,8 @@ same two ways. ``batch.keys()`` are the fields then the extras, so ``dict(batch)
 
 ``batch[:2]``, ``batch[idx]`` and ``batch[mask]`` select rows of every field and extra (a new
 batch); ``batch["adv"] = a`` or ``batch.adv = a`` adds a learner-side extra (one value per row).
-``batch.to_tensordict()`` makes a TensorDict (with the ``tensordict`` package).
+``batch.to_tensordict()`` makes a TensorDict (with the ``tensordict`` package), ``batch.to_jax()``
+JAX arrays (with the ``jax`` package, through DLPack).
 
 When the batch was gathered from the packed record (``schema.py``), it keeps that block, and
 ``to(device)`` moves it with one copy, the small fields then being views of the device block.
@@ -15,6 +16,8 @@ When the batch was gathered from the packed record (``schema.py``), it keeps tha
 
 from __future__ import annotations
 
+import ctypes
+import math
 import warnings
 from collections.abc import Iterator
 from functools import cache
@@ -53,6 +56,32 @@ def _tensor(a: Any) -> Any:
 
 
 _set = object.__setattr__
+
+ALIGN = 64
+"""Bytes of alignment XLA needs to take a host array through DLPack without a copy (``to_jax``).
+``buffer.sample`` allocates with numpy (16-byte aligned): aligning every sample would cost each
+one microseconds; ``loader.aligned_outs`` makes aligned arrays to gather into."""
+
+
+def empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """``np.empty(shape, dtype)`` whose memory starts at a multiple of ``ALIGN`` bytes (numpy's
+    own allocations are 16-byte aligned)."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    # a quarter of raw.ctypes.data's time (numpy arrays export the buffer protocol; its stubs do not say so)
+    at = -ctypes.addressof(ctypes.c_char.from_buffer(raw)) % ALIGN  # type: ignore[arg-type]
+    return raw[at:at + nbytes].view(dtype).reshape(shape)
+
+
+def jax_module() -> Any:
+    """The ``jax`` module, or an ``ImportError`` that says which extra installs it."""
+    try:
+        import jax
+    except ImportError:
+        raise ImportError("shmbuffer's JAX batches (Batch.to_jax, Loader(framework='jax')) need the jax package: pip install jax, or from shmbuffer's clone "
+                          "pip install -e '.[jax]'") from None
+    return jax
 
 
 class Batch:
@@ -211,6 +240,49 @@ class Batch:
                               "shmbuffer's clone pip install -e '.[torchrl]'") from None
         moved = self.to(device)
         return TensorDict({**moved.fields, **moved.extras}, batch_size=[len(self)], device=device)
+
+    def to_jax(self, device: Any = None) -> Batch:
+        """The same rows as JAX arrays, through DLPack: on the CPU (``device=None`` with JAX's
+        default CPU backend) without a copy, to another JAX device (a ``jax.Device``) with one copy
+        each.
+
+        What is shared on the CPU: every field gathered as its own array (the large fields: images,
+        frames) and every contiguous extra, when its memory is 64-byte aligned (``ALIGN``; XLA
+        copies a host array at another alignment): ``Loader(framework="jax")`` gathers into such
+        memory, and so does ``buf.sample(n, out=loader.aligned_outs(buf, n))``; a plain
+        ``buf.sample(n)`` is numpy's 16-byte aligned memory, copied once and JAX
+        keeps its dtype (64-bit ints and floats need ``jax.config.update("jax_enable_x64",
+        True)``; without it JAX converts them to 32 bits, a copy). The small fields packed in one
+        record (``batch.block``) are interleaved row by row and XLA takes only dense arrays: each
+        is made dense on the host first, one copy of its few bytes per row.
+
+        Lifetime: a shared JAX array reads the batch's memory, which stays allocated as long as
+        the JAX array lives (DLPack keeps the numpy array alive); do not write the batch's arrays
+        while JAX uses them. A batch gathered into memory that is reused (``sample(out=...)``,
+        staging slots) is overwritten by the next batch: pass ``device`` or copy it first.
+        """
+        jax = jax_module()
+        packed: Any = self.record.offsets if self._block is not None and self.record is not None else {}
+
+        def put(a: Any, name: str) -> Any:
+            if hasattr(a, "detach"):  # a torch tensor on the CPU: DLPack shares it too
+                a = a.detach().cpu()
+                if not a.is_contiguous():
+                    a = a.contiguous()
+            else:
+                a = np.asarray(a)
+                if name in packed or not (a.flags.c_contiguous and a.flags.writeable):
+                    # DLPack exports only dense, writable arrays
+                    dense = empty(a.shape, a.dtype)
+                    np.copyto(dense, a)
+                    a = dense
+            got = jax.dlpack.from_dlpack(a)
+            return got if device is None else jax.device_put(got, device)
+
+        return Batch(
+            {name: put(a, name) for name, a in self.fields.items()},
+            {name: put(a, "") for name, a in self.extras.items()},
+        )
 
     def to(self, device: Any = None, *, non_blocking: bool = False) -> Batch:
         """The same rows as torch tensors on ``device`` (CPU by default, zero-copy there).

@@ -43,6 +43,11 @@ the learner. A custom ``sample=`` (or a ``Mix``) is called as it is, and ``close
 next batch. Once the loader has ended (every batch given, ``close()``, or an error re-raised),
 ``next()`` raises ``StopIteration`` again, or the same error.
 
+``framework="jax"`` yields JAX arrays instead (``Batch.to_jax``): on the CPU they share the
+sampled large fields' memory (each batch is gathered into fresh 64-byte aligned memory,
+``aligned_outs``, so a batch stays valid as long as it is referenced); with ``device=`` a ``jax.Device`` each array is copied there once. The
+torch-only paths (pinned staging, the device copy) are not used.
+
 Every batch must have the keys and shapes of the first one (fields, extras such as ``weight``):
 the pinned staging memory is made for them, and a batch that differs raises ``FieldError``
 naming what differs.
@@ -60,7 +65,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from . import arguments, hints
-from .batch import Batch, torch_views
+from .batch import Batch, empty, jax_module, torch_views
 from .device import DeviceReplay
 from .errors import CapacityError, FieldError, LayoutError, WaitTimeout
 from .protocol.layout import Block
@@ -84,6 +89,22 @@ def _host_arrays(batch: Batch) -> dict[str, np.ndarray]:
     out.update({k: v for k, v in batch.fields.items() if record is None or k not in record.offsets})
     out.update({f"extra:{k}": v for k, v in batch.extras.items()})
     return {k: np.asarray(v) for k, v in out.items()}
+
+
+def aligned_outs(buffer: Any, n: int) -> dict[str, np.ndarray] | None:
+    """New arrays for ``buffer.sample(n, out=...)`` (the packed record, each large field), each
+    64-byte aligned (``batch.ALIGN``), so that ``batch.to_jax()`` shares the large fields' memory;
+    ``None`` for a buffer whose gathered fields do not have the schema's shapes (stored-once
+    frames)."""
+    block = buffer.block
+    if block.frames is not None:
+        return None
+    record = block.record
+    out = {"_block": empty((n, record.itemsize), np.uint8)} if record is not None else {}
+    for f in buffer.schema:
+        if record is None or f.name not in record.offsets:
+            out[f.name] = empty((n, *f.shape), f.dtype)
+    return out
 
 
 def _what(key: str) -> str:
@@ -200,6 +221,8 @@ class Loader:
         takes it on CUDA where it fits and serves the buffer, else the pinned path; ``False``
         never. ``loader.path`` says which path runs (``"resident"``, ``"pinned"`` or
         ``"host"``), ``loader.why`` why not resident.
+    :param framework: ``"torch"`` (tensors) or ``"jax"`` (JAX arrays; ``device`` is then a
+        ``jax.Device`` or ``None`` for the CPU).
     :param sample_kwargs: passed to ``buffer.sample`` (``n_step``, ``gamma``, ...).
     """
 
@@ -215,6 +238,7 @@ class Loader:
         batches: int | None = None,
         background: bool | None = None,
         resident: bool | None = None,
+        framework: str = "torch",
         **sample_kwargs: Any,
     ) -> None:
         import torch
@@ -223,6 +247,16 @@ class Loader:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         batch_size = check_batch_size(batch_size, "Loader: batch_size")
         _check_sample_keywords(buffer, sample, sample_kwargs)
+        if framework not in ("torch", "jax"):
+            raise ValueError(f"Loader(framework={framework!r}): expected 'torch' or 'jax'")
+        self._jax = framework == "jax"
+        self._jax_device = device if self._jax else None
+        if self._jax:
+            if resident:
+                raise ValueError("Loader(framework='jax', resident=True): the device copy serves torch tensors; "
+                                 "leave resident out for JAX")
+            jax_module()  # a missing jax is said at construction rather than at the first batch
+            device, resident = None, False
         self._torch = torch
         self.buffer = buffer
         self.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -316,8 +350,12 @@ class Loader:
     def _to_cpu(self) -> Batch | None:
         if self._resident is not None:
             return self._resident.sample(self._batch_size)
-        batch = self._draw()
-        return None if batch is None else batch.to("cpu")
+        if not self._jax:
+            batch = self._draw()
+            return None if batch is None else batch.to("cpu")
+        # fresh aligned memory for each batch: XLA shares it (to_jax), and no later batch reuses it
+        batch = self._draw(out=None if self._custom else aligned_outs(self.buffer, self._batch_size))
+        return None if batch is None else batch.to_jax(self._jax_device)
 
     def _check_layout(self, arrays: dict[str, np.ndarray], made: int) -> None:
         """Every batch has the first one's keys, shapes and dtypes: the staging memory's."""

@@ -35,9 +35,18 @@ Gymnasium's default (next-step from 1.0, same-step before), or the ``autoreset_m
 
 A push that fails (a rate limiter's ``WaitTimeout``, say) loses exactly that step's rows, and its
 error says so; the recorder follows the envs all the same (their observations, resets and episode
-numbers), so the rows of the steps after it are right. In ``AsyncVectorEnv`` such an error ends
+numbers), so the rows of the steps after it are right. The error carries what the envs returned as
+``.result`` (``obs, reward, terminated, truncated, info``), so that a loop can go on from it. In ``AsyncVectorEnv`` such an error ends
 the worker, as any error does in Gymnasium's workers, and the main process is told which env's
 step was not pushed.
+
+EnvPool (``envpool.make(..., env_type="gymnasium")``) is such a vector env, next-step: its
+synchronous ``step`` is recorded as above. Its asynchronous API is recorded too:
+``async_reset()``, then ``send(actions, env_id)`` and ``recv()``, whose batch holds whichever envs
+are ready, named by ``info["env_id"]``: each env's row goes into its own lane, from that env's
+last observation and the action last sent to it, and the batch that brings an env's first
+observation (after ``async_reset``, or EnvPool's autoreset step after an episode ended) writes no
+row for it.
 
 ``AsyncVectorEnv`` needs none of this: its workers (Gymnasium's own, through the ``worker=`` hook)
 wrap each sub-env in a recorder that sees the env's own ``reset`` and ``step`` calls, where every
@@ -126,12 +135,18 @@ def _row(names: set[str], obs: Any, action: Any, reward: Any, next_obs: Any, ter
     return {k: v for k, v in row.items() if k in names}
 
 
-def _raise_saying(exc: BaseException, what: str) -> NoReturn:
+def _raise_saying(exc: BaseException, what: str, result: Any = None) -> NoReturn:
     """Raise ``exc`` saying ``what`` first: as a new one of its type, chained to it (shmbuffer's
-    errors take one message), whose text crosses a worker's pipe; any other with ``what`` as a note."""
+    errors take one message), whose text crosses a worker's pipe; any other with ``what`` as a note.
+    ``result``, what the envs' step returned, goes with it as ``.result``: the loop can go on."""
     if isinstance(exc, ShmBufferError) and len(exc.args) == 1 and isinstance(exc.args[0], str):
-        raise type(exc)(f"{what}: {exc.args[0]}") from exc
-    exc.add_note(what)
+        said = type(exc)(f"{what}: {exc.args[0]}")
+        said.result = result  # type: ignore[attr-defined]
+        raise said from exc
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(what)
+    if result is not None and isinstance(exc, Exception):
+        exc.result = result  # type: ignore[attr-defined]
     raise exc
 
 
@@ -174,6 +189,7 @@ class RecordTransitions(_VectorWrapper):
         self._resetting = np.zeros(n, bool)  # next-step mode: these envs' next step is their reset
         self._episode = np.full(n, -1, np.int64)
         self._ids = np.arange(n, dtype=np.int64) << 32
+        self._sent: np.ndarray | None = None  # EnvPool's send: each env's action waiting for its recv
 
     def reset(self, *, seed: int | list[int] | None = None, options: dict[str, Any] | None = None) -> Any:
         """Reset the envs (those of ``options["reset_mask"]`` when given); each starts an episode."""
@@ -210,7 +226,8 @@ class RecordTransitions(_VectorWrapper):
         except BaseException as exc:
             _raise_saying(exc, f"RecordTransitions: this step's {int(moved.sum())} rows (envs "
                                f"{np.flatnonzero(moved).tolist()}) were not pushed and are lost; the recorder "
-                               "follows the envs, so the steps after it are recorded as usual")
+                               "follows the envs, so the steps after it are recorded as usual (the step's "
+                               "result is the error's .result)", (obs, reward, terminated, truncated, info))
         finally:  # the envs stepped, pushed or not: so does the recorder
             if self.autoreset_mode == NEXT_STEP:
                 self._episode[self._resetting] += 1
@@ -223,14 +240,71 @@ class RecordTransitions(_VectorWrapper):
     def _push(self, before: np.ndarray, obs: np.ndarray, actions: Any, reward: Any, terminated: np.ndarray,
               truncated: np.ndarray, info: dict[str, Any], moved: np.ndarray, ended: np.ndarray) -> None:
         """Push the transitions of the ``moved`` envs, from ``before`` to ``obs``."""
-        next_obs = obs.copy()
+        next_obs = obs
         if self.autoreset_mode == SAME_STEP and ended.any():
+            next_obs = obs.copy()
             next_obs[ended] = self._final(info, ended)
-        rows = _row(self._names, before[moved], np.asarray(actions)[moved], np.asarray(reward)[moved],
-                    next_obs[moved], terminated[moved], truncated[moved])
-        episode = (self._ids | self._episode)[moved] if self.buffer.options.episodes else None
-        lane = self._lanes[moved] if self.buffer.lanes > 1 else None
+        at: Any = slice(None) if moved.all() else moved  # most steps: views, not boolean-mask copies
+        rows = _row(self._names, before[at], np.asarray(actions)[at], np.asarray(reward)[at],
+                    next_obs[at], terminated[at], truncated[at])
+        episode = (self._ids | self._episode)[at] if self.buffer.options.episodes else None
+        lane = self._lanes[at] if self.buffer.lanes > 1 else None
         self.buffer.push(rows, lane=lane, episode=episode)
+
+    # -- EnvPool's asynchronous API ------------------------------------------------------------
+    def async_reset(self) -> None:
+        """Reset every env without waiting (EnvPool's ``async_reset``): each env's next batch from
+        ``recv`` holds its first observation, not a transition."""
+        self.env.async_reset()
+        space = self.env.single_observation_space
+        self._obs = np.zeros((self.num_envs, *space.shape), space.dtype)
+        self._resetting[:] = True
+
+    def send(self, actions: Any, env_id: Any = None) -> None:
+        """Send ``actions`` to the envs ``env_id`` (default: all), as EnvPool's ``send``; the
+        actions are kept for the transitions ``recv`` completes."""
+        ids = np.arange(self.num_envs) if env_id is None else np.asarray(env_id, np.int64)
+        actions = np.asarray(actions)
+        if actions.shape[:1] != ids.shape:
+            raise ValueError(f"RecordTransitions.send: expected one action per env id ({ids.size}), got actions of "
+                             f"shape {actions.shape}")
+        if self._sent is None:
+            self._sent = np.zeros((self.num_envs, *actions.shape[1:]), actions.dtype)
+        self.env.send(actions, env_id)
+        self._sent[ids] = actions
+
+    def recv(self) -> Any:
+        """The next batch of ready envs (EnvPool's ``recv``): a row for each env in it whose step
+        was a transition (not its first observation after a reset, not the autoreset step after
+        its episode ended), into the env's lane ``info["env_id"]``."""
+        if self._sent is None and not self._resetting.all():
+            raise RuntimeError("RecordTransitions.recv: call async_reset() (or reset()) and send() first")
+        obs, reward, terminated, truncated, info = self.env.recv()
+        ids = np.asarray(info["env_id"], np.int64)
+        obs = np.array(obs)
+        terminated = np.asarray(terminated, bool)
+        truncated = np.asarray(truncated, bool)
+        moved = ~self._resetting[ids]
+        assert self._obs is not None
+        try:
+            if moved.any():
+                assert self._sent is not None
+                at = ids[moved]
+                rows = _row(self._names, self._obs[at], self._sent[at], np.asarray(reward)[moved], obs[moved],
+                            terminated[moved], truncated[moved])
+                episode = (self._ids | self._episode)[at] if self.buffer.options.episodes else None
+                lane = self._lanes[at] if self.buffer.lanes > 1 else None
+                self.buffer.push(rows, lane=lane, episode=episode)
+        except BaseException as exc:
+            _raise_saying(exc, f"RecordTransitions.recv: this batch's {int(moved.sum())} rows (envs "
+                               f"{ids[moved].tolist()}) were not pushed and are lost; the recorder follows the envs, "
+                               "so the batches after it are recorded as usual (the batch is the error's .result: "
+                               "send its envs their actions)", (obs, reward, terminated, truncated, info))
+        finally:  # the envs stepped, pushed or not: so does the recorder
+            self._episode[ids[~moved]] += 1  # a first observation: an episode starts
+            self._resetting[ids] = moved & (terminated | truncated)
+            self._obs[ids] = obs
+        return obs, reward, terminated, truncated, info
 
     def __enter__(self) -> RecordTransitions:
         return self

@@ -90,7 +90,8 @@ def test_an_example_that_falls_short_exits_non_zero() -> None:
 
 
 ELSEWHERE = {"atari.py": "test_atari_example.py", "ray_cluster.py": "test_ray.py",
-             "cleanrl_dqn_vector.py": "test_vector.py", "torchrl_collector.py": "test_torchrl.py"}
+             "cleanrl_dqn_vector.py": "test_vector.py", "torchrl_collector.py": "test_torchrl.py",
+             "envpool_dqn.py": "test_vector_envpool.py"}
 """Examples that need an extra (ale-py, Ray, TorchRL) or belong to a module's tests, smoke-tested there."""
 
 

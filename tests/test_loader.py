@@ -599,3 +599,35 @@ def test_sample_keywords_are_checked_when_the_loader_is_made(make: Make, name: s
     assert buf.stats["sampled"] == 0
     with Loader(buf, 4, replace=False, timeout=1, batches=1) as loader:  # sample's own keywords pass
         assert len(next(iter(loader)).index.unique()) == 4
+@pytest.mark.parametrize("background", [False, True])
+def test_jax_batches_share_the_sampled_memory(background: bool, make: Make, name: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    jax = pytest.importorskip("jax")
+    buf = images(make(IMAGES, capacity=32, name=name, seed=0))
+    sampled: list[int] = []
+    to_jax = sb.Batch.to_jax
+
+    def spy(batch: sb.Batch, device: Any = None) -> sb.Batch:
+        sampled.append(batch.obs.ctypes.data)  # where the sample gathered the large field
+        return to_jax(batch, device)
+
+    monkeypatch.setattr(sb.Batch, "to_jax", spy)
+    with Loader(buf, batch_size=8, framework="jax", batches=3, background=background) as loader:
+        got = list(loader)
+    assert [b.obs.unsafe_buffer_pointer() for b in got] == sampled  # JAX reads the gathered memory
+    assert len(got) == 3 and loader.path == "host"
+    for batch in got:
+        assert isinstance(batch.obs, jax.Array) and batch.obs.devices() == {jax.devices("cpu")[0]}
+        rows = np.asarray(batch.index)
+        assert np.array_equal(np.asarray(batch.obs)[:, 0, 0, 0], rows % 256)  # row i holds i
+        assert np.array_equal(np.asarray(batch.reward), rows.astype(np.float32))
+    assert len({b.obs.unsafe_buffer_pointer() for b in got}) == 3  # fresh memory per batch: none overwritten
+
+
+def test_jax_loader_refuses_what_it_cannot_do(make: Make, name: str) -> None:
+    buf = images(make(IMAGES, capacity=8, name=name, seed=0))
+    with pytest.raises(ValueError, match="expected 'torch' or 'jax'"):
+        Loader(buf, framework="flax")
+    pytest.importorskip("jax")
+    with pytest.raises(ValueError, match="resident=True"):
+        Loader(buf, framework="jax", resident=True)

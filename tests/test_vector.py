@@ -246,6 +246,7 @@ def test_a_failed_push_loses_that_steps_rows_only(mode: AutoresetMode) -> None:
                 envs.step(a)
             except sb.WaitTimeout as exc:
                 failed.append((step, exc))
+                assert exc.result[0].shape == (n, *buf.schema["obs"].shape)  # type: ignore[attr-defined]
         assert [s for s, _ in failed] == [fail]
         want = sorted((r for s, rows in enumerate(reference) if s != fail for r in rows), key=lambda r: r[0])
         assert recorded(buf, n) == want

@@ -1,0 +1,215 @@
+"""EnvPool into a buffer: env steps per second of an EnvPool pool (synchronous ``step``, 8 envs,
+random actions) whose every transition is stored, three ways in the same run::
+
+    python -m benchmarks.envpool_envs                 # 3 interleaved rounds, 3 s a run
+    python -m benchmarks.envpool_envs --quick         # 1 round, 1 s a run
+    python -m benchmarks.envpool_envs --out results/envpool.json
+
+- ``shmbuffer``: the pool wrapped in ``shmbuffer.vector.RecordTransitions``: each ``step`` pushes
+  the step's transitions (one row per env that moved, into its lane) in one ``push``;
+- ``cpprb``: the loop a cpprb user writes: ``step``, then ``ReplayBuffer.add(**fields)`` of the
+  envs that moved (EnvPool's autoreset step is not a transition);
+- ``sb3``: the same with Stable-Baselines3's ``ReplayBuffer(n_envs=8).add``, which takes every env
+  each call: the autoreset step is stored (SB3's buffer has no way to leave an env out), as an SB3
+  user of EnvPool gets it.
+
+Envs: CartPole-v1 (obs 4 float32) and, where the installed EnvPool runs it, Pong-v5 (obs
+(4, 84, 84) uint8). Rounds interleave the subjects; medians and same-run ratios are reported.
+Say how loaded the machine was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import shmbuffer as sb
+
+ENVS = 8
+CAPACITY = 200_000
+"""Rows a store holds, at most ``MEMORY`` bytes of observations (every peer allocates it up front)."""
+MEMORY = 1 << 30
+
+
+def capacity_of(env: Any) -> int:
+    space = env.single_observation_space
+    row = 2 * int(np.prod(space.shape)) * np.dtype(space.dtype).itemsize  # obs and next_obs
+    return min(CAPACITY, MEMORY // row // ENVS * ENVS)
+
+
+def pool(env_id: str) -> Any:
+    import envpool
+
+    with warnings.catch_warnings():
+        # EnvPool's CartPole bounds are float64, which Gymnasium's Box casts (spaces made when first read)
+        warnings.filterwarnings("ignore", ".*precision lowered by casting", UserWarning)
+        env = envpool.make(env_id, env_type="gymnasium", num_envs=ENVS, seed=0, num_threads=2)
+        env.single_observation_space, env.single_action_space  # noqa: B018
+        return env
+
+
+def schema_of(env: Any) -> sb.Schema:
+    space = env.single_observation_space
+    return sb.Schema(obs=(space.shape, space.dtype), action=((), "int64"), reward=((), "float32"),
+                     next_obs=(space.shape, space.dtype), done=((), "bool"), truncated=((), "bool"))
+
+
+def _timed(step: Any, seconds: float) -> tuple[float, float]:
+    """Env steps per wall-clock second and per CPU-second of this process (its EnvPool threads
+    included: on a machine loaded by other work, the cost that the wall clock hides)."""
+    for _ in range(20):  # warm up
+        step()
+    steps, t0, c0 = 0, time.perf_counter(), time.process_time()
+    while (now := time.perf_counter()) - t0 < seconds:
+        step()
+        steps += ENVS
+    return steps / (now - t0), steps / (time.process_time() - c0)
+
+
+def run_ours(env_id: str, seconds: float) -> tuple[float, float]:
+    from shmbuffer.vector import RecordTransitions
+
+    env = pool(env_id)
+    n = int(env.single_action_space.n)
+    with sb.ReplayBuffer(schema_of(env), capacity_of(env), envs=ENVS) as buf:
+        rec = RecordTransitions(env, buf)
+        rng = np.random.default_rng(0)
+        rec.reset()
+        try:
+            return _timed(lambda: rec.step(rng.integers(0, n, ENVS)), seconds)
+        finally:
+            rec.close()
+
+
+def run_cpprb(env_id: str, seconds: float) -> tuple[float, float]:
+    import cpprb
+
+    env = pool(env_id)
+    n = int(env.single_action_space.n)
+    space = env.single_observation_space
+    rb = cpprb.ReplayBuffer(capacity_of(env), {"obs": {"shape": space.shape, "dtype": space.dtype}, "act": {"shape": 1},
+                                       "rew": {}, "next_obs": {"shape": space.shape, "dtype": space.dtype},
+                                       "done": {}, "truncated": {}})
+    rng = np.random.default_rng(0)
+    state = {"obs": env.reset()[0], "resetting": np.zeros(ENVS, bool)}
+
+    def step() -> None:
+        actions = rng.integers(0, n, ENVS)
+        obs, reward, terminated, truncated, _ = env.step(actions)
+        moved = ~state["resetting"]  # EnvPool's autoreset step is not a transition
+        rb.add(obs=state["obs"][moved], act=actions[moved], rew=reward[moved], next_obs=obs[moved],
+               done=terminated[moved], truncated=truncated[moved])
+        state["resetting"] = terminated | truncated
+        state["obs"] = obs
+
+    try:
+        return _timed(step, seconds)
+    finally:
+        env.close()
+
+
+def run_sb3(env_id: str, seconds: float) -> tuple[float, float]:
+    from stable_baselines3.common.buffers import ReplayBuffer
+
+    env = pool(env_id)
+    n = int(env.single_action_space.n)
+    rb = ReplayBuffer(capacity_of(env), env.single_observation_space, env.single_action_space, device="cpu", n_envs=ENVS,
+                      optimize_memory_usage=False, handle_timeout_termination=True)
+    rng = np.random.default_rng(0)
+    state = {"obs": env.reset()[0]}
+    infos = [{} for _ in range(ENVS)]
+
+    def step() -> None:
+        actions = rng.integers(0, n, ENVS)
+        obs, reward, terminated, truncated, _ = env.step(actions)
+        for i in range(ENVS):
+            infos[i]["TimeLimit.truncated"] = bool(truncated[i] and not terminated[i])
+        rb.add(state["obs"], obs, actions, reward, terminated | truncated, infos)
+        state["obs"] = obs
+
+    try:
+        return _timed(step, seconds)
+    finally:
+        env.close()
+
+
+def run_alone(env_id: str, seconds: float) -> tuple[float, float]:
+    env = pool(env_id)
+    n = int(env.single_action_space.n)
+    rng = np.random.default_rng(0)
+    env.reset()
+    try:
+        return _timed(lambda: env.step(rng.integers(0, n, ENVS)), seconds)
+    finally:
+        env.close()
+
+
+SUBJECTS = {"shmbuffer": run_ours, "cpprb": run_cpprb, "sb3": run_sb3, "envpool alone": run_alone}
+STORES = ("shmbuffer", "cpprb", "sb3")
+
+
+def runs(env_id: str) -> bool:
+    """Whether the installed EnvPool makes and steps ``env_id``."""
+    try:
+        env = pool(env_id)
+        env.reset()
+        env.step(np.zeros(ENVS, np.int64))
+        env.close()
+        return True
+    except Exception as exc:  # an env the wheel lacks, or one that fails to start
+        print(f"{env_id}: not run ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return False
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.envpool_envs", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="1 round, 1 s a run")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    p.add_argument("--seconds", type=float, default=3.0, help="length of a run (default 3)")
+    p.add_argument("--envs", default="CartPole-v1,Pong-v5", help="EnvPool env ids, comma-separated")
+    p.add_argument("--out", type=Path, help="write the results as JSON")
+    args = p.parse_args(argv)
+    rounds, seconds = (1, 1.0) if args.quick else (args.rounds, args.seconds)
+    out: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                       "load": os.getloadavg()}, "envs": {}}
+    for env_id in args.envs.split(","):
+        if not runs(env_id):
+            continue
+        got: dict[str, list[float]] = {name: [] for name in SUBJECTS}
+        cpu: dict[str, list[float]] = {name: [] for name in SUBJECTS}
+        for r in range(rounds):
+            order = list(SUBJECTS)[r % len(SUBJECTS):] + list(SUBJECTS)[:r % len(SUBJECTS)]
+            for name in order:
+                wall, per_cpu = SUBJECTS[name](env_id, seconds)
+                got[name].append(wall)
+                cpu[name].append(per_cpu)
+        res: dict[str, Any] = {"steps_per_s": got, "steps_per_cpu_s": cpu}
+        for kind, runs_ in (("wall", got), ("cpu", cpu)):
+            med = {name: statistics.median(v) for name, v in runs_.items()}
+            # what storing costs an env step: its time with the store less EnvPool's alone (same run)
+            cost = {name: 1e6 / med[name] - 1e6 / med["envpool alone"] for name in STORES}
+            res[kind] = {"median": med, "store_us_per_env_step": cost,
+                         "ratio": {name: med["shmbuffer"] / med[name] for name in STORES[1:]}}
+            print(f"{env_id} ({'per wall-clock second' if kind == 'wall' else 'per CPU-second'}): "
+                  + ", ".join(f"{name} {v:,.0f}" for name, v in med.items())
+                  + "; shmbuffer / " + ", ".join(f"{k} {v:.2f}x" for k, v in res[kind]["ratio"].items())
+                  + "; storing costs " + ", ".join(f"{k} {v:.2f} us" for k, v in cost.items()) + " an env step")
+        out["envs"][env_id] = res
+    print(f"load average {out['machine']['load'][0]:.1f}")
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
