@@ -556,15 +556,7 @@ class ShmStorage(StoreStorage):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """TorchRL's ``load_state_dict``: the rows of ``state_dict`` (``state_dict()``'s), each back in its slot."""
-        kind = state_dict.get("kind") or "tensordict"
-        if kind not in KINDS:
-            raise ValueError(f"ShmStorage.load_state_dict: expected a kind in {KINDS}, got {kind!r}")
-        if self.kind is not None and kind != self.kind:
-            raise TypeError(f"ShmStorage.load_state_dict: this storage holds {self.kind} rows, the state holds {kind} rows")
-        classes = self.classes
-        if kind == "tensorclass" and not classes:
-            names = state_dict.get("tensorclass") or {}
-            classes = {tuple(p.split(SEP)) if p else (): tensordicts.import_class(c) for p, c in names.items()}
+        kind, classes = self._kind_of(state_dict, "load_state_dict")
         rows = state_dict["rows"]
         if rows is None:
             self._empty()
@@ -583,6 +575,25 @@ class ShmStorage(StoreStorage):
             self.buffer.push(rows)
         self._seen = places.cursor(self.buffer)
         self._bump_mutation_revision()
+
+    def _kind_of(self, meta: dict[str, Any], where: str) -> tuple[str, dict[tuple[str, ...], type]]:
+        """The kind of rows a state or dump says it holds, and its tensorclasses, checked before
+        anything else is read or made: they come from a file, and only classes of modules already
+        imported are used (``tensordicts.import_class``)."""
+        kind = meta.get("kind") or "tensordict"
+        if kind not in KINDS:
+            raise ValueError(f"ShmStorage.{where}: expected a kind in {KINDS}, got {kind!r}: the state or dump is not "
+                             "one ShmStorage wrote")
+        if self.kind is not None and kind != self.kind:
+            raise TypeError(f"ShmStorage.{where}: this storage holds {self.kind} rows, the state holds {kind} rows")
+        classes = self.classes
+        if kind == "tensorclass" and not classes:
+            names = meta.get("tensorclass") or {}
+            if not isinstance(names, dict) or not all(isinstance(c, str) for c in names.values()):
+                raise ValueError(f"ShmStorage.{where}: 'tensorclass' must map keys to 'module:qualname' names, got "
+                                 f"{str(names)[:100]}: the state or dump is not one ShmStorage wrote")
+            classes = {tuple(p.split(SEP)) if p else (): tensordicts.import_class(c) for p, c in names.items()}
+        return kind, classes
 
     def _state_row_batch(self, got: Any, schema: Schema) -> tuple[int, ...]:
         """A state's ``row_batch`` (a row's own batch dims), checked against this storage's and the
@@ -619,6 +630,10 @@ class ShmStorage(StoreStorage):
             return super().loads(path)
         meta = Path(path) / META
         kinds = json.loads(meta.read_text()) if meta.exists() else {}
+        if not isinstance(kinds, dict):
+            raise ValueError(f"ShmStorage.loads: {meta} holds a {type(kinds).__name__}, expected the object dumps() "
+                             "wrote: the dump is not one ShmStorage wrote")
+        self._kind_of(kinds, "loads")  # before the rows are read: a file chose what it says
         with SharedBuffer.load(path) as saved:
             rows = _slot_order(saved.export(), saved.capacity)
             self.load_state_dict({"rows": rows, "schema": saved.schema.to_json(), **kinds})

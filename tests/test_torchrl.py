@@ -4,8 +4,10 @@ for LazyTensorStorage; and writers in other processes lose or tear no row."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import pickle
+import sys
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -19,6 +21,8 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.data.replay_buffers.samplers import RandomSampler, SamplerWithoutReplacement
 
 from shmbuffer import CapacityError, FieldError
+from shmbuffer.shm import segment
+from shmbuffer.tensordicts import class_name
 from shmbuffer.torchrl import ShmStorage, identity
 
 
@@ -127,6 +131,63 @@ def test_a_state_naming_a_class_that_is_no_tensorclass_is_refused(name: str, sto
     with pytest.raises(TypeError, match="os:system as their tensorclass, which is a builtin_function_or_method"):
         fresh.load_state_dict(state)
     assert fresh.buffer is None
+
+
+PAYLOAD = """
+import pathlib
+pathlib.Path({marker!r}).write_text("ran")
+
+class Evil:
+    pass
+"""
+
+
+@pytest.mark.parametrize("module", ["payload", "d.payload"])  # beside the dump, and inside it
+def test_loads_never_imports_what_a_dump_names(module: str, name: str, storages: list[ShmStorage], tmp_path: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dump's torchrl.json names the tensorclass of its rows; a tampered one naming a module
+    beside the dump (importable: the working directory on sys.path, as in ``python -c`` or a
+    notebook) is refused, and the module's code never runs."""
+    storage = ShmStorage(8, name=name)
+    storages.append(storage)
+    storage.set(range(3), _outer(3))
+    storage.dumps(tmp_path / "d")
+    marker = tmp_path / "ran"
+    for where in (tmp_path, tmp_path / "d"):
+        (where / "payload.py").write_text(PAYLOAD.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    meta = tmp_path / "d" / "torchrl.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "tensorclass": {"": f"{module}:Evil", "nxt": f"{module}:Evil"}}))
+    fresh = ShmStorage(8, name=name + "c")
+    storages.append(fresh)
+    before = set(segment.list_names())
+    with pytest.raises(TypeError) as refused:
+        fresh.loads(tmp_path / "d")
+    assert not marker.exists() and module not in sys.modules, "loads ran the module the dump named"
+    assert f"tensorclass '{module}:Evil', which is not among the modules imported here" in str(refused.value)
+    assert fresh.buffer is None and set(segment.list_names()) == before
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "tensorclass": {"": class_name(Outer), "nxt": class_name(Inner)}}))
+    fresh.loads(tmp_path / "d")
+    assert type(fresh.get(slice(None))) is Outer and not marker.exists()
+
+
+@pytest.mark.parametrize("kind", ["evil", ["tensorclass"], 3])
+def test_a_tampered_kind_is_refused_before_anything_is_read(kind: Any, name: str, storages: list[ShmStorage],
+                                                            tmp_path: Any) -> None:
+    """A dump whose torchrl.json says another kind is refused for that, before its rows are read."""
+    storage = ShmStorage(8, name=name)
+    storages.append(storage)
+    storage.set(range(3), rows(0, 3))
+    storage.dumps(tmp_path / "d")
+    (tmp_path / "d" / "torchrl.json").write_text(json.dumps({"kind": kind, "tensorclass": {"": "payload:Evil"}}))
+    (tmp_path / "d" / "rows.safetensors").write_bytes(b"not rows")  # the kind is refused before the rows are read
+    fresh = ShmStorage(8, name=name + "c")
+    storages.append(fresh)
+    before = set(segment.list_names())
+    with pytest.raises(Exception) as refused:
+        fresh.loads(tmp_path / "d")
+    assert refused.type is ValueError and "expected a kind in" in str(refused.value), f"not the kind: {refused.value!r}"
+    assert fresh.buffer is None and set(segment.list_names()) == before
 
 
 def _writer(shared: Any, start: int, pushes: int, k: int) -> None:
