@@ -439,7 +439,9 @@ class ShmStorage(StoreStorage):
             node = tree
             for part in outer:
                 node = node.setdefault(part, {})
-            node[last] = v
+            # the small fields of a gathered row share one packed record, so they come as strided
+            # views of it; TorchRL's storages give contiguous tensors (``.view(-1)`` works on them)
+            node[last] = v.contiguous()
         out: Any = TensorDict(tree, batch_size=[slots.size, *(self.row_batch or ())], device=device)
         if single:
             out = out[0]

@@ -220,6 +220,25 @@ def test_writers_in_other_processes_lose_and_tear_nothing(via: str, name: str, s
     assert sorted(seq.tolist()) == [*range(1200), *range(10_000, 11_200), 100_000]
 
 
+@pytest.mark.parametrize("kind", ["tensordict", "tensor", "ndim2"])
+def test_samples_are_contiguous_tensors(kind: str, name: str, storages: list[ShmStorage]) -> None:
+    """What a sample and a get give are contiguous tensors, as from LazyTensorStorage (the small
+    fields of a row are gathered as one packed record: they were strided views of it, and
+    ``sample["observation"].view(-1)`` raised)."""
+    storage = ShmStorage(64, name=name, ndim=2 if kind == "ndim2" else 1)
+    storages.append(storage)
+    rb = ReplayBuffer(storage=storage, batch_size=8)
+    data = TensorDict({"observation": torch.randn(40, 22), "action": torch.arange(40), "reward": torch.randn(40, 1),
+                       "next": {"observation": torch.randn(40, 22), "done": torch.zeros(40, 1, dtype=torch.bool)}}, [40])
+    rb.extend(data if kind == "tensordict" else data["observation"] if kind == "tensor" else data.reshape(2, 20))
+    for got in (rb.sample(), storage.get(torch.tensor([3, 1, 2])), storage.get(slice(None)), storage.get(5)):
+        leaves = [got] if isinstance(got, torch.Tensor) else [got.get(k) for k in got.keys(True, True)]
+        assert all(t.is_contiguous() for t in leaves), [t.stride() for t in leaves]
+    obs = rb.sample()
+    obs = obs if kind == "tensor" else obs["observation"]
+    assert obs.view(-1).shape == (8 * 22,)
+
+
 def test_dumps_and_loads_and_tensordict_replay_buffer(name: str, storages: list[ShmStorage], tmp_path: Any) -> None:
     from torchrl.data import TensorDictReplayBuffer
 
