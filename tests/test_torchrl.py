@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import pickle
+import signal
+import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -24,6 +28,8 @@ from shmbuffer import CapacityError, FieldError
 from shmbuffer.shm import segment
 from shmbuffer.tensordicts import class_name
 from shmbuffer.torchrl import ShmStorage, identity
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def rows(start: int, k: int) -> TensorDict:
@@ -352,11 +358,78 @@ def test_base_storage_arguments_are_accepted(name: str, storages: list[ShmStorag
     assert storage._last_cursor_index == 2 and storage.get(slice(None)).tolist() == [0, 1, 2]
 
 
-@pytest.mark.parametrize("kwargs, match", [({"ndim": 3}, r"ndim=3 .*reshape\(-1\).*LazyTensorStorage"),
-                                           ({"shared_init": True}, "write once .* before")])
-def test_ndim_and_shared_init_are_refused_with_what_to_do(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        ShmStorage(8, **kwargs)
+def test_ndim3_is_refused_with_what_to_do() -> None:
+    with pytest.raises(ValueError, match=r"ndim=3 .*reshape\(-1\).*LazyTensorStorage"):
+        ShmStorage(8, ndim=3)
+
+
+def test_shared_init_is_accepted_and_the_first_write_anywhere_makes_it(name: str, storages: list[ShmStorage],
+                                                                        procs: list[Any]) -> None:
+    """``shared_init=True`` (TorchRL's examples pass it) is accepted, and every ShmStorage is made
+    by its first write in whichever process: a copy pickled while empty writes first, with a key
+    the original never saw, and the original then reads those rows, owns the block and removes it."""
+    storage = ShmStorage(16, name=name, shared_init=True)
+    storages.append(storage)
+    assert storage.shared_init and not storage.initialized
+    ctx = mp.get_context("spawn")
+    procs.append(ctx.Process(target=_writer, args=(storage, 0, 2, 3)))
+    procs[0].start()
+    procs[0].join(120)
+    assert procs[0].exitcode == 0
+    assert storage.initialized and check(storage.get(slice(None))).tolist() == list(range(6))
+    assert storage.buffer is not None and storage.buffer.owner  # the writer gave it up, this object took it over
+    storage.close()
+    assert not [n for n in segment.list_names() if n.startswith(name)]
+
+
+def _collect(collector: str, shared_init: bool) -> None:
+    """Run by ``test_collectors_whose_workers_add_keys``: a multi-process collector whose workers
+    add a step count (``max_frames_per_traj``) fills a ShmStorage with a policy of its own weights."""
+    import functools
+
+    import torchrl.collectors as collectors
+    from torch import nn
+    from torchrl.modules import QValueActor
+
+    storage = ShmStorage(2000, shared_init=True) if shared_init else ShmStorage(2000)
+    rb = ReplayBuffer(storage=storage)
+    policy = QValueActor(nn.Linear(4, 2), in_keys=["observation"], spec=_env(0).action_spec)
+    col = getattr(collectors, collector)([functools.partial(_env, i) for i in range(2)], policy=policy,
+                                         frames_per_batch=40, total_frames=160, max_frames_per_traj=3, replay_buffer=rb)
+    try:
+        for _ in col:
+            pass
+    finally:
+        col.shutdown()
+    td = rb[:]
+    _check_collected(td, len(rb), 2)
+    steps = td["step_count"].reshape(-1)
+    assert torch.equal(td["next", "step_count"].reshape(-1), steps + 1) and steps.max() == 2, steps
+    print("OK", len(rb), "rows, step counts up to", td["next", "step_count"].max().item())
+    del td
+    storage.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("collector, shared_init", [("MultiSyncCollector", True), ("MultiAsyncCollector", False)])
+def test_collectors_whose_workers_add_keys(collector: str, shared_init: bool) -> None:
+    """TorchRL's multi-process collectors with ``max_frames_per_traj=`` add a step count in their
+    workers: the storage is made by the first worker's write, with those keys (it was made in the
+    main process from the env's keys, the workers raised KeyError and the main process could
+    hang). Run in a process group that is killed if it hangs; it must leave no segment."""
+    code = f"from tests.test_torchrl import _collect; _collect({collector!r}, {shared_init})"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:  # hung: kill it and its workers
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, out + err[-3000:]
+    assert "OK 160 rows, step counts up to 3" in out, out + err[-3000:]
+    assert not [n for n in segment.list_names() if n.startswith(f"{proc.pid}-")]
 
 
 def test_no_collate_fn_needed(name: str, storages: list[ShmStorage]) -> None:
