@@ -2,7 +2,7 @@
 its lifecycle. ``ReplayBuffer`` (``buffer.py``) is a ``MappedBlock`` with the buffer's operations.
 
 Lifecycle: the constructing process creates the block and owns it; ``attach`` maps an existing
-block and never removes it. ``close()`` unmaps this process's view (``BufferError`` while arrays
+block and never removes it (unless its creator ``give_up`` and the attacher ``take_over``). ``close()`` unmaps this process's view (``BufferError`` while arrays
 from ``view()``/``column()`` live; close again once they are gone); ``unlink()`` removes the name,
 by itself when the creator exits or drops the buffer. Both are idempotent. A ``with`` block closes
 (and, in the creator, unlinks); views still alive keep the mapping until they go.
@@ -152,6 +152,17 @@ class MappedBlock:
         self._ring = self._prios = None
         self._block = None  # type: ignore[assignment]
         self._segment.close(defer=defer)
+
+    def give_up(self) -> None:
+        """Stop owning the buffer this object created: it stays in ``/dev/shm`` when this process
+        exits, until the process that calls ``take_over`` removes it (or ``shmbuffer gc``)."""
+        if self._segment is not None:
+            self._segment.give_up()
+
+    def take_over(self) -> None:
+        """Own the buffer mapped here, which its creator gave up: this process removes it (``owner``)."""
+        if self._segment is not None:
+            self._segment.take_over()
 
     def unlink(self) -> None:
         """Remove the buffer's name from ``/dev/shm``; open views stay valid. Idempotent."""

@@ -2,13 +2,14 @@
 ``ShmStorage`` (extra ``torchrl``; imports torch and tensordict): nested keys as field names
 (``field``), a TensorDict's tensors as numpy columns (``flatten``), a list of rows as one batch
 (``stack_rows``), and the tensorclass of each nested key by name (``classes``, ``class_name``,
-``import_class``). Anything shared memory cannot hold is refused with ``TypeError``.
+``import_class``: found among the modules already imported, never imported from a name a file
+gave). Anything shared memory cannot hold is refused with ``TypeError``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import sys
 from typing import Any
 
 import numpy as np
@@ -84,16 +85,24 @@ def class_name(cls: type) -> str:
 
 
 def import_class(name: str) -> type:
-    """The tensorclass ``class_name`` named, imported; ``TypeError`` when it cannot be, or is not one."""
+    """The tensorclass ``class_name`` named, found among the modules this process has already
+    imported; ``TypeError`` when it is not there, or is not one.
+
+    Nothing is imported and no attribute hook runs: the name comes from a file (a dump's
+    ``torchrl.json``, a state), and importing a module a file names runs whatever code sits under
+    that name on ``sys.path`` (a ``payload.py`` beside the dump, with the working directory there)."""
     module, _, qualname = name.partition(":")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError):
-        raise TypeError(f"ShmStorage: the rows were written as tensorclass {name}, which cannot be imported here "
-                        "(a class defined inside a function cannot): write one row of that class into this "
-                        "storage before loading") from None
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split(".") if obj is not None else ():
+        # vars(), not getattr: a module's __getattr__ (PEP 562) may import, a class's may run code
+        obj = vars(obj).get(part) if hasattr(obj, "__dict__") else None
+        if obj is None:
+            break
+    if obj is None:
+        raise TypeError(f"ShmStorage: the rows were written as tensorclass {name!r}, which is not among the modules "
+                        f"imported here ({module!r} is {'imported' if module in sys.modules else 'not imported'}); "
+                        "a class named by a file is never imported (that would run the code a file chose): import "
+                        "its module before loading (a class defined inside a function cannot be found)")
     if not (isinstance(obj, type) and is_tensorclass(obj)):  # a name from a file: nothing else is built from it
         raise TypeError(f"ShmStorage: the rows name {name} as their tensorclass, which is a {type(obj).__name__}, "
                         "not a tensorclass: the state or dump is not one ShmStorage wrote")

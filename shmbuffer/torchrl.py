@@ -35,9 +35,10 @@ The contract is TorchRL's ``Storage`` one, as ``LazyTensorStorage`` keeps it (``
   arithmetic on one row. ``rb[:]`` (and so ``rb[i, j] = td``, which TorchRL writes through it)
   gives views of the shared columns, unstamped like ``buf.view()``; ``rb.extend`` and
   ``storage.set`` are stamped. ``ndim > 2`` is refused (``ValueError``).
-- TorchRL's base ``Storage`` arguments (``checkpointer``, ``compilable``) are accepted;
-  ``shared_init=True`` is refused: the rows are always shared, but the schema comes from the first
-  write, so write once before the storage goes to other processes.
+- TorchRL's base ``Storage`` arguments (``checkpointer``, ``compilable``) and ``shared_init`` are
+  accepted. The shared buffer is made by the first write, in whichever process holds a copy
+  (``shmbuffer.deferred``): TorchRL's collectors leave it to their workers, whose rows may have
+  keys the main process never sees (``max_frames_per_traj``'s step count).
 - ``dumps(path)`` overwrites an earlier dump in ``path``; ``loads`` / ``load_state_dict`` put
   every row back in its slot, so a writer's restored cursor goes on where it stopped.
 - A ``ReplayBuffer`` built on it needs no ``collate_fn=``: TorchRL picks a default by storage
@@ -46,7 +47,7 @@ The contract is TorchRL's ``Storage`` one, as ``LazyTensorStorage`` keeps it (``
   ``identity`` stays for code that passes it.
 
 Several processes: every process that holds a copy of this storage (pickle it, or its
-``ReplayBuffer``, after the first write) reads and writes the same rows. TorchRL's writers share
+``ReplayBuffer``, before or after the first write) reads and writes the same rows. TorchRL's writers share
 one cursor between processes without ordering them, so two can get the same slots, or slots past
 ones another has yet to write; TorchRL's own storages then overwrite rows just written. Here a
 writer's run of slots (``extend``, ``add``) is appended instead once the storage is a copy, or
@@ -80,12 +81,14 @@ from torchrl.data.replay_buffers.storages import Storage, StoreStorage
 
 from . import tensordicts
 from .buffer import ReplayBuffer as SharedBuffer
+from .deferred import DeferredBuffer
 from .errors import EmptyBufferError
 from .persistence import MANIFEST
 from .persistence import META as SAVE_META
 from .persistence import ROWS as SAVE_ROWS
 from .protocol import places
 from .schema import RESERVED, Schema
+from .shm.segment import new_name
 from .tensordicts import SEP
 
 __all__ = ["ShmStorage", "identity"]
@@ -140,8 +143,9 @@ class ShmStorage(StoreStorage):
     :param ndim: 1, or 2 for TorchRL's ``[time, envs]`` layout (see the module docstring).
     :param checkpointer: as TorchRL's ``Storage``: when set, ``dumps``/``loads`` go through it.
     :param compilable: as TorchRL's ``Storage`` (its bookkeeping in tensors rather than shared values).
-    :param shared_init: ``LazyTensorStorage``'s; the rows are always shared, but the schema comes
-        from the first write, so ``True`` is refused with what to do instead.
+    :param shared_init: ``LazyTensorStorage``'s, accepted: this storage is always made by its
+        first write, in whichever process (``shared_init`` reads ``True``: TorchRL's collectors
+        then leave that write to their workers).
     """
 
     _default_checkpointer = StorageCheckpointerBase
@@ -163,12 +167,6 @@ class ShmStorage(StoreStorage):
         if ndim == 2 and buffer is not None:
             raise ValueError("ShmStorage: ndim=2 makes its own buffer from the first write (its rows hold every env "
                              "of a step); give max_size, not buffer=")
-        if shared_init:
-            raise ValueError(
-                "ShmStorage: shared_init=True is not supported: its rows are always in shared memory, but their "
-                "schema comes from the first write, so write once (or pass buffer=) before the storage (or its "
-                "ReplayBuffer) goes to other processes"
-            )
         # StoreStorage (a Redis-backed storage) only for TorchRL's choice of a ReplayBuffer's
         # default collate_fn (storages/utils.py: its get, like ours, returns a stacked batch);
         # none of its code runs: the methods TorchRL calls are ShmStorage's, its __init__ is skipped
@@ -176,7 +174,9 @@ class ShmStorage(StoreStorage):
                          checkpointer=checkpointer, compilable=compilable)
         self.ndim = ndim
         self.buffer = buffer
-        self.name = name
+        self.shared_init = True  # TorchRL's collectors read it: the first write may happen in any process
+        self.deferred = None if buffer is not None else DeferredBuffer(name if name is not None else new_name())
+        self.name = buffer.name if buffer is not None else self.deferred.name  # type: ignore[union-attr]
         self.device: Any = device if device == "auto" else torch.device(device)
         self.nested: dict[str, tuple[str, ...]] = {}
         self.kind: str | None = "tensordict" if buffer is not None else None
@@ -190,14 +190,31 @@ class ShmStorage(StoreStorage):
 
     @property
     def initialized(self) -> bool:
-        """Whether the shared buffer exists (TorchRL's collectors write a first row before sharing
-        a storage that is not, which is what this storage needs)."""
-        return self.buffer is not None
+        """Whether the shared buffer exists (made by the first write, in any process)."""
+        return self._attach() is not None
+
+    def _attach(self) -> SharedBuffer | None:
+        """The shared buffer, attached here once a process has made it (``shmbuffer.deferred``)."""
+        if self.buffer is None and self.deferred is not None and (found := self.deferred.find()) is not None:
+            self._adopt(*found)
+        return self.buffer
+
+    def _adopt(self, buf: SharedBuffer, described: dict[str, Any]) -> None:
+        self.buffer = buf
+        self._keys(buf.schema)
+        self._seen = places.cursor(buf)
+        self.kind = described["kind"]
+        names = described.get("tensorclass") or {}
+        if {SEP.join(p): tensordicts.class_name(c) for p, c in self.classes.items()} != names:
+            self.classes = {tuple(p.split(SEP)) if p else (): tensordicts.import_class(c) for p, c in names.items()}
+        self.row_batch = tuple(described["row_batch"] or ())
 
     def _init(self, data: Any) -> None:
         raise NotImplementedError("ShmStorage: the shared buffer is made by the first set() (its schema from the data)")
 
     def __getstate__(self) -> dict[str, Any]:
+        if self._attach() is None and self.deferred is not None:
+            self.deferred.share()  # the copy may make the buffer: the first write anywhere does
         return Storage.__getstate__(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -256,7 +273,7 @@ class ShmStorage(StoreStorage):
         return -(self.max_size // -int(np.prod(row_batch[: self.ndim - 1])))
 
     def _rows(self) -> int:
-        return 0 if self.buffer is None else len(self.buffer)
+        return 0 if self._attach() is None else len(self.buffer)  # type: ignore[arg-type]
 
     def _slots(self, cursor: Any) -> tuple[np.ndarray, bool]:
         """The indices of a cursor (an int, a slice, ints, a tensor) as given (``_in_range``
@@ -298,6 +315,7 @@ class ShmStorage(StoreStorage):
             return self._set_elements(cursor, data)
         slots, single = self._slots(cursor)
         kind, classes, td = self._as_tensordict(data, single)
+        self._attach()
         k = slots.size
         if not single and (td.batch_dims < 1 or td.batch_size[0] != k):
             raise ValueError(f"ShmStorage.set: expected {k} rows (batch size [{k}, ...]) for {k} indices, got batch size "
@@ -309,6 +327,8 @@ class ShmStorage(StoreStorage):
         rows = tensordicts.flatten(td)
         if single:
             rows = {n: a[None] for n, a in rows.items()}
+        if self.buffer is None and self.deferred is not None and self.deferred.record is not None:
+            self._buffer_for(rows, kind, classes, td, row_batch)  # shared: the first write anywhere makes it
         cap = self._cap(row_batch)
         head = 0 if self.buffer is None else places.next_slot(self.buffer)
         appends = _run_from(slots, head, cap)
@@ -400,14 +420,15 @@ class ShmStorage(StoreStorage):
     def _buffer_for(self, rows: dict[str, np.ndarray], kind: str, classes: dict[tuple[str, ...], type],
                     td: TensorDictBase, row_batch: tuple[int, ...]) -> SharedBuffer:
         if self.buffer is None:
-            fields = {k: (a.shape[1:], a.dtype) for k, a in rows.items()}
-            self.buffer = SharedBuffer(Schema(**fields), self._cap(row_batch), name=self.name)
-            self._keys(self.buffer.schema)
+            schema = Schema(**{k: (a.shape[1:], a.dtype) for k, a in rows.items()})
+            self._make(schema, self._cap(row_batch), kind, classes, row_batch)
+            if kind != self.kind:
+                raise TypeError(f"ShmStorage.set: this storage holds {self.kind} rows, got {kind} ({type(td).__name__})")
         if self.kind is None:
             self.kind, self.classes, self.row_batch = kind, classes, row_batch
         if isinstance(self.device, str):  # "auto"
             self.device = td.device if td.device is not None else torch.device("cpu")
-        return self.buffer
+        return self._need()
 
     def get(self, index: Any) -> Any:
         """The rows in slots ``index`` (an int, ints, a tensor or a slice), as the type written."""
@@ -443,7 +464,9 @@ class ShmStorage(StoreStorage):
             node = tree
             for part in outer:
                 node = node.setdefault(part, {})
-            node[last] = v
+            # the small fields of a gathered row share one packed record, so they come as strided
+            # views of it; TorchRL's storages give contiguous tensors (``.view(-1)`` works on them)
+            node[last] = v.contiguous()
         out: Any = TensorDict(tree, batch_size=[slots.size, *(self.row_batch or ())], device=device)
         if single:
             out = out[0]
@@ -530,9 +553,15 @@ class ShmStorage(StoreStorage):
         self.set(rows_at, current, set_cursor=False)
 
     def _need(self) -> SharedBuffer:
-        if self.buffer is None:
+        if (buf := self._attach()) is None:
             raise EmptyBufferError("ShmStorage: nothing was written yet")
-        return self.buffer
+        return buf
+
+    def _make(self, schema: Schema, cap: int, kind: str, classes: dict[tuple[str, ...], type],
+              row_batch: tuple[int, ...]) -> None:
+        """Make the shared buffer, or attach the one a process made meanwhile (``shmbuffer.deferred``)."""
+        self.kind, self.classes, self.row_batch = None, classes, row_batch
+        self._adopt(*self.deferred.make(schema, cap, self._describe(kind, classes, row_batch)))  # type: ignore[union-attr]
 
     def contains(self, item: Any) -> Any:
         """TorchRL's ``contains``: whether a storage index holds a row (an int, or per index)."""
@@ -548,27 +577,23 @@ class ShmStorage(StoreStorage):
             self._seen = places.cursor(self.buffer)
 
     def _meta(self) -> dict[str, Any]:
-        return {"kind": self.kind, "tensorclass": {SEP.join(p): tensordicts.class_name(c) for p, c in self.classes.items()},
-                "row_batch": None if self.row_batch is None else list(self.row_batch)}
+        return self._describe(self.kind, self.classes, self.row_batch)
+
+    @staticmethod
+    def _describe(kind: str | None, classes: dict[tuple[str, ...], type], row_batch: tuple[int, ...] | None) -> dict[str, Any]:
+        return {"kind": kind, "tensorclass": {SEP.join(p): tensordicts.class_name(c) for p, c in classes.items()},
+                "row_batch": None if row_batch is None else list(row_batch)}
 
     def state_dict(self) -> dict[str, Any]:
         """The rows in slot order (so a load puts each back in its slot), not a name."""
-        if self.buffer is None:
+        if (buf := self._attach()) is None:
             return {"rows": None, **self._meta()}
-        buf = self.buffer
         return {"rows": _slot_order(buf.export(), buf.capacity), "schema": buf.schema.to_json(), **self._meta()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """TorchRL's ``load_state_dict``: the rows of ``state_dict`` (``state_dict()``'s), each back in its slot."""
-        kind = state_dict.get("kind") or "tensordict"
-        if kind not in KINDS:
-            raise ValueError(f"ShmStorage.load_state_dict: expected a kind in {KINDS}, got {kind!r}")
-        if self.kind is not None and kind != self.kind:
-            raise TypeError(f"ShmStorage.load_state_dict: this storage holds {self.kind} rows, the state holds {kind} rows")
-        classes = self.classes
-        if kind == "tensorclass" and not classes:
-            names = state_dict.get("tensorclass") or {}
-            classes = {tuple(p.split(SEP)) if p else (): tensordicts.import_class(c) for p, c in names.items()}
+        kind, classes = self._kind_of(state_dict, "load_state_dict")
+        self._attach()
         rows = state_dict["rows"]
         if rows is None:
             self._empty()
@@ -577,16 +602,35 @@ class ShmStorage(StoreStorage):
         row_batch = self._state_row_batch(state_dict.get("row_batch"), schema)
         if self.buffer is None:
             self.row_batch = row_batch
-            self.buffer = SharedBuffer(schema, self._cap(), name=self.name)
-            self._keys(self.buffer.schema)
-        k, *_ = self.buffer.check(rows)  # before the rows held go: rows it refuses leave the storage as it was
+            self._make(schema, self._cap(), kind, classes, row_batch)
+        buf = self._need()
+        k, *_ = buf.check(rows)  # before the rows held go: rows it refuses leave the storage as it was
         self._empty()
         self.kind, self.classes = kind, classes
         self.row_batch = row_batch
         if k:
-            self.buffer.push(rows)
-        self._seen = places.cursor(self.buffer)
+            buf.push(rows)
+        self._seen = places.cursor(buf)
         self._bump_mutation_revision()
+
+    def _kind_of(self, meta: dict[str, Any], where: str) -> tuple[str, dict[tuple[str, ...], type]]:
+        """The kind of rows a state or dump says it holds, and its tensorclasses, checked before
+        anything else is read or made: they come from a file, and only classes of modules already
+        imported are used (``tensordicts.import_class``)."""
+        kind = meta.get("kind") or "tensordict"
+        if kind not in KINDS:
+            raise ValueError(f"ShmStorage.{where}: expected a kind in {KINDS}, got {kind!r}: the state or dump is not "
+                             "one ShmStorage wrote")
+        if self.kind is not None and kind != self.kind:
+            raise TypeError(f"ShmStorage.{where}: this storage holds {self.kind} rows, the state holds {kind} rows")
+        classes = self.classes
+        if kind == "tensorclass" and not classes:
+            names = meta.get("tensorclass") or {}
+            if not isinstance(names, dict) or not all(isinstance(c, str) for c in names.values()):
+                raise ValueError(f"ShmStorage.{where}: 'tensorclass' must map keys to 'module:qualname' names, got "
+                                 f"{str(names)[:100]}: the state or dump is not one ShmStorage wrote")
+            classes = {tuple(p.split(SEP)) if p else (): tensordicts.import_class(c) for p, c in names.items()}
+        return kind, classes
 
     def _state_row_batch(self, got: Any, schema: Schema) -> tuple[int, ...]:
         """A state's ``row_batch`` (a row's own batch dims), checked against this storage's and the
@@ -628,6 +672,10 @@ class ShmStorage(StoreStorage):
             return super().loads(path)
         meta = Path(path) / META
         kinds = json.loads(meta.read_text()) if meta.exists() else {}
+        if not isinstance(kinds, dict):
+            raise ValueError(f"ShmStorage.loads: {meta} holds a {type(kinds).__name__}, expected the object dumps() "
+                             "wrote: the dump is not one ShmStorage wrote")
+        self._kind_of(kinds, "loads")  # before the rows are read: a file chose what it says
         restore = SharedBuffer.resume if (Path(path) / MANIFEST).exists() else SharedBuffer.load
         with restore(path) as saved:
             rows = _slot_order(saved.export(), saved.capacity)
@@ -637,13 +685,17 @@ class ShmStorage(StoreStorage):
     def close(self) -> None:
         """Close this process's view; the creator also removes the shared buffer (even when the
         close raises ``BufferError`` because arrays of it are still alive)."""
-        if self.buffer is not None:
-            owner = self.buffer.owner
-            try:
-                self.buffer.close()
-            finally:
-                if owner:
-                    self.buffer.unlink()
+        try:
+            if self._attach() is not None:  # one a worker made: taken over, so removed here
+                owner = self.buffer.owner  # type: ignore[union-attr]
+                try:
+                    self.buffer.close()  # type: ignore[union-attr]
+                finally:
+                    if owner:
+                        self.buffer.unlink()  # type: ignore[union-attr]
+        finally:
+            if self.deferred is not None:
+                self.deferred.close()
 
     def __repr__(self) -> str:
         return f"ShmStorage({self.buffer!r})"

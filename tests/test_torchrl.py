@@ -4,9 +4,15 @@ for LazyTensorStorage; and writers in other processes lose or tear no row."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import os
 import pickle
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -19,7 +25,11 @@ from torchrl.data import LazyTensorStorage, ReplayBuffer
 from torchrl.data.replay_buffers.samplers import RandomSampler, SamplerWithoutReplacement
 
 from shmbuffer import CapacityError, FieldError
+from shmbuffer.shm import segment
+from shmbuffer.tensordicts import class_name
 from shmbuffer.torchrl import ShmStorage, identity
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def rows(start: int, k: int) -> TensorDict:
@@ -129,6 +139,63 @@ def test_a_state_naming_a_class_that_is_no_tensorclass_is_refused(name: str, sto
     assert fresh.buffer is None
 
 
+PAYLOAD = """
+import pathlib
+pathlib.Path({marker!r}).write_text("ran")
+
+class Evil:
+    pass
+"""
+
+
+@pytest.mark.parametrize("module", ["payload", "d.payload"])  # beside the dump, and inside it
+def test_loads_never_imports_what_a_dump_names(module: str, name: str, storages: list[ShmStorage], tmp_path: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dump's torchrl.json names the tensorclass of its rows; a tampered one naming a module
+    beside the dump (importable: the working directory on sys.path, as in ``python -c`` or a
+    notebook) is refused, and the module's code never runs."""
+    storage = ShmStorage(8, name=name)
+    storages.append(storage)
+    storage.set(range(3), _outer(3))
+    storage.dumps(tmp_path / "d")
+    marker = tmp_path / "ran"
+    for where in (tmp_path, tmp_path / "d"):
+        (where / "payload.py").write_text(PAYLOAD.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    meta = tmp_path / "d" / "torchrl.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "tensorclass": {"": f"{module}:Evil", "nxt": f"{module}:Evil"}}))
+    fresh = ShmStorage(8, name=name + "c")
+    storages.append(fresh)
+    before = set(segment.list_names())
+    with pytest.raises(TypeError) as refused:
+        fresh.loads(tmp_path / "d")
+    assert not marker.exists() and module not in sys.modules, "loads ran the module the dump named"
+    assert f"tensorclass '{module}:Evil', which is not among the modules imported here" in str(refused.value)
+    assert fresh.buffer is None and set(segment.list_names()) == before
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "tensorclass": {"": class_name(Outer), "nxt": class_name(Inner)}}))
+    fresh.loads(tmp_path / "d")
+    assert type(fresh.get(slice(None))) is Outer and not marker.exists()
+
+
+@pytest.mark.parametrize("kind", ["evil", ["tensorclass"], 3])
+def test_a_tampered_kind_is_refused_before_anything_is_read(kind: Any, name: str, storages: list[ShmStorage],
+                                                            tmp_path: Any) -> None:
+    """A dump whose torchrl.json says another kind is refused for that, before its rows are read."""
+    storage = ShmStorage(8, name=name)
+    storages.append(storage)
+    storage.set(range(3), rows(0, 3))
+    storage.dumps(tmp_path / "d")
+    (tmp_path / "d" / "torchrl.json").write_text(json.dumps({"kind": kind, "tensorclass": {"": "payload:Evil"}}))
+    (tmp_path / "d" / "rows.safetensors").write_bytes(b"not rows")  # the kind is refused before the rows are read
+    fresh = ShmStorage(8, name=name + "c")
+    storages.append(fresh)
+    before = set(segment.list_names())
+    with pytest.raises(Exception) as refused:
+        fresh.loads(tmp_path / "d")
+    assert refused.type is ValueError and "expected a kind in" in str(refused.value), f"not the kind: {refused.value!r}"
+    assert fresh.buffer is None and set(segment.list_names()) == before
+
+
 def _writer(shared: Any, start: int, pushes: int, k: int) -> None:
     rb = shared if isinstance(shared, ReplayBuffer) else ReplayBuffer(storage=shared, collate_fn=identity)
     for p in range(pushes):
@@ -157,6 +224,25 @@ def test_writers_in_other_processes_lose_and_tear_nothing(via: str, name: str, s
     seq = check(storage.get(slice(None)))
     assert len(storage) == 1 + 2 * 150 * 8
     assert sorted(seq.tolist()) == [*range(1200), *range(10_000, 11_200), 100_000]
+
+
+@pytest.mark.parametrize("kind", ["tensordict", "tensor", "ndim2"])
+def test_samples_are_contiguous_tensors(kind: str, name: str, storages: list[ShmStorage]) -> None:
+    """What a sample and a get give are contiguous tensors, as from LazyTensorStorage (the small
+    fields of a row are gathered as one packed record: they were strided views of it, and
+    ``sample["observation"].view(-1)`` raised)."""
+    storage = ShmStorage(64, name=name, ndim=2 if kind == "ndim2" else 1)
+    storages.append(storage)
+    rb = ReplayBuffer(storage=storage, batch_size=8)
+    data = TensorDict({"observation": torch.randn(40, 22), "action": torch.arange(40), "reward": torch.randn(40, 1),
+                       "next": {"observation": torch.randn(40, 22), "done": torch.zeros(40, 1, dtype=torch.bool)}}, [40])
+    rb.extend(data if kind == "tensordict" else data["observation"] if kind == "tensor" else data.reshape(2, 20))
+    for got in (rb.sample(), storage.get(torch.tensor([3, 1, 2])), storage.get(slice(None)), storage.get(5)):
+        leaves = [got] if isinstance(got, torch.Tensor) else [got.get(k) for k in got.keys(True, True)]
+        assert all(t.is_contiguous() for t in leaves), [t.stride() for t in leaves]
+    obs = rb.sample()
+    obs = obs if kind == "tensor" else obs["observation"]
+    assert obs.view(-1).shape == (8 * 22,)
 
 
 def test_dumps_and_loads_and_tensordict_replay_buffer(name: str, storages: list[ShmStorage], tmp_path: Any) -> None:
@@ -291,11 +377,78 @@ def test_base_storage_arguments_are_accepted(name: str, storages: list[ShmStorag
     assert storage._last_cursor_index == 2 and storage.get(slice(None)).tolist() == [0, 1, 2]
 
 
-@pytest.mark.parametrize("kwargs, match", [({"ndim": 3}, r"ndim=3 .*reshape\(-1\).*LazyTensorStorage"),
-                                           ({"shared_init": True}, "write once .* before")])
-def test_ndim_and_shared_init_are_refused_with_what_to_do(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        ShmStorage(8, **kwargs)
+def test_ndim3_is_refused_with_what_to_do() -> None:
+    with pytest.raises(ValueError, match=r"ndim=3 .*reshape\(-1\).*LazyTensorStorage"):
+        ShmStorage(8, ndim=3)
+
+
+def test_shared_init_is_accepted_and_the_first_write_anywhere_makes_it(name: str, storages: list[ShmStorage],
+                                                                        procs: list[Any]) -> None:
+    """``shared_init=True`` (TorchRL's examples pass it) is accepted, and every ShmStorage is made
+    by its first write in whichever process: a copy pickled while empty writes first, with a key
+    the original never saw, and the original then reads those rows, owns the block and removes it."""
+    storage = ShmStorage(16, name=name, shared_init=True)
+    storages.append(storage)
+    assert storage.shared_init and not storage.initialized
+    ctx = mp.get_context("spawn")
+    procs.append(ctx.Process(target=_writer, args=(storage, 0, 2, 3)))
+    procs[0].start()
+    procs[0].join(120)
+    assert procs[0].exitcode == 0
+    assert storage.initialized and check(storage.get(slice(None))).tolist() == list(range(6))
+    assert storage.buffer is not None and storage.buffer.owner  # the writer gave it up, this object took it over
+    storage.close()
+    assert not [n for n in segment.list_names() if n.startswith(name)]
+
+
+def _collect(collector: str, shared_init: bool) -> None:
+    """Run by ``test_collectors_whose_workers_add_keys``: a multi-process collector whose workers
+    add a step count (``max_frames_per_traj``) fills a ShmStorage. No policy of weights: with one,
+    torchrl 0.14.1's weight-sync scheme hangs this process at exit when the collector lived in a
+    function, whatever the storage (LazyTensorStorage too: its ``__del__`` starts a queue's thread
+    during interpreter shutdown)."""
+    import functools
+
+    import torchrl.collectors as collectors
+
+    storage = ShmStorage(2000, shared_init=True) if shared_init else ShmStorage(2000)
+    rb = ReplayBuffer(storage=storage)
+    col = getattr(collectors, collector)([functools.partial(_env, i) for i in range(2)], policy=None,
+                                         frames_per_batch=40, total_frames=160, max_frames_per_traj=3, replay_buffer=rb)
+    try:
+        for _ in col:
+            pass
+    finally:
+        col.shutdown()
+    td = rb[:]
+    _check_collected(td, len(rb), 2)
+    steps = td["step_count"].reshape(-1)
+    assert torch.equal(td["next", "step_count"].reshape(-1), steps + 1) and steps.max() == 2, steps
+    print("OK", len(rb), "rows, step counts up to", td["next", "step_count"].max().item())
+    del td
+    storage.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("collector, shared_init", [("MultiSyncCollector", True), ("MultiAsyncCollector", False)])
+def test_collectors_whose_workers_add_keys(collector: str, shared_init: bool) -> None:
+    """TorchRL's multi-process collectors with ``max_frames_per_traj=`` add a step count in their
+    workers: the storage is made by the first worker's write, with those keys (it was made in the
+    main process from the env's keys, the workers raised KeyError and the main process could
+    hang). Run in a process group that is killed if it hangs; it must leave no segment."""
+    code = f"from tests.test_torchrl import _collect; _collect({collector!r}, {shared_init})"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=280)  # pyproject's timeout is 300
+    finally:
+        if proc.poll() is None:  # hung: kill it and its workers
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, out + err[-3000:]
+    assert "OK 160 rows, step counts up to 3" in out, out + err[-3000:]
+    assert not [n for n in segment.list_names() if n.startswith(f"{proc.pid}-")]
 
 
 def test_no_collate_fn_needed(name: str, storages: list[ShmStorage]) -> None:

@@ -55,7 +55,9 @@ raises ``ForeignBlock``. Names are checked (``check_name``: no ``/``), so no nam
 Lifecycle
 ---------
 The creating process owns the block: ``unlink()`` removes its name and happens at the creator's
-``close()``-and-exit or garbage collection (``weakref.finalize``), never in another process. Each
+``close()``-and-exit or garbage collection (``weakref.finalize``), never in another process. A
+creator may hand the block to another process (``give_up`` there, then ``take_over`` here: a
+block that the first write in any process made belongs to the process that named it). Each
 segment remembers the ``(st_dev, st_ino)`` of its file, and nothing here unlinks a path unless it is
 still that file: a stale handle whose block was removed, and its name then reused by a new block,
 leaves the new block alone (``unlink()`` does nothing then, as for a block already removed). A
@@ -647,6 +649,23 @@ class Segment:
         self._mm = None
         if not (self.owner and not self._unlinked) and self._finalizer is not None:
             self._finalizer.detach()
+
+    def give_up(self) -> None:
+        """Stop owning the block this process created: neither its ``close``-and-exit nor its
+        watchdog removes it any more; the process that calls ``take_over`` does."""
+        if self.owner and not self._unlinked:
+            _tracker.untrack(self._path, self._ident)
+        self._creator_pid, self._unlinked = -1, True
+        self._arm()
+
+    def take_over(self) -> None:
+        """Own the block mapped here (another process made it and gave it up): this process's
+        ``unlink``, exit or watchdog removes it, if the name still names this block."""
+        if self.owner or self._mm is None:
+            return
+        _tracker.track(self._path, self._ident)
+        self._creator_pid, self._unlinked = os.getpid(), False
+        self._arm()
 
     def unlink(self) -> None:
         """Remove the block's name; mappings that exist stay valid. Idempotent. If the name no
