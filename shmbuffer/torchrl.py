@@ -108,31 +108,6 @@ def identity(batch: Any) -> Any:
     return batch
 
 
-def _run_from(slots: np.ndarray, first: int, cap: int) -> bool:
-    """Whether ``slots`` are ``first, first + 1, ...`` modulo ``cap``."""
-    k = slots.size
-    if not k:
-        return True
-    if int(slots[0]) != first:
-        return False
-    expected = np.arange(first, first + k, dtype=np.int64)
-    if first + k > cap:
-        expected %= cap
-    return bool((slots == expected).all())
-
-
-def _slot_order(rows: dict[str, np.ndarray], capacity: int) -> dict[str, np.ndarray]:
-    """Exported rows (``export``: with ``index``) in the order of their slots (``index %
-    capacity``, the buffer's rows: with ``ndim=2`` a row is a step of every env), so a load puts
-    each back in its slot; oldest first where rows are missing in the middle (a writer died mid-push)."""
-    slots = rows.pop("index") % capacity
-    rows.pop("episode", None)
-    order = np.argsort(slots, kind="stable")
-    if not np.array_equal(slots[order], np.arange(slots.size)):
-        return rows
-    return {n: a[order] for n, a in rows.items()}
-
-
 class ShmStorage(StoreStorage):
     """A TorchRL storage over a shmbuffer (see the module docstring).
 
@@ -331,10 +306,10 @@ class ShmStorage(StoreStorage):
             self._buffer_for(rows, kind, classes, td, row_batch)  # shared: the first write anywhere makes it
         cap = self._cap(row_batch)
         head = 0 if self.buffer is None else places.next_slot(self.buffer)
-        appends = _run_from(slots, head, cap)
+        appends = places.is_run(slots, head, cap)
         if not appends:
             slots = self._in_range(slots)
-            if set_cursor and self.buffer is not None and _run_from(slots, int(slots[0]), cap):
+            if set_cursor and self.buffer is not None and places.is_run(slots, int(slots[0]), cap):
                 appends = self._writer_run(self.buffer, slots)
         if self.buffer is None and not appends:
             raise IndexError(f"ShmStorage.set: the storage is empty: expected the first rows at slots 0..{k - 1}, "
@@ -371,7 +346,7 @@ class ShmStorage(StoreStorage):
         while True:
             if self._others_wrote(buf):
                 return True
-            if _run_from(slots, places.next_slot(buf), cap):
+            if places.is_run(slots, places.next_slot(buf), cap):
                 return True
             if places.held(buf, slots).any() or time.monotonic() >= deadline:
                 return False
@@ -390,7 +365,7 @@ class ShmStorage(StoreStorage):
         last = np.sort(slots.size - 1 - np.unique(slots[::-1], return_index=True)[1])
         slots, rows = slots[last], {n: a[last] for n, a in rows.items()}
         empty = ~places.held(buf, slots)
-        if not _run_from(slots[empty], places.next_slot(buf), cap):
+        if not places.is_run(slots[empty], places.next_slot(buf), cap):
             raise IndexError(
                 f"ShmStorage.set: slots {slots[empty][:5].tolist()} hold no row and are not the next ones "
                 f"({self._rows()} rows held): write at held slots to overwrite them, or at slot {places.next_slot(buf)} and "
@@ -588,7 +563,7 @@ class ShmStorage(StoreStorage):
         """The rows in slot order (so a load puts each back in its slot), not a name."""
         if (buf := self._attach()) is None:
             return {"rows": None, **self._meta()}
-        return {"rows": _slot_order(buf.export(), buf.capacity), "schema": buf.schema.to_json(), **self._meta()}
+        return {"rows": places.in_slot_order(buf.export(), buf.capacity), "schema": buf.schema.to_json(), **self._meta()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """TorchRL's ``load_state_dict``: the rows of ``state_dict`` (``state_dict()``'s), each back in its slot."""
@@ -678,7 +653,7 @@ class ShmStorage(StoreStorage):
         self._kind_of(kinds, "loads")  # before the rows are read: a file chose what it says
         restore = SharedBuffer.resume if (Path(path) / MANIFEST).exists() else SharedBuffer.load
         with restore(path) as saved:
-            rows = _slot_order(saved.export(), saved.capacity)
+            rows = places.in_slot_order(saved.export(), saved.capacity)
             self.load_state_dict({"rows": rows, "schema": saved.schema.to_json(), **kinds})
         return None
 

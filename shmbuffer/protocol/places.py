@@ -16,7 +16,7 @@ from . import rows
 from .reader import Source
 from .ring import INVALID
 
-__all__ = ["INVALID", "cleared", "cursor", "free", "held", "ids_at", "in_lane", "known", "lane_slots", "lanes",
+__all__ = ["INVALID", "cleared", "cursor", "free", "held", "ids_at", "in_lane", "in_slot_order", "is_run", "known", "lane_slots", "lanes",
            "live", "newest", "newest_at", "next_slot", "position", "row_ids", "slots_of", "write_free"]
 
 
@@ -128,3 +128,28 @@ def cleared(src: Source, ids: np.ndarray) -> np.ndarray:
     out = np.zeros(ids.shape, bool)
     out.reshape(-1)[src.ring.cleared(ids.reshape(-1))] = True
     return out
+
+
+def is_run(slots: np.ndarray, first: int, cap: int) -> bool:
+    """Whether ``slots`` are ``first, first + 1, ...`` modulo ``cap``."""
+    k = slots.size
+    if not k:
+        return True
+    if int(slots[0]) != first:
+        return False
+    expected = np.arange(first, first + k, dtype=np.int64)
+    if first + k > cap:
+        expected %= cap
+    return bool((slots == expected).all())
+
+
+def in_slot_order(rows: dict[str, np.ndarray], capacity: int) -> dict[str, np.ndarray]:
+    """Exported rows (``export``: with ``index``) in the order of their slots (``index %
+    capacity``, the buffer's rows: with ``ndim=2`` a row is a step of every env), so a load puts
+    each back in its slot; oldest first where rows are missing in the middle (a writer died mid-push)."""
+    slots = rows.pop("index") % capacity
+    rows.pop("episode", None)
+    order = np.argsort(slots, kind="stable")
+    if not np.array_equal(slots[order], np.arange(slots.size)):
+        return rows
+    return {n: a[order] for n, a in rows.items()}
