@@ -37,6 +37,7 @@ from .protocol.priorities import Priorities
 from .protocol.push import Copier
 from .sample_paths import SamplePaths, count
 from .sampling.limiter import RateLimiter
+from .sampling.ranks import Rank
 from .sampling.samplers import Sampler
 from .schema import Schema, as_schema
 from .shm.segment import Segment
@@ -69,6 +70,10 @@ class ReplayBuffer(MappedBlock):
     """
 
     _paths: SamplePaths | None = None
+    ranked: Rank | None = None
+    """This process's rank of several learners (``attach(..., rank=, world_size=, seed=)``, see
+    ``sampling/ranks.py``): its sample calls draw their part of one global batch; ``None``: alone.
+    ``ranked.step`` counts its sample calls (set it to resume a run's draws)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ReplayBuffer:
         error = hints.constructor_error(args, kwargs)  # cpprb's, SB3's, TorchRL's forms: name ours
@@ -99,6 +104,24 @@ class ReplayBuffer(MappedBlock):
         SEATS.seat(self, self._copier.plan if self._fast_push is not None else None)  # buf.push: an attribute read
         self.rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
         """This process's random generator for sampling."""
+
+    @classmethod
+    def attach(
+        cls, handle: BufferHandle | str, *, schema: Schema | Mapping[str, Any] | None = None,
+        seed: int | np.random.Generator | None = None, rank: int | None = None, world_size: int | None = None,
+    ) -> ReplayBuffer:
+        """Map an existing buffer by handle or name (``MappedBlock.attach``). With ``rank`` and
+        ``world_size`` (data-parallel learners, ``torchrun``), this process is rank ``rank`` of
+        ``world_size`` learners sampling the buffer as one: ``sample(n)`` returns this rank's ``n``
+        rows of one global batch of ``n * world_size``, an epoch its part of each global batch,
+        the draws keyed on ``seed`` (the same int on every rank) and the rank's step; the batches
+        of the ranks joined in rank order are what one process with ``world_size=1`` draws
+        (``sampling/ranks.py``; docs: "Several learners")."""
+        ranked = Rank.make(rank, world_size, seed)  # checked before the block is mapped
+        own = seed if ranked is None else np.random.default_rng([ranked.seed, ranked.rank])
+        self = super().attach(handle, schema=schema, seed=own)
+        self.ranked = ranked
+        return self
 
     def __dir__(self) -> list[str]:
         return [name for name in super().__dir__() if name not in hints.METHODS]  # the hints set below
