@@ -59,6 +59,7 @@ def _rank(name: str, rank: int, w: int, ranked: bool, per: bool, ready: Any, go:
             if per:
                 buf.update_priorities(b, prios)
             n += 1
+        del b  # its arrays are views of the block: gone before close
         out.put(n)
     finally:
         buf.close()
@@ -134,7 +135,7 @@ def ranks_case(cfg: Config) -> dict[str, Any]:
     subjects = {
         s: {"status": "ok", "kind": "ours" if s == "shmbuffer" else "baseline" if s == "shmbuffer, 1 rank" else "variant",
             "note": f"{SUBJECTS[s][0]} process{'es' if SUBJECTS[s][0] > 1 else ''}, "
-                    + ("ranked attaches (world_size=%d)" % SUBJECTS[s][0] if SUBJECTS[s][1] else "plain attaches"),
+                    + (f"ranked attaches (world_size={SUBJECTS[s][0]})" if SUBJECTS[s][1] else "plain attaches"),
             "metrics": {m: {**summary(v), "gb_per_s": statistics_gb(v)} for m, v in runs[s].items()}}
         for s in SUBJECTS
     }

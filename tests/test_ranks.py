@@ -18,7 +18,6 @@ from scipy import stats
 import shmbuffer as sb
 from shmbuffer import native
 from shmbuffer.errors import EmptyBufferError
-from shmbuffer.protocol.layout import Counter
 from shmbuffer.sampling import ranks
 from shmbuffer.sampling.samplers import Prioritized, Uniform
 
@@ -41,6 +40,10 @@ def _ranks(name: str, w: int, seed: int = 11) -> list[sb.ReplayBuffer]:
     return [sb.ReplayBuffer.attach(name, rank=r, world_size=w, seed=seed) for r in range(w)]
 
 
+def _rank(name: str, r: int, w: int, seed: int = 11) -> sb.ReplayBuffer:
+    return sb.ReplayBuffer.attach(name, rank=r, world_size=w, seed=seed)
+
+
 def _close(bufs: list[sb.ReplayBuffer]) -> None:
     for b in bufs:
         b.close()
@@ -50,7 +53,7 @@ def _close(bufs: list[sb.ReplayBuffer]) -> None:
 @pytest.mark.parametrize("one_call", [True, False])
 def test_ranks_joined_equal_one_process_bit_for_bit(make: Any, name: str, kind: str, one_call: bool) -> None:
     kw: dict[str, Any] = {"prioritized": {"sampler": Prioritized(beta_steps=5)}, "max_use": {"max_use": 10_000}}.get(kind, {})
-    buf = _filled(make, name, **kw)
+    _filled(make, name, **kw)
     one, parts = _ranks(name, 1)[0], _ranks(name, 3)
     try:
         for b in [one, *parts]:
@@ -77,7 +80,7 @@ def test_ranks_joined_equal_one_process_bit_for_bit(make: Any, name: str, kind: 
 @pytest.mark.parametrize("kind", ["uniform", "prioritized", "max_use"])
 def test_keyed_one_call_draws_the_numpy_rows(make: Any, name: str, kind: str) -> None:
     kw: dict[str, Any] = {"prioritized": {"sampler": Prioritized()}, "max_use": {"max_use": 10_000}}.get(kind, {})
-    buf = _filled(make, name, lanes=3, **kw)
+    _filled(make, name, lanes=3, **kw)
     fast, slow = sb.ReplayBuffer.attach(name, rank=1, world_size=2, seed=5), sb.ReplayBuffer.attach(
         name, rank=1, world_size=2, seed=5)
     try:
@@ -172,7 +175,7 @@ def test_attach_refuses_bad_ranks_and_leaves_buffer(make: Any, name: str) -> Non
 def test_rank_refuses_draws_it_does_not_split(make: Any, name: str) -> None:
     buf = make(SCHEMA, 64, name=name, episodes=True)
     buf.push(x=np.zeros((64, 3), np.float32), r=np.zeros(64, np.float32), episode=np.repeat(np.arange(8), 8))
-    (rank,) = _ranks(name, 2)[1:]
+    rank = _rank(name, 1, 2)
     try:
         for call in (lambda: rank.sample_sequences(2, 4), lambda: rank.sample_groups(2, 4),
                      lambda: rank.sample_episodes(1)):
@@ -183,7 +186,34 @@ def test_rank_refuses_draws_it_does_not_split(make: Any, name: str) -> None:
         assert rank.ranked.step == 0  # type: ignore[union-attr]  # nothing drawn: the step stays
     finally:
         rank.close()
-        _ranks(name, 2)[0].close()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_loader_takes_the_rank_from_the_buffer(make: Any, name: str, background: bool) -> None:
+    from shmbuffer.loader import Loader
+
+    _filled(make, name)
+    rank, twin = _rank(name, 1, 2), _rank(name, 1, 2)
+    try:
+        with Loader(rank, 16, batches=4, background=background) as loader:
+            got = [b.index.numpy() for b in loader]
+        assert all(np.array_equal(g, twin.sample(16).index) for g in got)  # the attach's steps, in order
+    finally:
+        _close([rank, twin])
+
+
+def test_device_copy_refuses_a_rank(make: Any, name: str) -> None:
+    pytest.importorskip("torch")
+    from shmbuffer.device import DeviceReplay
+    from shmbuffer.errors import LayoutError
+
+    _filled(make, name)
+    rank = _rank(name, 0, 2)
+    try:
+        with pytest.raises(LayoutError, match="rank"):
+            DeviceReplay(rank, "cpu", refresher=False)
+    finally:
+        rank.close()
 
 
 # -- rank processes ---------------------------------------------------------------------------------
@@ -323,3 +353,29 @@ def test_plain_attach_is_not_a_rank(make: Any, name: str) -> None:
         assert plain.sample(4).index.size == 4
     finally:
         plain.close()
+
+
+@pytest.mark.slow
+def test_the_ddp_example_trains_two_ranks_from_one_buffer() -> None:
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONWARNINGS": "error", "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(root / "examples" / "ddp_dqn.py"), "--updates", "100", "--learning-starts", "500", "--eval-episodes", "1",
+           "--target", "0"]
+    proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:  # timed out: kill it, its ranks and their collectors
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, out + err
+    assert re.search(r"OK: 2 ranks \(gloo\) trained one model from one buffer: 100 updates of a global batch of 128 "
+                     r"\(64 a rank, uniform\), [\d,]+ rows pushed by 8 collector envs, in \d+ s; models equal on every "
+                     r"rank: True", out), out
