@@ -1,7 +1,8 @@
 """Several learners on one buffer (``ReplayBuffer.attach(..., rank=, world_size=, seed=)``): total
 batches per second of 2 rank processes against 1, both in one run, alternating.
 
-``ranks.mujoco``: a MuJoCo-like buffer of 200,000 rows (``--quick``: 20,000), full, no writers.
+``ranks.mujoco``: a MuJoCo-like buffer of 200,000 rows (``--quick``: 20,000 rows, runs of 0.5 s),
+full, no writers.
 Each run starts its rank processes (``fork``), lets them attach and warm up, then starts them
 together for ``cfg.mp_seconds``; each samples 256 rows in a loop (``per``: a prioritized buffer,
 sample 256 and ``update_priorities`` of the batch), and the run's number is the batches of all its
@@ -104,7 +105,7 @@ def ranks_case(cfg: Config) -> dict[str, Any]:
     import shmbuffer as sb
 
     rows = QUICK_ROWS if cfg.quick else ROWS
-    seconds = cfg.mp_seconds
+    seconds = min(cfg.mp_seconds, 0.5) if cfg.quick else cfg.mp_seconds  # quick: 16 runs, a smoke test
     names: dict[bool, str] = {}
     made = []
     try:
