@@ -28,7 +28,7 @@ the process's own generator (``ReplayBuffer.rng``): the invariance holds for the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -84,6 +84,7 @@ class Rank:
     step: int = 0
     epochs: int = 0
     """Epochs started so far (``ReplayBuffer.epoch``): the next one's permutation is keyed on it."""
+    _streams: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def make(cls, rank: Any, world_size: Any, seed: Any) -> Rank | None:
@@ -105,7 +106,10 @@ class Rank:
 
     def key(self, stream: int, count: int) -> int:
         """The 64-bit key of draw ``count`` of ``stream`` (``SAMPLE``: the step; ``EPOCH``: the epoch)."""
-        return _mix(_mix(_mix(self.seed) + stream) + count * _GOLDEN)
+        base = self._streams.get(stream)
+        if base is None:  # the seed's part, once a stream: a sample call mixes only its step in
+            base = self._streams[stream] = _mix(_mix(self.seed) + stream)
+        return _mix(base + count * _GOLDEN)
 
     def keyed(self, n: int) -> tuple[int, int, int]:
         """This step's draw of ``n`` rows a rank: ``(key, first point, points in the global batch)``."""
