@@ -188,6 +188,22 @@ def test_rank_refuses_draws_it_does_not_split(make: Any, name: str) -> None:
         rank.close()
 
 
+def test_rank_refuses_hindsight_and_changes_nothing(make: Any, name: str) -> None:
+    from shmbuffer.hindsight import Hindsight
+    from tests.test_her import GOAL, compute_reward
+
+    buf = make(GOAL, 64, name=name, episodes=True)
+    buf.push({f.name: np.zeros((8, *f.shape), f.dtype) for f in GOAL}, episode=0)
+    rank = _rank(name, 0, 2)
+    try:
+        before = dict(buf.stats)
+        with pytest.raises(ValueError, match="hindsight relabelling does not split"):
+            rank.sample(4, hindsight=Hindsight(compute_reward))
+        assert buf.stats == before and rank.ranked.step == 0  # type: ignore[union-attr]
+    finally:
+        rank.close()
+
+
 @pytest.mark.parametrize("background", [False, True])
 def test_loader_takes_the_rank_from_the_buffer(make: Any, name: str, background: bool) -> None:
     from shmbuffer.loader import Loader
