@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         machine,
         multiproc,
         peers,
+        ranks,
         report,
     )
     cases.register(harness.CASES)
@@ -68,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     distributed.register(harness.CASES)
     compression.register(harness.CASES)
     hindsight.register(harness.CASES)
+    ranks.register(harness.CASES)
     order = sorted(harness.CASES, key=lambda n: GROUPS.index(harness.CASES[n].group))
     if args.list:
         for n in order:

@@ -98,6 +98,15 @@ TARGETS = [
            "shmbuffer, uncompressed", 1.0),
     Target("mujoco-loader-thread", "CPU loader sampling in its thread >= 1.3x sample() in the loop", "mujoco.loader",
            "train", "shmbuffer sample().to('cpu'), no prefetch", 1.3, subject="shmbuffer loader(background=True)"),
+    # several learners on one buffer (benchmarks/ranks.py): 2 rank processes against 1, total batches/s
+    Target("ranks-uniform", "2 ranks / 1 rank, uniform sample 256, quiet, >= 1.9x", "ranks.mujoco", "uniform",
+           "shmbuffer, 1 rank", 1.9),
+    Target("ranks-per", "2 ranks / 1 rank, prioritized sample 256 + update, quiet, >= 1.8x", "ranks.mujoco", "per",
+           "shmbuffer, 1 rank", 1.8),
+    Target("ranks-uniform-busy", "... uniform, 2 busy processes beside: >= 1x", "ranks.mujoco", "uniform_busy",
+           "shmbuffer, 1 rank", 1.0),
+    Target("ranks-per-busy", "... prioritized, 2 busy processes beside: >= 1x", "ranks.mujoco", "per_busy",
+           "shmbuffer, 1 rank", 1.0),
     Target("mujoco-mp-learner-8x", "2 writers + learner: our learner samples >= 8x cpprb's", "mujoco.multiproc",
            "learner", "cpprb.MPReplayBuffer", 8.0, "mujoco.sample256"),
 ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from .protocol.priorities import Priorities
 from .protocol.push import Copier
 from .sample_paths import SamplePaths, count, generator_from_state, generator_state
 from .sampling.limiter import RateLimiter
+from .sampling.ranks import Rank
 from .sampling.samplers import Sampler
 from .schema import Schema, as_schema
 from .shm.segment import Segment
@@ -69,6 +71,10 @@ class ReplayBuffer(MappedBlock):
     """
 
     _paths: SamplePaths | None = None
+    ranked: Rank | None = None
+    """This process's rank of several learners (``attach(..., rank=, world_size=, seed=)``, see
+    ``sampling/ranks.py``): its sample calls draw their part of one global batch; ``None``: alone.
+    ``ranked.step`` counts its sample calls (set it to resume a run's draws)."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> ReplayBuffer:
         error = hints.constructor_error(args, kwargs)  # cpprb's, SB3's, TorchRL's forms: name ours
@@ -100,6 +106,26 @@ class ReplayBuffer(MappedBlock):
         SEATS.seat(self, self._copier.plan if self._fast_push is not None else None)  # buf.push: an attribute read
         self.rng = rng
         """This process's random generator for sampling."""
+
+    @classmethod
+    def attach(
+        cls, handle: BufferHandle | str, *, schema: Schema | Mapping[str, Any] | None = None,
+        seed: int | np.random.Generator | None = None, sampler: type[Sampler] | ModuleType | None = None,
+        rank: int | None = None, world_size: int | None = None,
+    ) -> ReplayBuffer:
+        """Map an existing buffer by handle or name (``MappedBlock.attach``; ``sampler``: the class
+        or module of a sampler of the user's, as there). With ``rank`` and
+        ``world_size`` (data-parallel learners, ``torchrun``), this process is rank ``rank`` of
+        ``world_size`` learners sampling the buffer as one: ``sample(n)`` returns this rank's ``n``
+        rows of one global batch of ``n * world_size``, an epoch its part of each global batch,
+        the draws keyed on ``seed`` (the same int on every rank) and the rank's step; the batches
+        of the ranks joined in rank order are what one process with ``world_size=1`` draws
+        (``sampling/ranks.py``; docs: "Several learners")."""
+        ranked = Rank.make(rank, world_size, seed)  # checked before the block is mapped
+        own = seed if ranked is None else np.random.default_rng([ranked.seed, ranked.rank])
+        self = super().attach(handle, schema=schema, seed=own, sampler=sampler)
+        self.ranked = ranked
+        return self
 
     def __dir__(self) -> list[str]:
         return [name for name in super().__dir__() if name not in hints.METHODS]  # the hints set below
@@ -278,6 +304,7 @@ class ReplayBuffer(MappedBlock):
         before), fields ``(n, burn_in + length, ...)`` or, ``time_major``, ``(burn_in + length, n,
         ...)``. ``batch.mask`` marks the steps that exist: a window stops at its episode's ends,
         the write head and rows being written; the rest is zeros. See ``sequences.py``."""
+        self._alone("sample_sequences")
         return count(self, n * (length + burn_in), None, lambda: sequences.sample_sequences(
             self, n, length, burn_in=burn_in, time_major=time_major))
 
@@ -290,6 +317,7 @@ class ReplayBuffer(MappedBlock):
         :param replace: ``False``: every group from another episode (DI-engine's default).
         :param short: also draw episodes of fewer than ``size`` rows, whole; ``batch.mask`` marks
             the rows that exist."""
+        self._alone("sample_groups")
         return count(self, groups * size, None, lambda: sequences.sample_groups(
             self, groups, size, ordered=ordered, replace=replace, short=short))
 
@@ -297,7 +325,15 @@ class ReplayBuffer(MappedBlock):
         """``n`` distinct complete episodes (the next one has started in their lane), each a batch
         of its rows in order; with ``replace=True`` drawn in proportion to their length. A rate
         limiter does not hold it back."""
+        self._alone("sample_episodes")
         return sequences.sample_episodes(self, n, replace=replace)
+
+    def _alone(self, what: str) -> None:
+        """Refuse a draw that a rank's attach does not split over the ranks yet (``sampling/ranks.py``)."""
+        rank = self.ranked
+        if rank is not None:
+            raise ValueError(f"{what}: its draws are not split over ranks yet (this attach is rank {rank.rank} of "
+                             f"world_size={rank.world_size}); call it on an attach without rank=/world_size=")
 
     def epoch(self, batch_size: int, *, shuffle: bool = True, drop_last: bool = False) -> Iterator[Batch]:
         """Every row held now, once, in batches of ``batch_size`` (PPO's epochs). Rows overwritten

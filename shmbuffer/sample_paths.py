@@ -23,8 +23,9 @@ from .protocol import reader
 from .protocol.gather import check_out
 from .protocol.one_call import OneCall
 from .protocol.reader import Source
+from .sampling import ranks
 from .sampling.limiter import counted
-from .sampling.samplers import check_batch_size
+from .sampling.samplers import Draw, check_batch_size
 
 __all__ = ["Buffer", "SamplePaths", "check_transitions", "count", "generator_from_state", "generator_state"]
 
@@ -53,17 +54,19 @@ class SamplePaths:
             check_batch_size(n)
             out = check_out(src.block, n, out)
         one = self.one_call
+        rank = src.ranked
         if (one is not None and self.one_calls and type(n) is int and n > 0 and replace is True and n_step == 1
                 and hindsight is None and timeout is None and not unknown and one.rng is src.rng
                 and src.options.limiter is None):
             # the usual call, as one C call with no checks left to make (the rest below is the same)
-            prios = src.priorities
-            calls = prios.next_call() if prios is not None else 0
-            batch = one(src, n, out, calls)
+            calls = next_call(src)
+            batch = one(src, n, out, calls, None if rank is None else rank.keyed(n))
             if batch is None:  # what the call does not serve (an empty buffer ...): the Python path
                 check_transitions(src, n, True)
-                batch = reader.draw(src, n, out=out, calls=calls)
+                batch = reader.draw(src, n, out=out, calls=calls, first=first_draw(src, n, True))
             src.ring.count_sampled(n)
+            if rank is not None:
+                rank.step += 1
             return batch
         if unknown:  # another library's keyword (cpprb's beta, SB3's env ...): name ours
             raise hints.keyword_error("sample", unknown)
@@ -85,9 +88,13 @@ class SamplePaths:
             sequences.check_n_step(src, n_step, fields)
         check_transitions(src, n, replace)
 
+        if rank is not None and hindsight is not None:
+            raise ValueError(f"sample: hindsight relabelling does not split its draws over ranks (this attach is rank "
+                             f"{rank.rank} of world_size={rank.world_size}); sample with hindsight from an attach "
+                             "without rank=/world_size=")
+
         def draw() -> Batch:
-            prios = src.priorities
-            calls = prios.next_call() if prios is not None else 0  # shared: attach, load continue it
+            calls = next_call(src)
             if hindsight is not None:
                 return her.sample(src, hindsight, n, out=out, calls=calls)
             batch = None
@@ -96,11 +103,13 @@ class SamplePaths:
                 if one is None or one.rng is not src.rng:  # made at the first sample, again for a new rng
                     one = self.make_one_call(src)
                 if one is not None:
-                    batch = one(src, n, out, calls)
+                    batch = one(src, n, out, calls, None if rank is None else rank.keyed(n))
             if batch is None:
-                batch = reader.draw(src, n, replace=replace, out=out, calls=calls)
+                batch = reader.draw(src, n, replace=replace, out=out, calls=calls, first=first_draw(src, n, replace))
             if n_step > 1:
                 sequences.add_n_step(src, batch, int(n_step), float(gamma), fields)
+            if rank is not None:
+                rank.step += 1
             return batch
 
         return count(src, n, timeout, draw)
@@ -119,6 +128,33 @@ class SamplePaths:
         if self.one_call is not None:
             self.one_call.close()
         self.one_call = None
+
+
+def next_call(src: Buffer) -> int:
+    """The sample call whose ``beta`` a batch's weights take (``Prioritized.beta_at``), counted:
+    alone, the calls of every process (``Counter.SAMPLE_CALLS``, shared: attach and load continue
+    it); a rank, its own step, the global batch's (every rank's at once), while rank 0 alone counts
+    the shared calls, one per global batch."""
+    prios, rank = src.priorities, src.ranked
+    if rank is None:
+        return prios.next_call() if prios is not None else 0
+    if prios is not None and rank.rank == 0:
+        prios.next_call()
+    return rank.step
+
+
+def first_draw(src: Buffer, n: int, replace: bool) -> Draw | None:
+    """A rank's part of this step's global draw (``ranks.draw``); ``None`` alone (the reader draws)."""
+    rank = src.ranked
+    if rank is None:
+        return None
+    if not replace and n * rank.world_size > len(src.ring):
+        raise EmptyBufferError(
+            f"sample({n}, replace=False): the ranks' global batch of {n} x world_size={rank.world_size} distinct "
+            f"rows is more than the {len(src.ring)} rows buffer {src.name!r} holds; sample fewer rows a rank, "
+            "draw with repeats (replace=True), or wait until writers have pushed more")
+    prios = src.priorities
+    return ranks.draw(src.options.sampler, src.ring, prios.tree if prios is not None else None, rank, n, replace)
 
 
 def check_transitions(src: Buffer, n: int, replace: bool) -> None:

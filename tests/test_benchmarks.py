@@ -27,7 +27,7 @@ def left_by(pid: int) -> list[str]:
 
 
 GROUPS = {
-    "shmbuffer and peers": ["floor.*", "mujoco.*", "atari.*", "gpu.*", "her.sample*"],
+    "shmbuffer and peers": ["floor.*", "mujoco.*", "atari.*", "gpu.*", "her.sample*", "ranks.*"],
     "frameworks": ["sb3.*", "torchrl.*", "ray.*", "her.sac"],
 }
 """The quick run in two halves (each within its time limit, in parallel under ``pytest -n``); every

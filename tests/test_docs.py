@@ -91,8 +91,9 @@ def test_an_example_that_falls_short_exits_non_zero() -> None:
 
 ELSEWHERE = {"atari.py": "test_atari_example.py", "ray_cluster.py": "test_ray.py",
              "cleanrl_dqn_vector.py": "test_vector.py", "torchrl_collector.py": "test_torchrl.py",
-             "envpool_dqn.py": "test_vector_envpool.py"}
-"""Examples that need an extra (ale-py, Ray, TorchRL) or belong to a module's tests, smoke-tested there."""
+             "envpool_dqn.py": "test_vector_envpool.py", "ddp_dqn.py": "test_ranks.py"}
+"""Examples that need an extra (ale-py, Ray, TorchRL, EnvPool) or belong to a module's tests (torchrun:
+test_ranks.py), smoke-tested there."""
 
 
 def test_every_example_is_smoke_tested() -> None:

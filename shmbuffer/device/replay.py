@@ -138,7 +138,9 @@ class DeviceReplay(DeviceRows):
         torch = _torch()
         opts = buf.options
         refused = [what for what, on in (("max_use", opts.max_use is not None),
-                                        ("a rate limiter", opts.limiter is not None)) if on]
+                                        ("a rate limiter", opts.limiter is not None),
+                                        ("a rank's part of global draws (attach rank=, world_size=)",
+                                         buf.ranked is not None)) if on]
         if refused:
             raise LayoutError(f"DeviceReplay: buffer {buf.name!r} has {', '.join(refused)}, which the device copy "
                               "does not do yet: sample with buf.sample(...) or a Loader(buf, ...)")

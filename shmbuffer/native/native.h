@@ -74,6 +74,17 @@ static inline int64_t next_below(uint64_t *s, int64_t m) {
     return pos < m ? pos : m - 1;
 }
 
+/* a counter-based double in [0, 1): point `i` of the stream `key` (sampling/ranks.py's `uniforms`,
+ * the same arithmetic in numpy): splitmix64's finaliser of i * golden + key, its top 53 bits. Any
+ * point of a draw is computed alone, so each rank computes only its own points of a global batch */
+static inline double keyed_double(uint64_t key, uint64_t i) {
+    uint64_t z = i * 0x9E3779B97F4A7C15ULL + key;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return (double)(z >> 11) * (1.0 / 9007199254740992.0);
+}
+
 /* -- the priority tree (tree.c) ---------------------------------------------------------------- */
 typedef struct {
     Py_ssize_t n;               /* levels, leaves first; the last is the top */

@@ -202,6 +202,13 @@ PyObject *py_read_close(PyObject *self, PyObject *capsule) {
     Py_RETURN_NONE;
 }
 
+/* a rank's part of a global draw (sampling/ranks.py): the points start .. start + k of a draw of
+ * `of` points whose numbers are keyed_double(key, point) */
+typedef struct {
+    uint64_t key;
+    int64_t start, of;
+} Keyed;
+
 /* -- the draws --------------------------------------------------------------------------------- */
 /* the lanes' bounds now: first[l], and ends[l] the running sum of their sizes; the total */
 static int64_t read_bounds(const ReadPlan *p, int64_t *first, int64_t *ends) {
@@ -218,10 +225,17 @@ static int64_t read_bounds(const ReadPlan *p, int64_t *first, int64_t *ends) {
 
 /* k ids uniform over the m rows of the bounds (samplers.uniform_ids with replacement: a position
  * in [0, m), then its lane by the running sums) */
-static void draw_uniform(ReadPlan *p, const int64_t *first, const int64_t *ends, int64_t m, int64_t *ids, Py_ssize_t k) {
+static void draw_uniform(ReadPlan *p, const int64_t *first, const int64_t *ends, int64_t m, int64_t *ids, Py_ssize_t k,
+                         const Keyed *kd) {
     Py_ssize_t lanes = p->lanes;
     for (Py_ssize_t i = 0; i < k; i++) {
-        int64_t pos = next_below(p->rng, m);
+        int64_t pos;
+        if (kd) {
+            pos = (int64_t)(keyed_double(kd->key, (uint64_t)(kd->start + i)) * (double)m);
+            if (pos >= m) pos = m - 1;
+        } else {
+            pos = next_below(p->rng, m);
+        }
         if (lanes == 1) {
             ids[i] = first[0] + pos;
             continue;
@@ -240,10 +254,19 @@ static void draw_uniform(ReadPlan *p, const int64_t *first, const int64_t *ends,
 /* k rows in proportion to their leaves (samplers.tree_draw): stratified over k segments of the
  * total on a first draw, plainly on a re-draw; their leaves and ids (INVALID_ID: not a row now) */
 static void draw_tree(ReadPlan *p, double total, int stratified, int64_t *slots, double *x, double *leaves, int64_t *ids,
-                      Py_ssize_t k) {
+                      Py_ssize_t k, const Keyed *kd) {
     const double *sums = (const double *)p->sums.buf;
     double step = total / (double)k;
-    for (Py_ssize_t i = 0; i < k; i++) x[i] = stratified ? (next_double(p->rng) + (double)i) * step : next_double(p->rng) * total;
+    if (kd) { /* points start.. of a stratified draw of `of` points (ranks.py's tree_points) */
+        step = total / (double)kd->of;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            uint64_t at = (uint64_t)(kd->start + i);
+            x[i] = (keyed_double(kd->key, at) + (double)at) * step;
+        }
+    } else {
+        for (Py_ssize_t i = 0; i < k; i++)
+            x[i] = stratified ? (next_double(p->rng) + (double)i) * step : next_double(p->rng) * total;
+    }
     tree_walk(sums, &p->lv, p->capacity, x, slots, k);
     /* the rows' stamps and first lines now: their misses overlap the ones of the leaves and the
      * stamps below, and the gather finds them on the way */
@@ -503,11 +526,11 @@ static Py_ssize_t redraw(ReadPlan *p, Columns *c, int64_t *ids, char *ok, double
         if (p->tree) {
             double total = ((const double *)p->sums.buf)[p->lv.size - 1];
             if (!(total > 0)) break;
-            draw_tree(p, total, 0, scratch, x, nleaf, nid, k);
+            draw_tree(p, total, 0, scratch, x, nleaf, nid, k, NULL);
         } else {
             int64_t m = read_bounds(p, first, ends);
             if (m <= 0) break;
-            draw_uniform(p, first, ends, m, nid, k);
+            draw_uniform(p, first, ends, m, nid, k, NULL);
         }
         int64_t updates = __atomic_load_n(&((const int64_t *)p->stats.buf)[COUNTER_UPDATES], __ATOMIC_ACQUIRE);
         read_rows(p, &t, nid, k, scratch, nok);
@@ -593,7 +616,7 @@ no_tree:
     return -1;
 }
 
-/* sample(plan, outs, ids, ok, nogil[, leaves, weights, beta]) -> int: len(ids) rows drawn (uniform, or
+/* sample(plan, outs, ids, ok, nogil[, leaves, weights, beta][, keyed]) -> int: len(ids) rows drawn (uniform, or
  * with the plan's tree in proportion to their leaves, stratified, and their importance weights
  * with `beta`), gathered with the stamp check into outs (one per column of the plan), the rows not
  * intact re-drawn and gathered again (a few rounds). Returns how many positions are still not
@@ -601,10 +624,12 @@ no_tree:
  * that are ok counted a use), or -1 when the call served nothing and counted nothing: the plan is
  * closed, the buffer holds no row (or the tree no mass) to draw, or the lock was busy for the
  * first claim, or (frames) no position holds a whole transition. The GIL is released around the gather when it is
- * big (NOGIL_BYTES) or `nogil` is true (a thread that samples for another: the loader's). */
+ * big (NOGIL_BYTES) or `nogil` is true (a thread that samples for another: the loader's). `keyed`,
+ * (key, start, of) or None: the first draw is a rank's points start .. start + n of a global draw of
+ * `of` points (Keyed), not the plan's generator's; re-draws take the plan's generator. */
 PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs < 5 || nargs > 8) {
-        PyErr_SetString(PyExc_TypeError, "sample(plan, outs, ids, ok, nogil[, leaves, weights, beta])");
+    if (nargs < 5 || nargs > 9) {
+        PyErr_SetString(PyExc_TypeError, "sample(plan, outs, ids, ok, nogil[, leaves, weights, beta][, keyed])");
         return NULL;
     }
     ReadPlan *p = (ReadPlan *)PyCapsule_GetPointer(args[0], READ_CAPSULE);
@@ -612,9 +637,21 @@ PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (p->closed) return PyLong_FromLong(-1);
     int nogil = PyObject_IsTrue(args[4]);
     if (nogil < 0) return NULL;
+    Keyed keyed, *kd = NULL;
+    Py_ssize_t at = p->tree ? 8 : 5; /* keyed's place: after the tree's arguments */
+    if (nargs > at + 1) {
+        PyErr_SetString(PyExc_TypeError, "sample: too many arguments for this plan");
+        return NULL;
+    }
+    if (nargs == at + 1 && args[at] != Py_None) {
+        unsigned long long key;
+        if (!PyArg_ParseTuple(args[at], "KLL:sample keyed", &key, &keyed.start, &keyed.of)) return NULL;
+        keyed.key = (uint64_t)key;
+        kd = &keyed;
+    }
     double beta = 0.0;
     if (p->tree) {
-        if (nargs != 8) {
+        if (nargs < 8) {
             PyErr_SetString(PyExc_TypeError, "sample: a prioritized plan takes leaves, weights and beta");
             return NULL;
         }
@@ -626,6 +663,10 @@ PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *result = NULL;
     int64_t *scratch = NULL, *first = NULL;
     if (call_open(p, &call, args, nargs, &n) < 0) goto done;
+    if (kd && (kd->start < 0 || kd->of < kd->start + n)) {
+        PyErr_SetString(PyExc_ValueError, "sample: keyed points start .. start + n must lie in a draw of `of` points");
+        goto done;
+    }
     int64_t *ids = (int64_t *)call.ids.buf;
     char *ok = (char *)call.ok.buf;
     double *leaves = p->tree ? (double *)call.leaves.buf : NULL;
@@ -641,11 +682,11 @@ PyObject *py_sample(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
         const double *sums = (const double *)p->sums.buf;
         total = sums[p->lv.size - 1]; /* SumTree.total: the last prefix sum of the top level */
         if (!(total > 0)) { result = PyLong_FromLong(-1); goto done; }
-        draw_tree(p, total, 1, scratch, (double *)(scratch + n), leaves, ids, n);
+        draw_tree(p, total, 1, scratch, (double *)(scratch + n), leaves, ids, n, kd);
     } else {
         int64_t m = read_bounds(p, first, ends);
         if (m <= 0) { result = PyLong_FromLong(-1); goto done; }
-        draw_uniform(p, first, ends, m, ids, n);
+        draw_uniform(p, first, ends, m, ids, n, kd);
     }
     if (p->busy_pid != push_pid) { /* the first sample here, or in a forked child: none in flight */
         p->busy = 0;

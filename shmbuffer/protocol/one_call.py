@@ -146,8 +146,10 @@ class OneCall:
         """Release the plan's views of the block (``ReplayBuffer.close``)."""
         self.lib.read_close(self.plan)
 
-    def __call__(self, src: Source, n: int, out: dict[str, np.ndarray] | None, calls: int) -> Batch | None:
-        """``draw(src, n, out=out, calls=calls)`` in one call, or ``None``: ``draw`` must run."""
+    def __call__(self, src: Source, n: int, out: dict[str, np.ndarray] | None, calls: int,
+                 keyed: tuple[int, int, int] | None = None) -> Batch | None:
+        """``draw(src, n, out=out, calls=calls)`` in one call, or ``None``: ``draw`` must run.
+        ``keyed``: a rank's part of a global draw (``Rank.keyed``), the ids ``ranks.draw`` gives."""
         if out is not None and any(s.axis and name in out for name, s in self.stacks.items()):
             return None  # the C call writes a stack's frames in a row; the field interleaves them
         record = self.record
@@ -181,9 +183,9 @@ class OneCall:
             if sampler.prioritized:  # served "tree": Prioritized's weights
                 weight = np.empty(n, np.float32)
                 beta = cast(Prioritized, sampler).beta_at(calls)
-            bad = self.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil, leaves, weight, beta)
+            bad = self.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil, leaves, weight, beta, keyed)
         else:
-            bad = self.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil)
+            bad = self.sample(self.plan, tuple(outs), ids, ok, _THREAD.nogil, keyed)
         if bad < 0:
             return None
         for name, s in self.stacks.items():  # frames (n, k, *frame) in the field's layout

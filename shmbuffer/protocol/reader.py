@@ -24,7 +24,8 @@ import numpy as np
 from .. import frames
 from ..batch import Batch
 from ..errors import EmptyBufferError, WaitTimeout
-from ..sampling.samplers import drawn_by
+from ..sampling.ranks import EPOCH, Rank
+from ..sampling.samplers import Draw, drawn_by
 from .gather import REDRAW_ROUNDS, Rows, assemble, gather, settle
 from .layout import Block, Counter, Options
 from .priorities import Priorities
@@ -48,6 +49,8 @@ class Source(Protocol):
 
     name: str
     rng: np.random.Generator
+    ranked: Rank | None
+    """This process's rank of several learners (``ranks.py``), or ``None``: it draws alone."""
 
     @property
     def block(self) -> Block:
@@ -166,9 +169,11 @@ def _too_few(name: str, n: int, held: int) -> str:
 
 
 # -- reads a buffer serves with these ------------------------------------------------------------
-def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray] | None = None, calls: int = 0) -> Batch:
+def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray] | None = None, calls: int = 0,
+         first: Draw | None = None) -> Batch:
     """``n`` rows drawn by ``src``'s sampler and read intact; what the reader refuses is drawn
-    again (``fetch``). A prioritized batch has ``weight``, annealed for the ``calls``-th sample."""
+    again (``fetch``). A prioritized batch has ``weight``, annealed for the ``calls``-th sample.
+    ``first``: the rows drawn already (a rank's part of a global draw, ``ranks.draw``)."""
     ring, prios, sampler = src.ring, src.priorities, src.options.sampler
     tree = prios.tree if prios is not None else None
     if not replace and n > len(ring):
@@ -178,10 +183,12 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
     # a few rows of a frames buffer are not transitions (end rows, a lane's newest): draw a few
     # spares with the rest and keep the first n that are, instead of a second round for those.
     # Keeping the first n valid of independent draws is rejection sampling: the same distribution
-    spares = max(8, n // 32) if block.frames is not None and replace and out is None and not counting else 0
+    spares = (max(8, n // 32) if block.frames is not None and replace and out is None and not counting
+              and first is None else 0)
     # uniform draws are independent: the spares come in the same call; a prioritized draw is
     # stratified over its n, so its spares are drawn apart (``again``: unstratified)
-    first = sampler.draw(ring, tree, src.rng, n + (spares if tree is None else 0), replace=replace)
+    if first is None:
+        first = sampler.draw(ring, tree, src.rng, n + (spares if tree is None else 0), replace=replace)
     if first.ids.size < n:
         _nothing_to_draw(src, n, final=True, got=first.ids.size, replace=replace)
     ids, leaves = first
@@ -348,11 +355,18 @@ def epoch(src: Source, batch_size: int, *, shuffle: bool, drop_last: bool) -> It
     if counting:
         assert prios is not None
         ids = ids[prios.tree.leaves[ring.slots(ids)] > 0]
-    if shuffle:
-        ids = src.rng.permutation(ids)
-    stop = ids.size - ids.size % batch_size if drop_last else ids.size
-    for at in range(0, stop, batch_size):
-        chunk = ids[at:at + batch_size].copy()
+    rank = src.ranked
+    if shuffle:  # a rank: the epoch's permutation keyed on (seed, epoch), the same on every rank
+        ids = src.rng.permutation(ids) if rank is None else rank.generator(EPOCH, rank.epochs).permutation(ids)
+    if rank is not None:
+        rank.epochs += 1
+    whole = batch_size * (1 if rank is None else rank.world_size)  # the global batch, split in rank order
+    stop = ids.size - ids.size % whole if drop_last else ids.size
+    for at in range(0, stop, whole):
+        chunk = ids[at:at + whole]
+        chunk = (chunk if rank is None else chunk[rank.part(chunk.size)]).copy()
+        if not chunk.size:
+            continue
         rows = gather(src.block, ring, chunk)
         if not rows.ok.all():
             settle(src.block, ring, chunk, rows)

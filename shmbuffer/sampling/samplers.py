@@ -516,16 +516,22 @@ def uniform_ids(
     else:
         extra = 0 if taken is None else taken.size
         pos = rng.choice(m, size=min(m, k + extra), replace=False)
-    lanes = start.shape[0]
-    if lanes == 1:
-        ids = start[0] + pos
-    else:
-        ends = np.cumsum(sizes)
-        lane = np.searchsorted(ends, pos, side="right")
-        ids = (start[lane] + pos - (ends[lane] - sizes[lane])) * lanes + lane
+    ids = ids_at(pos, start, stop)
     if not replace and taken is not None and taken.size:
         ids = ids[~np.isin(ids, taken)]
     return ids[:k]
+
+
+def ids_at(pos: np.ndarray, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    """The ids at positions ``pos`` (in ``[0, m)``) among the ``m`` rows ``[start[l], stop[l])`` of
+    the lanes, lane after lane (``uniform_ids``' positions)."""
+    lanes = start.shape[0]
+    if lanes == 1:
+        return start[0] + pos
+    sizes = stop - start
+    ends = np.cumsum(sizes)
+    lane = np.searchsorted(ends, pos, side="right")
+    return (start[lane] + pos - (ends[lane] - sizes[lane])) * lanes + lane
 
 
 def tree_draw(ring: RingView, tree: SumTree, rng: np.random.Generator, k: int, *, stratified: bool) -> Draw:
