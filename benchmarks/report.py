@@ -98,6 +98,9 @@ TARGETS = [
            "shmbuffer, uncompressed", 1.0),
     Target("mujoco-loader-thread", "CPU loader sampling in its thread >= 1.3x sample() in the loop", "mujoco.loader",
            "train", "shmbuffer sample().to('cpu'), no prefetch", 1.3, subject="shmbuffer loader(background=True)"),
+    Target("sb3-sample-1env", "shmbuffer.sb3.ReplayBuffer.sample(256) >= 1x SB3's own, 1 env", "sb3.sample256",
+           "envs1", "sb3.ReplayBuffer", 1.0),
+    Target("sb3-sample-4envs", "... and with 4 envs", "sb3.sample256", "envs4", "sb3.ReplayBuffer", 1.0),
     Target("mujoco-mp-learner-8x", "2 writers + learner: our learner samples >= 8x cpprb's", "mujoco.multiproc",
            "learner", "cpprb.MPReplayBuffer", 8.0, "mujoco.sample256"),
 ]
