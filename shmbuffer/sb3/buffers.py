@@ -431,13 +431,18 @@ class _Shared:
         committing it: a tight retry loop gave up on a writer descheduled there. Positions no row
         of the env has reached since the last clear (``full`` set by hand) read the arrays as
         they are, as SB3 reads its arrays."""
-        def read() -> tuple[np.ndarray, np.ndarray, Any]:  # the ids again each time: writers move the lanes on
+        def read() -> tuple[np.ndarray, np.ndarray | None, Any]:  # the ids again each time: writers move the lanes on
             ids = self.ids(batch_inds, env_indices)
+            if ids.size:
+                try:  # every position holds a row (as always unless full was set by hand): one stamped read
+                    return ids, None, self.buffer.take(ids)
+                except EmptyBufferError:  # some position holds no row, or a row being written (then again)
+                    pass
             empty = places.cleared(self.buffer, ids)
             return ids, empty, None if empty.all() else self.buffer.take(ids[~empty])
 
         ids, empty, batch = waiting(read, "rows at the drawn positions")
-        if batch is not None and not empty.any():  # every position holds a row: the batch's own arrays
+        if empty is None or (batch is not None and not empty.any()):  # the batch's own arrays
             return batch.fields
         out: dict[str, np.ndarray] = {}
         if batch is not None:
@@ -476,8 +481,12 @@ class _Shared:
 
     def _own_tensor(self, array: np.ndarray) -> th.Tensor:
         """SB3's ``to_torch`` for an array no one else holds (a sample's own copy): no second copy
-        (``th.tensor`` copies every array again; torch's tensor then shares the sample's memory)."""
-        return th.as_tensor(np.ascontiguousarray(array), device=self.device)
+        (``th.tensor`` copies every array again; torch's tensor then shares the sample's memory).
+        Contiguous, as SB3's tensors are."""
+        array = np.ascontiguousarray(array)
+        if self.device.type == "cpu":  # the cheapest way to a tensor sharing the array's memory
+            return th.from_numpy(array)
+        return th.as_tensor(array, device=self.device)
 
     def _tail(self, batch: Any, env: Any) -> tuple[Any, Any, Any]:
         """Actions, dones (time-limit ends masked) and rewards as SB3 returns them."""
