@@ -1,13 +1,16 @@
 """``python -m benchmarks``: shmbuffer against its peers and the hardware floors, in one run.
 
-    python -m benchmarks                      # everything (several minutes)
+    python -m benchmarks                      # everything: 25-35 minutes on the 2-core VM (benchmarks/README.md)
     python -m benchmarks --quick              # a few seconds a case: the CI smoke test
     python -m benchmarks --only mujoco push64 atari.multiproc --repeat 7 --out results/r.json
+    python -m benchmarks --update-pages       # into benchmarks/results/results.json, and the pages from it
     python -m benchmarks --list
 
-Writes the results as JSON (``--out``), a Markdown report next to it (same name, ``.md``) and,
-with matplotlib, plots (``<name>-push.png`` ...). Written to the default file, the run also
-rewrites the pages that state the current results (``page.py``). See benchmarks/README.md.
+Writes the results as JSON (``--out``; by default a scratch file in the temporary directory, so a
+reproduction leaves the tracked pages alone), a Markdown report next to it (same name, ``.md``)
+and, with matplotlib, plots (``<name>-push.png`` ...). With ``--update-pages`` (or ``--out`` the
+committed results file) the run writes the committed results file and rewrites the pages that
+state it (``page.py``). See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -17,13 +20,17 @@ import fnmatch
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-DEFAULT_OUT = Path(__file__).parent / "results" / "results.json"
+PAGES_OUT = Path(__file__).parent / "results" / "results.json"
+"""The committed results file, which README.md and benchmarks/README.md state (``--update-pages``)."""
+DEFAULT_OUT = Path(tempfile.gettempdir()) / "shmbuffer-benchmarks" / "results.json"
+"""Where a run writes unless told: a scratch file, so reproducing a result rewrites no tracked file."""
 GROUPS = ["floor", "push", "sample", "prioritized", "sequence", "loader", "multiproc", "frameworks", "distributed", "gpu"]
 
 
@@ -33,7 +40,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small capacities, 1 round, short runs (the CI smoke test)")
     p.add_argument("--only", nargs="+", metavar="NAME",
                    help="cases to run: a name (mujoco.push64), a glob (atari.*) or one part of a name (push64, mujoco)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"results JSON (default {DEFAULT_OUT})")
+    p.add_argument("--out", type=Path, help=f"results JSON (default {DEFAULT_OUT}, a scratch file)")
+    p.add_argument("--update-pages", action="store_true",
+                   help=f"write {PAGES_OUT.relative_to(PAGES_OUT.parents[2])} and rewrite README.md's and "
+                        "benchmarks/README.md's results from it")
     p.add_argument("--repeat", type=int, help="interleaved rounds per case (default 5; --quick: 1)")
     p.add_argument("--seconds", type=float, help="length of each multi-process run (default 6; --quick: 2)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
@@ -83,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = harness.quick_config(args.repeat) if args.quick else harness.Config(repeat=args.repeat or 5)
     if args.seconds:
         cfg.mp_seconds = args.seconds
-    out: Path = args.out
+    if args.update_pages and args.out is not None and args.out.resolve() != PAGES_OUT.resolve():
+        print(f"--update-pages writes {PAGES_OUT}: leave out --out {args.out}", file=sys.stderr)
+        return 2
+    out: Path = PAGES_OUT if args.update_pages else args.out or DEFAULT_OUT
     out.parent.mkdir(parents=True, exist_ok=True)
 
     started = time.monotonic()
@@ -135,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     _write(results, out, report, files)
     print("\n" + report.ratio_table(results) + "\n\n" + report.target_table(results) + "\n")
     print(f"wrote {out}, {out.with_suffix('.md')}" + (f", {len(files)} plots" if files else f" ({why or 'no ratio to plot'})"))
-    if out.resolve() == DEFAULT_OUT.resolve():  # the results file the pages state: rewrite them from it
+    if out.resolve() == PAGES_OUT.resolve():  # the results file the pages state: rewrite them from it
         from . import page
 
         print("wrote " + ", ".join(str(p.relative_to(page.ROOT)) for p in page.write()))

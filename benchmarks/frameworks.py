@@ -12,6 +12,10 @@ and TorchRL's ``ReplayBuffer`` on ``shmbuffer.torchrl.ShmStorage``.
   learn() per subject per round, the subjects' order rotating; a fresh model every time (its
   construction and the collectors' start are not timed). Torch runs with 1 thread (a core is left
   to the collectors; SB3 on the CPU gains little from a second one at this size).
+* ``sb3.sample256``: ``ReplayBuffer.sample(256)`` of ``shmbuffer.sb3`` against SB3's own (the
+  drop-in must be at least as fast as what it replaces), full of MuJoCo-like rows, with 1 and 4
+  envs, timed in alternating blocks by ``cases.measure``, torch on 1 thread; ``ratios``: the median
+  of the rounds' ours / SB3's.
 * ``torchrl.extend_sample``: TorchRL's ``ReplayBuffer`` on our ``ShmStorage``, on its
   ``LazyTensorStorage`` and on its ``LazyMemmapStorage``, full of MuJoCo-like rows
   (``data.MUJOCO``): ``extend`` of 64 rows (a TensorDict) and ``sample(256)`` (TorchRL's
@@ -35,8 +39,10 @@ and TorchRL's ``ReplayBuffer`` on ``shmbuffer.torchrl.ShmStorage``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import multiprocessing as mp
+import statistics
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -93,7 +99,6 @@ def _make_env(env_id: str) -> Any:
 
 def _learn_once(algo: Algo, steps: int, ours: bool, collectors: int, seed: int) -> dict[str, Any]:
     """One ``model.learn(steps)`` from a fresh model: its rates, and the trained parameters."""
-    import functools
 
     import stable_baselines3
 
@@ -187,6 +192,80 @@ def _sb3_case(key: str) -> Callable[[Config], dict[str, Any]]:
                            learn_steps=steps, same_training=same)
 
     return run
+
+
+# -- SB3: the drop-in's sample against SB3's own ------------------------------------------------------
+SB3_ENVS = (1, 4)
+
+
+def _sb3_buffer(ours: bool, capacity: int, n_envs: int) -> Any:
+    """A full SB3 ``ReplayBuffer`` of MuJoCo-like rows (``data.MUJOCO``'s shapes, ``n_envs`` envs):
+    SB3's own, its arrays written as its ``add`` would fill them, or ours, the same rows pushed
+    into the shared buffer (lane ``e`` env ``e``'s)."""
+    from gymnasium import spaces
+    from stable_baselines3.common.buffers import ReplayBuffer
+
+    from shmbuffer import sb3 as ours_sb3
+
+    obs_space = spaces.Box(-np.inf, np.inf, MUJOCO.shape("obs"), np.float32)
+    act_space = spaces.Box(-1, 1, MUJOCO.shape("action"), np.float32)
+    rng = np.random.default_rng(0)
+    steps = capacity // n_envs
+    obs = rng.standard_normal((steps, n_envs, *obs_space.shape), np.float32)
+    nxt = rng.standard_normal((steps, n_envs, *obs_space.shape), np.float32)
+    act = rng.uniform(-1, 1, (steps, n_envs, *act_space.shape)).astype(np.float32)
+    reward = rng.standard_normal((steps, n_envs), np.float32)
+    done = (rng.random((steps, n_envs)) < 0.01).astype(np.float32)
+    if not ours:
+        rb = ReplayBuffer(capacity, obs_space, act_space, device="cpu", n_envs=n_envs)
+        rb.observations[:], rb.next_observations[:], rb.actions[:] = obs, nxt, act
+        rb.rewards[:], rb.dones[:], rb.full = reward, done, True
+        return rb
+    rb = ours_sb3.ReplayBuffer(capacity, obs_space, act_space, device="cpu", n_envs=n_envs,
+                               name=peers.buffer_name(peers.Ours.prefix))
+    try:  # step-major: row i of a push goes to lane i % n_envs
+        rb.buffer.push({"obs": obs.reshape(capacity, -1), "next_obs": nxt.reshape(capacity, -1),
+                        "action": act.reshape(capacity, -1), "reward": reward.reshape(-1), "done": done.reshape(-1),
+                        "timeouts": np.zeros(capacity, np.float32)})
+        assert rb.full and np.array_equal(rb.observations, obs)
+    except BaseException:
+        rb.close()
+        raise
+    return rb
+
+
+def _sb3_sample_subject(ours: bool, capacity: int) -> Subject:
+    def setup() -> tuple[dict[str, Op], Callable[[], None]]:
+        made = [_sb3_buffer(ours, capacity, n) for n in SB3_ENVS]
+        ops = {f"envs{n}": functools.partial(rb.sample, BATCH) for n, rb in zip(SB3_ENVS, made, strict=True)}
+        return ops, (lambda: [rb.close() for rb in made]) if ours else (lambda: None)
+
+    def check() -> None:
+        need("stable_baselines3")
+        need("gymnasium")
+
+    what = "shmbuffer.sb3.ReplayBuffer" if ours else "stable_baselines3.common.buffers.ReplayBuffer"
+    return Subject("shmbuffer" if ours else "sb3.ReplayBuffer", "ours" if ours else "peer", setup,
+                   capacity * MUJOCO.row_bytes * 3, f"{what}(..., n_envs=1 or 4).sample(256) (torch tensors)", check)
+
+
+def sb3_sample_case(cfg: Config) -> dict[str, Any]:
+    """``sb3.sample256``: the drop-in's ``sample(256)`` against SB3's own, the two timed in
+    alternating blocks (``measure``), torch on 1 thread; ``ratios``: the median over the rounds of
+    each round's ours / SB3's (batches/s; above 1 when ours is faster)."""
+    capacity = 20_000 if cfg.quick else 200_000
+    metrics = {f"envs{n}": Metric(f"sample {BATCH}, {n} env{'s' if n > 1 else ''}", "batches/s", 1,
+                                  BATCH * MUJOCO.row_bytes) for n in SB3_ENVS}
+    with torch_threads(1):
+        res = measure([_sb3_sample_subject(True, capacity), _sb3_sample_subject(False, capacity)], metrics, cfg)
+    ratios = {}
+    a, b = res["shmbuffer"], res["sb3.ReplayBuffer"]
+    if a["status"] == b["status"] == "ok":
+        for m in metrics:
+            ratios[m] = statistics.median(x / y for x, y in zip(a["metrics"][m]["runs"], b["metrics"][m]["runs"],
+                                                                  strict=True))
+    return case_result(f"{MUJOCO.title}, capacity {capacity:,}: SB3 ReplayBuffer.sample({BATCH}), "
+                       "shmbuffer.sb3's and SB3's own", MUJOCO, cfg, metrics, res, ratios=ratios)
 
 
 # -- TorchRL: extend and sample, one process ----------------------------------------------------------
@@ -452,6 +531,8 @@ def register(cases: dict[str, Case]) -> None:
     for key, algo in ALGOS.items():
         cases[f"sb3.{key}"] = Case(f"sb3.{key}", f"SB3 {algo.name} learn() on its buffer, ours, ours + collectors",
                                    "frameworks", _sb3_case(key))
+    cases["sb3.sample256"] = Case("sb3.sample256", "SB3 ReplayBuffer.sample(256): shmbuffer.sb3's and SB3's own",
+                                  "frameworks", sb3_sample_case)
     cases["torchrl.extend_sample"] = Case("torchrl.extend_sample", "TorchRL ReplayBuffer extend 64 / sample 256 per "
                                           "storage", "frameworks", extend_sample_case)
     cases["torchrl.multiproc"] = Case("torchrl.multiproc", "TorchRL ReplayBuffer, 2 writer processes + a reader: "

@@ -84,7 +84,7 @@ class Case:
     pending: str | None = None
     rounds: int | None = None
     """At most this many rounds unless ``--repeat`` asks for more: a case whose rounds last a minute
-    (several processes, a training run) takes fewer, so the whole suite fits in about 25 minutes."""
+    (several processes, a training run) takes fewer, so the whole suite takes 25-35 minutes on the 2-core VM."""
 
 
 CASES: dict[str, Case] = {}

@@ -107,6 +107,9 @@ TARGETS = [
            "shmbuffer, 1 rank", 1.0),
     Target("ranks-per-busy", "... prioritized, 2 busy processes beside: >= 1x", "ranks.mujoco", "per_busy",
            "shmbuffer, 1 rank", 1.0),
+    Target("sb3-sample-1env", "shmbuffer.sb3.ReplayBuffer.sample(256) >= 1x SB3's own, 1 env", "sb3.sample256",
+           "envs1", "sb3.ReplayBuffer", 1.0),
+    Target("sb3-sample-4envs", "... and with 4 envs", "sb3.sample256", "envs4", "sb3.ReplayBuffer", 1.0),
     Target("mujoco-mp-learner-8x", "2 writers + learner: our learner samples >= 8x cpprb's", "mujoco.multiproc",
            "learner", "cpprb.MPReplayBuffer", 8.0, "mujoco.sample256"),
 ]

@@ -17,13 +17,12 @@ buffer without ``next_of``/``stack``.
 
 ``--steps`` env steps are collected (the collectors stop there, give or take the steps in flight),
 and the learner makes ``--updates`` updates; the run ends when both are done. What a run at the
-defaults shows (the 2-core reference machine, loaded by other work to a load average of 11: 153 s
-wall, 144 s in the run): the collectors stop at 8,063 env steps (7 Pong episodes), the learner goes
-on to 1,000 updates, and the last line reads ``OK: 8,063 env steps (--steps 8,000), 1,000 updates;
-7,083 bytes a transition instead of 56,474 (8.0x less), stacks rebuilt intact: True; return of the
-last episodes -20.1``. Pong's return stays near a
-random player's -21 at this length: the example shows the memory, not learning. It exits with
-status 1 if the stacks were not rebuilt intact or the buffer is not 7x smaller.
+defaults shows: the collectors stop a little past ``--steps`` env steps (they finish the step they
+are in), the learner goes on to ``--updates`` updates, and the last line is the verdict, ``OK: N
+env steps (--steps 8,000), 1,000 updates; 7,083 bytes a transition instead of 56,474 (8.0x less),
+stacks rebuilt intact: True; return of the last episodes R``. Pong's return stays near a random
+player's -21 at this length: the example shows the memory, not learning. It exits with status 1
+(``FAILED``) if the stacks were not rebuilt intact or the buffer is not 7x smaller.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ falls) provides the demonstrations: they go into a buffer that is then frozen (r
 collector processes fill the agent's buffer; ``Mix`` draws each batch 50/50 and ``batch.source``
 says which rows are the expert's. The greedy policy is evaluated at the end.
 
-What a run at the defaults shows (the 2-core reference machine, shared: 96 s): the loss stays
-about 0.1, the batches are half the expert's, and the last line reads ``IMITATED: greedy return
-500.0 over 5 episodes after 3000 updates (target 200; random play: about 22, the scripted expert:
-500)``. It exits with status 1 when the greedy return stays below ``--target``.
+What a run at the defaults shows: the batches are half the expert's, and the last line is the
+verdict, ``IMITATED: greedy return G over 5 episodes after 3000 updates (target 200; random play:
+about 22, the scripted expert: 500)`` when the greedy policy reaches ``--target``, ``NOT IMITATED``
+otherwise (exit status 1).
 """
 
 from __future__ import annotations

@@ -14,11 +14,12 @@ gets a goal achieved later in the same episode, and its reward from ``compute_re
 their success rate reaches ``--target`` (SB3's ``test_performance_her`` asks 0.9 of DQN with its
 ``HerReplayBuffer`` on 10 bits) or after ``--max-updates``.
 
-What a run at the defaults shows (the 2-core reference machine, shared with other work, load 6):
-a line per evaluation (updates, env steps the collectors made, success rate, loss, seconds since
-the first update), then ``SOLVED: greedy success rate 1.00 over 50 episodes after 500 updates,
-4.3 s (target 0.9; 2 collector processes made 28,057 env steps)``; the numbers vary with the
-machine and its load. It exits with status 1 when the target is not reached.
+What a run at the defaults shows: a line per evaluation (updates, env steps the collectors made,
+success rate, loss, seconds since the first update), then the verdict, ``SOLVED: greedy success
+rate ... over 50 episodes after U updates, S s (target 0.9; 2 collector processes made N env
+steps)`` once an evaluation reaches ``--target``; the counts and seconds vary with the machine and
+its load (the collectors run at their own pace). It exits with status 1 (``NOT SOLVED``) when the
+target is not reached.
 """
 
 from __future__ import annotations

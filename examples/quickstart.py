@@ -2,12 +2,11 @@
 
     python examples/quickstart.py [--capacity 100000] [--seconds 3]
 
-What a run at the defaults shows (the 2-core reference machine, shared with other work: 33 s in
-all, most of it starting the two spawned workers): each worker pushes for 3 seconds while the
-learner samples batches of 256, and the last line reads ``OK: 2 workers pushed 143,363 rows
-(15,515 rows/s) in 9.2 s; the learner sampled 24,481 batches of 256 meanwhile; the buffer holds
-100,000 rows`` (the seconds count from the first batch to the last worker's end; the rates depend
-on the machine and its load). It exits with status 1 if no batch could be sampled.
+What a run at the defaults shows: each worker pushes for ``--seconds`` while the learner samples
+batches of 256, and the last line is the verdict, ``OK: 2 workers pushed N rows (R rows/s) in S s;
+the learner sampled B batches of 256 meanwhile; the buffer holds 100,000 rows`` (the counts and
+rates depend on the machine and its load, so none is quoted here). It exits with status 1
+(``FAILED``) if no batch could be sampled.
 """
 
 from __future__ import annotations

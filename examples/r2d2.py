@@ -16,13 +16,12 @@ double DQN), so it has seen every observation before it. Targets are n-step retu
 window (``n_step_targets``); a step whose episode leaves the window without ending (a lane's
 newest row) is left out of the loss.
 
-What a run at the defaults shows (the 2-core reference machine, shared with other work, 147 s):
-the mean return of the last 20 episodes goes from about 20 (random play) to 120 at 1,250 updates
-and 207 at 1,500 (noisy in between), and the last line reads ``LEARNED: mean return of the last 20
-episodes 277.6 (the first 20: 19.2; target 100), 2500 updates, 1972 episodes, 147 s``. The learner
-is sensitive to its seed at this length: with ``--seed 1`` it stayed near random play (24.8 after
-2,500 updates, 60 s of short episodes). It exits with status 1 (``NOT LEARNED``) when that mean
-stays below ``--target``, also when ``--seconds`` ran out first. With both velocities hidden
+What a run at the defaults shows: the mean return of the last 20 episodes starts near random
+play (about 20), and the last line is the verdict, ``LEARNED: mean return of the last 20 episodes
+R (the first 20: F; target 100), 2500 updates, E episodes, S s`` when it reaches ``--target``. The
+learner is sensitive to its seed at this length (with ``--seed 1`` one run stayed near random
+play), and a busy machine may end the run at ``--seconds`` first. It exits with status 1
+(``NOT LEARNED``) when that mean stays below ``--target``, also when ``--seconds`` ran out first. With both velocities hidden
 (``VISIBLE = [0, 2]``) the same learner stays near random play (about 20) for the 2,500 updates:
 that needs far more experience than an example's few minutes.
 """

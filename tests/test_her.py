@@ -463,3 +463,43 @@ def test_sb3_her_relabels_rows_of_other_processes(name: str, procs: list) -> Non
         assert ((batch.goal[r] // 2) >= batch.index[r] // 2).all()
     finally:
         rb.close()
+
+
+def test_sb3_her_leaves_np_random_alone_until_it_samples(name: str) -> None:
+    """Making the buffer and adding to it draw nothing from np.random (SB3's HerReplayBuffer draws
+    only when it samples: a draw before would shift a seeded run's exploration); the shared
+    buffer's generator is seeded from np.random at the first sample, so seeded runs repeat."""
+    venv = _bit_env(2)
+    rng = np.random.default_rng(0)
+    steps = []
+    obs = venv.reset()
+    for _ in range(30):
+        actions = rng.random((venv.num_envs, 4)).astype(np.float32)
+        nxt, rewards, dones, infos = venv.step(actions)
+        stored = {k: v.copy() for k, v in nxt.items()}
+        for i in np.flatnonzero(dones):
+            for k in stored:
+                stored[k][i] = infos[i]["terminal_observation"][k]
+        steps.append((obs, stored, actions, rewards, dones, infos))
+        obs = nxt
+    np.random.seed(4)
+    before = np.random.get_state()
+    made = []
+    try:
+        for i in range(2):
+            made.append(_her(venv, f"{name}{i}"))
+            for step in steps:
+                made[-1].add(*step)
+        after = np.random.get_state()
+        assert np.array_equal(after[1], before[1]) and after[2] == before[2]
+        got = []
+        for rb in made:
+            np.random.seed(7)
+            got.append([rb.sample(64) for _ in range(3)])
+        for a, b in zip(*got, strict=True):
+            for k in a.observations:
+                assert np.array_equal(a.observations[k].numpy(), b.observations[k].numpy())
+            assert np.array_equal(a.rewards.numpy(), b.rewards.numpy())
+    finally:
+        for rb in made:
+            rb.close()

@@ -906,3 +906,97 @@ def test_a_copy_whose_rows_are_refused_leaves_no_shared_buffer(once: bool, name:
     with pytest.raises(sb.FieldError):
         copy.__setstate__(state)
     assert made_here() == before
+
+
+# -- the global generator: touched only where SB3's own buffer draws from it ------------------------
+
+
+def chained(n_envs: int, steps: int, width: int, seed: int, timeouts: bool = True) -> list[tuple[Any, ...]]:
+    """SB3 ``add`` arguments of episodes: each env's next obs is its next step's obs until the
+    episode ends (as optimize_memory_usage needs), every env ending now and then; drawn with a
+    generator of their own (np.random left alone)."""
+    rng = np.random.default_rng(seed)
+    obs = rng.normal(size=(n_envs, width)).astype(np.float32)
+    out = []
+    for t in range(steps):
+        nxt = rng.normal(size=(n_envs, width)).astype(np.float32)
+        done = (rng.random(n_envs) < 0.2) | (np.arange(n_envs) == t % 7)
+        infos = [{"TimeLimit.truncated": bool(timeouts and d and (t + i) % 2 == 0)} for i, d in enumerate(done)]
+        out.append((obs, nxt, rng.integers(0, 3, n_envs), rng.normal(size=n_envs).astype(np.float32), done, infos))
+        obs = np.where(done[:, None], rng.normal(size=(n_envs, width)).astype(np.float32), nxt)
+    return out
+
+
+def same_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Two ``np.random.get_state()`` the same: the same generator position."""
+    return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+
+
+@pytest.mark.parametrize("kind", ["plain", "optimize_memory_usage", "dict", "n_step"])
+def test_making_and_adding_leave_np_random_alone(kind: str, name: str, opened: list[Any]) -> None:
+    """SB3's buffers draw from np.random in sample() only: a draw when the buffer is made shifts
+    every later one (an algorithm's exploration) from the run on SB3's buffer."""
+    box, act = spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3)
+    space = spaces.Dict({"a": box}) if kind == "dict" else box
+    np.random.seed(5)
+    before = np.random.get_state()
+    if kind == "dict":
+        mine = ours.DictReplayBuffer(24, space, act, "cpu", n_envs=2, name=name)
+    elif kind == "n_step":
+        mine = ours.NStepReplayBuffer(24, space, act, "cpu", n_envs=2, name=name)
+    else:
+        mine = ours.ReplayBuffer(24, space, act, "cpu", n_envs=2, optimize_memory_usage=kind != "plain",
+                                 handle_timeout_termination=True, name=name)
+    opened.append(mine)
+    assert same_state(np.random.get_state(), before)
+    for obs, nxt, *rest in chained(2, 30, 4, seed=3):  # past a wrap, episodes ending
+        mine.add({"a": obs} if kind == "dict" else obs, {"a": nxt} if kind == "dict" else nxt, *rest)
+    assert same_state(np.random.get_state(), before)
+    mine.reset()
+    assert same_state(np.random.get_state(), before)
+
+
+@pytest.mark.parametrize("once", [False, True])
+@pytest.mark.parametrize("n_envs", [1, 3])
+def test_sample_draws_from_np_random_what_sb3s_sample_draws(once: bool, n_envs: int, name: str,
+                                                            opened: list[Any]) -> None:
+    """After SB3's sample and ours from the same np.random state, np.random is in the same state:
+    a seeded run on our buffer sees the same global stream as on SB3's (with optimize_memory_usage
+    too, whose transitions are drawn by the shared buffer's generator: the positions SB3 would
+    draw are drawn all the same, bounded by SB3's own pos and full, which episodes' end rows do
+    not move), also in a pickled copy."""
+    box, act = spaces.Box(-1, 1, (4,), np.float32), spaces.Discrete(3)
+    size = 8 * n_envs
+    theirs = buffers.ReplayBuffer(size, box, act, "cpu", n_envs=n_envs, optimize_memory_usage=once,
+                                  handle_timeout_termination=not once)
+    mine = ours.ReplayBuffer(size, box, act, "cpu", n_envs=n_envs, optimize_memory_usage=once,
+                             handle_timeout_termination=not once, name=name)
+    opened.append(mine)
+    checked, differed = 0, False
+    for t, step in enumerate(chained(n_envs, 20, 4, seed=n_envs, timeouts=not once)):  # past a wrap (8 steps an env)
+        theirs.add(*step)
+        mine.add(*step)
+        differed |= (mine.pos, mine.full) != (theirs.pos, theirs.full)
+        if t < 2:  # with optimize_memory_usage SB3 samples once pos > 0; ours once a whole transition is in
+            continue
+        for seed in (t, t + 100):
+            for batch in (1, 5, 64):
+                np.random.seed(seed)
+                theirs.sample(batch)
+                after_theirs = np.random.get_state()
+                np.random.seed(seed)
+                mine.sample(batch)
+                assert same_state(np.random.get_state(), after_theirs), (t, seed, batch)
+                checked += 1
+    assert theirs.full and checked == 18 * 6
+    # with optimize_memory_usage the end rows of episodes moved the shared lanes on further than
+    # SB3's pos: bounds from our pos and full would have drawn otherwise
+    assert differed == once
+    copy = pickle.loads(pickle.dumps(mine))
+    opened.append(copy)
+    np.random.seed(9)
+    theirs.sample(32)
+    after_theirs = np.random.get_state()
+    np.random.seed(9)
+    copy.sample(32)
+    assert same_state(np.random.get_state(), after_theirs)

@@ -15,7 +15,8 @@
 3, "gamma": 0.99}``) are SB3's classes (``isinstance`` checks in SB3 pass) with SB3's behaviour: ``add`` takes one step of ``n_envs`` envs, ``sample`` draws positions and
 env indices with ``np.random`` exactly as SB3 does, ``handle_timeout_termination`` masks dones
 of time-limit ends, a ``VecNormalize`` passed as ``env`` normalizes observations and rewards. So,
-given the same adds and the same ``np.random`` state, they return the same transitions as SB3's.
+given the same adds and the same ``np.random`` state, they return the same transitions as SB3's and
+leave ``np.random`` in the same state. Making a buffer and adding to it draw nothing from it.
 
 The rows are a shmbuffer made with ``envs=n_envs`` (one lane per env): SB3's position ``p`` of env
 ``e`` is the newest row of lane ``e`` in its slot ``p``; ``pos`` (the least filled lane's next slot)
@@ -38,8 +39,10 @@ row of its own). Unlike SB3's flag this keeps timeouts exact: SB3 returns the ne
 observation as the final one (``handle_timeout_termination`` cannot be combined with it there).
 ``replay_buffer_kwargs={"stack": "obs"}`` also stores one frame of a stacked observation a row
 (``VecFrameStack``: ``{"obs": (4, -1)}`` for channels last). Sampling then draws uniformly over the
-whole transitions held (``buffer.sample``, seeded from ``np.random`` when the buffer is made), not
-by SB3's positions; ``size()`` counts whole transitions per env. The arrays are then copies whose
+whole transitions held (``buffer.sample``), not by SB3's positions; it still makes the draws of
+``np.random`` SB3's sample makes (the same calls and bounds, from SB3's own count of adds), so the
+global generator moves on as in a run on SB3's buffer, and the first of them seed the shared buffer's
+generator. ``size()`` counts whole transitions per env. The arrays are then copies whose
 rows include end rows, and position ``pos - 1 - j`` of env ``e`` is lane ``e``'s ``j``-th newest row
 (end rows make the cursors differ), so SB3's truncation before a second ``learn()``
 (``dones[pos - 1] = True``) ends every env's episode in its lane: the buffer keeps episode ids, and
@@ -60,6 +63,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
+import torch as th
 from gymnasium import spaces
 from stable_baselines3.common import buffers as sb3_buffers
 from stable_baselines3.common.preprocessing import get_action_dim, get_obs_shape
@@ -147,6 +151,12 @@ class _Shared:
     """``full = True`` was set by hand: every position counts (SB3's ``full``)"""
     _full_from = 0
     """``full = False`` was set by hand: not full until the least filled lane's cursor reaches this"""
+    _sb3_pos = 0
+    """SB3's own ``pos`` (this process's adds since ``reset()``, modulo ``buffer_size``) ..."""
+    _sb3_full = False
+    """... and ``full``: what SB3's ``sample`` bounds its draws with (``_draw_as_sb3``)"""
+    _seeded = False
+    """The shared buffer's generator was seeded from ``np.random`` (``_seed``)"""
 
     def _init_shared(
         self, buffer_size: int, observation_space: spaces.Space, action_space: spaces.Space, device: Any,
@@ -180,10 +190,12 @@ class _Shared:
             # episode (_cut); each env's next add after a done starts a new one.
             self._episode = np.arange(n_envs, dtype=np.int64)
             self._cut = np.zeros(n_envs, bool)
+        # The global generator is left alone here: SB3's buffer draws from it only in sample(), and a
+        # draw now would shift every later one (an SB3 run's exploration) from the run on SB3's buffer.
+        # The shared buffer's own generator is seeded at the first sample instead (_seed).
         if self.optimize_memory_usage:
-            # SB3 seeds np.random before it makes the buffer: runs repeat
             self.buffer = SharedBuffer(self._schema(), capacity, envs=n_envs, name=name, next_of="obs", stack=stack,
-                                       episodes=True, seed=int(np.random.randint(2**31 - 1)))
+                                       episodes=True)
         elif rows is not None:  # unpickling: the rows keep their ids, so their slots and SB3's positions
             self.buffer = SharedBuffer.from_arrays(self._schema(), rows, capacity, envs=n_envs, name=name,
                                                    episodes=episodes)
@@ -199,7 +211,7 @@ class _Shared:
                         self._episode[ln] = int(rows["episode"][at])
         else:
             self.buffer = SharedBuffer(self._schema(), capacity, envs=n_envs, name=name, episodes=episodes,
-                                       seed=int(np.random.randint(2**31 - 1)) if episodes else None, limiter=limiter)
+                                       limiter=limiter)
 
     # -- the schema ------------------------------------------------------------------------------
     def _obs_fields(self) -> dict[str, tuple[Any, ...]]:
@@ -246,7 +258,7 @@ class _Shared:
     def full(self, value: bool) -> None:
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"full: expected a bool, got {value!r}")
-        self._full_set = bool(value)
+        self._full_set = self._sb3_full = bool(value)
         # False: positions count up to pos again until the least filled lane wraps once more
         self._full_from = 0 if value else (self._least()[0] // self.buffer_size + 1) * self.buffer_size
 
@@ -255,14 +267,40 @@ class _Shared:
 
     def _upper_bound(self) -> int:
         """SB3's ``buffer_size if full else pos`` (with ``optimize_memory_usage``: the whole
-        transitions held, per env)."""
+        transitions held, per env), from one read of the lanes' cursors."""
         if self.optimize_memory_usage:
             return min(len(self.buffer) // self.n_envs, self.buffer_size)
-        return self.buffer_size if self.full else self.pos
+        cursor, rows = self._least()
+        if self._full_set or (rows >= self.buffer_size and cursor >= self._full_from):  # ``full``
+            return self.buffer_size
+        return int(places.position(self.buffer, cursor))
 
     def reset(self) -> None:
         self.buffer.clear()
         self._full_set, self._full_from = False, 0
+        self._sb3_pos, self._sb3_full = 0, False
+
+    def _seed(self, entropy: Any = None) -> None:
+        """Seed the shared buffer's generator, once, from ``entropy`` (draws made from ``np.random``
+        as SB3's ``sample`` makes them) or else one draw of ``np.random``: at the first sample, not
+        when the buffer is made (SB3 seeds ``np.random`` before it makes the buffer, so runs repeat)."""
+        if not self._seeded:
+            self.buffer.rng = np.random.default_rng(np.random.randint(2**31 - 1) if entropy is None else entropy)
+            self._seeded = True
+
+    def _draw_as_sb3(self, batch_size: int) -> None:
+        """Draw from ``np.random`` what SB3's ``sample`` with ``optimize_memory_usage`` draws: its
+        positions, then its envs, the same calls with the same bounds (SB3's own ``pos`` and
+        ``full``), so the global generator moves on as in the run on SB3's buffer (its later draws,
+        an algorithm's exploration, stay the same). The transitions are drawn by the shared
+        buffer's generator, which the first of these draws seed."""
+        lo, hi = (1, self.buffer_size) if self._sb3_full else (0, self._sb3_pos)
+        if hi <= lo or not batch_size:  # SB3's sample would raise or draw nothing (rows pushed elsewhere only)
+            self._seed()
+            return
+        drawn = np.concatenate([np.random.randint(lo, hi, size=batch_size),
+                                np.random.randint(0, high=self.n_envs, size=(batch_size,))])
+        self._seed(drawn)
 
     def close(self) -> None:
         """Close this process's view; the creator also removes the shared buffer (even when the
@@ -393,12 +431,19 @@ class _Shared:
         committing it: a tight retry loop gave up on a writer descheduled there. Positions no row
         of the env has reached since the last clear (``full`` set by hand) read the arrays as
         they are, as SB3 reads its arrays."""
-        def read() -> tuple[np.ndarray, np.ndarray, Any]:  # the ids again each time: writers move the lanes on
+        def read() -> tuple[np.ndarray, np.ndarray | None, Any]:  # the ids again each time: writers move the lanes on
             ids = self.ids(batch_inds, env_indices)
+            if ids.size:
+                try:  # every position holds a row (as always unless full was set by hand): one stamped read
+                    return ids, None, self.buffer.take(ids)
+                except EmptyBufferError:  # some position holds no row, or a row being written (then again)
+                    pass
             empty = places.cleared(self.buffer, ids)
             return ids, empty, None if empty.all() else self.buffer.take(ids[~empty])
 
         ids, empty, batch = waiting(read, "rows at the drawn positions")
+        if empty is None or (batch is not None and not empty.any()):  # the batch's own arrays
+            return batch.fields
         out: dict[str, np.ndarray] = {}
         if batch is not None:
             for name in self.buffer.schema.names:
@@ -430,6 +475,18 @@ class _Shared:
         self.buffer.push(rows, episode=episode)
         self._episode = np.where((rows["done"] != 0) | (timeout != 0), episode + n, episode)
         self._cut[:] = False
+        self._sb3_pos += 1  # as SB3's add moves its pos and full
+        if self._sb3_pos == self.buffer_size:
+            self._sb3_full, self._sb3_pos = True, 0
+
+    def _own_tensor(self, array: np.ndarray) -> th.Tensor:
+        """SB3's ``to_torch`` for an array no one else holds (a sample's own copy): no second copy
+        (``th.tensor`` copies every array again; torch's tensor then shares the sample's memory).
+        Contiguous, as SB3's tensors are."""
+        array = np.ascontiguousarray(array)
+        if self.device.type == "cpu":  # the cheapest way to a tensor sharing the array's memory
+            return th.from_numpy(array)
+        return th.as_tensor(array, device=self.device)
 
     def _tail(self, batch: Any, env: Any) -> tuple[Any, Any, Any]:
         """Actions, dones (time-limit ends masked) and rewards as SB3 returns them."""
@@ -446,6 +503,7 @@ class _Shared:
         return {"settings": self._settings, "device": str(self.device), "rows": rows,
                 "pending": np.empty(0, np.int64) if pending is None else pending["index"],
                 "lanes": self.buffer.lanes, "full": (self._full_set, self._full_from),
+                "sb3": (self._sb3_pos, self._sb3_full),
                 "free": None if self.optimize_memory_usage else self._free_values()}
 
     def _free_values(self) -> dict[str, np.ndarray]:
@@ -469,6 +527,7 @@ class _Shared:
                           s["n_envs"], once, s["handle_timeout_termination"], None, s.get("stack"),
                           None if once else rows, episodes=bool(s.get("episodes", False)))
         self._full_set, self._full_from = state.get("full", (False, 0))
+        self._sb3_pos, self._sb3_full = state.get("sb3", (0, False))
         if not once:
             free = state.get("free")
             if free is not None and free["slot"].size:
@@ -585,8 +644,9 @@ class ReplayBuffer(_Shared, sb3_buffers.ReplayBuffer):
         """SB3's ``sample``: positions and envs drawn with ``np.random`` as SB3 draws them, the rows
         read as one stamped copy (never torn); ``env`` a ``VecNormalize`` normalizes them."""
         if self.optimize_memory_usage:  # uniform over whole transitions (the module docstring)
-            if batch_size == 0:  # SB3 returns an empty batch
+            if batch_size == 0:  # SB3 returns an empty batch (and draws nothing)
                 return self._samples({f.name: np.empty((0, *f.shape), f.dtype) for f in self.buffer.schema}, env)
+            self._draw_as_sb3(batch_size)
             return self._samples(self.buffer.sample(batch_size), env)  # EmptyBufferError when none
         upper_bound = self._upper_bound()
         if upper_bound == 0:
@@ -597,7 +657,7 @@ class ReplayBuffer(_Shared, sb3_buffers.ReplayBuffer):
     def _samples(self, batch: Any, env: Any) -> ReplayBufferSamples:
         actions, dones, rewards = self._tail(batch, env)
         data = (self._normalize_obs(batch["obs"], env), actions, self._normalize_obs(batch["next_obs"], env), dones, rewards)
-        return ReplayBufferSamples(*tuple(map(self.to_torch, data)))
+        return ReplayBufferSamples(*tuple(map(self._own_tensor, data)))
 
     def _get_samples(self, batch_inds: np.ndarray, env: Any = None) -> ReplayBufferSamples:
         if self.optimize_memory_usage:
@@ -677,10 +737,11 @@ class DictReplayBuffer(_Shared, sb3_buffers.DictReplayBuffer):
         next_obs = self._normalize_obs({k: batch[f"next_obs_{_key(k)}"] for k in keys}, env)
         assert isinstance(obs, dict) and isinstance(next_obs, dict)
         actions, dones, rewards = self._tail(batch, env)
+        torch = self._own_tensor
         return DictReplayBufferSamples(
-            observations={k: self.to_torch(v) for k, v in obs.items()},
-            actions=self.to_torch(actions),
-            next_observations={k: self.to_torch(v) for k, v in next_obs.items()},
-            dones=self.to_torch(dones),
-            rewards=self.to_torch(rewards),
+            observations={k: torch(v) for k, v in obs.items()},
+            actions=torch(actions),
+            next_observations={k: torch(v) for k, v in next_obs.items()},
+            dones=torch(dones),
+            rewards=torch(rewards),
         )

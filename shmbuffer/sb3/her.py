@@ -22,7 +22,8 @@ uniformly over the shared rows (an episode is complete once its last row is mark
 counts it), ``int(her_ratio * batch_size)`` of them relabelled with the strategy's goals from the
 same env's episode, rewards from ``env.env_method("compute_reward", ...)`` on the first env, once a
 batch. Where this differs from SB3 (``docs/migration/sb3.md``): the draws come from the buffer's
-generator (seeded from ``np.random`` when the buffer is made), not ``np.random``; the relabelled
+generator (seeded from one draw of ``np.random`` at the first sample: making the buffer leaves
+``np.random`` alone), not ``np.random``; the relabelled
 rows are spread over the batch, not its last ones; a transition of an episode whose first rows
 were overwritten is still drawn (its goals come from its rows still held: SB3 drops the whole
 episode); ``ep_start``, ``ep_length`` and ``infos`` record this process's adds only (rows pushed by
@@ -36,7 +37,6 @@ import copy
 from typing import Any
 
 import numpy as np
-import torch as th
 from gymnasium import spaces
 from stable_baselines3.common.type_aliases import DictReplayBufferSamples
 from stable_baselines3.her import her_replay_buffer as sb3_her
@@ -142,6 +142,7 @@ class HerReplayBuffer(DictReplayBuffer, sb3_her.HerReplayBuffer):
 
     def sample(self, batch_size: int, env: Any = None) -> DictReplayBufferSamples:  # type: ignore[override]
         """SB3's ``sample``: transitions of complete episodes, ``her_ratio`` of them relabelled."""
+        self._seed()
         try:
             batch = self.buffer.sample(batch_size, hindsight=self.hindsight)
         except EmptyBufferError as e:
@@ -162,10 +163,6 @@ class HerReplayBuffer(DictReplayBuffer, sb3_her.HerReplayBuffer):
             dones=torch(dones),
             rewards=torch(rewards),
         )
-
-    def _own_tensor(self, array: np.ndarray) -> th.Tensor:
-        """SB3's ``to_torch`` for an array no one else holds (the sample's own copy): no second copy."""
-        return th.as_tensor(np.ascontiguousarray(array), device=self.device)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()

@@ -85,12 +85,12 @@ class NStepReplayBuffer(ReplayBuffer, sb3_buffers.NStepReplayBuffer):
         obs = self._normalize_obs(batch.obs.reshape(b, n, *self.obs_shape)[:, 0], env)
         actions = batch.action.reshape(b, n, -1)[:, 0]
         return ReplayBufferSamples(
-            observations=self.to_torch(obs),  # type: ignore[arg-type]
-            actions=self.to_torch(actions),
-            next_observations=self.to_torch(next_obs),  # type: ignore[arg-type]
-            dones=self.to_torch(final_dones),
-            rewards=self.to_torch(n_step_returns),
-            discounts=self.to_torch(target_q_discounts),
+            observations=self._own_tensor(obs),  # type: ignore[arg-type]
+            actions=self._own_tensor(actions),
+            next_observations=self._own_tensor(next_obs),  # type: ignore[arg-type]
+            dones=self._own_tensor(final_dones),
+            rewards=self._own_tensor(n_step_returns),
+            discounts=self._own_tensor(target_q_discounts),
         )
 
     def __getstate__(self) -> dict[str, Any]:
