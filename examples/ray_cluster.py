@@ -12,18 +12,14 @@ learner (this process) samples prioritized batches from all shards as from one b
 each row's shard and publishes its weights to every host.
 
 Every ``--eval-every`` updates the greedy policy plays 5 episodes; the run ends SOLVED when they
-and 20 more average 475 (CartPole's bar), or after ``--max-seconds``, and the last line gives the
-mean return of 20 greedy episodes either way. It exits with status 0 when that mean reaches
-``--target`` (100; random play scores about 22), 1 otherwise (always 0 with ``--tiny`` or
-``--max-updates``, which only check that it runs). Two raylets, two collectors and the learner
-share the 2-core reference machine's cores, so the learner makes few updates there.
-
-What a run at the defaults shows on that machine, a benchmark running beside it (164 s in all,
-starting and stopping the cluster included): 1,063 updates in 120 s, an evaluation of 209 at 1,000
-updates, and ``LEARNED: mean evaluation return 200.0 +- 47.9 over 20 episodes (target 100; solved
-at 475), 120 s``. With ``--max-seconds 175`` another run there made 2,071 updates and ended at
-114.7 (evaluations of 168 and 138 on the way: DQN's greedy return swings); an earlier run, with
-less load and a 300 s limit, solved it (490.2) in 234 s.
+and 20 more average 475 (CartPole's bar), or after ``--max-seconds``. DQN's greedy return swings
+and can fall late in a run, so a run stopped by the clock keeps the weights that evaluated best
+while training (the last weights evaluated the same way compete), as SB3's ``EvalCallback`` keeps
+its best model; the last line judges them on 20 fresh episodes and says which weights it judged.
+It exits with status 0 when that mean reaches ``--target`` (100; random play scores about 22), 1
+otherwise (always 0 with ``--tiny`` or ``--max-updates``, which only check that it runs). Two
+raylets, two collectors and the learner share a 2-core machine's cores, so the learner makes few
+updates there; how many depends on the machine and its load.
 """
 
 from __future__ import annotations
@@ -136,6 +132,7 @@ def main(args: Args) -> dict[str, Any]:
                      .remote(writer, args.envs_per_node, copy.deepcopy(q), args, s.index) for s in buf.shards]
             # -- the learner ---------------------------------------------------------------------
             updates, evals, last = 0, [], 0.0
+            best: tuple[float, int, dict[str, Any]] | None = None  # (evaluation, updates, weights)
             while True:
                 batch = buf.sample(args.batch_size)  # waits for learning_starts rows in all shards
                 t = batch.to("cpu")
@@ -166,6 +163,10 @@ def main(args: Args) -> dict[str, Any]:
                               f"return {recent:6.1f}  eval {f'{evals[-1]:6.1f}' if evals else '     -'}", flush=True)
                 if updates % args.eval_every == 0:
                     evals.append(float(evaluate(q, 5, seed=10_000 + updates).mean()))
+                    if best is None or evals[-1] >= best[0]:
+                        # DQN's greedy return swings and can collapse late in a run: keep the best
+                        # evaluated weights, as SB3's EvalCallback keeps its best model
+                        best = (evals[-1], updates, copy.deepcopy(q.state_dict()))
                     if evals[-1] >= args.solved:
                         full = evaluate(q, 20, seed=50_000 + updates)
                         if full.mean() >= args.solved:
@@ -175,7 +176,14 @@ def main(args: Args) -> dict[str, Any]:
                     break
             report.update(updates=updates, seconds=time.monotonic() - start, stats=buf.stats,
                           shards_seen=sorted(set(batch.shard.tolist())))
-            if "eval_returns" not in report:  # stopped by the clock or --max-updates: evaluate as it is
+            if "eval_returns" not in report:  # stopped by the clock or --max-updates
+                # the policy to judge is chosen on the evaluations made while training (the last
+                # weights evaluated like the others), then judged on 20 episodes none of them saw
+                last_eval = float(evaluate(q, 5, seed=10_000 + updates).mean())
+                report["policy"] = f"the last weights, at {updates:,d} updates"
+                if best is not None and best[0] > last_eval:
+                    q.load_state_dict(best[2])
+                    report["policy"] = f"the best evaluated weights, at {best[1]:,d} updates"
                 report["eval_returns"] = evaluate(q, 5 if args.tiny else 20, seed=90_000)
             ray.get([h.stop.remote() for h in hosts])
     finally:
@@ -193,8 +201,9 @@ def main(args: Args) -> dict[str, Any]:
           f"{report['shards_seen']}")
     report["learned"] = bool(returns.mean() >= args.target)
     verdict = "SOLVED" if report["solved"] else "LEARNED" if report["learned"] else "NOT LEARNED"
-    print(f"{verdict}: mean evaluation return {returns.mean():.1f} +- {returns.std():.1f} over {returns.size} "
-          f"episodes (target {args.target:g}; solved at {args.solved:g}), {report['seconds']:.0f} s")
+    policy = f" of {report['policy']}" if "policy" in report else ""
+    print(f"{verdict}: mean evaluation return{policy} {returns.mean():.1f} +- {returns.std():.1f} over "
+          f"{returns.size} episodes (target {args.target:g}; solved at {args.solved:g}), {report['seconds']:.0f} s")
     return report
 
 
