@@ -344,6 +344,13 @@ class ReplayBuffer(MappedBlock):
         """All rows as numpy arrays in ``get`` order, plus ``index`` (and ``episode``)."""
         return persistence.export(self)
 
+    @property
+    def pusher(self) -> Pusher | None:
+        """With ``next_of``/``stack``: this process's memory of the rows it pushed last into each
+        lane (``protocol.frames_push.Pusher``), which its next push continues; a save keeps it and
+        a load gives it to the loading process. ``None`` without."""
+        return self._pusher
+
     def pending(self) -> dict[str, np.ndarray]:
         """With ``next_of``: the rows ``export`` leaves out, each lane's newest row this process
         pushed that waits for its next observation, as transitions with ``export``'s keys."""

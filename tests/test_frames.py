@@ -855,6 +855,52 @@ def test_a_save_keeps_each_lanes_waiting_step(case: int, rows_a_lane: int, make:
         again.unlink()
 
 
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_a_save_of_full_lanes_loads_every_transition_and_continues_them(case: int, make: Make, name: str,
+                                                                        tmp_path: Any) -> None:
+    """Every lane filled past full by this process, its newest step's episode going on (with
+    ``next_of``, waiting for its next observation): a load holds every transition the original
+    holds, bit for bit (stacks and next observations rebuilt from the same rows), and the same
+    waiting steps (``pending``); the loading process's next step into each lane continues the lane
+    exactly as the original's does, completing the waiting step."""
+    frame, k, axis, pad, next_of, stack, lanes = CASES[case]
+    sch = schema(frame, k, axis)
+    rng = np.random.default_rng(case)
+    src = make(sch, 10 * lanes, lanes=lanes, next_of=next_of, stack=stack, name=name + "s")
+    streams = stepper(rng, lanes, frame, k, axis, pad)
+    for lane in range(lanes):
+        pushed = 0
+        while True:
+            step = next(streams[lane])
+            src.push(step, lane=lane)
+            pushed += 1
+            first, stop = src.ring.bounds()
+            if pushed > 20 and stop[lane] - first[lane] == src.lane_capacity and not (step["done"] or step["truncated"]):
+                break
+    before, waiting = src.export(), src.pending()
+    assert waiting["index"].size == (lanes if next_of else 0)
+    src.save(tmp_path / "s")
+    loaded = sb.ReplayBuffer.load(tmp_path / "s", name=name + "l")
+    try:
+        for mine, theirs in ((loaded.export(), before), (loaded.pending(), waiting)):
+            assert mine["index"].tolist() == theirs["index"].tolist()
+            got, want = _tagged(mine, sch.names), _tagged(theirs, sch.names)
+            assert set(got) == set(want)
+            for tag, values in got.items():
+                assert all(np.array_equal(a, b) for a, b in zip(values, want[tag], strict=True)), tag
+        for lane in range(lanes):  # the next step, into both
+            step = next(streams[lane])
+            assert np.array_equal(src.push(step, lane=lane), loaded.push(step, lane=lane))
+        after, got_after = _tagged(src.export(), sch.names), _tagged(loaded.export(), sch.names)
+        assert set(got_after) == set(after) and len(loaded) == len(src)
+        assert set(_tagged(waiting, sch.names)) <= set(got_after)  # the waiting steps are transitions now
+        for tag, values in got_after.items():
+            assert all(np.array_equal(a, b) for a, b in zip(values, after[tag], strict=True)), tag
+    finally:
+        loaded.close()
+        loaded.unlink()
+
+
 def test_continuity_compares_values_as_stored(make: Make, name: str) -> None:
     """A next observation pushed as float64 into a float32 field is stored as float32: the next
     row's observation continues it when equal as stored, whatever dtype each came in."""

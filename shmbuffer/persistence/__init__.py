@@ -26,6 +26,7 @@ from .format import (
     FORMAT,
     FORMAT_VERSION_1,
     FORMAT_VERSION_2,
+    FORMAT_VERSION_3,
     MAX_BLOCK,
     MAX_HEADER,
     MAX_ROW,
@@ -39,7 +40,8 @@ from .saving import Progress, save
 from .snapshot import CHUNK_BYTES, Buffer
 
 __all__ = [
-    "ALIGN", "CHUNK_BYTES", "FORMAT", "FORMAT_VERSION_1", "FORMAT_VERSION_2", "MAX_BLOCK", "MAX_HEADER", "MAX_ROW",
+    "ALIGN", "CHUNK_BYTES", "FORMAT", "FORMAT_VERSION_1", "FORMAT_VERSION_2", "FORMAT_VERSION_3",
+    "MAX_BLOCK", "MAX_HEADER", "MAX_ROW",
     "META", "READERS", "ROWS", "VERSION", "VERSIONS", "Buffer", "Progress", "export", "from_arrays", "import_rows",
     "load", "pending", "pieces", "save", "set_uses",
 ]

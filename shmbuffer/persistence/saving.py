@@ -13,11 +13,22 @@ through a link someone planted, and nobody else can read a save.
 ``rows.safetensors`` is sized for the first layout (every lane's first piece read) and its header
 space reserved; the header is written last, for the final layout (its numbers only shrink when
 rows are dropped, so it always fits). The save's format version is ``format.version_of`` its
-options.
+options and its ``pushed`` lanes.
+
+The saving process's pushes
+---------------------------
+With ``next_of``/``stack``, the process that pushed a lane's newest row remembers it
+(``frames_push.Last``): its next push into the lane continues that episode (with ``next_of``, it
+completes the step waiting for its next observation). A save by that process writes this state as
+``pushed`` (format version 3) for each lane whose newest row it kept, and a load gives it to the
+loading process: the rows are saved as they are (a waiting step stays waiting, ``pending`` gives
+it), so a full lane loses none of them. A save by another process has no such state: the rows
+are saved as they are.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -31,9 +42,9 @@ from typing import Any
 import numpy as np
 
 from ..progress import Progress as Line
-from ..protocol.frames_push import end_rows
-from ..protocol.rows import lane_of, number_of
-from .format import ALIGN, FORMAT, META, ROWS, Layout, Tensor, tensors, version_of
+from ..protocol.frames_push import Last
+from ..protocol.snapshot import Run
+from .format import ALIGN, FORMAT, FORMAT_VERSION_3, META, ROWS, Layout, Tensor, tensors, version_of
 from .snapshot import CHUNK_BYTES, Buffer, Snapshot, copy_rows
 
 __all__ = ["Progress", "save"]
@@ -120,18 +131,23 @@ def save(buf: Buffer, path: str | os.PathLike[str], *, progress: Progress = None
         if not overwrite:
             _refuse_a_save(folder, dfd)
         files = tensors(buf.schema, buf.options)
-        snap = Snapshot(buf, wait, _waiting(buf, files))
-        bar = _Bar(progress, f"saving {buf.name!r}", sum(r.saved_end - r.keep for r in snap.runs) * sum(t.row_bytes for t in files))
+        lasts = _lasts(buf)  # before the snapshot: this process pushes nothing while it saves
+        snap = Snapshot(buf, wait)
+        bar = _Bar(progress, f"saving {buf.name!r}", sum(r.end - r.keep for r in snap.runs) * sum(t.row_bytes for t in files))
         fd = _create(tmp, dfd)
         try:
-            sink = _FileSink(fd, files, save_id, version_of(buf.options))
+            # the header (sized before the rows are read) names the version: ``pushed`` may lose a lane
+            # whose newest row writers dropped meanwhile, but the version stays
+            version = version_of(buf.options, bool(_pushed(snap.runs, lasts)))
+            sink = _FileSink(fd, files, save_id, version)
             final, moved = copy_rows(snap, files, sink, bar.add)
         finally:
             os.close(fd)
             bar.close()
+        pushed = _pushed(snap.runs, lasts)
         fd = _create(meta_tmp, dfd)
         try:
-            _pwrite(fd, (json.dumps(_meta(buf, snap, files, final, save_id), indent=1) + "\n").encode(), 0)
+            _pwrite(fd, (json.dumps(_meta(buf, snap, files, final, save_id, version, pushed), indent=1) + "\n").encode(), 0)
         finally:
             os.close(fd)
         if not overwrite:
@@ -152,7 +168,7 @@ def save(buf: Buffer, path: str | os.PathLike[str], *, progress: Progress = None
     return {
         "path": str(folder), "rows": final.rows - holes, "holes": holes, "bytes": sink.data_start + final.data_bytes,
         "seconds": time.perf_counter() - t0,
-        "dropped": sum(r.stop - r.first for r in snap.runs) - (final.rows - sum(r.tail is not None for r in snap.runs)),
+        "dropped": sum(r.stop - r.first for r in snap.runs) - final.rows,
         "moved": moved,
     }
 
@@ -224,47 +240,48 @@ def _version() -> str:
         return "unknown"
 
 
-def _waiting(buf: Buffer, files: list[Tensor]) -> dict[int, tuple[int, dict[str, np.ndarray]]]:
-    """With ``next_of``: per lane whose newest step waits for its next observation, which this
-    process alone holds (``ReplayBuffer.pending``), that row's number and the end row that makes
-    it a transition (``frames_push.end_rows``, as ``push(flush=True)`` would store): the save loses no
-    step. Rows another process pushed are saved as they are: waiting."""
-    spec = buf.options.frames
-    if spec is None or not spec.next_of:
+def _lasts(buf: Buffer) -> dict[int, Last]:
+    """With ``next_of``/``stack``: per lane, this process's last row there when its next push
+    continues that row's episode (``frames_push.Last``); a forked child's pusher is its parent's."""
+    pusher = buf.pusher
+    if pusher is None or pusher.pid != os.getpid():
         return {}
-    waiting = buf.pending()
-    if not waiting["index"].size:
-        return {}
-    ends = end_rows(spec, spec.stored(buf.schema), {n: waiting[n] for n, _ in spec.next_of})
-    lanes = buf.options.lanes
-    out = {}
-    for i, rid in enumerate(waiting["index"].tolist()):
-        row = {t.name: np.zeros((1, *t.shape), t.dtype) for t in files}
-        for n, a in ends.items():
-            row[n][0] = a[i]
-        row["_present"][0] = True
-        if "_episode" in row:
-            row["_episode"][0] = waiting["episode"][i]
-        out[int(lane_of(rid, lanes))] = (int(number_of(rid, lanes)), row)
+    return {lane: last for lane, last in pusher.last.items() if not last.final}
+
+
+def _pushed(runs: list[Run], lasts: dict[int, Last]) -> list[dict[str, Any]]:
+    """``meta.json``'s ``pushed`` (``format.py``): each of ``lasts`` whose row is its lane's newest
+    saved row, and was saved (not a hole)."""
+    out = []
+    for lane, last in sorted(lasts.items()):
+        run = runs[lane]
+        if run.keep <= last.row == run.end - 1 == run.stop - 1 and not run.hole_mask(last.row, last.row + 1)[0]:
+            out.append({"lane": lane, "row": last.row, "episode": last.episode,
+                        "values": {n: base64.b64encode(np.ascontiguousarray(v, v.dtype.newbyteorder("<")).tobytes()).decode()
+                                   for n, v in sorted(last.values.items())}})
     return out
 
 
-def _meta(buf: Buffer, snap: Snapshot, files: list[Tensor], layout: Layout, save_id: str) -> dict[str, Any]:
+def _meta(buf: Buffer, snap: Snapshot, files: list[Tensor], layout: Layout, save_id: str, version: int,
+          pushed: list[dict[str, Any]]) -> dict[str, Any]:
     """``meta.json``'s object (``format.py``)."""
-    return {
+    out = {
         "format": FORMAT,
-        "format_version": version_of(buf.options),
+        "format_version": version,
         "shmbuffer_version": _version(),
         "save_id": save_id,
         "name": buf.name,
         "schema": buf.schema.to_json(),
         "options": buf.options.to_json(),
         "rows": layout.rows,
-        "lanes": [{"first": r.keep, "stop": r.saved_end, "base": r.base} for r in snap.runs],
+        "lanes": [{"first": r.keep, "stop": r.end, "base": r.base} for r in snap.runs],
         "sampler_state": None if snap.max_priority is None else {"max_priority": snap.max_priority},
         "stats": snap.stats,
         "counters": snap.counters,
         "tensors": [t.to_json(layout.rows) for t in files],
     }
+    if version == FORMAT_VERSION_3:
+        out["pushed"] = pushed
+    return out
 
 
