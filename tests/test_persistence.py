@@ -3,6 +3,7 @@ plain numpy export / import."""
 
 from __future__ import annotations
 
+import base64
 import json
 import multiprocessing as mp
 import os
@@ -1237,6 +1238,38 @@ def test_a_tampered_frames_save_is_refused(case: str, tmp_path: Path, name: str)
         present = _tensor_at(path, "_present")
         _poke(path, present, bytes(kinds.size) if case == "all holes" else b"\x00")
         message = "marks row 0 of lane 0 a hole"
+    with pytest.raises(sb.LayoutError, match=message):
+        sb.load(path, name=name)
+    assert not os.path.exists(segment.path_of(name))
+
+
+def _pushed_values(meta: dict[str, Any], name: str, value: str) -> None:
+    meta["pushed"][0]["values"][name] = value
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda m: m.pop("pushed"), r"pushed is None, expected an array in a version-3 save only"),
+    (lambda m: m.update(format_version=2), r"pushed is .*expected an array in a version-3 save only"),
+    (lambda m: m["pushed"].append(m["pushed"][0]), r"pushed\[1\]\.lane is 0, expected each lane once"),
+    (lambda m: m["pushed"][0].update(lane=1), r"pushed\[0\]\.lane is 1, expected an int in \[0, 0\]"),
+    (lambda m: m["pushed"][0].update(row=5), r"pushed\[0\]\.row is 5, expected lane 0's newest row, 6"),
+    (lambda m: m["pushed"][0].update(episode="x"), r"pushed\[0\]\.episode is 'x', expected an int"),
+    (lambda m: m["pushed"][0]["values"].pop("obs"), r"pushed\[0\]\.values is .*keys \['next_obs', 'obs'\]"),
+    (lambda m: _pushed_values(m, "obs", "not base64!"), r"pushed\[0\]\.values\.obs is .*expected base64"),
+    (lambda m: _pushed_values(m, "obs", "AAAA"), r"values\.obs is 'AAAA', expected base64 of 12 bytes"),
+    (lambda m: _pushed_values(m, "obs", base64.b64encode(bytes(12)).decode()), r"row 6 of lane 0 .*newest of its stacks"),
+    (lambda m: m["lanes"][0].update(stop=6) or m.update(rows=5), r"pushed\[0\]\.row is 6, expected lane 0's newest row, 5"),
+])
+def test_a_damaged_pushed_entry_is_refused(edit: Callable[[dict[str, Any]], None], message: str, tmp_path: Path,
+                                           name: str) -> None:
+    """A version-3 save's ``pushed`` (the saving process's last rows, which the loading process's
+    next push continues) is checked like every other entry: its place in the file's version, its
+    lanes and rows, its values' encoding and sizes, and the stored row it continues."""
+    import shutil
+
+    path = tmp_path / "pushed"
+    shutil.copytree(GOLDEN_V3 / "pushed", path)
+    edit_meta(path, edit)
     with pytest.raises(sb.LayoutError, match=message):
         sb.load(path, name=name)
     assert not os.path.exists(segment.path_of(name))
