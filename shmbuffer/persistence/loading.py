@@ -20,7 +20,7 @@ MAX_LEAF]``), ``_uses`` (at most ``max_use``), the two together (``_check_leaves
 leaf 0, another's the leaf its sampler gives) and that a hole's bytes are zeros in every tensor;
 once they are read, a version-2 save's ``_kind`` (``_check_kinds``: defined kinds only, end rows
 where episodes end unless another episode starts there, episodes starting after them), and each
-``pushed`` row (``_check_pushed``: a step whose episode goes on, its episode id and its stored frames
+``pushed`` row (``pushed.check``: a step whose episode goes on, its episode id and its stored frames
 those of its values). Whatever is malformed raises ``LayoutError``
 naming the file and the entry; JSON nested too deep to parse is malformed too.
 
@@ -35,8 +35,6 @@ such a lane continues the episode, as the saving process's would have.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import json
 import math
 import os
@@ -50,7 +48,7 @@ from typing import Any, cast
 import numpy as np
 
 from ..errors import CapacityError, LayoutError
-from ..frames import END, KIND, LEAD, START, ZERO, frames_of
+from ..frames import END, KIND, LEAD, START, ZERO
 from ..progress import Progress as Line
 from ..protocol import snapshot
 from ..protocol.frames_push import Last
@@ -61,6 +59,7 @@ from ..protocol.snapshot import CHUNK_BYTES, Buffer, columns
 from ..sampling.samplers import Prioritized, sampler_from_json
 from ..schema import Schema
 from ..shm.segment import human
+from . import pushed
 from .format import (
     FORMAT,
     FORMAT_VERSION_1,
@@ -351,8 +350,8 @@ def _read_meta(meta_file: Path, meta: dict[str, Any], version: int) -> _Saved:
                         m.text(t, "numpy", where)))
     if ("pushed" in meta) != (version == FORMAT_VERSION_3):
         raise m.bad("pushed", meta.get("pushed"), "an array in a version-3 save only")
-    pushed = _read_pushed(m, meta, schema, opts, lanes) if version == FORMAT_VERSION_3 else {}
-    return _Saved(schema, opts, lanes, max_priority, stats, listed, rows, save_id, pushed)
+    lasts = _read_pushed(m, meta, schema, opts, lanes) if version == FORMAT_VERSION_3 else {}
+    return _Saved(schema, opts, lanes, max_priority, stats, listed, rows, save_id, lasts)
 
 
 def _read_pushed(m: _Meta, meta: dict[str, Any], schema: Schema, opts: Options,
@@ -376,16 +375,11 @@ def _read_pushed(m: _Meta, meta: dict[str, Any], schema: Schema, opts: Options,
         values = m.obj(entry, "values", where, set(spec.rebuilt))
         got = {}
         for name in spec.rebuilt:
-            f = schema[name]
-            text = m.text(values, name, where + "values.")
+            text, f = m.text(values, name, where + "values."), schema[name]
             try:
-                raw = base64.b64decode(text, validate=True)
-            except (binascii.Error, ValueError):
-                raise m.bad(f"{where}values.{name}", _clip(text), "base64") from None
-            nbytes = math.prod(f.shape) * f.dtype.itemsize
-            if len(raw) != nbytes:
-                raise m.bad(f"{where}values.{name}", _clip(text), f"base64 of {nbytes} bytes ({f.describe()})")
-            got[name] = np.frombuffer(raw, f.dtype.newbyteorder("<")).reshape(f.shape).astype(f.dtype)
+                got[name] = pushed.value(text, f.shape, f.dtype)
+            except ValueError as exc:
+                raise m.bad(f"{where}values.{name}", _clip(text), f"{exc} ({f.describe()})") from None
         out[lane] = Last(row, False, episode, got)
     return out
 
@@ -526,7 +520,7 @@ def _read(folder: Path, meta: dict[str, Any], version: int, factory: Callable[..
                 removed = _fill(buf, fd, rows_file, data_start, entries, files, lanes, line)
             if opts.frames is not None:
                 _check_kinds(buf, lanes, rows_file)
-                _check_pushed(buf, saved.pushed, rows_file)
+                pushed.check(buf, saved.pushed, rows_file)
             arrays = columns(buf)
             if saved.max_priority is not None:
                 arrays["_prio"][0] = saved.max_priority
@@ -693,29 +687,6 @@ def _check_kinds(buf: Buffer, lanes: list[tuple[int, int, int]], file: Path) -> 
             at = int(np.flatnonzero(bad)[0])
             raise LayoutError(f"{file}: tensor '_kind' at rows {first + at}-{first + at + 1} of lane {lane}: {why} "
                               "(frames.py); the file was altered")
-
-
-def _check_pushed(buf: Buffer, pushed: dict[int, Last], file: Path) -> None:
-    """Each ``pushed`` row against the loaded rows, which the next push continues: a saved step
-    (not an end or lead row) whose episode goes on, of the episode id given, each stacked field's
-    stored frame the newest frame of the stack given."""
-    spec = buf.options.frames
-    assert spec is not None
-    arrays, fields_ = columns(buf), buf.block.fields
-    for lane, last in pushed.items():
-        at = int(slot(lane, np.array([last.row], np.int64), buf.lane_capacity)[0])
-        why = None
-        if not snapshot.restored(buf, np.array([at]))[0] or arrays[KIND][at] & (END | LEAD):
-            why = "is not a saved step"
-        elif any(fields_[name][at].any() for name in spec.ends if name in fields_):
-            why = "ends its episode"
-        elif last.episode is not None and "_episode" in arrays and int(arrays["_episode"][at]) != last.episode:
-            why = f"is of episode {int(arrays['_episode'][at])}, not {last.episode}"
-        elif any(not np.array_equal(frames_of(s, last.values[s.name][None])[0, -1], fields_[s.name][at])
-                 for s in spec.stack):
-            why = "holds frames other than the newest of its stacks in pushed"
-        if why is not None:
-            raise LayoutError(f"{file}: row {last.row} of lane {lane} (meta.json's pushed) {why}; the file was altered")
 
 
 READERS: dict[int, Callable[..., Buffer]] = {FORMAT_VERSION_1: read_v1, FORMAT_VERSION_2: read_v2,

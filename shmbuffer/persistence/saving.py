@@ -28,7 +28,6 @@ are saved as they are.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -42,8 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..progress import Progress as Line
-from ..protocol.frames_push import Last
-from ..protocol.snapshot import Run
+from . import pushed
 from .format import ALIGN, FORMAT, FORMAT_VERSION_3, META, ROWS, Layout, Tensor, tensors, version_of
 from .snapshot import CHUNK_BYTES, Buffer, Snapshot, copy_rows
 
@@ -131,23 +129,23 @@ def save(buf: Buffer, path: str | os.PathLike[str], *, progress: Progress = None
         if not overwrite:
             _refuse_a_save(folder, dfd)
         files = tensors(buf.schema, buf.options)
-        lasts = _lasts(buf)  # before the snapshot: this process pushes nothing while it saves
+        lasts = pushed.lasts(buf)  # before the snapshot: this process pushes nothing while it saves
         snap = Snapshot(buf, wait)
         bar = _Bar(progress, f"saving {buf.name!r}", sum(r.end - r.keep for r in snap.runs) * sum(t.row_bytes for t in files))
         fd = _create(tmp, dfd)
         try:
             # the header (sized before the rows are read) names the version: ``pushed`` may lose a lane
             # whose newest row writers dropped meanwhile, but the version stays
-            version = version_of(buf.options, bool(_pushed(snap.runs, lasts)))
+            version = version_of(buf.options, bool(pushed.entries(snap.runs, lasts)))
             sink = _FileSink(fd, files, save_id, version)
             final, moved = copy_rows(snap, files, sink, bar.add)
         finally:
             os.close(fd)
             bar.close()
-        pushed = _pushed(snap.runs, lasts)
+        kept = pushed.entries(snap.runs, lasts)
         fd = _create(meta_tmp, dfd)
         try:
-            _pwrite(fd, (json.dumps(_meta(buf, snap, files, final, save_id, version, pushed), indent=1) + "\n").encode(), 0)
+            _pwrite(fd, (json.dumps(_meta(buf, snap, files, final, save_id, version, kept), indent=1) + "\n").encode(), 0)
         finally:
             os.close(fd)
         if not overwrite:
@@ -240,30 +238,8 @@ def _version() -> str:
         return "unknown"
 
 
-def _lasts(buf: Buffer) -> dict[int, Last]:
-    """With ``next_of``/``stack``: per lane, this process's last row there when its next push
-    continues that row's episode (``frames_push.Last``); a forked child's pusher is its parent's."""
-    pusher = buf.pusher
-    if pusher is None or pusher.pid != os.getpid():
-        return {}
-    return {lane: last for lane, last in pusher.last.items() if not last.final}
-
-
-def _pushed(runs: list[Run], lasts: dict[int, Last]) -> list[dict[str, Any]]:
-    """``meta.json``'s ``pushed`` (``format.py``): each of ``lasts`` whose row is its lane's newest
-    saved row, and was saved (not a hole)."""
-    out = []
-    for lane, last in sorted(lasts.items()):
-        run = runs[lane]
-        if run.keep <= last.row == run.end - 1 == run.stop - 1 and not run.hole_mask(last.row, last.row + 1)[0]:
-            out.append({"lane": lane, "row": last.row, "episode": last.episode,
-                        "values": {n: base64.b64encode(np.ascontiguousarray(v, v.dtype.newbyteorder("<")).tobytes()).decode()
-                                   for n, v in sorted(last.values.items())}})
-    return out
-
-
 def _meta(buf: Buffer, snap: Snapshot, files: list[Tensor], layout: Layout, save_id: str, version: int,
-          pushed: list[dict[str, Any]]) -> dict[str, Any]:
+          kept: list[dict[str, Any]]) -> dict[str, Any]:
     """``meta.json``'s object (``format.py``)."""
     out = {
         "format": FORMAT,
@@ -281,7 +257,7 @@ def _meta(buf: Buffer, snap: Snapshot, files: list[Tensor], layout: Layout, save
         "tensors": [t.to_json(layout.rows) for t in files],
     }
     if version == FORMAT_VERSION_3:
-        out["pushed"] = pushed
+        out["pushed"] = kept
     return out
 
 
