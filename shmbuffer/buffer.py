@@ -405,15 +405,16 @@ class ReplayBuffer(MappedBlock):
             raise
         return buf
 
-    @property
-    def pusher(self) -> Pusher | None:
-        """With ``next_of``/``stack``: this process's memory of the row it pushed last into each
-        lane (``frames_push.Pusher``), which the next push continues; ``None`` otherwise."""
-        return self._pusher
-
     def export(self) -> dict[str, np.ndarray]:
         """All rows as numpy arrays in ``get`` order, plus ``index`` (and ``episode``)."""
         return persistence.export(self)
+
+    @property
+    def pusher(self) -> Pusher | None:
+        """With ``next_of``/``stack``: this process's memory of the rows it pushed last into each
+        lane (``protocol.frames_push.Pusher``), which its next push continues; a save keeps it and
+        a load gives it to the loading process. ``None`` without."""
+        return self._pusher
 
     def pending(self) -> dict[str, np.ndarray]:
         """With ``next_of``: the rows ``export`` leaves out, each lane's newest row this process

@@ -811,11 +811,11 @@ def _tagged(rows: dict[str, np.ndarray], names: tuple[str, ...]) -> dict[tuple[i
 @pytest.mark.parametrize("rows_a_lane", [60, 10])
 def test_a_save_keeps_each_lanes_waiting_step(case: int, rows_a_lane: int, make: Make, name: str,
                                               tmp_path: Any) -> None:
-    """A save by the process that pushed stores each lane's newest step, which waits for its next
-    observation, as a transition (an end row after it, as ``push(flush=True)`` stores): loaded,
-    the buffer holds every pushed transition the original holds, those steps too, bit for bit;
-    the original is left as it was. A full lane gives its oldest row for the end row, as a push
-    would. A save by another process keeps those rows as they are: waiting."""
+    """A save by the process that pushed keeps each lane's newest step, which waits for its next
+    observation, with that observation: loaded, the buffer holds every transition the original
+    holds, bit for bit, a full lane's oldest too, and the loading process holds those steps, still
+    waiting (``pending``); the original is left as it was. A save by another process keeps those
+    rows as they are: waiting, with nothing to complete them."""
     frame, k, axis, pad, next_of, stack, lanes = CASES[case]
     sch = schema(frame, k, axis)
     rng = np.random.default_rng(case)
@@ -834,9 +834,12 @@ def test_a_save_keeps_each_lanes_waiting_step(case: int, rows_a_lane: int, make:
         pushed = {**_tagged(exported, sch.names), **_tagged(waiting, sch.names)}
         for tag, values in got.items():  # every loaded transition is one pushed, bit for bit
             assert all(np.array_equal(a, b) for a, b in zip(values, pushed[tag], strict=True)), tag
-        assert set(_tagged(waiting, sch.names)) <= set(got)  # the waiting steps are transitions now
-        if rows_a_lane == 60:  # nothing lapped: every one
-            assert set(got) == set(pushed) and len(loaded) == before + waiting["index"].size
+        # every one the original holds, lapped or not, and the waiting steps still waiting
+        assert set(got) == set(_tagged(exported, sch.names)) and len(loaded) == before
+        still = _tagged(loaded.pending(), sch.names)
+        assert set(still) == set(_tagged(waiting, sch.names))
+        for tag, values in still.items():
+            assert all(np.array_equal(a, b) for a, b in zip(values, pushed[tag], strict=True)), tag
         drawn = loaded.sample(64 * len(got))
         assert {tuple(t) for t in drawn.tag.tolist()} == set(got)
     finally:
@@ -853,6 +856,52 @@ def test_a_save_keeps_each_lanes_waiting_step(case: int, rows_a_lane: int, make:
     finally:
         again.close()
         again.unlink()
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_a_save_of_full_lanes_loads_every_transition_and_continues_them(case: int, make: Make, name: str,
+                                                                        tmp_path: Any) -> None:
+    """Every lane filled past full by this process, its newest step's episode going on (with
+    ``next_of``, waiting for its next observation): a load holds every transition the original
+    holds, bit for bit (stacks and next observations rebuilt from the same rows), and the same
+    waiting steps (``pending``); the loading process's next step into each lane continues the lane
+    exactly as the original's does, completing the waiting step."""
+    frame, k, axis, pad, next_of, stack, lanes = CASES[case]
+    sch = schema(frame, k, axis)
+    rng = np.random.default_rng(case)
+    src = make(sch, 10 * lanes, lanes=lanes, next_of=next_of, stack=stack, name=name + "s")
+    streams = stepper(rng, lanes, frame, k, axis, pad)
+    for lane in range(lanes):
+        pushed = 0
+        while True:
+            step = next(streams[lane])
+            src.push(step, lane=lane)
+            pushed += 1
+            first, stop = src.ring.bounds()
+            if pushed > 20 and stop[lane] - first[lane] == src.lane_capacity and not (step["done"] or step["truncated"]):
+                break
+    before, waiting = src.export(), src.pending()
+    assert waiting["index"].size == (lanes if next_of else 0)
+    src.save(tmp_path / "s")
+    loaded = sb.ReplayBuffer.load(tmp_path / "s", name=name + "l")
+    try:
+        for mine, theirs in ((loaded.export(), before), (loaded.pending(), waiting)):
+            assert mine["index"].tolist() == theirs["index"].tolist()
+            got, want = _tagged(mine, sch.names), _tagged(theirs, sch.names)
+            assert set(got) == set(want)
+            for tag, values in got.items():
+                assert all(np.array_equal(a, b) for a, b in zip(values, want[tag], strict=True)), tag
+        for lane in range(lanes):  # the next step, into both
+            step = next(streams[lane])
+            assert np.array_equal(src.push(step, lane=lane), loaded.push(step, lane=lane))
+        after, got_after = _tagged(src.export(), sch.names), _tagged(loaded.export(), sch.names)
+        assert set(got_after) == set(after) and len(loaded) == len(src)
+        assert set(_tagged(waiting, sch.names)) <= set(got_after)  # the waiting steps are transitions now
+        for tag, values in got_after.items():
+            assert all(np.array_equal(a, b) for a, b in zip(values, after[tag], strict=True)), tag
+    finally:
+        loaded.close()
+        loaded.unlink()
 
 
 def test_continuity_compares_values_as_stored(make: Make, name: str) -> None:

@@ -3,6 +3,7 @@ plain numpy export / import."""
 
 from __future__ import annotations
 
+import base64
 import json
 import multiprocessing as mp
 import os
@@ -29,6 +30,7 @@ from .golden import make_golden
 Make = Callable[..., sb.ReplayBuffer]
 GOLDEN = Path(__file__).resolve().parent / "golden" / "v1"
 GOLDEN_V2 = GOLDEN.parent / "v2"
+GOLDEN_V3 = GOLDEN.parent / "v3"
 ROW = MUJOCO.row_bytes + 1
 """Bytes a MUJOCO row takes in a save: its fields and ``_present``."""
 
@@ -583,8 +585,29 @@ def test_golden_v2_frames(loaded: list) -> None:
     assert tensors["obs"].shape == (7, 1, 2, 3)  # the stored rows: each transition's newest frame, end rows
 
 
+def test_golden_v3_pushed(loaded: list) -> None:
+    """Format version 3 (the saving process's last rows): the content tests/golden/make_golden.py
+    describes. The loading process holds the waiting step and continues the episode with its next
+    step, as the saving process would have."""
+    new = sb.load(GOLDEN_V3 / "pushed", seed=0)
+    loaded.append(new)
+    assert new.capacity == 6 and len(new) == 4  # row 1's stack reaches the lapped row 0: no transition
+    assert new.get(slice(None))["action"].tolist() == [2, 3, 4, 5]
+    waiting = new.pending()
+    assert waiting["action"].tolist() == [6] and waiting["index"].tolist() == [6]
+    assert np.array_equal(waiting["obs"][0], np.concatenate([make_golden.frame(5), make_golden.frame(6)]))
+    assert np.array_equal(waiting["next_obs"][0], np.concatenate([make_golden.frame(6), make_golden.frame(7)]))
+    new.push(**make_golden.frames_episode(list(range(9)), "truncated")[7])  # the step after it, ending the episode
+    rows = new.get(slice(None))
+    assert rows["action"].tolist() == [4, 5, 6, 7] and rows["truncated"].tolist() == [False] * 3 + [True]
+    for i, t in enumerate(range(4, 8)):
+        assert np.array_equal(rows["obs"][i], np.concatenate([make_golden.frame(t - 1), make_golden.frame(t)]))
+        assert np.array_equal(rows["next_obs"][i], np.concatenate([make_golden.frame(t), make_golden.frame(t + 1)]))
+
+
 def test_every_format_version_has_a_reader_and_a_golden_file_that_loads(loaded: list) -> None:
-    assert tuple(persistence.READERS) == persistence.VERSIONS == (persistence.FORMAT_VERSION_1, persistence.FORMAT_VERSION_2)
+    assert tuple(persistence.READERS) == persistence.VERSIONS == (
+        persistence.FORMAT_VERSION_1, persistence.FORMAT_VERSION_2, persistence.FORMAT_VERSION_3)
     assert persistence.VERSION == max(persistence.VERSIONS)
     for version in persistence.VERSIONS:
         saves = sorted((GOLDEN.parent / f"v{version}").iterdir())
@@ -596,7 +619,8 @@ def test_every_format_version_has_a_reader_and_a_golden_file_that_loads(loaded: 
             assert len(new) > 0
 
 
-@pytest.mark.parametrize(("version", "kind"), [("v1", "uniform"), ("v1", "prioritized"), ("v2", "frames")])
+@pytest.mark.parametrize(("version", "kind"), [("v1", "uniform"), ("v1", "prioritized"), ("v2", "frames"),
+                                               ("v3", "pushed")])
 def test_a_save_is_byte_for_byte_the_golden_file(version: str, kind: str, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The recipe of a golden file, saved today with the golden's save_id, gives the same
@@ -607,6 +631,7 @@ def test_a_save_is_byte_for_byte_the_golden_file(version: str, kind: str, tmp_pa
     monkeypatch.setattr(persistence.saving.secrets, "token_hex", lambda k: meta["save_id"])
     monkeypatch.setattr(make_golden, "OUT", tmp_path / "v1")
     monkeypatch.setattr(make_golden, "OUT2", tmp_path / "v2")
+    monkeypatch.setattr(make_golden, "OUT3", tmp_path / "v3")
     getattr(make_golden, kind)()
     assert (tmp_path / version / kind / "rows.safetensors").read_bytes() == (golden / "rows.safetensors").read_bytes()
     again = json.loads((tmp_path / version / kind / "meta.json").read_text())
@@ -617,7 +642,7 @@ def test_a_save_is_byte_for_byte_the_golden_file(version: str, kind: str, tmp_pa
 
 
 def test_golden_files_are_what_the_script_makes() -> None:
-    for version, kinds in ((1, ("uniform", "prioritized", "holes")), (2, ("frames",))):
+    for version, kinds in ((1, ("uniform", "prioritized", "holes")), (2, ("frames",)), (3, ("pushed",))):
         for kind in kinds:
             folder = GOLDEN.parent / f"v{version}" / kind
             meta = json.loads((folder / "meta.json").read_text())
@@ -1234,6 +1259,38 @@ def test_a_tampered_frames_save_is_refused(case: str, tmp_path: Path, name: str)
     assert not os.path.exists(segment.path_of(name))
 
 
+def _pushed_values(meta: dict[str, Any], name: str, value: str) -> None:
+    meta["pushed"][0]["values"][name] = value
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda m: m.pop("pushed"), r"pushed is None, expected an array in a version-3 save only"),
+    (lambda m: m.update(format_version=2), r"pushed is .*expected an array in a version-3 save only"),
+    (lambda m: m["pushed"].append(m["pushed"][0]), r"pushed\[1\]\.lane is 0, expected each lane once"),
+    (lambda m: m["pushed"][0].update(lane=1), r"pushed\[0\]\.lane is 1, expected an int in \[0, 0\]"),
+    (lambda m: m["pushed"][0].update(row=5), r"pushed\[0\]\.row is 5, expected lane 0's newest row, 6"),
+    (lambda m: m["pushed"][0].update(episode="x"), r"pushed\[0\]\.episode is 'x', expected an int"),
+    (lambda m: m["pushed"][0]["values"].pop("obs"), r"pushed\[0\]\.values is .*keys \['next_obs', 'obs'\]"),
+    (lambda m: _pushed_values(m, "obs", "not base64!"), r"pushed\[0\]\.values\.obs is .*expected base64"),
+    (lambda m: _pushed_values(m, "obs", "AAAA"), r"values\.obs is 'AAAA', expected base64 of 12 bytes"),
+    (lambda m: _pushed_values(m, "obs", base64.b64encode(bytes(12)).decode()), r"row 6 of lane 0 .*newest of its stacks"),
+    (lambda m: m["lanes"][0].update(stop=6) or m.update(rows=5), r"pushed\[0\]\.row is 6, expected lane 0's newest row, 5"),
+])
+def test_a_damaged_pushed_entry_is_refused(edit: Callable[[dict[str, Any]], None], message: str, tmp_path: Path,
+                                           name: str) -> None:
+    """A version-3 save's ``pushed`` (the saving process's last rows, which the loading process's
+    next push continues) is checked like every other entry: its place in the file's version, its
+    lanes and rows, its values' encoding and sizes, and the stored row it continues."""
+    import shutil
+
+    path = tmp_path / "pushed"
+    shutil.copytree(GOLDEN_V3 / "pushed", path)
+    edit_meta(path, edit)
+    with pytest.raises(sb.LayoutError, match=message):
+        sb.load(path, name=name)
+    assert not os.path.exists(segment.path_of(name))
+
+
 def test_import_rows_in_pieces_changes_nothing_on_error_and_fills_env_lanes(make: Make, name: str) -> None:
     # import_rows pushes a lane's capacity at a time: a bad value in a later piece must be refused
     # before the first piece goes in, and a buffer with envs= takes whole env steps per piece
@@ -1299,9 +1356,10 @@ def test_a_save_of_a_step_ended_after_its_push_loads(make: Make, loaded: list, n
     sb.save(buf, tmp_path / "s")
     new = sb.load(tmp_path / "s", name=name + "l")
     loaded.append(new)
-    # the lane's waiting step goes along as a transition (a save keeps it)
-    assert len(new) == 5 and new.export()["reward"].tolist() == [0.0, 1.0, 10.0, 11.0, 12.0]
-    assert new.export()["done"].tolist() == [False] * 5
+    # the lane's waiting step goes along, still waiting for its next observation (a save keeps it)
+    assert len(new) == 4 and new.export()["reward"].tolist() == [0.0, 1.0, 10.0, 11.0]
+    assert new.export()["done"].tolist() == [False] * 4
+    assert new.pending()["reward"].tolist() == [12.0]
 
 
 @pytest.mark.parametrize("frames", [None, "obs"])

@@ -30,6 +30,7 @@ from .format import (
     FORMAT,
     FORMAT_VERSION_1,
     FORMAT_VERSION_2,
+    FORMAT_VERSION_3,
     MAX_BLOCK,
     MAX_HEADER,
     MAX_ROW,
@@ -45,7 +46,8 @@ from .saving import Progress, save
 from .snapshot import CHUNK_BYTES, Buffer
 
 __all__ = [
-    "ALIGN", "CHECKPOINT_VERSION", "CHUNK_BYTES", "FORMAT", "FORMAT_VERSION_1", "FORMAT_VERSION_2", "MAX_BLOCK", "MAX_HEADER", "MAX_ROW",
-    "MANIFEST", "META", "READERS", "ROWS", "VERSION", "VERSIONS", "Buffer", "Progress", "checkpoint", "export",
-    "from_arrays", "import_rows", "load", "pending", "pieces", "resume", "save", "set_uses",
+    "ALIGN", "CHECKPOINT_VERSION", "CHUNK_BYTES", "FORMAT", "FORMAT_VERSION_1", "FORMAT_VERSION_2", "FORMAT_VERSION_3",
+    "MAX_BLOCK", "MAX_HEADER", "MAX_ROW", "MANIFEST", "META", "READERS", "ROWS", "VERSION", "VERSIONS", "Buffer",
+    "Progress", "checkpoint", "export", "from_arrays", "import_rows", "load", "pending", "pieces", "resume", "save",
+    "set_uses",
 ]

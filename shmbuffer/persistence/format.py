@@ -11,6 +11,12 @@ Versions
 version 1 plus ``options.frames`` (``frames.py``) in ``meta.json``: the tensors are the *stored*
 fields and ``_kind`` comes along (below). A save writes the lowest version that can hold its buffer
 (``version_of``), so a release that reads only version 1 still loads every buffer without frames.
+``FORMAT_VERSION_3`` (3): version 2 plus ``pushed`` in ``meta.json`` (below): the lanes whose
+newest row the saving process pushed and will continue (``frames_push.Last``), so that a load
+gives that state to the loading process and its next push into the lane continues the episode
+(with ``next_of``, completing the step that waits for its next observation). A version-2 save
+holds no such state (the saving process's waiting steps went in as transitions, an end row after
+each, dropping a full lane's oldest row); it loads as it always did.
 ``load`` keeps a reader for every version (``loading.READERS``). A later format gets a new constant
 here, a new reader there, and keeps the older ones; its golden files go beside
 ``tests/golden/v1/`` and ``v2/``.
@@ -29,7 +35,7 @@ it, e.g. ``safetensors.numpy.load_file``). All integers are little-endian::
                    They tile this section exactly, larger itemsizes first (so each tensor is aligned
                    to its element size); nothing follows the last one.
 
-``V`` is the format version as a string (``"1"`` or ``"2"``), ``S`` the save's random token.
+``V`` is the format version as a string (``"1"``, ``"2"`` or ``"3"``), ``S`` the save's random token.
 The header is JSON without spaces (``","`` and ``":"`` separators), its keys in this order:
 ``__metadata__``, then the tensors in file order.
 
@@ -42,9 +48,9 @@ tensors, in file order (a stable sort by itemsize, largest first, of the list be
   (F64 F32 F16 I64 I32 I16 I8 U64 U32 U16 U8 BOOL). complex64 / complex128 fields are stored as
   F32 / F64 with a trailing dimension of 2 (real, imaginary), dtypes safetensors has no code for
   (longdouble) as U8 with a trailing dimension of their itemsize: the bytes are the buffer's.
-  Version 2: the *stored* fields (``Frames.stored``: a ``next_of`` field is not stored, a stacked
+  Versions 2 and 3: the *stored* fields (``Frames.stored``: a ``next_of`` field is not stored, a stacked
   field holds its newest frame, ``(rows, *frame)``).
-* ``_kind`` U8 ``(rows,)``, version 2 only: each stored row's kind (``frames.KIND``: a step, an
+* ``_kind`` U8 ``(rows,)``, version 2 and 3 only: each stored row's kind (``frames.KIND``: a step, an
   episode's end row holding its final observation, a lead row holding older frames).
 * ``_episode`` I64 ``(rows,)``: the rows' episode ids, when the buffer keeps episodes.
 * ``_leaf`` F64 ``(rows,)``: the rows' leaves in the priority tree (``samplers.py``:
@@ -66,7 +72,7 @@ A UTF-8 JSON object (written with ``indent=1``, then a newline):
 release; ``save_id`` the same random token as the header's, so two files of different saves never
 pair up; ``name`` the buffer's name; ``schema`` ``Schema.to_json()``; ``options``
 ``Options.to_json()`` (capacity, lanes, sampler, max_use, episodes, limiter; ``envs`` when set;
-``frames`` only in version 2, where it is required); ``rows`` the rows of every tensor (holes included);
+``frames`` only in versions 2 and 3, where it is required); ``rows`` the rows of every tensor (holes included);
 ``lanes`` one ``{"first": F, "stop": S, "base": B}`` per lane: its saved rows and holes are the row
 numbers ``[F, S)`` (``protocol.rows``: row ``n`` of lane ``l`` has the id ``n * lanes + l``),
 ``B <= F`` its base (first row number since its last ``clear()``); ``sampler_state``
@@ -75,7 +81,13 @@ buffer's counters (``Buffer.stats``); ``counters`` ``{"sample_calls": C, "remove
 sample calls ``beta`` is annealed over and whether rows were deleted or used up,
 ``layout.Counter``; saves written before these existed have none: 0); ``tensors`` the tensors of
 ``rows.safetensors`` in file order, each ``{"name", "dtype" (CODE), "shape", "numpy" (the
-buffer's numpy dtype)}``.
+buffer's numpy dtype)}``; version 3 only, ``pushed``: a list (empty only when writers dropped those rows while the save
+ran), at most one entry a lane,
+each ``{"lane": L, "row": N, "episode": E, "values": {NAME: DATA, ...}}``: lane ``L``'s newest saved
+row ``N`` (``N = stop - 1``, a step whose episode has not ended) is the saving process's last row
+of the lane, pushed with episode id ``E`` (null without one); ``values`` holds, for each field of
+``Frames.rebuilt`` (each stacked field's whole stack, each ``next_of`` field), the value that row
+was pushed with: its bytes (C order, little-endian, the field's shape and dtype) in base64.
 
 What a load checks is ``loading.py``'s docstring; how a save of a live buffer chooses its rows is
 ``snapshot.py``'s.
@@ -93,8 +105,8 @@ from ..frames import KIND
 from ..protocol.layout import Options
 from ..schema import Schema
 
-__all__ = ["ALIGN", "FORMAT", "FORMAT_VERSION_1", "FORMAT_VERSION_2", "MAX_BLOCK", "MAX_HEADER", "MAX_ROW", "META",
-           "ROWS", "VERSION", "VERSIONS", "Layout", "Tensor", "tensor_of", "tensors", "version_of"]
+__all__ = ["ALIGN", "FORMAT", "FORMAT_VERSION_1", "FORMAT_VERSION_2", "FORMAT_VERSION_3", "MAX_BLOCK", "MAX_HEADER",
+           "MAX_ROW", "META", "ROWS", "VERSION", "VERSIONS", "Layout", "Tensor", "tensor_of", "tensors", "version_of"]
 
 FORMAT = "shmbuffer"
 """``format`` in ``meta.json`` and in the header's ``__metadata__``."""
@@ -102,9 +114,11 @@ FORMAT_VERSION_1 = 1
 """A buffer without ``next_of``/``stack``."""
 FORMAT_VERSION_2 = 2
 """Version 1 plus ``options.frames``: the stored fields and ``_kind``."""
-VERSIONS = (FORMAT_VERSION_1, FORMAT_VERSION_2)
+FORMAT_VERSION_3 = 3
+"""Version 2 plus ``pushed``: the saving process's last rows its next pushes continue."""
+VERSIONS = (FORMAT_VERSION_1, FORMAT_VERSION_2, FORMAT_VERSION_3)
 """Every format version this release reads."""
-VERSION = FORMAT_VERSION_2
+VERSION = FORMAT_VERSION_3
 """The newest format version this release writes (``version_of`` says which one a save gets)."""
 META = "meta.json"
 """The save's description."""
@@ -128,9 +142,12 @@ SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, 
 """Element sizes of every safetensors dtype code (for checking a header we did not write)."""
 
 
-def version_of(opts: Options) -> int:
-    """The format version a save of a buffer with these options gets: the lowest that holds it."""
-    return FORMAT_VERSION_1 if opts.frames is None else FORMAT_VERSION_2
+def version_of(opts: Options, pushed: bool = False) -> int:
+    """The format version a save of a buffer with these options gets, with (``pushed``) or without
+    lanes its saving process continues: the lowest that holds it."""
+    if opts.frames is None:
+        return FORMAT_VERSION_1
+    return FORMAT_VERSION_3 if pushed else FORMAT_VERSION_2
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Loading a save: ``load(path, factory)`` makes a new buffer in shared memory with the saved
 schema, options, rows, row ids, priorities and use counts, through the reader of the save's format
-version (``READERS``: ``read_v1``, ``read_v2``; the format is ``format.py``).
+version (``READERS``: ``read_v1``, ``read_v2``, ``read_v3``; the format is ``format.py``).
 
 What a load checks
 ------------------
@@ -10,21 +10,27 @@ memory it checks every entry of ``meta.json``: its type, its range and its agree
 others (``0 <= base <= first <= stop <= first +`` the lane's capacity, ``stop * lanes <=
 MAX_ROW`` so that ids and stamps fit an int64, ``rows`` the sum of the lanes', ``max_priority``
 finite, ``>= 0`` and with a leaf of at most ``priorities.MAX_LEAF``, capacity times a row's bytes
-at most ``MAX_BLOCK``, ``options.frames`` set exactly in a version-2 save, the tensors those of
+at most ``MAX_BLOCK``, ``options.frames`` set exactly in a version-2 or -3 save, ``pushed`` only
+in a version-3 one (each entry's lane once, its row the lane's newest, its values base64 of the
+fields' sizes), the tensors those of
 the schema and options); and every entry of the safetensors header (object, dtype code, shape,
 offsets that tile the data section, metadata strings, the same ``save_id`` and format version as
 ``meta.json``). As it reads the rows it checks ``_present`` (0 or 1), ``_leaf`` (in ``[0,
 MAX_LEAF]``), ``_uses`` (at most ``max_use``), the two together (``check_leaves``: a used-up row's
 leaf 0, another's the leaf its sampler gives) and that a hole's bytes are zeros in every tensor;
 once they are read, a version-2 save's ``_kind`` (``check_kinds``: defined kinds only, end rows
-where episodes end unless another episode starts there, episodes starting after them). Whatever is malformed raises ``LayoutError``
+where episodes end unless another episode starts there, episodes starting after them), and each
+``pushed`` row (``pushed.check``: a step whose episode goes on, its episode id and its stored frames
+those of its values). Whatever is malformed raises ``LayoutError``
 naming the file and the entry; JSON nested too deep to parse is malformed too.
 
 The rows go into their slots a chunk at a time, each with its committed stamp
 (``protocol.snapshot.restore``); a hole's slot stays empty (stamp 0, leaf 0). Whether rows were
 removed (``Counter.REMOVED``: ``len`` and ``get``'s positions then leave holes and used-up rows
 out) comes from the rows read, not only from ``counters``, which older saves lack. The lanes'
-cursors are set last: until then the new buffer reads as empty.
+cursors are set last: until then the new buffer reads as empty. A version-3 save's ``pushed``
+becomes the loading process's memory of its last rows (``ReplayBuffer.pusher``): its next push into
+such a lane continues the episode, as the saving process's would have.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from ..errors import CapacityError, LayoutError
 from ..frames import END, KIND, LEAD, START, ZERO
 from ..progress import Progress as Line
 from ..protocol import snapshot
+from ..protocol.frames_push import Last
 from ..protocol.layout import Counter, Options
 from ..protocol.priorities import MAX_LEAF
 from ..protocol.rows import lane_capacity, slot
@@ -52,10 +59,12 @@ from ..protocol.snapshot import CHUNK_BYTES, Buffer, columns
 from ..sampling.samplers import sampler_from_json
 from ..schema import Schema
 from ..shm.segment import human
+from . import pushed
 from .format import (
     FORMAT,
     FORMAT_VERSION_1,
     FORMAT_VERSION_2,
+    FORMAT_VERSION_3,
     MAX_BLOCK,
     MAX_HEADER,
     MAX_ROW,
@@ -67,7 +76,7 @@ from .format import (
 )
 
 __all__ = ["READERS", "STATS", "check_kinds", "check_leaves", "load", "open_regular", "pread_into", "read_header", "read_meta",
-           "read_v1", "read_v2"]
+           "read_v1", "read_v2", "read_v3"]
 
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 STATS = {"sampled": Counter.SAMPLED, "reclaimed": Counter.RECLAIMED, "inserted": Counter.INSERTED,
@@ -232,6 +241,7 @@ class _Saved:
     tensors: list[tuple[str, str, tuple[int, ...], str]]
     rows: int
     save_id: str
+    pushed: dict[int, Last]
 
 
 def read_meta(meta_file: Path, meta: dict[str, Any], version: int) -> _Saved:
@@ -283,8 +293,8 @@ def read_meta(meta_file: Path, meta: dict[str, Any], version: int) -> _Saved:
         m.integer(limiter, "min_size", "options.limiter.", 1)
         if type(limiter["block_writers"]) is not bool:
             raise m.bad("options.limiter.block_writers", limiter["block_writers"], "true or false")
-    if (o.get("frames") is not None) != (version == FORMAT_VERSION_2):
-        raise m.bad("options.frames", o.get("frames"), "frames in a version-2 save only")
+    if (o.get("frames") is not None) != (version in (FORMAT_VERSION_2, FORMAT_VERSION_3)):
+        raise m.bad("options.frames", o.get("frames"), "frames in a version-2 or -3 save only")
     try:
         schema = Schema(**spec) if len(spec) == len(fields) else None
         opts = Options.from_json(o)
@@ -338,7 +348,40 @@ def read_meta(meta_file: Path, meta: dict[str, Any], version: int) -> _Saved:
         where = f"tensors[{i}]."
         listed.append((m.text(t, "name", where), m.text(t, "dtype", where), m.shape(t["shape"], where + "shape", 0),
                         m.text(t, "numpy", where)))
-    return _Saved(schema, opts, lanes, max_priority, stats, listed, rows, save_id)
+    if ("pushed" in meta) != (version == FORMAT_VERSION_3):
+        raise m.bad("pushed", meta.get("pushed"), "an array in a version-3 save only")
+    lasts = _read_pushed(m, meta, schema, opts, lanes) if version == FORMAT_VERSION_3 else {}
+    return _Saved(schema, opts, lanes, max_priority, stats, listed, rows, save_id, lasts)
+
+
+def _read_pushed(m: _Meta, meta: dict[str, Any], schema: Schema, opts: Options,
+                 lanes: list[tuple[int, int, int]]) -> dict[int, Last]:
+    """A version-3 save's ``pushed`` (``format.py``): per lane, the saving process's last row there."""
+    spec = opts.frames
+    assert spec is not None  # version 3 has frames (checked before)
+    out: dict[int, Last] = {}
+    for i, entry in enumerate(m.array(meta, "pushed")):
+        where = f"pushed[{i}]."
+        if not isinstance(entry, dict) or set(entry) != {"lane", "row", "episode", "values"}:
+            raise m.bad(f"pushed[{i}]", entry, "an object with the keys ['episode', 'lane', 'row', 'values']")
+        lane = m.integer(entry, "lane", where, 0, len(lanes) - 1)
+        first, stop, _ = lanes[lane]
+        if lane in out:
+            raise m.bad(where + "lane", lane, "each lane once")
+        row = m.integer(entry, "row", where)
+        if not first <= row == stop - 1:
+            raise m.bad(where + "row", row, f"lane {lane}'s newest row, {stop - 1} (lanes[{lane}] is [{first}, {stop}))")
+        episode = None if entry["episode"] is None else m.integer(entry, "episode", where, -(2**63))
+        values = m.obj(entry, "values", where, set(spec.rebuilt))
+        got = {}
+        for name in spec.rebuilt:
+            text, f = m.text(values, name, where + "values."), schema[name]
+            try:
+                got[name] = pushed.value(text, f.shape, f.dtype)
+            except ValueError as exc:
+                raise m.bad(f"{where}values.{name}", _clip(text), f"{exc} ({f.describe()})") from None
+        out[lane] = Last(row, False, episode, got)
+    return out
 
 
 @dataclass(frozen=True)
@@ -420,6 +463,13 @@ def read_v1(folder: Path, meta: dict[str, Any], factory: Callable[..., Buffer], 
     return _read(folder, meta, FORMAT_VERSION_1, factory, name=name, capacity=capacity, seed=seed)
 
 
+def read_v3(folder: Path, meta: dict[str, Any], factory: Callable[..., Buffer], *, name: str | None,
+            capacity: int | None, seed: Any) -> Buffer:
+    """The reader of format version 3: version 2 with ``pushed``, the saving process's last rows,
+    which the loading process's next pushes continue (``format.py``)."""
+    return _read(folder, meta, FORMAT_VERSION_3, factory, name=name, capacity=capacity, seed=seed)
+
+
 def read_v2(folder: Path, meta: dict[str, Any], factory: Callable[..., Buffer], *, name: str | None,
             capacity: int | None, seed: Any) -> Buffer:
     """The reader of format version 2: version 1 with ``options.frames`` (the stored fields and
@@ -470,6 +520,7 @@ def _read(folder: Path, meta: dict[str, Any], version: int, factory: Callable[..
                 removed = _fill(buf, fd, rows_file, data_start, entries, files, lanes, line)
             if opts.frames is not None:
                 check_kinds(buf, lanes, rows_file)
+                pushed.check(buf, saved.pushed, rows_file)
             arrays = columns(buf)
             if saved.max_priority is not None:
                 arrays["_prio"][0] = saved.max_priority
@@ -479,6 +530,8 @@ def _read(folder: Path, meta: dict[str, Any], version: int, factory: Callable[..
             for lane, (first, stop, base) in enumerate(lanes):
                 # the saved base reproduces the bounds unless the lanes grew or rows were dropped
                 buf.ring.place(lane, base if max(base, stop - new_lc) == first else first, stop)
+            if saved.pushed:
+                buf.pusher.last.update(saved.pushed)
         except BaseException:
             buf.__exit__(None, None, None)  # unlink; unmap once the traceback's views are gone
             raise
@@ -637,5 +690,6 @@ def check_kinds(buf: Buffer, lanes: list[tuple[int, int, int]], file: Path) -> N
                               "(frames.py); the file was altered")
 
 
-READERS: dict[int, Callable[..., Buffer]] = {FORMAT_VERSION_1: read_v1, FORMAT_VERSION_2: read_v2}
+READERS: dict[int, Callable[..., Buffer]] = {FORMAT_VERSION_1: read_v1, FORMAT_VERSION_2: read_v2,
+                                             FORMAT_VERSION_3: read_v3}
 """Format version -> its reader. A later version adds its reader here and keeps the older ones."""

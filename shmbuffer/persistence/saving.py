@@ -13,7 +13,17 @@ through a link someone planted, and nobody else can read a save.
 ``rows.safetensors`` is sized for the first layout (every lane's first piece read) and its header
 space reserved; the header is written last, for the final layout (its numbers only shrink when
 rows are dropped, so it always fits). The save's format version is ``format.version_of`` its
-options.
+options and its ``pushed`` lanes.
+
+The saving process's pushes
+---------------------------
+With ``next_of``/``stack``, the process that pushed a lane's newest row remembers it
+(``frames_push.Last``): its next push into the lane continues that episode (with ``next_of``, it
+completes the step waiting for its next observation). A save by that process writes this state as
+``pushed`` (format version 3) for each lane whose newest row it kept, and a load gives it to the
+loading process: the rows are saved as they are (a waiting step stays waiting, ``pending`` gives
+it), so a full lane loses none of them. A save by another process has no such state: the rows
+are saved as they are.
 """
 
 from __future__ import annotations
@@ -33,9 +43,8 @@ import numpy as np
 
 from .. import arguments
 from ..progress import Progress as Line
-from ..protocol.frames_push import end_rows
-from ..protocol.rows import lane_of, number_of
-from .format import ALIGN, FORMAT, META, ROWS, Layout, Tensor, tensors, version_of
+from . import pushed
+from .format import ALIGN, FORMAT, FORMAT_VERSION_3, META, ROWS, Layout, Tensor, tensors, version_of
 from .snapshot import CHUNK_BYTES, Buffer, Snapshot, copy_rows
 
 __all__ = ["FileSink", "Progress", "create_file", "open_folder", "pwrite", "release", "save"]
@@ -126,18 +135,23 @@ def save(buf: Buffer, path: str | os.PathLike[str], *, progress: Progress = None
         if not overwrite:
             _refuse_a_save(folder, dfd)
         files = tensors(buf.schema, buf.options)
-        snap = Snapshot(buf, wait, _waiting(buf, files))
-        bar = _Bar(progress, f"saving {buf.name!r}", sum(r.saved_end - r.keep for r in snap.runs) * sum(t.row_bytes for t in files))
+        lasts = pushed.lasts(buf)  # before the snapshot: this process pushes nothing while it saves
+        snap = Snapshot(buf, wait)
+        bar = _Bar(progress, f"saving {buf.name!r}", sum(r.end - r.keep for r in snap.runs) * sum(t.row_bytes for t in files))
         fd = create_file(tmp, dfd)
         try:
-            sink = FileSink(fd, files, save_id, version_of(buf.options))
+            # the header (sized before the rows are read) names the version: ``pushed`` may lose a lane
+            # whose newest row writers dropped meanwhile, but the version stays
+            version = version_of(buf.options, bool(pushed.entries(snap.runs, lasts)))
+            sink = FileSink(fd, files, save_id, version)
             final, moved = copy_rows(snap, files, sink, bar.add)
         finally:
             os.close(fd)
             bar.close()
+        kept = pushed.entries(snap.runs, lasts)
         fd = create_file(meta_tmp, dfd)
         try:
-            pwrite(fd, (json.dumps(_meta(buf, snap, files, final, save_id), indent=1) + "\n").encode(), 0)
+            pwrite(fd, (json.dumps(_meta(buf, snap, files, final, save_id, version, kept), indent=1) + "\n").encode(), 0)
         finally:
             os.close(fd)
         if not overwrite:
@@ -158,7 +172,7 @@ def save(buf: Buffer, path: str | os.PathLike[str], *, progress: Progress = None
     return {
         "path": str(folder), "rows": final.rows - holes, "holes": holes, "bytes": sink.data_start + final.data_bytes,
         "seconds": time.perf_counter() - t0,
-        "dropped": sum(r.stop - r.first for r in snap.runs) - (final.rows - sum(r.tail is not None for r in snap.runs)),
+        "dropped": sum(r.stop - r.first for r in snap.runs) - final.rows,
         "moved": moved,
     }
 
@@ -231,47 +245,26 @@ def release() -> str:
         return "unknown"
 
 
-def _waiting(buf: Buffer, files: list[Tensor]) -> dict[int, tuple[int, dict[str, np.ndarray]]]:
-    """With ``next_of``: per lane whose newest step waits for its next observation, which this
-    process alone holds (``ReplayBuffer.pending``), that row's number and the end row that makes
-    it a transition (``frames_push.end_rows``, as ``push(flush=True)`` would store): the save loses no
-    step. Rows another process pushed are saved as they are: waiting."""
-    spec = buf.options.frames
-    if spec is None or not spec.next_of:
-        return {}
-    waiting = buf.pending()
-    if not waiting["index"].size:
-        return {}
-    ends = end_rows(spec, spec.stored(buf.schema), {n: waiting[n] for n, _ in spec.next_of})
-    lanes = buf.options.lanes
-    out = {}
-    for i, rid in enumerate(waiting["index"].tolist()):
-        row = {t.name: np.zeros((1, *t.shape), t.dtype) for t in files}
-        for n, a in ends.items():
-            row[n][0] = a[i]
-        row["_present"][0] = True
-        if "_episode" in row:
-            row["_episode"][0] = waiting["episode"][i]
-        out[int(lane_of(rid, lanes))] = (int(number_of(rid, lanes)), row)
-    return out
-
-
-def _meta(buf: Buffer, snap: Snapshot, files: list[Tensor], layout: Layout, save_id: str) -> dict[str, Any]:
+def _meta(buf: Buffer, snap: Snapshot, files: list[Tensor], layout: Layout, save_id: str, version: int,
+          kept: list[dict[str, Any]]) -> dict[str, Any]:
     """``meta.json``'s object (``format.py``)."""
-    return {
+    out = {
         "format": FORMAT,
-        "format_version": version_of(buf.options),
+        "format_version": version,
         "shmbuffer_version": release(),
         "save_id": save_id,
         "name": buf.name,
         "schema": buf.schema.to_json(),
         "options": buf.options.to_json(),
         "rows": layout.rows,
-        "lanes": [{"first": r.keep, "stop": r.saved_end, "base": r.base} for r in snap.runs],
+        "lanes": [{"first": r.keep, "stop": r.end, "base": r.base} for r in snap.runs],
         "sampler_state": None if snap.max_priority is None else {"max_priority": snap.max_priority},
         "stats": snap.stats,
         "counters": snap.counters,
         "tensors": [t.to_json(layout.rows) for t in files],
     }
+    if version == FORMAT_VERSION_3:
+        out["pushed"] = kept
+    return out
 
 

@@ -57,7 +57,7 @@ class MemorySink:
 
 
 def _layout(tensors: list[Tensor], runs: list[Run]) -> Layout:
-    return Layout(tensors, [(r.keep, r.saved_end) for r in runs])
+    return Layout(tensors, [(r.keep, r.end) for r in runs])
 
 
 def copy_rows(snap: Snapshot, tensors: list[Tensor], sink: Sink, done: Any = None) -> tuple[Layout, bool]:
@@ -92,10 +92,6 @@ def copy_rows(snap: Snapshot, tensors: list[Tensor], sink: Sink, done: Any = Non
                 if got is not None:
                     write(got)
                     got = None
-    snap.tails_kept()
-    for run in runs:
-        if run.tail is not None:
-            write(Piece(run.lane, run.end, run.tail))
     final = _layout(tensors, runs)
     moved = final.keep != plan.keep
     if moved:  # writers overwrote rows after the layout was planned: close the gaps, front to back

@@ -91,13 +91,6 @@ class Run:
     keep: int
     at: int
     holes: np.ndarray
-    tail: dict[str, np.ndarray] | None = None
-    """an end row to save after the run (``Snapshot``'s ``ends``), one array per tensor"""
-
-    @property
-    def saved_end(self) -> int:
-        """One past the last row number saved: ``end``, plus one with a tail."""
-        return self.end + (self.tail is not None)
 
     def hole_count(self) -> int:
         """Holes in the run ``[keep, end)``."""
@@ -127,13 +120,9 @@ class Piece:
 
 class Snapshot:
     """The rows of ``buf`` as of now, read piece by piece (the module docstring): ``runs`` one
-    ``Run`` per lane; ``stats``, ``counters`` and ``max_priority`` as of the start. ``ends``: per
-    lane, the row number of its newest row and an end row to save after it (one array per tensor
-    of the file), which a run takes when that row is its last (the save of a ``next_of`` buffer:
-    the step waiting for its next observation is saved as a transition, ``saving.py``)."""
+    ``Run`` per lane; ``stats``, ``counters`` and ``max_priority`` as of the start."""
 
-    def __init__(self, buf: Buffer, wait: float,
-                 ends: dict[int, tuple[int, dict[str, np.ndarray]]] | None = None) -> None:
+    def __init__(self, buf: Buffer, wait: float) -> None:
         ring = buf.ring
         self.buf = buf
         self.arrays = columns(buf)
@@ -150,18 +139,6 @@ class Snapshot:
         deadline = time.monotonic() + wait
         self.runs = [self._scan(lane, int(first[lane]), int(stop[lane]), min(int(base[lane]), int(first[lane])), deadline)
                      for lane in range(ring.lanes)]
-        for lane, (row, tail) in (ends or {}).items():
-            run = self.runs[lane]
-            if run.end == run.stop == row + 1 and run.keep <= row:
-                run.tail = tail
-                if run.saved_end - run.keep > self.lc:  # a full lane: its oldest row goes, as at a push
-                    run.keep = run.at = run.keep + 1
-
-    def tails_kept(self) -> None:
-        """Drop the tail of each run whose last row was not kept (overwritten while copied)."""
-        for run in self.runs:
-            if run.tail is not None and run.keep >= run.end:
-                run.tail = None
 
     def _scan(self, lane: int, first: int, stop: int, base: int, deadline: float) -> Run:
         """Find the run's end (the first row a live writer is still writing after the wait), the

@@ -1,10 +1,11 @@
-"""Write the golden files of the persistence format versions into tests/golden/v1/ and v2/.
+"""Write the golden files of the persistence format versions into tests/golden/v1/, v2/ and v3/.
 
 They are committed, and tests/test_persistence.py checks that every later shmbuffer loads them with
-exactly the content described here. Run from anywhere: ``python tests/golden/make_golden.py [v1|v2]``.
+exactly the content described here. Run from anywhere: ``python tests/golden/make_golden.py [v1|v2|v3]``.
 Never regenerate a version's files with a later format: add a folder for the new version beside them.
 v1/ was written by the release that introduced format version 1; v2/ (``next_of``/``stack``) by
-commit 969d4a4, which introduced format version 2.
+commit 969d4a4, which introduced format version 2; v3/ (the saving process's last rows, ``pushed``)
+by the commit that introduced format version 3.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tests.conftest import MUJOCO, transition  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "v1"
 OUT2 = Path(__file__).resolve().parent / "v2"
+OUT3 = Path(__file__).resolve().parent / "v3"
 
 
 def uniform() -> None:
@@ -135,8 +137,20 @@ def frames() -> None:
         sb.save(buf, OUT2 / "frames")
 
 
+def pushed() -> None:
+    """Format version 3: capacity 6, one lane, ``next_of="obs"``, ``stack="obs"``, saved by the
+    process that pushed. The first 7 transitions of an episode of frames 0..8 (actions 0..6; it goes
+    on): the lane holds rows 1..6 (actions 1..6), ``get`` gives actions 2..5 (row 1's stack reaches
+    the lapped row 0), and the step of action 6 waits for its next observation (frames 6, 7), which
+    ``pushed`` holds."""
+    with sb.ReplayBuffer(FRAMES, 6, name=f"golden-{os.getpid()}-pushed", next_of="obs", stack="obs") as buf:
+        for r in frames_episode(list(range(9)), "truncated")[:7]:
+            buf.push(**r)
+        sb.save(buf, OUT3 / "pushed")
+
+
 if __name__ == "__main__":
-    which = sys.argv[1:] or ["v1", "v2"]
+    which = sys.argv[1:] or ["v1", "v2", "v3"]
     if "v1" in which:
         uniform()
         prioritized()
@@ -145,3 +159,6 @@ if __name__ == "__main__":
     if "v2" in which:
         frames()
         print(f"wrote {OUT2}")
+    if "v3" in which:
+        pushed()
+        print(f"wrote {OUT3}")
