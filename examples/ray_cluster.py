@@ -20,6 +20,12 @@ It exits with status 0 when that mean reaches ``--target`` (100; random play sco
 otherwise (always 0 with ``--tiny`` or ``--max-updates``, which only check that it runs). Two
 raylets, two collectors and the learner share a 2-core machine's cores, so the learner makes few
 updates there; how many depends on the machine and its load.
+
+What a run at the defaults shows: the shards, a progress line every few seconds (env steps, rows in
+each shard, updates, the collectors' recent return, the last evaluation), then the verdict,
+``LEARNED: mean evaluation return of the best evaluated weights, at U updates, M +- S over 20
+episodes (target 100; solved at 475)`` (or ``of the last weights``; ``SOLVED`` when it reached 475
+early, ``NOT LEARNED`` below the target, exit status 1).
 """
 
 from __future__ import annotations
