@@ -23,8 +23,8 @@ updates there; how many depends on the machine and its load.
 
 What a run at the defaults shows: the shards, a progress line every few seconds (env steps, rows in
 each shard, updates, the collectors' recent return, the last evaluation), then the verdict,
-``LEARNED: mean evaluation return of the best evaluated weights, at U updates, M +- S over 20
-episodes (target 100; solved at 475)`` (or ``of the last weights``; ``SOLVED`` when it reached 475
+``LEARNED: mean evaluation return of the best evaluated weights, at U updates: M +- S over 20
+episodes (target 100; solved at 475), T s`` (or ``of the last weights``; ``SOLVED`` when it reached 475
 early, ``NOT LEARNED`` below the target, exit status 1).
 """
 
@@ -207,7 +207,7 @@ def main(args: Args) -> dict[str, Any]:
           f"{report['shards_seen']}")
     report["learned"] = bool(returns.mean() >= args.target)
     verdict = "SOLVED" if report["solved"] else "LEARNED" if report["learned"] else "NOT LEARNED"
-    policy = f" of {report['policy']}" if "policy" in report else ""
+    policy = f" of {report['policy']}:" if "policy" in report else ""
     print(f"{verdict}: mean evaluation return{policy} {returns.mean():.1f} +- {returns.std():.1f} over "
           f"{returns.size} episodes (target {args.target:g}; solved at {args.solved:g}), {report['seconds']:.0f} s")
     return report
