@@ -304,9 +304,13 @@ def _checkpoint(args: argparse.Namespace) -> int:
 
 def _resume(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
-    buf = ReplayBuffer.resume(args.path, name=args.name)
+    return _hold(ReplayBuffer.resume(args.path, name=args.name), "resumed")
+
+
+def _hold(buf: ReplayBuffer, how: str) -> int:
+    """Keep ``buf`` (just made by ``how``) until interrupted, then remove it."""
     try:
-        print(f"resumed {len(buf)} rows into {buf.name!r}; holding it until interrupted "
+        print(f"{how} {len(buf)} rows into {buf.name!r}; holding it until interrupted "
               "(Ctrl-C or SIGTERM removes it)", flush=True)
         while True:
             signal.pause()
@@ -324,18 +328,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def _load(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
-    buf = ReplayBuffer.load(args.path, name=args.name, capacity=args.capacity)
-    try:
-        print(f"loaded {len(buf)} rows into {buf.name!r}; holding it until interrupted "
-              "(Ctrl-C or SIGTERM removes it)", flush=True)
-        while True:
-            signal.pause()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        buf.close()
-        buf.unlink()
-    return 0
+    return _hold(ReplayBuffer.load(args.path, name=args.name, capacity=args.capacity), "loaded")
 
 
 # -- top ---------------------------------------------------------------------------------------------

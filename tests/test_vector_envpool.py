@@ -77,6 +77,30 @@ def same(recorded: dict[str, np.ndarray], expected: list[tuple[Any, ...]], e: in
     assert (term | trunc).any() and (episode > 0).any()
 
 
+def drive(env: Any, hand: ByHand | None, failed: list[str] | None = None) -> None:
+    """150 batches of EnvPool's async API, each env's action from its own step count; with
+    ``failed``, a push that fails in ``recv`` is noted there and its batch taken from the error."""
+    count = np.zeros(N, np.int64)
+    env.async_reset()
+    for _ in range(150):
+        try:
+            got = env.recv()
+        except sb.WaitTimeout as exc:
+            if failed is None:
+                raise
+            failed.append(str(exc))
+            got = exc.result  # type: ignore[attr-defined]
+        ids = np.asarray(got[4]["env_id"])
+        if hand is not None:
+            hand.see(*got)
+        actions = policy(ids, count[ids])
+        count[ids] += 1
+        if hand is not None:
+            for k, e in enumerate(ids):
+                hand.action[e] = actions[k]
+        env.send(actions, ids)
+
+
 def test_envpool_sync_step_matches_a_by_hand_record(make: Make, name: str) -> None:
     buf = make(SCHEMA, capacity=N * 200, envs=N, episodes=True, name=name, seed=0)
     rec, ref = RecordTransitions(pool(), buf), pool()
@@ -102,21 +126,6 @@ def test_envpool_sync_step_matches_a_by_hand_record(make: Make, name: str) -> No
 def test_envpool_async_recv_matches_a_by_hand_record(make: Make, name: str) -> None:
     buf = make(SCHEMA, capacity=N * 200, envs=N, episodes=True, name=name, seed=0)
     rec, ref = RecordTransitions(pool(batch_size=2), buf), pool(batch_size=2)
-
-    def drive(env: Any, hand: ByHand | None) -> None:
-        count = np.zeros(N, np.int64)
-        env.async_reset()
-        for _ in range(150):
-            got = env.recv()
-            ids = np.asarray(got[4]["env_id"])
-            if hand is not None:
-                hand.see(*got)
-            actions = policy(ids, count[ids])
-            count[ids] += 1
-            if hand is not None:
-                for k, e in enumerate(ids):
-                    hand.action[e] = actions[k]
-            env.send(actions, ids)
 
     hand = ByHand()
     drive(rec, None)
@@ -151,27 +160,8 @@ def test_a_failed_push_in_recv_loses_that_batchs_rows_only(make: Make, name: str
     monkeypatch.setattr(buf, "push", failing_push)
     failed: list[str] = []
 
-    def drive(env: Any, hand: ByHand | None) -> None:
-        count = np.zeros(N, np.int64)
-        env.async_reset()
-        for _ in range(150):
-            try:
-                got = env.recv()
-            except sb.WaitTimeout as exc:
-                failed.append(str(exc))
-                got = exc.result  # type: ignore[attr-defined]
-            ids = np.asarray(got[4]["env_id"])
-            if hand is not None:
-                hand.see(*got)
-            actions = policy(ids, count[ids])
-            count[ids] += 1
-            if hand is not None:
-                for k, e in enumerate(ids):
-                    hand.action[e] = actions[k]
-            env.send(actions, ids)
-
     hand = ByHand()
-    drive(rec, None)
+    drive(rec, None, failed)
     drive(ref, hand)
     assert len(failed) == 1 and len(lost) >= 1
     assert f"this batch's {len(lost)} rows (envs {list(lost)}) were not pushed and are lost" in failed[0]
