@@ -86,6 +86,7 @@ the annealing of ``Prioritized.beta`` on, ``removed`` says rows were deleted or 
 
 
 def pread_into(fd: int, a: np.ndarray, offset: int, file: Path) -> None:
+    """Fill ``a`` from ``fd`` at ``offset`` (``os.preadv`` again until it is full); ``LayoutError`` naming ``file`` when the file ends first."""
     view = a.reshape(-1).view(np.uint8).data
     while view.nbytes:
         n = os.preadv(fd, [view], offset)

@@ -56,6 +56,7 @@ _CREATE = os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_RDWR | os.O_CLOEXEC
 
 
 def pwrite(fd: int, a: np.ndarray | bytes | memoryview, offset: int) -> None:
+    """Write all of ``a`` into ``fd`` at ``offset`` (``os.pwrite`` again until every byte is written)."""
     view = np.ascontiguousarray(a).reshape(-1).view(np.uint8).data if isinstance(a, np.ndarray) else memoryview(a)
     while view.nbytes:
         n = os.pwrite(fd, view, offset)
@@ -90,19 +91,23 @@ class FileSink:
         self.data_start = 0
 
     def start(self, plan: Layout) -> None:
+        """Place the data section after the header that ``plan`` gives."""
         # the final header is never longer: its numbers only shrink when rows are dropped
         self.data_start = -(-(8 + len(plan.header(self.tensors, self.save_id, self.version))) // ALIGN) * ALIGN
         os.ftruncate(self.fd, self.data_start + plan.data_bytes)
 
     def write(self, offset: int, a: np.ndarray) -> None:
+        """Write ``a`` at ``offset`` of the data section."""
         pwrite(self.fd, a, self.data_start + offset)
 
     def move(self, src: int, dst: int, nbytes: int) -> None:
+        """Move ``nbytes`` of the data section from ``src`` to ``dst`` (rows dropped before them)."""
         for done in range(0, nbytes, CHUNK_BYTES):
             k = min(CHUNK_BYTES, nbytes - done)
             pwrite(self.fd, os.pread(self.fd, k, self.data_start + src + done), self.data_start + dst + done)
 
     def finish(self, final: Layout) -> None:
+        """Cut the file to ``final``'s data and write its header."""
         os.ftruncate(self.fd, self.data_start + final.data_bytes)
         head = final.header(self.tensors, self.save_id, self.version)
         pwrite(self.fd, struct.pack("<Q", self.data_start - 8) + head + b" " * (self.data_start - 8 - len(head)), 0)

@@ -204,6 +204,7 @@ class Shared:
         self._full_from = 0 if value else (self._least()[0] // self.buffer_size + 1) * self.buffer_size
 
     def size(self) -> int:
+        """SB3's ``size()``: the positions that hold rows (``buffer_size`` once full)."""
         return self._upper_bound()
 
     def _upper_bound(self) -> int:
@@ -217,6 +218,7 @@ class Shared:
         return int(places.position(self.buffer, cursor))
 
     def reset(self) -> None:
+        """SB3's ``reset()``: the shared buffer cleared (every process sees it empty)."""
         self.buffer.clear()
         self._full_set, self._full_from = False, 0
         self._sb3_pos, self._sb3_full = 0, False
@@ -328,6 +330,7 @@ class Shared:
 
     @property
     def actions(self) -> np.ndarray:
+        """SB3's ``actions`` array ``(buffer_size, n_envs, ...)``, over the shared column (``Column``)."""
         return self._column("action")
 
     @actions.setter
@@ -336,6 +339,7 @@ class Shared:
 
     @property
     def rewards(self) -> np.ndarray:
+        """SB3's ``rewards`` array ``(buffer_size, n_envs, ...)``, over the shared column (``Column``)."""
         return self._column("reward")
 
     @rewards.setter
@@ -344,6 +348,7 @@ class Shared:
 
     @property
     def dones(self) -> np.ndarray:
+        """SB3's ``dones`` array ``(buffer_size, n_envs, ...)``, over the shared column (``Column``)."""
         return self._column("done")
 
     @dones.setter
@@ -352,6 +357,7 @@ class Shared:
 
     @property
     def timeouts(self) -> np.ndarray:
+        """SB3's ``timeouts`` array ``(buffer_size, n_envs, ...)``, over the shared column (``Column``)."""
         return self._column("timeouts")
 
     @timeouts.setter
