@@ -36,6 +36,13 @@ def name(request: pytest.FixtureRequest) -> str:
     return f"t{os.getpid()}-{uuid.uuid4().hex[:10]}"
 
 
+def own_blocks() -> set[str]:
+    """The blocks in /dev/shm that this process made (named ``<pid>-...`` or ``t<pid>-...``): other
+    xdist workers' blocks come and go meanwhile."""
+    mine = f"{os.getpid()}-"
+    return {n for n in segment.list_names() if n.startswith(mine) or n.startswith(f"t{mine}")}
+
+
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
     """Fail a test that leaves behind a segment created by this process."""

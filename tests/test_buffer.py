@@ -15,7 +15,7 @@ import shmbuffer as sb
 from shmbuffer.protocol.layout import Counter
 from shmbuffer.shm import segment
 
-from .conftest import MUJOCO, copy_through, seq_of, transition
+from .conftest import MUJOCO, copy_through, own_blocks, seq_of, transition
 
 Make = Callable[..., sb.ReplayBuffer]
 
@@ -85,10 +85,10 @@ def test_a_bad_seed_is_refused_with_its_own_error(seed: object, make: Make, name
     """A seed numpy refuses is refused before the buffer is usable, with numpy's error as the
     cause: no block is left behind, and a buffer attached to is left as it was."""
     match = r"ReplayBuffer: seed: expected an int >= 0, a numpy.random.Generator or None, got"
-    before = set(segment.list_names())
+    before = own_blocks()
     with pytest.raises(ValueError, match=match) as made:
         sb.ReplayBuffer(MUJOCO, 16, name=name + "c", seed=seed)  # type: ignore[arg-type]
-    assert set(segment.list_names()) == before, "the refused buffer's block was left behind"
+    assert own_blocks() == before, "the refused buffer's block was left behind"
     buf = make(MUJOCO, capacity=16, name=name)
     buf.push(transition(0, 4))
     with pytest.raises(ValueError, match=match) as attached:

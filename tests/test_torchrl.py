@@ -29,14 +29,10 @@ from shmbuffer.shm import segment
 from shmbuffer.tensordicts import class_name
 from shmbuffer.torchrl import ShmStorage, identity
 
+from .conftest import own_blocks
+
 ROOT = Path(__file__).resolve().parent.parent
 
-
-def ours() -> set[str]:
-    """The blocks in /dev/shm this process made (named ``<pid>-...`` or ``t<pid>-...``): other
-    xdist workers' blocks come and go meanwhile."""
-    mine = f"{os.getpid()}-"
-    return {n for n in segment.list_names() if n.startswith(mine) or n.startswith(f"t{mine}")}
 
 
 def rows(start: int, k: int) -> TensorDict:
@@ -173,12 +169,12 @@ def test_loads_never_imports_what_a_dump_names(module: str, name: str, storages:
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "tensorclass": {"": f"{module}:Evil", "nxt": f"{module}:Evil"}}))
     fresh = ShmStorage(8, name=name + "c")
     storages.append(fresh)
-    before = ours()
+    before = own_blocks()
     with pytest.raises(TypeError) as refused:
         fresh.loads(tmp_path / "d")
     assert not marker.exists() and module not in sys.modules, "loads ran the module the dump named"
     assert f"tensorclass '{module}:Evil', which is not among the modules imported here" in str(refused.value)
-    assert fresh.buffer is None and ours() == before
+    assert fresh.buffer is None and own_blocks() == before
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "tensorclass": {"": class_name(Outer), "nxt": class_name(Inner)}}))
     fresh.loads(tmp_path / "d")
     assert type(fresh.get(slice(None))) is Outer and not marker.exists()
@@ -196,11 +192,11 @@ def test_a_tampered_kind_is_refused_before_anything_is_read(kind: Any, name: str
     (tmp_path / "d" / "rows.safetensors").write_bytes(b"not rows")  # the kind is refused before the rows are read
     fresh = ShmStorage(8, name=name + "c")
     storages.append(fresh)
-    before = ours()
+    before = own_blocks()
     with pytest.raises(Exception) as refused:
         fresh.loads(tmp_path / "d")
     assert refused.type is ValueError and "expected a kind in" in str(refused.value), f"not the kind: {refused.value!r}"
-    assert fresh.buffer is None and ours() == before
+    assert fresh.buffer is None and own_blocks() == before
 
 
 def _writer(shared: Any, start: int, pushes: int, k: int) -> None:
