@@ -110,18 +110,15 @@ int64_t gather_rows(const Columns *c, const int64_t *ids, Py_ssize_t n, Py_ssize
         int64_t id = ids[i], s = slot_of_id(id, lanes, lc);
         if (id < lowest) lowest = id;
         slots[i] = s;
-        first[i] = __atomic_load_n(&stamp[s], __ATOMIC_ACQUIRE);
+        first[i] = stamp_first(stamp, s);
         prefetch_row(from, width, ncols, s);
     }
     /* every first stamp is loaded: the copies, on the pool's threads when they are big (pool.c),
      * all done and visible to this thread when pool_run returns */
     RowsJob job = {c, slots};
     pool_run(rows_chunk, &job, n, c->total);
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t second = __atomic_load_n(&stamp[slots[i]], __ATOMIC_RELAXED);
-        ok[i] = intact(first[i], second, committed_stamp_of_id(ids[i], lanes));
-    }
+    stamps_fence();
+    for (Py_ssize_t i = 0; i < n; i++) ok[i] = stamp_intact(stamp, slots[i], first[i], committed_stamp_of_id(ids[i], lanes));
     return lowest;
 }
 
@@ -173,23 +170,16 @@ done:
 }
 
 /* -- runs: a lane's consecutive rows (device.py's refresh) ------------------------------------ */
-/* rows n0 .. n0 + n - 1 in the consecutive slots first .. first + n - 1: the reader's rule as in
- * gather_rows (first stamps with acquire, the copies, an acquire fence, the second stamps), each
- * column's run one memcpy; ok[i]: row n0 + i is intact. Returns the intact rows. */
-static Py_ssize_t gather_run_rows(const Columns *c, Py_ssize_t first, Py_ssize_t n, int64_t n0, const int64_t *stamp,
-                                  int64_t *firsts, char *ok) {
-    for (Py_ssize_t i = 0; i < n; i++) firsts[i] = __atomic_load_n(&stamp[first + i], __ATOMIC_ACQUIRE);
+Py_ssize_t gather_run_rows(const Columns *c, Py_ssize_t first, Py_ssize_t n, int64_t n0, const int64_t *stamp,
+                           Py_ssize_t to, int64_t *firsts, char *ok) {
+    for (Py_ssize_t i = 0; i < n; i++) firsts[i] = stamp_first(stamp, first + i);
     for (Py_ssize_t g = 0; g < c->n; g++) {
         size_t w = (size_t)c->width[g];
-        memcpy(c->dst[g].buf, (const char *)c->src[g].buf + (size_t)first * w, (size_t)n * w);
+        memcpy((char *)c->dst[g].buf + (size_t)to * w, (const char *)c->src[g].buf + (size_t)first * w, (size_t)n * w);
     }
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    stamps_fence();
     Py_ssize_t good = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t second = __atomic_load_n(&stamp[first + i], __ATOMIC_RELAXED);
-        ok[i] = intact(firsts[i], second, committed_stamp(n0 + i));
-        good += ok[i];
-    }
+    for (Py_ssize_t i = 0; i < n; i++) good += ok[i] = stamp_intact(stamp, first + i, firsts[i], committed_stamp(n0 + i));
     return good;
 }
 
@@ -218,7 +208,7 @@ PyObject *py_gather_run(PyObject *self, PyObject *args) {
     firsts = (int64_t *)PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
     if (!firsts) { PyErr_NoMemory(); goto done; }
     PyThreadState *ts = c.total >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
-    Py_ssize_t good = gather_run_rows(&c, first, n, (int64_t)n0, (const int64_t *)stb.buf, firsts, (char *)kb.buf);
+    Py_ssize_t good = gather_run_rows(&c, first, n, (int64_t)n0, (const int64_t *)stb.buf, 0, firsts, (char *)kb.buf);
     if (ts) PyEval_RestoreThread(ts);
     result = PyLong_FromSsize_t(good);
 done:
@@ -307,7 +297,7 @@ static void stack_copy(const Stacks *s, Py_ssize_t i, Py_ssize_t t, const int64_
         Py_ssize_t q = p + 1;
         while (q < s->k && psl[q] == psl[q - 1] + 1) q++;
         for (Py_ssize_t r = p; r < q; r++, at++) {
-            cp->firsts[at] = __atomic_load_n(&s->stamp[psl[r]], __ATOMIC_ACQUIRE);
+            cp->firsts[at] = stamp_first(s->stamp, psl[r]);
             cp->slots[at] = psl[r];
             cp->rowids[at] = pid[r];
         }
@@ -346,13 +336,11 @@ static void stacks_chunk(void *arg, Py_ssize_t lo, Py_ssize_t hi, int who) {
 static void stacks_run(const Stacks *s, char *valid, const Copied *cp, int64_t *plan) {
     StacksJob job = {s, valid, cp, plan};
     pool_run(stacks_chunk, &job, s->m, (size_t)s->m * (size_t)s->k * (size_t)s->nst * (size_t)s->w);
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    stamps_fence();
     for (Py_ssize_t i = 0; i < s->m; i++) {
         const int64_t *sl = cp->slots + i * cp->per, *fi = cp->firsts + i * cp->per, *ri = cp->rowids + i * cp->per;
-        for (Py_ssize_t c = 0; c < cp->count[i]; c++) {
-            int64_t second = __atomic_load_n(&s->stamp[sl[c]], __ATOMIC_RELAXED);
-            if (!intact(fi[c], second, committed_stamp_of_id(ri[c], s->lanes))) valid[i] = 0;
-        }
+        for (Py_ssize_t c = 0; c < cp->count[i]; c++)
+            if (!stamp_intact(s->stamp, sl[c], fi[c], committed_stamp_of_id(ri[c], s->lanes))) valid[i] = 0;
     }
 }
 

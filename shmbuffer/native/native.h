@@ -45,6 +45,25 @@ static inline int64_t load_base(const int64_t *cur, int64_t lane) {
     return __atomic_load_n(&cur[LANE_WORDS * lane + LANE_BASE], __ATOMIC_ACQUIRE);
 }
 
+/* Ring.current's test for one id: its slot holds its committed stamp and the row is not older
+ * than its lane's base (clear()); *slot is its slot */
+static inline int id_current(int64_t id, const int64_t *stamp, const int64_t *cur, Py_ssize_t lanes, int64_t lc, int64_t *slot) {
+    int64_t lane = lane_of_id(id, lanes), row = number_of_id(id, lanes);
+    *slot = slot_of(lane, row, lc);
+    return __atomic_load_n(&stamp[*slot], __ATOMIC_ACQUIRE) == committed_stamp(row) && row >= load_base(cur, lane);
+}
+
+/* The reader's stamped copy (rows.py's commit protocol, the memory order in module.c), which
+ * every C reader follows: stamp_first(slot) before the row's copy (acquire: the copy's loads stay
+ * after it); once all the copies are done, stamps_fence() (acquire: the copies' loads stay before
+ * the second loads); then stamp_intact(slot, first, expected) for each row, the second load
+ * (relaxed: the fence orders it) and rows.intact. */
+static inline int64_t stamp_first(const int64_t *stamp, int64_t slot) { return __atomic_load_n(&stamp[slot], __ATOMIC_ACQUIRE); }
+static inline void stamps_fence(void) { __atomic_thread_fence(__ATOMIC_ACQUIRE); }
+static inline int stamp_intact(const int64_t *stamp, int64_t slot, int64_t first, int64_t expected) {
+    return intact(first, __atomic_load_n(&stamp[slot], __ATOMIC_RELAXED), expected);
+}
+
 /* the id each slot's stamp names (ring.Ring.ids_of_slots), INVALID_ID where the slot is empty,
  * being written, older than its lane's bounds or on a leaf of 0: the stamps are loaded first,
  * then the bounds (priorities.c) */
@@ -134,6 +153,12 @@ void columns_close(Columns *c);
  * slots and first: scratch of n. Returns the smallest id (INT64_MAX for none). No Python calls. */
 int64_t gather_rows(const Columns *c, const int64_t *ids, Py_ssize_t n, Py_ssize_t lanes, const int64_t *stamp,
                     int64_t lc, int64_t *slots, int64_t *first, char *ok);
+
+/* rows n0 .. n0 + n - 1 in the consecutive slots first .. first + n - 1 (a lane's run) into rows
+ * to .. to + n - 1 of the outs by the stamped copy, each column's run one memcpy; ok[i]: row
+ * n0 + i is intact. firsts: scratch of n. Returns the intact rows. No Python calls. */
+Py_ssize_t gather_run_rows(const Columns *c, Py_ssize_t first, Py_ssize_t n, int64_t n0, const int64_t *stamp,
+                           Py_ssize_t to, int64_t *firsts, char *ok);
 
 /* rows slots[i] of every source into row i of its out, without stamps (the caller knows the rows
  * stay as they are: a device copy's held rows, under its mutex); the pool's threads when big */

@@ -102,15 +102,6 @@ static int ids_known(const int64_t *ids, Py_ssize_t n, const int64_t *cur, Py_ss
     return 1;
 }
 
-/* Ring.current's test for one id: its slot holds its committed stamp and the row is not older
- * than its lane's base (clear()); *slot is its slot */
-static inline int id_current(int64_t id, const int64_t *stamp, const int64_t *cur, Py_ssize_t lanes, int64_t lc,
-                             int64_t *slot) {
-    int64_t lane = lane_of_id(id, lanes), row = number_of_id(id, lanes);
-    *slot = slot_of(lane, row, lc);
-    return __atomic_load_n(&stamp[*slot], __ATOMIC_ACQUIRE) == committed_stamp(row) && row >= load_base(cur, lane);
-}
-
 /* known(ids, cursors) -> bool: Ring.check_ids's test, every id >= 0 and its row number
  * id // lanes below its lane's cursor (False: the caller finds which and raises). */
 PyObject *py_known(PyObject *self, PyObject *args) {

@@ -58,20 +58,6 @@ static void slot_hold(Slots *s, int64_t slot, int64_t stamp) {
 }
 
 /* -- the copies ------------------------------------------------------------------------------ */
-/* rows n0 .. n0 + k - 1 in slots slot0 .. slot0 + k - 1 copied into the same slots of the outs by
- * the reader's rule (first stamps with acquire, the copies, an acquire fence, second stamps) */
-static void copy_piece(const Columns *c, const int64_t *stamp, int64_t slot0, int64_t k, int64_t n0, int64_t *firsts,
-                       char *ok) {
-    for (int64_t i = 0; i < k; i++) firsts[i] = __atomic_load_n(&stamp[slot0 + i], __ATOMIC_ACQUIRE);
-    for (Py_ssize_t g = 0; g < c->n; g++) {
-        size_t w = (size_t)c->width[g];
-        memcpy((char *)c->dst[g].buf + (size_t)slot0 * w, (const char *)c->src[g].buf + (size_t)slot0 * w, (size_t)k * w);
-    }
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    for (int64_t i = 0; i < k; i++)
-        ok[i] = intact(firsts[i], __atomic_load_n(&stamp[slot0 + i], __ATOMIC_RELAXED), committed_stamp(n0 + i));
-}
-
 typedef struct {
     pthread_mutex_t *mutex;
     Slots s;
@@ -149,7 +135,7 @@ static void refresh_piece(Refresh *r, int64_t lane, int64_t n, int64_t k) {
     drops_begin(r);
     for (int64_t i = 0; i < k; i++) slot_drop(&r->s, slot0 + i);
     drops_done(r);
-    copy_piece(r->c, r->stamp, slot0, k, n, r->firsts, r->ok);
+    gather_run_rows(r->c, slot0, k, n, r->stamp, slot0, r->firsts, r->ok); /* into the same slots */
     if (unless_edited(r, slot0, NULL, k) < 0) {
         r->spoiled = 1;
         return;
@@ -229,7 +215,8 @@ static void refresh_pending(Refresh *r, const int64_t *start, const int64_t *cur
         int64_t k = ntry - a < r->piece ? ntry - a : r->piece;
         for (int64_t i = 0; i < k; i++) {
             int64_t id = r->tried[a + i], num = number_of_id(id, lanes);
-            copy_piece(r->c, r->stamp, slot_of_id(id, lanes, r->lc), 1, num, r->firsts + i, r->ok + i);
+            int64_t slot = slot_of_id(id, lanes, r->lc);
+            gather_run_rows(r->c, slot, 1, num, r->stamp, slot, r->firsts + i, r->ok + i);
         }
         if (unless_edited(r, 0, r->tried + a, k) < 0) {
             r->spoiled = 1;

@@ -417,7 +417,7 @@ static void read_transitions(const ReadPlan *p, const Columns *c, const int64_t 
                 continue;
             }
             sl[w] = slot_of(lane, r, p->lc);
-            fi[w] = __atomic_load_n(&stamp[sl[w]], __ATOMIC_ACQUIRE);
+            fi[w] = stamp_first(stamp, sl[w]);
             __builtin_prefetch(kinds + sl[w]);
         }
         for (Py_ssize_t g = 0; g < p->nparts; g++) { /* the rows are random: their first lines now */
@@ -429,15 +429,14 @@ static void read_transitions(const ReadPlan *p, const Columns *c, const int64_t 
     }
     FramesJob job = {p, c, slots, ok, used};
     pool_run(frames_chunk, &job, n, c->total);
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    stamps_fence();
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!ok[i]) continue;
         int64_t num = number_of_id(ids[i], lanes);
         const int64_t *sl = slots + (size_t)i * (size_t)W, *fi = firsts + (size_t)i * (size_t)W;
         for (Py_ssize_t w = 0; w < W; w++) {
             if (!(used[i] >> w & 1)) continue;
-            int64_t second = __atomic_load_n(&stamp[sl[w]], __ATOMIC_RELAXED);
-            if (!intact(fi[w], second, committed_stamp(wrap_madd(1, num, w - p->depth)))) {
+            if (!stamp_intact(stamp, sl[w], fi[w], committed_stamp(wrap_madd(1, num, w - p->depth)))) {
                 ok[i] = 0;
                 break;
             }
@@ -476,9 +475,8 @@ static int claim_rows(ReadPlan *p, const int64_t *ids, char *ok, Py_ssize_t k, i
     Py_ssize_t m = 0;
     for (Py_ssize_t i = 0; i < k; i++) {
         if (!ok[i]) continue;
-        int64_t lane = lane_of_id(ids[i], p->lanes), row = number_of_id(ids[i], p->lanes), slot = slot_of(lane, row, p->lc);
-        int current = __atomic_load_n(&stamp[slot], __ATOMIC_ACQUIRE) == committed_stamp(row) && row >= load_base(cur, lane);
-        if (!current || uses[slot] >= (uint64_t)p->max_use) {
+        int64_t slot;
+        if (!id_current(ids[i], stamp, cur, p->lanes, p->lc, &slot) || uses[slot] >= (uint64_t)p->max_use) {
             ok[i] = 0;
             continue;
         }
