@@ -2,7 +2,9 @@
 
 This module owns the commit protocol and the internal columns it uses.
 
-Rows, lanes, ids and stamps: their arithmetic is ``rows.py``'s, and this module uses it.
+Rows, lanes, ids and stamps: their arithmetic is ``rows.py``'s, and this module uses it. The
+readers' side of the ring (bounds, ids of slots and positions, checks of ids) is ``lanes.Lanes``,
+which ``Ring`` extends.
 
 Columns (the table is ``layout.py``'s)
 -------------------------------------
@@ -64,9 +66,7 @@ every path, and the Python fallback (and the rest of the protocol's numpy stores
 
 The C path (``Copier``, ``_try_reserve``'s fast cases, ``commit``) keeps the lock-based
 reservation: the C reservation marks slots only when none of them is odd, and leaves lapping,
-dead writers, ``clear`` and the rate limiter to the code below, under the same lock. Reads of ids
-against stamps and cursors (``current``, ``check_ids``, a prioritized draw's ``ids_of_slots``)
-are C loops over the same rules when the extension is loaded (``native_view``).
+dead writers, ``clear`` and the rate limiter to the code below, under the same lock.
 """
 
 from __future__ import annotations
@@ -81,10 +81,8 @@ import numpy as np
 
 from .. import native
 from ..errors import (
-    FieldError,
     ReadOnlyError,
     ShmBufferError,
-    UnknownIdError,
     UnsupportedPlatform,
     WaitTimeout,
 )
@@ -92,7 +90,8 @@ from ..sampling.samplers import INVALID
 from ..shm.lock import RobustLock, defer_signals
 from ..shm.segment import process_alive, start_time
 from . import rows
-from .layout import EDIT_LOG, LANE_WORDS, WRITERS, Counter, Lane, check_lanes
+from .lanes import Lanes
+from .layout import EDIT_LOG, LANE_WORDS, WRITERS, Counter, Lane
 
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 _SAMPLED, _RECLAIMED, _RECOVERIES = int(Counter.SAMPLED), int(Counter.RECLAIMED), int(Counter.LOCK_RECOVERIES)
@@ -101,10 +100,8 @@ _REMOVED = int(Counter.REMOVED)
 ``get``'s positions then leave such slots out, as deleted rows (``edits.removed``)."""
 _INSERTED, _FROZEN, _UPDATES = int(Counter.INSERTED), int(Counter.FROZEN), int(Counter.UPDATES)
 _EDITS, _EDITS_BEGUN = int(Counter.EDITS), int(Counter.EDITS_BEGUN)
-_INT64_MAX = np.iinfo(np.int64).max
 Gate = Callable[[int, int, int], bool]
 """``gate(inserted, sampled, size) -> allowed``: a rate limiter's test (``limiter.py``)."""
-_EMPTY = np.empty(0, np.int64)
 _X86 = {"x86_64", "amd64"}  # 64-bit only: a 32-bit CPU stores an int64 stamp in two halves
 _counting = threading.Lock()  # this process's threads, one at a time on its ``_sampled`` entry
 
@@ -144,7 +141,7 @@ class Reservation:
     @property
     def ids(self) -> np.ndarray:
         """The row ids reserved, one per row."""
-        return self.n * self.lanes + self.lane if self.lanes > 1 else self.n
+        return rows.row_id(self.n, self.lane, self.lanes) if self.lanes > 1 else self.n
 
     @property
     def stamps(self) -> np.ndarray:
@@ -152,34 +149,24 @@ class Reservation:
         return rows.committed(self.n)
 
 
-class Ring:
-    """Reservation, commit and bookkeeping over a block's internal columns."""
+class Ring(Lanes):
+    """Reservation, commit and bookkeeping over a block's internal columns (the readers' side: ``Lanes``)."""
 
     stall_timeout = 30.0
 
     def __init__(self, arrays: dict[str, np.ndarray], *, initialise: bool = False) -> None:
-        self._lanes = arrays["_lanes"]
+        super().__init__(arrays)
         self._stats = arrays["_stats"]
         self._wpid = arrays["_writer_pid"]
         # memoryviews read and write single int64s several times faster than numpy indexing:
         # the hot path of a push (cursors, counters, the writer check) goes through them
-        self._cur = self._lanes.reshape(-1).data
         self._count = self._stats.data
         self._pids = self._wpid.data
         self._wstart = arrays["_writer_start"]
         self._sampled = arrays["_sampled"]
         self._mine = self._sampled.data
-        self.stamp = arrays["_stamp"]
         self.owner = arrays["_owner"]
         self._edits = arrays["_edits"]
-        self.lanes = int(self._lanes.shape[0])
-        self.capacity = int(self.stamp.shape[0])
-        self.lane_capacity = rows.lane_capacity(self.capacity, self.lanes)
-        contiguous = all(a.dtype == np.int64 and a.flags.c_contiguous for a in (self.stamp, self._lanes))
-        self._lib = native.lib if contiguous else None
-        self.native_view = (self.stamp, self._lanes) if self._lib is not None else None
-        """``(stamp, cursors)`` for the C kernels that read ids, stamps and bounds (a tree draw,
-        ``current``, ``check_ids``), or ``None``: the numpy code below runs."""
         stats = self._stats
         self.repairs: list[Callable[[], None]] = []
         repairs = self.repairs
@@ -424,48 +411,7 @@ class Ring:
             self._stats[_REMOVED] = 1  # before the rows go: len never over-counts
         self.stamp[mine] = 0
 
-    # -- readers -------------------------------------------------------------------------------
-    def bounds(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per lane, the first and one-past-last row numbers that count now."""
-        return rows.bounds(self._lanes, self.lane_capacity)
-
-    def base(self, lanes: np.ndarray) -> np.ndarray:
-        """The first row number of each lane since the last ``clear()``."""
-        return self._lanes[lanes, _BASE]
-
-    def next_slot(self) -> int:
-        """The slot a one-lane ring's next row goes to (0 again after ``clear()``): what cpprb's
-        ``get_next_index`` and Velora's ``position`` report."""
-        return int(self.slots(self.bounds()[1][:1])[0])  # the one lane's next row id is its row number
-
-    def span(self) -> tuple[int, int]:
-        """``bounds()`` of a one-lane ring, as ints (the sampling fast path)."""
-        cur = self._cur[_CURSOR]
-        start = max(self._cur[_BASE], cur - self.lane_capacity)
-        return min(start, cur), cur
-
-    def slots(self, ids: np.ndarray) -> np.ndarray:
-        """The slot (row of the columns) of each row id."""
-        return rows.slot_of_id(ids, self.lanes, self.lane_capacity)
-
-    def expected(self, ids: np.ndarray) -> np.ndarray:
-        """The committed stamp each id must show."""
-        return rows.committed_of_id(ids, self.lanes)
-
-    def committed_ids(self) -> np.ndarray:
-        """Ids of every committed row that counts now (a scan of the stamps; the slow path)."""
-        start, stop = self.bounds()
-        st = self.stamp.reshape(self.lanes, self.lane_capacity)
-        out = []
-        for lane in range(self.lanes):
-            s = st[lane]
-            n = rows.number_of_stamp(s)
-            ok = rows.is_committed(s) & (n >= start[lane]) & (n < stop[lane])
-            out.append(rows.row_id(n[ok], lane, self.lanes))
-        ids = np.concatenate(out)
-        ids.sort()
-        return ids
-
+    # -- readers' bookkeeping ---------------------------------------------------------------------
     def reap(self, also: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
         """Mark rows whose writer died mid-copy as empty; return their slots. ``also`` runs on
         them inside the same critical section."""
@@ -556,81 +502,6 @@ class Ring:
             if also is not None:
                 also()
 
-    def ids_of_slots(self, slots: np.ndarray, live: np.ndarray | None = None) -> np.ndarray:
-        """The id of the committed row in each slot now, or ``INVALID`` (empty, being written,
-        cleared, or where ``live`` is false); reading ids this way is the first stamp read of
-        the commit protocol."""
-        s = self.stamp.take(slots)
-        n = rows.number_of_stamp(s)
-        lc = self.lane_capacity
-        if self.lanes == 1:
-            ids = n
-            start = self.span()[0]
-        else:
-            lane = slots // lc
-            ids = rows.row_id(n, lane, self.lanes)
-            start = self.bounds()[0][lane]
-        bad = ~rows.is_committed(s) | (n < start)
-        if live is not None:
-            bad |= ~live
-        ids[bad] = INVALID
-        return ids
-
-    def check_ids(self, values: object, what: str) -> np.ndarray:
-        """Row ids from a caller (``batch.index``: an integer array-like or tensor) as int64.
-        An id is valid when it is ``>= 0`` and its row number ``id // lanes`` is below its lane's
-        cursor; others never named a row (a huge id's stamp ``2 n + 2`` would even wrap to an
-        empty slot's): ``UnknownIdError``, raised before any arithmetic on them. Ids that are not
-        integers raise ``FieldError``."""
-        if hasattr(values, "detach"):  # a torch tensor, maybe on a device
-            values = values.detach().cpu().numpy()
-        a = np.asarray(values)
-        if a.size == 0:
-            return np.empty(0, np.int64)
-        if a.dtype.kind not in "iu":
-            raise FieldError(f"{what}: expected integer row ids (batch.index), got dtype {a.dtype}; pass batch.index as it came")
-        a = a.reshape(-1)
-        lib = self._lib
-        if lib is not None and a.dtype == np.int64 and a.flags.c_contiguous and lib.known(a, self._lanes):
-            return a  # every id known, in one C call; the code below finds the ones that are not
-        stop = self._lanes[:, _CURSOR]
-        lanes = self.lanes
-        if a.dtype.kind == "u" and a.max() > _INT64_MAX:
-            never = a[a > _INT64_MAX]
-        else:
-            ids = a.astype(np.int64, copy=False)
-            lane = ids % lanes  # in [0, lanes), also for negative ids
-            never = ids[(ids < 0) | (rows.number_of(ids, lanes) >= stop[lane])]
-            if not never.size:
-                return ids
-        below = f"id < {int(stop[0])}" if lanes == 1 else f"id // {lanes} < {stop.tolist()}[id % {lanes}]"
-        raise UnknownIdError(
-            f"{what}: ids {never[:5].tolist()}{' ...' if never.size > 5 else ''} never named a row of this "
-            f"buffer: expected ids from batch.index, >= 0 and below the next row of their lane ({below}); "
-            "nothing was changed"
-        )
-
-    def held_ids(self) -> np.ndarray:
-        """The ids of every row that counts now, lane by lane, oldest first (rows being written
-        and dead writers' rows included: readers check them)."""
-        first, last = self.bounds()
-        return np.concatenate([np.arange(a, b) * self.lanes + lane for lane, (a, b) in enumerate(zip(first, last, strict=True))])
-
-    def ids_at(self, index: object) -> np.ndarray:
-        """Ids of the rows at logical positions ``index`` (an int, a slice or an array of ints;
-        0 the oldest, -1 the newest, lane by lane); an int gives a 0-d array."""
-        start, stop = self.bounds()
-        sizes = stop - start
-        pos = rows.positions(index, int(sizes.sum()))
-        flat = pos.reshape(-1).astype(np.int64)
-        if self.lanes == 1:
-            ids = start[0] + flat
-        else:
-            ends = np.cumsum(sizes)
-            lane = np.searchsorted(ends, flat, side="right")
-            ids = (start[lane] + flat - (ends[lane] - sizes[lane])) * self.lanes + lane
-        return ids.reshape(pos.shape)
-
     def place(self, lane: int, base: int, cursor: int) -> None:
         """Set ``lane``'s base and cursor in a buffer no process writes to yet (a load, an import
         that keeps ids): under the lock, the base first and the cursor last, so the lane reads as
@@ -646,54 +517,3 @@ class Ring:
         with self.lock:
             idle = ~rows.is_writing(self.stamp[slots]) & (self.ids_of_slots(slots) == INVALID)
             column[slots[idle]] = values[idle]
-
-    def contiguous(self, start: int, stop: int, lane: int) -> tuple[slice, np.ndarray]:
-        """The slots of logical rows ``[start, stop)`` of ``lane`` as one slice, and their ids;
-        ``ValueError`` when they wrap past the lane's end (two pieces cannot be one view)."""
-        if not 0 <= lane < self.lanes:
-            raise ValueError(f"lane: expected a lane in [0, {self.lanes}), got {lane}")
-        first, last = self.bounds()
-        held = int(last[lane] - first[lane])
-        lo, hi, step = slice(start, stop).indices(held)
-        if step != 1 or hi < lo:
-            raise ValueError(f"view({start}, {stop}): expected 0 <= start <= stop within {held} rows")
-        lc = self.lane_capacity
-        s0 = (int(first[lane]) + lo) % lc
-        if s0 + (hi - lo) > lc:
-            raise ValueError(
-                f"view({start}, {stop}): those rows wrap past the end of the ring (slot {lc}); "
-                "take two views, or get() for one copy"
-            )
-        ids = rows.row_id(int(first[lane]) + np.arange(lo, hi), lane, self.lanes)
-        start_slot = rows.slot(lane, int(first[lane]) + lo, lc)
-        return slice(start_slot, start_slot + hi - lo), ids
-
-    def current(self, ids: np.ndarray) -> np.ndarray:
-        """Which ids still name the committed row in their slot and count (not overwritten, not
-        being written, not cleared)."""
-        lib = self._lib
-        if lib is not None and ids.dtype == np.int64 and ids.flags.c_contiguous:
-            ok = np.empty(ids.shape, np.bool_)
-            lib.current(ids, self.stamp, self._lanes, ok)
-            return ok
-        ok = self.stamp.take(self.slots(ids)) == self.expected(ids)
-        cleared = self.cleared(ids)
-        if cleared.size:
-            ok[cleared] = False
-        return ok
-
-    def cleared(self, ids: np.ndarray, lowest: int | None = None) -> np.ndarray:
-        """Positions of ``ids`` older than their lane's last ``clear()``: a cleared row keeps its
-        stamp, so this is the check that makes a clear final for readers. ``lowest``: the
-        smallest of ``ids`` when the caller knows it."""
-        if self.lanes == 1:
-            base = self._cur[_BASE]
-            if not ids.size or (ids.min() if lowest is None else lowest) >= base:
-                return _EMPTY
-            return np.flatnonzero(ids < base)
-        return np.flatnonzero(ids // self.lanes < self._lanes[ids % self.lanes, _BASE])
-
-    def check_push(self, k: int, lane: int | np.ndarray) -> None:
-        """Refuse, before touching anything, a push the ring can never hold (``layout.check_lanes``)."""
-        check_lanes(k, lane, self.lanes, self.lane_capacity)
-
