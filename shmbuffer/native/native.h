@@ -44,6 +44,15 @@ static inline int64_t load_cursor(const int64_t *cur, int64_t lane) {
 static inline int64_t load_base(const int64_t *cur, int64_t lane) {
     return __atomic_load_n(&cur[LANE_WORDS * lane + LANE_BASE], __ATOMIC_ACQUIRE);
 }
+/* a lane's rows now (rows.bounds): its cursor (returned: the stop) and its first row (*start). The
+ * cursor is loaded before the base, in two statements (a call's arguments have no order): a
+ * clear() moves the base first, so one between the loads reads as an empty lane, never as its
+ * cleared rows */
+static inline int64_t lane_bounds(const int64_t *cur, int64_t lane, int64_t lc, int64_t *start) {
+    int64_t stop = load_cursor(cur, lane);
+    *start = first_row(stop, load_base(cur, lane), lc);
+    return stop;
+}
 
 /* Ring.current's test for one id: its slot holds its committed stamp and the row is not older
  * than its lane's base (clear()); *slot is its slot */

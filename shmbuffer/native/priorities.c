@@ -8,10 +8,12 @@
 void ids_of_slots(const int64_t *stamp, const int64_t *cur, Py_ssize_t lanes, int64_t lc, const int64_t *slots,
                          const double *leaves, int64_t *ids, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) ids[i] = __atomic_load_n(&stamp[slots[i]], __ATOMIC_ACQUIRE);
-    int64_t start0 = lanes == 1 ? first_row(load_cursor(cur, 0), load_base(cur, 0), lc) : 0;
+    int64_t start0 = 0, start;
+    if (lanes == 1) lane_bounds(cur, 0, lc, &start0);
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t s = ids[i], row = number_of_stamp(s), lane = lanes == 1 ? 0 : slots[i] / lc;
-        int64_t start = lanes == 1 ? start0 : first_row(load_cursor(cur, lane), load_base(cur, lane), lc);
+        if (lanes == 1) start = start0;
+        else lane_bounds(cur, lane, lc, &start);
         int bad = !is_committed(s) || row < start || !(leaves[i] > 0);
         ids[i] = bad ? INVALID_ID : row_id(row, lane, lanes);
     }

@@ -215,9 +215,8 @@ static int64_t read_bounds(const ReadPlan *p, int64_t *first, int64_t *ends) {
     const int64_t *cur = (const int64_t *)p->cur.buf;
     int64_t total = 0;
     for (Py_ssize_t l = 0; l < p->lanes; l++) {
-        int64_t stop = load_cursor(cur, l), start = first_row(stop, load_base(cur, l), p->lc);
-        first[l] = start;
-        total += stop - start;
+        int64_t stop = lane_bounds(cur, l, p->lc, &first[l]);
+        total += stop - first[l];
         ends[l] = total;
     }
     return total;
@@ -407,7 +406,7 @@ static void read_transitions(const ReadPlan *p, const Columns *c, const int64_t 
     const uint8_t *kinds = (const uint8_t *)p->kind.buf;
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t lane = lane_of_id(ids[i], lanes), num = number_of_id(ids[i], lanes);
-        int64_t stop = load_cursor(cur, lane), start = first_row(stop, load_base(cur, lane), p->lc);
+        int64_t start, stop = lane_bounds(cur, lane, p->lc, &start);
         int64_t *sl = slots + (size_t)i * (size_t)W, *fi = firsts + (size_t)i * (size_t)W;
         ok[i] = 1;
         for (Py_ssize_t w = 0; w < W; w++) {
