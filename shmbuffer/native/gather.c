@@ -131,10 +131,6 @@ PyObject *py_gather(PyObject *self, PyObject *args) {
     Py_ssize_t lanes;
     if (!PyArg_ParseTuple(args, "OnOO!O!O", &ids_o, &lanes, &stamp_o, &PyTuple_Type, &src_o, &PyTuple_Type, &out_o, &ok_o))
         return NULL;
-    if (PyTuple_GET_SIZE(src_o) != PyTuple_GET_SIZE(out_o) || PyTuple_GET_SIZE(src_o) > MAX_COLS) {
-        PyErr_SetString(PyExc_ValueError, "gather: expected as many outs as sources (at most 64)");
-        return NULL;
-    }
     Py_buffer ib, stb, kb;
     Columns c;
     c.n = 0;

@@ -18,9 +18,10 @@
  * Memory ordering (the commit protocol, a seqlock per row: protocol/rows.py). The C kernels use
  * the C11/GCC __atomic builtins with the orders named at each use: a reader loads each slot's
  * stamp with acquire before it copies the row, issues an acquire fence after the copies, then
- * loads the stamps again; a writer stores the odd stamps with release after the owners, the
- * cursors with release after the stamps, and the committing even stamp with release after its
- * copies. The package still refuses every CPU but x86-64 (ring.check_platform): the pure-Python
+ * loads the stamps again (native.h's stamp_first, stamps_fence, stamp_intact); a writer stores
+ * the odd stamps with release after the owners, the cursors with release after the stamps, and
+ * the committing even stamp with release after its copies (copies.c's reserve_slots,
+ * commit_slots). The package still refuses every CPU but x86-64 (ring.check_platform): the pure-Python
  * path, which runs where the extension is not built, stores and loads stamps as plain numpy
  * operations without fences and relies on x86-64's ordering of stores and of loads.
  */

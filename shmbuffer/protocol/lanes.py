@@ -1,13 +1,8 @@
-"""The lanes' rows as readers see them: the base of ``ring.Ring`` (the writers' half is ``ring.py``).
-
-Which rows count (``bounds``: per lane, from its base to its cursor, at most a lane's capacity
-back), the ids the slots hold now (``ids_of_slots``, ``committed_ids``), ids at logical positions
-(``ids_at``), the checks of ids a caller or a draw brings (``check_ids``, ``current``, ``cleared``)
-and the slots of a lane's run (``contiguous``). The arithmetic is ``rows.py``'s, and the lane walk
-of positions is ``samplers.ids_at`` (the uniform draw's). With the C extension (``native_view``)
-``current``, ``check_ids`` and a prioritized draw's ``ids_of_slots`` are C loops over the same
-rules.
-"""
+"""The lanes' rows as readers see them, the base of ``ring.Ring``: which rows count (``bounds``),
+the ids the slots hold (``ids_of_slots``), ids at positions (``ids_at``, by ``samplers.ids_at``'s
+lane walk), the checks of ids (``check_ids``, ``current``, ``cleared``), a lane's run of slots
+(``contiguous``). The arithmetic is ``rows.py``'s; with the C extension (``native_view``)
+``current``, ``check_ids`` and a prioritized draw's ``ids_of_slots`` are C loops over it."""
 
 from __future__ import annotations
 

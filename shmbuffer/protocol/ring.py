@@ -55,12 +55,9 @@ Memory ordering
 ---------------
 The protocol needs a writer's data stores to become visible before its commit stamp, and a reader's
 first stamp load to happen before its data loads and those before its second stamp load. With the
-C extension (``native``) these are real atomics: ``commit`` stores each stamp with release
-semantics after the copies (``push.Copier.copy``), the reservation's odd stamps are release stores after
-the owners, and the reader (``gather.gather``) loads the first stamps with acquire semantics and
-issues an acquire fence before the second loads. On the Python path x86-64 guarantees both
-(stores are not reordered with stores, loads not with loads), and each step is a separate numpy
-call, so no compiler reorders them. Weakly ordered CPUs (ARM, POWER) would need those fences on
+C extension (``native``) these are real atomics, in the orders ``native/module.c`` states. On the
+Python path x86-64 guarantees both (stores are not reordered with stores, loads not with loads),
+and each step is a separate numpy call, so no compiler reorders them. Weakly ordered CPUs (ARM, POWER) would need those fences on
 every path, and the Python fallback (and the rest of the protocol's numpy stores: ``abandon``,
 ``reap``, ``clear``) has none, so ``check_platform`` still refuses them with a clear error.
 
@@ -329,11 +326,10 @@ class Ring(Lanes):
             self._stats[_RECLAIMED] += int(busy.sum())
         old[:] = stamps
         self.owner[where] = w  # the owner first: an odd stamp always names its live or dead writer
+        self.stamp[where] = rows.writing(n)  # then the stamps, then the cursors ("every prefix")
         if isinstance(lane, np.ndarray):
-            self.stamp[where] = rows.writing(n)
             cursors[:, _CURSOR] = np.maximum(cursors[:, _CURSOR], cursors[:, _BASE]) + counts
         else:
-            self.stamp[where] = rows.writing(n)
             self._cur[LANE_WORDS * lane + _CURSOR] = n0 + k
         self._count[_INSERTED] += k
         return Reservation(where, n, lane, self.lanes, (old, *was, cursors.copy()))

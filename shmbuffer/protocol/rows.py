@@ -23,7 +23,8 @@ Per lane, the rows from the lane's base (its last ``clear()``) up to its cursor,
 capacity back from the cursor (``bounds``).
 
 Every function takes Python ints, numpy int64 arrays or torch int64 tensors alike (``device/``
-does the same arithmetic on the device).
+does the same arithmetic on the device). The walk from positions to ids lane by lane is the
+uniform draw's (``samplers.ids_at``): ``sampling/`` lies below this package.
 """
 
 from __future__ import annotations
