@@ -207,14 +207,13 @@ class Ring(Lanes):
     def _reclaim_writer(self) -> int:
         for w in range(WRITERS):
             if not process_alive(int(self._wpid[w]), float(self._wstart[w])):
-                lost = (self.owner == w) & rows.is_writing(self.stamp)
-                self.stamp[lost] = 0
-                if lost.any():
+                lost = np.flatnonzero((self.owner == w) & rows.is_writing(self.stamp))
+                if lost.size:
                     # their tree leaves were set inside the reservation: zero them as reap() does,
                     # or draws keep landing on empty slots (and a tree of nothing else never
                     # reads as empty); the repairs scan every slot, which this rare path can afford
-                    self._stats[_RECLAIMED] += int(lost.sum())
-                    self._stats[_REMOVED] = 1
+                    self._lose(lost)
+                    self._stats[_RECLAIMED] += lost.size
                     for repair in self.repairs:
                         repair()
                 self._wpid[w] = 0
@@ -400,12 +399,16 @@ class Ring(Lanes):
 
     def _abandon(self, res: Reservation, also: Callable[[np.ndarray], None] | None) -> None:
         slots = self.slots(res.ids)
-        mine = slots[self.stamp[slots] == res.stamps - 1]
-        if also is not None and mine.size:
-            also(mine)
-        if mine.size:
-            self._stats[_REMOVED] = 1  # before the rows go: len never over-counts
-        self.stamp[mine] = 0
+        self._lose(slots[self.stamp[slots] == res.stamps - 1], also)
+
+    def _lose(self, slots: np.ndarray, also: Callable[[np.ndarray], None] | None = None) -> None:
+        # rows lost (a dead writer's, an abandoned push's), under the lock: REMOVED first (len never
+        # over-counts), then also(slots) (nobody sees an empty slot with a live priority), the stamps last
+        if slots.size:
+            self._stats[_REMOVED] = 1
+            if also is not None:
+                also(slots)
+            self.stamp[slots] = 0
 
     # -- readers' bookkeeping ---------------------------------------------------------------------
     def reap(self, also: Callable[[np.ndarray], None] | None = None) -> np.ndarray:
@@ -420,12 +423,8 @@ class Ring(Lanes):
         with self.lock:
             odd = np.flatnonzero(rows.is_writing(self.stamp))
             lost = odd[np.isin(self.owner[odd], dead)]
-            if lost.size:
-                self._stats[_REMOVED] = 1  # before the rows go: len never over-counts
-            self.stamp[lost] = 0
+            self._lose(lost, also)
             self._stats[_RECLAIMED] += lost.size
-            if also is not None:
-                also(lost)
         return lost
 
     def log_edits(self, slots: np.ndarray) -> None:
