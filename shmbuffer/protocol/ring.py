@@ -339,11 +339,9 @@ class Ring(Lanes):
         first on any CPU."""
         lib = native.lib
         if lib is not None and self.stamp.flags.c_contiguous:
-            where = res.where
-            if isinstance(where, slice):
-                lib.put(where.start, where.stop - where.start, self.stamp, (), (), None, (), True)
-            else:
-                lib.put(where, where.shape[0], self.stamp, (), (), None, (), True)
+            w = res.where
+            first, k = (w.start, w.stop - w.start) if isinstance(w, slice) else (w, w.shape[0])
+            lib.put(first, k, self.stamp, (), (), None, (), True)
         else:
             self.stamp[res.where] += 1
 
