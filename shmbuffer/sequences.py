@@ -14,7 +14,9 @@ The functions at the top are index arithmetic on plain arrays; the samplers belo
 
 from __future__ import annotations
 
+import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -48,23 +50,20 @@ def window_mask(valid: np.ndarray, anchor: int) -> np.ndarray:
     return mask
 
 
-def n_step_return(
-    reward: np.ndarray, done: np.ndarray, mask: np.ndarray, gamma: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Discounted returns over windows ``(n, k)`` starting at their anchor (column 0).
+def n_step_return(reward: Any, done: Any, mask: Any, gamma: float) -> tuple[Any, Any, Any]:
+    """Discounted returns over windows ``(n, k)`` starting at their anchor (column 0): numpy
+    arrays, or torch tensors on any device (the device copy's n-step sample), ``reward`` float64.
 
     A window stops at its first masked position and after its first ``done`` row. Returns the
     return, the number of steps used (>= 1), and whether the last step used was ``done``.
     """
-    done = done.astype(bool)
-    after_done = np.zeros_like(mask)
-    after_done[:, 1:] = np.logical_or.accumulate(done[:, :-1], axis=1)
-    used = mask & ~after_done
-    steps = used.sum(axis=1)
-    discount = gamma ** np.arange(reward.shape[1], dtype=np.float64)
-    ret = (np.where(used, reward, 0).astype(np.float64) * discount).sum(axis=1)
-    last = np.maximum(steps - 1, 0)
-    return ret, steps, done[np.arange(done.shape[0]), last]
+    xp = np if isinstance(reward, np.ndarray) else sys.modules["torch"]
+    done = done != 0
+    used = mask & ~(done.cumsum(1) > done)  # a done before the position ends the window
+    steps = used.sum(1)
+    discount = gamma ** xp.arange(reward.shape[1], dtype=xp.float64, device=reward.device)
+    ret = (xp.where(used, reward, 0.0) * discount).sum(1)
+    return ret, steps, done[xp.arange(done.shape[0], device=reward.device), (steps - 1).clip(0)]
 
 
 def episode_extent(ring: Ring, episode: np.ndarray, anchors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -72,7 +72,7 @@ from ..protocol.layout import Counter, Lane
 from ..protocol.reader import GIVE_UP, Source
 from ..protocol.rows import committed, committed_of_id, slot, slot_of_id, window
 from ..sampling.samplers import drawn_by
-from ..sequences import check_n_step, check_windows, n_step_fields, window_mask
+from ..sequences import check_n_step, check_windows, n_step_fields, n_step_return, window_mask
 from .refresher import PACE_S, Refresher, forget
 from .rows import DELETES, DONE, ERROR, INSERTED, UPDATES, DeviceRows
 
@@ -441,21 +441,15 @@ class DeviceReplay(DeviceRows):
         ok = (self._held_dev[slots] == committed(nums)) & (cols["_episode"][slots] == batch.episode[:, None])
         mask = torch.cat([torch.ones((m, 1), dtype=torch.bool, device=self.device), ok], 1).cumprod(1).bool()
         rewards = torch.cat([batch.fields[reward].reshape(m, 1), cols[reward][slots]], 1).double()
-        dones = torch.cat([batch.fields[done].reshape(m, 1), cols[done][slots]], 1).bool()
-        after = torch.zeros_like(mask)
-        after[:, 1:] = dones[:, :-1].cummax(1).values
-        used = mask & ~after
-        steps = used.sum(1)
-        ret = (torch.where(used, rewards, 0.0) * gamma ** torch.arange(n_step, device=self.device,
-                                                                       dtype=torch.float64)).sum(1)
-        last = (steps - 1).clamp(min=0)
+        dones = torch.cat([batch.fields[done].reshape(m, 1), cols[done][slots]], 1)
+        ret, steps, last_done = n_step_return(rewards, dones, mask, gamma)
         more = steps > 1
         at = slots[torch.arange(m, device=self.device), (steps - 2).clamp(min=0)]
         following = torch.where(more.reshape(m, *[1] * (batch.fields[next_obs].dim() - 1)), cols[next_obs][at],
                                 batch.fields[next_obs])
         batch.fields[next_obs].copy_(following)
         batch.fields[reward].copy_(ret.reshape(batch.fields[reward].shape))
-        batch.fields[done].copy_(dones[torch.arange(m, device=self.device), last].reshape(batch.fields[done].shape))
+        batch.fields[done].copy_(last_done.reshape(batch.fields[done].shape))
         batch.extras["steps"] = steps
 
     def _full_columns(self, torch: Any) -> dict[str, Any]:

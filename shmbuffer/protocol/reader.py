@@ -69,7 +69,7 @@ class Source(Protocol):
         """The buffer's priority state, or ``None`` without a prioritized sampler."""
 
     def reap(self) -> np.ndarray:
-        """Ids of the rows whose uses ran out (``max_use``), for the sampler to drop."""
+        """Mark the rows of writers that died mid-push empty (out of the tree); return their slots."""
 
 def fetch(
     block: Block, ring: Ring, ids: np.ndarray, redraw: Redraw, *, reap: Callable[[], object],
