@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from . import arguments
 from .batch import Batch
 from .errors import CapacityError, EmptyBufferError, FieldError
 from .frames import KIND, LEAD, START
@@ -28,7 +29,7 @@ from .protocol.gather import Rows, assemble, gather
 from .protocol.reader import GIVE_UP, Source
 from .protocol.ring import INVALID, Ring
 from .protocol.rows import lane_of, number_of, row_id, slot, window
-from .sampling.samplers import uniform_ids
+from .sampling.samplers import check_batch_size, uniform_ids
 
 
 def window_ids(ring: Ring, anchors: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -470,6 +471,22 @@ def n_step_fields(src: Source, names: dict[str, str] | None) -> tuple[str, str, 
     names = names or {}
     return (_field(src, names.get("reward"), REWARD, "reward"), _field(src, names.get("next_obs"), NEXT_OBS, "next_obs"),
             _field(src, names.get("done"), DONE, "done"))
+
+
+def check_sample(src: Source, n: Any, n_step: Any, gamma: float, names: dict[str, str] | None,
+                 timeout: float | None) -> tuple[int, float | None]:
+    """The checks of a sample call's arguments (``ReplayBuffer.sample``, ``DeviceReplay.sample``),
+    before anything is drawn: ``n`` and ``timeout`` as they are used."""
+    n = check_batch_size(n)
+    if timeout is not None:
+        timeout = arguments.timeout(timeout, "sample: timeout")
+    if n_step != 1:
+        if not isinstance(n_step, (int, np.integer)) or isinstance(n_step, bool) or n_step < 1:
+            raise ValueError(f"sample: n_step must be an int >= 1, got {n_step!r}")
+        if not 0 <= gamma <= 1:
+            raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
+        check_n_step(src, int(n_step), names)
+    return n, timeout
 
 
 def check_n_step(src: Source, n_step: int, names: dict[str, str] | None) -> None:

@@ -288,7 +288,7 @@ def test_the_c_lag_question_equals_the_python_steps(make: Make, name: str) -> No
     buf.push(transition(0, 8), lane=0)
     dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
     ids = buf.get(slice(None)).index
-    from shmbuffer.device.rows import AT
+    from shmbuffer.protocol.refresh import AT
 
     def compare() -> int:
         n = 0
