@@ -47,9 +47,12 @@ held, not transitions.
 ``sample_sequences`` serves windows of one lane and episode (burn-in, mask, time major) from the
 rows the copy holds, planned on the host from a mirror of their episode ids.
 
-Not done on the device yet, and refused with the alternative named: n-step returns and sequences
-over frames stored once, ``max_use``, a rate limiter; groups and whole episodes stay
-``ReplayBuffer``'s. The device must hold the copy: on CUDA the bytes needed are checked against
+With ``max_use`` the rows are drawn on the host from the tree of uses, each row kept counts a
+use (``reader.Uses``, given back when the sample raises), so no row is handed out more than
+``max_use`` times on either path; a rate limiter holds ``sample`` and ``sample_sequences`` as it
+holds the host's (``reader.count``). Not done on the device yet, and refused with the alternative
+named: n-step returns and sequences over frames stored once, a rank's part of global draws;
+groups and whole episodes stay ``ReplayBuffer``'s. The device must hold the copy: on CUDA the bytes needed are checked against
 ``torch.cuda.mem_get_info`` before anything is allocated.
 """
 
@@ -69,7 +72,6 @@ from ..frames import Stack, stack_columns, stack_plan
 from ..frames import center as frames_center
 from ..protocol import refresh
 from ..protocol.edits import held
-from ..protocol.places import slots_of
 from ..protocol.reader import GIVE_UP, Source, Uses, count, draw_ids, nothing_to_draw, short_of_uses
 from ..protocol.refresh import DONE, ERROR, INSERTED
 from ..protocol.rows import committed, committed_of_id, lane_of, number_of, slot, slot_of_id, window
@@ -108,8 +110,8 @@ def _torch() -> Any:
 
 
 class _DrawGaveFewer(EmptyBufferError):
-    """The host's draw gave fewer ids than asked (a user's draw with no more rows to draw from, or
-    no row with a leaf left: used up, priority 0): a refresh of the copy would not change that."""
+    """A user's draw gave fewer ids than asked (it has no more rows to draw from), or a batch used up
+    the last rows (``max_use``): a refresh of the copy would not change that."""
 
 
 class DeviceReplay(DeviceRows):
@@ -356,7 +358,7 @@ class DeviceReplay(DeviceRows):
                     finally:
                         self.lock.acquire()
                     done = np.setdiff1d(np.arange(n), todo)  # the sync may have copied newer rows over them
-                    stale = done[self.held[slots_of(buf, ids[done])] != committed_of_id(ids[done], self.lanes)]
+                    stale = done[~self._window(ids[done])[0]]
                     if uses is not None and claimed[stale].any():
                         uses.give_back(ids, stale[claimed[stale]], leaves)
                         claimed[stale] = False
@@ -366,8 +368,7 @@ class DeviceReplay(DeviceRows):
                 if got.shape[0] != todo.size:
                     fewer = True
                     break
-                ok = got >= 0
-                ok &= self.held[slots_of(buf, np.where(ok, got, 0))] == committed_of_id(np.where(ok, got, 0), self.lanes)
+                ok = self._window(got)[0]
                 if self.spec is not None:
                     ok &= self._transitions(np.where(ok, got, 0))[0]
                 ids[todo[ok]] = got[ok]
@@ -382,11 +383,8 @@ class DeviceReplay(DeviceRows):
                 if todo.size == 0:
                     break
             by = drawn_by(sampler)
-            if todo.size and fewer and not by:
-                try:  # no row with a leaf left (used up, priority 0): as the host's sample says
-                    nothing_to_draw(buf, n, final=False)
-                except EmptyBufferError as e:
-                    raise _DrawGaveFewer(str(e)) from None
+            if todo.size and fewer and uses is not None and held(buf) == 0:
+                nothing_to_draw(buf, n, final=True)  # every row used up: as the host's sample says it
             if todo.size:
                 raise (_DrawGaveFewer if by and fewer else EmptyBufferError)(
                     f"sample({n}): the device copy of buffer {buf.name!r} holds none of the rows the sampler draws "
@@ -396,7 +394,7 @@ class DeviceReplay(DeviceRows):
             w = None if weights is None else torch.from_numpy(np.ascontiguousarray(weights)).to(self.device)
             if self.spec is not None:
                 return self._frames_batch(ids, w)
-            return self._batch(torch.from_numpy(slots_of(buf, ids)).to(self.device), torch.from_numpy(ids).to(self.device), w)
+            return self._batch(torch.from_numpy(self._window(ids)[1]).to(self.device), torch.from_numpy(ids).to(self.device), w)
         except BaseException as e:
             if uses is not None and claimed.any():
                 uses.give_back(ids, np.flatnonzero(claimed), leaves)
@@ -429,7 +427,7 @@ class DeviceReplay(DeviceRows):
         device copy holds it committed (``held``) in the row's lane and episode."""
         torch = _torch()
         reward, next_obs, done = n_step_fields(self.buf, names)
-        cols = self._full_columns(torch)
+        cols = self._stored_columns(torch)
         ids = batch.index
         m, lanes, lc = ids.shape[0], self.lanes, self.lane_capacity
         nums = number_of(ids, lanes)[:, None] + torch.arange(1, n_step, device=self.device)[None, :]
@@ -448,14 +446,6 @@ class DeviceReplay(DeviceRows):
         batch.fields[reward].copy_(ret.reshape(batch.fields[reward].shape))
         batch.fields[done].copy_(last_done.reshape(batch.fields[done].shape))
         batch.extras["steps"] = steps
-
-    def _full_columns(self, torch: Any) -> dict[str, Any]:
-        """Every field's whole device column (the small ones views of the packed block), and the episodes."""
-        out: dict[str, Any] = {}
-        if "_record" in self.rows and self.record is not None:
-            out.update(torch_views(self.rows["_record"].view(torch.uint8), self.record))
-        out.update({name: dev for name, dev in self.rows.items() if name != "_record"})
-        return out
 
     def _draw_held(self, n: int, accept: Callable[[np.ndarray], np.ndarray]) -> np.ndarray | None:
         """``n`` ids of usable rows drawn uniformly on the device, those ``accept`` refuses drawn
@@ -488,12 +478,8 @@ class DeviceReplay(DeviceRows):
         exact row, as a stamp check would pass it); the windows' ids and each stack's plan."""
         spec = self.spec
         assert spec is not None
-        lanes = self.lanes
         win = self._window_ids(ids, np.arange(-spec.depth, spec.ahead + 1))
-        there = win >= 0
-        safe = np.where(there, win, 0)
-        slots = slot_of_id(safe, lanes, self.lane_capacity)
-        ok = there & (self.held[slots] == committed_of_id(safe, lanes))
+        ok, slots = self._window(win)
         kind = self.kinds[slots]
         valid = frames_center(spec, ok, kind)
         plans = {}
@@ -556,7 +542,7 @@ class DeviceReplay(DeviceRows):
         return Batch(fields, extras, block=packed, record=self.record)
 
     def _stored_columns(self, torch: Any) -> dict[str, Any]:
-        """Every stored field's whole device column (the small ones views of the packed block)."""
+        """Every stored field's whole device column (the small ones views of the packed block), and the episodes."""
         out: dict[str, Any] = {}
         if "_record" in self.rows:
             out.update(torch_views(self.rows["_record"].view(torch.uint8), self.buf.block.stored_record))

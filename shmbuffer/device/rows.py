@@ -6,26 +6,7 @@ beside it, on the host, the stamp of the row each device slot holds (``held``; 0
 and the usable slots as a dense list (``dense``: its first ``len()`` entries, in no order;
 ``where``: each slot's place there, -1 when not usable; a slot leaving takes the last one's place,
 so each change costs the slot it changes, never the capacity). A refresh (``sync()``) brings it up
-to date:
-
-1. the rows to copy are found from the lanes' cursors: each lane's rows since the last refresh
-   (at most two runs of consecutive slots, the lane's end between them, cut in pieces of
-   ``chunk`` rows), and the ``pending`` rows of earlier refreshes whose stamps now say
-   committed. No slot is scanned: a refresh costs the rows that came in. The rows changed in
-   place since (an ``update()``, a ``delete()``, a failed push put back) are read from the block's
-   log of edits (``Counter.EDITS``, ``Ring.log_edits``: each logs its slots once their stamps
-   changed and before their bytes do, since an update puts back the stamp it found and the stamps
-   cannot tell): their slots are dropped and the rows they hold now are pending. A ``clear()`` (the lanes' bases), or more
-   edits than the log holds (``EDIT_LOG``), makes it a full one: the held rows that left their
-   lanes are dropped, no row is pending, and every row of the lanes is copied again, a piece at a
-   time (the rows not yet copied again stay drawable, as they were committed);
-2. each piece's slots are dropped from the usable ones, then the piece is copied by the reader's
-   rule (first stamps, the copies, second stamps); a row counts when both reads show it committed
-   (``rows.intact``) and no edit logged meanwhile names its slot (the log is read again after the
-   copies; if it overflowed meanwhile none of the copies count and the next refresh is a full
-   one); the others stay ``pending``, tried again by each refresh until they are held or leave
-   their lane. So a torn, half-written, overwritten or half-updated row is never usable;
-3. the piece's rows that count are held: usable again.
+to date: a reader of the ring like every other, in ``protocol/refresh.py`` (its steps).
 
 The slot lists change only under the copy's lock (``lock``), which a sample holds while it draws
 and gathers; the copies run outside it, into slots dropped first. So a sample waits for a refresh
@@ -39,7 +20,7 @@ On the CPU with the C extension the whole refresh is one call without the GIL
 (``native/refresh.c``: the lists in the arrays here, the lock a pthread mutex in ``lock``, a second
 one letting one refresh run at a time), the rows copied straight into the device columns (and the
 host mirrors of their kinds and episodes); the background refresher there is a C thread that never
-takes the GIL (``native_refresher``). The Python steps below are the reference, the fallback, and
+takes the GIL (``native_refresher``). The Python steps (``refresh.steps``) are the reference, the fallback, and
 the CUDA path: each piece copied into reused pinned staging (``gather.gather_run``, one C call) and
 then one copy to the device on a side stream; pending rows go through the stamped ``gather``.
 
@@ -76,7 +57,7 @@ from ..frames import KIND
 from ..protocol import refresh
 from ..protocol.reader import Source
 from ..protocol.refresh import AT, COUNT, DONE, DROPS, EDITS, INSERTED, PENDING, SPENT, STATE_WORDS, TAKEN
-from ..protocol.rows import id_of_slot
+from ..protocol.rows import id_of_slot, lane_capacity
 
 _MADV_WIPEONFORK = getattr(mmap, "MADV_WIPEONFORK", 18)  # Linux's number, where Python's mmap lacks the name
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
@@ -143,7 +124,8 @@ class DeviceRows:
         self.buf = buf
         self.device = torch.device(device)
         block = buf.block
-        self.capacity, self.lanes, self.lane_capacity = refresh.geometry(buf)
+        self.capacity, self.lanes = buf.options.capacity, buf.options.lanes
+        self.lane_capacity = lane_capacity(self.capacity, self.lanes)
         self.chunk = min(chunk, self.capacity)
         """Rows per piece of a refresh (the staging memory holds that many rows)."""
         self.record = block.record if block.packed is not None else None

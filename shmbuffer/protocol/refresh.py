@@ -1,16 +1,31 @@
-"""A refresh: the reader whose destination is a copy of the rows kept elsewhere, in the ring's
-slot layout (the device copy, ``device/rows.py``, whose docstring states the algorithm). Its reads
-of the ring are here, as every reader's are in ``protocol/``: the lanes' cursors and bases, the
-block's log of edits (``Counter.EDITS``), the stamps, the stamped copies (``gather_run``,
-``gather``), the lag, and the words of the copy's ``state`` that keep them (``native/refresh.c``
-does the same in one C call, given ``sources``). The copy keeps its slot lists and copies the rows
-where it keeps them; ``steps`` asks it for:
+"""A refresh: the reader whose destination is a copy of the rows kept elsewhere in the ring's slot
+layout (the device copy, ``device/rows.py``: its slot lists, its lock, where its rows go). Its
+reads of the ring are here, as every reader's are in ``protocol/``; ``native/refresh.c`` does the
+same in one C call (given ``sources``). A refresh (``steps``):
 
-``lock`` (its lists' lock), ``held`` (the stamp each slot holds, 0: none), ``next`` and
-``bases`` (per lane: the rows below were copied, and the lane's base then), ``state``, ``chunk``,
-``pending`` (the pending ids), ``drop(slots)``, ``hold(slots, stamps)``, ``add_pending(ids)``,
-``copy_run(first_slot, n0, k)`` and ``copy_rows(ids)`` (which rows came intact: by ``read_run``
-and ``read_rows``).
+1. the rows to copy are found from the lanes' cursors: each lane's rows since the last refresh
+   (at most two runs of consecutive slots, the lane's end between them, cut in pieces of
+   ``chunk`` rows), and the ``pending`` rows of earlier refreshes whose stamps now say
+   committed. No slot is scanned: a refresh costs the rows that came in. The rows changed in
+   place since (an ``update()``, a ``delete()``, a failed push put back) are read from the block's
+   log of edits (``Counter.EDITS``, ``Ring.log_edits``: each logs its slots once their stamps
+   changed and before their bytes do, since an update puts back the stamp it found and the stamps
+   cannot tell): their slots are dropped and the rows they hold now are pending. A ``clear()`` (the lanes' bases), or more
+   edits than the log holds (``EDIT_LOG``), makes it a full one: the held rows that left their
+   lanes are dropped, no row is pending, and every row of the lanes is copied again, a piece at a
+   time (the rows not yet copied again stay drawable, as they were committed);
+2. each piece's slots are dropped from the usable ones, then the piece is copied by the reader's
+   rule (first stamps, the copies, second stamps); a row counts when both reads show it committed
+   (``rows.intact``) and no edit logged meanwhile names its slot (the log is read again after the
+   copies; if it overflowed meanwhile none of the copies count and the next refresh is a full
+   one); the others stay ``pending``, tried again by each refresh until they are held or leave
+   their lane. So a torn, half-written, overwritten or half-updated row is never usable;
+3. the piece's rows that count are held: usable again.
+
+The copy gives ``steps``: ``lock``, ``held`` (the stamp each slot holds, 0: none), ``next`` and
+``bases`` (per lane: the rows below were copied; the lane's base then), ``state``, ``chunk``,
+``pending``, ``drop(slots)``, ``hold(slots, stamps)``, ``add_pending(ids)``, and ``copy_run(slot,
+n0, k)``/``copy_rows(ids)``, which copy by ``read_run``/``read_rows`` and say which came intact.
 """
 
 from __future__ import annotations
@@ -30,23 +45,14 @@ _EDITS, _EDITS_BEGUN = int(Counter.EDITS), int(Counter.EDITS_BEGUN)
 _DEVICE_ROWS, _DEVICE_AT = int(Counter.DEVICE_ROWS), int(Counter.DEVICE_AT)
 _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 COUNT, PENDING, UPDATES, DELETES, INSERTED, AT, DONE, ERROR, SPENT, TAKEN, WAITED, CPU, EDITS, REDRAWN, DROPS = range(15)
-"""The words of a copy's ``state`` (``native/refresh.c``'s ``ST_*``): usable slots, pending ids,
-``Counter.UPDATES`` and ``DELETES`` as of the last refresh (the lag question's), ``Counter.INSERTED``
-and ``time.monotonic_ns()`` as it began, refreshes done, 1 once the C refresher stopped on an
-error, and all told the ns spent in refreshes, the rows they took in, and the ns of those spent
-waiting for the lock while a sample held it, and the ns of CPU time the refreshing thread spent in
-them (the last two: the C refresh); then ``Counter.EDITS`` as the last refresh began (-1: copy
-every row again), the rows the C uniform sample drew again, all told (a refresh dropped their
-slot while the sample copied them), and the changes of the lists that dropped slots, all told
-(the copy's ``dropped``)."""
+"""The words of a copy's ``state`` (``native/refresh.c``'s ``ST_*``): usable slots, pending ids;
+``Counter.UPDATES``, ``DELETES``, ``INSERTED`` and ``time.monotonic_ns()`` as the last refresh
+began, refreshes done, 1 once the C refresher stopped on an error; all told: ns spent refreshing,
+rows taken in, ns waiting for a sample's lock, CPU ns (the C refresh); ``Counter.EDITS`` as the
+last refresh began (-1: copy every row again); all told: rows the C uniform sample drew again (a
+refresh dropped their slot meanwhile), changes of the lists that dropped slots (``dropped``)."""
 STATE_WORDS = 16
 """The length of a copy's ``state`` (``native.h``'s ``ST_WORDS``): room for a few more words."""
-
-
-def geometry(src: Source) -> tuple[int, int, int]:
-    """The ring's capacity, lanes and rows a lane: the slot layout a copy keeps."""
-    ring = src.ring
-    return ring.capacity, ring.lanes, ring.lane_capacity
 
 
 def sources(src: Source) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -76,12 +82,8 @@ def lag(src: Source, state: np.ndarray) -> tuple[int, float]:
 
 def behind(src: Source, state: np.ndarray, bases: np.ndarray, rows_bound: int | None, seconds_bound: float | None,
            share: float) -> bool:
-    """Whether a copy is more than ``share`` of a bound behind (``DeviceReplay._behind``; the C
-    extension's ``behind`` does the same): rows came in (or rows were updated or deleted) and its
-    last refresh began longer ago than ``share * seconds_bound``, or more than ``share *
-    rows_bound`` rows came in, or (under a row bound) an ``update()`` or a ``delete()`` ran; or a
-    ``clear()`` happened since. Without bounds (``share < 1``: the refresher's question) whenever
-    something changed."""
+    """Whether a copy is more than ``share`` of a bound behind (``DeviceReplay._behind`` says when;
+    ``native/learner.c``'s ``behind`` is the same in C)."""
     counters = src.block.counters
     if not np.array_equal(src.ring.cursors[:, _BASE], bases):
         return True
