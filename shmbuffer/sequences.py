@@ -414,10 +414,7 @@ def add_n_step(src: Source, batch: Batch, n_step: int, gamma: float, names: dict
     ``next_obs`` changed before it was read is read again (it is shorter then)."""
     what = f"n_step={n_step}"
     _need_episodes(src, what)
-    names = names or {}
-    reward = _field(src, names.get("reward"), REWARD, "reward")
-    next_obs = _field(src, names.get("next_obs"), NEXT_OBS, "next_obs")
-    done = _field(src, names.get("done"), DONE, "done")
+    reward, next_obs, done = n_step_fields(src, names)
     record = src.block.record
     packed = record.offsets
     for name in (reward, done):
