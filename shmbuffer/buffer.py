@@ -36,7 +36,7 @@ from .protocol.frames_push import Pusher
 from .protocol.layout import UNIFORM, Options
 from .protocol.priorities import Priorities
 from .protocol.push import Copier
-from .sample_paths import SamplePaths, count, generator_from_state, generator_state
+from .sample_paths import SamplePaths, generator_from_state, generator_state
 from .sampling.limiter import RateLimiter
 from .sampling.ranks import Rank
 from .sampling.samplers import Sampler
@@ -305,7 +305,7 @@ class ReplayBuffer(MappedBlock):
         ...)``. ``batch.mask`` marks the steps that exist: a window stops at its episode's ends,
         the write head and rows being written; the rest is zeros. See ``sequences.py``."""
         self._alone("sample_sequences")
-        return count(self, n * (length + burn_in), None, lambda: sequences.sample_sequences(
+        return reader.count(self, n * (length + burn_in), None, lambda: sequences.sample_sequences(
             self, n, length, burn_in=burn_in, time_major=time_major))
 
     def sample_groups(self, groups: int, size: int, *, ordered: bool = True, replace: bool = True,
@@ -318,7 +318,7 @@ class ReplayBuffer(MappedBlock):
         :param short: also draw episodes of fewer than ``size`` rows, whole; ``batch.mask`` marks
             the rows that exist."""
         self._alone("sample_groups")
-        return count(self, groups * size, None, lambda: sequences.sample_groups(
+        return reader.count(self, groups * size, None, lambda: sequences.sample_groups(
             self, groups, size, ordered=ordered, replace=replace, short=short))
 
     def sample_episodes(self, n: int, *, replace: bool = False) -> list[Batch]:

@@ -10,24 +10,22 @@ argument (a ``Source`` with a length), never holds it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 
-from . import arguments, hints, native, sequences
 from . import hindsight as her
+from . import hints, native, sequences
 from .batch import Batch
 from .errors import EmptyBufferError, LayoutError
 from .protocol import reader
 from .protocol.gather import check_out
 from .protocol.one_call import OneCall
-from .protocol.reader import Source
+from .protocol.reader import Source, count
 from .sampling import ranks
-from .sampling.limiter import counted
 from .sampling.samplers import Draw, check_batch_size
 
-__all__ = ["Buffer", "SamplePaths", "check_transitions", "count", "generator_from_state", "generator_state"]
+__all__ = ["Buffer", "SamplePaths", "check_transitions", "generator_from_state", "generator_state"]
 
 
 class Buffer(Source, Protocol):
@@ -70,9 +68,8 @@ class SamplePaths:
             return batch
         if unknown:  # another library's keyword (cpprb's beta, SB3's env ...): name ours
             raise hints.keyword_error("sample", unknown)
-        n = check_batch_size(n)
-        if timeout is not None:
-            timeout = arguments.timeout(timeout, "sample: timeout")
+        # with hindsight, its own check below refuses any n_step but 1
+        n, timeout = sequences.check_sample(src, n, 1 if hindsight is not None else n_step, gamma, fields, timeout)
         if hindsight is not None:
             if not isinstance(hindsight, her.Hindsight):
                 raise TypeError(f"sample: hindsight must be a shmbuffer.Hindsight, got {type(hindsight).__name__}")
@@ -80,12 +77,6 @@ class SamplePaths:
                 raise ValueError("sample: hindsight relabelling draws with replacement and one step a transition; "
                                  "leave n_step=1 and replace=True")
             her.plan_for(src, hindsight)
-        if n_step != 1:
-            if not isinstance(n_step, (int, np.integer)) or n_step < 1:
-                raise ValueError(f"sample: n_step must be an int >= 1, got {n_step!r}")
-            if not 0 <= gamma <= 1:
-                raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
-            sequences.check_n_step(src, n_step, fields)
         check_transitions(src, n, replace)
 
         if rank is not None and hindsight is not None:
@@ -171,16 +162,6 @@ def check_transitions(src: Buffer, n: int, replace: bool) -> None:
                 f"sample({n}{'' if replace else ', replace=False'}): buffer {src.name!r} holds {held} whole "
                 "transitions (an episode's final observation, each lane's newest row with next_of, which "
                 "waits for its next, and a row whose stack reaches rows lapped are not)")
-
-
-def count(src: Source, rows: int, timeout: float | None, draw: Callable[[], Any]) -> Any:
-    """Run a sample, counting its ``rows`` as sampled (through the rate limiter, if any)."""
-    limiter = src.options.limiter
-    if limiter is None:  # the usual case, without the limiter's plumbing
-        result = draw()
-        src.ring.count_sampled(rows)
-        return result
-    return counted(limiter, src.ring, rows, timeout, draw)
 
 
 def generator_state(paths: SamplePaths | None, rng: np.random.Generator) -> dict[str, Any]:

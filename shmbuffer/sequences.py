@@ -14,10 +14,13 @@ The functions at the top are index arithmetic on plain arrays; the samplers belo
 
 from __future__ import annotations
 
+import sys
 import time
+from typing import Any
 
 import numpy as np
 
+from . import arguments
 from .batch import Batch
 from .errors import CapacityError, EmptyBufferError, FieldError
 from .frames import KIND, LEAD, START
@@ -26,7 +29,7 @@ from .protocol.gather import Rows, assemble, gather
 from .protocol.reader import GIVE_UP, Source
 from .protocol.ring import INVALID, Ring
 from .protocol.rows import lane_of, number_of, row_id, slot, window
-from .sampling.samplers import uniform_ids
+from .sampling.samplers import check_batch_size, uniform_ids
 
 
 def window_ids(ring: Ring, anchors: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -48,23 +51,20 @@ def window_mask(valid: np.ndarray, anchor: int) -> np.ndarray:
     return mask
 
 
-def n_step_return(
-    reward: np.ndarray, done: np.ndarray, mask: np.ndarray, gamma: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Discounted returns over windows ``(n, k)`` starting at their anchor (column 0).
+def n_step_return(reward: Any, done: Any, mask: Any, gamma: float) -> tuple[Any, Any, Any]:
+    """Discounted returns over windows ``(n, k)`` starting at their anchor (column 0): numpy
+    arrays, or torch tensors on any device (the device copy's n-step sample), ``reward`` float64.
 
     A window stops at its first masked position and after its first ``done`` row. Returns the
     return, the number of steps used (>= 1), and whether the last step used was ``done``.
     """
-    done = done.astype(bool)
-    after_done = np.zeros_like(mask)
-    after_done[:, 1:] = np.logical_or.accumulate(done[:, :-1], axis=1)
-    used = mask & ~after_done
-    steps = used.sum(axis=1)
-    discount = gamma ** np.arange(reward.shape[1], dtype=np.float64)
-    ret = (np.where(used, reward, 0).astype(np.float64) * discount).sum(axis=1)
-    last = np.maximum(steps - 1, 0)
-    return ret, steps, done[np.arange(done.shape[0]), last]
+    xp = np if isinstance(reward, np.ndarray) else sys.modules["torch"]
+    done = done != 0
+    used = mask & ~(done.cumsum(1) > done)  # a done before the position ends the window
+    steps = used.sum(1)
+    discount = gamma ** xp.arange(reward.shape[1], dtype=xp.float64, device=reward.device)
+    ret = (xp.where(used, reward, 0.0) * discount).sum(1)
+    return ret, steps, done[xp.arange(done.shape[0], device=reward.device), (steps - 1).clip(0)]
 
 
 def episode_extent(ring: Ring, episode: np.ndarray, anchors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -414,10 +414,7 @@ def add_n_step(src: Source, batch: Batch, n_step: int, gamma: float, names: dict
     ``next_obs`` changed before it was read is read again (it is shorter then)."""
     what = f"n_step={n_step}"
     _need_episodes(src, what)
-    names = names or {}
-    reward = _field(src, names.get("reward"), REWARD, "reward")
-    next_obs = _field(src, names.get("next_obs"), NEXT_OBS, "next_obs")
-    done = _field(src, names.get("done"), DONE, "done")
+    reward, next_obs, done = n_step_fields(src, names)
     record = src.block.record
     packed = record.offsets
     for name in (reward, done):
@@ -471,6 +468,22 @@ def n_step_fields(src: Source, names: dict[str, str] | None) -> tuple[str, str, 
     names = names or {}
     return (_field(src, names.get("reward"), REWARD, "reward"), _field(src, names.get("next_obs"), NEXT_OBS, "next_obs"),
             _field(src, names.get("done"), DONE, "done"))
+
+
+def check_sample(src: Source, n: Any, n_step: Any, gamma: float, names: dict[str, str] | None,
+                 timeout: float | None) -> tuple[int, float | None]:
+    """The checks of a sample call's arguments (``ReplayBuffer.sample``, ``DeviceReplay.sample``),
+    before anything is drawn: ``n`` and ``timeout`` as they are used."""
+    n = check_batch_size(n)
+    if timeout is not None:
+        timeout = arguments.timeout(timeout, "sample: timeout")
+    if n_step != 1:
+        if not isinstance(n_step, (int, np.integer)) or isinstance(n_step, bool) or n_step < 1:
+            raise ValueError(f"sample: n_step must be an int >= 1, got {n_step!r}")
+        if not 0 <= gamma <= 1:
+            raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
+        check_n_step(src, int(n_step), names)
+    return n, timeout
 
 
 def check_n_step(src: Source, n_step: int, names: dict[str, str] | None) -> None:

@@ -19,6 +19,7 @@ import pytest
 import shmbuffer as sb
 from shmbuffer import native
 from shmbuffer.device import DeviceReplay
+from shmbuffer.protocol import refresh
 from shmbuffer.protocol.layout import EDIT_LOG
 
 from .conftest import MUJOCO, copy_through, needs_lib, seq_of, transition
@@ -208,7 +209,8 @@ def test_the_one_call_lag_question_equals_the_python_steps(make: Make, name: str
         for dev in copies:
             for share in (0.5, 1.0):
                 got = dev._behind(share)
-                assert got == dev._behind_steps(share), (change, dev.max_lag_rows, dev.max_lag_s, share)
+                steps = refresh.behind(buf, dev.state, dev.bases, dev.max_lag_rows, dev.max_lag_s, share)
+                assert got == steps, (change, dev.max_lag_rows, dev.max_lag_s, share)
                 answers.add(got)
     assert answers == {False, True}
     for dev in copies:
@@ -216,9 +218,12 @@ def test_the_one_call_lag_question_equals_the_python_steps(make: Make, name: str
 
 
 def test_refused_buffers_name_the_alternative(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    used = make(MUJOCO, 16, name=name + "f", max_use=2)
-    with pytest.raises(sb.LayoutError, match=r"max_use.*buf.sample"):
-        DeviceReplay(used, "cpu")
+    ranked = sb.ReplayBuffer.attach(make(MUJOCO, 16, name=name + "f").name, rank=1, world_size=2, seed=0)
+    try:
+        with pytest.raises(sb.LayoutError, match=r"rank's part.*buf.sample"):
+            DeviceReplay(ranked, "cpu")
+    finally:
+        ranked.close()
     with pytest.raises(ValueError, match="max_lag_rows"):
         DeviceReplay(make(MUJOCO, 8, name=name + "a"), "cpu", max_lag_rows=-1)
     small = make(MUJOCO, 8, name=name + "s")
@@ -307,8 +312,81 @@ def test_the_loader_says_which_path_it_took(make: Make, name: str) -> None:
     with pytest.raises(sb.LayoutError, match=r"sample keywords.*n_step.*resident=False"):
         sb.Loader(buf, 32, resident=True, n_step=3)
     used = make(MUJOCO, 16, name=name + "f", max_use=2)
-    with pytest.raises(sb.LayoutError, match="max_use"):
-        sb.Loader(used, 4, resident=True)
+    used.push(transition(0, 16))
+    with sb.Loader(used, 4, resident=True, batches=4) as loader:  # max_use served on the device too
+        assert loader.path == "resident"
+        drawn = np.concatenate([b.index.numpy() for b in loader])
+    ids, times = np.unique(drawn, return_counts=True)
+    assert times.max() <= 2 and np.array_equal(used.uses(ids), times)
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_max_use_on_the_device_hands_no_row_out_more_than_max_use_times(make: Make, name: str, sampler: str) -> None:
+    """Each row the device sample hands out counts a use in the shared counts, a used-up row
+    leaves, and once every row is used up the device sample says so at once, as the host's does."""
+    buf = make(MUJOCO, 16, name=name, max_use=3, sampler=sb.Prioritized() if sampler == "prioritized" else sb.Uniform())
+    buf.push(transition(0, 16))
+    with DeviceReplay(buf, "cpu", refresher=False, seed=0) as dev:
+        drawn = np.concatenate([dev.sample(4).index.numpy() for _ in range(12)])  # 16 rows x 3 uses
+        ids, times = np.unique(drawn, return_counts=True)
+        assert ids.size == 16 and (times == 3).all() and (buf.uses(ids) == 3).all()
+        with pytest.raises(sb.EmptyBufferError) as host:
+            buf.sample(4)
+        with pytest.raises(sb.EmptyBufferError) as device:
+            dev.sample(4)
+        assert str(device.value) == str(host.value) and "drawn max_use=3 times" in str(host.value)
+
+
+def test_a_device_sample_short_of_uses_gives_them_back_as_the_host_does(make: Make, name: str) -> None:
+    """A device sample that uses up the rows before its batch is full raises as the host's does,
+    and the buffer's use counts are as they were."""
+    buf = make(MUJOCO, 16, name=name, max_use=1)
+    buf.push(transition(0, 16))
+    with DeviceReplay(buf, "cpu", refresher=False, seed=0) as dev:
+        first = dev.sample(12).index.numpy()
+        assert np.unique(first).size == 12
+        before = buf.uses(np.arange(16))
+        with pytest.raises(sb.EmptyBufferError) as host:
+            buf.sample(8)
+        with pytest.raises(sb.EmptyBufferError) as device:
+            dev.sample(8)
+        assert str(device.value) == str(host.value) and "4 draws left" in str(host.value)
+        assert np.array_equal(buf.uses(np.arange(16)), before)
+        assert np.unique(dev.sample(4).index.numpy()).size == 4
+
+
+def test_a_rate_limiter_holds_the_device_sample_as_it_holds_the_host_sample(make: Make, name: str) -> None:
+    """Two buffers alike, one sampled on the host, one on the device copy: the same samples pass
+    and wait, the same ``WaitTimeout`` says why, the same rows are counted sampled, and a waiting
+    device sample goes on once a writer's push lets it."""
+    limiter = sb.RateLimiter(samples_per_insert=1.0, min_size=4, error=2.0, timeout=0.05)
+    host, other = (make(MUJOCO, 32, name=name + s, limiter=limiter) for s in "hd")
+    for b in (host, other):
+        b.push(transition(0, 2))
+    with DeviceReplay(other, "cpu", refresher=False, seed=0) as dev:
+        with pytest.raises(sb.WaitTimeout) as waited_host:
+            host.sample(1)
+        with pytest.raises(sb.WaitTimeout) as waited_dev:
+            dev.sample(1)
+        assert str(waited_dev.value) == str(waited_host.value) and "min_size=4" in str(waited_host.value)
+        for b in (host, other):
+            b.push(transition(2, 6))  # 8 inserted: diff 8, the window's floor 4 - 2
+        assert len(host.sample(4)) == len(dev.sample(4)) == 4
+        with pytest.raises(sb.WaitTimeout) as waited_host:
+            host.sample(4, timeout=0.01)
+        with pytest.raises(sb.WaitTimeout) as waited_dev:
+            dev.sample(4, timeout=0.01)
+        assert str(waited_dev.value) == str(waited_host.value)
+        assert host.stats["sampled"] == other.stats["sampled"] == 4
+        with pytest.raises(ValueError, match="sample: timeout"):
+            dev.sample(4, timeout=-1.0)
+        timer = threading.Timer(0.02, lambda: other.push(transition(8, 4)))
+        timer.start()
+        try:
+            assert len(dev.sample(4, timeout=10.0)) == 4  # held until the push, then drawn
+        finally:
+            timer.join()
+        assert other.stats["sampled"] == 8
 
 
 def test_n_step_on_the_device_equals_the_host_reference(make: Make, name: str) -> None:
@@ -368,15 +446,15 @@ def test_a_clear_during_a_sync_is_never_drawn_past(make: Make, name: str, monkey
     buf.push(transition(0, 8))
     dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
     buf.push(transition(8, 2))
-    real = dev._copy_run
+    real = dev.copy_run
 
     def copy(slot0: int, n0: int, k: int) -> np.ndarray:  # another process clears while the sync copies
         buf.clear()
         return real(slot0, n0, k)
 
-    monkeypatch.setattr(dev, "_copy_run", copy)
+    monkeypatch.setattr(dev, "copy_run", copy)
     dev.sync()
-    monkeypatch.setattr(dev, "_copy_run", real)
+    monkeypatch.setattr(dev, "copy_run", real)
     with pytest.raises(sb.EmptyBufferError):
         dev.sample(64)  # synced again first: nothing held is left
     buf.push(transition(100, 1))
@@ -591,12 +669,12 @@ def test_the_background_refresher_keeps_rows_whole_current_and_never_cleared(
 
 
 def test_the_state_words_are_the_c_refreshs() -> None:
-    """``DeviceRows.state``'s words (``device/rows.py``) are ``native/native.h``'s ``ST_*``, the
+    """``DeviceRows.state``'s words (``protocol/refresh.py``) are ``native/native.h``'s ``ST_*``, the
     array as long as ``ST_WORDS``: the C refresh and sample read and write the same words."""
     import re
     from pathlib import Path
 
-    from shmbuffer.device import rows
+    from shmbuffer.protocol import refresh as rows
 
     header = (Path(native.__file__).parent / "native.h").read_text()
     words = {k: int(v) for k, v in re.findall(r"#define ST_(\w+) (\d+)", header)}
@@ -621,7 +699,7 @@ def test_a_sample_copying_a_slot_a_refresh_copies_into_draws_it_again(make: Make
     rewritten as fast as a writer can and refreshed every half millisecond, are each whole (``obs``
     all one number: its row number in its lane, as its id says) however often a refresh copied
     into a slot while a sample copied it out; such rows were drawn again (``state[REDRAWN]``)."""
-    from shmbuffer.device.rows import REDRAWN
+    from shmbuffer.protocol.refresh import REDRAWN
 
     buf = make(sb.Schema(obs=((4096,), "float32"), n=((), "int64")), 64, name=name, lanes=2)
     buf.push(obs=np.zeros((2, 4096), np.float32), n=np.zeros(2, np.int64), lane=np.arange(2))
@@ -656,8 +734,8 @@ def test_a_refresh_copies_the_new_rows_not_every_slot(make: Make, name: str, pat
     dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
     assert dev.one_call == (path == "native")
     runs: list[tuple[int, int, int]] = []
-    real = dev._copy_run
-    monkeypatch.setattr(dev, "_copy_run", lambda s0, n0, k: runs.append((s0, n0, k)) or real(s0, n0, k))
+    real = dev.copy_run
+    monkeypatch.setattr(dev, "copy_run", lambda s0, n0, k: runs.append((s0, n0, k)) or real(s0, n0, k))
     for col in dev.rows.values():
         col.fill_(-1)  # a mark in every slot: only the slots refreshed lose it
     buf.push(transition(100, 5), lane=0)  # lane 0 wraps: rows 62..66, slots 62, 63 and 0..2
@@ -854,7 +932,7 @@ def test_a_full_refresh_keeps_serving_the_rows_it_has_not_copied_again(make: Mak
     dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, chunk=8, seed=0)
     for _ in range(EDIT_LOG // 64 + 1):  # the same values, past what the log holds: only a full copy follows
         buf.update(np.arange(64), reward=np.arange(64, dtype=np.float32))
-    real = dev._copy_run
+    real = dev.copy_run
     seen: list[tuple[int, np.ndarray]] = []
 
     def copy(slot0: int, n0: int, k: int) -> np.ndarray:
@@ -864,7 +942,7 @@ def test_a_full_refresh_keeps_serving_the_rows_it_has_not_copied_again(make: Mak
             t.join(10)
         return real(slot0, n0, k)
 
-    monkeypatch.setattr(dev, "_copy_run", copy)
+    monkeypatch.setattr(dev, "copy_run", copy)
     assert dev.sync() == 64
     (held, ids), = seen
     assert held == 56 and set(ids.tolist()) == set(range(64)) - set(range(24, 32))
@@ -916,16 +994,16 @@ def test_a_row_edited_during_a_refresh_is_held_only_once_the_edit_is_read(
     buf.push(transition(0, 32))
     dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, chunk=16, seed=0)
     buf.push(transition(32, 16))
-    real = dev._copy_run
+    real = dev.copy_run
 
     def copy(slot0: int, n0: int, k: int) -> np.ndarray:
         ok = real(slot0, n0, k)
         buf.update(buf.get(slice(33, 34)).index, reward=np.float32(-1.0))  # after the copies, before the hold
         return ok
 
-    monkeypatch.setattr(dev, "_copy_run", copy)
+    monkeypatch.setattr(dev, "copy_run", copy)
     assert dev.sync() == 15 and not dev.usable[33] and dev.pending.tolist() == [33]
-    monkeypatch.setattr(dev, "_copy_run", real)
+    monkeypatch.setattr(dev, "copy_run", real)
     assert dev.sync() == 1 and dev.usable[33]
     assert dev.rows["_record"].numpy()[33].tobytes() == buf.block.packed[33].tobytes()
     dev.close()

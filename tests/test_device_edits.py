@@ -14,6 +14,7 @@ import pytest
 import shmbuffer as sb
 from shmbuffer import native
 from shmbuffer.device import DeviceReplay
+from shmbuffer.protocol import refresh
 from shmbuffer.protocol.layout import EDIT_LOG, Counter
 
 from .conftest import MUJOCO, transition
@@ -278,7 +279,7 @@ def test_close_between_the_one_call_draw_and_the_n_step_returns_says_closed(
 
 
 def test_the_c_lag_question_equals_the_python_steps(make: Make, name: str) -> None:
-    """``behind`` (C) and ``_behind_steps`` give the same answer over rows, updates, deletes, a
+    """``behind`` (C) and ``refresh.behind`` give the same answer over rows, updates, deletes, a
     clear and each bound and share (the seconds bound far passed or far ahead: no timing)."""
     if native.lib is None:
         pytest.skip("the C extension is not built")
@@ -288,7 +289,7 @@ def test_the_c_lag_question_equals_the_python_steps(make: Make, name: str) -> No
     buf.push(transition(0, 8), lane=0)
     dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
     ids = buf.get(slice(None)).index
-    from shmbuffer.device.rows import AT
+    from shmbuffer.protocol.refresh import AT
 
     def compare() -> int:
         n = 0
@@ -298,7 +299,8 @@ def test_the_c_lag_question_equals_the_python_steps(make: Make, name: str) -> No
                     dev.max_lag_rows, dev.max_lag_s = rows_bound, seconds
                     dev.state[AT] = at
                     for share in (0.5, 1.0, 0.3):
-                        assert dev._behind(share) == dev._behind_steps(share), (rows_bound, seconds, at, share)
+                        steps = refresh.behind(buf, dev.state, dev.bases, rows_bound, seconds, share)
+                        assert dev._behind(share) == steps, (rows_bound, seconds, at, share)
                         n += 1
         return n
 

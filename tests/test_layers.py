@@ -212,15 +212,10 @@ def test_the_protocol_check_sees_a_ring_read(tmp_path: Path) -> None:
     assert [r.split(": ")[1] for r in protocol_reads(src)] == [".ring", "'_stamp'"]
 
 
-BELOW_WITH_OWN_STAMPS = {"device.rows", "device.refresher", "device.replay", "device"}
-"""``device/`` keeps a copy of the rows with the stamps it holds (``held``) and reads the ring's
-in its refresh; it is checked by its own tests."""
-
-
 def below_the_buffer() -> list[str]:
     order = stated_order()
     return [m for m in order[:order.index("buffer") + 1]
-            if m.split(".")[0] not in ("native", "shm", "protocol") and m not in BELOW_WITH_OWN_STAMPS]
+            if m.split(".")[0] not in ("native", "shm", "protocol")]
 
 
 @pytest.mark.parametrize("module", below_the_buffer())

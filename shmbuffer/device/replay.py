@@ -47,9 +47,12 @@ held, not transitions.
 ``sample_sequences`` serves windows of one lane and episode (burn-in, mask, time major) from the
 rows the copy holds, planned on the host from a mirror of their episode ids.
 
-Not done on the device yet, and refused with the alternative named: n-step returns and sequences
-over frames stored once, ``max_use``, a rate limiter; groups and whole episodes stay
-``ReplayBuffer``'s. The device must hold the copy: on CUDA the bytes needed are checked against
+With ``max_use`` the rows are drawn on the host from the tree of uses, each row kept counts a
+use (``reader.Uses``, given back when the sample raises), so no row is handed out more than
+``max_use`` times on either path; a rate limiter holds ``sample`` and ``sample_sequences`` as it
+holds the host's (``reader.count``). Not done on the device yet, and refused with the alternative
+named: n-step returns and sequences over frames stored once, a rank's part of global draws;
+groups and whole episodes stay ``ReplayBuffer``'s. The device must hold the copy: on CUDA the bytes needed are checked against
 ``torch.cuda.mem_get_info`` before anything is allocated.
 """
 
@@ -67,18 +70,16 @@ from ..batch import Batch, torch_views
 from ..errors import ClosedError, EmptyBufferError, FieldError, LayoutError, WaitTimeout
 from ..frames import Stack, stack_columns, stack_plan
 from ..frames import center as frames_center
+from ..protocol import refresh
 from ..protocol.edits import held
-from ..protocol.layout import Counter, Lane
-from ..protocol.reader import GIVE_UP, Source
-from ..protocol.rows import committed, committed_of_id, slot, slot_of_id, window
+from ..protocol.reader import GIVE_UP, Source, Uses, count, draw_ids, nothing_to_draw, short_of_uses
+from ..protocol.refresh import DONE, ERROR, INSERTED
+from ..protocol.rows import committed, committed_of_id, lane_of, number_of, slot, slot_of_id, window
 from ..sampling.samplers import drawn_by
-from ..sequences import check_n_step, check_windows, n_step_fields, window_mask
+from ..sequences import check_sample, check_windows, n_step_fields, n_step_return, window_mask
 from .refresher import PACE_S, Refresher, forget
-from .rows import DELETES, DONE, ERROR, INSERTED, UPDATES, DeviceRows
+from .rows import DeviceRows
 
-_UPDATES, _DELETES, _INSERTED = int(Counter.UPDATES), int(Counter.DELETES), int(Counter.INSERTED)
-_DEVICE_ROWS, _DEVICE_AT = int(Counter.DEVICE_ROWS), int(Counter.DEVICE_AT)
-_BASE = int(Lane.BASE)
 _ROUNDS = 8
 """Rounds of drawing again (prioritized) for rows the device copy does not hold, before a sync."""
 DEFAULT_MAX_LAG_S = 0.01
@@ -109,8 +110,8 @@ def _torch() -> Any:
 
 
 class _DrawGaveFewer(EmptyBufferError):
-    """A user's draw gave fewer ids than asked: it has no more rows to draw from, and a refresh of
-    the copy would not change that."""
+    """A user's draw gave fewer ids than asked (it has no more rows to draw from), or a batch used up
+    the last rows (``max_use``): a refresh of the copy would not change that."""
 
 
 class DeviceReplay(DeviceRows):
@@ -137,13 +138,10 @@ class DeviceReplay(DeviceRows):
                  refresher: bool = True) -> None:
         torch = _torch()
         opts = buf.options
-        refused = [what for what, on in (("max_use", opts.max_use is not None),
-                                        ("a rate limiter", opts.limiter is not None),
-                                        ("a rank's part of global draws (attach rank=, world_size=)",
-                                         buf.ranked is not None)) if on]
-        if refused:
-            raise LayoutError(f"DeviceReplay: buffer {buf.name!r} has {', '.join(refused)}, which the device copy "
-                              "does not do yet: sample with buf.sample(...) or a Loader(buf, ...)")
+        if buf.ranked is not None:
+            raise LayoutError(f"DeviceReplay: buffer {buf.name!r} has a rank's part of global draws (attach rank=, "
+                              "world_size=), which the device copy does not do yet: sample with buf.sample(...) "
+                              "or a Loader(buf, ...)")
         for name, value in (("max_lag_rows", max_lag_rows), ("chunk", chunk)):
             if value is not None and (type(value) is not int or value < (1 if name == "chunk" else 0)):
                 raise ValueError(f"DeviceReplay: {name} must be an int >= {1 if name == 'chunk' else 0}, got {value!r}")
@@ -206,9 +204,7 @@ class DeviceReplay(DeviceRows):
             if self.closed:
                 return
             self._release_rows()
-            counters = self.buf.block.counters
-            if counters.flags.writeable and int(counters[_DEVICE_ROWS]) == int(self.state[INSERTED]):
-                counters[_DEVICE_AT] = 0  # top: no device copy now (unless another refreshed since)
+            refresh.publish(self.buf, int(self.state[INSERTED]), 0)  # top: no device copy now
 
     def __enter__(self) -> DeviceReplay:
         return self
@@ -224,26 +220,11 @@ class DeviceReplay(DeviceRows):
         question) whenever something changed."""
         rows_bound, seconds_bound = self.max_lag_rows, self.max_lag_s
         if self._one_call is None:
-            return self._behind_steps(share)
-        return bool(self._one_call[0].behind(  # the steps below in one C call (native/learner.c's behind)
-            self.buf.ring.cursors, self.buf.block.counters, self.state, self.bases,
+            return refresh.behind(self.buf, self.state, self.bases, rows_bound, seconds_bound, share)
+        return bool(self._one_call[0].behind(  # refresh.behind in one C call (native/learner.c's behind)
+            *refresh.sources(self.buf)[1:3], self.state, self.bases,
             -1 if rows_bound is None else int(share * rows_bound),
             -1 if seconds_bound is None else int(share * seconds_bound * 1e9), share < 1))
-
-    def _behind_steps(self, share: float) -> bool:
-        """``_behind`` in Python steps: the reference, and the path without the C extension."""
-        counters = self.buf.block.counters
-        rows_bound, seconds_bound = self.max_lag_rows, self.max_lag_s
-        if not np.array_equal(self.buf.ring.cursors[:, _BASE], self.bases):
-            return True
-        rows, seconds = self.lag()
-        edited = int(counters[_UPDATES]) != self.state[UPDATES] or int(counters[_DELETES]) != self.state[DELETES]
-        if rows_bound is not None and (rows > share * rows_bound or edited):
-            return True
-        changed = rows > 0 or edited
-        if changed and seconds_bound is not None and seconds > share * seconds_bound:
-            return True
-        return changed and rows_bound is None and seconds_bound is None and share < 1
 
     def _maybe_sync(self) -> None:
         """Refresh before a sample where a bound would break. A refresh under way (the
@@ -264,30 +245,28 @@ class DeviceReplay(DeviceRows):
                     return
 
     # -- sampling -------------------------------------------------------------------------------
-    def sample(self, n: int, *, n_step: int = 1, gamma: float = 0.99, fields: dict[str, str] | None = None) -> Batch:
+    def sample(self, n: int, *, n_step: int = 1, gamma: float = 0.99, fields: dict[str, str] | None = None,
+               timeout: float | None = None) -> Batch:
         """``n`` rows drawn on the device (with replacement), as ``ReplayBuffer.sample`` draws them;
         ``n_step > 1`` turns them into n-step transitions on the device, as ``ReplayBuffer.sample``
         does (``sequences.add_n_step``: the following rows of the row's lane and episode that the
-        device copy holds as committed; ``batch.steps``)."""
-        if (type(n) is not int and (not isinstance(n, np.integer) or isinstance(n, bool))) or n <= 0:
-            raise ValueError(f"sample: expected a positive number of rows, got {n!r}")
-        if n_step != 1:
-            if not isinstance(n_step, (int, np.integer)) or isinstance(n_step, bool) or n_step < 1:
-                raise ValueError(f"sample: n_step must be an int >= 1, got {n_step!r}")
-            if not 0 <= gamma <= 1:
-                raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
-            check_n_step(self.buf, int(n_step), fields)
-            if self.spec is not None:
-                raise FieldError(f"sample(n_step={n_step}): the device copy does not rebuild n-step returns over "
-                                 "frames stored once (next_of/stack) yet: buf.sample(n, n_step=...) does")
+        device copy holds as committed; ``batch.steps``). With ``max_use`` each row drawn counts a
+        use, and with a rate limiter the sample waits for it (``timeout``), as there."""
+        n, timeout = check_sample(self.buf, n, n_step, gamma, fields, timeout)
+        if n_step != 1 and self.spec is not None:
+            raise FieldError(f"sample(n_step={n_step}): the device copy does not rebuild n-step returns over "
+                             "frames stored once (next_of/stack) yet: buf.sample(n, n_step=...) does")
+        return count(self.buf, n, timeout, lambda: self._sample_waiting(n, int(n_step), float(gamma), fields))
+
+    def _sample_waiting(self, n: int, n_step: int, gamma: float, fields: dict[str, str] | None) -> Batch:
+        """``sample``'s draw: rows the copy lacks while the buffer holds some (writers lapping a
+        small ring faster than it refreshes) are refreshed and drawn again, as the host's reader
+        waits; a host draw that gave fewer ids than asked has no more to give: said at once."""
         deadline = 0.0
         while True:
             try:
-                return self._sample_once(int(n), int(n_step), float(gamma), fields)
+                return self._sample_once(n, n_step, gamma, fields)
             except EmptyBufferError as e:
-                # rows the copy lacks while the buffer holds some (writers lapping a small ring
-                # faster than it refreshes): refreshed and drawn again, as the host's reader waits;
-                # a user's draw that gave fewer ids than asked has no more to give: said at once
                 if self.closed or held(self.buf) == 0 or isinstance(e, _DrawGaveFewer):
                     raise
                 deadline = deadline or time.monotonic() + GIVE_UP
@@ -303,26 +282,23 @@ class DeviceReplay(DeviceRows):
         if self.closed:
             raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
         self._maybe_sync()
-        served = self.buf.options.sampler.served  # what the sampler lets the device draw in its place
+        # what the sampler lets the device draw in its place; with max_use, the host's tree (uses)
+        served = self.buf.options.sampler.served if self.buf.options.max_use is None else None
         if served == "uniform" and self._draw_call is not None and self.spec is None:
-            batch = self._uniform_one_call(int(n))  # takes the lock itself, in C
+            batch = self._uniform_one_call(n)  # takes the lock itself, in C
             if n_step > 1:
                 with self.lock:
                     if self.closed:  # since the draw (another thread): the device columns are gone
                         raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
-                    self._n_step(batch, int(n_step), float(gamma), fields)
-            self.buf.ring.count_sampled(int(n))
+                    self._n_step(batch, n_step, gamma, fields)
             return batch
         with self.lock:
             if self.closed:
                 raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
-            if served == "uniform":
-                batch = self._uniform(int(n))
-            else:  # the tree's draw, or a sampler's own: drawn on the host, read from the device copy
-                batch = self._host_drawn(int(n))
+            # the tree's draw, or a sampler's own: drawn on the host, read from the device copy
+            batch = self._uniform(n) if served == "uniform" else self._host_drawn(n)
             if n_step > 1:
-                self._n_step(batch, int(n_step), float(gamma), fields)
-        self.buf.ring.count_sampled(int(n))
+                self._n_step(batch, n_step, gamma, fields)
         return batch
 
     def _uniform(self, n: int) -> Batch:
@@ -359,56 +335,75 @@ class DeviceReplay(DeviceRows):
 
     def _host_drawn(self, n: int) -> Batch:
         """``n`` rows the buffer's sampler draws on the host (from the shared tree, or its own
-        ``draw``), those the device copy does not hold drawn again; its weights, if any."""
+        ``draw``), those the device copy does not hold drawn again; its weights, if any. With
+        ``max_use`` each row kept counts a use (``reader.Uses``), a row used up meanwhile is drawn
+        again, and the uses are given back when the sample raises."""
         torch = _torch()
         buf = self.buf
-        prios = buf.priorities
-        sampler, ring = buf.options.sampler, buf.ring
-        tree = prios.tree if prios is not None else None
+        prios, sampler = buf.priorities, buf.options.sampler
         calls = prios.next_call() if prios is not None else 0
+        uses = Uses(buf) if buf.options.max_use is not None else None
         ids = np.empty(n, np.int64)
-        leaves = np.empty(n, np.float64)
+        leaves = np.ones(n, np.float64)
+        claimed = np.zeros(n, bool)
         todo = np.arange(n)
         fewer = False
-        for round_ in range(2 * _ROUNDS):
-            if round_ == _ROUNDS:
-                buf.reap()  # a dead writer's odd rows keep the leaves they took until reaped
-                self.lock.release()  # a refresh takes _refreshing first (the refresher's order)
-                try:
-                    self.sync()  # rows drawn from the tree that the device copy does not hold yet
-                finally:
-                    self.lock.acquire()
-                done = np.setdiff1d(np.arange(n), todo)  # the sync may have copied newer rows over them
-                stale = done[self.held[ring.slots(ids[done])] != committed_of_id(ids[done], self.lanes)]
-                todo = np.union1d(todo, stale)
-            d = sampler.draw(ring, tree, buf.rng, todo.size, again=round_ > 0)
-            got = d.ids
-            if got.shape[0] != todo.size:
-                fewer = True
-                break
-            ok = got >= 0
-            slots = ring.slots(np.where(ok, got, 0))
-            ok &= self.held[slots] == committed_of_id(np.where(ok, got, 0), self.lanes)
-            if self.spec is not None:
-                ok &= self._transitions(np.where(ok, got, 0))[0]
-            ids[todo[ok]] = got[ok]
-            if d.leaves is not None:
-                leaves[todo[ok]] = d.leaves[ok]
-            todo = todo[~ok]
-            if todo.size == 0:
-                break
-        if todo.size:
+        try:
+            for round_ in range(2 * _ROUNDS):
+                if round_ == _ROUNDS:
+                    buf.reap()  # a dead writer's odd rows keep the leaves they took until reaped
+                    self.lock.release()  # a refresh takes _refreshing first (the refresher's order)
+                    try:
+                        self.sync()  # rows drawn from the tree that the device copy does not hold yet
+                    finally:
+                        self.lock.acquire()
+                    done = np.setdiff1d(np.arange(n), todo)  # the sync may have copied newer rows over them
+                    stale = done[~self._window(ids[done])[0]]
+                    if uses is not None and claimed[stale].any():
+                        uses.give_back(ids, stale[claimed[stale]], leaves)
+                        claimed[stale] = False
+                    todo = np.union1d(todo, stale)
+                d = draw_ids(buf, todo.size, round_ > 0)
+                got = d.ids
+                if got.shape[0] != todo.size:
+                    fewer = True
+                    break
+                ok = self._window(got)[0]
+                if self.spec is not None:
+                    ok &= self._transitions(np.where(ok, got, 0))[0]
+                ids[todo[ok]] = got[ok]
+                if d.leaves is not None:
+                    leaves[todo[ok]] = d.leaves[ok]
+                if uses is not None:  # used up meanwhile: drawn again
+                    claimed[todo[ok]] = True
+                    refused = uses.claim(ids, todo[ok])
+                    claimed[refused] = False
+                    ok &= ~np.isin(todo, refused)
+                todo = todo[~ok]
+                if todo.size == 0:
+                    break
             by = drawn_by(sampler)
-            raise (_DrawGaveFewer if by and fewer else EmptyBufferError)(f"sample({n}): the device copy of buffer {buf.name!r} holds none of the rows the "
-                                   "sampler draws (nothing pushed yet, or every row being written)"
-                                   + (f", or {by} gave fewer ids than asked (it has no more rows to draw from)"
-                                      if by else ""))
-        weights = sampler.weights(tree, leaves, calls) if sampler.weighted else None
-        w = None if weights is None else torch.from_numpy(np.ascontiguousarray(weights)).to(self.device)
-        if self.spec is not None:
-            return self._frames_batch(ids, w)
-        slots_dev = torch.from_numpy(ring.slots(ids)).to(self.device)
-        return self._batch(slots_dev, torch.from_numpy(ids).to(self.device), w)
+            if todo.size and fewer and uses is not None and held(buf) == 0:
+                nothing_to_draw(buf, n, final=True)  # every row used up: as the host's sample says it
+            if todo.size:
+                raise (_DrawGaveFewer if by and fewer else EmptyBufferError)(
+                    f"sample({n}): the device copy of buffer {buf.name!r} holds none of the rows the sampler draws "
+                    "(nothing pushed yet, or every row being written)"
+                    + (f", or {by} gave fewer ids than asked (it has no more rows to draw from)" if by else ""))
+            weights = sampler.weights(prios.tree if prios is not None else None, leaves, calls) if sampler.weighted else None
+            w = None if weights is None else torch.from_numpy(np.ascontiguousarray(weights)).to(self.device)
+            if self.spec is not None:
+                return self._frames_batch(ids, w)
+            return self._batch(torch.from_numpy(self._window(ids)[1]).to(self.device), torch.from_numpy(ids).to(self.device), w)
+        except BaseException as e:
+            if uses is not None and claimed.any():
+                uses.give_back(ids, np.flatnonzero(claimed), leaves)
+                try:  # the batch itself used up the rows: said as the host says it
+                    if isinstance(e, EmptyBufferError):
+                        short_of_uses(buf, n)
+                except EmptyBufferError as short:
+                    raise _DrawGaveFewer(str(short)) from None
+            raise
 
     def _batch(self, slots: Any, ids: Any, weight: Any) -> Batch:
         return self._batch_of({name: dev.index_select(0, slots) for name, dev in self.rows.items()}, ids, weight)
@@ -432,39 +427,25 @@ class DeviceReplay(DeviceRows):
         device copy holds it committed (``held``) in the row's lane and episode."""
         torch = _torch()
         reward, next_obs, done = n_step_fields(self.buf, names)
-        cols = self._full_columns(torch)
+        cols = self._stored_columns(torch)
         ids = batch.index
         m, lanes, lc = ids.shape[0], self.lanes, self.lane_capacity
-        nums = (ids // lanes)[:, None] + torch.arange(1, n_step, device=self.device)[None, :]
-        lane = (ids % lanes)[:, None]
+        nums = number_of(ids, lanes)[:, None] + torch.arange(1, n_step, device=self.device)[None, :]
+        lane = lane_of(ids, lanes)[:, None]
         slots = slot(lane, nums, lc)
         ok = (self._held_dev[slots] == committed(nums)) & (cols["_episode"][slots] == batch.episode[:, None])
         mask = torch.cat([torch.ones((m, 1), dtype=torch.bool, device=self.device), ok], 1).cumprod(1).bool()
         rewards = torch.cat([batch.fields[reward].reshape(m, 1), cols[reward][slots]], 1).double()
-        dones = torch.cat([batch.fields[done].reshape(m, 1), cols[done][slots]], 1).bool()
-        after = torch.zeros_like(mask)
-        after[:, 1:] = dones[:, :-1].cummax(1).values
-        used = mask & ~after
-        steps = used.sum(1)
-        ret = (torch.where(used, rewards, 0.0) * gamma ** torch.arange(n_step, device=self.device,
-                                                                       dtype=torch.float64)).sum(1)
-        last = (steps - 1).clamp(min=0)
+        dones = torch.cat([batch.fields[done].reshape(m, 1), cols[done][slots]], 1)
+        ret, steps, last_done = n_step_return(rewards, dones, mask, gamma)
         more = steps > 1
         at = slots[torch.arange(m, device=self.device), (steps - 2).clamp(min=0)]
         following = torch.where(more.reshape(m, *[1] * (batch.fields[next_obs].dim() - 1)), cols[next_obs][at],
                                 batch.fields[next_obs])
         batch.fields[next_obs].copy_(following)
         batch.fields[reward].copy_(ret.reshape(batch.fields[reward].shape))
-        batch.fields[done].copy_(dones[torch.arange(m, device=self.device), last].reshape(batch.fields[done].shape))
+        batch.fields[done].copy_(last_done.reshape(batch.fields[done].shape))
         batch.extras["steps"] = steps
-
-    def _full_columns(self, torch: Any) -> dict[str, Any]:
-        """Every field's whole device column (the small ones views of the packed block), and the episodes."""
-        out: dict[str, Any] = {}
-        if "_record" in self.rows and self.record is not None:
-            out.update(torch_views(self.rows["_record"].view(torch.uint8), self.record))
-        out.update({name: dev for name, dev in self.rows.items() if name != "_record"})
-        return out
 
     def _draw_held(self, n: int, accept: Callable[[np.ndarray], np.ndarray]) -> np.ndarray | None:
         """``n`` ids of usable rows drawn uniformly on the device, those ``accept`` refuses drawn
@@ -497,12 +478,8 @@ class DeviceReplay(DeviceRows):
         exact row, as a stamp check would pass it); the windows' ids and each stack's plan."""
         spec = self.spec
         assert spec is not None
-        lanes = self.lanes
         win = self._window_ids(ids, np.arange(-spec.depth, spec.ahead + 1))
-        there = win >= 0
-        safe = np.where(there, win, 0)
-        slots = slot_of_id(safe, lanes, self.lane_capacity)
-        ok = there & (self.held[slots] == committed_of_id(safe, lanes))
+        ok, slots = self._window(win)
         kind = self.kinds[slots]
         valid = frames_center(spec, ok, kind)
         plans = {}
@@ -565,7 +542,7 @@ class DeviceReplay(DeviceRows):
         return Batch(fields, extras, block=packed, record=self.record)
 
     def _stored_columns(self, torch: Any) -> dict[str, Any]:
-        """Every stored field's whole device column (the small ones views of the packed block)."""
+        """Every stored field's whole device column (the small ones views of the packed block), and the episodes."""
         out: dict[str, Any] = {}
         if "_record" in self.rows:
             out.update(torch_views(self.rows["_record"].view(torch.uint8), self.buf.block.stored_record))
@@ -583,6 +560,10 @@ class DeviceReplay(DeviceRows):
         if self.spec is not None:
             raise FieldError(f"{what}: the device copy does not serve windows over frames stored once "
                              "(next_of/stack) yet: buf.sample_sequences(...) does")
+        return count(self.buf, n * (length + burn_in), None, lambda: self._windows(n, length, burn_in, time_major))
+
+    def _windows(self, n: int, length: int, burn_in: int, time_major: bool) -> Batch:
+        """``sample_sequences``' draw and gather."""
         if self.closed:
             raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
         self._maybe_sync()
@@ -590,14 +571,13 @@ class DeviceReplay(DeviceRows):
         with self.lock:
             anchors = self._draw_held(n, lambda got: self._window(got)[0])
             if anchors is None:
-                raise EmptyBufferError(f"{what}: the device copy of buffer {self.buf.name!r} holds no rows yet")
+                raise EmptyBufferError(f"sample_sequences({n}, {length}): the device copy of buffer "
+                                       f"{self.buf.name!r} holds no rows yet")
             ids = self._window_ids(anchors, offsets)
             held, slots = self._window(ids)
             own = self.episodes[slot_of_id(anchors, self.lanes, self.lane_capacity)]
             mask = window_mask(held & (self.episodes[slots] == own[:, None]), burn_in)
-            batch = self._window_batch(np.where(mask, ids, -1), np.where(mask, slots, 0), mask, time_major)
-        self.buf.ring.count_sampled(n * (length + burn_in))
-        return batch
+            return self._window_batch(np.where(mask, ids, -1), np.where(mask, slots, 0), mask, time_major)
 
     def _window(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Which of ``ids`` (any shape) the copy holds as committed, and their slots."""

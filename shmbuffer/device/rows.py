@@ -6,26 +6,7 @@ beside it, on the host, the stamp of the row each device slot holds (``held``; 0
 and the usable slots as a dense list (``dense``: its first ``len()`` entries, in no order;
 ``where``: each slot's place there, -1 when not usable; a slot leaving takes the last one's place,
 so each change costs the slot it changes, never the capacity). A refresh (``sync()``) brings it up
-to date:
-
-1. the rows to copy are found from the lanes' cursors: each lane's rows since the last refresh
-   (at most two runs of consecutive slots, the lane's end between them, cut in pieces of
-   ``chunk`` rows), and the ``pending`` rows of earlier refreshes whose stamps now say
-   committed. No slot is scanned: a refresh costs the rows that came in. The rows changed in
-   place since (an ``update()``, a ``delete()``, a failed push put back) are read from the block's
-   log of edits (``Counter.EDITS``, ``Ring.log_edits``: each logs its slots once their stamps
-   changed and before their bytes do, since an update puts back the stamp it found and the stamps
-   cannot tell): their slots are dropped and the rows they hold now are pending. A ``clear()`` (the lanes' bases), or more
-   edits than the log holds (``EDIT_LOG``), makes it a full one: the held rows that left their
-   lanes are dropped, no row is pending, and every row of the lanes is copied again, a piece at a
-   time (the rows not yet copied again stay drawable, as they were committed);
-2. each piece's slots are dropped from the usable ones, then the piece is copied by the reader's
-   rule (first stamps, the copies, second stamps); a row counts when both reads show it committed
-   (``rows.intact``) and no edit logged meanwhile names its slot (the log is read again after the
-   copies; if it overflowed meanwhile none of the copies count and the next refresh is a full
-   one); the others stay ``pending``, tried again by each refresh until they are held or leave
-   their lane. So a torn, half-written, overwritten or half-updated row is never usable;
-3. the piece's rows that count are held: usable again.
+to date: a reader of the ring like every other, in ``protocol/refresh.py`` (its steps).
 
 The slot lists change only under the copy's lock (``lock``), which a sample holds while it draws
 and gathers; the copies run outside it, into slots dropped first. So a sample waits for a refresh
@@ -39,7 +20,7 @@ On the CPU with the C extension the whole refresh is one call without the GIL
 (``native/refresh.c``: the lists in the arrays here, the lock a pthread mutex in ``lock``, a second
 one letting one refresh run at a time), the rows copied straight into the device columns (and the
 host mirrors of their kinds and episodes); the background refresher there is a C thread that never
-takes the GIL (``native_refresher``). The Python steps below are the reference, the fallback, and
+takes the GIL (``native_refresher``). The Python steps (``refresh.steps``) are the reference, the fallback, and
 the CUDA path: each piece copied into reused pinned staging (``gather.gather_run``, one C call) and
 then one copy to the device on a side stream; pending rows go through the stamped ``gather``.
 
@@ -73,29 +54,10 @@ from .. import native
 from ..batch import torch_dtype
 from ..errors import CapacityError, ClosedError
 from ..frames import KIND
-from ..protocol.gather import gather, gather_run
-from ..protocol.layout import EDIT_LOG, Counter, Lane
+from ..protocol import refresh
 from ..protocol.reader import Source
-from ..protocol.rows import committed, committed_of_id, lane_of, number_of, number_of_stamp, row_id
-
-_UPDATES, _DELETES, _INSERTED = int(Counter.UPDATES), int(Counter.DELETES), int(Counter.INSERTED)
-_EDITS, _EDITS_BEGUN = int(Counter.EDITS), int(Counter.EDITS_BEGUN)
-_DEVICE_ROWS, _DEVICE_AT = int(Counter.DEVICE_ROWS), int(Counter.DEVICE_AT)
-_CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
-COUNT, PENDING, UPDATES, DELETES, INSERTED, AT, DONE, ERROR, SPENT, TAKEN, WAITED, CPU, EDITS, REDRAWN, DROPS = range(15)
-"""The words of ``DeviceRows.state`` (``native/refresh.c``'s ``ST_*``): usable slots, pending ids,
-``Counter.UPDATES`` and ``DELETES`` as of the last refresh (the lag question's), ``Counter.INSERTED``
-and ``time.monotonic_ns()`` as it began, refreshes done, 1 once the C refresher stopped on an
-error, and all told the ns spent in refreshes, the rows they took in, and the ns of those spent
-waiting for the lock while a sample held it, and the ns of CPU time the refreshing thread spent in
-them (the last two: the C refresh); then ``Counter.EDITS`` as the last refresh began (-1: copy
-every row again), the rows the C uniform sample drew again, all told (a refresh dropped their
-slot while the sample copied them), and the changes of the lists that dropped slots, all told
-(``dropped``)."""
-
-
-STATE_WORDS = 16
-"""The length of ``DeviceRows.state`` (``native.h``'s ``ST_WORDS``): room for a few more words."""
+from ..protocol.refresh import AT, COUNT, DONE, DROPS, EDITS, INSERTED, PENDING, SPENT, STATE_WORDS, TAKEN
+from ..protocol.rows import id_of_slot, lane_capacity
 
 _MADV_WIPEONFORK = getattr(mmap, "MADV_WIPEONFORK", 18)  # Linux's number, where Python's mmap lacks the name
 _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
@@ -161,8 +123,9 @@ class DeviceRows:
         torch = _torch()
         self.buf = buf
         self.device = torch.device(device)
-        block, ring = buf.block, buf.ring
-        self.capacity, self.lanes, self.lane_capacity = ring.capacity, ring.lanes, ring.lane_capacity
+        block = buf.block
+        self.capacity, self.lanes = buf.options.capacity, buf.options.lanes
+        self.lane_capacity = lane_capacity(self.capacity, self.lanes)
         self.chunk = min(chunk, self.capacity)
         """Rows per piece of a refresh (the staging memory holds that many rows)."""
         self.record = block.record if block.packed is not None else None
@@ -222,7 +185,7 @@ class DeviceRows:
             sources = (*self.columns.values(), *(m[0] for m in mirrors))
             outs = (*(dev.numpy() for dev in self.rows.values()), *(m[1] for m in mirrors))
             self.lock: Any = NativeLock(lib)
-            self._one_call = (lib, (self.lock.mutex, block.stamp, ring.cursors, block.counters, block.edits, sources,
+            self._one_call = (lib, (self.lock.mutex, *refresh.sources(buf), sources,
                                     outs, self.held, self.dropped, self.dense, self.where, self.next, self.bases,
                                     self.pending_ids, self.state))
             self._draw_call = (lib, self.lock.mutex, self.held, self.dropped, self.dense, self.state, outs[:len(self.rows)])
@@ -289,17 +252,15 @@ class DeviceRows:
         since (the C refresher's: the caller waited for it)."""
         if self.closed:
             raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
-        counters = self.buf.block.counters
         if self._one_call is not None:
             lib, args = self._one_call
-            return int(lib.refresh(*args, self.chunk, counters.flags.writeable, seen))
+            return int(lib.refresh(*args, self.chunk, self.buf.block.counters.flags.writeable, seen))
         at = time.monotonic_ns()
-        taken = self._refresh_steps()
+        taken = refresh.steps(self.buf, self)
         state = self.state
         state[AT], state[DONE], state[TAKEN] = at, state[DONE] + 1, state[TAKEN] + taken
         state[SPENT] += time.monotonic_ns() - at
-        if counters.flags.writeable:  # where top reads the lag (Counter.DEVICE_ROWS)
-            counters[_DEVICE_ROWS], counters[_DEVICE_AT] = state[INSERTED], at
+        refresh.publish(self.buf, int(state[INSERTED]), at)  # where top reads the lag
         return taken
 
     def native_refresher(self, pace_s: float, rows_bound: float, seconds_bound: float) -> Any:
@@ -314,154 +275,26 @@ class DeviceRows:
         return lib, lib.refresher_start(*args, self.chunk, self.buf.block.counters.flags.writeable, pace_s,
                                         float(rows_bound), float(seconds_bound))
 
-    def _refresh_steps(self) -> int:
-        """The refresh in Python steps (``native/refresh.c`` does the same in one call)."""
-        ring, counters, state = self.buf.ring, self.buf.block.counters, self.state
-        inserted = int(counters[_INSERTED])  # before the lanes: the lag is never under-counted
-        updates, deletes = int(counters[_UPDATES]), int(counters[_DELETES])  # for the lag question (replay.py)
-        edits = int(counters[_EDITS])  # before the stamps: an edit logged later is seen after the copies
-        cursors = ring.cursors[:, _CURSOR].copy()
-        bases = ring.cursors[:, _BASE].copy()
-        lc = self.lane_capacity
-        start = np.minimum(np.maximum(bases, cursors - lc), cursors)
-        seen = int(state[EDITS])
-        full = seen < 0 or edits - seen > EDIT_LOG or not np.array_equal(bases, self.bases)
-        if not full and edits != seen:
-            full = not self._take_edits(seen, edits, start, cursors)
-        taken, spoiled = 0, False
-        if full:
-            with self.lock:
-                slots = np.flatnonzero(self.held)
-                self._drop(slots[number_of_stamp(self.held[slots]) < start[slots // lc]])
-                state[PENDING] = 0
-        else:
-            taken, spoiled = self._retry_pending(start, cursors, edits)
-        first = start if full else np.maximum(self.next, start)
-        for s0, n0, k in ([] if spoiled else self._runs(first, cursors)):
-            slots = np.arange(s0, s0 + k)
-            with self.lock:
-                self._drop(slots)
-            ok = self._copy_run(s0, n0, k)
-            edited = self._edited(edits, slots)
-            if edited is None:  # more edits during the copies than the log holds: every row next time
-                spoiled = True
-                break
-            ok &= ~edited  # an edit's row is read again once it is done (the stamps cannot tell)
-            with self.lock:
-                self._hold(slots[ok], committed(np.arange(n0, n0 + k)[ok]))
-                self._add_pending(row_id(np.arange(n0, n0 + k)[~ok], s0 // lc, self.lanes))
-            taken += int(np.count_nonzero(ok))
-        self.next[:], self.bases[:] = cursors, bases
-        state[EDITS] = -1 if spoiled else edits  # the edits logged during the copies: next time
-        state[UPDATES], state[DELETES], state[INSERTED] = updates, deletes, inserted
-        return taken
-
-    def _take_edits(self, seen: int, edits: int, start: np.ndarray, stop: np.ndarray) -> bool:
-        """The rows changed in place since the last refresh (the log's entries ``seen`` to
-        ``edits``): their slots dropped, and the row each slot holds now (committed or being
-        written, within its lane's rows, and older than the rows this refresh copies anyway:
-        never pending twice) pending, to be copied once committed. ``False`` when the log's
-        entries were overwritten as they were read (the caller copies every row)."""
-        block, ring, lanes, lc = self.buf.block, self.buf.ring, self.lanes, self.lane_capacity
-        slots = block.edits[np.arange(seen, edits) % EDIT_LOG]
-        if self._overwritten(seen) or not ((slots >= 0) & (slots < self.capacity)).all():
-            return False
-        self._forget_lapped(start, stop)
-        slots = np.unique(slots)
-        with self.lock:
-            self._drop(slots)
-        stamps, lane = ring.stamp[slots], slots // lc
-        n = number_of_stamp(stamps)
-        first = np.minimum(np.maximum(self.next, start), stop)  # the rows from there are copied below
-        now = (stamps != 0) & (n >= start[lane]) & (n < first[lane])
-        ids = row_id(n[now], lane[now], lanes)
-        self._add_pending(ids[~np.isin(ids, self.pending)])
-        return True
-
-    def _edited(self, edits: int, slots: np.ndarray) -> np.ndarray | None:
-        """Which of ``slots`` (just copied) an edit logged since ``edits`` names, or ``None``
-        when more were logged than the log holds."""
-        block = self.buf.block
-        now = int(block.counters[_EDITS])
-        if now == edits:
-            return np.zeros(slots.shape, bool)
-        logged = block.edits[np.arange(edits, now) % EDIT_LOG] if now - edits <= EDIT_LOG else None
-        if logged is None or self._overwritten(edits):
-            return None
-        return np.isin(slots, logged)
-
-    def _overwritten(self, first: int) -> bool:
-        """Whether the log's entries from ``first`` may have been overwritten by now (read after
-        them): a writer stores ``Counter.EDITS_BEGUN`` before its entries, ``EDITS`` after."""
-        counters = self.buf.block.counters
-        return max(int(counters[_EDITS_BEGUN]), int(counters[_EDITS])) - first > EDIT_LOG
-
-    def _retry_pending(self, start: np.ndarray, stop: np.ndarray, edits: int) -> tuple[int, bool]:
-        """The pending rows: those that left their lane forgotten, those now committed copied
-        (dropped first), the others kept; the rows held, and whether more edits than the log
-        holds came during the copy."""
-        ring, lanes = self.buf.ring, self.lanes
-        self._forget_lapped(start, stop)
-        ids = self.pending
-        ready = ring.stamp[ring.slots(ids)] == committed_of_id(ids, lanes)
-        again, keep = ids[ready], ids[~ready]
-        self.state[PENDING] = 0
-        self._add_pending(keep)
-        if not again.size:
-            return 0, False
-        with self.lock:
-            self._drop(ring.slots(again))
-        got = self._copy_rows(again)
-        edited = self._edited(edits, ring.slots(again))
-        if edited is None:
-            return 0, True
-        got &= ~edited
-        with self.lock:
-            self._hold(ring.slots(again[got]), committed_of_id(again[got], lanes))
-            self._add_pending(again[~got])
-        return int(np.count_nonzero(got)), False
-
-    def _forget_lapped(self, start: np.ndarray, stop: np.ndarray) -> None:
-        """The pending rows that left their lane are forgotten: lapped, or above its cursor (a
-        push undone under them: the refresh that copies the lane from there copies them)."""
-        ids, lanes = self.pending, self.lanes
-        n, lane = number_of(ids, lanes), lane_of(ids, lanes)
-        self.state[PENDING] = 0
-        self._add_pending(ids[(n >= start[lane]) & (n < stop[lane])])
-
-    def _add_pending(self, ids: np.ndarray) -> None:
+    def add_pending(self, ids: np.ndarray) -> None:
+        """Add ``ids`` to the pending rows (``refresh.steps``)."""
         n = int(self.state[PENDING])
         self.pending_ids[n:n + ids.size] = ids
         self.state[PENDING] = n + ids.size
 
-    def _runs(self, first: np.ndarray, stop: np.ndarray) -> list[tuple[int, int, int]]:
-        """Each lane's rows ``[first, stop)`` as runs of consecutive slots (split where the lane
-        wraps, and into pieces of ``chunk`` rows): ``(first slot, first row number, rows)``."""
-        lc = self.lane_capacity
-        out = []
-        for lane in np.flatnonzero(stop > first):
-            n, end = int(first[lane]), int(stop[lane])
-            while n < end:
-                at = n % lc
-                k = min(end - n, lc - at, self.chunk)
-                out.append((int(lane) * lc + at, n, k))
-                n += k
-        return out
-
-    def _copy_run(self, slot0: int, n0: int, k: int) -> np.ndarray:
+    def copy_run(self, slot0: int, n0: int, k: int) -> np.ndarray:
         """Copy rows ``n0 ..`` of the run from ``slot0`` (``k <= chunk``, slots dropped) by the
         reader's rule (``gather_run``): on the CPU straight into the device columns, on CUDA into
         the pinned staging, then one copy to the device; which rows were intact."""
         torch = _torch()
-        stamp, cols = self.buf.block.stamp, tuple(self.columns.values())
+        cols = tuple(self.columns.values())
         ok = np.zeros(k, bool)
         if self._stream is None:
             outs = tuple(dev[slot0:slot0 + k].numpy() for dev in self.rows.values())
-            gather_run(stamp, cols, slot0, n0, outs, ok)
+            refresh.read_run(self.buf, cols, slot0, n0, outs, ok)
             self._mirror(slot0, dict(zip(self.rows, outs, strict=True)))
             return ok
         staged = {name: s[:k] for name, s in self._staging.items()}
-        gather_run(stamp, cols, slot0, n0, tuple(s.numpy() for s in staged.values()), ok)
+        refresh.read_run(self.buf, cols, slot0, n0, tuple(s.numpy() for s in staged.values()), ok)
         self._mirror(slot0, {name: s.numpy() for name, s in staged.items()})
         self._stream.wait_stream(torch.cuda.current_stream(self.device))  # earlier samples' gathers read first
         with torch.cuda.stream(self._stream):
@@ -470,12 +303,12 @@ class DeviceRows:
         self._stream.synchronize()  # the staging is reused by the next piece
         return ok
 
-    def _copy_rows(self, ids: np.ndarray) -> np.ndarray:
+    def copy_rows(self, ids: np.ndarray) -> np.ndarray:
         """Copy the rows ``ids`` (pending rows now committed; slots dropped) by the stamped gather,
         through the staging, into their device slots; which were intact."""
         torch = _torch()
         ok = np.zeros(ids.size, bool)
-        block, ring = self.buf.block, self.buf.ring
+        block = self.buf.block
         for a in range(0, ids.size, self.chunk):
             part = ids[a:a + self.chunk]
             m = part.size
@@ -484,12 +317,11 @@ class DeviceRows:
             out = {name: staged[name].numpy() for name in block.large}
             if "_record" in staged:
                 out["_block"] = staged["_record"].numpy().view(np.uint8)
-            rows = gather(block, ring, part, out=out, stored=True)
+            rows, slots = refresh.read_rows(self.buf, part, out)
             if rows.episode is not None:
                 staged["_episode"].numpy()[:] = rows.episode
             ok[a:a + m] = rows.ok
             keep = np.flatnonzero(rows.ok)
-            slots = ring.slots(part[keep])
             self._mirror(slots, {name: s.numpy()[keep] for name, s in staged.items()})
             where, pick = torch.from_numpy(slots).to(self.device), torch.from_numpy(keep)
             for name, dev in self.rows.items():
@@ -506,7 +338,7 @@ class DeviceRows:
                 mirror[at] = got
 
     # -- the held and usable slots (under lock): each change costs the slots it touches -----------
-    def _drop(self, slots: np.ndarray) -> None:
+    def drop(self, slots: np.ndarray) -> None:
         """``slots`` (distinct) hold nothing usable: out of ``held`` and of the usable slots, whose
         last entries fill the places they leave; ``dropped`` says when."""
         self.held[slots] = 0
@@ -531,7 +363,7 @@ class DeviceRows:
             torch = _torch()
             self._dense_dev[torch.from_numpy(holes).to(self.device)] = torch.from_numpy(movers).to(self.device)
 
-    def _hold(self, slots: np.ndarray, stamps: np.ndarray) -> None:
+    def hold(self, slots: np.ndarray, stamps: np.ndarray) -> None:
         """``slots`` (distinct, not usable) hold the rows of ``stamps`` (committed): usable."""
         if not slots.size:
             return
@@ -549,8 +381,7 @@ class DeviceRows:
 
     def _ids_of(self, slots: Any) -> Any:
         """The ids of the rows the device copy holds in ``slots`` (a device tensor)."""
-        n = number_of_stamp(self._held_dev.index_select(0, slots))
-        return row_id(n, slots // self.lane_capacity, self.lanes)
+        return id_of_slot(slots, self._held_dev.index_select(0, slots), self.lanes, self.lane_capacity)
 
     def _usable_slots(self) -> Any:
         """The usable slots as a device tensor, in no order (kept by each refresh)."""
@@ -558,8 +389,7 @@ class DeviceRows:
 
     def lag(self) -> tuple[int, float]:
         """How far the device copy is behind: rows inserted since the last refresh began, seconds since it began."""
-        inserted = int(self.buf.block.counters[_INSERTED])
-        return inserted - int(self.state[INSERTED]), (time.monotonic_ns() - int(self.state[AT])) / 1e9
+        return refresh.lag(self.buf, self.state)
 
     def _release_rows(self) -> None:
         """Drop the views of the shared columns and the device memory (under both locks)."""

@@ -24,6 +24,7 @@ import numpy as np
 from .. import frames
 from ..batch import Batch
 from ..errors import EmptyBufferError, WaitTimeout
+from ..sampling import limiter
 from ..sampling.ranks import EPOCH, Rank
 from ..sampling.samplers import Draw, drawn_by
 from .gather import REDRAW_ROUNDS, Rows, assemble, gather, settle
@@ -69,7 +70,7 @@ class Source(Protocol):
         """The buffer's priority state, or ``None`` without a prioritized sampler."""
 
     def reap(self) -> np.ndarray:
-        """Ids of the rows whose uses ran out (``max_use``), for the sampler to drop."""
+        """Mark the rows of writers that died mid-push empty (out of the tree); return their slots."""
 
 def fetch(
     block: Block, ring: Ring, ids: np.ndarray, redraw: Redraw, *, reap: Callable[[], object],
@@ -145,7 +146,7 @@ def fetch(
             if counted.size:
                 claim.give_back(ids, counted, values)
                 if isinstance(e, EmptyBufferError):
-                    _short_of_uses(claim.src, ids.shape[0])
+                    short_of_uses(claim.src, ids.shape[0])
         raise
 
 
@@ -190,7 +191,7 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
     if first is None:
         first = sampler.draw(ring, tree, src.rng, n + (spares if tree is None else 0), replace=replace)
     if first.ids.size < n:
-        _nothing_to_draw(src, n, final=True, got=first.ids.size, replace=replace)
+        nothing_to_draw(src, n, final=True, got=first.ids.size, replace=replace)
     ids, leaves = first
     if spares and tree is not None:
         more = sampler.draw(ring, tree, src.rng, spares, replace=True, taken=ids, again=True)
@@ -219,6 +220,22 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
     weight = sampler.weights(tree, leaves, calls)
     return assemble(block, ids, rows, {"weight": weight} if weight is not None else None)
 
+def count(src: Source, rows: int, timeout: float | None, draw: Callable[[], Any]) -> Any:
+    """Run a sample, counting its ``rows`` as sampled (through the rate limiter, if any)."""
+    if src.options.limiter is None:  # the usual case, without the limiter's plumbing
+        result = draw()
+        src.ring.count_sampled(rows)
+        return result
+    return limiter.counted(src.options.limiter, src.ring, rows, timeout, draw)
+
+
+def draw_ids(src: Source, k: int, again: bool) -> Draw:
+    """``k`` ids drawn by ``src``'s sampler (from the tree where it has one), for a reader that
+    reads them elsewhere (the device copy); ``again``: a re-draw."""
+    prios = src.priorities
+    return src.options.sampler.draw(src.ring, prios.tree if prios is not None else None, src.rng, k, again=again)
+
+
 def redrawer(src: Source, n: int, replace: bool) -> Redraw:
     """The re-draw of ``draw``'s sample of ``n``: ``src``'s sampler again, for ``fetch``."""
     ring, prios, sampler = src.ring, src.priorities, src.options.sampler
@@ -233,14 +250,14 @@ def redrawer(src: Source, n: int, replace: bool) -> Redraw:
             held = ring.held_ids()  # deleted rows (stamp 0) still count in len(ring): n may exceed the rest
             left = np.count_nonzero(ring.stamp.take(ring.slots(held)))
             if left == 0:
-                _nothing_to_draw(src, n, final=True)
+                nothing_to_draw(src, n, final=True)
             if left < n and not replace:
                 raise EmptyBufferError(
                     f"sample({n}, replace=False): only {left} rows of buffer {src.name!r} can be drawn; "
                     "the others were deleted or are empty")
         more = sampler.draw(ring, tree, src.rng, k, replace=replace, taken=taken, again=True, slow=slow)
         if more.ids.size < k:
-            _nothing_to_draw(src, n, final=False)
+            nothing_to_draw(src, n, final=False)
         return more.ids, more.leaves
 
     return redraw
@@ -253,7 +270,7 @@ def sampling(src: Source, n: int) -> Callable[[], str]:
     return lambda: f"sample({n}) of buffer {src.name!r}" + (f" (drawn by {by})" if by else "")
 
 
-def _nothing_to_draw(src: Source, n: int, *, final: bool, got: int = 0, replace: bool = True) -> None:
+def nothing_to_draw(src: Source, n: int, *, final: bool, got: int = 0, replace: bool = True) -> None:
     """Raise when no row can be drawn now or ever, saying why; return to let the reader wait a
     moment. ``got``: the ids a first draw gave (a user's draw that gave fewer is named)."""
     by = drawn_by(src.options.sampler)
@@ -273,7 +290,7 @@ def _nothing_to_draw(src: Source, n: int, *, final: bool, got: int = 0, replace:
         raise EmptyBufferError(_too_few(src.name, n, len(src.ring)))
 
 
-def _short_of_uses(src: Source, n: int) -> None:
+def short_of_uses(src: Source, n: int) -> None:
     """After a ``max_use`` sample found no row left (and gave back the uses it had counted): raise
     saying so when the rows still have uses, fewer than ``n``: the batch itself used them up, and
     ``_why_none``, asked while its uses were counted, blamed rows drawn ``max_use`` times."""

@@ -80,6 +80,11 @@ def slot_of_id(ids: Ints, lanes: int, lane_capacity: int) -> Ints:
     return slot(ids % lanes, (ids // lanes), lane_capacity)
 
 
+def id_of_slot(slots: Ints, stamps: Ints, lanes: int, lane_capacity: int) -> Ints:
+    """The ids of the rows whose ``stamps`` the ``slots`` hold (numpy arrays or torch tensors)."""
+    return row_id(number_of_stamp(stamps), slots // lane_capacity, lanes)
+
+
 def writing(n: Ints) -> Ints:
     """The stamp of row number ``n`` while it is being written (odd)."""
     return 2 * n + 1
