@@ -62,7 +62,7 @@ def export(buf: Buffer) -> dict[str, np.ndarray]:
     take all of them back. With ``next_of``/``stack``: the transitions that can be read now
     (``gather.gather``; not an episode's end row, not a lane's newest row still waiting for its
     next observation), rebuilt, with their ``priority`` and ``uses`` as above."""
-    if buf.options.frames is not None:
+    if buf.options.rows.once:
         return _export_transitions(buf)
     snap = Snapshot(buf, 1.0)
     keep = ("_episode", "_present", "_leaf", "_uses")
@@ -210,7 +210,7 @@ def from_arrays(
             if uses is not None and k:
                 set_uses(buf, np.asarray(index, dtype=np.int64).reshape(-1), uses)
             return buf
-        per = buf.lane_capacity if buf.options.frames is None else max(1, buf.lane_capacity // 2)
+        per = buf.options.rows.steps(buf.lane_capacity)
         step = per * (envs if spread else 1)  # with envs: whole steps, a lane's capacity each
         single = k == 1 and all(np.ndim(a) == len(schema[n].shape) for n, a in data.items())
         # each lane's last row is a whole transition (its next observation came with it): stored now
@@ -370,12 +370,12 @@ def import_rows(buf: Buffer, arrays: Mapping[str, Any], *, replace: bool = False
         raise CapacityError(f"lane: expected lane numbers in [0, {buf.lanes}), got {lane.min()}..{lane.max()}")
     if replace:
         buf.clear()
-    step = buf.lane_capacity if buf.options.frames is None else max(1, buf.lane_capacity // 2)  # + end rows
+    step = buf.options.rows.steps(buf.lane_capacity)
     if "lane" not in extra and buf.options.envs:
         step *= buf.options.envs  # env-major steps of every env: lane_capacity rows in each lane
     single = k == 1 and all(np.ndim(a) == len(buf.schema[n].shape) for n, a in data.items())
     flush = None
-    if buf.options.frames is not None and k:
+    if buf.options.rows.once and k:
         lanes = np.broadcast_to(lane, (k,)) if "lane" in extra else \
             np.arange(k) % buf.options.envs if buf.options.envs else np.zeros(k, np.int64)
         flush = _lasts(lanes, True)
@@ -398,12 +398,12 @@ def pending(buf: Buffer, pusher: Pusher | None) -> dict[str, np.ndarray]:
     """``ReplayBuffer.pending``: with ``next_of``, each lane's newest row that waits for its next
     observation, as the transition this process pushed (``pusher`` remembers that observation),
     with ``export``'s keys."""
-    ring, spec = buf.ring, buf.options.frames
+    ring, spec = buf.ring, buf.options.rows
     names = buf.schema.names
     ids: list[int] = []
     rows: dict[str, list[Any]] = {n: [] for n in names}
     episodes: list[int] = []
-    if spec is not None and spec.next_of and pusher is not None and pusher.pid == os.getpid():
+    if spec.next_of and pusher is not None and pusher.pid == os.getpid():
         first, stop = ring.bounds()
         for lane, last in sorted(pusher.last.items()):
             row = int(stop[lane]) - 1
