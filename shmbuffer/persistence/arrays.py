@@ -196,8 +196,7 @@ def from_arrays(
             per_lane += _episode_ends(schema, data) + 1  # an end row each (all in one lane at worst), and the flushed
             per_lane += _lead_rows(schema, data, options.get("next_of"), options.get("stack"), lane)
             spec = Frames.make(schema, options.get("next_of"), options.get("stack"))
-            if spec is not None:  # the least a lane of such a buffer may hold (layout.Options)
-                per_lane = max(per_lane, 2 * (spec.depth + spec.ahead + 1))
+            per_lane = max(per_lane, 2 * (spec.depth + spec.ahead + 1))  # the least a lane may hold (layout.Options)
         capacity = max(per_lane, 1) * lanes
     buf = factory(schema, capacity, **options)
     try:
@@ -210,24 +209,10 @@ def from_arrays(
             if uses is not None and k:
                 set_uses(buf, np.asarray(index, dtype=np.int64).reshape(-1), uses)
             return buf
-        per = buf.options.rows.steps(buf.lane_capacity)
-        step = per * (envs if spread else 1)  # with envs: whole steps, a lane's capacity each
-        single = k == 1 and all(np.ndim(a) == len(schema[n].shape) for n, a in data.items())
-        # each lane's last row is a whole transition (its next observation came with it): stored now
-        flush = _lasts(lane if lane is not None else np.arange(k) % envs if spread else np.zeros(k, np.int64),
-                       stored_once)
+        if not spread:
+            extra["lane"] = 0 if lane is None else lane
         line = Line(f"from_arrays into {buf.name!r}", k)
-        for i in range(0, k, step):
-            line.update(i)
-            part = slice(i, i + step)
-            both: dict[str, Any] = {**data, **extra}
-            cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
-            # resume: rows exported from a buffer that lapped an episode's first steps (lead rows)
-            ids = buf.push({n: cut[n] for n in data}, lane=None if spread else 0 if lane is None else lane[part],
-                           episode=cut.get("episode"), priority=cut.get("priority"), resume=True,
-                           flush=False if flush is None else flush[part])
-            if uses is not None:
-                set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
+        _push_pieces(buf, data, extra, uses, k, line)
         line.update(k)
         line.close()
     except BaseException:
@@ -236,9 +221,33 @@ def from_arrays(
     return buf
 
 
-def _lasts(lanes: np.ndarray, stored_once: bool) -> np.ndarray | None:
-    """With ``next_of``/``stack``, each lane's last row of an import, to flush (``push(flush=)``)."""
-    return last_of_lanes(np.asarray(lanes, np.int64).reshape(-1)) if stored_once else None
+def _push_pieces(buf: Buffer, data: dict[str, Any], extra: dict[str, Any], uses: Any, k: int,
+                 line: Line | None = None) -> list[np.ndarray]:
+    """Push the ``k`` rows of ``data`` (with ``extra``'s lane, episode and priority) in pieces that
+    a lane can always take (``Frames.steps``; with ``envs`` and no lane, whole steps of every env);
+    rows exported from a buffer that lapped an episode's first steps resume it (lead rows), and
+    with ``next_of``/``stack`` each lane's last row is a whole transition (its next observation
+    came with it): flushed (``push(flush=)``). The ids, a piece at a time."""
+    envs = None if "lane" in extra else buf.options.envs
+    step = buf.options.rows.steps(buf.lane_capacity) * (envs or 1)
+    single = k == 1 and all(np.ndim(a) == len(buf.schema[n].shape) for n, a in data.items())
+    flush = None
+    if buf.options.rows.once and k:
+        flush = last_of_lanes(np.broadcast_to(np.asarray(extra["lane"], np.int64), (k,)) if "lane" in extra else
+                              np.arange(k) % envs if envs else np.zeros(k, np.int64))
+    out = []
+    for i in range(0, k, step):
+        if line is not None:
+            line.update(i)
+        part = slice(i, i + step)
+        both: dict[str, Any] = {**data, **extra}
+        cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
+        opts = {key: cut[key] for key in ("lane", "episode", "priority") if key in cut}
+        ids = buf.push({n: cut[n] for n in data}, resume=True, flush=False if flush is None else flush[part], **opts)
+        if uses is not None:
+            set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
+        out.append(ids)
+    return out
 
 
 def _episode_ends(schema: Schema, data: dict[str, Any]) -> int:
@@ -256,7 +265,7 @@ def _lead_rows(schema: Schema, data: dict[str, Any], next_of: Any, stack: Any, l
     episode start (the first row, one after an episode's last, a lane's first) whose stacks are
     not padding resumes an episode cut before it, and its older frames take ``k - 1`` rows."""
     spec = Frames.make(schema, next_of, stack)
-    if spec is None or not spec.stack:
+    if not spec.stack:
         return 0
     k = int(np.asarray(data[spec.stack[0].name]).shape[0])
     final = np.zeros(k, bool)
@@ -370,27 +379,7 @@ def import_rows(buf: Buffer, arrays: Mapping[str, Any], *, replace: bool = False
         raise CapacityError(f"lane: expected lane numbers in [0, {buf.lanes}), got {lane.min()}..{lane.max()}")
     if replace:
         buf.clear()
-    step = buf.options.rows.steps(buf.lane_capacity)
-    if "lane" not in extra and buf.options.envs:
-        step *= buf.options.envs  # env-major steps of every env: lane_capacity rows in each lane
-    single = k == 1 and all(np.ndim(a) == len(buf.schema[n].shape) for n, a in data.items())
-    flush = None
-    if buf.options.rows.once and k:
-        lanes = np.broadcast_to(lane, (k,)) if "lane" in extra else \
-            np.arange(k) % buf.options.envs if buf.options.envs else np.zeros(k, np.int64)
-        flush = _lasts(lanes, True)
-    out = []
-    for i in range(0, k, max(step, 1)):
-        part = slice(i, i + step)
-        both: dict[str, Any] = {**data, **extra}
-        cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
-        opts = {key: cut[key] for key in ("lane", "episode", "priority") if key in cut}
-        # rows exported from a buffer that lapped an episode's first steps resume it (lead rows)
-        ids = buf.push({n: cut[n] for n in data}, resume=True,
-                       flush=False if flush is None else flush[part], **opts)
-        if uses is not None:
-            set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
-        out.append(ids)
+    out = _push_pieces(buf, data, extra, uses, k)
     return np.concatenate(out) if out else np.empty(0, np.int64)
 
 
