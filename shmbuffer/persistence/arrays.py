@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CapacityError, FieldError
-from ..frames import ENDS, Frames, frames_of
+from ..frames import Frames, frames_of
 from ..progress import Progress as Line
 from ..protocol import edits, snapshot
 from ..protocol.frames_push import Pusher, last_of_lanes
@@ -193,9 +193,12 @@ def from_arrays(
         else:
             per_lane = int(np.bincount(lane).max()) if lane is not None and k else k // envs if spread else k
         if stored_once:
-            per_lane += _episode_ends(schema, data) + 1  # an end row each (all in one lane at worst), and the flushed
-            per_lane += _lead_rows(schema, data, options.get("next_of"), options.get("stack"), lane)
             spec = Frames.make(schema, options.get("next_of"), options.get("stack"))
+            final = np.zeros(k, bool)  # the rows that end an episode: each takes an end row with next_of
+            for name in spec.ends:
+                final |= np.broadcast_to(np.asarray(data[name]).reshape(-1) != 0, (k,))
+            # an end row each (all in one lane at worst), the flushed one, the lead rows
+            per_lane += int(final.sum()) + 1 + _lead_rows(spec, data, final, lane)
             per_lane = max(per_lane, 2 * (spec.depth + spec.ahead + 1))  # the least a lane may hold (layout.Options)
         capacity = max(per_lane, 1) * lanes
     buf = factory(schema, capacity, **options)
@@ -250,28 +253,14 @@ def _push_pieces(buf: Buffer, data: dict[str, Any], extra: dict[str, Any], uses:
     return out
 
 
-def _episode_ends(schema: Schema, data: dict[str, Any]) -> int:
-    """Rows of ``data`` that end an episode (``frames.ENDS``): each takes an end row with next_of."""
-    final = None
-    for name in ENDS:
-        if name in data:
-            f = np.asarray(data[name]).reshape(-1) != 0
-            final = f if final is None else final | f
-    return 0 if final is None else int(final.sum())
-
-
-def _lead_rows(schema: Schema, data: dict[str, Any], next_of: Any, stack: Any, lane: np.ndarray | None) -> int:
-    """At most how many lead rows the rows of ``data`` take with ``stack`` (``frames.py``): an
-    episode start (the first row, one after an episode's last, a lane's first) whose stacks are
-    not padding resumes an episode cut before it, and its older frames take ``k - 1`` rows."""
-    spec = Frames.make(schema, next_of, stack)
+def _lead_rows(spec: Frames, data: dict[str, Any], final: np.ndarray, lane: np.ndarray | None) -> int:
+    """At most how many lead rows the rows of ``data`` (``final``: those that end an episode)
+    take with ``stack`` (``frames.py``): an episode start (the first row, one after an episode's
+    last, a lane's first) whose stacks are not padding resumes an episode cut before it, and its
+    older frames take ``k - 1`` rows."""
     if not spec.stack:
         return 0
-    k = int(np.asarray(data[spec.stack[0].name]).shape[0])
-    final = np.zeros(k, bool)
-    for name in spec.ends:
-        if name in data:
-            final |= np.broadcast_to(np.asarray(data[name]).reshape(-1) != 0, (k,))
+    k = final.size
     starts = np.concatenate([[True], final[:-1]]) if k else final
     if lane is not None and k:
         order = np.argsort(lane, kind="stable")  # a lane's first row starts too
