@@ -415,13 +415,13 @@ def subject(cls: type[Subjectish], capacity: int, memory: dict[str, dict[str, An
 # -- bytes at 1,000,000: computed, and a real buffer ---------------------------------------------------
 def computed(capacity: int) -> dict[str, Any]:
     """Our block's bytes at ``capacity`` from its column table, compressed and not (nothing allocated)."""
-    from shmbuffer.frames import Frames
+    from shmbuffer.frames import PLAIN, Frames
     from shmbuffer.protocol.layout import Options, columns
 
     sch = schema()
-    opts = Options(capacity, ENVS, envs=ENVS, frames=Frames.make(sch, "obs", "obs"))
+    opts = Options(capacity, ENVS, envs=ENVS, rows=Frames.make(sch, "obs", "obs"))
     comp = sum(c.nbytes for c in columns(sch, opts))
-    plain = sum(c.nbytes for c in columns(sch, replace(opts, frames=None)))
+    plain = sum(c.nbytes for c in columns(sch, replace(opts, rows=PLAIN)))
     one = FRAME_BYTES + SMALL
     return {"capacity": capacity, "bytes": comp, "gib": comp / GIB, "bytes_per_row": comp / capacity,
             "uncompressed_bytes": plain, "uncompressed_gib": plain / GIB, "uncompressed_bytes_per_row": plain / capacity,

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 import shmbuffer as sb
+from shmbuffer.frames import PLAIN
 from shmbuffer.protocol.layout import columns
 from shmbuffer.shm.segment import path_of
 
@@ -176,7 +177,7 @@ def main(args: Args) -> dict[str, Any]:
         last = buf.sample(args.batch_size)
         shifted = bool(np.array_equal(last.obs[:, 1:], last.next_obs[:, :-1]))
         size = os.path.getsize(path_of(buf.handle.name))
-        plain = sum(c.nbytes for c in columns(buf.schema, replace(buf.options, frames=None)))
+        plain = sum(c.nbytes for c in columns(buf.schema, replace(buf.options, rows=PLAIN)))
         frame = int(np.prod(shape[1:]))
         report = {"env_steps": stats["env_steps"], "episodes": stats["episodes"], "updates": updates,
                   "transitions": len(buf), "rows": buf.stats["inserted"], "bytes_per_row": size / args.capacity,

@@ -100,7 +100,7 @@ class ReplayBuffer(MappedBlock):
         rng = arguments.generator(seed, "ReplayBuffer: seed")  # before anything is laid on the segment
         super()._setup(segment, schema, opts, seed, initialise=initialise)  # the block, ring and tree
         self._copier = Copier(self.block, self.ring, opts.envs)
-        self._pusher = None if opts.frames is None else Pusher(opts.frames, schema, self.block.stored)
+        self._pusher = Pusher.of(opts.rows, schema, self.block.stored)
         self._paths = SamplePaths()
         self._fast_push = push.fast_push(self, self._copier, self._pusher)
         SEATS.seat(self, self._copier.plan if self._fast_push is not None else None)  # buf.push: an attribute read

@@ -47,6 +47,7 @@ import numpy as np
 from . import native
 from .buffer import ReplayBuffer
 from .errors import ForeignBlock, LayoutError, SegmentNotFound, ShmBufferError
+from .frames import PLAIN
 from .persistence import pieces
 from .protocol import census
 from .protocol.layout import columns
@@ -239,7 +240,7 @@ def _inspect(args: argparse.Namespace) -> int:
                 if f.name in acc else {})}
             for f in stored
         ]
-        plain = sum(c.nbytes for c in columns(buf.schema, replace(buf.options, frames=None)))
+        plain = sum(c.nbytes for c in columns(buf.schema, replace(buf.options, rows=PLAIN)))
         info: dict[str, Any] = {
             "name": h.name, "path": segment.path_of(h.name), "layout_version": h.version, "bytes": h.size,
             "creator_pid": h.creator_pid, "creator_alive": h.creator_alive, "fingerprint": h.fingerprint,

@@ -178,7 +178,7 @@ class Collector:
                 "several envs' steps would interleave in a lane and n-step returns, sequences and "
                 f"episodes would be 1 step long; make the buffer with envs={total} (one lane per env)"
             )
-        if buffer.options.frames is not None and buffer.lanes < total:
+        if buffer.options.rows.once and buffer.lanes < total:
             raise ValueError(
                 f"Collector: {total} envs into {buffer.lanes} lane(s) of a buffer with next_of/stack, which "
                 f"reads an env's next observation and older frames from its own lane; make the buffer with "

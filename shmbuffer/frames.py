@@ -78,7 +78,10 @@ class Stack:
 
 @dataclass(frozen=True)
 class Frames:
-    """Which fields are stored once (see the module docstring)."""
+    """How a row is stored and read: which fields are stored once (see the module docstring). The
+    empty one (``PLAIN``, ``Frames()``) is the rows variant of a buffer without ``next_of``/``stack``:
+    each row stores all its fields, ``stored`` and ``served`` give back what they get. Every buffer
+    has one (``Options.rows``); callers ask it rather than whether there is one."""
 
     next_of: tuple[tuple[str, str], ...] = ()
     """``(next field, source field)`` pairs"""
@@ -86,12 +89,12 @@ class Frames:
     ends: tuple[str, ...] = ()
 
     @classmethod
-    def make(cls, schema: Schema, next_of: Any, stack: Any) -> Frames | None:
+    def make(cls, schema: Schema, next_of: Any, stack: Any) -> Frames:
         """Check ``next_of`` (``"obs"`` for ``next_obs``, or ``{"next_obs": "obs"}``) and ``stack``
         (``"obs"``: its first axis holds the frames, or ``{"obs": k}``, ``{"obs": (k, axis)}``)
-        against ``schema``; ``None`` when neither is given."""
+        against ``schema``; ``PLAIN`` when neither is given."""
         if next_of is None and stack is None:
-            return None
+            return PLAIN
         pairs: list[tuple[str, str]] = []
         if next_of is not None:
             items = [(f"next_{next_of}", next_of)] if isinstance(next_of, str) else (
@@ -131,6 +134,12 @@ class Frames:
         return cls(tuple(pairs), tuple(stacks), ends)
 
     @property
+    def once(self) -> bool:
+        """Whether some field is stored once (read from the lane): the rows are not whole in memory, a read
+        assembles transitions, a row has a kind (``KIND``) and a lane holds rows that are not transitions."""
+        return bool(self.next_of or self.stack)
+
+    @property
     def depth(self) -> int:
         """Rows before a transition's own that a read may use."""
         return max([s.k for s in self.stack] + [1]) - 1
@@ -140,6 +149,11 @@ class Frames:
         """Rows a lane keeps ahead of its newest transition: 1 with ``next_of`` (its next row holds ``next_obs``),
         else 0."""
         return 1 if self.next_of else 0
+
+    def steps(self, lane_capacity: int) -> int:
+        """The most steps a push into one lane of ``lane_capacity`` slots can always take: half of it
+        when fields are stored once (each step may take an end or lead row too)."""
+        return max(1, lane_capacity // 2) if self.once else lane_capacity
 
     def stacked(self, name: str) -> Stack | None:
         """The ``Stack`` of field ``name``, or ``None`` if it is not stacked."""
@@ -152,6 +166,8 @@ class Frames:
 
     def stored(self, schema: Schema) -> Schema:
         """The schema of what a row stores: stacked fields one frame wide, next fields gone."""
+        if not self.once:
+            return schema
         gone = {n for n, _ in self.next_of}
         out: dict[str, tuple[tuple[int, ...], Any]] = {}
         for f in schema:
@@ -164,6 +180,8 @@ class Frames:
 
     def served(self, record: Record) -> Record:
         """``record`` without the stacked fields: what a read takes from the row's own record."""
+        if not self.once:
+            return record
         names = [n for n in record.offsets if self.stacked(n) is None]
         fields: dict[str, Any] = dict(record.dtype.fields or {})
         dtype = np.dtype({"names": names, "formats": [fields[n][0] for n in names],
@@ -186,13 +204,17 @@ class Frames:
             raise SchemaError(f"frames {self.to_json()} do not fit the schema {schema}")
 
     @classmethod
-    def from_json(cls, spec: dict[str, Any] | None) -> Frames | None:
-        """The ``Frames`` that ``to_json`` gave (``None`` for none)."""
+    def from_json(cls, spec: dict[str, Any] | None) -> Frames:
+        """The ``Frames`` that ``to_json`` gave (``PLAIN`` for none)."""
         if not spec:
-            return None
+            return PLAIN
         return cls(tuple((str(a), str(b)) for a, b in spec["next_of"]),
                    tuple(Stack(str(n), int(k), int(ax), int(w)) for n, k, ax, w in spec["stack"]),
                    tuple(str(e) for e in spec["ends"]))
+
+
+PLAIN = Frames()
+"""The rows variant of a buffer without ``next_of``/``stack``."""
 
 
 def _stack(schema: Schema, name: str, how: Any) -> Stack:

@@ -184,9 +184,8 @@ class Hindsight:
         for d in done:
             if d not in block.stored_record.offsets:
                 raise FieldError(f"hindsight: done field {d!r} must be a small field (a flag a row)")
-        frames = block.frames
-        ends = frames is not None and bool(frames.next_of)
-        large = (achieved,) if frames is not None or achieved in block.large else ()
+        ends = bool(block.rows.next_of)
+        large = (achieved,) if block.rows.once or achieved in block.large else ()
         return Plan(self, achieved, desired, reward, done, large, ends)
 
 

@@ -152,9 +152,9 @@ def check_transitions(src: Buffer, n: int, replace: bool) -> None:
     """With ``next_of``/``stack``: refuse a sample of more whole transitions than the buffer
     holds (``frames.transitions``: an episode's final observation, each lane's newest row with
     ``next_of``, a row whose stack reaches rows lapped are not)."""
-    frames = src.options.frames
+    frames = src.options.rows
     ring = src.ring
-    if frames is not None and (not replace or (frames.next_of and len(ring) <= 2 * ring.lanes)):
+    if frames.once and (not replace or (frames.next_of and len(ring) <= 2 * ring.lanes)):
         # len scans the lanes (O(capacity)): only where it can say no (few rows, or distinct ones)
         held = len(src)  # rows that are whole transitions (frames.py)
         if held == 0 or (not replace and n > held):

@@ -263,10 +263,10 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
             if ok.any():
                 ok[ok] = ring.current(row_id(stop[ok], lane, ring.lanes))
             first, stop = first[ok], stop[ok]
-        frames = src.block.frames
-        if frames is not None and kinds is not None and frames.stack and first.size and not kinds[slot(lane, first[0], lc)] & START:
+        frames = src.block.rows
+        if kinds is not None and frames.stack and first.size and not kinds[slot(lane, first[0], lc)] & START:
             first[0] += frames.depth  # a run cut by lapping or a clear(): its first stacks reach outside
-        if frames is not None and kinds is not None and first.size:
+        if kinds is not None and first.size:
             for _ in range(frames.depth):  # a resumed episode's lead rows (push(resume=True)) are not steps
                 first += (kinds[slot(lane, np.minimum(first, stop - 1), lc)] & LEAD != 0) & (first < stop)
         if _ends_in_own_row(src):  # an episode's last row is its end row, or has no next row yet
@@ -284,8 +284,7 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
 def _ends_in_own_row(src: Source) -> bool:
     """Whether the last row of each episode run is not a transition (``frames.py``, ``next_of``):
     an end row holding the final observation, or a row whose next observation is not pushed yet."""
-    frames = src.block.frames
-    return frames is not None and bool(frames.next_of)
+    return bool(src.block.rows.next_of)
 
 
 def _pick_runs(src: Source, lengths: np.ndarray, n: int, replace: bool) -> np.ndarray:

@@ -31,8 +31,7 @@ def view(src: Source, start: int, stop: int, lane: int) -> Batch:
 def column(src: Source, name: str) -> np.ndarray:
     """``ReplayBuffer.column``: the whole field ``name``, ``(capacity, *shape)``, in slot order."""
     src.block.schema[name]
-    frames = src.options.frames
-    if frames is not None and name in frames.rebuilt:
+    if name in src.options.rows.rebuilt:
         raise FieldError(f"column({name!r}): the buffer stores {name!r} once for several rows (next_of/stack), "
                          "so it has no column of whole rows; read rows with sample, take or get")
     return _readonly(src.block.fields[name])
@@ -59,9 +58,8 @@ def _positions_with_holes(src: Source, start: int, stop: int, lane: int) -> tupl
 
 
 def _whole(src: Source, what: str) -> None:
-    frames = src.options.frames
-    if frames is not None:
-        raise FieldError(f"{what}: the buffer stores {', '.join(frames.rebuilt)} once for several rows "
+    if src.options.rows.once:
+        raise FieldError(f"{what}: the buffer stores {', '.join(src.options.rows.rebuilt)} once for several rows "
                          "(next_of/stack), so its rows are not whole in memory; read with sample, take or get")
 
 

@@ -324,7 +324,7 @@ def test_it_composes_with_the_rest(make: Make, name: str, tmp_path: Any) -> None
     assert json.loads((tmp_path / "s" / "meta.json").read_text())["format_version"] == 2
     loaded = sb.ReplayBuffer.load(tmp_path / "s", name=name + "l")
     try:
-        assert loaded.options.frames == comp.options.frames
+        assert loaded.options.rows == comp.options.rows
         assert same(loaded.take(exported["index"]), ref(exported["index"]), sch.names)
         row = episode(0, 99, 1, "terminated", (1, 40, 40), 4, 0, "reset")[0]
         loaded.push(**row, lane=0, episode=99)  # goes on taking episodes

@@ -570,7 +570,7 @@ def test_golden_v2_frames(loaded: list) -> None:
     written by commit 969d4a4."""
     new = sb.load(GOLDEN_V2 / "frames", seed=0)
     loaded.append(new)
-    assert new.options.frames is not None and new.capacity == 16 and len(new) == 5
+    assert new.options.rows.once and new.capacity == 16 and len(new) == 5
     rows = new.get(slice(None))
     assert rows["action"].tolist() == [0, 1, 2, 5, 6]
     assert rows["done"].tolist() == [False, False, True, False, False]

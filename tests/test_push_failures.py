@@ -98,7 +98,7 @@ def inject(monkeypatch: pytest.MonkeyPatch, buf: sb.ReplayBuffer, step: str) -> 
     elif step == "commit":
         monkeypatch.setattr(Ring, "commit", fail)
     elif step == "after the commit":
-        if buf.options.frames is not None:
+        if buf.options.rows.once:
             monkeypatch.setattr(Pusher, "done", fail)
         else:
             monkeypatch.setattr(push, "note_interleaving", fail)

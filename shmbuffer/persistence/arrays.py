@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CapacityError, FieldError
-from ..frames import ENDS, Frames, frames_of
+from ..frames import Frames, frames_of
 from ..progress import Progress as Line
 from ..protocol import edits, snapshot
 from ..protocol.frames_push import Pusher, last_of_lanes
@@ -62,7 +62,7 @@ def export(buf: Buffer) -> dict[str, np.ndarray]:
     take all of them back. With ``next_of``/``stack``: the transitions that can be read now
     (``gather.gather``; not an episode's end row, not a lane's newest row still waiting for its
     next observation), rebuilt, with their ``priority`` and ``uses`` as above."""
-    if buf.options.frames is not None:
+    if buf.options.rows.once:
         return _export_transitions(buf)
     snap = Snapshot(buf, 1.0)
     keep = ("_episode", "_present", "_leaf", "_uses")
@@ -193,11 +193,13 @@ def from_arrays(
         else:
             per_lane = int(np.bincount(lane).max()) if lane is not None and k else k // envs if spread else k
         if stored_once:
-            per_lane += _episode_ends(schema, data) + 1  # an end row each (all in one lane at worst), and the flushed
-            per_lane += _lead_rows(schema, data, options.get("next_of"), options.get("stack"), lane)
             spec = Frames.make(schema, options.get("next_of"), options.get("stack"))
-            if spec is not None:  # the least a lane of such a buffer may hold (layout.Options)
-                per_lane = max(per_lane, 2 * (spec.depth + spec.ahead + 1))
+            final = np.zeros(k, bool)  # the rows that end an episode: each takes an end row with next_of
+            for name in spec.ends:
+                final |= np.broadcast_to(np.asarray(data[name]).reshape(-1) != 0, (k,))
+            # an end row each (all in one lane at worst), the flushed one, the lead rows
+            per_lane += int(final.sum()) + 1 + _lead_rows(spec, data, final, lane)
+            per_lane = max(per_lane, 2 * (spec.depth + spec.ahead + 1))  # the least a lane may hold (layout.Options)
         capacity = max(per_lane, 1) * lanes
     buf = factory(schema, capacity, **options)
     try:
@@ -210,24 +212,10 @@ def from_arrays(
             if uses is not None and k:
                 set_uses(buf, np.asarray(index, dtype=np.int64).reshape(-1), uses)
             return buf
-        per = buf.lane_capacity if buf.options.frames is None else max(1, buf.lane_capacity // 2)
-        step = per * (envs if spread else 1)  # with envs: whole steps, a lane's capacity each
-        single = k == 1 and all(np.ndim(a) == len(schema[n].shape) for n, a in data.items())
-        # each lane's last row is a whole transition (its next observation came with it): stored now
-        flush = _lasts(lane if lane is not None else np.arange(k) % envs if spread else np.zeros(k, np.int64),
-                       stored_once)
+        if not spread:
+            extra["lane"] = 0 if lane is None else lane
         line = Line(f"from_arrays into {buf.name!r}", k)
-        for i in range(0, k, step):
-            line.update(i)
-            part = slice(i, i + step)
-            both: dict[str, Any] = {**data, **extra}
-            cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
-            # resume: rows exported from a buffer that lapped an episode's first steps (lead rows)
-            ids = buf.push({n: cut[n] for n in data}, lane=None if spread else 0 if lane is None else lane[part],
-                           episode=cut.get("episode"), priority=cut.get("priority"), resume=True,
-                           flush=False if flush is None else flush[part])
-            if uses is not None:
-                set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
+        _push_pieces(buf, data, extra, uses, k, line)
         line.update(k)
         line.close()
     except BaseException:
@@ -236,33 +224,43 @@ def from_arrays(
     return buf
 
 
-def _lasts(lanes: np.ndarray, stored_once: bool) -> np.ndarray | None:
-    """With ``next_of``/``stack``, each lane's last row of an import, to flush (``push(flush=)``)."""
-    return last_of_lanes(np.asarray(lanes, np.int64).reshape(-1)) if stored_once else None
+def _push_pieces(buf: Buffer, data: dict[str, Any], extra: dict[str, Any], uses: Any, k: int,
+                 line: Line | None = None) -> list[np.ndarray]:
+    """Push the ``k`` rows of ``data`` (with ``extra``'s lane, episode and priority) in pieces that
+    a lane can always take (``Frames.steps``; with ``envs`` and no lane, whole steps of every env);
+    rows exported from a buffer that lapped an episode's first steps resume it (lead rows), and
+    with ``next_of``/``stack`` each lane's last row is a whole transition (its next observation
+    came with it): flushed (``push(flush=)``). The ids, a piece at a time."""
+    envs = None if "lane" in extra else buf.options.envs
+    step = buf.options.rows.steps(buf.lane_capacity) * (envs or 1)
+    single = k == 1 and all(np.ndim(a) == len(buf.schema[n].shape) for n, a in data.items())
+    flush = None
+    if buf.options.rows.once and k:
+        flush = last_of_lanes(np.broadcast_to(np.asarray(extra["lane"], np.int64), (k,)) if "lane" in extra else
+                              np.arange(k) % envs if envs else np.zeros(k, np.int64))
+    out = []
+    for i in range(0, k, step):
+        if line is not None:
+            line.update(i)
+        part = slice(i, i + step)
+        both: dict[str, Any] = {**data, **extra}
+        cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
+        opts = {key: cut[key] for key in ("lane", "episode", "priority") if key in cut}
+        ids = buf.push({n: cut[n] for n in data}, resume=True, flush=False if flush is None else flush[part], **opts)
+        if uses is not None:
+            set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
+        out.append(ids)
+    return out
 
 
-def _episode_ends(schema: Schema, data: dict[str, Any]) -> int:
-    """Rows of ``data`` that end an episode (``frames.ENDS``): each takes an end row with next_of."""
-    final = None
-    for name in ENDS:
-        if name in data:
-            f = np.asarray(data[name]).reshape(-1) != 0
-            final = f if final is None else final | f
-    return 0 if final is None else int(final.sum())
-
-
-def _lead_rows(schema: Schema, data: dict[str, Any], next_of: Any, stack: Any, lane: np.ndarray | None) -> int:
-    """At most how many lead rows the rows of ``data`` take with ``stack`` (``frames.py``): an
-    episode start (the first row, one after an episode's last, a lane's first) whose stacks are
-    not padding resumes an episode cut before it, and its older frames take ``k - 1`` rows."""
-    spec = Frames.make(schema, next_of, stack)
-    if spec is None or not spec.stack:
+def _lead_rows(spec: Frames, data: dict[str, Any], final: np.ndarray, lane: np.ndarray | None) -> int:
+    """At most how many lead rows the rows of ``data`` (``final``: those that end an episode)
+    take with ``stack`` (``frames.py``): an episode start (the first row, one after an episode's
+    last, a lane's first) whose stacks are not padding resumes an episode cut before it, and its
+    older frames take ``k - 1`` rows."""
+    if not spec.stack:
         return 0
-    k = int(np.asarray(data[spec.stack[0].name]).shape[0])
-    final = np.zeros(k, bool)
-    for name in spec.ends:
-        if name in data:
-            final |= np.broadcast_to(np.asarray(data[name]).reshape(-1) != 0, (k,))
+    k = final.size
     starts = np.concatenate([[True], final[:-1]]) if k else final
     if lane is not None and k:
         order = np.argsort(lane, kind="stable")  # a lane's first row starts too
@@ -370,27 +368,7 @@ def import_rows(buf: Buffer, arrays: Mapping[str, Any], *, replace: bool = False
         raise CapacityError(f"lane: expected lane numbers in [0, {buf.lanes}), got {lane.min()}..{lane.max()}")
     if replace:
         buf.clear()
-    step = buf.lane_capacity if buf.options.frames is None else max(1, buf.lane_capacity // 2)  # + end rows
-    if "lane" not in extra and buf.options.envs:
-        step *= buf.options.envs  # env-major steps of every env: lane_capacity rows in each lane
-    single = k == 1 and all(np.ndim(a) == len(buf.schema[n].shape) for n, a in data.items())
-    flush = None
-    if buf.options.frames is not None and k:
-        lanes = np.broadcast_to(lane, (k,)) if "lane" in extra else \
-            np.arange(k) % buf.options.envs if buf.options.envs else np.zeros(k, np.int64)
-        flush = _lasts(lanes, True)
-    out = []
-    for i in range(0, k, max(step, 1)):
-        part = slice(i, i + step)
-        both: dict[str, Any] = {**data, **extra}
-        cut = {key: v if single or np.ndim(v) == 0 else np.asarray(v)[part] for key, v in both.items()}
-        opts = {key: cut[key] for key in ("lane", "episode", "priority") if key in cut}
-        # rows exported from a buffer that lapped an episode's first steps resume it (lead rows)
-        ids = buf.push({n: cut[n] for n in data}, resume=True,
-                       flush=False if flush is None else flush[part], **opts)
-        if uses is not None:
-            set_uses(buf, ids, np.asarray(uses).reshape(-1)[part] if np.ndim(uses) else uses)
-        out.append(ids)
+    out = _push_pieces(buf, data, extra, uses, k)
     return np.concatenate(out) if out else np.empty(0, np.int64)
 
 
@@ -398,12 +376,12 @@ def pending(buf: Buffer, pusher: Pusher | None) -> dict[str, np.ndarray]:
     """``ReplayBuffer.pending``: with ``next_of``, each lane's newest row that waits for its next
     observation, as the transition this process pushed (``pusher`` remembers that observation),
     with ``export``'s keys."""
-    ring, spec = buf.ring, buf.options.frames
+    ring, spec = buf.ring, buf.options.rows
     names = buf.schema.names
     ids: list[int] = []
     rows: dict[str, list[Any]] = {n: [] for n in names}
     episodes: list[int] = []
-    if spec is not None and spec.next_of and pusher is not None and pusher.pid == os.getpid():
+    if spec.next_of and pusher is not None and pusher.pid == os.getpid():
         first, stop = ring.bounds()
         for lane, last in sorted(pusher.last.items()):
             row = int(stop[lane]) - 1

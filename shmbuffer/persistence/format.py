@@ -145,7 +145,7 @@ SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, 
 def version_of(opts: Options, pushed: bool = False) -> int:
     """The format version a save of a buffer with these options gets, with (``pushed``) or without
     lanes its saving process continues: the lowest that holds it."""
-    if opts.frames is None:
+    if not opts.rows.once:
         return FORMAT_VERSION_1
     return FORMAT_VERSION_3 if pushed else FORMAT_VERSION_2
 
@@ -189,9 +189,8 @@ def tensors(schema: Schema, opts: Options) -> list[Tensor]:
     """The file's tensors in file order (larger itemsizes first, then fields, then internals).
     With ``next_of``/``stack`` (format version 2) the fields are the stored ones and ``_kind``
     comes along (``frames.py``)."""
-    frames = opts.frames
-    out = [tensor_of(f.name, f.shape, f.dtype) for f in (schema if frames is None else frames.stored(schema))]
-    if frames is not None:
+    out = [tensor_of(f.name, f.shape, f.dtype) for f in opts.rows.stored(schema)]
+    if opts.rows.once:
         out.append(tensor_of(KIND, (), np.dtype(np.uint8)))
     if opts.episodes:
         out.append(tensor_of("_episode", (), np.dtype(np.int64)))

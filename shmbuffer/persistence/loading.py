@@ -41,7 +41,7 @@ import os
 import stat
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -299,8 +299,8 @@ def read_meta(meta_file: Path, meta: dict[str, Any], version: int) -> _Saved:
     try:
         schema = Schema(**spec) if len(spec) == len(fields) else None
         opts = Options.from_json(o)
-        if schema is not None and opts.frames is not None:
-            opts.frames.check(schema)
+        if schema is not None:
+            opts.rows.check(schema)
     except (KeyError, TypeError, ValueError) as exc:  # SchemaError is a ValueError
         raise LayoutError(f"{meta_file}: schema or options malformed ({type(exc).__name__}: {_clip(str(exc))})") from None
     if schema is None:
@@ -358,8 +358,7 @@ def read_meta(meta_file: Path, meta: dict[str, Any], version: int) -> _Saved:
 def _read_pushed(m: _Meta, meta: dict[str, Any], schema: Schema, opts: Options,
                  lanes: list[tuple[int, int, int]]) -> dict[int, Last]:
     """A version-3 save's ``pushed`` (``format.py``): per lane, the saving process's last row there."""
-    spec = opts.frames
-    assert spec is not None  # version 3 has frames (checked before)
+    spec = opts.rows  # version 3 has frames (checked before)
     out: dict[int, Last] = {}
     for i, entry in enumerate(m.array(meta, "pushed")):
         where = f"pushed[{i}]."
@@ -512,16 +511,12 @@ def _read(folder: Path, meta: dict[str, Any], version: int, factory: Callable[..
         want = {n: (c, list(s)) for n, c, s, _ in expected}
         if found != want:
             raise LayoutError(f"{rows_file} holds tensors {_clip(str(found), 1000)}; {meta_file} says {want}")
-        kwargs = {f.name: getattr(opts, f.name) for f in fields(opts) if f.name not in ("capacity", "frames")}
-        if opts.frames is not None:
-            kwargs.update(opts.frames.arguments())
-        buf = factory(schema, cap, **kwargs, name=name, seed=seed)
+        buf = factory(schema, cap, **opts.arguments(), name=name, seed=seed)
         try:
             with Line(f"loading {folder}", sum(stop - first for first, stop, _ in lanes)) as line:
                 removed = _fill(buf, fd, rows_file, data_start, entries, files, lanes, line)
-            if opts.frames is not None:
-                check_kinds(buf, lanes, rows_file)
-                pushed.check(buf, saved.pushed, rows_file)
+            check_kinds(buf, lanes, rows_file)
+            pushed.check(buf, saved.pushed, rows_file)
             arrays = columns(buf)
             if saved.max_priority is not None:
                 arrays["_prio"][0] = saved.max_priority
@@ -650,8 +645,9 @@ def check_kinds(buf: Buffer, lanes: list[tuple[int, int, int]], file: Path) -> N
     ``_KINDS``; with ``next_of`` an episode's last step is followed by its end row (or by another
     episode's start: then it is no transition), and an end row follows a step; the row after an episode's end (its end row, or its last step without
     ``next_of``) starts an episode. Checked in the new buffer's slots, lane by lane."""
-    spec = buf.options.frames
-    assert spec is not None
+    spec = buf.options.rows
+    if not spec.once:
+        return
     kind = columns(buf)[KIND]
     fields_ = buf.block.fields
     lc = buf.lane_capacity

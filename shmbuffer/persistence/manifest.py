@@ -255,7 +255,7 @@ def read_manifest(folder: Path, *, missing_ok: bool = False) -> Manifest | None:
         if lane in seen or type(p["final"]) is not bool or not (p["episode"] is None or type(p["episode"]) is int):
             raise _bad(file, f"pending[{i}]", p["lane"], "each lane once, final true or false, episode an int or null")
         seen.add(lane)
-    if pending and saved.opts.frames is None:
+    if pending and not saved.opts.rows.once:
         raise _bad(file, "pending", pending, "[] for a buffer without next_of/stack")
     generator = c["generator"]
     if generator is not None and not isinstance(generator, dict):

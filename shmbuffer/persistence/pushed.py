@@ -64,8 +64,7 @@ def check(buf: Buffer, pushed: dict[int, Last], file: Path) -> None:
     """Each ``pushed`` row against the rows a load put into ``buf`` (the next push continues it):
     a saved step (not an end or lead row) whose episode goes on, of the episode id given, each
     stacked field's stored frame the newest frame of the stack given; ``LayoutError`` if not."""
-    spec = buf.options.frames
-    assert spec is not None  # a version-3 save has frames (loading checked it)
+    spec = buf.options.rows  # only a version-3 save, which has frames (loading checked it), has pushed rows
     arrays, fields = columns(buf), buf.block.fields
     for lane, last in pushed.items():
         at = int(slot(lane, np.array([last.row], np.int64), buf.lane_capacity)[0])

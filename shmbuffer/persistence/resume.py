@@ -15,7 +15,6 @@ checks a save's (``_present`` 0 or 1 and a hole's bytes zeros, leaves and use co
 from __future__ import annotations
 
 import os
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +54,7 @@ def resume(path: str | os.PathLike[str], factory: Any, *, name: str | None = Non
             opened.append(open_chunk(folder, entry, schema, opts))
         _check_segments(man, opened)
         values = _check_state(man, opened[-1], schema, opts)
-        kwargs = {f.name: getattr(opts, f.name) for f in fields(opts) if f.name not in ("capacity", "frames")}
-        if opts.frames is not None:
-            kwargs.update(opts.frames.arguments())
-        buf = factory(schema, opts.capacity, **kwargs, name=name, seed=seed)
+        buf = factory(schema, opts.capacity, **opts.arguments(), name=name, seed=seed)
         try:
             lasts = _fill(buf, man, opened, values)
         except BaseException:
@@ -89,8 +85,7 @@ def _check_state(man: Manifest, newest: ChunkFile, schema: Any, opts: Any) -> di
         want["_uses"] = ("U32", [rows])
     names: list[str] = []
     if man.pending:
-        spec = opts.frames
-        names = [s.name for s in spec.stack] + [n for n, _ in spec.next_of if n not in {s.name for s in spec.stack}]
+        names = list(opts.rows.rebuilt)
         for n in names:
             f = schema[n]
             t = tensor_of(n, f.shape, f.dtype)
@@ -149,8 +144,7 @@ def _fill(buf: Buffer, man: Manifest, opened: list[ChunkFile], values: dict[str,
             present.append(mask)
             removed |= not mask.all()
     removed |= _internals(buf, man, opened[-1], present)
-    if saved.opts.frames is not None:
-        check_kinds(buf, saved.lanes, opened[-1].file)
+    check_kinds(buf, saved.lanes, opened[-1].file)
     if saved.max_priority is not None:
         arrays["_prio"][0] = saved.max_priority
     stats = saved.stats

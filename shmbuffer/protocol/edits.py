@@ -55,8 +55,8 @@ def update(src: Source, rows: Batch | Any, data: Any = None, fields: dict[str, A
     unknown = [n for n in fields if n not in schema.names]
     if unknown:
         raise FieldError(f"update: no field {unknown[0]!r}; the schema has {', '.join(schema.names)}")
-    spec = src.block.frames
-    shared = [n for n in fields if spec is not None and n in spec.rebuilt + tuple(s for _, s in spec.next_of)]
+    spec = src.block.rows
+    shared = [n for n in fields if n in spec.rebuilt + tuple(s for _, s in spec.next_of)]
     if shared:
         raise FieldError(f"update: field {shared[0]!r} is stored once for several rows (next_of/stack): "
                          "it cannot be rewritten in place; update the other fields")
@@ -120,8 +120,8 @@ def _check_ends(src: Source, ids: np.ndarray, slots: np.ndarray, arrays: dict[st
     next observation, and an episode's final one belongs in an end row (``frames.py``), which an
     update cannot add: the rows would read as neither. The lane's newest row (its next row not
     pushed yet) and a row that already ends its episode may be changed."""
-    spec = src.block.frames
-    if spec is None or not spec.next_of or not ids.size:
+    spec = src.block.rows
+    if not spec.next_of or not ids.size:
         return
     ends = [n for n in spec.ends if n in arrays]
     if not ends:
@@ -170,7 +170,7 @@ def delete(src: Source, rows: Batch | Any) -> int:
     ring = src.ring
     if ring.frozen:
         raise ReadOnlyError(f"buffer {src.name!r} is frozen (read-only): its rows cannot be deleted")
-    if src.block.frames is not None:
+    if src.block.rows.once:
         raise FieldError(
             f"delete: buffer {src.name!r} stores observations once for several rows (next_of/stack): a deleted "
             "row would take its neighbours' next observations and frames with it; lower the rows' priorities "
@@ -196,8 +196,7 @@ def end_rows(src: Source) -> int:
     again after ``clear()``), with ``next_of`` each lane's newest row while it waits for its next
     one and a row whose episode stopped without its end, and rows whose stacks reach rows lapped;
     slots that ``removed`` counts are not counted again (``reader.counted`` is the rule both follow)."""
-    spec = src.block.frames
-    assert spec is not None
+    spec = src.block.rows
     kind = src.block.arrays[KIND]
     ring = src.ring
     lost = bool(src.block.counters[Counter.REMOVED])
@@ -237,7 +236,7 @@ def held(src: Source) -> int:
     n = len(src.ring)
     if n and src.block.counters[Counter.REMOVED]:
         n -= removed(src)
-    if n and src.block.frames is not None:
+    if n and src.block.rows.once:
         n -= end_rows(src)
     return n
 

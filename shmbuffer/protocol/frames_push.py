@@ -148,6 +148,11 @@ class Pusher:
         self.compared = {s.name for s in spec.stack} | {n for pair in spec.next_of for n in pair}
         """the fields the continuity checks compare"""
 
+    @classmethod
+    def of(cls, spec: Frames, schema: Schema, stored: Schema) -> Pusher | None:
+        """The pusher of a buffer whose rows are ``spec``; ``None`` for ``PLAIN``: a push stores the rows as given."""
+        return cls(spec, schema, stored) if spec.once else None
+
     def expand(self, arrays: dict[str, np.ndarray], k: int, lane: int | np.ndarray, episodes: np.ndarray | None,
                bounds: tuple[np.ndarray, np.ndarray], resume: bool = False, flush: Any = False) -> Expanded:
         """Check a push of ``k`` checked rows and lay it out as stored rows (nothing is touched).

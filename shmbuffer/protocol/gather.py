@@ -71,7 +71,7 @@ def gather(
     or ``stack`` reads each transition from its rows in the lane (``_transitions``), unless
     ``stored``: then the rows are read as they are stored (the stored record, every large column
     ``frames.KIND`` included), as for a buffer without frames (a copy of the columns: ``persistence``)."""
-    if block.frames is not None and not stored:
+    if block.rows.once and not stored:
         return _transitions(block, ring, ids, out, large)
     return _gather(block, ring, ids, out=out, large=large)
 
@@ -177,8 +177,7 @@ def _transitions(
     transition's window are read with their kinds (each under its own stamp check); ``frames.center``
     and ``frames.stack_plan`` say which transitions hold and which row gives each frame, and those
     are read (under their own checks again) into the user's fields. ``large`` names user fields."""
-    spec = block.frames
-    assert spec is not None
+    spec = block.rows
     shape = ids.shape
     flat = ids.reshape(-1)
     m = flat.shape[0]

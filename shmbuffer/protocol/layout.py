@@ -25,14 +25,14 @@ Columns, in block order
 ``_record``       ``(capacity, itemsize)`` uint8, the packed small fields (``schema.Record``)
 one column per large field, named as the field, ``(capacity, *shape)`` in its dtype
 
-With ``next_of`` or ``stack`` (``Options.frames``) the record and the large columns are those of the
+With ``next_of`` or ``stack`` (``Options.rows``) the record and the large columns are those of the
 *stored* schema (``frames.Frames.stored``: stacked fields one frame wide, next fields gone); the
 block's ``schema`` stays the user's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import Any
 
@@ -40,7 +40,7 @@ import numpy as np
 
 from .. import native
 from ..errors import CapacityError, FieldError, LayoutError, UnknownSampler
-from ..frames import KIND, Frames
+from ..frames import KIND, PLAIN, Frames
 from ..sampling.limiter import RateLimiter
 from ..sampling.samplers import Sampler, Uniform, sampler_from_json
 from ..sampling.sumtree import SumTree
@@ -124,8 +124,9 @@ class Options:
     envs: int | None = None
     """one lane per env: a push without ``lane=`` of ``k`` rows (a multiple of ``envs``, env-major
     per step) puts row ``i`` into lane ``i % envs``"""
-    frames: Frames | None = None
-    """fields stored once and read from the lane (``frames.py``: ``next_of``, ``stack``)"""
+    rows: Frames = PLAIN
+    """how a row is stored and read: the fields stored once and read from the lane (``frames.py``:
+    ``next_of``, ``stack``), ``PLAIN`` for none"""
 
     def __post_init__(self) -> None:
         cap, lanes, max_use = self.capacity, self.lanes, self.max_use
@@ -142,8 +143,8 @@ class Options:
             raise ValueError(f"limiter: expected a RateLimiter, got {self.limiter!r}")
         if self.envs is not None and (not _count(self.envs) or self.envs != lanes):
             raise ValueError(f"envs: expected a positive int equal to lanes ({lanes!r}), got {self.envs!r}")
-        if self.frames is not None and cap // lanes < 2 * (self.frames.depth + self.frames.ahead + 1):
-            need = 2 * (self.frames.depth + self.frames.ahead + 1)
+        need = 2 * (self.rows.depth + self.rows.ahead + 1)
+        if self.rows.once and cap // lanes < need:
             raise ValueError(f"capacity: a transition of this buffer reads {need // 2} rows of its lane (next_of/stack): "
                              f"expected lanes of {need} rows or more, got {cap // lanes}; raise capacity")
 
@@ -157,6 +158,11 @@ class Options:
         elif envs is not None and lanes != envs:
             raise ValueError(f"lanes={lanes!r} and envs={envs!r}: envs means one lane per env; give one of them")
         return cls(capacity, lanes, sampler, max_use, episodes, limiter, envs, Frames.make(schema, next_of, stack))
+
+    def arguments(self) -> dict[str, Any]:
+        """The ``ReplayBuffer`` keyword arguments (all but ``capacity``) that make these options."""
+        return {**{f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("capacity", "rows")},
+                **self.rows.arguments()}
 
     @property
     def lane_capacity(self) -> int:
@@ -207,7 +213,7 @@ class Options:
                 "max_use": None if self.max_use is None else int(self.max_use), "episodes": bool(self.episodes),
                 "limiter": None if self.limiter is None else self.limiter.to_json(),
                 **({} if self.envs is None else {"envs": int(self.envs)}),
-                **({} if self.frames is None else {"frames": self.frames.to_json()})}
+                **({"frames": self.rows.to_json()} if self.rows.once else {})}
 
     @classmethod
     def from_json(cls, spec: dict[str, Any], sampler: Any = None) -> Options:
@@ -273,9 +279,9 @@ def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
             cols.append(ColumnSpec("_uses", (capacity,), np.dtype(np.uint32)))
     if opts.episodes:
         cols.append(ColumnSpec("_episode", (capacity,), i8))
-    if opts.frames is not None:
-        schema = opts.frames.stored(schema)
+    if opts.rows.once:
         cols.append(ColumnSpec(KIND, (capacity,), u1))
+    schema = opts.rows.stored(schema)
     if schema.record.itemsize:
         cols.append(ColumnSpec("_record", (capacity, schema.record.itemsize), u1))
     cols += [ColumnSpec(f.name, (capacity, *f.shape), f.dtype) for f in schema.columns]
@@ -284,8 +290,7 @@ def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
 
 def create(name: str | None, schema: Schema, opts: Options) -> Segment:
     """A new block for ``schema`` and ``opts``: their metadata and the columns (``columns``)."""
-    stored = schema if opts.frames is None else opts.frames.stored(schema)
-    meta = {"schema": schema.to_json(), "options": opts.to_json(), "record": stored.record.itemsize}
+    meta = {"schema": schema.to_json(), "options": opts.to_json(), "record": opts.rows.stored(schema).record.itemsize}
     return Segment.create(name, meta, columns(schema, opts), schema.fingerprint)
 
 
@@ -298,8 +303,7 @@ def read(name: str, meta: dict[str, Any], fingerprint: str, sampler: Any = None)
     try:
         schema = Schema.from_json(meta["schema"])
         opts = Options.from_json(meta["options"], sampler)
-        if opts.frames is not None:
-            opts.frames.check(schema)
+        opts.rows.check(schema)
         expected = [(c.name, list(c.shape), c.dtype.str) for c in columns(schema, opts)]
         stored = [(c["name"], list(c["shape"]), c["dtype"]) for c in meta["columns"]]
     except UnknownSampler as exc:  # a healthy buffer: this process lacks its sampler's class
@@ -327,12 +331,13 @@ class Block:
         """The user's fields (what is pushed and read)."""
         self.options = opts
         self.arrays = arrays
-        self.frames = opts.frames
-        self.stored = schema if self.frames is None else self.frames.stored(schema)
+        self.rows = opts.rows
+        """How a row is stored and read (``frames.Frames``)."""
+        self.stored = self.rows.stored(schema)
         """What a row stores (``frames.py``); the user's schema without ``next_of``/``stack``."""
         self.stored_record: Record = self.stored.record
         """Where pushes write the small stored fields."""
-        self.record: Record = self.stored_record if self.frames is None else self.frames.served(self.stored_record)
+        self.record: Record = self.rows.served(self.stored_record)
         """The small fields a read takes from a row's own record (not the stacked ones)."""
         self.stamp = arrays["_stamp"]
         self.counters = arrays["_stats"]
@@ -347,7 +352,7 @@ class Block:
         small = self.stored_record.views(self.packed) if self.packed is not None else {}
         self.fields = {name: small[name] if name in small else self.large[name] for name in self.stored.names}
         """Every stored field as a ``(capacity, *shape)`` view, in schema order (and ``_kind``)."""
-        if self.frames is not None:
+        if self.rows.once:
             self.large[KIND] = self.fields[KIND] = arrays[KIND]
 
     @property

@@ -66,10 +66,10 @@ class OneCall:
         self.episode = block.episode is not None
         if block.episode is not None:
             cols.append(block.episode)
-        spec = block.frames
+        spec = block.rows
         self.stacks: dict[str, frames.Stack] = {}
         """the outs that hold stacks' frames ``(n, k, *frame)``, for ``frames.assemble``"""
-        if spec is None:
+        if not spec.once:
             self.large: list[Out] = [(name, col.shape[1:], col.dtype) for name, col in large.items()]
             frames_plan = None
         else:
@@ -91,8 +91,7 @@ class OneCall:
         """The outs after the record's (in order) and the C parts that fill them, the record's and
         the episode's included, of a buffer with ``next_of``/``stack``: what ``_transitions`` reads
         (``Part`` in ``native/sample.c``: column, offset, bytes, window column, frames)."""
-        spec = block.frames
-        assert spec is not None
+        spec = block.rows
         stored, record = block.stored, block.stored_record
         index = {name: at + (block.packed is not None) for at, name in enumerate(large)}
         c = spec.depth
@@ -134,12 +133,10 @@ class OneCall:
         if src.options.sampler.served is None:
             return False  # only its own draw: never a built-in one in its place
         block = src.block
-        spec = block.frames
-        columns = (block.packed is not None) + len(block.large) + (block.episode is not None)
-        if spec is not None:  # the parts: at most the columns, and a second stack of each
-            columns += len(spec.stack)
-            if spec.depth + spec.ahead + 1 > MAX_COLUMNS:
-                return False
+        spec = block.rows  # the parts: at most the columns, and a second stack of each
+        columns = (block.packed is not None) + len(block.large) + (block.episode is not None) + len(spec.stack)
+        if spec.depth + spec.ahead + 1 > MAX_COLUMNS:
+            return False
         return native.lib is not None and getattr(src.ring, "native_view", None) is not None and columns <= MAX_COLUMNS
 
     def close(self) -> None:

@@ -97,7 +97,7 @@ def fetch(
     elif unclaimed is None:
         unclaimed = np.arange(ids.shape[0])
     rounds, deadline, calm = 0, 0.0, 0.0
-    frames_ = block.frames is not None and ids.ndim == 1
+    frames_ = block.rows.once and ids.ndim == 1
     try:
         while True:
             while bad.size:
@@ -184,7 +184,7 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
     # a few rows of a frames buffer are not transitions (end rows, a lane's newest): draw a few
     # spares with the rest and keep the first n that are, instead of a second round for those.
     # Keeping the first n valid of independent draws is rejection sampling: the same distribution
-    spares = (max(8, n // 32) if block.frames is not None and replace and out is None and not counting
+    spares = (max(8, n // 32) if block.rows.once and replace and out is None and not counting
               and first is None else 0)
     # uniform draws are independent: the spares come in the same call; a prioritized draw is
     # stratified over its n, so its spares are drawn apart (``again``: unstratified)
@@ -421,7 +421,7 @@ def take(src: Source, ids: Any) -> Batch:
         why = "overwritten, cleared or being written" if not lost.all() else ""
         if lost.any():
             why += ("; ids " + str(gone[lost][:5].tolist()) + ": " if why else "") + _LOST
-        if src.block.frames is not None:
+        if src.block.rows.once:
             why += f"; or {_NOT_A_TRANSITION}"
         raise EmptyBufferError(
             f"take: {gone.size} of {ids.size} rows are no longer in buffer {src.name!r} "
@@ -456,8 +456,8 @@ def counted(src: Source) -> np.ndarray:
     keep = np.ones(ids.size, bool)
     if src.block.counters[Counter.REMOVED]:
         keep &= ~gone(src, ring.slots(ids))
-    spec = src.block.frames
-    if spec is not None:  # held_ids lists each lane's rows oldest first, lane after lane
+    spec = src.block.rows
+    if spec.once:  # held_ids lists each lane's rows oldest first, lane after lane
         kind = src.block.arrays[frames.KIND][ring.slots(ids)]
         first, stop = ring.bounds()
         at = 0
@@ -472,7 +472,7 @@ def get(src: Source, index: Any) -> Batch:
     ring = src.ring
     deadline = time.monotonic() + 1.0
     while True:
-        if src.block.frames is None and not src.block.counters[Counter.REMOVED]:
+        if not src.block.rows.once and not src.block.counters[Counter.REMOVED]:
             ids = ring.ids_at(index)  # every held row counts: positions are arithmetic
         else:
             held = counted(src)
@@ -485,7 +485,7 @@ def get(src: Source, index: Any) -> Batch:
             break
         expect = ring.expected(flat)
         now = ring.stamp.take(ring.slots(flat))
-        if src.block.frames is not None and (now == expect).all():
+        if src.block.rows.once and (now == expect).all():
             raise EmptyBufferError(f"get({index!r}): {_NOT_A_TRANSITION}")
         if np.any(now < expect) and not np.any(is_writing(now[now < expect])):
             raise EmptyBufferError(f"get({index!r}): {_LOST}")
