@@ -241,6 +241,98 @@ def test_rows_edited_while_a_checkpoint_runs_are_read_again(make: Make, resumed:
     assert back.export()["x"].tolist() == [*range(5), -2, 6, *range(8, 22), -1, *range(23, 30)]
 
 
+def _spy_copy_rows(module: Any, monkeypatch: pytest.MonkeyPatch, allow: bool) -> list[int]:
+    """Count the checkpoints that read their new rows as a save does (``copy_rows``); raise in
+    one unless ``allow``."""
+    calls: list[int] = []
+    real = module.copy_rows
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if not allow:
+            raise AssertionError("the new rows were copied out of shared memory before being written")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "copy_rows", spy)
+    return calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_new_rows_are_written_straight_from_the_shared_columns(kind: str, make: Make, resumed: list, name: str,
+                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no writer, delete or clear racing it, a checkpoint writes its new rows from the shared
+    columns into the chunk (no gather into a copy first), and the resumed buffer is the same."""
+    module = importlib.import_module("shmbuffer.persistence.checkpoint")
+    schema, capacity, opts = options(kind)
+    buf = make(schema, capacity, name=name, seed=3, **opts)
+    envs: dict[int, Env] = {}
+    for step in range(12):
+        drive(buf, kind, step, envs)
+    first, stop = buf.ring.bounds()
+    lc = buf.ring.lane_capacity
+    holes = sum(int((columns(buf)["_stamp"][slot(lane, np.arange(first[lane], stop[lane]), lc)] == 0).sum())
+                for lane in range(buf.lanes))  # deleted rows: a checkpoint of them reads as a save does
+    calls = _spy_copy_rows(module, monkeypatch, allow=True)
+    buf.checkpoint(tmp_path / "c")
+    for step in range(12, 16):
+        if kind == "frames":
+            drive(buf, kind, step, envs)
+        else:
+            extra: dict[str, Any] = {"lane": np.arange(5) % buf.lanes} if buf.lanes > 1 else {}
+            if buf.options.episodes:
+                extra["episode"] = np.full(5, 99)
+            buf.push(x=np.ones((5, 3), np.float32), y=np.arange(5), **extra)
+    buf.checkpoint(tmp_path / "c")
+    assert len(calls) == (1 if holes else 0)
+    back = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(back)
+    assert_same(state(buf), state(back))
+
+
+@pytest.mark.parametrize("race", ["delete", "update", "lap"])
+def test_a_row_that_changes_while_written_from_the_columns_is_not_taken_from_there(
+        race: str, make: Make, resumed: list, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new row deleted, updated or overwritten (writers lapping the ring) after the first column
+    of the chunk was written from shared memory: the stamps after the writes (delete, lap) send
+    the rows through the save's reader, the log of edits (an update keeps the stamp) reads the
+    row again; the checkpoint holds no torn or lost row."""
+    module = importlib.import_module("shmbuffer.persistence.checkpoint")
+    buf = make(sb.Schema(x=((), "int64"), y=((2,), "float32")), 64, name=name)
+    buf.push(x=np.arange(54), y=np.zeros((54, 2), np.float32))
+    buf.checkpoint(tmp_path / "c")
+    new = buf.push(x=np.arange(54, 64), y=np.ones((10, 2), np.float32))
+    before = buf.export()
+    calls = _spy_copy_rows(module, monkeypatch, allow=True)
+    real = module._Chunk.write
+    writes: list[int] = []
+
+    def racing(chunk: Any, offset: int, a: np.ndarray) -> None:
+        writes.append(1)
+        if len(writes) == 2:  # the first column is in the file, the second not yet
+            if race == "delete":
+                buf.delete(new[[3]])
+            elif race == "update":
+                buf.update(new[[3]], x=np.array([-3]), y=np.full((1, 2), -3, np.float32))
+            else:
+                buf.push(x=np.arange(100, 160), y=np.zeros((60, 2), np.float32))  # 54 old rows and 6 new ones go
+        real(chunk, offset, a)
+
+    monkeypatch.setattr(module._Chunk, "write", racing)
+    buf.checkpoint(tmp_path / "c")
+    back = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(back)
+    got = back.export()
+    if race == "lap":
+        assert len(calls) == 1
+        assert got["index"].tolist() == before["index"][-4:].tolist()
+        assert got["x"].tolist() == before["x"][-4:].tolist() and np.array_equal(got["y"], before["y"][-4:])
+        return
+    assert_same(state(buf), state(back))
+    assert len(calls) == (1 if race == "delete" else 0)
+    if race == "update":
+        assert got["x"][57] == -3 and got["y"][57].tolist() == [-3, -3]
+
+
 def test_an_overrun_log_of_edits_writes_every_row(make: Make, resumed: list, name: str, tmp_path: Path) -> None:
     """More rows edited between two checkpoints than the log of edits holds: the checkpoint cannot
     tell which, so it writes every row, and none is missed."""

@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import FieldError, LayoutError
 from ..protocol.frames_push import Last
 from ..protocol.layout import EDIT_LOG, Counter
+from ..protocol.rows import committed, row_id
 from ..protocol.snapshot import at_one_moment
 from .format import ALIGN, FORMAT, Layout, Tensor, tensor_of, tensors, version_of
 from .loading import pread_into
@@ -319,7 +320,8 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
 def _copy_new(buf: Buffer, chunk: _Chunk, files: list[Tensor], prev: Manifest | None, wait: float,
               me: int) -> tuple[Snapshot, list[_Lane], int]:
     """Block ``new``: each lane's rows after the previous checkpoint's (every row without one),
-    read as a save reads them; each lane's rows and segments so far."""
+    written straight from the shared columns (``_direct``), or read as a save reads them where
+    that fails; each lane's rows and segments so far."""
     snap = Snapshot(buf, wait)
     lanes: list[_Lane] = []
     for run in snap.runs:
@@ -330,7 +332,9 @@ def _copy_new(buf: Buffer, chunk: _Chunk, files: list[Tensor], prev: Manifest | 
             keep = max(run.keep, min(first, start))  # the rows before start are the previous checkpoint's
         run.keep = run.at = start
         lanes.append(_Lane(run, keep, start, []))
-    final, _ = copy_rows(snap, files, _BlockSink(chunk, files))
+    final = _direct(snap, chunk, files)
+    if final is None:
+        final, _ = copy_rows(snap, files, _BlockSink(chunk, files))
     for ln in lanes:
         run = ln.run
         if run.keep > ln.start:  # writers overwrote rows while they were copied: the older ones went too
@@ -339,6 +343,48 @@ def _copy_new(buf: Buffer, chunk: _Chunk, files: list[Tensor], prev: Manifest | 
         new = [[run.keep, run.end, me, 0, final.lane_at[run.lane]]] if run.end > run.keep else []
         ln.segs = _overlay(older, new)
     return snap, lanes, final.rows
+
+
+def _direct(snap: Snapshot, chunk: _Chunk, files: list[Tensor]) -> Layout | None:
+    """Write each lane's rows ``[keep, end)`` of ``snap`` into block ``new`` straight from the
+    shared columns (no copy in between: a lane's rows are consecutive slots but where the ring
+    wraps), then check them by the reader's rule (``protocol/rows.py``): each row's stamp said
+    committed at the scan and says the same once every byte is written, and it was not cleared.
+    A row updated in place meanwhile keeps its stamp, but the log of edits names it, so ``_again``
+    reads it again into block ``edited``, which takes its place. The layout of the block, or
+    ``None`` (nothing entered) when a lane has holes (a hole's bytes are zeros) or a row fails the
+    rule: the caller then reads the rows as a save does, into the same offsets."""
+    buf, lc = snap.buf, snap.lc
+    ring, block = buf.ring, buf.block
+    runs = snap.runs
+    if any(run.hole_count() for run in runs):
+        return None
+    spans = []  # (lane, n0, n1, first slot): rows whose slots do not wrap
+    for run in runs:
+        n0 = run.keep
+        while n0 < run.end:
+            n1 = min(run.end, (n0 // lc + 1) * lc)
+            spans.append((run.lane, n0, n1, run.lane * lc + n0 % lc))
+            n0 = n1
+    columns = dict(block.fields, _episode=block.episode)
+    if any(columns.get(t.name) is None for t in files if t.name != "_present"):
+        return None
+    plan = Layout(files, [(run.keep, run.end) for run in runs])
+    for t in files:
+        column = columns.get(t.name)
+        for lane, n0, n1, s0 in spans:
+            rows = np.ones(n1 - n0, bool) if t.name == "_present" else column[s0:s0 + n1 - n0]
+            chunk.write(plan.at(t, lane, n0), rows)
+    for lane, n0, n1, s0 in spans:
+        numbers = np.arange(n0, n1, dtype=np.int64)
+        if not np.array_equal(ring.stamp[s0:s0 + n1 - n0], committed(numbers)):
+            return None
+        if ring.cleared(row_id(numbers, lane, ring.lanes)).size:
+            return None
+    for run in runs:
+        run.at = run.end
+    _BlockSink(chunk, files).finish(plan)
+    return plan
 
 
 def _locked(buf: Buffer, lanes: list[_Lane]) -> tuple[int, dict[str, Any]]:
