@@ -403,7 +403,7 @@ def _manifest_edit(folder: Path, edit: Callable[[dict[str, Any]], None]) -> None
 
 @pytest.mark.parametrize("damage", ["manifest truncated", "manifest not json", "segment out of range", "chunk truncated",
                                     "chunk missing", "chunk header altered", "present altered", "leaf altered",
-                                    "chunk of another checkpoint", "generator"])
+                                    "chunk of another checkpoint", "generator", "ranks", "device generator"])
 def test_a_damaged_checkpoint_is_refused(damage: str, make: Make, name: str, tmp_path: Path) -> None:
     """Truncated or altered manifests and chunks raise ``LayoutError`` naming the file, before any
     shared memory is made."""
@@ -452,6 +452,13 @@ def test_a_damaged_checkpoint_is_refused(damage: str, make: Make, name: str, tmp
     elif damage == "chunk of another checkpoint":
         _manifest_edit(folder, lambda m: m["checkpoint"]["chunks"][0].__setitem__("id", "0" * 16))
         match = "not the one"
+    elif damage == "ranks":
+        _manifest_edit(folder, lambda m: m["checkpoint"].__setitem__("ranks", {"world_size": 0, "seed": 1, "step": 2,
+                                                                               "epochs": 0}))
+        match = r"checkpoint.ranks.world_size is 0, expected an int in \[1, "
+    elif damage == "device generator":
+        _manifest_edit(folder, lambda m: m["checkpoint"].__setitem__("device_generator", [1, 2]))
+        match = "checkpoint.device_generator is 'list', expected an object"
     else:
         _manifest_edit(folder, lambda m: m["checkpoint"].__setitem__("generator", {"bit_generator": "Nope"}))
         match = "generator"
@@ -604,3 +611,146 @@ def test_a_checkpoint_killed_at_any_point_leaves_the_last_complete_one(make: Mak
     last.checkpoint(folder)
     listed = {c["file"] for c in read_manifest(folder).chunks}  # type: ignore[union-attr]
     assert set(os.listdir(folder)) == listed | {MANIFEST, ".lock"}
+
+
+def _rank_batches(ranks: list[sb.ReplayBuffer], steps: int) -> list[np.ndarray]:
+    """``steps`` sample calls of each rank in lockstep (one global batch a step), with priority
+    updates where prioritized: the ids each rank drew, step by step."""
+    out = []
+    for step in range(steps):
+        for r in ranks:
+            batch = r.sample(4)
+            out.append(batch.index.copy())
+            if r.priorities is not None and r.priorities.prioritized:
+                r.update_priorities(batch.index, np.random.default_rng(step).random(4) * 3 + 0.1)
+    return out
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_resumed_ranks_draw_what_the_ranks_drew(sampler: str, make: Make, resumed: list, name: str,
+                                                tmp_path: Path) -> None:
+    """A rank's checkpoint records its step and epochs (the ranks' draws are keyed on them); ranks
+    attached to the resumed buffer that put their sampling state back (``resume_sampling``) draw
+    the batches the ranks drew after the checkpoint."""
+    opts = {"sampler": sb.Prioritized(0.6, 0.4)} if sampler == "prioritized" else {}
+    buf = make(sb.Schema(x=((), "int64")), 64, name=name, lanes=2, **opts)
+    buf.push(x=np.arange(40), lane=np.arange(40) % 2)
+    ranks = [sb.ReplayBuffer.attach(name, rank=r, world_size=2, seed=5) for r in range(2)]
+    try:
+        _rank_batches(ranks, 3)
+        for r in ranks:  # a whole epoch: the next one's permutation is keyed on the count
+            list(r.epoch(8))
+        ranks[0].checkpoint(tmp_path / "c")
+        man = read_manifest(tmp_path / "c")
+        assert man is not None and man.ranks == {"world_size": 2, "seed": 5, "step": 3, "epochs": 1}
+        drawn = _rank_batches(ranks, 3)
+        epochs_drawn = [[b.index.tolist() for b in r.epoch(8)] for r in ranks]
+    finally:
+        for r in ranks:
+            r.close()
+    new = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(new)
+    again = [sb.ReplayBuffer.attach(name + "r", rank=r, world_size=2, seed=5) for r in range(2)]
+    try:
+        for r in again:
+            r.resume_sampling(tmp_path / "c")
+            assert (r.ranked.step, r.ranked.epochs) == (3, 1)  # type: ignore[union-attr]
+        got = _rank_batches(again, 3)
+        epochs = [[b.index.tolist() for b in r.epoch(8)] for r in again]
+    finally:
+        for r in again:
+            r.close()
+    for a, b in zip(drawn, got, strict=True):
+        assert np.array_equal(a, b)
+    assert epochs == epochs_drawn
+
+
+def test_resume_sampling_of_a_rank_of_another_run_is_refused(make: Make, resumed: list, name: str,
+                                                             tmp_path: Path) -> None:
+    """A rank attached with another world size or seed than the checkpointed ranks', or a
+    checkpoint no rank wrote: ``FieldError`` naming both, and the rank's step and generator stay."""
+    buf = make(sb.Schema(x=((), "int64")), 64, name=name)
+    buf.push(x=np.arange(20))
+    rank = sb.ReplayBuffer.attach(name, rank=0, world_size=2, seed=5)
+    try:
+        rank.ranked.step = 7  # type: ignore[union-attr]
+        rank.checkpoint(tmp_path / "ranked")
+        buf.checkpoint(tmp_path / "plain")
+    finally:
+        rank.close()
+    for world_size, seed, folder in ((3, 5, "ranked"), (2, 6, "ranked"), (2, 5, "plain")):
+        other = sb.ReplayBuffer.attach(name, rank=0, world_size=world_size, seed=seed)
+        try:
+            before = other.rng.bit_generator.state
+            with pytest.raises(sb.FieldError, match=f"this process is rank 0 with {{'world_size': {world_size}, 'seed': "
+                                                    f"{seed}}}.*attach with the world_size and seed"):
+                other.resume_sampling(tmp_path / folder)
+            assert other.ranked.step == 0 and other.rng.bit_generator.state == before  # type: ignore[union-attr]
+        finally:
+            other.close()
+
+
+@pytest.mark.parametrize("kind", ["uniform", "frames"])
+def test_a_device_copy_resumed_draws_what_it_drew(kind: str, make: Make, resumed: list, name: str,
+                                                  tmp_path: Path) -> None:
+    """``checkpoint(path, device=copy)`` records the device copy's generator; a copy of the resumed
+    buffer given it back (``resume_sampling(path, device=...)``) draws what the copy drew after
+    the checkpoint (the C uniform draw's generator, and torch's where the draw is torch's)."""
+    pytest.importorskip("torch")
+    from shmbuffer.device import DeviceReplay
+
+    if kind == "frames":
+        schema, capacity, opts = options("frames")
+        opts.pop("sampler")
+    else:
+        schema, capacity, opts = sb.Schema(x=((3,), "float32"), y=((), "int64")), 64, {"lanes": 2}
+    buf = make(schema, capacity, name=name, seed=1, **opts)
+    envs: dict[int, Env] = {}
+    for step in range(10):
+        if kind == "frames":
+            drive(buf, kind, step, envs)
+        else:
+            buf.push(x=np.full((4, 3), step, np.float32), y=np.arange(4), lane=step % 2)
+
+    def draws(dev: Any) -> list[np.ndarray]:
+        return [np.asarray(dev.sample(5).index) for _ in range(4)]
+
+    with DeviceReplay(buf, "cpu", seed=3, refresher=False, max_lag_s=None) as dev:
+        draws(dev)
+        buf.checkpoint(tmp_path / "c", device=dev)
+        drawn = draws(dev)
+    new = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(new)
+    with DeviceReplay(new, "cpu", seed=99, refresher=False, max_lag_s=None) as again:
+        fresh = draws(again)
+        new.resume_sampling(tmp_path / "c", device=again)
+        got = draws(again)
+    assert any(not np.array_equal(a, b) for a, b in zip(drawn, fresh, strict=True))  # another seed draws otherwise
+    for a, b in zip(drawn, got, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_a_device_copy_of_another_buffer_or_state_is_refused(make: Make, resumed: list, name: str,
+                                                             tmp_path: Path) -> None:
+    """``device=`` must be a device copy of this buffer, and the checkpoint must hold a copy's
+    generator; a malformed state is refused by the copy, which keeps its own."""
+    pytest.importorskip("torch")
+    from shmbuffer.device import DeviceReplay
+
+    buf = make(sb.Schema(x=((), "int64")), 16, name=name)
+    other = make(sb.Schema(x=((), "int64")), 16, name=name + "o")
+    buf.push(x=np.arange(8))
+    other.push(x=np.arange(8))
+    with DeviceReplay(other, "cpu", seed=1, refresher=False) as theirs, \
+            DeviceReplay(buf, "cpu", seed=1, refresher=False) as mine:
+        with pytest.raises(sb.FieldError, match=f"device must be a DeviceReplay of buffer '{name}', got DeviceReplay of "
+                                                f"buffer '{name}o'"):
+            buf.checkpoint(tmp_path / "c", device=theirs)
+        assert not (tmp_path / "c").exists()
+        buf.checkpoint(tmp_path / "c")
+        state = mine.generator_state
+        with pytest.raises(sb.FieldError, match="holds no device copy's generator"):
+            buf.resume_sampling(tmp_path / "c", device=mine)
+        with pytest.raises(ValueError, match=r"DeviceReplay\.generator_state: expected what generator_state returns"):
+            mine.generator_state = {"torch": "00", "xoshiro": [1, 2, 3, 4]}
+        assert mine.generator_state == state

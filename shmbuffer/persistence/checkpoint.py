@@ -178,13 +178,15 @@ class _BlockSink:
 
 # -- the checkpoint ----------------------------------------------------------------------------------------
 def checkpoint(buf: Buffer, path: str | os.PathLike[str], *, wait: float = 1.0, sync: bool = True,
-               pending: dict[int, Last] | None = None, generator: dict[str, Any] | None = None) -> dict[str, Any]:
+               pending: dict[int, Last] | None = None, generator: dict[str, Any] | None = None,
+               ranks: dict[str, int] | None = None, device_generator: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write a checkpoint of ``buf`` to the folder ``path`` (``manifest.py``): every row the first
     time, then what changed since the last one. ``wait``: as ``save``'s. ``sync``: ``fsync`` the
     chunk, the manifest and the folder (so that a checkpoint outlives a power cut, not only a
     killed process). ``pending``: this process's last rows per lane (``frames_push.Pusher.last``);
-    ``generator``: the sampling generator's state. Returns a summary: path, sequence, full
-    (whether every row was written), rows (of the checkpoint), new, edited and kept (rows
+    ``generator``: the sampling generator's state; ``ranks``: a rank's step and epochs (with its
+    world size and seed); ``device_generator``: a device copy's generator state. Returns a
+    summary: path, sequence, full (whether every row was written), rows (of the checkpoint), new, edited and kept (rows
     written to each block), bytes (of the chunk), folder_bytes (every chunk), seconds."""
     t0 = time.perf_counter()
     folder = Path(path)
@@ -196,7 +198,8 @@ def checkpoint(buf: Buffer, path: str | os.PathLike[str], *, wait: float = 1.0, 
             old = read_manifest(folder, missing_ok=True)
             prev = old if _same_buffer(buf, old) else None
             for _ in range(_TRIES):
-                got = _write(buf, folder, dfd, prev, old, wait, sync, pending or {}, generator)
+                got = _write(buf, folder, dfd, prev, old, wait, sync, pending or {},
+                             {"generator": generator, "ranks": ranks, "device_generator": device_generator})
                 if got is not None:
                     got["seconds"] = time.perf_counter() - t0
                     return got
@@ -238,7 +241,7 @@ class _Lane:
 
 
 def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Manifest | None, wait: float,
-           sync: bool, pending: dict[int, Last], generator: dict[str, Any] | None) -> dict[str, Any] | None:
+           sync: bool, pending: dict[int, Last], sampling: dict[str, Any]) -> dict[str, Any] | None:
     """One try at a checkpoint; ``None`` when the log of edits overran (the caller writes every row)."""
     counters = buf.block.counters
     since = prev.edits if prev is not None else int(counters[_EDITS])
@@ -296,7 +299,7 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
         raise
     chunk.close()
     os.replace(tmp, chunk_name(sequence), src_dir_fd=dfd, dst_dir_fd=dfd)
-    manifest = _manifest(buf, lanes, rows, state, sequence, listed, lasts, generator, edits)
+    manifest = _manifest(buf, lanes, rows, state, sequence, listed, lasts, sampling, edits)
     mtmp = f".{MANIFEST}.{chunk_id}.tmp"
     fd = create_file(mtmp, dfd)
     try:
@@ -366,14 +369,14 @@ def _direct(snap: Snapshot, chunk: _Chunk, files: list[Tensor]) -> Layout | None
             n1 = min(run.end, (n0 // lc + 1) * lc)
             spans.append((run.lane, n0, n1, run.lane * lc + n0 % lc))
             n0 = n1
-    columns = dict(block.fields, _episode=block.episode)
-    if any(columns.get(t.name) is None for t in files if t.name != "_present"):
+    columns: dict[str, Any] = dict(block.fields, _episode=block.episode)
+    if any(t.name != "_present" and columns.get(t.name) is None for t in files):
         return None
     plan = Layout(files, [(run.keep, run.end) for run in runs])
     for t in files:
         column = columns.get(t.name)
         for lane, n0, n1, s0 in spans:
-            rows = np.ones(n1 - n0, bool) if t.name == "_present" else column[s0:s0 + n1 - n0]
+            rows = np.ones(n1 - n0, bool) if column is None else column[s0:s0 + n1 - n0]  # None: _present, no holes
             chunk.write(plan.at(t, lane, n0), rows)
     for lane, n0, n1, s0 in spans:
         numbers = np.arange(n0, n1, dtype=np.int64)
@@ -497,9 +500,10 @@ def _pending(lanes: list[_Lane], pending: dict[int, Last]) -> list[tuple[int, La
 
 
 def _manifest(buf: Buffer, lanes: list[_Lane], rows: int, state: dict[str, Any], sequence: int,
-              chunks: list[dict[str, Any]], lasts: list[tuple[int, Last]], generator: dict[str, Any] | None,
+              chunks: list[dict[str, Any]], lasts: list[tuple[int, Last]], sampling: dict[str, Any],
               edits: int) -> dict[str, Any]:
-    """The manifest's object (``manifest.py``)."""
+    """The manifest's object (``manifest.py``); ``sampling``: its ``generator``, ``ranks`` and
+    ``device_generator``."""
     return {
         "format": FORMAT,
         "format_version": version_of(buf.options),
@@ -519,7 +523,7 @@ def _manifest(buf: Buffer, lanes: list[_Lane], rows: int, state: dict[str, Any],
             "edits": edits, "chunks": chunks, "segments": [ln.segs for ln in lanes],
             "pending": [{"lane": lane, "row": last.row, "final": bool(last.final),
                          "episode": None if last.episode is None else int(last.episode)} for lane, last in lasts],
-            "generator": generator,
+            **sampling,
         },
     }
 
