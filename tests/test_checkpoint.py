@@ -226,11 +226,11 @@ def test_rows_edited_while_a_checkpoint_runs_are_read_again(make: Make, resumed:
     new = buf.push(x=np.arange(20, 30))
     real = module._locked
 
-    def edit_first(b: Any, lanes: Any) -> Any:
+    def edit_first(*args: Any) -> Any:
         buf.update(new[[2]], x=np.array([-1]))
         buf.update(ids[[5]], x=np.array([-2]))
         buf.delete(ids[[7]])
-        return real(b, lanes)
+        return real(*args)
 
     monkeypatch.setattr(module, "_locked", edit_first)
     got = buf.checkpoint(tmp_path / "c")

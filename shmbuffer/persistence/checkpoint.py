@@ -260,7 +260,7 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
     chunk = _Chunk(dfd, tmp, chunk_id, version_of(buf.options), planned)
     try:
         snap, lanes, new_rows = _copy_new(buf, chunk, files, prev, wait, me)
-        edits, state = _locked(buf, lanes)
+        edits, state = _locked(buf, lanes, prev is None or buf.priorities is not None)
         if max(state["begun"], edits) - since > EDIT_LOG:
             return None
         edited = _read_again(snap, lanes, _again(buf, lanes, since, edits))
@@ -273,8 +273,9 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
         for ln in lanes:
             ln.segs = _overlay(_clip(ln.segs, ln.keep, ln.run.end), block1.get(ln.run.lane, []))
             for piece in edited:
-                if piece.lane == ln.run.lane:
-                    ln.present[piece.start - ln.at_lock:piece.start - ln.at_lock + piece.rows] = piece.arrays["_present"]
+                a = max(piece.start, ln.at_lock)  # the rows of it whose stamps _locked read
+                if piece.lane == ln.run.lane and a < piece.start + piece.rows:
+                    ln.present[a - ln.at_lock:piece.start + piece.rows - ln.at_lock] = piece.arrays["_present"][a - piece.start:]
         kept, keep_chunks = _compact(folder, buf, chunk, files, chunks, lanes, me)
         rows = sum(ln.run.end - ln.keep for ln in lanes)
         for t in everything:
@@ -325,14 +326,15 @@ def _copy_new(buf: Buffer, chunk: _Chunk, files: list[Tensor], prev: Manifest | 
     """Block ``new``: each lane's rows after the previous checkpoint's (every row without one),
     written straight from the shared columns (``_direct``), or read as a save reads them where
     that fails; each lane's rows and segments so far."""
-    snap = Snapshot(buf, wait)
+    snap = Snapshot(buf, wait, None if prev is None else [stop for _, stop, _ in prev.lanes])  # the new rows
     lanes: list[_Lane] = []
     for run in snap.runs:
         keep = start = run.keep
         if prev is not None:
             first, stop, _ = prev.lanes[run.lane]
             start = min(max(run.keep, stop), run.end)
-            keep = max(run.keep, min(first, start))  # the rows before start are the previous checkpoint's
+            if run.keep == min(max(run.first, stop), run.stop):  # no new row found overwritten: the rows before
+                keep = max(run.first, min(first, start))  # start are the previous checkpoint's (_locked checks them)
         run.keep = run.at = start
         lanes.append(_Lane(run, keep, start, []))
     final = _direct(snap, chunk, files)
@@ -390,17 +392,22 @@ def _direct(snap: Snapshot, chunk: _Chunk, files: list[Tensor]) -> Layout | None
     return plan
 
 
-def _locked(buf: Buffer, lanes: list[_Lane]) -> tuple[int, dict[str, Any]]:
+def _locked(buf: Buffer, lanes: list[_Lane], every: bool) -> tuple[int, dict[str, Any]]:
     """At one moment (``protocol.snapshot.at_one_moment``): the log of edits' count, each lane's
-    rows that are there (as ``present``, the empty ones not), leaves and use counts of its rows
-    ``[keep, end)``, the counters and the largest priority. Then each lane's rows up to the newest
-    one overwritten by then go."""
-    now = at_one_moment(buf, [(ln.run.lane, ln.keep, ln.run.end) for ln in lanes])
+    rows that are there (as ``present``, the empty ones not), leaves and use counts, the counters
+    and the largest priority, of each lane's rows ``[keep, end)`` when ``every`` (leaves and use
+    counts are wanted, or there is no previous checkpoint), else of its new rows only (the older
+    ones deleted since are in the log of edits). Then each lane's rows up to the newest one
+    overwritten by then go, and those before the lane's first row then (writers take a lane's
+    slots in row order, so those are overwritten, or cleared)."""
+    now = at_one_moment(buf, [(ln.run.lane, ln.keep if every else max(ln.keep, ln.start), ln.run.end) for ln in lanes])
     for i, ln in enumerate(lanes):
-        ln.leaves, ln.uses, ln.at_lock = now.leaves[i], now.uses[i], ln.keep
+        lo = ln.keep if every else max(ln.keep, ln.start)
+        ln.leaves, ln.uses, ln.at_lock = now.leaves[i], now.uses[i], lo
         lapped = np.flatnonzero(~now.there[i] & ~now.empty[i])
         if lapped.size:
-            ln.keep += int(lapped[-1]) + 1
+            ln.keep = lo + int(lapped[-1]) + 1
+        ln.keep = min(max(ln.keep, int(now.counters["first"][ln.run.lane])), ln.run.end)
         ln.present = ~now.empty[i]
     c = now.counters
     state = {"begun": c["edits_begun"], "stats": c["stats"], "inserted": c["inserted"], "max_priority": c["max_priority"],
@@ -420,7 +427,8 @@ def _again(buf: Buffer, lanes: list[_Lane], since: int, edits: int) -> list[tupl
         mine = logged[(logged // lc) == run.lane] - run.lane * lc
         rows = ln.keep + (mine - ln.keep % lc) % lc
         rows = rows[rows < run.end]
-        empty = ln.keep + np.flatnonzero(~ln.present[ln.keep - ln.at_lock:])
+        empty = ln.at_lock + np.flatnonzero(~ln.present)
+        empty = empty[empty >= ln.keep]
         out += [(run.lane, a, z) for a, z in _ranges(np.union1d(rows, empty))]
     return out
 
