@@ -24,7 +24,6 @@ import numpy as np
 from ..errors import FieldError, LayoutError
 from ..protocol.frames_push import Last
 from ..protocol.layout import EDIT_LOG, Counter
-from ..protocol.rows import committed, row_id
 from ..protocol.snapshot import at_one_moment
 from .format import ALIGN, FORMAT, Layout, Tensor, tensor_of, tensors, version_of
 from .loading import pread_into
@@ -359,8 +358,7 @@ def _direct(snap: Snapshot, chunk: _Chunk, files: list[Tensor]) -> Layout | None
     reads it again into block ``edited``, which takes its place. The layout of the block, or
     ``None`` (nothing entered) when a lane has holes (a hole's bytes are zeros) or a row fails the
     rule: the caller then reads the rows as a save does, into the same offsets."""
-    buf, lc = snap.buf, snap.lc
-    ring, block = buf.ring, buf.block
+    block, lc = snap.buf.block, snap.lc
     runs = snap.runs
     if any(run.hole_count() for run in runs):
         return None
@@ -380,12 +378,8 @@ def _direct(snap: Snapshot, chunk: _Chunk, files: list[Tensor]) -> Layout | None
         for lane, n0, n1, s0 in spans:
             rows = np.ones(n1 - n0, bool) if column is None else column[s0:s0 + n1 - n0]  # None: _present, no holes
             chunk.write(plan.at(t, lane, n0), rows)
-    for lane, n0, n1, s0 in spans:
-        numbers = np.arange(n0, n1, dtype=np.int64)
-        if not np.array_equal(ring.stamp[s0:s0 + n1 - n0], committed(numbers)):
-            return None
-        if ring.cleared(row_id(numbers, lane, ring.lanes)).size:
-            return None
+    if not all(snap.unchanged(lane, n0, n1) for lane, n0, n1, _ in spans):
+        return None
     for run in runs:
         run.at = run.end
     _BlockSink(chunk, files).finish(plan)

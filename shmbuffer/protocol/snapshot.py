@@ -268,6 +268,16 @@ class Snapshot:
         out["_present"] = ~hole
         return Piece(run.lane, n0 + lo, {name: a[lo:] for name, a in out.items()})
 
+    def unchanged(self, lane: int, n0: int, n1: int) -> bool:
+        """Whether the rows ``[n0, n1)`` of ``lane`` (found committed by the scan; their slots do
+        not wrap) still are and were not cleared: the reader's rule for rows copied straight from
+        the columns since the scan (``persistence/checkpoint.py``)."""
+        ring = self.buf.ring
+        numbers = np.arange(n0, n1, dtype=np.int64)
+        if not np.array_equal(ring.stamp[self._slots(lane, n0, n1)], committed(numbers)):
+            return False
+        return not ring.cleared(row_id(numbers, lane, ring.lanes)).size
+
     def piece_rows(self, row_bytes: int) -> int:
         """Rows of a piece: ``CHUNK_BYTES`` over every lane's piece together."""
         return max(1, CHUNK_BYTES // max(1, row_bytes) // len(self.runs))
