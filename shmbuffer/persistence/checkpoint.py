@@ -185,8 +185,9 @@ def checkpoint(buf: Buffer, path: str | os.PathLike[str], *, wait: float = 1.0, 
     killed process). ``pending``: this process's last rows per lane (``frames_push.Pusher.last``);
     ``generator``: the sampling generator's state; ``ranks``: a rank's step and epochs (with its
     world size and seed); ``device_generator``: a device copy's generator state. Returns a
-    summary: path, sequence, full (whether every row was written), rows (of the checkpoint), new, edited and kept (rows
-    written to each block), bytes (of the chunk), folder_bytes (every chunk), seconds."""
+    summary: path, sequence, full (whether every row was written), rows (of the checkpoint), new,
+    edited and kept (rows written to each block), bytes (of the chunk), folder_bytes (every
+    chunk), seconds."""
     t0 = time.perf_counter()
     folder = Path(path)
     dfd, _ = open_folder(folder)
