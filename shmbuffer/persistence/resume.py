@@ -74,8 +74,10 @@ def resume(path: str | os.PathLike[str], factory: Any, *, name: str | None = Non
 def resume_sampling(buf: Buffer, path: str | os.PathLike[str], device: Any = None) -> None:
     """Put this process's sampling state back as at the last complete checkpoint in ``path``, for a
     process that did not make the buffer with ``ReplayBuffer.resume`` (a rank attached to it, a
-    learner with a device copy): its generator, a rank's step and epochs (``buf.ranked``: the
-    checkpoint's ``ranks``, of the same world size and seed), and with ``device`` (a
+    learner with a device copy): its generator, or for a rank (``buf.ranked``) its step and epochs
+    instead (the checkpoint's ``ranks``, of the same world size and seed; a rank's own generator
+    only re-draws rows not intact, and the checkpoint holds the checkpointing rank's), and with
+    ``device`` (a
     ``DeviceReplay`` of ``buf``) the copy's generator. Everything is checked before anything is
     set; ``FieldError`` names what the checkpoint lacks or has otherwise."""
     man = read_manifest(Path(path))
@@ -94,7 +96,7 @@ def resume_sampling(buf: Buffer, path: str | os.PathLike[str], device: Any = Non
     if device is not None and man.device_generator is None:
         raise FieldError(f"resume_sampling: device= was given, and {man.file} holds no device copy's generator: "
                          "checkpoint with buf.checkpoint(path, device=the_copy)")
-    rng = generator_from_state(man.generator, man.file) if man.generator is not None else None
+    rng = generator_from_state(man.generator, man.file) if man.generator is not None and rank is None else None
     if device is not None:
         device.generator_state = man.device_generator  # checks it: ValueError before anything else is set
     if rng is not None:
