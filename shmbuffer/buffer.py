@@ -28,7 +28,7 @@ import numpy as np
 from . import arguments, hints, persistence, sequences, views
 from . import hindsight as her
 from .batch import Batch
-from .errors import closed
+from .errors import FieldError, closed
 from .loader import Loader
 from .mapped import BufferHandle, MappedBlock
 from .protocol import edits, push, reader
@@ -379,15 +379,42 @@ class ReplayBuffer(MappedBlock):
         """A new buffer holding a save: the same rows, ids, priorities and uses (Velora's ``load``)."""
         return persistence.load(path, cls, name=name, capacity=capacity, seed=seed)
 
-    def checkpoint(self, path: str | os.PathLike[str], *, wait: float = 1.0, sync: bool = True) -> dict[str, Any]:
+    def checkpoint(self, path: str | os.PathLike[str], *, wait: float = 1.0, sync: bool = True,
+                   device: Any = None) -> dict[str, Any]:
         """Write a checkpoint to the folder ``path``: every row the first time, then only what changed
         since the last checkpoint there (new rows, rows updated or deleted, every row's priority and
-        use count, the counters, this process's pending ``next_of`` steps and sampling generator),
-        while writers go on; crash-safe (``persistence/manifest.py``). ``ReplayBuffer.resume`` reads it."""
+        use count, the counters, this process's pending ``next_of`` steps and sampling generator, a
+        rank's step and epochs, and with ``device`` (a ``DeviceReplay`` of this buffer) the copy's
+        generator), while writers go on; crash-safe (``persistence/manifest.py``).
+        ``ReplayBuffer.resume`` reads it, ``resume_sampling`` the state of other processes."""
+        state = self._device_generator("checkpoint", device)
         pusher = self._pusher
         pending = pusher.last if pusher is not None and pusher.pid == os.getpid() else None
-        return persistence.checkpoint(self, path, wait=wait, sync=sync, pending=pending,
-                                      generator=generator_state(self._paths, self.rng))
+        rank = self.ranked
+        ranks = None if rank is None else {"world_size": rank.world_size, "seed": rank.seed, "step": rank.step,
+                                           "epochs": rank.epochs}
+        return persistence.checkpoint(self, path, wait=wait, sync=sync, pending=pending, ranks=ranks,
+                                      generator=generator_state(self._paths, self.rng), device_generator=state)
+
+    def resume_sampling(self, path: str | os.PathLike[str], *, device: Any = None) -> None:
+        """Put this process's sampling state back as at the last complete checkpoint in ``path``
+        (``ReplayBuffer.resume`` does it for the process it makes the buffer in): the sampling
+        generator, a rank's step and epochs (an ``attach(..., rank=, world_size=, seed=)`` of the
+        resumed buffer: it then draws what the rank drew after the checkpoint), and with ``device``
+        (a ``DeviceReplay`` of this buffer) the copy's generator (``persistence/resume.py``)."""
+        self._device_generator("resume_sampling", device)
+        persistence.resume_sampling(self, path, device)
+
+    def _device_generator(self, what: str, device: Any) -> dict[str, Any] | None:
+        """``device``'s generator state, after checking that it is a device copy of this buffer."""
+        if device is None:
+            return None
+        of = getattr(getattr(device, "buf", None), "name", None)
+        if of != self.name or not hasattr(type(device), "generator_state"):
+            raise FieldError(f"{what}: device must be a DeviceReplay of buffer {self.name!r}, got "
+                             f"{type(device).__name__}{'' if of is None else f' of buffer {of!r}'}")
+        state: dict[str, Any] = device.generator_state
+        return state
 
     @classmethod
     def resume(cls, path: str | os.PathLike[str], name: str | None = None) -> ReplayBuffer:

@@ -226,11 +226,11 @@ def test_rows_edited_while_a_checkpoint_runs_are_read_again(make: Make, resumed:
     new = buf.push(x=np.arange(20, 30))
     real = module._locked
 
-    def edit_first(b: Any, lanes: Any) -> Any:
+    def edit_first(*args: Any) -> Any:
         buf.update(new[[2]], x=np.array([-1]))
         buf.update(ids[[5]], x=np.array([-2]))
         buf.delete(ids[[7]])
-        return real(b, lanes)
+        return real(*args)
 
     monkeypatch.setattr(module, "_locked", edit_first)
     got = buf.checkpoint(tmp_path / "c")
@@ -239,6 +239,98 @@ def test_rows_edited_while_a_checkpoint_runs_are_read_again(make: Make, resumed:
     resumed.append(back)
     assert_same(state(buf), state(back))
     assert back.export()["x"].tolist() == [*range(5), -2, 6, *range(8, 22), -1, *range(23, 30)]
+
+
+def _spy_copy_rows(module: Any, monkeypatch: pytest.MonkeyPatch, allow: bool) -> list[int]:
+    """Count the checkpoints that read their new rows as a save does (``copy_rows``); raise in
+    one unless ``allow``."""
+    calls: list[int] = []
+    real = module.copy_rows
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if not allow:
+            raise AssertionError("the new rows were copied out of shared memory before being written")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "copy_rows", spy)
+    return calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_new_rows_are_written_straight_from_the_shared_columns(kind: str, make: Make, resumed: list, name: str,
+                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no writer, delete or clear racing it, a checkpoint writes its new rows from the shared
+    columns into the chunk (no gather into a copy first), and the resumed buffer is the same."""
+    module = importlib.import_module("shmbuffer.persistence.checkpoint")
+    schema, capacity, opts = options(kind)
+    buf = make(schema, capacity, name=name, seed=3, **opts)
+    envs: dict[int, Env] = {}
+    for step in range(12):
+        drive(buf, kind, step, envs)
+    first, stop = buf.ring.bounds()
+    lc = buf.ring.lane_capacity
+    holes = sum(int((columns(buf)["_stamp"][slot(lane, np.arange(first[lane], stop[lane]), lc)] == 0).sum())
+                for lane in range(buf.lanes))  # deleted rows: a checkpoint of them reads as a save does
+    calls = _spy_copy_rows(module, monkeypatch, allow=True)
+    buf.checkpoint(tmp_path / "c")
+    for step in range(12, 16):
+        if kind == "frames":
+            drive(buf, kind, step, envs)
+        else:
+            extra: dict[str, Any] = {"lane": np.arange(5) % buf.lanes} if buf.lanes > 1 else {}
+            if buf.options.episodes:
+                extra["episode"] = np.full(5, 99)
+            buf.push(x=np.ones((5, 3), np.float32), y=np.arange(5), **extra)
+    buf.checkpoint(tmp_path / "c")
+    assert len(calls) == (1 if holes else 0)
+    back = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(back)
+    assert_same(state(buf), state(back))
+
+
+@pytest.mark.parametrize("race", ["delete", "update", "lap"])
+def test_a_row_that_changes_while_written_from_the_columns_is_not_taken_from_there(
+        race: str, make: Make, resumed: list, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new row deleted, updated or overwritten (writers lapping the ring) after the first column
+    of the chunk was written from shared memory: the stamps after the writes (delete, lap) send
+    the rows through the save's reader, the log of edits (an update keeps the stamp) reads the
+    row again; the checkpoint holds no torn or lost row."""
+    module = importlib.import_module("shmbuffer.persistence.checkpoint")
+    buf = make(sb.Schema(x=((), "int64"), y=((2,), "float32")), 64, name=name)
+    buf.push(x=np.arange(54), y=np.zeros((54, 2), np.float32))
+    buf.checkpoint(tmp_path / "c")
+    new = buf.push(x=np.arange(54, 64), y=np.ones((10, 2), np.float32))
+    before = buf.export()
+    calls = _spy_copy_rows(module, monkeypatch, allow=True)
+    real = module._Chunk.write
+    writes: list[int] = []
+
+    def racing(chunk: Any, offset: int, a: np.ndarray) -> None:
+        writes.append(1)
+        if len(writes) == 2:  # the first column is in the file, the second not yet
+            if race == "delete":
+                buf.delete(new[[3]])
+            elif race == "update":
+                buf.update(new[[3]], x=np.array([-3]), y=np.full((1, 2), -3, np.float32))
+            else:
+                buf.push(x=np.arange(100, 160), y=np.zeros((60, 2), np.float32))  # 54 old rows and 6 new ones go
+        real(chunk, offset, a)
+
+    monkeypatch.setattr(module._Chunk, "write", racing)
+    buf.checkpoint(tmp_path / "c")
+    back = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(back)
+    got = back.export()
+    if race == "lap":
+        assert len(calls) == 1
+        assert got["index"].tolist() == before["index"][-4:].tolist()
+        assert got["x"].tolist() == before["x"][-4:].tolist() and np.array_equal(got["y"], before["y"][-4:])
+        return
+    assert_same(state(buf), state(back))
+    assert len(calls) == (1 if race == "delete" else 0)
+    if race == "update":
+        assert got["x"][57] == -3 and got["y"][57].tolist() == [-3, -3]
 
 
 def test_an_overrun_log_of_edits_writes_every_row(make: Make, resumed: list, name: str, tmp_path: Path) -> None:
@@ -311,7 +403,7 @@ def _manifest_edit(folder: Path, edit: Callable[[dict[str, Any]], None]) -> None
 
 @pytest.mark.parametrize("damage", ["manifest truncated", "manifest not json", "segment out of range", "chunk truncated",
                                     "chunk missing", "chunk header altered", "present altered", "leaf altered",
-                                    "chunk of another checkpoint", "generator"])
+                                    "chunk of another checkpoint", "generator", "ranks", "device generator"])
 def test_a_damaged_checkpoint_is_refused(damage: str, make: Make, name: str, tmp_path: Path) -> None:
     """Truncated or altered manifests and chunks raise ``LayoutError`` naming the file, before any
     shared memory is made."""
@@ -360,6 +452,13 @@ def test_a_damaged_checkpoint_is_refused(damage: str, make: Make, name: str, tmp
     elif damage == "chunk of another checkpoint":
         _manifest_edit(folder, lambda m: m["checkpoint"]["chunks"][0].__setitem__("id", "0" * 16))
         match = "not the one"
+    elif damage == "ranks":
+        _manifest_edit(folder, lambda m: m["checkpoint"].__setitem__("ranks", {"world_size": 0, "seed": 1, "step": 2,
+                                                                               "epochs": 0}))
+        match = r"checkpoint.ranks.world_size is 0, expected an int in \[1, "
+    elif damage == "device generator":
+        _manifest_edit(folder, lambda m: m["checkpoint"].__setitem__("device_generator", [1, 2]))
+        match = "checkpoint.device_generator is 'list', expected an object"
     else:
         _manifest_edit(folder, lambda m: m["checkpoint"].__setitem__("generator", {"bit_generator": "Nope"}))
         match = "generator"
@@ -512,3 +611,146 @@ def test_a_checkpoint_killed_at_any_point_leaves_the_last_complete_one(make: Mak
     last.checkpoint(folder)
     listed = {c["file"] for c in read_manifest(folder).chunks}  # type: ignore[union-attr]
     assert set(os.listdir(folder)) == listed | {MANIFEST, ".lock"}
+
+
+def _rank_batches(ranks: list[sb.ReplayBuffer], steps: int) -> list[np.ndarray]:
+    """``steps`` sample calls of each rank in lockstep (one global batch a step), with priority
+    updates where prioritized: the ids each rank drew, step by step."""
+    out = []
+    for step in range(steps):
+        for r in ranks:
+            batch = r.sample(4)
+            out.append(batch.index.copy())
+            if r.priorities is not None and r.priorities.prioritized:
+                r.update_priorities(batch.index, np.random.default_rng(step).random(4) * 3 + 0.1)
+    return out
+
+
+@pytest.mark.parametrize("sampler", ["uniform", "prioritized"])
+def test_resumed_ranks_draw_what_the_ranks_drew(sampler: str, make: Make, resumed: list, name: str,
+                                                tmp_path: Path) -> None:
+    """A rank's checkpoint records its step and epochs (the ranks' draws are keyed on them); ranks
+    attached to the resumed buffer that put their sampling state back (``resume_sampling``) draw
+    the batches the ranks drew after the checkpoint."""
+    opts = {"sampler": sb.Prioritized(0.6, 0.4)} if sampler == "prioritized" else {}
+    buf = make(sb.Schema(x=((), "int64")), 64, name=name, lanes=2, **opts)
+    buf.push(x=np.arange(40), lane=np.arange(40) % 2)
+    ranks = [sb.ReplayBuffer.attach(name, rank=r, world_size=2, seed=5) for r in range(2)]
+    try:
+        _rank_batches(ranks, 3)
+        for r in ranks:  # a whole epoch: the next one's permutation is keyed on the count
+            list(r.epoch(8))
+        ranks[0].checkpoint(tmp_path / "c")
+        man = read_manifest(tmp_path / "c")
+        assert man is not None and man.ranks == {"world_size": 2, "seed": 5, "step": 3, "epochs": 1}
+        drawn = _rank_batches(ranks, 3)
+        epochs_drawn = [[b.index.tolist() for b in r.epoch(8)] for r in ranks]
+    finally:
+        for r in ranks:
+            r.close()
+    new = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(new)
+    again = [sb.ReplayBuffer.attach(name + "r", rank=r, world_size=2, seed=5) for r in range(2)]
+    try:
+        for r in again:
+            r.resume_sampling(tmp_path / "c")
+            assert (r.ranked.step, r.ranked.epochs) == (3, 1)  # type: ignore[union-attr]
+        got = _rank_batches(again, 3)
+        epochs = [[b.index.tolist() for b in r.epoch(8)] for r in again]
+    finally:
+        for r in again:
+            r.close()
+    for a, b in zip(drawn, got, strict=True):
+        assert np.array_equal(a, b)
+    assert epochs == epochs_drawn
+
+
+def test_resume_sampling_of_a_rank_of_another_run_is_refused(make: Make, resumed: list, name: str,
+                                                             tmp_path: Path) -> None:
+    """A rank attached with another world size or seed than the checkpointed ranks', or a
+    checkpoint no rank wrote: ``FieldError`` naming both, and the rank's step and generator stay."""
+    buf = make(sb.Schema(x=((), "int64")), 64, name=name)
+    buf.push(x=np.arange(20))
+    rank = sb.ReplayBuffer.attach(name, rank=0, world_size=2, seed=5)
+    try:
+        rank.ranked.step = 7  # type: ignore[union-attr]
+        rank.checkpoint(tmp_path / "ranked")
+        buf.checkpoint(tmp_path / "plain")
+    finally:
+        rank.close()
+    for world_size, seed, folder in ((3, 5, "ranked"), (2, 6, "ranked"), (2, 5, "plain")):
+        other = sb.ReplayBuffer.attach(name, rank=0, world_size=world_size, seed=seed)
+        try:
+            before = other.rng.bit_generator.state
+            with pytest.raises(sb.FieldError, match=f"this process is rank 0 with {{'world_size': {world_size}, 'seed': "
+                                                    f"{seed}}}.*attach with the world_size and seed"):
+                other.resume_sampling(tmp_path / folder)
+            assert other.ranked.step == 0 and other.rng.bit_generator.state == before  # type: ignore[union-attr]
+        finally:
+            other.close()
+
+
+@pytest.mark.parametrize("kind", ["uniform", "frames"])
+def test_a_device_copy_resumed_draws_what_it_drew(kind: str, make: Make, resumed: list, name: str,
+                                                  tmp_path: Path) -> None:
+    """``checkpoint(path, device=copy)`` records the device copy's generator; a copy of the resumed
+    buffer given it back (``resume_sampling(path, device=...)``) draws what the copy drew after
+    the checkpoint (the C uniform draw's generator, and torch's where the draw is torch's)."""
+    pytest.importorskip("torch")
+    from shmbuffer.device import DeviceReplay
+
+    if kind == "frames":
+        schema, capacity, opts = options("frames")
+        opts.pop("sampler")
+    else:
+        schema, capacity, opts = sb.Schema(x=((3,), "float32"), y=((), "int64")), 64, {"lanes": 2}
+    buf = make(schema, capacity, name=name, seed=1, **opts)
+    envs: dict[int, Env] = {}
+    for step in range(10):
+        if kind == "frames":
+            drive(buf, kind, step, envs)
+        else:
+            buf.push(x=np.full((4, 3), step, np.float32), y=np.arange(4), lane=step % 2)
+
+    def draws(dev: Any) -> list[np.ndarray]:
+        return [np.asarray(dev.sample(5).index) for _ in range(4)]
+
+    with DeviceReplay(buf, "cpu", seed=3, refresher=False, max_lag_s=None) as dev:
+        draws(dev)
+        buf.checkpoint(tmp_path / "c", device=dev)
+        drawn = draws(dev)
+    new = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(new)
+    with DeviceReplay(new, "cpu", seed=99, refresher=False, max_lag_s=None) as again:
+        fresh = draws(again)
+        new.resume_sampling(tmp_path / "c", device=again)
+        got = draws(again)
+    assert any(not np.array_equal(a, b) for a, b in zip(drawn, fresh, strict=True))  # another seed draws otherwise
+    for a, b in zip(drawn, got, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_a_device_copy_of_another_buffer_or_state_is_refused(make: Make, resumed: list, name: str,
+                                                             tmp_path: Path) -> None:
+    """``device=`` must be a device copy of this buffer, and the checkpoint must hold a copy's
+    generator; a malformed state is refused by the copy, which keeps its own."""
+    pytest.importorskip("torch")
+    from shmbuffer.device import DeviceReplay
+
+    buf = make(sb.Schema(x=((), "int64")), 16, name=name)
+    other = make(sb.Schema(x=((), "int64")), 16, name=name + "o")
+    buf.push(x=np.arange(8))
+    other.push(x=np.arange(8))
+    with DeviceReplay(other, "cpu", seed=1, refresher=False) as theirs, \
+            DeviceReplay(buf, "cpu", seed=1, refresher=False) as mine:
+        with pytest.raises(sb.FieldError, match=f"device must be a DeviceReplay of buffer '{name}', got DeviceReplay of "
+                                                f"buffer '{name}o'"):
+            buf.checkpoint(tmp_path / "c", device=theirs)
+        assert not (tmp_path / "c").exists()
+        buf.checkpoint(tmp_path / "c")
+        state = mine.generator_state
+        with pytest.raises(sb.FieldError, match="holds no device copy's generator"):
+            buf.resume_sampling(tmp_path / "c", device=mine)
+        with pytest.raises(ValueError, match=r"DeviceReplay\.generator_state: expected what generator_state returns"):
+            mine.generator_state = {"torch": "00", "xoshiro": [1, 2, 3, 4]}
+        assert mine.generator_state == state

@@ -195,6 +195,27 @@ class DeviceReplay(DeviceRows):
         """Whether the background refresher runs now."""
         return self._refresher.running
 
+    @property
+    def generator_state(self) -> dict[str, Any]:
+        """The state of the copy's random draws as JSON values (the torch generator's, the C
+        uniform draw's): ``buf.checkpoint(path, device=...)`` records it and setting it back
+        (``buf.resume_sampling(path, device=...)``) makes the copy draw on as it would have."""
+        return {"torch": bytes(self._gen.get_state().numpy()).hex(), "xoshiro": [int(v) for v in self._rng]}
+
+    @generator_state.setter
+    def generator_state(self, state: dict[str, Any]) -> None:
+        torch = _torch()
+        try:
+            raw = torch.frombuffer(bytearray(bytes.fromhex(state["torch"])), dtype=torch.uint8)
+            words = np.array(state["xoshiro"], np.uint64)
+            if words.shape != self._rng.shape:
+                raise ValueError(f"{words.size} xoshiro words")
+            self._gen.set_state(raw)
+        except (TypeError, ValueError, KeyError, RuntimeError, OverflowError) as exc:
+            raise ValueError(f"DeviceReplay.generator_state: expected what generator_state returns (torch: the hex of a "
+                             f"torch generator's state, xoshiro: 4 ints), got {str(state)[:200]} ({exc})") from None
+        self._rng[:] = words
+
     def close(self) -> None:
         """Stop the refresher and drop the views of the shared columns (so that ``buf.close()`` can
         unmap them) and the device memory. Idempotent; the copy cannot sync or sample afterwards."""

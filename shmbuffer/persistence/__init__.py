@@ -16,7 +16,8 @@ The package, lowest module first:
 * ``arrays``: ``export``, ``pieces``, ``from_arrays``, ``import_rows``, ``set_uses``, ``pending``.
 * ``manifest``: the checkpoint format (its docstring is the spec): a manifest and chunks, checked.
 * ``checkpoint``: ``checkpoint``: what changed since the last checkpoint, crash-safe.
-* ``resume``: ``resume``: a new buffer as at the last complete checkpoint.
+* ``resume``: ``resume``: a new buffer as at the last complete checkpoint; ``resume_sampling``:
+  another process's sampling state (a rank's step, a device copy's generator) as at it.
 
 This module re-exports their public names.
 """
@@ -41,13 +42,13 @@ from .format import (
 )
 from .loading import READERS, load
 from .manifest import CHECKPOINT_VERSION, MANIFEST
-from .resume import resume
+from .resume import resume, resume_sampling
 from .saving import Progress, save
 from .snapshot import CHUNK_BYTES, Buffer
 
 __all__ = [
     "ALIGN", "CHECKPOINT_VERSION", "CHUNK_BYTES", "FORMAT", "FORMAT_VERSION_1", "FORMAT_VERSION_2", "FORMAT_VERSION_3",
     "MAX_BLOCK", "MAX_HEADER", "MAX_ROW", "MANIFEST", "META", "READERS", "ROWS", "VERSION", "VERSIONS", "Buffer",
-    "Progress", "checkpoint", "export", "from_arrays", "import_rows", "load", "pending", "pieces", "resume", "save",
+    "Progress", "checkpoint", "export", "from_arrays", "import_rows", "load", "pending", "pieces", "resume", "resume_sampling", "save",
     "set_uses",
 ]

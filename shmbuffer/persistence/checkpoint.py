@@ -177,14 +177,17 @@ class _BlockSink:
 
 # -- the checkpoint ----------------------------------------------------------------------------------------
 def checkpoint(buf: Buffer, path: str | os.PathLike[str], *, wait: float = 1.0, sync: bool = True,
-               pending: dict[int, Last] | None = None, generator: dict[str, Any] | None = None) -> dict[str, Any]:
+               pending: dict[int, Last] | None = None, generator: dict[str, Any] | None = None,
+               ranks: dict[str, int] | None = None, device_generator: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write a checkpoint of ``buf`` to the folder ``path`` (``manifest.py``): every row the first
     time, then what changed since the last one. ``wait``: as ``save``'s. ``sync``: ``fsync`` the
     chunk, the manifest and the folder (so that a checkpoint outlives a power cut, not only a
     killed process). ``pending``: this process's last rows per lane (``frames_push.Pusher.last``);
-    ``generator``: the sampling generator's state. Returns a summary: path, sequence, full
-    (whether every row was written), rows (of the checkpoint), new, edited and kept (rows
-    written to each block), bytes (of the chunk), folder_bytes (every chunk), seconds."""
+    ``generator``: the sampling generator's state; ``ranks``: a rank's step and epochs (with its
+    world size and seed); ``device_generator``: a device copy's generator state. Returns a
+    summary: path, sequence, full (whether every row was written), rows (of the checkpoint), new,
+    edited and kept (rows written to each block), bytes (of the chunk), folder_bytes (every
+    chunk), seconds."""
     t0 = time.perf_counter()
     folder = Path(path)
     dfd, _ = open_folder(folder)
@@ -195,7 +198,8 @@ def checkpoint(buf: Buffer, path: str | os.PathLike[str], *, wait: float = 1.0, 
             old = read_manifest(folder, missing_ok=True)
             prev = old if _same_buffer(buf, old) else None
             for _ in range(_TRIES):
-                got = _write(buf, folder, dfd, prev, old, wait, sync, pending or {}, generator)
+                got = _write(buf, folder, dfd, prev, old, wait, sync, pending or {},
+                             {"generator": generator, "ranks": ranks, "device_generator": device_generator})
                 if got is not None:
                     got["seconds"] = time.perf_counter() - t0
                     return got
@@ -237,7 +241,7 @@ class _Lane:
 
 
 def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Manifest | None, wait: float,
-           sync: bool, pending: dict[int, Last], generator: dict[str, Any] | None) -> dict[str, Any] | None:
+           sync: bool, pending: dict[int, Last], sampling: dict[str, Any]) -> dict[str, Any] | None:
     """One try at a checkpoint; ``None`` when the log of edits overran (the caller writes every row)."""
     counters = buf.block.counters
     since = prev.edits if prev is not None else int(counters[_EDITS])
@@ -256,7 +260,7 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
     chunk = _Chunk(dfd, tmp, chunk_id, version_of(buf.options), planned)
     try:
         snap, lanes, new_rows = _copy_new(buf, chunk, files, prev, wait, me)
-        edits, state = _locked(buf, lanes)
+        edits, state = _locked(buf, lanes, prev is None or buf.priorities is not None)
         if max(state["begun"], edits) - since > EDIT_LOG:
             return None
         edited = _read_again(snap, lanes, _again(buf, lanes, since, edits))
@@ -269,8 +273,9 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
         for ln in lanes:
             ln.segs = _overlay(_clip(ln.segs, ln.keep, ln.run.end), block1.get(ln.run.lane, []))
             for piece in edited:
-                if piece.lane == ln.run.lane:
-                    ln.present[piece.start - ln.at_lock:piece.start - ln.at_lock + piece.rows] = piece.arrays["_present"]
+                a = max(piece.start, ln.at_lock)  # the rows of it whose stamps _locked read
+                if piece.lane == ln.run.lane and a < piece.start + piece.rows:
+                    ln.present[a - ln.at_lock:piece.start + piece.rows - ln.at_lock] = piece.arrays["_present"][a - piece.start:]
         kept, keep_chunks = _compact(folder, buf, chunk, files, chunks, lanes, me)
         rows = sum(ln.run.end - ln.keep for ln in lanes)
         for t in everything:
@@ -295,7 +300,7 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
         raise
     chunk.close()
     os.replace(tmp, chunk_name(sequence), src_dir_fd=dfd, dst_dir_fd=dfd)
-    manifest = _manifest(buf, lanes, rows, state, sequence, listed, lasts, generator, edits)
+    manifest = _manifest(buf, lanes, rows, state, sequence, listed, lasts, sampling, edits)
     mtmp = f".{MANIFEST}.{chunk_id}.tmp"
     fd = create_file(mtmp, dfd)
     try:
@@ -319,18 +324,22 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
 def _copy_new(buf: Buffer, chunk: _Chunk, files: list[Tensor], prev: Manifest | None, wait: float,
               me: int) -> tuple[Snapshot, list[_Lane], int]:
     """Block ``new``: each lane's rows after the previous checkpoint's (every row without one),
-    read as a save reads them; each lane's rows and segments so far."""
-    snap = Snapshot(buf, wait)
+    written straight from the shared columns (``_direct``), or read as a save reads them where
+    that fails; each lane's rows and segments so far."""
+    snap = Snapshot(buf, wait, None if prev is None else [stop for _, stop, _ in prev.lanes])  # the new rows
     lanes: list[_Lane] = []
     for run in snap.runs:
         keep = start = run.keep
         if prev is not None:
             first, stop, _ = prev.lanes[run.lane]
             start = min(max(run.keep, stop), run.end)
-            keep = max(run.keep, min(first, start))  # the rows before start are the previous checkpoint's
+            if run.keep == min(max(run.first, stop), run.stop):  # no new row found overwritten: the rows before
+                keep = max(run.first, min(first, start))  # start are the previous checkpoint's (_locked checks them)
         run.keep = run.at = start
         lanes.append(_Lane(run, keep, start, []))
-    final, _ = copy_rows(snap, files, _BlockSink(chunk, files))
+    final = _direct(snap, chunk, files)
+    if final is None:
+        final, _ = copy_rows(snap, files, _BlockSink(chunk, files))
     for ln in lanes:
         run = ln.run
         if run.keep > ln.start:  # writers overwrote rows while they were copied: the older ones went too
@@ -341,17 +350,59 @@ def _copy_new(buf: Buffer, chunk: _Chunk, files: list[Tensor], prev: Manifest | 
     return snap, lanes, final.rows
 
 
-def _locked(buf: Buffer, lanes: list[_Lane]) -> tuple[int, dict[str, Any]]:
+def _direct(snap: Snapshot, chunk: _Chunk, files: list[Tensor]) -> Layout | None:
+    """Write each lane's rows ``[keep, end)`` of ``snap`` into block ``new`` straight from the
+    shared columns (no copy in between: a lane's rows are consecutive slots but where the ring
+    wraps), then check them by the reader's rule (``protocol/rows.py``): each row's stamp said
+    committed at the scan and says the same once every byte is written, and it was not cleared.
+    A row updated in place meanwhile keeps its stamp, but the log of edits names it, so ``_again``
+    reads it again into block ``edited``, which takes its place. The layout of the block, or
+    ``None`` (nothing entered) when a lane has holes (a hole's bytes are zeros) or a row fails the
+    rule: the caller then reads the rows as a save does, into the same offsets."""
+    block, lc = snap.buf.block, snap.lc
+    runs = snap.runs
+    if any(run.hole_count() for run in runs):
+        return None
+    spans = []  # (lane, n0, n1, first slot): rows whose slots do not wrap
+    for run in runs:
+        n0 = run.keep
+        while n0 < run.end:
+            n1 = min(run.end, (n0 // lc + 1) * lc)
+            spans.append((run.lane, n0, n1, run.lane * lc + n0 % lc))
+            n0 = n1
+    columns: dict[str, Any] = dict(block.fields, _episode=block.episode)
+    if any(t.name != "_present" and columns.get(t.name) is None for t in files):
+        return None
+    plan = Layout(files, [(run.keep, run.end) for run in runs])
+    for t in files:
+        column = columns.get(t.name)
+        for lane, n0, n1, s0 in spans:
+            rows = np.ones(n1 - n0, bool) if column is None else column[s0:s0 + n1 - n0]  # None: _present, no holes
+            chunk.write(plan.at(t, lane, n0), rows)
+    if not all(snap.unchanged(lane, n0, n1) for lane, n0, n1, _ in spans):
+        return None
+    for run in runs:
+        run.at = run.end
+    _BlockSink(chunk, files).finish(plan)
+    return plan
+
+
+def _locked(buf: Buffer, lanes: list[_Lane], every: bool) -> tuple[int, dict[str, Any]]:
     """At one moment (``protocol.snapshot.at_one_moment``): the log of edits' count, each lane's
-    rows that are there (as ``present``, the empty ones not), leaves and use counts of its rows
-    ``[keep, end)``, the counters and the largest priority. Then each lane's rows up to the newest
-    one overwritten by then go."""
-    now = at_one_moment(buf, [(ln.run.lane, ln.keep, ln.run.end) for ln in lanes])
+    rows that are there (as ``present``, the empty ones not), leaves and use counts, the counters
+    and the largest priority, of each lane's rows ``[keep, end)`` when ``every`` (leaves and use
+    counts are wanted, or there is no previous checkpoint), else of its new rows only (the older
+    ones deleted since are in the log of edits). Then each lane's rows up to the newest one
+    overwritten by then go, and those before the lane's first row then (writers take a lane's
+    slots in row order, so those are overwritten, or cleared)."""
+    now = at_one_moment(buf, [(ln.run.lane, ln.keep if every else max(ln.keep, ln.start), ln.run.end) for ln in lanes])
     for i, ln in enumerate(lanes):
-        ln.leaves, ln.uses, ln.at_lock = now.leaves[i], now.uses[i], ln.keep
+        lo = ln.keep if every else max(ln.keep, ln.start)
+        ln.leaves, ln.uses, ln.at_lock = now.leaves[i], now.uses[i], lo
         lapped = np.flatnonzero(~now.there[i] & ~now.empty[i])
         if lapped.size:
-            ln.keep += int(lapped[-1]) + 1
+            ln.keep = lo + int(lapped[-1]) + 1
+        ln.keep = min(max(ln.keep, int(now.counters["first"][ln.run.lane])), ln.run.end)
         ln.present = ~now.empty[i]
     c = now.counters
     state = {"begun": c["edits_begun"], "stats": c["stats"], "inserted": c["inserted"], "max_priority": c["max_priority"],
@@ -371,7 +422,8 @@ def _again(buf: Buffer, lanes: list[_Lane], since: int, edits: int) -> list[tupl
         mine = logged[(logged // lc) == run.lane] - run.lane * lc
         rows = ln.keep + (mine - ln.keep % lc) % lc
         rows = rows[rows < run.end]
-        empty = ln.keep + np.flatnonzero(~ln.present[ln.keep - ln.at_lock:])
+        empty = ln.at_lock + np.flatnonzero(~ln.present)
+        empty = empty[empty >= ln.keep]
         out += [(run.lane, a, z) for a, z in _ranges(np.union1d(rows, empty))]
     return out
 
@@ -451,9 +503,10 @@ def _pending(lanes: list[_Lane], pending: dict[int, Last]) -> list[tuple[int, La
 
 
 def _manifest(buf: Buffer, lanes: list[_Lane], rows: int, state: dict[str, Any], sequence: int,
-              chunks: list[dict[str, Any]], lasts: list[tuple[int, Last]], generator: dict[str, Any] | None,
+              chunks: list[dict[str, Any]], lasts: list[tuple[int, Last]], sampling: dict[str, Any],
               edits: int) -> dict[str, Any]:
-    """The manifest's object (``manifest.py``)."""
+    """The manifest's object (``manifest.py``); ``sampling``: its ``generator``, ``ranks`` and
+    ``device_generator``."""
     return {
         "format": FORMAT,
         "format_version": version_of(buf.options),
@@ -473,7 +526,7 @@ def _manifest(buf: Buffer, lanes: list[_Lane], rows: int, state: dict[str, Any],
             "edits": edits, "chunks": chunks, "segments": [ln.segs for ln in lanes],
             "pending": [{"lane": lane, "row": last.row, "final": bool(last.final),
                          "episode": None if last.episode is None else int(last.episode)} for lane, last in lasts],
-            "generator": generator,
+            **sampling,
         },
     }
 

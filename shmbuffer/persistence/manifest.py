@@ -40,7 +40,13 @@ A save's ``meta.json`` (``format.py``: ``format``, ``format_version``, ``shmbuff
   row the checkpointing process pushed into each lane (``frames_push.Last``), when it is the
   lane's newest row: a resumed buffer's next push continues it as the original's would;
 * ``generator``: the checkpointing process's sampling generator
-  (``numpy.random.Generator.bit_generator.state``), or null.
+  (``numpy.random.Generator.bit_generator.state``), or null;
+* ``ranks``: ``{"world_size", "seed", "step", "epochs"}`` when a rank (``attach(rank=, world_size=,
+  seed=)``, ``sampling/ranks.py``) wrote the checkpoint: its step and epochs, on which the ranks'
+  draws are keyed (the ranks sample in lockstep, one global batch a step, so one rank's step is
+  every rank's), or null;
+* ``device_generator``: the state of a device copy's draws (``DeviceReplay.generator_state``: an
+  object) given to the checkpoint (``checkpoint(path, device=...)``), or null.
 
 A chunk
 -------
@@ -81,8 +87,9 @@ So every chunk kept is at least half used, and the folder holds at most about tw
 the buffer, plus a checkpoint being written.
 
 A resumed buffer (``resume.py``) holds the rows, ids, lanes, priorities, uses, counters and pending
-steps of the checkpoint; a process that restores its generator (``ReplayBuffer.resume``) draws what
-the checkpointing process drew after the checkpoint.
+steps of the checkpoint; a process that restores its generator (``ReplayBuffer.resume``, or
+``resume_sampling`` in another process: a rank's step and epochs, a device copy's generator too)
+draws what the checkpointing process drew after the checkpoint.
 """
 
 from __future__ import annotations
@@ -112,7 +119,9 @@ LOCK = ".lock"
 """The file a checkpoint holds with ``flock`` while it writes the folder."""
 CHUNK = re.compile(r"chunk-(\d{8})\.safetensors")
 """A chunk's file name."""
-_KEYS = {"version", "sequence", "buffer", "inserted", "edits", "chunks", "segments", "pending", "generator"}
+_KEYS = {"version", "sequence", "buffer", "inserted", "edits", "chunks", "segments", "pending", "generator", "ranks",
+         "device_generator"}
+_RANKS = ("world_size", "seed", "step", "epochs")
 _INT = 2**63 - 1
 
 
@@ -143,6 +152,8 @@ class Manifest:
     segments: list[list[list[int]]]
     pending: list[dict[str, Any]]
     generator: dict[str, Any] | None
+    ranks: dict[str, int] | None
+    device_generator: dict[str, Any] | None
 
     @property
     def lanes(self) -> list[tuple[int, int, int]]:
@@ -257,11 +268,17 @@ def read_manifest(folder: Path, *, missing_ok: bool = False) -> Manifest | None:
         seen.add(lane)
     if pending and not saved.opts.rows.once:
         raise _bad(file, "pending", pending, "[] for a buffer without next_of/stack")
-    generator = c["generator"]
-    if generator is not None and not isinstance(generator, dict):
-        raise _bad(file, "generator", generator, "an object (a bit generator's state) or null")
+    for key in ("generator", "device_generator"):
+        if c[key] is not None and not isinstance(c[key], dict):
+            raise _bad(file, key, c[key], "an object (a generator's state) or null")
+    ranks = c["ranks"]
+    if ranks is not None:
+        if not isinstance(ranks, dict) or set(ranks) != set(_RANKS):
+            raise _bad(file, "ranks", ranks, f"an object with the keys {sorted(_RANKS)} or null")
+        for key in _RANKS:
+            _int(file, ranks, key, "ranks.", 1 if key == "world_size" else 0)
     return Manifest(file, meta, saved, version, sequence, c["buffer"], inserted, edits, chunks, segments, pending,
-                    generator)
+                    c["generator"], ranks, c["device_generator"])
 
 
 class ChunkFile:

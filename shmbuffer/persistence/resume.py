@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import LayoutError
+from ..errors import FieldError, LayoutError
 from ..frames import END, KIND, LEAD
 from ..progress import Progress as Line
 from ..protocol import snapshot
@@ -29,11 +29,12 @@ from ..protocol.layout import Counter
 from ..protocol.priorities import MAX_LEAF
 from ..protocol.rows import slot
 from ..protocol.snapshot import CHUNK_BYTES, Buffer, columns
+from ..sample_paths import generator_from_state
 from .format import tensor_of
 from .loading import STATS, check_kinds, check_leaves, pread_into
 from .manifest import BLOCKS, ChunkFile, Manifest, open_chunk, read_manifest, row_tensors
 
-__all__ = ["resume"]
+__all__ = ["resume", "resume_sampling"]
 
 
 def resume(path: str | os.PathLike[str], factory: Any, *, name: str | None = None,
@@ -64,6 +65,40 @@ def resume(path: str | os.PathLike[str], factory: Any, *, name: str | None = Non
         for ch in opened:
             ch.close()
     return buf, man, lasts
+
+
+def resume_sampling(buf: Buffer, path: str | os.PathLike[str], device: Any = None) -> None:
+    """Put this process's sampling state back as at the last complete checkpoint in ``path``, for a
+    process that did not make the buffer with ``ReplayBuffer.resume`` (a rank attached to it, a
+    learner with a device copy): its generator, or for a rank (``buf.ranked``) its step and epochs
+    instead (the checkpoint's ``ranks``, of the same world size and seed; a rank's own generator
+    only re-draws rows not intact, and the checkpoint holds the checkpointing rank's), and with
+    ``device`` (a
+    ``DeviceReplay`` of ``buf``) the copy's generator. Everything is checked before anything is
+    set; ``FieldError`` names what the checkpoint lacks or has otherwise."""
+    man = read_manifest(Path(path))
+    assert man is not None
+    if man.meta["schema"] != buf.schema.to_json() or man.meta["options"] != buf.options.to_json():
+        raise FieldError(f"resume_sampling: {man.file} is a checkpoint of a buffer with another schema or options than "
+                         f"{buf.name!r}: pass the folder this buffer was resumed from")
+    rank, ranks = buf.ranked, man.ranks
+    if rank is not None:
+        mine = {"world_size": rank.world_size, "seed": rank.seed}
+        if ranks is None or any(ranks[k] != v for k, v in mine.items()):
+            got = None if ranks is None else {k: ranks[k] for k in mine}
+            raise FieldError(f"resume_sampling: this process is rank {rank.rank} with {mine}, and {man.file} holds the "
+                             f"step of ranks with {got}: attach with the world_size and seed of the checkpointed run "
+                             "(a rank's checkpoint records them: call buf.checkpoint on one of its ranks)")
+    if device is not None and man.device_generator is None:
+        raise FieldError(f"resume_sampling: device= was given, and {man.file} holds no device copy's generator: "
+                         "checkpoint with buf.checkpoint(path, device=the_copy)")
+    rng = generator_from_state(man.generator, man.file) if man.generator is not None and rank is None else None
+    if device is not None:
+        device.generator_state = man.device_generator  # checks it: ValueError before anything else is set
+    if rng is not None:
+        buf.rng = rng
+    if rank is not None and ranks is not None:
+        rank.step, rank.epochs = ranks["step"], ranks["epochs"]
 
 
 def _check_segments(man: Manifest, opened: list[ChunkFile]) -> None:

@@ -120,9 +120,11 @@ class Piece:
 
 class Snapshot:
     """The rows of ``buf`` as of now, read piece by piece (the module docstring): ``runs`` one
-    ``Run`` per lane; ``stats``, ``counters`` and ``max_priority`` as of the start."""
+    ``Run`` per lane; ``stats``, ``counters`` and ``max_priority`` as of the start. ``since``: per
+    lane, the first row scanned (a checkpoint's rows after the previous one's: the rows before
+    are not the snapshot's, and their stamps are not read)."""
 
-    def __init__(self, buf: Buffer, wait: float) -> None:
+    def __init__(self, buf: Buffer, wait: float, since: list[int] | None = None) -> None:
         ring = buf.ring
         self.buf = buf
         self.arrays = columns(buf)
@@ -137,14 +139,16 @@ class Snapshot:
         prios = buf.priorities
         self.max_priority = prios.max_priority if prios is not None else None
         deadline = time.monotonic() + wait
-        self.runs = [self._scan(lane, int(first[lane]), int(stop[lane]), min(int(base[lane]), int(first[lane])), deadline)
+        self.runs = [self._scan(lane, int(first[lane]), int(stop[lane]), min(int(base[lane]), int(first[lane])), deadline,
+                                int(first[lane]) if since is None else min(max(int(first[lane]), since[lane]),
+                                                                           int(stop[lane])))
                      for lane in range(ring.lanes)]
 
-    def _scan(self, lane: int, first: int, stop: int, base: int, deadline: float) -> Run:
+    def _scan(self, lane: int, first: int, stop: int, base: int, deadline: float, start: int) -> Run:
         """Find the run's end (the first row a live writer is still writing after the wait), the
-        overwritten rows before it and the holes (empty rows) among them."""
+        overwritten rows before it and the holes (empty rows) among them, from row ``start``."""
         stamp = self.buf.ring.stamp
-        keep, n0 = first, first
+        keep, n0 = start, start
         holes: list[np.ndarray] = []
         step = CHUNK_BYTES // 8
         end = stop
@@ -264,6 +268,16 @@ class Snapshot:
         out["_present"] = ~hole
         return Piece(run.lane, n0 + lo, {name: a[lo:] for name, a in out.items()})
 
+    def unchanged(self, lane: int, n0: int, n1: int) -> bool:
+        """Whether the rows ``[n0, n1)`` of ``lane`` (found committed by the scan; their slots do
+        not wrap) still are and were not cleared: the reader's rule for rows copied straight from
+        the columns since the scan (``persistence/checkpoint.py``)."""
+        ring = self.buf.ring
+        numbers = np.arange(n0, n1, dtype=np.int64)
+        if not np.array_equal(ring.stamp[self._slots(lane, n0, n1)], committed(numbers)):
+            return False
+        return not ring.cleared(row_id(numbers, lane, ring.lanes)).size
+
     def piece_rows(self, row_bytes: int) -> int:
         """Rows of a piece: ``CHUNK_BYTES`` over every lane's piece together."""
         return max(1, CHUNK_BYTES // max(1, row_bytes) // len(self.runs))
@@ -318,7 +332,7 @@ def at_one_moment(buf: Buffer, spans: list[tuple[int, int, int]]) -> Moment:
     ``[n0, n1)`` are still there (their stamps name them, committed or being updated), which slots
     are empty (stamp 0: deleted, reaped, abandoned), their leaves and use counts; and the counters
     (``edits`` and ``edits_begun`` of the log of edits, ``stats``, ``inserted``, ``sample_calls``,
-    ``removed``, ``interleaved``, ``max_priority``): a checkpoint's rows, leaves and log as of one
+    ``removed``, ``interleaved``, ``max_priority``, ``first``: each lane's first row, ``Ring.bounds``): a checkpoint's rows, leaves and log as of one
     moment (``persistence/checkpoint.py``). The lock is held for the copies only."""
     ring, prios, counters = buf.ring, buf.priorities, buf.block.counters
     lc = ring.lane_capacity
@@ -334,7 +348,7 @@ def at_one_moment(buf: Buffer, spans: list[tuple[int, int, int]]) -> Moment:
             "edits": int(counters[Counter.EDITS]), "edits_begun": int(counters[Counter.EDITS_BEGUN]),
             "stats": ring.stats, "inserted": ring.inserted, "sample_calls": int(counters[Counter.SAMPLE_CALLS]),
             "removed": int(counters[Counter.REMOVED]), "interleaved": int(counters[Counter.INTERLEAVED]),
-            "max_priority": prios.max_priority if prios is not None else None,
+            "max_priority": prios.max_priority if prios is not None else None, "first": ring.bounds()[0].copy(),
         }
     for (_, n0, n1), s in zip(spans, stamps, strict=True):
         numbers = np.arange(n0, n1, dtype=np.int64)
