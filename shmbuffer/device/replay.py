@@ -71,6 +71,7 @@ from ..protocol.edits import held
 from ..protocol.layout import Counter, Lane
 from ..protocol.reader import GIVE_UP, Source
 from ..protocol.rows import committed, committed_of_id, slot, slot_of_id, window
+from ..sampling import ranks
 from ..sampling.samplers import drawn_by
 from ..sequences import check_n_step, check_windows, n_step_fields, window_mask
 from .refresher import PACE_S, Refresher, forget
@@ -138,9 +139,7 @@ class DeviceReplay(DeviceRows):
         torch = _torch()
         opts = buf.options
         refused = [what for what, on in (("max_use", opts.max_use is not None),
-                                        ("a rate limiter", opts.limiter is not None),
-                                        ("a rank's part of global draws (attach rank=, world_size=)",
-                                         buf.ranked is not None)) if on]
+                                        ("a rate limiter", opts.limiter is not None)) if on]
         if refused:
             raise LayoutError(f"DeviceReplay: buffer {buf.name!r} has {', '.join(refused)}, which the device copy "
                               "does not do yet: sample with buf.sample(...) or a Loader(buf, ...)")
@@ -283,7 +282,7 @@ class DeviceReplay(DeviceRows):
         deadline = 0.0
         while True:
             try:
-                return self._sample_once(int(n), int(n_step), float(gamma), fields)
+                return self._step(self._sample_once(int(n), int(n_step), float(gamma), fields))
             except EmptyBufferError as e:
                 # rows the copy lacks while the buffer holds some (writers lapping a small ring
                 # faster than it refreshes): refreshed and drawn again, as the host's reader waits;
@@ -304,7 +303,7 @@ class DeviceReplay(DeviceRows):
             raise ClosedError(f"DeviceReplay of buffer {self.buf.name!r} is closed")
         self._maybe_sync()
         served = self.buf.options.sampler.served  # what the sampler lets the device draw in its place
-        if served == "uniform" and self._draw_call is not None and self.spec is None:
+        if served == "uniform" and self._draw_call is not None and self.spec is None and self.buf.ranked is None:
             batch = self._uniform_one_call(int(n))  # takes the lock itself, in C
             if n_step > 1:
                 with self.lock:
@@ -326,14 +325,13 @@ class DeviceReplay(DeviceRows):
         return batch
 
     def _uniform(self, n: int) -> Batch:
-        torch = _torch()
         if self.spec is not None:
             return self._uniform_transitions(n)
         m = len(self)
         if m == 0:
             raise EmptyBufferError(f"sample({n}): the device copy of buffer {self.buf.name!r} holds no rows yet "
                                    "(push, then sync() or sample again)")
-        pick = torch.randint(m, (n,), device=self.device, generator=self._gen)
+        pick = self._pick(m, n, True)
         if m < self.capacity:  # else every slot is usable: the draw is the slot
             pick = self._usable_slots().index_select(0, pick)
         return self._batch(pick, self._ids_of(pick), None)
@@ -365,7 +363,7 @@ class DeviceReplay(DeviceRows):
         prios = buf.priorities
         sampler, ring = buf.options.sampler, buf.ring
         tree = prios.tree if prios is not None else None
-        calls = prios.next_call() if prios is not None else 0
+        calls = ranks.next_call(buf.ranked, prios)
         ids = np.empty(n, np.int64)
         leaves = np.empty(n, np.float64)
         todo = np.arange(n)
@@ -381,7 +379,8 @@ class DeviceReplay(DeviceRows):
                 done = np.setdiff1d(np.arange(n), todo)  # the sync may have copied newer rows over them
                 stale = done[self.held[ring.slots(ids[done])] != committed_of_id(ids[done], self.lanes)]
                 todo = np.union1d(todo, stale)
-            d = sampler.draw(ring, tree, buf.rng, todo.size, again=round_ > 0)
+            d = (ranks.draw(sampler, ring, tree, buf.ranked, n, True) if round_ == 0 and buf.ranked is not None
+                 else sampler.draw(ring, tree, buf.rng, todo.size, again=round_ > 0))
             got = d.ids
             if got.shape[0] != todo.size:
                 fewer = True
@@ -469,13 +468,12 @@ class DeviceReplay(DeviceRows):
     def _draw_held(self, n: int, accept: Callable[[np.ndarray], np.ndarray]) -> np.ndarray | None:
         """``n`` ids of usable rows drawn uniformly on the device, those ``accept`` refuses drawn
         again (a bounded number of rounds); ``None`` when they could not all be drawn."""
-        torch = _torch()
         ids = np.empty(n, np.int64)
         todo = np.arange(n)
-        for _ in range(4 * _ROUNDS):
+        for round_ in range(4 * _ROUNDS):
             if len(self) == 0:
                 return None
-            pick = torch.randint(len(self), (todo.size,), device=self.device, generator=self._gen)
+            pick = self._pick(len(self), todo.size, round_ == 0)
             got = self._ids_of(self._usable_slots().index_select(0, pick)).cpu().numpy()
             ok = accept(got)
             ids[todo[ok]] = got[ok]
@@ -483,6 +481,21 @@ class DeviceReplay(DeviceRows):
             if todo.size == 0:
                 return ids
         return None
+
+    def _pick(self, m: int, k: int, first: bool) -> Any:
+        """``k`` positions in ``[0, m)`` of the usable slots, on the device: a rank's ``first`` draw of a
+        sample its part of the step's global draw (``ranks.positions``; every rank's copy, refreshed
+        alike, holds the same slots), else the device generator's."""
+        torch = _torch()
+        if first and self.buf.ranked is not None:
+            return torch.from_numpy(ranks.positions(self.buf.ranked, k, m)).to(self.device)
+        return torch.randint(m, (k,), device=self.device, generator=self._gen)
+
+    def _step(self, batch: Batch) -> Batch:
+        """``batch``, a rank's step counted (``ReplayBuffer``'s: the attach's one count of samples)."""
+        if self.buf.ranked is not None:
+            self.buf.ranked.step += 1
+        return batch
 
     def _window_ids(self, anchors: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """Ids of the rows ``anchor + offset`` of each anchor's lane (the copy's ``held`` says which
@@ -597,7 +610,7 @@ class DeviceReplay(DeviceRows):
             mask = window_mask(held & (self.episodes[slots] == own[:, None]), burn_in)
             batch = self._window_batch(np.where(mask, ids, -1), np.where(mask, slots, 0), mask, time_major)
         self.buf.ring.count_sampled(n * (length + burn_in))
-        return batch
+        return self._step(batch)
 
     def _window(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Which of ``ids`` (any shape) the copy holds as committed, and their slots."""
