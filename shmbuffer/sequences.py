@@ -15,6 +15,7 @@ The functions at the top are index arithmetic on plain arrays; the samplers belo
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import numpy as np
 
@@ -334,8 +335,8 @@ def _episode_groups(src: Source, groups: int, size: int, *, ordered: bool, repla
                 f"fewer than the {whole} distinct ones asked for{' (groups x world_size)' if whole > groups else ''} "
                 "(replace=True repeats them)"
             )
-        rows = ranks.sliced(src.ranked, src.rng, groups, lambda k, rng, runs=(lane, first, length): _run_groups(
-            ring, runs, k, rng, size, ordered=ordered, replace=replace))  # a rank: its slice of the global groups
+        rows = ranks.sliced(src.ranked, src.rng, groups, partial(  # a rank: its slice of the global groups
+            _run_groups, ring, (lane, first, length), size=size, ordered=ordered, replace=replace))
         real = rows != INVALID
         got = gather(src.block, ring, rows)
         assert got.episode is not None
