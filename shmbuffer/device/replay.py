@@ -33,6 +33,8 @@ drawing again any row whose slot a refresh dropped meanwhile, as ``dropped`` sho
 sampler draws on the host, by its own ``draw`` (a prioritized one
 from the shared sum tree, with ``ReplayBuffer.sample``'s importance weights; a user's sampler as
 it draws), keeping the drawn rows the device holds as committed and drawing again for the others.
+On a rank's attach (``sampling/ranks.py``) each draw is the rank's part of the step's keyed global
+draw (uniform: positions among the usable slots; else the host's keyed draw), without the one call.
 ``update_priorities`` writes the shared tree, so every process sees it. A batch has the fields,
 shapes and dtypes of ``ReplayBuffer.sample``'s, as tensors on the device, with ``index`` (ids),
 ``episode`` and ``weight`` as there.

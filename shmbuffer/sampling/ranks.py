@@ -22,8 +22,22 @@ rows). The rows themselves:
   on ``(seed, e)``; its global batches of ``batch_size * w`` rows are split in rank order
   (``part``), so the ranks cover every row exactly once.
 
+The same rules serve the draws beyond rows (``docs/several-learners.md`` has the table):
+
+* window anchors (``sequences.py``: sequences, ordered groups) and the device copy's uniform draw
+  (``device/replay.py``, positions among the copy's usable slots) as uniform rows
+  (``uniform_ids``, ``positions``); an anchor whose window does not fit is drawn again in rounds
+  keyed on ``(seed, step, round)``;
+* groups drawn episode first, shuffled groups and episodes: the whole global draw from the keyed
+  generator, rank ``r`` its slice (``sliced``);
+* hindsight (``hindsight.py``): the transitions as rows; the relabelled positions are the rank's
+  part of the global batch's one cyclic block (``relabelled``), each goal picked by its global
+  point's number (``goal_numbers``).
+
 Rows re-drawn because they were not intact (being written, or not whole transitions) come from
-the process's own generator (``ReplayBuffer.rng``): the invariance holds for the rows drawn intact.
+the process's own generator (``ReplayBuffer.rng``): the invariance holds for the rows drawn intact
+(so do a hindsight transition drawn in a running episode, a goal row found overwritten, a row the
+device copy does not hold).
 """
 
 from __future__ import annotations
