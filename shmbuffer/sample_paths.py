@@ -59,7 +59,7 @@ class SamplePaths:
                 and hindsight is None and timeout is None and not unknown and one.rng is src.rng
                 and src.options.limiter is None):
             # the usual call, as one C call with no checks left to make (the rest below is the same)
-            calls = next_call(src)
+            calls = ranks.next_call(rank, src.priorities)  # beta's sample call, counted
             batch = one(src, n, out, calls, None if rank is None else rank.keyed(n))
             if batch is None:  # what the call does not serve (an empty buffer ...): the Python path
                 check_transitions(src, n, True)
@@ -89,7 +89,7 @@ class SamplePaths:
         check_transitions(src, n, replace)
 
         def draw() -> Batch:
-            calls = next_call(src)
+            calls = ranks.next_call(rank, src.priorities)  # beta's sample call, counted
             batch = None if hindsight is None else her.sample(src, hindsight, n, out=out, calls=calls,
                                                               first=first_draw(src, n, True))
             if batch is None and replace and self.one_calls:
@@ -122,11 +122,6 @@ class SamplePaths:
         if self.one_call is not None:
             self.one_call.close()
         self.one_call = None
-
-
-def next_call(src: Buffer) -> int:
-    """The sample call whose ``beta`` a batch's weights take, counted (``ranks.next_call``)."""
-    return ranks.next_call(src.ranked, src.priorities)
 
 
 def first_draw(src: Buffer, n: int, replace: bool) -> Draw | None:
