@@ -304,9 +304,8 @@ class ReplayBuffer(MappedBlock):
         before), fields ``(n, burn_in + length, ...)`` or, ``time_major``, ``(burn_in + length, n,
         ...)``. ``batch.mask`` marks the steps that exist: a window stops at its episode's ends,
         the write head and rows being written; the rest is zeros. See ``sequences.py``."""
-        self._alone("sample_sequences")
-        return reader.count(self, n * (length + burn_in), None, lambda: sequences.sample_sequences(
-            self, n, length, burn_in=burn_in, time_major=time_major))
+        return self._step(reader.count(self, n * (length + burn_in), None, lambda: sequences.sample_sequences(
+            self, n, length, burn_in=burn_in, time_major=time_major)))
 
     def sample_groups(self, groups: int, size: int, *, ordered: bool = True, replace: bool = True,
                       short: bool = False) -> Batch:
@@ -317,23 +316,20 @@ class ReplayBuffer(MappedBlock):
         :param replace: ``False``: every group from another episode (DI-engine's default).
         :param short: also draw episodes of fewer than ``size`` rows, whole; ``batch.mask`` marks
             the rows that exist."""
-        self._alone("sample_groups")
-        return reader.count(self, groups * size, None, lambda: sequences.sample_groups(
-            self, groups, size, ordered=ordered, replace=replace, short=short))
+        return self._step(reader.count(self, groups * size, None, lambda: sequences.sample_groups(
+            self, groups, size, ordered=ordered, replace=replace, short=short)))
 
     def sample_episodes(self, n: int, *, replace: bool = False) -> list[Batch]:
         """``n`` distinct complete episodes (the next one has started in their lane), each a batch
         of its rows in order; with ``replace=True`` drawn in proportion to their length. A rate
         limiter does not hold it back."""
-        self._alone("sample_episodes")
-        return sequences.sample_episodes(self, n, replace=replace)
+        return self._step(sequences.sample_episodes(self, n, replace=replace))
 
-    def _alone(self, what: str) -> None:
-        """Refuse a draw that a rank's attach does not split over the ranks yet (``sampling/ranks.py``)."""
-        rank = self.ranked
-        if rank is not None:
-            raise ValueError(f"{what}: its draws are not split over ranks yet (this attach is rank {rank.rank} of "
-                             f"world_size={rank.world_size}); call it on an attach without rank=/world_size=")
+    def _step(self, drawn: Any) -> Any:
+        """``drawn``, a rank's step counted (its next sample draws the next global batch)."""
+        if self.ranked is not None:
+            self.ranked.step += 1
+        return drawn
 
     def epoch(self, batch_size: int, *, shuffle: bool = True, drop_last: bool = False) -> Iterator[Batch]:
         """Every row held now, once, in batches of ``batch_size`` (PPO's epochs). Rows overwritten

@@ -72,7 +72,8 @@ from .protocol.layout import Counter
 from .protocol.reader import GIVE_UP, Source
 from .protocol.ring import INVALID, Ring
 from .protocol.rows import lane_of, number_of, row_id, slot
-from .sampling.samplers import drawn_by
+from .sampling import ranks
+from .sampling.samplers import Draw, drawn_by
 
 __all__ = ["STRATEGIES", "Hindsight", "sample"]
 
@@ -373,9 +374,11 @@ def _any_complete(src: Source, plan: Plan) -> bool:
 
 # -- the sample ---------------------------------------------------------------------------------------
 
-def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] | None = None, calls: int = 0) -> Batch:
+def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] | None = None, calls: int = 0,
+           first: Draw | None = None) -> Batch:
     """``n`` transitions of complete episodes, a ``spec.her_ratio`` part of them relabelled (the
-    module docstring). ``out`` and ``calls`` as for ``reader.draw``."""
+    module docstring). ``out``, ``calls`` and ``first`` as for ``reader.draw``; a rank's relabelled
+    positions and goals are its part of the global batch's (``ranks.relabelled``, ``goal_numbers``)."""
     known = memo(src)
     plan = known.plans.get(spec) or plan_for(src, spec)
     ring, prios, sampler, block = src.ring, src.priorities, src.options.sampler, src.block
@@ -412,8 +415,8 @@ def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] |
             raise EmptyBufferError(f"{what}: the buffer was emptied (cleared) while sampling")
         return more.ids, more.leaves
 
-    def draw(k: int) -> tuple[np.ndarray, Rows, np.ndarray | None]:
-        first = sampler.draw(ring, tree, src.rng, k)
+    def draw(k: int, first: Draw | None = None) -> tuple[np.ndarray, Rows, np.ndarray | None]:
+        first = first if first is not None else sampler.draw(ring, tree, src.rng, k)
         if first.ids.size < k:
             if len(ring) == 0:
                 raise EmptyBufferError(f"{what}: the buffer is empty; push whole episodes first")
@@ -430,11 +433,11 @@ def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] |
                 raise EmptyBufferError(f"{what}: no episode is complete yet; push whole episodes first") from None
             raise
 
-    ids, rows, leaves = draw(n)
-    k = int(spec.her_ratio * n)
+    ids, rows, leaves = draw(n, first)
     # which positions are relabelled: a block of k at a random place (cyclic), so each position
     # has the chance k / n also when a prioritized draw orders its rows by stratum
-    at = int(src.rng.integers(n))
+    at, k = ranks.relabelled(src.ranked, src.rng, n, spec.her_ratio)
+    numbers = ranks.goal_numbers(src.ranked, n)
     pos = (at + np.arange(k)) % n
     cut = (slice(at, min(at + k, n)), slice(0, max(at + k - n, 0)))  # pos as slices
     goal_ids = np.full(n, -1, np.int64)
@@ -443,7 +446,9 @@ def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] |
     deadline = time.monotonic() + GIVE_UP
     while todo.size:
         assert rows.episode is not None
-        g, fine, values = _goals(src, plan, known, ids[todo], rows.episode[todo])
+        g, fine, values = _goals(src, plan, known, ids[todo], rows.episode[todo],
+                                 None if numbers is None else numbers[todo])
+        numbers = None  # a goal drawn again (its row was being written) is the rank's own
         if goals is None and fine.all():  # the usual case: every goal row read intact at once
             goal_ids[todo] = g
             goals = values
@@ -477,10 +482,11 @@ def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] |
     return batch
 
 
-def _goals(src: Source, plan: Plan, known: Memo, ids: np.ndarray, own: np.ndarray,
+def _goals(src: Source, plan: Plan, known: Memo, ids: np.ndarray, own: np.ndarray, numbers: np.ndarray | None,
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Goal rows for transitions ``ids`` (accepted: ``known`` has their episodes' stops) of
-    episodes ``own``, read under the stamp check: their ids, which are fine, and their goals."""
+    episodes ``own``, read under the stamp check: their ids, which are fine, and their goals;
+    ``numbers`` in ``[0, 1)`` pick them (``None``: the buffer's generator draws them)."""
     ring, rng = src.ring, src.rng
     lanes = ring.lanes
     lane, row = lane_of(ids, lanes), number_of(ids, lanes)
@@ -489,7 +495,7 @@ def _goals(src: Source, plan: Plan, known: Memo, ids: np.ndarray, own: np.ndarra
     stop = np.maximum(entry[:, 1], row + 1)
     strategy = plan.spec.strategy
     if strategy == "future":
-        g = row + (rng.random(row.shape[0]) * (stop - row)).astype(np.int64)
+        g = row + ((rng.random(row.shape[0]) if numbers is None else numbers) * (stop - row)).astype(np.int64)
     elif strategy == "final":
         g = stop - 1
     else:
@@ -501,7 +507,7 @@ def _goals(src: Source, plan: Plan, known: Memo, ids: np.ndarray, own: np.ndarra
             first[unknown] = found
             known.put(ring, ids[unknown], stop[unknown], np.full(unknown.size, 0, np.int64) + found)
         first = np.maximum(first, ring.bounds()[0][lane])
-        g = first + (rng.random(row.shape[0]) * (stop - first)).astype(np.int64)
+        g = first + ((rng.random(row.shape[0]) if numbers is None else numbers) * (stop - first)).astype(np.int64)
     gid = row_id(g, lane, lanes)
     got = gather(src.block, ring, gid, large=plan.large)
     assert got.episode is not None

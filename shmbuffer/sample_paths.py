@@ -57,7 +57,7 @@ class SamplePaths:
                 and hindsight is None and timeout is None and not unknown and one.rng is src.rng
                 and src.options.limiter is None):
             # the usual call, as one C call with no checks left to make (the rest below is the same)
-            calls = next_call(src)
+            calls = ranks.next_call(rank, src.priorities)  # beta's sample call, counted
             batch = one(src, n, out, calls, None if rank is None else rank.keyed(n))
             if batch is None:  # what the call does not serve (an empty buffer ...): the Python path
                 check_transitions(src, n, True)
@@ -79,17 +79,11 @@ class SamplePaths:
             her.plan_for(src, hindsight)
         check_transitions(src, n, replace)
 
-        if rank is not None and hindsight is not None:
-            raise ValueError(f"sample: hindsight relabelling does not split its draws over ranks (this attach is rank "
-                             f"{rank.rank} of world_size={rank.world_size}); sample with hindsight from an attach "
-                             "without rank=/world_size=")
-
         def draw() -> Batch:
-            calls = next_call(src)
-            if hindsight is not None:
-                return her.sample(src, hindsight, n, out=out, calls=calls)
-            batch = None
-            if replace and self.one_calls:
+            calls = ranks.next_call(rank, src.priorities)  # beta's sample call, counted
+            batch = None if hindsight is None else her.sample(src, hindsight, n, out=out, calls=calls,
+                                                              first=first_draw(src, n, True))
+            if batch is None and replace and self.one_calls:
                 one = self.one_call
                 if one is None or one.rng is not src.rng:  # made at the first sample, again for a new rng
                     one = self.make_one_call(src)
@@ -119,19 +113,6 @@ class SamplePaths:
         if self.one_call is not None:
             self.one_call.close()
         self.one_call = None
-
-
-def next_call(src: Buffer) -> int:
-    """The sample call whose ``beta`` a batch's weights take (``Prioritized.beta_at``), counted:
-    alone, the calls of every process (``Counter.SAMPLE_CALLS``, shared: attach and load continue
-    it); a rank, its own step, the global batch's (every rank's at once), while rank 0 alone counts
-    the shared calls, one per global batch."""
-    prios, rank = src.priorities, src.ranked
-    if rank is None:
-        return prios.next_call() if prios is not None else 0
-    if prios is not None and rank.rank == 0:
-        prios.next_call()
-    return rank.step
 
 
 def first_draw(src: Buffer, n: int, replace: bool) -> Draw | None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from .protocol.gather import Rows, assemble, gather
 from .protocol.reader import GIVE_UP, Source
 from .protocol.ring import INVALID, Ring
 from .protocol.rows import lane_of, number_of, row_id, slot, window
+from .sampling import ranks
 from .sampling.samplers import check_batch_size, uniform_ids
 
 
@@ -148,7 +150,14 @@ def _windows(src: Source, n: int, offsets: np.ndarray, anchor: int, *, full: boo
             raise EmptyBufferError(f"{what}: buffer {src.name!r} was cleared")
         return window_ids(ring, fresh, offsets)[0], None
 
-    anchors = _anchors(src, n)
+    def fits(ids: np.ndarray) -> np.ndarray:  # by the episode column as it is: fetch confirms
+        win, inside = window_ids(ring, ids, offsets)
+        ep = src.block.episode[ring.slots(np.where(inside, win, 0))]  # type: ignore[index]
+        return np.asarray((inside & (ep == ep[:, anchor:anchor + 1])).all(axis=1))
+
+    # a rank: its part of the step's global draw, whole windows found by keyed re-draws
+    anchors = _anchors(src, n) if src.ranked is None else ranks.uniform_ids(
+        src.ranked, n, *ring.bounds(), fits=fits if full else None)
     if anchors.size < n:
         raise EmptyBufferError(f"{what}: buffer {src.name!r} is empty; push rows first")
     ids = window_ids(ring, anchors, offsets)[0]
@@ -209,16 +218,22 @@ def _shuffled_groups(src: Source, groups: int, size: int, what: str) -> Batch:
     ring = src.ring
     episodes = _need_episodes(src, what)
 
-    def draw(k: int) -> np.ndarray:
-        anchors = _anchors(src, k)
+    def draw(k: int, rng: np.random.Generator, rounds: int = 1) -> np.ndarray:
+        anchors = uniform_ids(rng, k, *ring.bounds())
         if anchors.size < k:
             raise EmptyBufferError(f"{what}: buffer {src.name!r} is empty; push rows first")
         first, stop = episode_extent(ring, episodes, anchors)
+        for _ in range(rounds - 1):  # a rank's: a group of a shorter episode drawn again by the keyed generator
+            short = np.flatnonzero(stop - first < size)
+            if not short.size:
+                break
+            anchors[short] = uniform_ids(rng, short.size, *ring.bounds())
+            first[short], stop[short] = episode_extent(ring, episodes, anchors[short])
         lanes = anchors % ring.lanes
         rows = np.full((k, size), INVALID, np.int64)
         for g, (lo, hi, lane) in enumerate(zip(first, stop, lanes, strict=True)):
             if hi - lo >= size:
-                rows[g] = row_id(lo + src.rng.choice(hi - lo, size=size, replace=False), lane, ring.lanes)
+                rows[g] = row_id(lo + rng.choice(hi - lo, size=size, replace=False), lane, ring.lanes)
         return rows
 
     def accept(ids: np.ndarray, rows: Rows) -> np.ndarray:
@@ -226,7 +241,9 @@ def _shuffled_groups(src: Source, groups: int, size: int, what: str) -> Batch:
         return rows.ok.all(axis=1) & (rows.episode == rows.episode[:, :1]).all(axis=1)
 
     try:
-        ids, rows, _ = reader.fetch(src.block, ring, draw(groups), lambda k, ids, slow: (draw(k), None),
+        ids, rows, _ = reader.fetch(src.block, ring, ranks.sliced(src.ranked, src.rng, groups, lambda k, rng: draw(
+                                        k, rng, 1 if src.ranked is None else ranks.ROUNDS)),
+                                    lambda k, ids, slow: (draw(k, src.rng), None),
                                     reap=src.reap, accept=accept, what=what)
     except TimeoutError:
         raise EmptyBufferError(f"{what}: no episode in buffer {src.name!r} has {size} rows") from None
@@ -288,9 +305,10 @@ def _ends_in_own_row(src: Source) -> bool:
 
 
 def _pick_runs(src: Source, lengths: np.ndarray, n: int, replace: bool) -> np.ndarray:
-    """``n`` runs drawn in proportion to their length, distinct unless ``replace``."""
+    """``n`` runs drawn in proportion to their length, distinct unless ``replace``; a rank's its
+    slice of the global draw's."""
     p = lengths / lengths.sum()
-    return src.rng.choice(lengths.size, size=n, replace=replace, p=p)
+    return ranks.sliced(src.ranked, src.rng, n, lambda k, rng: rng.choice(lengths.size, size=k, replace=replace, p=p))
 
 
 def _episode_groups(src: Source, groups: int, size: int, *, ordered: bool, replace: bool, short: bool,
@@ -309,20 +327,15 @@ def _episode_groups(src: Source, groups: int, size: int, *, ordered: bool, repla
         if not length.size:
             raise EmptyBufferError(f"{what}: no episode in buffer {src.name!r} has {size} rows"
                                    if len(ring) else f"{what}: buffer {src.name!r} is empty; push rows first")
-        if not replace and length.size < groups:
+        whole = groups * (1 if src.ranked is None else src.ranked.world_size)  # a rank: the global draw's
+        if not replace and length.size < whole:
             raise EmptyBufferError(
                 f"{what}: buffer {src.name!r} holds {length.size} episodes{'' if short else f' of {size} rows or more'}, "
-                f"fewer than the {groups} distinct ones asked for (replace=True repeats them)"
+                f"fewer than the {whole} distinct ones asked for{' (groups x world_size)' if whole > groups else ''} "
+                "(replace=True repeats them)"
             )
-        pick = _pick_runs(src, length.astype(np.float64), groups, replace)
-        rows = np.full((groups, size), INVALID, np.int64)
-        for g, r in enumerate(pick):
-            lo, m = int(first[r]), int(min(size, length[r]))
-            if ordered:
-                at = lo + int(src.rng.integers(0, length[r] - m + 1)) + np.arange(m)
-            else:
-                at = lo + src.rng.choice(int(length[r]), size=m, replace=False)
-            rows[g, :m] = row_id(at, lane[r], ring.lanes)
+        rows = ranks.sliced(src.ranked, src.rng, groups, partial(  # a rank: its slice of the global groups
+            _run_groups, ring, (lane, first, length), size=size, ordered=ordered, replace=replace))
         real = rows != INVALID
         got = gather(src.block, ring, rows)
         assert got.episode is not None
@@ -334,12 +347,30 @@ def _episode_groups(src: Source, groups: int, size: int, *, ordered: bool, repla
         src.reap()
 
 
+def _run_groups(ring: Ring, runs: tuple[np.ndarray, np.ndarray, np.ndarray], k: int, rng: np.random.Generator,
+                size: int, *, ordered: bool, replace: bool) -> np.ndarray:
+    """Ids ``(k, size)`` of groups of the episode runs ``(lane, first, length)`` (``_episode_groups``),
+    ``INVALID`` past a short episode's rows."""
+    lane, first, length = runs
+    rows = np.full((k, size), INVALID, np.int64)
+    for g, r in enumerate(rng.choice(length.size, size=k, replace=replace, p=length / length.sum())):
+        lo, m = int(first[r]), int(min(size, length[r]))
+        if ordered:
+            at = lo + int(rng.integers(0, length[r] - m + 1)) + np.arange(m)
+        else:
+            at = lo + rng.choice(int(length[r]), size=m, replace=False)
+        rows[g, :m] = row_id(at, lane[r], ring.lanes)
+    return rows
+
+
 def sample_episodes(src: Source, n: int, *, replace: bool = False) -> list[Batch]:
     """``n`` complete episodes (their first and last rows both in the buffer), drawn with
     probability proportional to their length, each a batch of its rows in order; distinct ones
-    unless ``replace`` (``EmptyBufferError`` when fewer are complete)."""
-    if not replace:
-        return _distinct_episodes(src, n)
+    unless ``replace`` (``EmptyBufferError`` when fewer are complete). A rank draws from the
+    complete episodes found by a scan (``episode_runs``), in proportion to their transitions: its
+    slice of the global draw."""
+    if not replace or src.ranked is not None:
+        return _distinct_episodes(src, n, replace)
     ring = src.ring
     what = f"sample_episodes({n})"
     episodes = _need_episodes(src, what)
@@ -372,20 +403,21 @@ def sample_episodes(src: Source, n: int, *, replace: bool = False) -> list[Batch
     return out
 
 
-def _distinct_episodes(src: Source, n: int) -> list[Batch]:
+def _distinct_episodes(src: Source, n: int, replace: bool = False) -> list[Batch]:
     ring = src.ring
-    what = f"sample_episodes({n}, replace=False)"
+    what = f"sample_episodes({n}, replace={replace})"
+    whole = n * (1 if src.ranked is None else src.ranked.world_size)  # a rank: the global draw's
     deadline = time.monotonic() + GIVE_UP
     while True:
         lane, first, stop = episode_runs(src, complete=True)
-        if lane.size < n:
+        if lane.size < (1 if replace else whole):
+            asked = "one" if replace else f"the {whole} distinct ones asked for" + (" (n x world_size)" if whole > n else "")
             raise EmptyBufferError(
-                f"{what}: buffer {src.name!r} holds {lane.size} complete episodes, fewer than the {n} distinct "
-                "ones asked for (the episode still being written in each lane is not complete; "
-                "replace=True repeats them)"
+                f"{what}: buffer {src.name!r} holds {lane.size} complete episodes, fewer than {asked} (the episode "
+                "still being written in each lane is not complete; replace=True repeats them)"
             )
         out = []
-        for r in _pick_runs(src, (stop - first).astype(np.float64), n, False):
+        for r in _pick_runs(src, (stop - first).astype(np.float64), n, replace):
             ids = row_id(np.arange(first[r], stop[r]), lane[r], ring.lanes)
             rows = gather(src.block, ring, ids)
             assert rows.episode is not None

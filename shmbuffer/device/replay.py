@@ -33,6 +33,8 @@ drawing again any row whose slot a refresh dropped meanwhile, as ``dropped`` sho
 sampler draws on the host, by its own ``draw`` (a prioritized one
 from the shared sum tree, with ``ReplayBuffer.sample``'s importance weights; a user's sampler as
 it draws), keeping the drawn rows the device holds as committed and drawing again for the others.
+On a rank's attach (``sampling/ranks.py``) each draw is the rank's part of the step's keyed global
+draw (uniform: positions among the usable slots; else the host's keyed draw), without the one call.
 ``update_priorities`` writes the shared tree, so every process sees it. A batch has the fields,
 shapes and dtypes of ``ReplayBuffer.sample``'s, as tensors on the device, with ``index`` (ids),
 ``episode`` and ``weight`` as there.
@@ -67,7 +69,7 @@ import numpy as np
 
 from .. import arguments
 from ..batch import Batch, torch_views
-from ..errors import ClosedError, EmptyBufferError, FieldError, LayoutError, WaitTimeout
+from ..errors import ClosedError, EmptyBufferError, FieldError, WaitTimeout
 from ..frames import Stack, stack_columns, stack_plan
 from ..frames import center as frames_center
 from ..protocol import refresh
@@ -75,6 +77,7 @@ from ..protocol.edits import held
 from ..protocol.reader import GIVE_UP, Source, Uses, count, draw_ids, nothing_to_draw, short_of_uses
 from ..protocol.refresh import DONE, ERROR, INSERTED
 from ..protocol.rows import committed, committed_of_id, lane_of, number_of, slot, slot_of_id, window
+from ..sampling import ranks
 from ..sampling.samplers import drawn_by
 from ..sequences import check_sample, check_windows, n_step_fields, n_step_return, window_mask
 from .refresher import PACE_S, Refresher, forget
@@ -138,10 +141,6 @@ class DeviceReplay(DeviceRows):
                  refresher: bool = True) -> None:
         torch = _torch()
         opts = buf.options
-        if buf.ranked is not None:
-            raise LayoutError(f"DeviceReplay: buffer {buf.name!r} has a rank's part of global draws (attach rank=, "
-                              "world_size=), which the device copy does not do yet: sample with buf.sample(...) "
-                              "or a Loader(buf, ...)")
         for name, value in (("max_lag_rows", max_lag_rows), ("chunk", chunk)):
             if value is not None and (type(value) is not int or value < (1 if name == "chunk" else 0)):
                 raise ValueError(f"DeviceReplay: {name} must be an int >= {1 if name == 'chunk' else 0}, got {value!r}")
@@ -286,7 +285,7 @@ class DeviceReplay(DeviceRows):
         deadline = 0.0
         while True:
             try:
-                return self._sample_once(n, n_step, gamma, fields)
+                return self._step(self._sample_once(n, n_step, gamma, fields))
             except EmptyBufferError as e:
                 if self.closed or held(self.buf) == 0 or isinstance(e, _DrawGaveFewer):
                     raise
@@ -305,7 +304,7 @@ class DeviceReplay(DeviceRows):
         self._maybe_sync()
         # what the sampler lets the device draw in its place; with max_use, the host's tree (uses)
         served = self.buf.options.sampler.served if self.buf.options.max_use is None else None
-        if served == "uniform" and self._draw_call is not None and self.spec is None:
+        if served == "uniform" and self._draw_call is not None and self.spec is None and self.buf.ranked is None:
             batch = self._uniform_one_call(n)  # takes the lock itself, in C
             if n_step > 1:
                 with self.lock:
@@ -323,14 +322,13 @@ class DeviceReplay(DeviceRows):
         return batch
 
     def _uniform(self, n: int) -> Batch:
-        torch = _torch()
         if self.spec is not None:
             return self._uniform_transitions(n)
         m = len(self)
         if m == 0:
             raise EmptyBufferError(f"sample({n}): the device copy of buffer {self.buf.name!r} holds no rows yet "
                                    "(push, then sync() or sample again)")
-        pick = torch.randint(m, (n,), device=self.device, generator=self._gen)
+        pick = self._pick(m, n, True)
         if m < self.capacity:  # else every slot is usable: the draw is the slot
             pick = self._usable_slots().index_select(0, pick)
         return self._batch(pick, self._ids_of(pick), None)
@@ -362,7 +360,7 @@ class DeviceReplay(DeviceRows):
         torch = _torch()
         buf = self.buf
         prios, sampler = buf.priorities, buf.options.sampler
-        calls = prios.next_call() if prios is not None else 0
+        calls = ranks.next_call(buf.ranked, prios)
         uses = Uses(buf) if buf.options.max_use is not None else None
         ids = np.empty(n, np.int64)
         leaves = np.ones(n, np.float64)
@@ -471,13 +469,12 @@ class DeviceReplay(DeviceRows):
     def _draw_held(self, n: int, accept: Callable[[np.ndarray], np.ndarray]) -> np.ndarray | None:
         """``n`` ids of usable rows drawn uniformly on the device, those ``accept`` refuses drawn
         again (a bounded number of rounds); ``None`` when they could not all be drawn."""
-        torch = _torch()
         ids = np.empty(n, np.int64)
         todo = np.arange(n)
-        for _ in range(4 * _ROUNDS):
+        for round_ in range(4 * _ROUNDS):
             if len(self) == 0:
                 return None
-            pick = torch.randint(len(self), (todo.size,), device=self.device, generator=self._gen)
+            pick = self._pick(len(self), todo.size, round_ == 0)
             got = self._ids_of(self._usable_slots().index_select(0, pick)).cpu().numpy()
             ok = accept(got)
             ids[todo[ok]] = got[ok]
@@ -485,6 +482,21 @@ class DeviceReplay(DeviceRows):
             if todo.size == 0:
                 return ids
         return None
+
+    def _pick(self, m: int, k: int, first: bool) -> Any:
+        """``k`` positions in ``[0, m)`` of the usable slots, on the device: a rank's ``first`` draw of a
+        sample its part of the step's global draw (``ranks.positions``; every rank's copy, refreshed
+        alike, holds the same slots), else the device generator's."""
+        torch = _torch()
+        if first and self.buf.ranked is not None:
+            return torch.from_numpy(ranks.positions(self.buf.ranked, k, m)).to(self.device)
+        return torch.randint(m, (k,), device=self.device, generator=self._gen)
+
+    def _step(self, batch: Batch) -> Batch:
+        """``batch``, a rank's step counted (``ReplayBuffer``'s: the attach's one count of samples)."""
+        if self.buf.ranked is not None:
+            self.buf.ranked.step += 1
+        return batch
 
     def _window_ids(self, anchors: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """Ids of the rows ``anchor + offset`` of each anchor's lane (the copy's ``held`` says which
@@ -598,7 +610,7 @@ class DeviceReplay(DeviceRows):
             held, slots = self._window(ids)
             own = self.episodes[slot_of_id(anchors, self.lanes, self.lane_capacity)]
             mask = window_mask(held & (self.episodes[slots] == own[:, None]), burn_in)
-            return self._window_batch(np.where(mask, ids, -1), np.where(mask, slots, 0), mask, time_major)
+            return self._step(self._window_batch(np.where(mask, ids, -1), np.where(mask, slots, 0), mask, time_major))
 
     def _window(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Which of ``ids`` (any shape) the copy holds as committed, and their slots."""

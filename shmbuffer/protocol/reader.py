@@ -24,7 +24,7 @@ import numpy as np
 from .. import frames
 from ..batch import Batch
 from ..errors import EmptyBufferError, WaitTimeout
-from ..sampling import limiter
+from ..sampling import limiter, ranks
 from ..sampling.ranks import EPOCH, Rank
 from ..sampling.samplers import Draw, drawn_by
 from .gather import REDRAW_ROUNDS, Rows, assemble, gather, settle
@@ -231,9 +231,13 @@ def count(src: Source, rows: int, timeout: float | None, draw: Callable[[], Any]
 
 def draw_ids(src: Source, k: int, again: bool) -> Draw:
     """``k`` ids drawn by ``src``'s sampler (from the tree where it has one), for a reader that
-    reads them elsewhere (the device copy); ``again``: a re-draw."""
+    reads them elsewhere (the device copy); ``again``: a re-draw. A rank's first draw is its part
+    of the step's keyed global draw (``ranks.draw``); its re-draws are its own generator's."""
     prios = src.priorities
-    return src.options.sampler.draw(src.ring, prios.tree if prios is not None else None, src.rng, k, again=again)
+    tree = prios.tree if prios is not None else None
+    if src.ranked is not None and not again:
+        return ranks.draw(src.options.sampler, src.ring, tree, src.ranked, k, True)
+    return src.options.sampler.draw(src.ring, tree, src.rng, k, again=again)
 
 
 def redrawer(src: Source, n: int, replace: bool) -> Redraw:

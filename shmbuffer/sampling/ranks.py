@@ -22,12 +22,27 @@ rows). The rows themselves:
   on ``(seed, e)``; its global batches of ``batch_size * w`` rows are split in rank order
   (``part``), so the ranks cover every row exactly once.
 
+The same rules serve the draws beyond rows (``docs/several-learners.md`` has the table):
+
+* window anchors (``sequences.py``: sequences, ordered groups) and the device copy's uniform draw
+  (``device/replay.py``, positions among the copy's usable slots) as uniform rows
+  (``uniform_ids``, ``positions``); an anchor whose window does not fit is drawn again in rounds
+  keyed on ``(seed, step, round)``;
+* groups drawn episode first, shuffled groups and episodes: the whole global draw from the keyed
+  generator, rank ``r`` its slice (``sliced``);
+* hindsight (``hindsight.py``): the transitions as rows; the relabelled positions are the rank's
+  part of the global batch's one cyclic block (``relabelled``), each goal picked by its global
+  point's number (``goal_numbers``).
+
 Rows re-drawn because they were not intact (being written, or not whole transitions) come from
-the process's own generator (``ReplayBuffer.rng``): the invariance holds for the rows drawn intact.
+the process's own generator (``ReplayBuffer.rng``): the invariance holds for the rows drawn intact
+(so do a hindsight transition drawn in a running episode, a goal row found overwritten, a row the
+device copy does not hold).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,14 +51,20 @@ import numpy as np
 from .samplers import Draw, RingView, Sampler, ids_at
 from .sumtree import SumTree
 
-__all__ = ["EPOCH", "SAMPLE", "Rank", "draw", "uniforms"]
+__all__ = ["EPOCH", "GOALS", "ROUNDS", "SAMPLE", "Rank", "draw", "goal_numbers", "next_call", "positions", "relabelled", "sliced",
+           "uniform_ids", "uniforms"]
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 SAMPLE = 1
 """The stream of sample calls' draws (``Rank.key``)."""
+ROUNDS = 64
+"""Keyed re-draws of a window that does not fit (``uniform_ids``) before the reader's own."""
 EPOCH = 2
 """The stream of epochs' permutations (``Rank.key``)."""
+GOALS = 3
+"""The stream of hindsight's relabelling: the block's start (point 0), each goal's number (point
+``1 + i`` for the global batch's position ``i``)."""
 
 
 def _mix(z: int) -> int:
@@ -134,13 +155,7 @@ def draw(sampler: Sampler, ring: RingView, tree: SumTree | None, rank: Rank, n: 
     the same ids as the one-call sample's keyed draw (``native/sample.c``) where that serves."""
     key, start, of = rank.keyed(n)
     if replace and sampler.served == "uniform" and tree is None:
-        first, stop = ring.bounds()
-        m = int((stop - first).sum())
-        if m <= 0:
-            return Draw(np.empty(0, np.int64))
-        pos = (uniforms(key, start, n) * m).astype(np.int64)
-        np.minimum(pos, m - 1, out=pos)
-        return Draw(ids_at(pos, first, stop))
+        return Draw(uniform_ids(rank, n, *ring.bounds()))
     if replace and sampler.served is not None and tree is not None:  # Uniform under max_use too
         total = tree.total
         if total <= 0:
@@ -154,3 +169,80 @@ def draw(sampler: Sampler, ring: RingView, tree: SumTree | None, rank: Rank, n: 
         return Draw(whole.ids[:0], None if whole.leaves is None else whole.leaves[:0])
     part = slice(start, start + n)
     return Draw(whole.ids[part], None if whole.leaves is None else whole.leaves[part])
+
+
+def positions(rank: Rank, n: int, m: int) -> np.ndarray:
+    """This rank's ``n`` positions in ``[0, m)`` of this step's uniform global draw (``floor(u * m)``)."""
+    key, start, _ = rank.keyed(n)
+    pos = (uniforms(key, start, n) * m).astype(np.int64)
+    np.minimum(pos, m - 1, out=pos)
+    return pos
+
+
+def uniform_ids(rank: Rank, n: int, start: np.ndarray, stop: np.ndarray,
+                fits: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+    """This rank's ``n`` ids of this step's uniform global draw over the rows ``[start[l], stop[l])``
+    of the lanes (``samplers.uniform_ids``' positions); none when no row is held. Window
+    anchors (``sequences.py``) are drawn so too: a rank's windows are its part of the global ones.
+    With ``fits`` (which ids' windows fit), a point whose id does not is drawn again, round ``j``
+    keyed on ``(seed, step, j)``, up to ``ROUNDS`` rounds (the rest is left to the reader)."""
+    m = int((stop - start).sum())
+    if m <= 0:
+        return np.empty(0, np.int64)
+    ids = ids_at(positions(rank, n, m), start, stop)
+    todo = np.arange(0) if fits is None else np.flatnonzero(~fits(ids))
+    key, first, _ = rank.keyed(n)
+    for j in range(1, ROUNDS):
+        if not todo.size:
+            break
+        pos = (uniforms(_mix(key + j * _GOLDEN), first, n)[todo] * m).astype(np.int64)
+        new = ids_at(np.minimum(pos, m - 1), start, stop)
+        ok = fits(new)  # type: ignore[misc]
+        ids[todo[ok]] = new[ok]
+        todo = todo[~ok]
+    return ids
+
+
+def sliced(rank: Rank | None, rng: np.random.Generator, n: int,
+           draw: Callable[[int, np.random.Generator], np.ndarray]) -> np.ndarray:
+    """``draw(n, rng)`` alone; a rank: its slice of ``draw(n * world_size, g)``, ``g`` keyed on
+    ``(seed, step)`` (the draws whose numbers are not one a point: groups, episodes)."""
+    if rank is None:
+        return draw(n, rng)
+    start = rank.rank * n
+    return draw(n * rank.world_size, rank.generator(SAMPLE, rank.step))[start:start + n]
+
+
+def relabelled(rank: Rank | None, rng: np.random.Generator, n: int, ratio: float) -> tuple[int, int]:
+    """Hindsight's relabelled positions of a batch of ``n`` as a block ``(at, k)``, cyclic:
+    ``int(ratio * n)`` from a random one on; a rank: its part of the global batch's block (that
+    block from a number keyed on ``(seed, step)``), which is a cyclic block of its batch too."""
+    if rank is None:
+        return int(rng.integers(n)), int(ratio * n)
+    whole = n * rank.world_size
+    at = min(int(uniforms(rank.key(GOALS, rank.step), 0, 1)[0] * whole), whole - 1)
+    mine = np.flatnonzero((np.arange(rank.rank * n, (rank.rank + 1) * n) - at) % whole < int(ratio * whole))
+    if mine.size in (0, n):
+        return 0, int(mine.size)
+    gap = np.flatnonzero(np.diff(mine) > 1)  # [x, n) and [0, y): the block starts at x
+    return int(mine[gap[0] + 1] if gap.size else mine[0]), int(mine.size)
+
+
+def goal_numbers(rank: Rank | None, n: int) -> np.ndarray | None:
+    """The numbers in ``[0, 1)`` that pick the goal rows of a rank's ``n`` positions (the global
+    batch's points ``r * n ..``); ``None`` alone (the buffer's generator draws them)."""
+    if rank is None:
+        return None
+    return uniforms(rank.key(GOALS, rank.step), 1 + rank.rank * n, n)
+
+
+def next_call(rank: Rank | None, prios: Any) -> int:
+    """The sample call whose ``beta`` a batch's weights take (``Prioritized.beta_at``), counted:
+    alone, the calls of every process (``prios.next_call()``: ``Counter.SAMPLE_CALLS``, shared:
+    attach and load continue it); a rank, its own step, the global batch's (every rank's at once),
+    while rank 0 alone counts the shared calls, one per global batch."""
+    if rank is None:
+        return prios.next_call() if prios is not None else 0
+    if prios is not None and rank.rank == 0:
+        prios.next_call()
+    return rank.step
