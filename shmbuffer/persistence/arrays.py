@@ -24,6 +24,7 @@ from ..progress import Progress as Line
 from ..protocol import edits, snapshot
 from ..protocol.frames_push import Pusher, last_of_lanes
 from ..protocol.gather import assemble, gather, settle
+from ..protocol.layout import EXTRA
 from ..protocol.rows import lane_of, number_of, row_id
 from ..schema import Schema
 from .format import tensors
@@ -65,8 +66,7 @@ def export(buf: Buffer) -> dict[str, np.ndarray]:
     if buf.options.frames is not None:
         return _export_transitions(buf)
     snap = Snapshot(buf, 1.0)
-    keep = ("_episode", "_present", "_leaf", "_uses")
-    files = [t for t in tensors(buf.schema, buf.options) if t.name in buf.schema or t.name in keep]
+    files = tensors(buf.schema, buf.options)
     sink = MemorySink()
     final, _ = copy_rows(snap, files, sink)
     lanes = len(snap.runs)
@@ -89,11 +89,10 @@ def export(buf: Buffer) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     order = {n: i for i, n in enumerate(buf.schema.names)}
     for t in sorted(files, key=lambda t: order.get(t.name, len(order))):
-        if t.name == "_present":
-            continue
-        at = final.offsets[t.name]
-        raw = sink.data[at:at + rows * t.row_bytes]
-        out[t.name.lstrip("_")] = raw.view(t.dtype).reshape(rows, *t.shape)
+        key = t.name if t.name in order else EXTRA.get(t.name)
+        if key:
+            at = final.offsets[t.name]
+            out[key] = sink.data[at:at + rows * t.row_bytes].view(t.dtype).reshape(rows, *t.shape)
     leaf = out.pop("leaf", None)
     prios = buf.priorities
     if leaf is not None and prios is not None and prios.prioritized:

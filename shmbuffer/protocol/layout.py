@@ -12,16 +12,11 @@ Columns, in block order
 ``_stats``        ``(16,)`` int64, shared counters, never wrapping; index ``Counter``
 ``_writer_pid``, ``_writer_start``  ``(WRITERS,)`` the processes that have pushed or sampled (``ring.py``)
 ``_sampled``      ``(WRITERS,)`` int64, rows each writer entry's processes sampled without the lock
-``_stamp``        ``(capacity,)`` int64, each slot's commit stamp (``ring.py``)
-``_owner``        ``(capacity,)`` uint16, the writer entry that last reserved each slot
 ``_edits``        ``(EDIT_LOG,)`` int64, the slots of the latest in-place changes, a ring:
                   change ``j`` at ``j % EDIT_LOG`` (``Counter.EDITS`` counts them; ``Ring.log_edits``)
-``_tree_sum``, ``_tree_min``, ``_prio``, ``_uses``  the priority tree, the largest priority and the
-                  use counts (``priorities.py``); only with a ``Prioritized`` sampler or ``max_use``
-                  (``_uses`` only with ``max_use``)
-``_episode``      ``(capacity,)`` int64, each row's episode id; only with ``episodes=True``
-``_kind``         ``(capacity,)`` uint8, what each row is (``frames.py``: an episode's start or end
-                  row); only with ``next_of`` or ``stack``
+``_tree_sum``, ``_tree_min``, ``_prio``  the priority tree and the largest priority
+                  (``priorities.py``); only with a ``Prioritized`` sampler or ``max_use``
+the per-row columns, ``(capacity,)`` each: ``ROW_COLUMNS``, the one list of them
 ``_record``       ``(capacity, itemsize)`` uint8, the packed small fields (``schema.Record``)
 one column per large field, named as the field, ``(capacity, *shape)`` in its dtype
 
@@ -32,6 +27,7 @@ block's ``schema`` stays the user's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -109,6 +105,58 @@ class Lane(IntEnum):
 
     CURSOR = 0
     BASE = 1
+
+
+ROW, SAMPLER, FIELD = "row", "sampler", "field"
+"""How a save holds a per-row column and a load restores it (``RowColumn.saved``)."""
+
+
+@dataclass(frozen=True)
+class RowColumn:
+    """A column of the protocol's with one entry a row, and what every part of the package does
+    with it: the block has it when ``when(options)`` (``columns``); ``saved``: ``ROW``, written
+    at push, gathered with the row under the stamp check (``Block.row``, ``gather.Rows.row``),
+    saved and loaded back into its column; ``SAMPLER``, the sampler's state, copied under the
+    lock and loaded through the sampler's checks; ``FIELD``, kept, gathered and saved with the
+    stored fields (``Block.large``); ``None``, not saved (a load rebuilds it). ``extra`` is its
+    key in a batch's extras (``ROW`` columns) and in ``export`` (``None``: in neither);
+    ``block``: it has a column of its own (``_leaf`` is the priority tree's leaves)."""
+
+    name: str
+    dtype: np.dtype[Any]
+    when: Callable[[Options], bool]
+    saved: str | None
+    extra: str | None = None
+    block: bool = True
+    doc: str = ""
+
+
+ROW_COLUMNS = (
+    RowColumn("_stamp", np.dtype(np.int64), lambda o: True, None,
+              doc="each slot's commit stamp (``ring.py``); a load stamps its rows again"),
+    RowColumn("_owner", np.dtype(np.uint16), lambda o: True, None,
+              doc="the writer entry that last reserved each slot"),
+    RowColumn("_episode", np.dtype(np.int64), lambda o: o.episodes, ROW, "episode",
+              doc="each row's episode id (``episodes=True``)"),
+    RowColumn("_leaf", np.dtype(np.float64), lambda o: o.tree, SAMPLER, "leaf", block=False,
+              doc="each row's leaf in the priority tree (``_tree_sum``'s first ``capacity`` entries)"),
+    RowColumn("_uses", np.dtype(np.uint32), lambda o: o.max_use is not None, SAMPLER, "uses",
+              doc="the times each row was drawn (``max_use``)"),
+    RowColumn(KIND, np.dtype(np.uint8), lambda o: o.frames is not None, FIELD,
+              doc="what each row is (``frames.py``: an episode's start or end row; ``next_of``/``stack``)"),
+)
+"""The per-row columns besides the user's fields, in block order (a save sorts its tensors by
+itemsize, stably: ``format.tensors``). Adding one is an entry here and its writer at push
+(``docs/design.md``, "Adding a column")."""
+
+
+EXTRA = {c.name: c.extra for c in ROW_COLUMNS}
+"""Each per-row column's key in a batch's extras and in ``export`` (``RowColumn.extra``)."""
+
+
+def row_columns(opts: Options) -> list[RowColumn]:
+    """The per-row columns (``ROW_COLUMNS``) a block of ``opts`` has."""
+    return [c for c in ROW_COLUMNS if c.when(opts)]
 
 
 @dataclass(frozen=True)
@@ -260,8 +308,6 @@ def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
         ColumnSpec("_writer_pid", (WRITERS,), i8),
         ColumnSpec("_writer_start", (WRITERS,), np.dtype(np.float64)),
         ColumnSpec("_sampled", (WRITERS,), i8),
-        ColumnSpec("_stamp", (capacity,), i8),
-        ColumnSpec("_owner", (capacity,), np.dtype(np.uint16)),
         ColumnSpec("_edits", (EDIT_LOG,), i8),
     ]
     if opts.tree:
@@ -269,13 +315,9 @@ def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
         cols += [ColumnSpec("_tree_sum", (size,), np.dtype(np.float64)),
                  ColumnSpec("_tree_min", (size,), np.dtype(np.float64)),
                  ColumnSpec("_prio", (8,), np.dtype(np.float64))]
-        if opts.max_use is not None:
-            cols.append(ColumnSpec("_uses", (capacity,), np.dtype(np.uint32)))
-    if opts.episodes:
-        cols.append(ColumnSpec("_episode", (capacity,), i8))
+    cols += [ColumnSpec(c.name, (capacity,), c.dtype) for c in row_columns(opts) if c.block]
     if opts.frames is not None:
         schema = opts.frames.stored(schema)
-        cols.append(ColumnSpec(KIND, (capacity,), u1))
     if schema.record.itemsize:
         cols.append(ColumnSpec("_record", (capacity, schema.record.itemsize), u1))
     cols += [ColumnSpec(f.name, (capacity, *f.shape), f.dtype) for f in schema.columns]
@@ -340,6 +382,8 @@ class Block:
         self.edits = arrays["_edits"]
         """The log of in-place changes (``Counter.EDITS``, ``Ring.log_edits``): slots, a ring."""
         self.episode: np.ndarray | None = arrays.get("_episode")
+        self.row = {c.name: arrays[c.name] for c in row_columns(opts) if c.saved == ROW}
+        """The per-row columns gathered with each row (``RowColumn.saved`` ``ROW``), block order."""
         self.packed: np.ndarray | None = arrays.get("_record")
         """The packed small fields, ``(capacity, itemsize)`` uint8, or ``None``."""
         self.large = {f.name: arrays[f.name] for f in self.stored.columns}

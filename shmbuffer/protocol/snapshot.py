@@ -248,10 +248,7 @@ class Snapshot:
         lo = max(run.keep, n0) - n0
         if lo >= n1 - n0:
             return None
-        out = dict(got.large)
-        if got.episode is not None:
-            out["_episode"] = got.episode
-        out.update(extra)
+        out = {**got.large, **got.row, **extra}
         block = got.packed
         if hole.any():  # a hole's bytes are zeros in every tensor (see the format)
             for a in out.values():
