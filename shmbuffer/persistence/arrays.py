@@ -116,9 +116,7 @@ def _export_transitions(buf: Buffer) -> dict[str, np.ndarray]:
         keep = np.flatnonzero(rows.ok)
         batch = assemble(buf.block, ids[keep], rows.subset(keep))
         part = {n: np.ascontiguousarray(batch.fields[n]) for n in buf.schema.names}
-        part["index"] = batch.index
-        if "episode" in batch.extras:
-            part["episode"] = batch.extras["episode"]
+        part.update({k: v for k, v in batch.extras.items() if k in ("index", *EXTRA.values())})
         prios = buf.priorities
         if prios is not None and prios.prioritized:
             part["priority"] = prios.priorities_of(prios.tree.leaves[ring.slots(batch.index)])
@@ -128,8 +126,7 @@ def _export_transitions(buf: Buffer) -> dict[str, np.ndarray]:
     if not parts:  # nothing held: the keys a full buffer's export has, with no rows
         empty = {f.name: np.empty((0, *f.shape), f.dtype) for f in buf.schema}
         empty["index"] = np.empty(0, np.int64)
-        if buf.options.episodes:
-            empty["episode"] = np.empty(0, np.int64)
+        empty.update({EXTRA[n]: np.empty(0, a.dtype) for n, a in buf.block.row.items() if n in EXTRA})
         prios = buf.priorities
         if prios is not None and prios.prioritized:
             empty["priority"] = np.empty(0, np.float64)

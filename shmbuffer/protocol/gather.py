@@ -414,7 +414,7 @@ def assemble(block: Block, ids: np.ndarray, rows: Rows, extras: dict[str, np.nda
         small = {name: a.reshape(*lead, *a.shape[1:]) for name, a in small.items()}
     fields = {name: large[name] if name in large else small[name] for name in block.schema.names}
     more: dict[str, np.ndarray] = {"index": ids}
-    more.update({EXTRA[name]: a for name, a in rows.row.items() if EXTRA[name]})
+    more.update({EXTRA[name]: a for name, a in rows.row.items() if name in EXTRA})
     if extras:
         more.update(extras)
     return Batch(fields, more, block=packed, record=block.record if packed is not None else None,

@@ -113,14 +113,13 @@ ROW, SAMPLER, FIELD = "row", "sampler", "field"
 
 @dataclass(frozen=True)
 class RowColumn:
-    """A column of the protocol's with one entry a row, and what every part of the package does
-    with it: the block has it when ``when(options)`` (``columns``); ``saved``: ``ROW``, written
-    at push, gathered with the row under the stamp check (``Block.row``, ``gather.Rows.row``),
-    saved and loaded back into its column; ``SAMPLER``, the sampler's state, copied under the
-    lock and loaded through the sampler's checks; ``FIELD``, kept, gathered and saved with the
-    stored fields (``Block.large``); ``None``, not saved (a load rebuilds it). ``extra`` is its
-    key in a batch's extras (``ROW`` columns) and in ``export`` (``None``: in neither);
-    ``block``: it has a column of its own (``_leaf`` is the priority tree's leaves)."""
+    """A protocol column with one entry a row, and what the package does with it: the block has
+    it when ``when(options)`` (``columns``); ``saved``: ``ROW``, written at push, gathered with the
+    row under the stamp check (``Block.row``, ``gather.Rows.row``), saved and loaded back into
+    its column; ``SAMPLER``, the sampler's state, copied under the lock, loaded through the
+    sampler's checks; ``FIELD``, kept and saved with the stored fields (``Block.large``); ``None``,
+    not saved (a load rebuilds it). ``extra``: its key in a batch's extras (``ROW``) and in
+    ``export``; ``block``: it has a column of its own (``_leaf`` is the tree's leaves)."""
 
     name: str
     dtype: np.dtype[Any]
@@ -128,29 +127,21 @@ class RowColumn:
     saved: str | None
     extra: str | None = None
     block: bool = True
-    doc: str = ""
 
 
 ROW_COLUMNS = (
-    RowColumn("_stamp", np.dtype(np.int64), lambda o: True, None,
-              doc="each slot's commit stamp (``ring.py``); a load stamps its rows again"),
-    RowColumn("_owner", np.dtype(np.uint16), lambda o: True, None,
-              doc="the writer entry that last reserved each slot"),
-    RowColumn("_episode", np.dtype(np.int64), lambda o: o.episodes, ROW, "episode",
-              doc="each row's episode id (``episodes=True``)"),
-    RowColumn("_leaf", np.dtype(np.float64), lambda o: o.tree, SAMPLER, "leaf", block=False,
-              doc="each row's leaf in the priority tree (``_tree_sum``'s first ``capacity`` entries)"),
-    RowColumn("_uses", np.dtype(np.uint32), lambda o: o.max_use is not None, SAMPLER, "uses",
-              doc="the times each row was drawn (``max_use``)"),
-    RowColumn(KIND, np.dtype(np.uint8), lambda o: o.frames is not None, FIELD,
-              doc="what each row is (``frames.py``: an episode's start or end row; ``next_of``/``stack``)"),
+    RowColumn("_stamp", np.dtype(np.int64), lambda o: True, None),  # each slot's commit stamp (ring.py)
+    RowColumn("_owner", np.dtype(np.uint16), lambda o: True, None),  # the writer entry that last reserved it
+    RowColumn("_episode", np.dtype(np.int64), lambda o: o.episodes, ROW, "episode"),  # episodes=True
+    RowColumn("_leaf", np.dtype(np.float64), lambda o: o.tree, SAMPLER, "leaf", block=False),  # priorities.py
+    RowColumn("_uses", np.dtype(np.uint32), lambda o: o.max_use is not None, SAMPLER, "uses"),  # draws so far
+    RowColumn(KIND, np.dtype(np.uint8), lambda o: o.frames is not None, FIELD),  # frames.py: a start, end row
 )
-"""The per-row columns besides the user's fields, in block order (a save sorts its tensors by
-itemsize, stably: ``format.tensors``). Adding one is an entry here and its writer at push
-(``docs/design.md``, "Adding a column")."""
+"""The per-row columns besides the user's fields, in block order (a save's tensors are sorted
+by itemsize, stably: ``format.tensors``); adding one: ``docs/design.md``, "Adding a column"."""
 
 
-EXTRA = {c.name: c.extra for c in ROW_COLUMNS}
+EXTRA = {c.name: c.extra for c in ROW_COLUMNS if c.extra}
 """Each per-row column's key in a batch's extras and in ``export`` (``RowColumn.extra``)."""
 
 

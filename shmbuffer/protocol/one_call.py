@@ -201,7 +201,7 @@ class OneCall:
                 prios = src.priorities
                 assert prios is not None
                 weight = src.options.sampler.weights(prios.tree, leaves, calls)
-        extras = {"index": ids, **{EXTRA[name]: a for name, a in row.items() if EXTRA[name]}}
+        extras = {"index": ids, **{EXTRA[name]: a for name, a in row.items() if name in EXTRA}}
         if weight is not None:
             extras["weight"] = weight
         if large:
