@@ -109,7 +109,7 @@ def _export_transitions(buf: Buffer) -> dict[str, np.ndarray]:
     held = ring.held_ids()
     parts: list[dict[str, np.ndarray]] = []
     step = max(1, snapshot.CHUNK_BYTES // max(1, buf.schema.row_bytes))
-    for at in range(0, held.size, step):
+    for at in range(0, max(held.size, 1), step):  # once with no rows when none is held: the keys, empty
         ids = held[at:at + step]
         rows = gather(buf.block, ring, ids)
         settle(buf.block, ring, ids, rows)
@@ -123,16 +123,6 @@ def _export_transitions(buf: Buffer) -> dict[str, np.ndarray]:
         if prios is not None and prios.uses is not None:  # as export's: a copy draws no row used up here
             part["uses"] = prios.uses[ring.slots(batch.index)].astype(np.int64)
         parts.append(part)
-    if not parts:  # nothing held: the keys a full buffer's export has, with no rows
-        empty = {f.name: np.empty((0, *f.shape), f.dtype) for f in buf.schema}
-        empty["index"] = np.empty(0, np.int64)
-        empty.update({EXTRA[n]: np.empty(0, a.dtype) for n, a in buf.block.row.items() if n in EXTRA})
-        prios = buf.priorities
-        if prios is not None and prios.prioritized:
-            empty["priority"] = np.empty(0, np.float64)
-        if prios is not None and prios.uses is not None:
-            empty["uses"] = np.empty(0, np.int64)
-        return empty
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 

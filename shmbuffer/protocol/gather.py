@@ -104,12 +104,9 @@ def _gather(
     first = stamp.take(slots)
     packed = block.packed
     if packed is not None:
-        packed = packed.take(slots, axis=0) if out is None else packed.take(slots, axis=0, out=out["_block"])
+        packed = packed.take(slots, axis=0, out=None if out is None else out["_block"])
     cols = block.large if large is None else {n: c for n, c in block.large.items() if n in large}
-    if out is None:
-        got = {n: c.take(slots, axis=0) for n, c in cols.items()}
-    else:
-        got = {n: c.take(slots, axis=0, out=out[n]) for n, c in cols.items()}
+    got = {n: c.take(slots, axis=0, out=None if out is None else out[n]) for n, c in cols.items()}
     row = {n: c.take(slots) for n, c in block.row.items()}
     second = stamp.take(slots)
     ok = intact(first, second, ring.expected(flat))
@@ -205,7 +202,7 @@ def _transitions(
     valid = frames.center(spec, ok, kind)
     packed = None
     if w.packed is not None:
-        packed = _into(out, "_block", w.packed.reshape(m, width, -1)[:, c])
+        packed = _into(out, "_block", w.packed.reshape(m, width, w.packed.shape[-1])[:, c])
     row = {n: a.reshape(m, width)[:, c].copy() for n, a in w.row.items()}
     want = set(block.schema.names) if large is None else set(large)
     got: dict[str, np.ndarray] = {}

@@ -46,6 +46,7 @@ sink from the first gap on. Memory: about two pieces, whatever the buffer's size
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -211,20 +212,14 @@ class Snapshot:
         return rows, extra, now
 
     def _internals(self, sl: slice, locked: bool) -> dict[str, np.ndarray]:
-        """The tree leaves and use counts of slots ``sl``, copied under the ring's lock."""
+        """The sampler's state of slots ``sl`` (``layout.SAMPLER``: the tree leaves, the use
+        counts), copied under the ring's lock."""
         prios = self.buf.priorities
-        out: dict[str, np.ndarray] = {}
-        if prios is not None:
-            if not locked:
-                self.buf.ring.lock.acquire()
-            try:
-                out["_leaf"] = prios.tree.leaves[sl].copy()
-                if prios.uses is not None:
-                    out["_uses"] = prios.uses[sl].copy()
-            finally:
-                if not locked:
-                    self.buf.ring.lock.release()
-        return out
+        if prios is None:
+            return {}
+        state = {"_leaf": prios.tree.leaves, "_uses": prios.uses}
+        with contextlib.nullcontext() if locked else self.buf.ring.lock:
+            return {name: a[sl].copy() for name, a in state.items() if a is not None}
 
     def copy(self, run: Run, rows: int) -> Piece | None:
         """Copy the next ``rows`` rows of ``run`` (fewer at the lane's end or where its slots
