@@ -39,8 +39,8 @@ writers' rows, then a scan of the committed rows) starts."""
 @dataclass
 class Rows:
     """Rows copied by ``gather``, shaped like the ids they were read for: ``ok`` marks the intact
-    ones (see the module docstring); the others' contents are whatever the slots held. ``row``:
-    the block's per-row columns gathered with them (``layout.Block.row``: ``_episode`` ...)."""
+    ones (see the module docstring), the others hold whatever the slots held; ``row`` the block's
+    per-row columns read with them (``layout.Block.row``: ``_episode`` ...)."""
 
     ok: np.ndarray
     packed: np.ndarray | None

@@ -113,32 +113,32 @@ ROW, SAMPLER, FIELD = "row", "sampler", "field"
 
 @dataclass(frozen=True)
 class RowColumn:
-    """A protocol column with one entry a row, and what the package does with it: the block has
-    it when ``when(options)`` (``columns``); ``saved``: ``ROW``, written at push, gathered with the
-    row under the stamp check (``Block.row``, ``gather.Rows.row``), saved and loaded back into
-    its column; ``SAMPLER``, the sampler's state, copied under the lock, loaded through the
-    sampler's checks; ``FIELD``, kept and saved with the stored fields (``Block.large``); ``None``,
-    not saved (a load rebuilds it). ``extra``: its key in a batch's extras (``ROW``) and in
-    ``export``; ``block``: it has a column of its own (``_leaf`` is the tree's leaves)."""
+    """A protocol column with one entry a row: a block has it when ``when(options)``; ``gathered``:
+    copied with each row under the stamp check (``Block.row``, ``Rows.row``; ``extra`` its key in a
+    batch and in ``export``); ``saved``: ``ROW`` from those copies, loaded back into its column;
+    ``SAMPLER``, the sampler's state, copied under the lock, loaded through the sampler's checks;
+    ``FIELD``, with the stored fields (``Block.large``); ``None``, not saved (a load leaves it as a
+    new block has it). ``block``: it has a column of its own (``_leaf`` is the tree's)."""
 
     name: str
     dtype: np.dtype[Any]
     when: Callable[[Options], bool]
+    gathered: bool
     saved: str | None
     extra: str | None = None
     block: bool = True
 
 
 ROW_COLUMNS = (
-    RowColumn("_stamp", np.dtype(np.int64), lambda o: True, None),  # each slot's commit stamp (ring.py)
-    RowColumn("_owner", np.dtype(np.uint16), lambda o: True, None),  # the writer entry that last reserved it
-    RowColumn("_episode", np.dtype(np.int64), lambda o: o.episodes, ROW, "episode"),  # episodes=True
-    RowColumn("_leaf", np.dtype(np.float64), lambda o: o.tree, SAMPLER, "leaf", block=False),  # priorities.py
-    RowColumn("_uses", np.dtype(np.uint32), lambda o: o.max_use is not None, SAMPLER, "uses"),  # draws so far
-    RowColumn(KIND, np.dtype(np.uint8), lambda o: o.frames is not None, FIELD),  # frames.py: a start, end row
+    RowColumn("_stamp", np.dtype(np.int64), lambda o: True, False, None),  # each slot's commit stamp (ring.py)
+    RowColumn("_owner", np.dtype(np.uint16), lambda o: True, False, None),  # the writer entry that last reserved it
+    RowColumn("_episode", np.dtype(np.int64), lambda o: o.episodes, True, ROW, "episode"),  # episodes=True
+    RowColumn("_leaf", np.dtype(np.float64), lambda o: o.tree, False, SAMPLER, "leaf", block=False),  # priorities.py
+    RowColumn("_uses", np.dtype(np.uint32), lambda o: o.max_use is not None, False, SAMPLER, "uses"),  # draws so far
+    RowColumn(KIND, np.dtype(np.uint8), lambda o: o.frames is not None, False, FIELD),  # frames.py: start, end rows
 )
-"""The per-row columns besides the user's fields, in block order (a save's tensors are sorted
-by itemsize, stably: ``format.tensors``); adding one: ``docs/design.md``, "Adding a column"."""
+"""The per-row columns in block order (a save sorts its tensors by itemsize, stably); to add
+one: ``docs/design.md``, the memory layout."""
 
 
 EXTRA = {c.name: c.extra for c in ROW_COLUMNS if c.extra}
@@ -373,8 +373,8 @@ class Block:
         self.edits = arrays["_edits"]
         """The log of in-place changes (``Counter.EDITS``, ``Ring.log_edits``): slots, a ring."""
         self.episode: np.ndarray | None = arrays.get("_episode")
-        self.row = {c.name: arrays[c.name] for c in row_columns(opts) if c.saved == ROW}
-        """The per-row columns gathered with each row (``RowColumn.saved`` ``ROW``), block order."""
+        self.row = {c.name: arrays[c.name] for c in row_columns(opts) if c.gathered}
+        """The per-row columns gathered with each row (``RowColumn.gathered``), block order."""
         self.packed: np.ndarray | None = arrays.get("_record")
         """The packed small fields, ``(capacity, itemsize)`` uint8, or ``None``."""
         self.large = {f.name: arrays[f.name] for f in self.stored.columns}

@@ -52,10 +52,10 @@ class Copier:
     those steps: a dict of exactly the fields, each a C-contiguous array of the field's dtype and
     shape (one row) or ``(k, *shape)``, needs no cast nor reshape; anything else is left to
     ``Schema.validate``. ``copy`` copies each field's rows into the reserved slots of its column
-    (the packed record at the field's offset, or its own column) and the values of the block's
-    per-row columns with them (``Block.row``: the episode ids ...); the caller then calls ``Ring.commit``. ``lib`` is ``None`` without the extension (or when a
-    column is not C-contiguous, or a dtype cannot be passed as a buffer): the caller copies with
-    numpy."""
+    (the packed record at the field's offset, or its own column) and the block's per-row columns'
+    values (``Block.row``: the episode ids ...); the caller then calls ``Ring.commit``. ``lib`` is
+    ``None`` without the extension (or a column not C-contiguous, a dtype not passed as a buffer):
+    the caller copies with numpy."""
 
     def __init__(self, block: Block, ring: Ring, envs: int | None) -> None:
         targets: dict[str, tuple[np.ndarray, int, np.dtype]] = {}
@@ -80,9 +80,9 @@ class Copier:
         self.formats = tuple(f or b"" for f in formats)
         self.lib = native.lib if usable else None
         self.plan = None
-        # the whole push in C writes the episode ids, no other per-row column: those push in steps
         if (self.lib is not None and ring.native_view is not None and 0 < len(self.names) <= 64
                 and all(len(s) <= 16 for s in self.shapes) and len(self.row) == (self.episode is not None)):
+            # the whole push in C writes the episode ids and no other per-row column (docs/design.md)
             widths = tuple(int(np.dtype(targets[n][2]).itemsize * math.prod(s)) for n, s in zip(self.names, self.shapes, strict=True))
             self.plan = self.lib.plan(
                 (ring.lock.memory, ring.cursors, ring.stats_array, ring.stamp, ring.owner, ring.writers, ring.me),

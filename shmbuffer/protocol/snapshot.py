@@ -55,7 +55,7 @@ import numpy as np
 
 from ..errors import closed
 from .gather import Rows, gather, settle
-from .layout import Counter
+from .layout import ROW, Counter, row_columns
 from .rows import committed, row_id, slot, writing
 
 __all__ = ["CHUNK_BYTES", "Buffer", "Moment", "Piece", "Run", "Snapshot", "at_one_moment", "columns"]
@@ -243,7 +243,7 @@ class Snapshot:
         lo = max(run.keep, n0) - n0
         if lo >= n1 - n0:
             return None
-        out = {**got.large, **got.row, **extra}
+        out = {**got.large, **{c.name: got.row[c.name] for c in row_columns(buf.options) if c.saved == ROW}, **extra}
         block = got.packed
         if hole.any():  # a hole's bytes are zeros in every tensor (see the format)
             for a in out.values():
