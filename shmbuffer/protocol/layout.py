@@ -12,10 +12,8 @@ Columns, in block order
 ``_stats``        ``(16,)`` int64, shared counters, never wrapping; index ``Counter``
 ``_writer_pid``, ``_writer_start``  ``(WRITERS,)`` the processes that have pushed or sampled (``ring.py``)
 ``_sampled``      ``(WRITERS,)`` int64, rows each writer entry's processes sampled without the lock
-``_edits``        ``(EDIT_LOG,)`` int64, the slots of the latest in-place changes, a ring:
-                  change ``j`` at ``j % EDIT_LOG`` (``Counter.EDITS`` counts them; ``Ring.log_edits``)
-``_tree_sum``, ``_tree_min``, ``_prio``  the priority tree and the largest priority
-                  (``priorities.py``); only with a ``Prioritized`` sampler or ``max_use``
+``_edits``        ``(EDIT_LOG,)`` int64, the slots of the latest in-place changes, a ring (``Counter.EDITS``)
+``_tree_sum``, ``_tree_min``, ``_prio``  the priority tree, the largest priority; with ``Options.tree``
 the per-row columns, ``(capacity,)`` each: ``ROW_COLUMNS``, the one list of them
 ``_record``       ``(capacity, itemsize)`` uint8, the packed small fields (``schema.Record``)
 one column per large field, named as the field, ``(capacity, *shape)`` in its dtype
