@@ -244,15 +244,11 @@ class Snapshot:
         if lo >= n1 - n0:
             return None
         out = {**got.large, **{c.name: got.row[c.name] for c in row_columns(buf.options) if c.saved == ROW}, **extra}
-        block = got.packed
+        if got.packed is not None:
+            out.update({n: np.ascontiguousarray(v) for n, v in buf.block.stored_record.views(got.packed).items()})
         if hole.any():  # a hole's bytes are zeros in every tensor (see the format)
             for a in out.values():
                 a[hole] = 0
-            if block is not None:
-                block[hole] = 0
-        if block is not None:
-            for name, view in buf.block.stored_record.views(block).items():
-                out[name] = np.ascontiguousarray(view)
         out["_present"] = ~hole
         return Piece(run.lane, n0 + lo, {name: a[lo:] for name, a in out.items()})
 
