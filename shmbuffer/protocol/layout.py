@@ -12,9 +12,10 @@ Columns, in block order
 ``_stats``        ``(16,)`` int64, shared counters, never wrapping; index ``Counter``
 ``_writer_pid``, ``_writer_start``  ``(WRITERS,)`` the processes that have pushed or sampled (``ring.py``)
 ``_sampled``      ``(WRITERS,)`` int64, rows each writer entry's processes sampled without the lock
+``_stamp``, ``_owner``, the first two per-row columns (``ROW_COLUMNS``)
 ``_edits``        ``(EDIT_LOG,)`` int64, the slots of the latest in-place changes, a ring (``Counter.EDITS``)
 ``_tree_sum``, ``_tree_min``, ``_prio``  the priority tree, the largest priority; with ``Options.tree``
-the per-row columns, ``(capacity,)`` each: ``ROW_COLUMNS``, the one list of them
+the other per-row columns, ``(capacity,)`` each: ``ROW_COLUMNS``, the one list of them
 ``_record``       ``(capacity, itemsize)`` uint8, the packed small fields (``schema.Record``)
 one column per large field, named as the field, ``(capacity, *shape)`` in its dtype
 
@@ -130,9 +131,9 @@ class RowColumn:
 ROW_COLUMNS = (
     RowColumn("_stamp", np.dtype(np.int64), lambda o: True, False, None),  # each slot's commit stamp (ring.py)
     RowColumn("_owner", np.dtype(np.uint16), lambda o: True, False, None),  # the writer entry that last reserved it
+    RowColumn("_uses", np.dtype(np.uint32), lambda o: o.max_use is not None, False, SAMPLER, "uses"),  # draws so far
     RowColumn("_episode", np.dtype(np.int64), lambda o: o.episodes, True, ROW, "episode"),  # episodes=True
     RowColumn("_leaf", np.dtype(np.float64), lambda o: o.tree, False, SAMPLER, "leaf", block=False),  # priorities.py
-    RowColumn("_uses", np.dtype(np.uint32), lambda o: o.max_use is not None, False, SAMPLER, "uses"),  # draws so far
     RowColumn(KIND, np.dtype(np.uint8), lambda o: o.frames is not None, False, FIELD),  # frames.py: start, end rows
 )
 """The per-row columns in block order (a save sorts its tensors by itemsize, stably); to add
@@ -290,6 +291,7 @@ def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
     """The block's columns, in order (the module docstring says what each holds)."""
     capacity, lanes = int(opts.capacity), int(opts.lanes)
     i8, u1 = np.dtype(np.int64), np.dtype(np.uint8)
+    per_row = [ColumnSpec(c.name, (capacity,), c.dtype) for c in row_columns(opts) if c.block]
     cols = [
         ColumnSpec("_mutex", (MUTEX_SIZE,), u1),
         ColumnSpec("_lanes", (lanes, LANE_WORDS), i8),
@@ -297,6 +299,7 @@ def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
         ColumnSpec("_writer_pid", (WRITERS,), i8),
         ColumnSpec("_writer_start", (WRITERS,), np.dtype(np.float64)),
         ColumnSpec("_sampled", (WRITERS,), i8),
+        *per_row[:2],  # _stamp, _owner before _edits: sample(256) of 1M rows measured 6-9% slower after it
         ColumnSpec("_edits", (EDIT_LOG,), i8),
     ]
     if opts.tree:
@@ -304,7 +307,7 @@ def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
         cols += [ColumnSpec("_tree_sum", (size,), np.dtype(np.float64)),
                  ColumnSpec("_tree_min", (size,), np.dtype(np.float64)),
                  ColumnSpec("_prio", (8,), np.dtype(np.float64))]
-    cols += [ColumnSpec(c.name, (capacity,), c.dtype) for c in row_columns(opts) if c.block]
+    cols += per_row[2:]
     if opts.frames is not None:
         schema = opts.frames.stored(schema)
     if schema.record.itemsize:
