@@ -184,10 +184,8 @@ def _assemble(src: Source, ids: np.ndarray, rows: Rows, mask: np.ndarray | None,
     if time_major:
         ids = ids.T.copy()
         mask = mask.T.copy() if mask is not None else None
-        rows = Rows(rows.ok.T.copy(), rows.packed.swapaxes(0, 1).copy() if rows.packed is not None else None,
-                    {k: v.swapaxes(0, 1).copy() for k, v in rows.large.items()},
-                    rows.episode.T.copy() if rows.episode is not None else None)
-    rows.episode = None  # the extras of a window are its index and mask
+        rows = rows.map(lambda a: a.swapaxes(0, 1).copy())
+    rows.row = {}  # the extras of a window are its index and mask
     return assemble(src.block, ids, rows, {"mask": mask} if mask is not None else None)
 
 

@@ -473,7 +473,8 @@ def test_prioritized_redraws_use_the_total_of_now(make: Make, name: str) -> None
             rec, big = np.empty(n, buf.block.record.dtype), np.empty((n, w), np.uint8)
             got_ids, ok, leaves, weight = np.empty(n, np.int64), np.empty(n, bool), np.empty(n), np.empty(n, np.float32)
             t.start()
-            one.sample(one.plan, (rec, big), got_ids, ok, True, leaves, weight, 0.4)
+            row = tuple(np.empty(n, dtype) for dtype in one.row.values())  # the block's per-row columns
+            one.sample(one.plan, (rec, big, *row), got_ids, ok, True, leaves, weight, 0.4)
             t.join()
             ring.stamp[tslots] -= 1
             got.append(int(np.count_nonzero(got_ids[ok] == ids[31])))

@@ -24,6 +24,7 @@ from ..progress import Progress as Line
 from ..protocol import edits, snapshot
 from ..protocol.frames_push import Pusher, last_of_lanes
 from ..protocol.gather import assemble, gather, settle
+from ..protocol.layout import EXTRA
 from ..protocol.rows import lane_of, number_of, row_id
 from ..schema import Schema
 from .format import tensors
@@ -65,8 +66,7 @@ def export(buf: Buffer) -> dict[str, np.ndarray]:
     if buf.options.rows.once:
         return _export_transitions(buf)
     snap = Snapshot(buf, 1.0)
-    keep = ("_episode", "_present", "_leaf", "_uses")
-    files = [t for t in tensors(buf.schema, buf.options) if t.name in buf.schema or t.name in keep]
+    files = tensors(buf.schema, buf.options)
     sink = MemorySink()
     final, _ = copy_rows(snap, files, sink)
     lanes = len(snap.runs)
@@ -89,11 +89,10 @@ def export(buf: Buffer) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     order = {n: i for i, n in enumerate(buf.schema.names)}
     for t in sorted(files, key=lambda t: order.get(t.name, len(order))):
-        if t.name == "_present":
-            continue
-        at = final.offsets[t.name]
-        raw = sink.data[at:at + rows * t.row_bytes]
-        out[t.name.lstrip("_")] = raw.view(t.dtype).reshape(rows, *t.shape)
+        key = t.name if t.name in order else EXTRA.get(t.name)
+        if key:
+            at = final.offsets[t.name]
+            out[key] = sink.data[at:at + rows * t.row_bytes].view(t.dtype).reshape(rows, *t.shape)
     leaf = out.pop("leaf", None)
     prios = buf.priorities
     if leaf is not None and prios is not None and prios.prioritized:
@@ -110,33 +109,20 @@ def _export_transitions(buf: Buffer) -> dict[str, np.ndarray]:
     held = ring.held_ids()
     parts: list[dict[str, np.ndarray]] = []
     step = max(1, snapshot.CHUNK_BYTES // max(1, buf.schema.row_bytes))
-    for at in range(0, held.size, step):
+    for at in range(0, max(held.size, 1), step):  # once with no rows when none is held: the keys, empty
         ids = held[at:at + step]
         rows = gather(buf.block, ring, ids)
         settle(buf.block, ring, ids, rows)
         keep = np.flatnonzero(rows.ok)
         batch = assemble(buf.block, ids[keep], rows.subset(keep))
         part = {n: np.ascontiguousarray(batch.fields[n]) for n in buf.schema.names}
-        part["index"] = batch.index
-        if "episode" in batch.extras:
-            part["episode"] = batch.extras["episode"]
+        part.update({k: v for k, v in batch.extras.items() if k in ("index", *EXTRA.values())})
         prios = buf.priorities
         if prios is not None and prios.prioritized:
             part["priority"] = prios.priorities_of(prios.tree.leaves[ring.slots(batch.index)])
         if prios is not None and prios.uses is not None:  # as export's: a copy draws no row used up here
             part["uses"] = prios.uses[ring.slots(batch.index)].astype(np.int64)
         parts.append(part)
-    if not parts:  # nothing held: the keys a full buffer's export has, with no rows
-        empty = {f.name: np.empty((0, *f.shape), f.dtype) for f in buf.schema}
-        empty["index"] = np.empty(0, np.int64)
-        if buf.options.episodes:
-            empty["episode"] = np.empty(0, np.int64)
-        prios = buf.priorities
-        if prios is not None and prios.prioritized:
-            empty["priority"] = np.empty(0, np.float64)
-        if prios is not None and prios.uses is not None:
-            empty["uses"] = np.empty(0, np.int64)
-        return empty
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 

@@ -101,8 +101,7 @@ from typing import Any
 
 import numpy as np
 
-from ..frames import KIND
-from ..protocol.layout import Options
+from ..protocol.layout import Options, row_columns
 from ..schema import Schema
 
 __all__ = ["ALIGN", "FORMAT", "FORMAT_VERSION_1", "FORMAT_VERSION_2", "FORMAT_VERSION_3", "MAX_BLOCK", "MAX_HEADER",
@@ -186,18 +185,11 @@ def tensor_of(name: str, shape: tuple[int, ...], dtype: np.dtype[Any]) -> Tensor
 
 
 def tensors(schema: Schema, opts: Options) -> list[Tensor]:
-    """The file's tensors in file order (larger itemsizes first, then fields, then internals).
-    With ``next_of``/``stack`` (format version 2) the fields are the stored ones and ``_kind``
-    comes along (``frames.py``)."""
+    """The file's tensors in file order (larger itemsizes first, then fields, then the saved
+    per-row columns, ``layout.ROW_COLUMNS``, then ``_present``). With ``next_of``/``stack``
+    (format version 2) the fields are the stored ones (``frames.py``)."""
     out = [tensor_of(f.name, f.shape, f.dtype) for f in opts.rows.stored(schema)]
-    if opts.rows.once:
-        out.append(tensor_of(KIND, (), np.dtype(np.uint8)))
-    if opts.episodes:
-        out.append(tensor_of("_episode", (), np.dtype(np.int64)))
-    if opts.tree:
-        out.append(tensor_of("_leaf", (), np.dtype(np.float64)))
-    if opts.max_use is not None:
-        out.append(tensor_of("_uses", (), np.dtype(np.uint32)))
+    out += [tensor_of(c.name, (), c.dtype) for c in row_columns(opts) if c.saved]
     out.append(tensor_of("_present", (), np.dtype(np.bool_)))
     return sorted(out, key=lambda t: -t.dtype.itemsize)
 

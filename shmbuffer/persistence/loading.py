@@ -52,7 +52,7 @@ from ..frames import END, KIND, LEAD, START, ZERO
 from ..progress import Progress as Line
 from ..protocol import snapshot
 from ..protocol.frames_push import Last
-from ..protocol.layout import Counter, Options
+from ..protocol.layout import Counter, Options, row_columns
 from ..protocol.priorities import MAX_LEAF
 from ..protocol.rows import lane_capacity, slot
 from ..protocol.snapshot import CHUNK_BYTES, Buffer, columns
@@ -543,10 +543,7 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
     leaves them out: ``Counter.REMOVED``)."""
     arrays = columns(buf)
     lc = buf.lane_capacity
-    targets: dict[str, np.ndarray] = dict(buf.block.fields)
-    for internal in ("_episode", "_uses"):
-        if internal in arrays:
-            targets[internal] = arrays[internal]
+    targets = {**buf.block.fields, **{c.name: arrays[c.name] for c in row_columns(buf.options) if c.saved and c.block}}
     prios = buf.priorities
     max_use = buf.options.max_use
     step = max(1, CHUNK_BYTES // max(1, sum(t.row_bytes for t in files)))

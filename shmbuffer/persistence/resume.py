@@ -25,7 +25,7 @@ from ..frames import END, KIND, LEAD
 from ..progress import Progress as Line
 from ..protocol import snapshot
 from ..protocol.frames_push import Last
-from ..protocol.layout import Counter
+from ..protocol.layout import ROW, SAMPLER, Counter, row_columns
 from ..protocol.priorities import MAX_LEAF
 from ..protocol.rows import slot
 from ..protocol.snapshot import CHUNK_BYTES, Buffer, columns
@@ -113,11 +113,7 @@ def _check_segments(man: Manifest, opened: list[ChunkFile]) -> None:
 def _check_state(man: Manifest, newest: ChunkFile, schema: Any, opts: Any) -> dict[str, Any]:
     """The state tensors of the newest chunk against the manifest; the names of ``_last/``'s."""
     rows = man.saved.rows
-    want: dict[str, tuple[str, list[int]]] = {}
-    if opts.tree:
-        want["_leaf"] = ("F64", [rows])
-    if opts.max_use is not None:
-        want["_uses"] = ("U32", [rows])
+    want = {c.name: (tensor_of(c.name, (), c.dtype).code, [rows]) for c in row_columns(opts) if c.saved == SAMPLER}
     names: list[str] = []
     if man.pending:
         names = list(opts.rows.rebuilt)
@@ -138,9 +134,7 @@ def _fill(buf: Buffer, man: Manifest, opened: list[ChunkFile], values: dict[str,
     saved = man.saved
     files = [t for t in row_tensors(saved.schema, saved.opts) if t.name != "_present"]
     arrays = columns(buf)
-    targets: dict[str, np.ndarray] = dict(buf.block.fields)
-    if "_episode" in arrays:
-        targets["_episode"] = arrays["_episode"]
+    targets = {**buf.block.fields, **{c.name: arrays[c.name] for c in row_columns(saved.opts) if c.saved == ROW}}
     lc = buf.lane_capacity
     step = max(1, CHUNK_BYTES // max(1, sum(t.row_bytes for t in files)))
     present: list[np.ndarray] = []

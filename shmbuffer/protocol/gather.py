@@ -18,6 +18,7 @@ and what to do with those that are not intact, is ``reader.py``'s.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ import numpy as np
 from .. import frames, native
 from ..batch import Batch
 from ..errors import FieldError
-from .layout import Block, Counter
+from .layout import EXTRA, Block, Counter
 from .ring import INVALID, Ring
 from .rows import committed, intact, window
 
@@ -38,27 +39,36 @@ writers' rows, then a scan of the committed rows) starts."""
 @dataclass
 class Rows:
     """Rows copied by ``gather``, shaped like the ids they were read for: ``ok`` marks the intact
-    ones (see the module docstring); the others' contents are whatever the slots held."""
+    ones (see the module docstring), the others hold whatever the slots held; ``row`` the block's
+    per-row columns read with them (``layout.Block.row``: ``_episode`` ...)."""
 
     ok: np.ndarray
     packed: np.ndarray | None
     large: dict[str, np.ndarray]
-    episode: np.ndarray | None
+    row: dict[str, np.ndarray]
+
+    @property
+    def episode(self) -> np.ndarray | None:
+        """The rows' episode ids (``_episode``), ``None`` for a buffer that keeps none."""
+        return self.row.get("_episode")
+
+    def map(self, f: Callable[[np.ndarray], np.ndarray]) -> Rows:
+        """These rows with ``f`` applied to each array (``ok`` included): a subset, a reshape."""
+        return Rows(f(self.ok), None if self.packed is None else f(self.packed),
+                    {k: f(v) for k, v in self.large.items()}, {k: f(v) for k, v in self.row.items()})
 
     def put(self, at: np.ndarray | slice, other: Rows) -> None:
         """Overwrite positions ``at`` (of the leading dimension) with ``other``'s rows."""
         self.ok[at] = other.ok
         if self.packed is not None and other.packed is not None:
             self.packed[at] = other.packed
-        if self.episode is not None and other.episode is not None:
-            self.episode[at] = other.episode
-        for name, col in other.large.items():
-            self.large[name][at] = col
+        for mine, theirs in ((self.large, other.large), (self.row, other.row)):
+            for name, col in theirs.items():
+                mine[name][at] = col
 
     def subset(self, keep: np.ndarray | slice) -> Rows:
         """The rows at positions ``keep`` (a slice gives views)."""
-        return Rows(self.ok[keep], self.packed[keep] if self.packed is not None else None,
-                    {k: v[keep] for k, v in self.large.items()}, self.episode[keep] if self.episode is not None else None)
+        return self.map(lambda a: a[keep])
 
 
 def gather(
@@ -94,19 +104,16 @@ def _gather(
     first = stamp.take(slots)
     packed = block.packed
     if packed is not None:
-        packed = packed.take(slots, axis=0) if out is None else packed.take(slots, axis=0, out=out["_block"])
+        packed = packed.take(slots, axis=0, out=None if out is None else out["_block"])
     cols = block.large if large is None else {n: c for n, c in block.large.items() if n in large}
-    if out is None:
-        got = {n: c.take(slots, axis=0) for n, c in cols.items()}
-    else:
-        got = {n: c.take(slots, axis=0, out=out[n]) for n, c in cols.items()}
-    episode = block.episode.take(slots) if block.episode is not None else None
+    got = {n: c.take(slots, axis=0, out=None if out is None else out[n]) for n, c in cols.items()}
+    row = {n: c.take(slots) for n, c in block.row.items()}
     second = stamp.take(slots)
     ok = intact(first, second, ring.expected(flat))
     cleared = ring.cleared(flat)  # after the copy: a row cleared before it does not count
     if cleared.size:
         ok[cleared] = False
-    rows = Rows(ok, packed, got, episode)
+    rows = Rows(ok, packed, got, row)
     _unless_updated(block, ring, flat, updates, rows, large)
     return rows if len(shape) == 1 else _shaped(rows, shape)
 
@@ -194,8 +201,8 @@ def _transitions(
     valid = frames.center(spec, ok, kind)
     packed = None
     if w.packed is not None:
-        packed = _into(out, "_block", w.packed.reshape(m, width, -1)[:, c])
-    episode = w.episode.reshape(m, width)[:, c].copy() if w.episode is not None else None
+        packed = _into(out, "_block", w.packed.reshape(m, width, w.packed.shape[-1])[:, c])
+    row = {n: a.reshape(m, width)[:, c].copy() for n, a in w.row.items()}
     want = set(block.schema.names) if large is None else set(large)
     got: dict[str, np.ndarray] = {}
     small = block.stored_record.views(w.packed) if w.packed is not None else {}
@@ -264,7 +271,7 @@ def _transitions(
         # an update may have come and gone between two of the gathers (the stamps end where they
         # began): the record and the large fields of one row could be from either side of it
         valid = np.zeros_like(valid)
-    rows = Rows(valid, packed, got, episode)
+    rows = Rows(valid, packed, got, row)
     return rows if len(shape) <= 1 else _shaped(rows, shape)
 
 
@@ -315,11 +322,7 @@ def _shaped(rows: Rows, shape: tuple[int, ...]) -> Rows:
     """Rows gathered for flat ids, shaped like the ids."""
     if len(shape) <= 1:
         return rows
-    packed, got, episode = rows.packed, rows.large, rows.episode
-    packed = packed.reshape(*shape, -1) if packed is not None else None
-    got = {n: a.reshape(*shape, *a.shape[1:]) for n, a in got.items()}
-    episode = episode.reshape(shape) if episode is not None else None
-    return Rows(rows.ok.reshape(shape), packed, got, episode)
+    return rows.map(lambda a: a.reshape(*shape, *a.shape[1:]))
 
 
 _ARENA_BYTES = 1 << 20
@@ -379,11 +382,9 @@ def _gather_native(
         return None
     sources += [col for _, col in cols]
     outs += got.values()
-    episode = None
-    if block.episode is not None:
-        episode = np.empty(n, np.int64)
-        sources.append(block.episode)
-        outs.append(episode)
+    row = {name: np.empty(n, col.dtype) for name, col in block.row.items()}
+    sources += block.row.values()
+    outs += row.values()
     ok = np.empty(n, np.bool_)
     try:
         lowest = lib.gather(flat, ring.lanes, block.stamp, tuple(sources), tuple(outs), ok)
@@ -392,7 +393,7 @@ def _gather_native(
     cleared = ring.cleared(flat, lowest)  # after the copy: a row cleared before it does not count
     if cleared.size:
         ok[cleared] = False
-    return Rows(ok, outs[0] if packed is not None else None, got, episode)
+    return Rows(ok, outs[0] if packed is not None else None, got, row)
 
 
 def assemble(block: Block, ids: np.ndarray, rows: Rows, extras: dict[str, np.ndarray] | None = None) -> Batch:
@@ -409,8 +410,7 @@ def assemble(block: Block, ids: np.ndarray, rows: Rows, extras: dict[str, np.nda
         small = {name: a.reshape(*lead, *a.shape[1:]) for name, a in small.items()}
     fields = {name: large[name] if name in large else small[name] for name in block.schema.names}
     more: dict[str, np.ndarray] = {"index": ids}
-    if rows.episode is not None:
-        more["episode"] = rows.episode
+    more.update({EXTRA[name]: a for name, a in rows.row.items() if name in EXTRA})
     if extras:
         more.update(extras)
     return Batch(fields, more, block=packed, record=block.record if packed is not None else None,

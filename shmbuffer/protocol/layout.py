@@ -12,16 +12,10 @@ Columns, in block order
 ``_stats``        ``(16,)`` int64, shared counters, never wrapping; index ``Counter``
 ``_writer_pid``, ``_writer_start``  ``(WRITERS,)`` the processes that have pushed or sampled (``ring.py``)
 ``_sampled``      ``(WRITERS,)`` int64, rows each writer entry's processes sampled without the lock
-``_stamp``        ``(capacity,)`` int64, each slot's commit stamp (``ring.py``)
-``_owner``        ``(capacity,)`` uint16, the writer entry that last reserved each slot
-``_edits``        ``(EDIT_LOG,)`` int64, the slots of the latest in-place changes, a ring:
-                  change ``j`` at ``j % EDIT_LOG`` (``Counter.EDITS`` counts them; ``Ring.log_edits``)
-``_tree_sum``, ``_tree_min``, ``_prio``, ``_uses``  the priority tree, the largest priority and the
-                  use counts (``priorities.py``); only with a ``Prioritized`` sampler or ``max_use``
-                  (``_uses`` only with ``max_use``)
-``_episode``      ``(capacity,)`` int64, each row's episode id; only with ``episodes=True``
-``_kind``         ``(capacity,)`` uint8, what each row is (``frames.py``: an episode's start or end
-                  row); only with ``next_of`` or ``stack``
+``_stamp``, ``_owner``, the first two per-row columns (``ROW_COLUMNS``)
+``_edits``        ``(EDIT_LOG,)`` int64, the slots of the latest in-place changes, a ring (``Counter.EDITS``)
+``_tree_sum``, ``_tree_min``, ``_prio``  the priority tree, the largest priority; with ``Options.tree``
+the other per-row columns, ``(capacity,)`` each: ``ROW_COLUMNS``, the one list of them
 ``_record``       ``(capacity, itemsize)`` uint8, the packed small fields (``schema.Record``)
 one column per large field, named as the field, ``(capacity, *shape)`` in its dtype
 
@@ -32,6 +26,7 @@ block's ``schema`` stays the user's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from enum import IntEnum
 from typing import Any
@@ -109,6 +104,49 @@ class Lane(IntEnum):
 
     CURSOR = 0
     BASE = 1
+
+
+ROW, SAMPLER, FIELD = "row", "sampler", "field"
+"""How a save holds a per-row column and a load restores it (``RowColumn.saved``)."""
+
+
+@dataclass(frozen=True)
+class RowColumn:
+    """A protocol column with one entry a row: a block has it when ``when(options)``; ``gathered``:
+    copied with each row under the stamp check (``Block.row``, ``Rows.row``; ``extra`` its key in a
+    batch and in ``export``); ``saved``: ``ROW`` from those copies, loaded back into its column;
+    ``SAMPLER``, the sampler's state, copied under the lock, loaded through the sampler's checks;
+    ``FIELD``, with the stored fields (``Block.large``); ``None``, not saved (a load leaves it as a
+    new block has it). ``block``: it has a column of its own (``_leaf`` is the tree's)."""
+
+    name: str
+    dtype: np.dtype[Any]
+    when: Callable[[Options], bool]
+    gathered: bool
+    saved: str | None
+    extra: str | None = None
+    block: bool = True
+
+
+ROW_COLUMNS = (
+    RowColumn("_stamp", np.dtype(np.int64), lambda o: True, False, None),  # each slot's commit stamp (ring.py)
+    RowColumn("_owner", np.dtype(np.uint16), lambda o: True, False, None),  # the writer entry that last reserved it
+    RowColumn("_uses", np.dtype(np.uint32), lambda o: o.max_use is not None, False, SAMPLER, "uses"),  # draws so far
+    RowColumn("_episode", np.dtype(np.int64), lambda o: o.episodes, True, ROW, "episode"),  # episodes=True
+    RowColumn("_leaf", np.dtype(np.float64), lambda o: o.tree, False, SAMPLER, "leaf", block=False),  # priorities.py
+    RowColumn(KIND, np.dtype(np.uint8), lambda o: o.rows.once, False, FIELD),  # frames.py: start, end rows
+)
+"""The per-row columns in block order (a save sorts its tensors by itemsize, stably); to add
+one: ``docs/design.md``, the memory layout."""
+
+
+EXTRA = {c.name: c.extra for c in ROW_COLUMNS if c.extra}
+"""Each per-row column's key in a batch's extras and in ``export`` (``RowColumn.extra``)."""
+
+
+def row_columns(opts: Options) -> list[RowColumn]:
+    """The per-row columns (``ROW_COLUMNS``) a block of ``opts`` has."""
+    return [c for c in ROW_COLUMNS if c.when(opts)]
 
 
 @dataclass(frozen=True)
@@ -259,6 +297,7 @@ def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
     """The block's columns, in order (the module docstring says what each holds)."""
     capacity, lanes = int(opts.capacity), int(opts.lanes)
     i8, u1 = np.dtype(np.int64), np.dtype(np.uint8)
+    per_row = [ColumnSpec(c.name, (capacity,), c.dtype) for c in row_columns(opts) if c.block]
     cols = [
         ColumnSpec("_mutex", (MUTEX_SIZE,), u1),
         ColumnSpec("_lanes", (lanes, LANE_WORDS), i8),
@@ -266,8 +305,7 @@ def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
         ColumnSpec("_writer_pid", (WRITERS,), i8),
         ColumnSpec("_writer_start", (WRITERS,), np.dtype(np.float64)),
         ColumnSpec("_sampled", (WRITERS,), i8),
-        ColumnSpec("_stamp", (capacity,), i8),
-        ColumnSpec("_owner", (capacity,), np.dtype(np.uint16)),
+        *per_row[:2],  # _stamp, _owner before _edits: sample(256) of 1M rows measured 6-9% slower after it
         ColumnSpec("_edits", (EDIT_LOG,), i8),
     ]
     if opts.tree:
@@ -275,12 +313,7 @@ def columns(schema: Schema, opts: Options) -> list[ColumnSpec]:
         cols += [ColumnSpec("_tree_sum", (size,), np.dtype(np.float64)),
                  ColumnSpec("_tree_min", (size,), np.dtype(np.float64)),
                  ColumnSpec("_prio", (8,), np.dtype(np.float64))]
-        if opts.max_use is not None:
-            cols.append(ColumnSpec("_uses", (capacity,), np.dtype(np.uint32)))
-    if opts.episodes:
-        cols.append(ColumnSpec("_episode", (capacity,), i8))
-    if opts.rows.once:
-        cols.append(ColumnSpec(KIND, (capacity,), u1))
+    cols += per_row[2:]
     schema = opts.rows.stored(schema)
     if schema.record.itemsize:
         cols.append(ColumnSpec("_record", (capacity, schema.record.itemsize), u1))
@@ -345,6 +378,8 @@ class Block:
         self.edits = arrays["_edits"]
         """The log of in-place changes (``Counter.EDITS``, ``Ring.log_edits``): slots, a ring."""
         self.episode: np.ndarray | None = arrays.get("_episode")
+        self.row = {c.name: arrays[c.name] for c in row_columns(opts) if c.gathered}
+        """The per-row columns gathered with each row (``RowColumn.gathered``), block order."""
         self.packed: np.ndarray | None = arrays.get("_record")
         """The packed small fields, ``(capacity, itemsize)`` uint8, or ``None``."""
         self.large = {f.name: arrays[f.name] for f in self.stored.columns}

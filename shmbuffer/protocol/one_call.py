@@ -16,7 +16,7 @@ from .. import frames, native
 from ..batch import Batch
 from ..sampling.samplers import Prioritized
 from .gather import Out, Rows, large_outs
-from .layout import Block
+from .layout import EXTRA, Block
 from .reader import Source, Uses, fetch, redrawer
 
 MAX_COLUMNS = 64
@@ -63,9 +63,8 @@ class OneCall:
         cols = [] if block.packed is None else [block.packed]
         large = {name: col for name, col in block.large.items() if name != frames.KIND}
         cols += large.values()
-        self.episode = block.episode is not None
-        if block.episode is not None:
-            cols.append(block.episode)
+        self.row = {name: col.dtype for name, col in block.row.items()}
+        cols += block.row.values()
         spec = block.rows
         self.stacks: dict[str, frames.Stack] = {}
         """the outs that hold stacks' frames ``(n, k, *frame)``, for ``frames.assemble``"""
@@ -122,8 +121,8 @@ class OneCall:
             if spec.stacked(name) is None:
                 parts.append((index[name], 0, col[0].nbytes, c, 0))
                 outs.append((name, col.shape[1:], col.dtype))
-        if block.episode is not None:
-            parts.append((len(index) + (block.packed is not None), 0, 8, c, 0))
+        for i, col in enumerate(block.row.values()):
+            parts.append((len(index) + (block.packed is not None) + i, 0, col.itemsize, c, 0))
         return outs, parts
 
     @staticmethod
@@ -134,7 +133,7 @@ class OneCall:
             return False  # only its own draw: never a built-in one in its place
         block = src.block
         spec = block.rows  # the parts: at most the columns, and a second stack of each
-        columns = (block.packed is not None) + len(block.large) + (block.episode is not None) + len(spec.stack)
+        columns = (block.packed is not None) + len(block.large) + len(block.row) + len(spec.stack)
         if spec.depth + spec.ahead + 1 > MAX_COLUMNS:
             return False
         return native.lib is not None and getattr(src.ring, "native_view", None) is not None and columns <= MAX_COLUMNS
@@ -166,10 +165,8 @@ class OneCall:
         if large is None:
             return None  # an out the C copies do not take: the reader's path
         outs += large.values()
-        episode = None
-        if self.episode:
-            episode = np.empty(n, np.int64)
-            outs.append(episode)
+        row = {name: np.empty(n, dtype) for name, dtype in self.row.items()}
+        outs += row.values()
         ids, ok = np.empty(n, np.int64), np.empty(n, np.bool_)
         leaves: np.ndarray | None = None
         weight: np.ndarray | None = None
@@ -191,7 +188,7 @@ class OneCall:
             else:
                 large[name] = out[name]
         if bad:  # rows still not intact after the C rounds: the reader's loop (waits, reaps, gives up)
-            rows = Rows(ok, None if rec is None else rec.view(np.uint8).reshape(n, -1), large, episode)
+            rows = Rows(ok, None if rec is None else rec.view(np.uint8).reshape(n, -1), large, row)
             # under max_use the positions that are ok have counted their use, the others not
             ids, rows, leaves = fetch(src.block, src.ring, ids, redrawer(src, n, True), reap=src.reap, values=leaves,
                                       out=out, what=lambda: f"sample({n}) of buffer {src.name!r}", rows=rows,
@@ -201,9 +198,7 @@ class OneCall:
                 prios = src.priorities
                 assert prios is not None
                 weight = src.options.sampler.weights(prios.tree, leaves, calls)
-        extras = {"index": ids}
-        if episode is not None:
-            extras["episode"] = episode
+        extras = {"index": ids, **{EXTRA[name]: a for name, a in row.items() if name in EXTRA}}
         if weight is not None:
             extras["weight"] = weight
         if large:

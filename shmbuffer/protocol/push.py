@@ -52,10 +52,10 @@ class Copier:
     those steps: a dict of exactly the fields, each a C-contiguous array of the field's dtype and
     shape (one row) or ``(k, *shape)``, needs no cast nor reshape; anything else is left to
     ``Schema.validate``. ``copy`` copies each field's rows into the reserved slots of its column
-    (the packed record at the field's offset, or its own column) and the episode ids with them;
-    the caller then calls ``Ring.commit``. ``lib`` is ``None`` without the extension (or when a
-    column is not C-contiguous, or a dtype cannot be passed as a buffer): the caller copies with
-    numpy."""
+    (the packed record at the field's offset, or its own column) and the block's per-row columns'
+    values (``Block.row``: the episode ids ...); the caller then calls ``Ring.commit``. ``lib`` is
+    ``None`` without the extension (or a column not C-contiguous, a dtype not passed as a buffer):
+    the caller copies with numpy."""
 
     def __init__(self, block: Block, ring: Ring, envs: int | None) -> None:
         targets: dict[str, tuple[np.ndarray, int, np.dtype]] = {}
@@ -67,21 +67,22 @@ class Copier:
         self.targets = targets
         self.fields = block.fields
         self.episode = block.episode
+        self.row = block.row
         self.stamp = block.stamp
         self.names = tuple(targets)
         self.columns = tuple(targets[n][0] for n in self.names)
         self.offsets = tuple(targets[n][1] for n in self.names)
         self.shapes = tuple(tuple(int(d) for d in self.fields[n].shape[1:]) for n in self.names)
         self.items = tuple(math.prod(s) for s in self.shapes)
-        columns = [*self.columns, self.stamp]
-        if self.episode is not None:
-            columns.append(self.episode)
+        columns = [*self.columns, self.stamp, *self.row.values()]
         formats = [_format(np.dtype(targets[n][2])) for n in self.names]
         usable = all(c.flags.c_contiguous for c in columns) and all(f is not None for f in formats)
         self.formats = tuple(f or b"" for f in formats)
         self.lib = native.lib if usable else None
         self.plan = None
-        if self.lib is not None and ring.native_view is not None and 0 < len(self.names) <= 64 and all(len(s) <= 16 for s in self.shapes):
+        if (self.lib is not None and ring.native_view is not None and 0 < len(self.names) <= 64
+                and all(len(s) <= 16 for s in self.shapes) and len(self.row) == (self.episode is not None)):
+            # the whole push in C writes the episode ids and no other per-row column (docs/design.md)
             widths = tuple(int(np.dtype(targets[n][2]).itemsize * math.prod(s)) for n, s in zip(self.names, self.shapes, strict=True))
             self.plan = self.lib.plan(
                 (ring.lock.memory, ring.cursors, ring.stats_array, ring.stamp, ring.owner, ring.writers, ring.me),
@@ -107,14 +108,14 @@ class Copier:
         got = self.lib.check(self.plan, data)  # type: ignore[union-attr]
         return None if got is None else (got[0], data)
 
-    def prepare(self, arrays: dict[str, np.ndarray], episodes: np.ndarray | None, k: int,
+    def prepare(self, arrays: dict[str, np.ndarray], row: dict[str, Any], k: int,
                 exact: bool = False) -> tuple[np.ndarray, ...]:
         """The sources of a push's copies, made before its reservation so that nothing between the
         reservation and the commit can fail: each field's ``k`` rows (``arrays``, checked by the
         schema, or ``exact``: by ``check``, taken as they are) cast, broadcast, C-contiguous and
-        aligned as its column takes them (numpy's assignment rules), then the episode ids when
-        the block keeps them."""
-        if exact and (episodes is None or self.episode is None):
+        aligned as its column takes them (numpy's assignment rules), then the values (``row``, by
+        column name) of each of the block's per-row columns (``Block.row``)."""
+        if exact and not self.row:
             return tuple([arrays[name] for name in self.names])
         out = []
         for name, items in zip(self.names, self.items, strict=True):
@@ -127,10 +128,9 @@ class Copier:
                 b[...] = a  # numpy's assignment: the cast and the broadcast of one row
                 a = b
             out.append(a)
-        if episodes is not None and self.episode is not None:
-            e = np.empty(k, np.int64)
-            e[...] = episodes
-            out.append(e)
+        for name, col in self.row.items():
+            out.append(np.empty(k, col.dtype))
+            out[-1][...] = row[name]
         return tuple(out)
 
     def copy(self, res: Reservation, sources: tuple[np.ndarray, ...]) -> None:
@@ -142,8 +142,10 @@ class Copier:
         if lib is not None:
             at, k = (where.start, where.stop - where.start) if isinstance(where, slice) else (where, where.shape[0])
             cols, offsets, formats = self.columns, self.offsets, self.formats
-            if len(sources) > len(self.names) and self.episode is not None:
-                cols, offsets, formats = (*cols, self.episode), (*offsets, 0), (*formats, _format(np.dtype(np.int64)) or b"")
+            if self.row:
+                more = self.row.values()
+                cols, offsets = (*cols, *more), (*offsets, *(0 for _ in more))
+                formats = (*formats, *(_format(c.dtype) or b"" for c in more))
             if lib.put(at, k, self.stamp, cols, offsets, formats, sources, False):
                 return
         targets = self.numpy_targets()[:len(sources)]
@@ -161,12 +163,9 @@ class Copier:
             raise
 
     def numpy_targets(self) -> list[np.ndarray]:
-        """The columns a numpy copy writes, field by field, then the episode ids when the block
-        keeps them (the seam where a test stops a copy midway)."""
-        out = [self.fields[name] for name in self.names]
-        if self.episode is not None:
-            out.append(self.episode)
-        return out
+        """The columns a numpy copy writes, field by field, then the block's per-row columns
+        (``Block.row``; the seam where a test stops a copy midway)."""
+        return [*(self.fields[name] for name in self.names), *self.row.values()]
 
 
 def _format(dtype: np.dtype) -> bytes | None:
@@ -265,7 +264,7 @@ def _push_once(
         if ids is not None:
             note_interleaving(src, ids, episodes, given)
             return ids
-    sources = copier.prepare(arrays, episodes, k, exact and ex is None)  # every cast before the reservation
+    sources = copier.prepare(arrays, {"_episode": episodes}, k, exact and ex is None)  # every cast before the reservation
 
     def restore() -> None:
         for put_back in kept:

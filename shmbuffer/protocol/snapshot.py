@@ -46,6 +46,7 @@ sink from the first gap on. Memory: about two pieces, whatever the buffer's size
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +55,7 @@ import numpy as np
 
 from ..errors import closed
 from .gather import Rows, gather, settle
-from .layout import Counter
+from .layout import ROW, Counter, row_columns
 from .rows import committed, row_id, slot, writing
 
 __all__ = ["CHUNK_BYTES", "Buffer", "Moment", "Piece", "Run", "Snapshot", "at_one_moment", "columns"]
@@ -215,20 +216,14 @@ class Snapshot:
         return rows, extra, now
 
     def _internals(self, sl: slice, locked: bool) -> dict[str, np.ndarray]:
-        """The tree leaves and use counts of slots ``sl``, copied under the ring's lock."""
+        """The sampler's state of slots ``sl`` (``layout.SAMPLER``: the tree leaves, the use
+        counts), copied under the ring's lock."""
         prios = self.buf.priorities
-        out: dict[str, np.ndarray] = {}
-        if prios is not None:
-            if not locked:
-                self.buf.ring.lock.acquire()
-            try:
-                out["_leaf"] = prios.tree.leaves[sl].copy()
-                if prios.uses is not None:
-                    out["_uses"] = prios.uses[sl].copy()
-            finally:
-                if not locked:
-                    self.buf.ring.lock.release()
-        return out
+        if prios is None:
+            return {}
+        state = {"_leaf": prios.tree.leaves, "_uses": prios.uses}
+        with contextlib.nullcontext() if locked else self.buf.ring.lock:
+            return {name: a[sl].copy() for name, a in state.items() if a is not None}
 
     def copy(self, run: Run, rows: int) -> Piece | None:
         """Copy the next ``rows`` rows of ``run`` (fewer at the lane's end or where its slots
@@ -252,19 +247,12 @@ class Snapshot:
         lo = max(run.keep, n0) - n0
         if lo >= n1 - n0:
             return None
-        out = dict(got.large)
-        if got.episode is not None:
-            out["_episode"] = got.episode
-        out.update(extra)
-        block = got.packed
+        out = {**got.large, **{c.name: got.row[c.name] for c in row_columns(buf.options) if c.saved == ROW}, **extra}
+        if got.packed is not None:
+            out.update({n: np.ascontiguousarray(v) for n, v in buf.block.stored_record.views(got.packed).items()})
         if hole.any():  # a hole's bytes are zeros in every tensor (see the format)
             for a in out.values():
                 a[hole] = 0
-            if block is not None:
-                block[hole] = 0
-        if block is not None:
-            for name, view in buf.block.stored_record.views(block).items():
-                out[name] = np.ascontiguousarray(view)
         out["_present"] = ~hole
         return Piece(run.lane, n0 + lo, {name: a[lo:] for name, a in out.items()})
 
