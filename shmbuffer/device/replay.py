@@ -74,6 +74,7 @@ from ..frames import Stack, stack_columns, stack_plan
 from ..frames import center as frames_center
 from ..protocol import refresh
 from ..protocol.edits import held
+from ..protocol.layout import EXTRA
 from ..protocol.reader import GIVE_UP, Source, Uses, count, draw_ids, nothing_to_draw, short_of_uses
 from ..protocol.refresh import DONE, ERROR, INSERTED
 from ..protocol.rows import committed, committed_of_id, lane_of, number_of, slot, slot_of_id, window
@@ -434,8 +435,7 @@ class DeviceReplay(DeviceRows):
             packed = packed.view(_torch().uint8)
         small = torch_views(packed, self.record) if packed is not None and self.record is not None else {}
         extras: dict[str, Any] = {"index": ids}
-        if "_episode" in got:
-            extras["episode"] = got.pop("_episode")
+        extras.update({EXTRA[name]: got.pop(name) for name in self.buf.block.row if name in EXTRA})
         if weight is not None:
             extras["weight"] = weight
         fields = {name: got[name] if name in got else small[name] for name in self.buf.block.schema.names}
@@ -568,14 +568,13 @@ class DeviceReplay(DeviceRows):
             else:
                 fields[name] = small[name] if name in small else cols[name].index_select(0, center)
         extras: dict[str, Any] = {"index": torch.from_numpy(ids).to(self.device)}
-        if "_episode" in self.rows:
-            extras["episode"] = self.rows["_episode"].index_select(0, center)
+        extras.update({EXTRA[name]: self.rows[name].index_select(0, center) for name in block.row if name in EXTRA})
         if weight is not None:
             extras["weight"] = weight
         return Batch(fields, extras, block=packed, record=self.record)
 
     def _stored_columns(self, torch: Any) -> dict[str, Any]:
-        """Every stored field's whole device column (the small ones views of the packed block), and the episodes."""
+        """Every stored field's whole device column (the small ones views of the packed block), and ``Block.row``'s."""
         out: dict[str, Any] = {}
         if "_record" in self.rows:
             out.update(torch_views(self.rows["_record"].view(torch.uint8), self.buf.block.stored_record))
@@ -625,7 +624,7 @@ class DeviceReplay(DeviceRows):
         lead = order.shape
         where = torch.from_numpy(np.ascontiguousarray(order).reshape(-1)).to(self.device)
         hole = torch.from_numpy(~np.ascontiguousarray(mask.T if time_major else mask).reshape(-1)).to(self.device)
-        got = {name: dev.index_select(0, where) for name, dev in self.rows.items() if name != "_episode"}
+        got = {name: dev.index_select(0, where) for name, dev in self.rows.items() if name not in self.buf.block.row}
         for col in got.values():
             col[hole] = 0
         packed = got.pop("_record", None)

@@ -19,8 +19,8 @@ dropped after its draw (``state[REDRAWN]``), so the refresh seldom waits for a s
 On the CPU with the C extension the whole refresh is one call without the GIL
 (``native/refresh.c``: the lists in the arrays here, the lock a pthread mutex in ``lock``, a second
 one letting one refresh run at a time), the rows copied straight into the device columns (and the
-host mirrors of their kinds and episodes); the background refresher there is a C thread that never
-takes the GIL (``native_refresher``). The Python steps (``refresh.steps``) are the reference, the fallback, and
+host ``mirrors``); the background refresher there is a C thread that never takes the GIL
+(``native_refresher``). The Python steps (``refresh.steps``) are the reference, the fallback, and
 the CUDA path: each piece copied into reused pinned staging (``gather.gather_run``, one C call) and
 then one copy to the device on a side stream; pending rows go through the stamped ``gather``.
 
@@ -135,8 +135,7 @@ class DeviceRows:
             word = next(w for w in (8, 4, 2, 1) if width % w == 0 and block.packed.ctypes.data % w == 0)
             self.columns["_record"] = block.packed.view(np.dtype(f"<i{word}") if word > 1 else np.uint8)
         self.columns.update(block.large)  # the packed small fields travel as one block, as in a gather
-        if block.episode is not None:
-            self.columns["_episode"] = block.episode
+        self.columns.update(block.row)  # and the per-row columns gathered with each row (layout.ROW_COLUMNS)
         need = sum(int(c.nbytes) for c in self.columns.values())
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
@@ -173,16 +172,17 @@ class DeviceRows:
         """The lanes' bases as of the last refresh (a clear() moves them)."""
         self.kinds = host_zeros(cap if buf.options.rows.once else 0, np.uint8)
         """With frames: each held row's kind (``frames.KIND``), as copied with it (host memory)."""
-        self.episodes = host_zeros(cap if block.episode is not None else 0, np.int64)
-        """With episodes: each held row's episode id, as copied with it (host memory)."""
+        self.mirrors = {**({KIND: self.kinds} if self.kinds.size else {}),
+                        **{name: host_zeros(cap, col.dtype) for name, col in block.row.items()}}
+        """Host copies of the held rows' kinds and gathered per-row columns (``Block.row``), which host plans read."""
+        self.episodes = self.mirrors.get("_episode", host_zeros(0, np.int64))
+        """With episodes: each held row's episode id (``mirrors``)."""
         lib = native.lib
         self._one_call: tuple[Any, ...] | None = None  # the C refresh's arguments but the piece
         self._draw_call: tuple[Any, ...] | None = None  # the C uniform sample's (replay.py)
         if cpu and lib is not None and all(c.flags.c_contiguous for c in self.columns.values()):
-            mirrors: list[tuple[np.ndarray, np.ndarray]] = [(self.columns[KIND], self.kinds)] if self.kinds.size else []
-            mirrors += [(self.columns["_episode"], self.episodes)] if self.episodes.size else []
-            sources = (*self.columns.values(), *(m[0] for m in mirrors))
-            outs = (*(dev.numpy() for dev in self.rows.values()), *(m[1] for m in mirrors))
+            sources = (*self.columns.values(), *(self.columns[name] for name in self.mirrors))
+            outs = (*(dev.numpy() for dev in self.rows.values()), *self.mirrors.values())
             self.lock: Any = NativeLock(lib)
             self._one_call = (lib, (self.lock.mutex, *refresh.sources(buf), sources,
                                     outs, self.held, self.dropped, self.dense, self.where, self.next, self.bases,
@@ -317,8 +317,8 @@ class DeviceRows:
             if "_record" in staged:
                 out["_block"] = staged["_record"].numpy().view(np.uint8)
             rows, slots = refresh.read_rows(self.buf, part, out)
-            if rows.episode is not None:
-                staged["_episode"].numpy()[:] = rows.episode
+            for name, col in rows.row.items():
+                staged[name].numpy()[:] = col
             ok[a:a + m] = rows.ok
             keep = np.flatnonzero(rows.ok)
             self._mirror(slots, {name: s.numpy()[keep] for name, s in staged.items()})
@@ -328,13 +328,10 @@ class DeviceRows:
         return ok
 
     def _mirror(self, slots: int | np.ndarray, copied: dict[str, np.ndarray]) -> None:
-        """The host mirrors (kinds, episodes) of rows just copied into ``slots`` (a first slot or
-        an array); they count once the rows are held."""
-        for mirror, name in ((self.kinds, KIND), (self.episodes, "_episode")):
-            if mirror.size:
-                got = copied[name]
-                at = slice(slots, slots + got.shape[0]) if isinstance(slots, int) else slots
-                mirror[at] = got
+        """The ``mirrors`` of rows just copied into ``slots`` (a first slot or an array): they count once held."""
+        for name, mirror in self.mirrors.items():
+            got = copied[name]
+            mirror[slice(slots, slots + got.shape[0]) if isinstance(slots, int) else slots] = got
 
     # -- the held and usable slots (under lock): each change costs the slots it touches -----------
     def drop(self, slots: np.ndarray) -> None:

@@ -33,6 +33,7 @@ from .manifest import (
     CHUNK,
     LOCK,
     MANIFEST,
+    SAMPLER_STATE,
     Manifest,
     chunk_name,
     open_chunk,
@@ -235,8 +236,7 @@ class _Lane:
     start: int
     segs: list[list[int]]
     present: Any = None
-    leaves: Any = None
-    uses: Any = None
+    sampler: Any = None
     at_lock: int = 0
 
 
@@ -255,7 +255,7 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
     chunk_id = secrets.token_hex(8)
     tmp = f".{chunk_name(sequence)}.{chunk_id}.tmp"
     planned = {f"{b}/{t.name}": t for b in BLOCKS for t in files}
-    planned |= {t.name: t for t in everything if t.name in ("_leaf", "_uses")}
+    planned |= {t.name: t for t in everything if t.name in SAMPLER_STATE}
     planned |= {f"_last/{f.name}": tensor_of(f.name, f.shape, f.dtype) for f in buf.schema}
     chunk = _Chunk(dfd, tmp, chunk_id, version_of(buf.options), planned)
     try:
@@ -278,11 +278,10 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
                     ln.present[a - ln.at_lock:piece.start + piece.rows - ln.at_lock] = piece.arrays["_present"][a - piece.start:]
         kept, keep_chunks = _compact(folder, buf, chunk, files, chunks, lanes, me)
         rows = sum(ln.run.end - ln.keep for ln in lanes)
-        for t in everything:
-            if t.name in ("_leaf", "_uses"):
-                cut = [(getattr(ln, "leaves" if t.name == "_leaf" else "uses"), ln) for ln in lanes]
-                vals = np.concatenate([v[ln.keep - ln.at_lock:] * ln.present[ln.keep - ln.at_lock:] for v, ln in cut])
-                chunk.write(chunk.add(t.name, t, rows), vals.astype(t.dtype))  # a hole's 0
+        for t in (t for t in everything if t.name in SAMPLER_STATE):
+            vals = np.concatenate([ln.sampler[t.name][ln.keep - ln.at_lock:] * ln.present[ln.keep - ln.at_lock:]
+                                   for ln in lanes])
+            chunk.write(chunk.add(t.name, t, rows), vals.astype(t.dtype))  # a hole's 0
         lasts = _pending(lanes, pending)
         for n in buf.schema.names:
             if lasts and all(n in last.values for _, last in lasts):
@@ -370,7 +369,7 @@ def _direct(snap: Snapshot, chunk: _Chunk, files: list[Tensor]) -> Layout | None
             n1 = min(run.end, (n0 // lc + 1) * lc)
             spans.append((run.lane, n0, n1, run.lane * lc + n0 % lc))
             n0 = n1
-    columns: dict[str, Any] = dict(block.fields, _episode=block.episode)
+    columns: dict[str, Any] = {**block.fields, **block.row}
     if any(t.name != "_present" and columns.get(t.name) is None for t in files):
         return None
     plan = Layout(files, [(run.keep, run.end) for run in runs])
@@ -398,7 +397,7 @@ def _locked(buf: Buffer, lanes: list[_Lane], every: bool) -> tuple[int, dict[str
     now = at_one_moment(buf, [(ln.run.lane, ln.keep if every else max(ln.keep, ln.start), ln.run.end) for ln in lanes])
     for i, ln in enumerate(lanes):
         lo = ln.keep if every else max(ln.keep, ln.start)
-        ln.leaves, ln.uses, ln.at_lock = now.leaves[i], now.uses[i], lo
+        ln.sampler, ln.at_lock = now.sampler[i], lo
         lapped = np.flatnonzero(~now.there[i] & ~now.empty[i])
         if lapped.size:
             ln.keep = lo + int(lapped[-1]) + 1

@@ -102,6 +102,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import LayoutError
+from ..protocol.layout import ROW_COLUMNS, SAMPLER
 from ..schema import Schema
 from .format import FORMAT, MAX_HEADER, Tensor, tensors, version_of
 from .loading import READERS, open_regular, read_header, read_meta
@@ -130,9 +131,13 @@ def chunk_name(sequence: int) -> str:
     return f"chunk-{sequence:08d}.safetensors"
 
 
+SAMPLER_STATE = {c.name for c in ROW_COLUMNS if c.saved == SAMPLER}
+"""The tensors a chunk holds for every row, not per block: the sampler's state (``_leaf``, ``_uses``)."""
+
+
 def row_tensors(schema: Schema, opts: Any) -> list[Tensor]:
-    """A chunk block's tensors: a save's (``format.tensors``) without ``_leaf`` and ``_uses``."""
-    return [t for t in tensors(schema, opts) if t.name not in ("_leaf", "_uses")]
+    """A chunk block's tensors: a save's (``format.tensors``) without the sampler's (``SAMPLER_STATE``)."""
+    return [t for t in tensors(schema, opts) if t.name not in SAMPLER_STATE]
 
 
 @dataclass
@@ -314,7 +319,7 @@ def open_chunk(folder: Path, entry: dict[str, Any], schema: Schema, opts: Any) -
             raise LayoutError(f"{file}: __metadata__ {str(head)[:300]}, expected {want}: the chunk is not the one "
                               f"{MANIFEST} names (or was altered)")
         rows: dict[str, int] = {}
-        allowed = {"_leaf", "_uses"} | {f"_last/{n}" for n in schema.names}
+        allowed = SAMPLER_STATE | {f"_last/{n}" for n in schema.names}
         files = row_tensors(schema, opts)
         for b in BLOCKS:
             e = entries.get(f"{b}/_present")

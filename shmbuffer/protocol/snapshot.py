@@ -55,7 +55,7 @@ import numpy as np
 
 from ..errors import closed
 from .gather import Rows, gather, settle
-from .layout import ROW, Counter, row_columns
+from .layout import ROW, SAMPLER, Counter, row_columns
 from .rows import committed, row_id, slot, writing
 
 __all__ = ["CHUNK_BYTES", "Buffer", "Moment", "Piece", "Run", "Snapshot", "at_one_moment", "columns"]
@@ -189,8 +189,8 @@ class Snapshot:
         return slice(s0, s0 + n1 - n0)
 
     def _read(self, ids: np.ndarray, sl: slice, numbers: np.ndarray, hole: np.ndarray) -> tuple[Rows, dict[str, np.ndarray], np.ndarray]:
-        """Gather the rows ``ids`` (slots ``sl``) as stored, their leaves and use counts, and
-        their stamps after all of it. Rows that an update spanned are gathered again; if some are
+        """Gather the rows ``ids`` (slots ``sl``) as stored, their sampler state (``sampler_state``,
+        under the ring's lock), and their stamps after all of it. Rows that an update spanned are gathered again; if some are
         still being updated, the whole piece is gathered once more holding the lock."""
         buf, ring = self.buf, self.buf.ring
         block, stamp = buf.block, ring.stamp
@@ -208,22 +208,14 @@ class Snapshot:
                 while (stamp[sl] == writing(numbers)).any() and time.monotonic() < until:
                     time.sleep(0.0001)
                 rows = gather(block, ring, ids, stored=True)
-            extra = self._internals(sl, locked)
+            state = sampler_state(buf)
+            with contextlib.nullcontext() if locked or not state else ring.lock:
+                extra = {name: a[sl].copy() for name, a in state.items()}
             now = stamp[sl].copy()
         finally:
             if locked:
                 ring.lock.release()
         return rows, extra, now
-
-    def _internals(self, sl: slice, locked: bool) -> dict[str, np.ndarray]:
-        """The sampler's state of slots ``sl`` (``layout.SAMPLER``: the tree leaves, the use
-        counts), copied under the ring's lock."""
-        prios = self.buf.priorities
-        if prios is None:
-            return {}
-        state = {"_leaf": prios.tree.leaves, "_uses": prios.uses}
-        with contextlib.nullcontext() if locked else self.buf.ring.lock:
-            return {name: a[sl].copy() for name, a in state.items() if a is not None}
 
     def copy(self, run: Run, rows: int) -> Piece | None:
         """Copy the next ``rows`` rows of ``run`` (fewer at the lane's end or where its slots
@@ -295,15 +287,22 @@ def restore_counters(buf: Buffer, values: dict[Counter, int], removed: bool) -> 
         counters[Counter.REMOVED] = 1
 
 
+def sampler_state(buf: Buffer) -> dict[str, np.ndarray]:
+    """The sampler's per-row columns (``layout.SAMPLER``: the tree's leaves, the use counts) by name."""
+    if buf.priorities is None:
+        return {}
+    arrays = {**buf.block.arrays, "_leaf": buf.priorities.tree.leaves}  # the one with no column of its own
+    return {c.name: arrays[c.name] for c in row_columns(buf.options) if c.saved == SAMPLER}
+
+
 @dataclass
 class Moment:
     """``at_one_moment``'s answer: per span, which rows are there and which slots empty, their
-    leaves and use counts (``None`` without them); the counters as they were."""
+    sampler state (``sampler_state``); the counters as they were."""
 
     there: list[np.ndarray]
     empty: list[np.ndarray]
-    leaves: list[np.ndarray | None]
-    uses: list[np.ndarray | None]
+    sampler: list[dict[str, np.ndarray]]
     counters: dict[str, Any]
 
 
@@ -324,14 +323,12 @@ def at_one_moment(buf: Buffer, spans: list[tuple[int, int, int]]) -> Moment:
     moment (``persistence/checkpoint.py``). The lock is held for the copies only."""
     ring, prios, counters = buf.ring, buf.priorities, buf.block.counters
     lc = ring.lane_capacity
-    out = Moment([], [], [], [], {})
-    stamps = []
+    out = Moment([], [], [], {})
+    stamps, state = [], sampler_state(buf)
     with ring.lock:
         for lane, n0, n1 in spans:
             stamps.append(_lane_rows(ring.stamp, lane, n0, n1, lc))
-            out.leaves.append(_lane_rows(prios.tree.leaves, lane, n0, n1, lc) if prios is not None else None)
-            out.uses.append(_lane_rows(prios.uses, lane, n0, n1, lc)
-                            if prios is not None and prios.uses is not None else None)
+            out.sampler.append({name: _lane_rows(a, lane, n0, n1, lc) for name, a in state.items()})
         out.counters = {
             "edits": int(counters[Counter.EDITS]), "edits_begun": int(counters[Counter.EDITS_BEGUN]),
             "stats": ring.stats, "inserted": ring.inserted, "sample_calls": int(counters[Counter.SAMPLE_CALLS]),
