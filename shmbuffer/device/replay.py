@@ -74,7 +74,6 @@ from ..frames import Stack, stack_columns, stack_plan
 from ..frames import center as frames_center
 from ..protocol import refresh
 from ..protocol.edits import held
-from ..protocol.layout import EXTRA
 from ..protocol.reader import GIVE_UP, Source, Uses, count, draw_ids, nothing_to_draw, short_of_uses
 from ..protocol.refresh import DONE, ERROR, INSERTED
 from ..protocol.rows import committed, committed_of_id, lane_of, number_of, slot, slot_of_id, window
@@ -435,7 +434,7 @@ class DeviceReplay(DeviceRows):
             packed = packed.view(_torch().uint8)
         small = torch_views(packed, self.record) if packed is not None and self.record is not None else {}
         extras: dict[str, Any] = {"index": ids}
-        extras.update({EXTRA[name]: got.pop(name) for name in self.buf.block.row if name in EXTRA})
+        extras.update({key: got.pop(name) for name, key in self.extras.items()})
         if weight is not None:
             extras["weight"] = weight
         fields = {name: got[name] if name in got else small[name] for name in self.buf.block.schema.names}
@@ -568,7 +567,7 @@ class DeviceReplay(DeviceRows):
             else:
                 fields[name] = small[name] if name in small else cols[name].index_select(0, center)
         extras: dict[str, Any] = {"index": torch.from_numpy(ids).to(self.device)}
-        extras.update({EXTRA[name]: self.rows[name].index_select(0, center) for name in block.row if name in EXTRA})
+        extras.update({key: self.rows[name].index_select(0, center) for name, key in self.extras.items()})
         if weight is not None:
             extras["weight"] = weight
         return Batch(fields, extras, block=packed, record=self.record)

@@ -55,6 +55,7 @@ from ..batch import torch_dtype
 from ..errors import CapacityError, ClosedError
 from ..frames import KIND
 from ..protocol import refresh
+from ..protocol.layout import EXTRA
 from ..protocol.reader import Source
 from ..protocol.refresh import AT, COUNT, DONE, DROPS, EDITS, INSERTED, PENDING, SPENT, STATE_WORDS, TAKEN
 from ..protocol.rows import id_of_slot, lane_capacity
@@ -136,6 +137,8 @@ class DeviceRows:
             self.columns["_record"] = block.packed.view(np.dtype(f"<i{word}") if word > 1 else np.uint8)
         self.columns.update(block.large)  # the packed small fields travel as one block, as in a gather
         self.columns.update(block.row)  # and the per-row columns gathered with each row (layout.ROW_COLUMNS)
+        self.extras = {name: EXTRA[name] for name in block.row if name in EXTRA}
+        """The gathered per-row columns a batch carries: each one's key in its extras (``layout.EXTRA``)."""
         need = sum(int(c.nbytes) for c in self.columns.values())
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)

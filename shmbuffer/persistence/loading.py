@@ -567,7 +567,7 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
                 if t.name == "_present":
                     continue
                 offset = data_start + entries[t.name].begin + (pos + n0 - first) * t.row_bytes
-                target = targets[t.name][sl] if t.name != "_leaf" else None
+                target = targets[t.name][sl] if t.name in targets else None  # the tree's leaves have no column
                 if target is not None and target.flags.c_contiguous:
                     pread_into(fd, target, offset, file)
                     staged = target

@@ -120,6 +120,8 @@ LOCK = ".lock"
 """The file a checkpoint holds with ``flock`` while it writes the folder."""
 CHUNK = re.compile(r"chunk-(\d{8})\.safetensors")
 """A chunk's file name."""
+SAMPLER_STATE = {c.name for c in ROW_COLUMNS if c.saved == SAMPLER}
+"""The tensors a chunk holds for every row, not per block: the sampler's state (``_leaf``, ``_uses``)."""
 _KEYS = {"version", "sequence", "buffer", "inserted", "edits", "chunks", "segments", "pending", "generator", "ranks",
          "device_generator"}
 _RANKS = ("world_size", "seed", "step", "epochs")
@@ -129,10 +131,6 @@ _INT = 2**63 - 1
 def chunk_name(sequence: int) -> str:
     """The file name of the chunk the checkpoint ``sequence`` writes."""
     return f"chunk-{sequence:08d}.safetensors"
-
-
-SAMPLER_STATE = {c.name for c in ROW_COLUMNS if c.saved == SAMPLER}
-"""The tensors a chunk holds for every row, not per block: the sampler's state (``_leaf``, ``_uses``)."""
 
 
 def row_tensors(schema: Schema, opts: Any) -> list[Tensor]:

@@ -289,9 +289,8 @@ def restore_counters(buf: Buffer, values: dict[Counter, int], removed: bool) -> 
 
 def sampler_state(buf: Buffer) -> dict[str, np.ndarray]:
     """The sampler's per-row columns (``layout.SAMPLER``: the tree's leaves, the use counts) by name."""
-    if buf.priorities is None:
-        return {}
-    arrays = {**buf.block.arrays, "_leaf": buf.priorities.tree.leaves}  # the one with no column of its own
+    prios = buf.priorities  # None: the options have no such column
+    arrays = {**buf.block.arrays, "_leaf": prios.tree.leaves} if prios is not None else {}  # the tree's leaves
     return {c.name: arrays[c.name] for c in row_columns(buf.options) if c.saved == SAMPLER}
 
 
