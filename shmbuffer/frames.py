@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import SchemaError
+from .errors import FieldError, SchemaError
 from .schema import Record, Schema
 
 KIND = "_kind"
@@ -149,6 +149,18 @@ class Frames:
         """Rows a lane keeps ahead of its newest transition: 1 with ``next_of`` (its next row holds ``next_obs``),
         else 0."""
         return 1 if self.next_of else 0
+
+    @property
+    def last_apart(self) -> bool:
+        """Whether an episode run's last row in a lane is not a transition (``next_of``: its end row, or a
+        row whose next observation is not pushed yet): sequences and hindsight stop one row before it."""
+        return bool(self.next_of)
+
+    def whole(self, what: str, instead: str) -> None:
+        """Refuse (``FieldError``) ``what``, which needs rows whole in memory, when fields are stored once."""
+        if self.once:
+            raise FieldError(f"{what}: the buffer stores {', '.join(self.rebuilt)} once for several rows "
+                             f"(next_of/stack), so its rows are not whole in memory; {instead}")
 
     def steps(self, lane_capacity: int) -> int:
         """The most steps a push into one lane of ``lane_capacity`` slots can always take: half of it
@@ -260,7 +272,7 @@ def transitions(spec: Frames, kind: np.ndarray) -> np.ndarray:
     ``next_of`` not the lane's newest row, nor a row followed by another episode's start (its
     episode stopped without its end row: it has no next observation); with ``stack`` no stack that
     reaches back past the lane's oldest row (its episode's start lapped or cleared). ``len`` and
-    ``get``'s positions count these (``reader.counted``, ``edits.end_rows``)."""
+    ``get``'s positions count these (``reader.counted``, ``reader.held``)."""
     ok = kind & (END | LEAD) == 0
     if spec.ahead and kind.size:
         ok[-1] = False

@@ -73,8 +73,7 @@ from ..errors import ClosedError, EmptyBufferError, FieldError, WaitTimeout
 from ..frames import Stack, stack_columns, stack_plan
 from ..frames import center as frames_center
 from ..protocol import refresh
-from ..protocol.edits import held
-from ..protocol.reader import GIVE_UP, Source, Uses, count, draw_ids, nothing_to_draw, short_of_uses
+from ..protocol.reader import GIVE_UP, Source, Uses, count, draw_ids, held, nothing_to_draw, short_of_uses
 from ..protocol.refresh import DONE, ERROR, INSERTED
 from ..protocol.rows import committed, committed_of_id, lane_of, number_of, slot, slot_of_id, window
 from ..sampling import ranks

@@ -186,6 +186,12 @@ class Options:
             raise ValueError(f"capacity: a transition of this buffer reads {need // 2} rows of its lane (next_of/stack): "
                              f"expected lanes of {need} rows or more, got {cap // lanes}; raise capacity")
 
+    @property
+    def ordered(self) -> bool:
+        """Whether each lane must hold one env's steps in order: the buffer keeps episodes, or reads
+        next observations and older frames from the lane (``frames.py``)."""
+        return self.episodes or self.rows.once
+
     @classmethod
     def make(cls, schema: Schema, capacity: int, *, sampler: Sampler, max_use: int | None, lanes: int | None,
              envs: int | None, episodes: bool, limiter: RateLimiter | None, next_of: Any, stack: Any) -> Options:

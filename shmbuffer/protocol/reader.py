@@ -471,6 +471,13 @@ def counted(src: Source) -> np.ndarray:
     return ids[keep]
 
 
+def held(src: Source) -> int:
+    """``len(buf)``: how many rows ``counted`` lists, without the scan where every held row counts."""
+    if src.block.rows.once or src.block.counters[Counter.REMOVED]:
+        return int(counted(src).size)
+    return len(src.ring)
+
+
 def get(src: Source, index: Any) -> Batch:
     """Rows by logical index, waiting (up to a second) for rows being written (``ReplayBuffer.get``)."""
     ring = src.ring
