@@ -285,6 +285,46 @@ def transitions(spec: Frames, kind: np.ndarray) -> np.ndarray:
     return ok
 
 
+KINDS = (0, START, START | ZERO, END, LEAD, LEAD | START)
+"""The kinds a row can have: a step, an episode's first step (padded with copies or with zeros), an end
+row, a lead row (the first of a resumed episode's)."""
+
+
+def misplaced(spec: Frames, slots: np.ndarray, there: np.ndarray, fields: Mapping[str, np.ndarray]
+              ) -> tuple[int, str] | None:
+    """The first of a lane's rows (its ``slots``, oldest first; ``there``: held; ``fields``: the stored
+    columns, ``KIND`` included) whose kind breaks a rule every reader trusts, and the rule (``{row}``,
+    ``{next}``, ``{lane}`` to fill in); ``None`` if all hold. Only ``KINDS``; with ``next_of`` an episode's last step is followed by its end row
+    (or by another episode's start: then it is no transition), and an end row follows a step; the
+    row after an episode's end (its end row, or its last step without ``next_of``) starts an episode."""
+    kind = fields[KIND][slots]
+    if (odd := ~np.isin(kind, KINDS)).any():
+        at = int(np.flatnonzero(odd)[0])
+        return at, f"holds {int(kind[at])} at row {{row}} of lane {{lane}}, expected one of {sorted(KINDS)}"
+    step = there & ((kind & (END | LEAD)) == 0)
+    final = np.zeros(kind.size, bool)
+    for name in spec.ends:
+        if name in fields:
+            final |= fields[name][slots].reshape(kind.size) != 0
+    final &= step
+    pair = there[:-1] & there[1:]  # two rows in a row, both held
+    end = there & ((kind & END) != 0)
+    ended = end if spec.next_of else final
+    begins = (kind & START) != 0
+    # a last step followed by another episode's start is no transition (it has no next
+    # observation, ``transitions``): a lane's waiting step ended by update, SB3's truncation
+    if spec.next_of and (bad := pair & final[:-1] & ~end[1:] & ~begins[1:]).any():
+        why = "an episode's last step is not followed by its end row"
+    elif spec.next_of and (bad := pair & end[1:] & ~step[:-1]).any():
+        why = "an end row does not follow a step"
+    elif (bad := pair & ended[:-1] & ~begins[1:]).any():
+        why = "the row after an episode's end does not start an episode"
+    else:
+        return None
+    at = int(np.flatnonzero(bad)[0])
+    return at, f"at rows {{row}}-{{next}} of lane {{lane}}: {why}"
+
+
 def stack_columns(spec: Frames, s: Stack) -> dict[str, int]:
     """The window column of the newest frame of each stack a read of ``s`` builds: ``s.name``
     for the observation, ``"next:" + s.name`` for the next one (with ``next_of``)."""

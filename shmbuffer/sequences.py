@@ -24,7 +24,7 @@ import numpy as np
 from . import arguments
 from .batch import Batch
 from .errors import CapacityError, EmptyBufferError, FieldError
-from .frames import KIND, LEAD, START
+from .frames import LEAD, START
 from .protocol import reader
 from .protocol.gather import Rows, assemble, gather
 from .protocol.reader import GIVE_UP, Source
@@ -258,7 +258,7 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
     of the row they replace: readers check every row they copy (``gather.gather``)."""
     ring = src.ring
     episodes = _need_episodes(src, "episode_runs")
-    kinds = src.block.arrays.get(KIND)
+    kinds = src.block.kinds
     start, end = ring.bounds()
     lc = ring.lane_capacity
     lanes_, firsts, stops = [], [], []
@@ -279,7 +279,7 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
                 ok[ok] = ring.current(row_id(stop[ok], lane, ring.lanes))
             first, stop = first[ok], stop[ok]
         frames = src.block.rows
-        if kinds is not None and frames.stack and first.size and not kinds[slot(lane, first[0], lc)] & START:
+        if kinds is not None and first.size and not kinds[slot(lane, first[0], lc)] & START:
             first[0] += frames.depth  # a run cut by lapping or a clear(): its first stacks reach outside
         if kinds is not None and first.size:
             for _ in range(frames.depth):  # a resumed episode's lead rows (push(resume=True)) are not steps

@@ -120,7 +120,7 @@ def _check_ends(src: Source, ids: np.ndarray, slots: np.ndarray, arrays: dict[st
     update cannot add: the rows would read as neither. The lane's newest row (its next row not
     pushed yet) and a row that already ends its episode may be changed."""
     spec = src.block.rows
-    if not spec.next_of or not ids.size:
+    if not spec.last_apart or not ids.size:
         return
     ends = [n for n in spec.ends if n in arrays]
     if not ends:

@@ -393,8 +393,11 @@ class Block:
         small = self.stored_record.views(self.packed) if self.packed is not None else {}
         self.fields = {name: small[name] if name in small else self.large[name] for name in self.stored.names}
         """Every stored field as a ``(capacity, *shape)`` view, in schema order (and ``_kind``)."""
-        if self.rows.once:
-            self.large[KIND] = self.fields[KIND] = arrays[KIND]
+        self.kinds: np.ndarray | None = arrays.get(KIND)
+        """Each row's kind (``frames.KIND``) where fields are stored once: a read assembles a transition
+        from rows of its lane; ``None``: each row is a whole transition."""
+        if self.kinds is not None:
+            self.large[KIND] = self.fields[KIND] = self.kinds
 
     @property
     def interleaved(self) -> bool:

@@ -478,6 +478,22 @@ def held(src: Source) -> int:
     return len(src.ring)
 
 
+def check_transitions(src: Source, n: int, replace: bool) -> None:
+    """With ``next_of``/``stack``: refuse a sample of more whole transitions than the buffer
+    holds (``frames.transitions``: an episode's final observation, each lane's newest row with
+    ``next_of``, a row whose stack reaches rows lapped are not)."""
+    spec = src.block.rows
+    ring = src.ring
+    if spec.once and (not replace or (spec.next_of and len(ring) <= 2 * ring.lanes)):
+        # len scans the lanes (O(capacity)): only where it can say no (few rows, or distinct ones)
+        whole = held(src)  # rows that are whole transitions (frames.py)
+        if whole == 0 or (not replace and n > whole):
+            raise EmptyBufferError(
+                f"sample({n}{'' if replace else ', replace=False'}): buffer {src.name!r} holds {whole} whole "
+                "transitions (an episode's final observation, each lane's newest row with next_of, which "
+                "waits for its next, and a row whose stack reaches rows lapped are not)")
+
+
 def get(src: Source, index: Any) -> Batch:
     """Rows by logical index, waiting (up to a second) for rows being written (``ReplayBuffer.get``)."""
     ring = src.ring
