@@ -294,9 +294,10 @@ def misplaced(spec: Frames, slots: np.ndarray, there: np.ndarray, fields: Mappin
               ) -> tuple[int, str] | None:
     """The first of a lane's rows (its ``slots``, oldest first; ``there``: held; ``fields``: the stored
     columns, ``KIND`` included) whose kind breaks a rule every reader trusts, and the rule (``{row}``,
-    ``{next}``, ``{lane}`` to fill in); ``None`` if all hold. Only ``KINDS``; with ``next_of`` an episode's last step is followed by its end row
-    (or by another episode's start: then it is no transition), and an end row follows a step; the
-    row after an episode's end (its end row, or its last step without ``next_of``) starts an episode."""
+    ``{next}``, ``{lane}`` to fill in); ``None`` if all hold. The rules: only ``KINDS``; with
+    ``next_of`` an episode's last step is followed by its end row (or by another episode's start:
+    then it is no transition), and an end row follows a step; the row after an episode's end (its
+    end row, or its last step without ``next_of``) starts an episode."""
     kind = fields[KIND][slots]
     if (odd := ~np.isin(kind, KINDS)).any():
         at = int(np.flatnonzero(odd)[0])

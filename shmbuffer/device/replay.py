@@ -148,8 +148,8 @@ class DeviceReplay(DeviceRows):
         seeds = arguments.seeds(seed, "DeviceReplay: seed")
         super().__init__(buf, device, chunk)
         self.max_lag_rows, self.max_lag_s = max_lag_rows, max_lag_s
-        self.spec = opts.rows if opts.rows.once else None
-        """The buffer's frames stored once (``next_of``/``stack``), or ``None``."""
+        self.spec = opts.rows if buf.block.kinds is not None else None
+        """The buffer's frames stored once (``next_of``/``stack``), read by their kinds; ``None`` without."""
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(seeds.generate_state(1)[0]))
         self._rng = seeds.spawn(1)[0].generate_state(4, np.uint64)

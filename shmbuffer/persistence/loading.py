@@ -635,8 +635,10 @@ def check_leaves(buf: Buffer, leaf: np.ndarray, uses: np.ndarray | None, rows: n
 def check_kinds(buf: Buffer, lanes: list[tuple[int, int, int]], file: Path) -> None:
     """The ``_kind`` of a loaded frames save against its rows (``frames.misplaced``), which every
     reader trusts. Checked in the new buffer's slots, lane by lane."""
+    if buf.block.kinds is None:  # rows without kinds: each is a whole transition
+        return
     for lane, (first, stop, _) in enumerate(lanes):
-        if buf.block.kinds is None or stop <= first:
+        if stop <= first:
             continue
         slots = slot(lane, np.arange(first, stop, dtype=np.int64), buf.lane_capacity)
         found = misplaced(buf.options.rows, slots, snapshot.restored(buf, slots), buf.block.fields)
