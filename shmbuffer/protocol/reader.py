@@ -31,7 +31,7 @@ from .gather import REDRAW_ROUNDS, Rows, assemble, gather, settle
 from .layout import Block, Counter, Options
 from .priorities import Priorities
 from .ring import Ring
-from .rows import is_writing, lane_of, number_of, positions
+from .rows import is_writing, lane_of, number_of, positions, slot
 
 NONE = np.empty(0, np.int64)
 GIVE_UP = 1.0
@@ -472,10 +472,30 @@ def counted(src: Source) -> np.ndarray:
 
 
 def held(src: Source) -> int:
-    """``len(buf)``: how many rows ``counted`` lists, without the scan where every held row counts."""
-    if src.block.rows.once or src.block.counters[Counter.REMOVED]:
-        return int(counted(src).size)
-    return len(src.ring)
+    """``len(buf)``: how many rows ``counted`` lists, counted lane by lane without listing them: the
+    ring's rows, less those gone (once a row was deleted or used up) and, with frames, those that
+    are not transitions (``frames.transitions``)."""
+    n = len(src.ring)
+    spec, lost = src.block.rows, bool(src.block.counters[Counter.REMOVED])
+    if not n or not (lost or spec.once):
+        return n
+    ring = src.ring
+    first, stop = ring.bounds()
+    lc = ring.lane_capacity
+    for lane in range(ring.lanes):
+        a, b = int(first[lane]), int(stop[lane])
+        if b <= a:
+            continue
+        # oldest first: a row's neighbours decide whether it is a transition; a full lane's gone rows are its slots'
+        slots = slot(lane, np.arange(a, b), lc) if spec.once or b - a < lc else slice(lane * lc, (lane + 1) * lc)
+        if spec.once:
+            out = ~frames.transitions(spec, src.block.arrays[frames.KIND][slots])
+            if lost:
+                out |= gone(src, slots)
+        else:
+            out = gone(src, slots)
+        n -= int(np.count_nonzero(out))
+    return n
 
 
 def check_transitions(src: Source, n: int, replace: bool) -> None:
