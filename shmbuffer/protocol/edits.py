@@ -170,7 +170,8 @@ def delete(src: Source, rows: Batch | Any) -> int:
     if ring.frozen:
         raise ReadOnlyError(f"buffer {src.name!r} is frozen (read-only): its rows cannot be deleted")
     src.block.rows.whole(f"delete from buffer {src.name!r}", "a deleted row would take its neighbours' next "
-                         "observations and frames with it; lower the rows' priorities (update_priorities) or use max_use instead")
+                         "observations and frames with it; lower the rows' priorities (update_priorities) "
+                         "or use max_use instead")
     prios = src.priorities
     with ring.lock:
         live = ring.current(ids)
