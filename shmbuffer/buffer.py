@@ -169,8 +169,8 @@ class ReplayBuffer(MappedBlock):
 
     def __len__(self) -> int:
         """Rows held now, counting rows being written; not rows deleted, used up (``max_use``) or
-        lost (once the buffer had one, ``len`` scans the held slots: ``edits.held``)."""
-        return edits.held(self)
+        lost (once the buffer had one, ``len`` scans the held slots: ``reader.held``)."""
+        return reader.held(self)
 
     @property
     def size(self) -> int:

@@ -172,17 +172,11 @@ class Collector:
                 f"Collector: the buffer has {buffer.lanes} lanes but {total} envs push into it: "
                 f"{buffer.lanes - total} lanes would stay empty (capacity lost); make it with envs={total}"
             )
-        if buffer.options.episodes and buffer.lanes < total:
+        if buffer.options.ordered and buffer.lanes < total:
             raise ValueError(
-                f"Collector: {total} envs into {buffer.lanes} lane(s) of a buffer that keeps episodes: "
-                "several envs' steps would interleave in a lane and n-step returns, sequences and "
-                f"episodes would be 1 step long; make the buffer with envs={total} (one lane per env)"
-            )
-        if buffer.options.rows.once and buffer.lanes < total:
-            raise ValueError(
-                f"Collector: {total} envs into {buffer.lanes} lane(s) of a buffer with next_of/stack, which "
-                f"reads an env's next observation and older frames from its own lane; make the buffer with "
-                f"envs={total} (one lane per env)"
+                f"Collector: {total} envs into {buffer.lanes} lane(s) of a buffer that keeps episodes or reads next "
+                "observations and older frames from the lane (next_of/stack): several envs' steps would interleave "
+                f"in a lane; make the buffer with envs={total} (one lane per env)"
             )
         if transition is default_transition:
             missing = [n for n in buffer.schema.names if n not in FIELDS]

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import SchemaError
+from .errors import FieldError, SchemaError
 from .schema import Record, Schema
 
 KIND = "_kind"
@@ -149,6 +149,18 @@ class Frames:
         """Rows a lane keeps ahead of its newest transition: 1 with ``next_of`` (its next row holds ``next_obs``),
         else 0."""
         return 1 if self.next_of else 0
+
+    @property
+    def last_apart(self) -> bool:
+        """Whether an episode run's last row in a lane is not a transition (``next_of``: its end row, or a
+        row whose next observation is not pushed yet): sequences and hindsight stop one row before it."""
+        return bool(self.next_of)
+
+    def whole(self, what: str, instead: str) -> None:
+        """Refuse (``FieldError``) ``what``, which needs rows whole in memory, when fields are stored once."""
+        if self.once:
+            raise FieldError(f"{what}: the buffer stores {', '.join(self.rebuilt)} once for several rows "
+                             f"(next_of/stack), so its rows are not whole in memory; {instead}")
 
     def steps(self, lane_capacity: int) -> int:
         """The most steps a push into one lane of ``lane_capacity`` slots can always take: half of it
@@ -260,7 +272,7 @@ def transitions(spec: Frames, kind: np.ndarray) -> np.ndarray:
     ``next_of`` not the lane's newest row, nor a row followed by another episode's start (its
     episode stopped without its end row: it has no next observation); with ``stack`` no stack that
     reaches back past the lane's oldest row (its episode's start lapped or cleared). ``len`` and
-    ``get``'s positions count these (``reader.counted``, ``edits.end_rows``)."""
+    ``get``'s positions count these (``reader.counted``, ``reader.held``)."""
     ok = kind & (END | LEAD) == 0
     if spec.ahead and kind.size:
         ok[-1] = False
@@ -271,6 +283,47 @@ def transitions(spec: Frames, kind: np.ndarray) -> np.ndarray:
         np.maximum.accumulate(start, out=start)  # the latest episode start at or before each row
         ok &= (start >= 0) | (at >= spec.depth)
     return ok
+
+
+KINDS = (0, START, START | ZERO, END, LEAD, LEAD | START)
+"""The kinds a row can have: a step, an episode's first step (padded with copies or with zeros), an end
+row, a lead row (the first of a resumed episode's)."""
+
+
+def misplaced(spec: Frames, slots: np.ndarray, there: np.ndarray, fields: Mapping[str, np.ndarray]
+              ) -> tuple[int, str] | None:
+    """The first of a lane's rows (its ``slots``, oldest first; ``there``: held; ``fields``: the stored
+    columns, ``KIND`` included) whose kind breaks a rule every reader trusts, and the rule (``{row}``,
+    ``{next}``, ``{lane}`` to fill in); ``None`` if all hold. The rules: only ``KINDS``; with
+    ``next_of`` an episode's last step is followed by its end row (or by another episode's start:
+    then it is no transition), and an end row follows a step; the row after an episode's end (its
+    end row, or its last step without ``next_of``) starts an episode."""
+    kind = fields[KIND][slots]
+    if (odd := ~np.isin(kind, KINDS)).any():
+        at = int(np.flatnonzero(odd)[0])
+        return at, f"holds {int(kind[at])} at row {{row}} of lane {{lane}}, expected one of {sorted(KINDS)}"
+    step = there & ((kind & (END | LEAD)) == 0)
+    final = np.zeros(kind.size, bool)
+    for name in spec.ends:
+        if name in fields:
+            final |= fields[name][slots].reshape(kind.size) != 0
+    final &= step
+    pair = there[:-1] & there[1:]  # two rows in a row, both held
+    end = there & ((kind & END) != 0)
+    ended = end if spec.next_of else final
+    begins = (kind & START) != 0
+    # a last step followed by another episode's start is no transition (it has no next
+    # observation, ``transitions``): a lane's waiting step ended by update, SB3's truncation
+    if spec.next_of and (bad := pair & final[:-1] & ~end[1:] & ~begins[1:]).any():
+        why = "an episode's last step is not followed by its end row"
+    elif spec.next_of and (bad := pair & end[1:] & ~step[:-1]).any():
+        why = "an end row does not follow a step"
+    elif (bad := pair & ended[:-1] & ~begins[1:]).any():
+        why = "the row after an episode's end does not start an episode"
+    else:
+        return None
+    at = int(np.flatnonzero(bad)[0])
+    return at, f"at rows {{row}}-{{next}} of lane {{lane}}: {why}"
 
 
 def stack_columns(spec: Frames, s: Stack) -> dict[str, int]:

@@ -185,9 +185,7 @@ class Hindsight:
         for d in done:
             if d not in block.stored_record.offsets:
                 raise FieldError(f"hindsight: done field {d!r} must be a small field (a flag a row)")
-        ends = bool(block.rows.next_of)
-        large = (achieved,) if block.rows.once or achieved in block.large else ()
-        return Plan(self, achieved, desired, reward, done, large, ends)
+        return Plan(self, achieved, desired, reward, done, block.rows.last_apart)
 
 
 @dataclass(frozen=True)
@@ -199,8 +197,6 @@ class Plan:
     desired: tuple[str, ...]
     reward: str
     done: tuple[str, ...]
-    large: tuple[str, ...]
-    """What ``gather.gather`` copies of a goal row besides the packed record."""
     end_rows: bool
     """``next_of``: an episode's last row is its end row (``frames.py``), not a transition."""
 
@@ -509,7 +505,7 @@ def _goals(src: Source, plan: Plan, known: Memo, ids: np.ndarray, own: np.ndarra
         first = np.maximum(first, ring.bounds()[0][lane])
         g = first + ((rng.random(row.shape[0]) if numbers is None else numbers) * (stop - first)).astype(np.int64)
     gid = row_id(g, lane, lanes)
-    got = gather(src.block, ring, gid, large=plan.large)
+    got = gather(src.block, ring, gid, large=(plan.achieved,))  # the one field a goal row gives
     assert got.episode is not None
     fine = got.ok & (got.episode == own)
     if plan.achieved in got.large:

@@ -97,7 +97,7 @@ def aligned_outs(buffer: Any, n: int) -> dict[str, np.ndarray] | None:
     ``None`` for a buffer whose gathered fields do not have the schema's shapes (stored-once
     frames)."""
     block = buffer.block
-    if block.rows.once:
+    if block.stored is not block.schema:
         return None
     record = block.record
     out = {"_block": empty((n, record.itemsize), np.uint8)} if record is not None else {}

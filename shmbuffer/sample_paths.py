@@ -25,7 +25,7 @@ from .protocol.reader import Source, count
 from .sampling import ranks
 from .sampling.samplers import Draw, check_batch_size
 
-__all__ = ["Buffer", "SamplePaths", "check_transitions", "generator_from_state", "generator_state"]
+__all__ = ["Buffer", "SamplePaths", "generator_from_state", "generator_state"]
 
 
 class Buffer(Source, Protocol):
@@ -60,7 +60,7 @@ class SamplePaths:
             calls = ranks.next_call(rank, src.priorities)  # beta's sample call, counted
             batch = one(src, n, out, calls, None if rank is None else rank.keyed(n))
             if batch is None:  # what the call does not serve (an empty buffer ...): the Python path
-                check_transitions(src, n, True)
+                reader.check_transitions(src, n, True)
                 batch = reader.draw(src, n, out=out, calls=calls, first=first_draw(src, n, True))
             src.ring.count_sampled(n)
             if rank is not None:
@@ -77,7 +77,7 @@ class SamplePaths:
                 raise ValueError("sample: hindsight relabelling draws with replacement and one step a transition; "
                                  "leave n_step=1 and replace=True")
             her.plan_for(src, hindsight)
-        check_transitions(src, n, replace)
+        reader.check_transitions(src, n, replace)
 
         def draw() -> Batch:
             calls = ranks.next_call(rank, src.priorities)  # beta's sample call, counted
@@ -127,22 +127,6 @@ def first_draw(src: Buffer, n: int, replace: bool) -> Draw | None:
             "draw with repeats (replace=True), or wait until writers have pushed more")
     prios = src.priorities
     return ranks.draw(src.options.sampler, src.ring, prios.tree if prios is not None else None, rank, n, replace)
-
-
-def check_transitions(src: Buffer, n: int, replace: bool) -> None:
-    """With ``next_of``/``stack``: refuse a sample of more whole transitions than the buffer
-    holds (``frames.transitions``: an episode's final observation, each lane's newest row with
-    ``next_of``, a row whose stack reaches rows lapped are not)."""
-    frames = src.options.rows
-    ring = src.ring
-    if frames.once and (not replace or (frames.next_of and len(ring) <= 2 * ring.lanes)):
-        # len scans the lanes (O(capacity)): only where it can say no (few rows, or distinct ones)
-        held = len(src)  # rows that are whole transitions (frames.py)
-        if held == 0 or (not replace and n > held):
-            raise EmptyBufferError(
-                f"sample({n}{'' if replace else ', replace=False'}): buffer {src.name!r} holds {held} whole "
-                "transitions (an episode's final observation, each lane's newest row with next_of, which "
-                "waits for its next, and a row whose stack reaches rows lapped are not)")
 
 
 def generator_state(paths: SamplePaths | None, rng: np.random.Generator) -> dict[str, Any]:

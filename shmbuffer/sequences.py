@@ -24,7 +24,7 @@ import numpy as np
 from . import arguments
 from .batch import Batch
 from .errors import CapacityError, EmptyBufferError, FieldError
-from .frames import KIND, LEAD, START
+from .frames import LEAD, START
 from .protocol import reader
 from .protocol.gather import Rows, assemble, gather
 from .protocol.reader import GIVE_UP, Source
@@ -258,7 +258,7 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
     of the row they replace: readers check every row they copy (``gather.gather``)."""
     ring = src.ring
     episodes = _need_episodes(src, "episode_runs")
-    kinds = src.block.arrays.get(KIND)
+    kinds = src.block.kinds
     start, end = ring.bounds()
     lc = ring.lane_capacity
     lanes_, firsts, stops = [], [], []
@@ -279,12 +279,12 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
                 ok[ok] = ring.current(row_id(stop[ok], lane, ring.lanes))
             first, stop = first[ok], stop[ok]
         frames = src.block.rows
-        if kinds is not None and frames.stack and first.size and not kinds[slot(lane, first[0], lc)] & START:
+        if kinds is not None and first.size and not kinds[slot(lane, first[0], lc)] & START:
             first[0] += frames.depth  # a run cut by lapping or a clear(): its first stacks reach outside
         if kinds is not None and first.size:
             for _ in range(frames.depth):  # a resumed episode's lead rows (push(resume=True)) are not steps
                 first += (kinds[slot(lane, np.minimum(first, stop - 1), lc)] & LEAD != 0) & (first < stop)
-        if _ends_in_own_row(src):  # an episode's last row is its end row, or has no next row yet
+        if src.block.rows.last_apart:  # an episode's last row is its end row, or has no next row yet
             stop = stop - 1
         first, stop = first[stop > first], stop[stop > first]
         lanes_.append(np.full(first.size, lane, np.int64))
@@ -294,12 +294,6 @@ def episode_runs(src: Source, *, complete: bool) -> tuple[np.ndarray, np.ndarray
         empty = np.empty(0, np.int64)
         return empty, empty, empty
     return np.concatenate(lanes_), np.concatenate(firsts), np.concatenate(stops)
-
-
-def _ends_in_own_row(src: Source) -> bool:
-    """Whether the last row of each episode run is not a transition (``frames.py``, ``next_of``):
-    an end row holding the final observation, or a row whose next observation is not pushed yet."""
-    return bool(src.block.rows.next_of)
 
 
 def _pick_runs(src: Source, lengths: np.ndarray, n: int, replace: bool) -> np.ndarray:
@@ -388,7 +382,7 @@ def sample_episodes(src: Source, n: int, *, replace: bool = False) -> list[Batch
         before = (first > start[lanes]) | (start[lanes] == ring.base(lanes))
         after = stop < end[lanes]
         after[after] = ring.current(row_id(stop[after], lanes[after], ring.lanes))
-        if _ends_in_own_row(src):  # the row after the last transition is the episode's end row
+        if src.block.rows.last_apart:  # the row after the last transition is the episode's end row
             stop = stop - 1
             after &= stop > first
         for lo, hi, lane in zip(first[before & after], stop[before & after], lanes[before & after], strict=True):

@@ -104,7 +104,7 @@ def lanes_of(buf: ReplayBuffer, num_envs: int, who: str) -> np.ndarray:
     """Each sub-env's lane; refuses a buffer that would interleave envs where order matters."""
     if buf.lanes >= num_envs:
         return np.arange(num_envs)
-    if buf.options.episodes or buf.options.rows.once:
+    if buf.options.ordered:
         raise ValueError(
             f"{who}: {num_envs} envs into {buf.lanes} lane(s) of a buffer that keeps episodes or frames: "
             f"envs' steps would interleave in a lane; make the buffer with envs={num_envs} (one lane per env)"

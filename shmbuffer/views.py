@@ -20,7 +20,7 @@ __all__ = ["column", "view"]
 
 def view(src: Source, start: int, stop: int, lane: int) -> Batch:
     """``ReplayBuffer.view``: logical rows ``[start, stop)`` of ``lane``, the rows ``len`` counts."""
-    _whole(src, "view")
+    src.options.rows.whole("view", "read with sample, take or get")
     if src.block.counters[Counter.REMOVED]:
         start, stop = _positions_with_holes(src, start, stop, lane)
     where, ids = src.ring.contiguous(start, stop, lane)
@@ -55,12 +55,6 @@ def _positions_with_holes(src: Source, start: int, stop: int, lane: int) -> tupl
         raise ValueError(f"view({start}, {stop}): rows between them were deleted or used up, and a view "
                          "cannot skip them: take get(slice) for a copy of the rows that are there")
     return int(mine[lo]) - first, int(mine[lo]) - first + hi - lo
-
-
-def _whole(src: Source, what: str) -> None:
-    if src.options.rows.once:
-        raise FieldError(f"{what}: the buffer stores {', '.join(src.options.rows.rebuilt)} once for several rows "
-                         "(next_of/stack), so its rows are not whole in memory; read with sample, take or get")
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:

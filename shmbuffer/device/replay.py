@@ -73,8 +73,7 @@ from ..errors import ClosedError, EmptyBufferError, FieldError, WaitTimeout
 from ..frames import Stack, stack_columns, stack_plan
 from ..frames import center as frames_center
 from ..protocol import refresh
-from ..protocol.edits import held
-from ..protocol.reader import GIVE_UP, Source, Uses, count, draw_ids, nothing_to_draw, short_of_uses
+from ..protocol.reader import GIVE_UP, Source, Uses, count, draw_ids, held, nothing_to_draw, short_of_uses
 from ..protocol.refresh import DONE, ERROR, INSERTED
 from ..protocol.rows import committed, committed_of_id, lane_of, number_of, slot, slot_of_id, window
 from ..sampling import ranks
@@ -149,8 +148,8 @@ class DeviceReplay(DeviceRows):
         seeds = arguments.seeds(seed, "DeviceReplay: seed")
         super().__init__(buf, device, chunk)
         self.max_lag_rows, self.max_lag_s = max_lag_rows, max_lag_s
-        self.spec = opts.rows if opts.rows.once else None
-        """The buffer's frames stored once (``next_of``/``stack``), or ``None``."""
+        self.spec = opts.rows if buf.block.kinds is not None else None
+        """The buffer's frames stored once (``next_of``/``stack``), read by their kinds; ``None`` without."""
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(seeds.generate_state(1)[0]))
         self._rng = seeds.spawn(1)[0].generate_state(4, np.uint64)

@@ -173,7 +173,7 @@ class DeviceRows:
         """Per lane, the rows below were copied (or are pending)."""
         self.bases = np.full(self.lanes, -1, np.int64)
         """The lanes' bases as of the last refresh (a clear() moves them)."""
-        self.kinds = host_zeros(cap if buf.options.rows.once else 0, np.uint8)
+        self.kinds = host_zeros(cap if block.kinds is not None else 0, np.uint8)
         """With frames: each held row's kind (``frames.KIND``), as copied with it (host memory)."""
         self.mirrors = {**({KIND: self.kinds} if self.kinds.size else {}),
                         **{name: host_zeros(cap, col.dtype) for name, col in block.row.items()}}

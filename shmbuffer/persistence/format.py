@@ -101,6 +101,7 @@ from typing import Any
 
 import numpy as np
 
+from ..frames import KIND
 from ..protocol.layout import Options, row_columns
 from ..schema import Schema
 
@@ -143,8 +144,8 @@ SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, 
 
 def version_of(opts: Options, pushed: bool = False) -> int:
     """The format version a save of a buffer with these options gets, with (``pushed``) or without
-    lanes its saving process continues: the lowest that holds it."""
-    if not opts.rows.once:
+    lanes its saving process continues: the lowest that holds it (version 2 added ``_kind``, 3 the lanes)."""
+    if all(c.name != KIND for c in row_columns(opts)):
         return FORMAT_VERSION_1
     return FORMAT_VERSION_3 if pushed else FORMAT_VERSION_2
 

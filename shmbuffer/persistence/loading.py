@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CapacityError, LayoutError
-from ..frames import END, KIND, LEAD, START, ZERO
+from ..frames import END, KIND, LEAD, misplaced
 from ..progress import Progress as Line
 from ..protocol import snapshot
 from ..protocol.frames_push import Last
@@ -632,55 +632,19 @@ def check_leaves(buf: Buffer, leaf: np.ndarray, uses: np.ndarray | None, rows: n
     return bool((up & rows).any())
 
 
-_KINDS = {0, START, START | ZERO, END, LEAD, LEAD | START}
-"""The values of ``_kind`` a save can hold (``frames.py``): a step, an episode's first step (padded
-with copies or with zeros), an end row, a lead row (the first of a resumed episode's)."""
-
-
 def check_kinds(buf: Buffer, lanes: list[tuple[int, int, int]], file: Path) -> None:
-    """The ``_kind`` of a loaded frames save against its rows, which every reader trusts: only
-    ``_KINDS``; with ``next_of`` an episode's last step is followed by its end row (or by another
-    episode's start: then it is no transition), and an end row follows a step; the row after an episode's end (its end row, or its last step without
-    ``next_of``) starts an episode. Checked in the new buffer's slots, lane by lane."""
-    spec = buf.options.rows
-    if not spec.once:
+    """The ``_kind`` of a loaded frames save against its rows (``frames.misplaced``), which every
+    reader trusts. Checked in the new buffer's slots, lane by lane."""
+    if buf.block.kinds is None:  # rows without kinds: each is a whole transition
         return
-    kind = columns(buf)[KIND]
-    fields_ = buf.block.fields
-    lc = buf.lane_capacity
     for lane, (first, stop, _) in enumerate(lanes):
         if stop <= first:
             continue
-        slots = slot(lane, np.arange(first, stop, dtype=np.int64), lc)
-        k = kind[slots]
-        odd = ~np.isin(k, list(_KINDS))
-        if odd.any():
-            at = int(np.flatnonzero(odd)[0])
-            raise LayoutError(f"{file}: tensor '_kind' holds {int(k[at])} at row {first + at} of lane {lane}, expected "
-                              f"one of {sorted(_KINDS)} (frames.py): the file was altered")
-        there = snapshot.restored(buf, slots)
-        step = there & ((k & (END | LEAD)) == 0)
-        final = np.zeros(slots.size, bool)
-        for name in spec.ends:
-            if name in fields_:
-                final |= fields_[name][slots].reshape(slots.size) != 0
-        final &= step
-        pair = there[:-1] & there[1:]  # two rows in a row, both saved
-        end = there & ((k & END) != 0)
-        ended = end if spec.next_of else final
-        why = None
-        begins = (k & START) != 0
-        # a last step followed by another episode's start is no transition (it has no next
-        # observation, frames.transitions): a lane's waiting step ended by update, SB3's truncation
-        if spec.next_of and (bad := pair & final[:-1] & ~end[1:] & ~begins[1:]).any():
-            why = "an episode's last step is not followed by its end row"
-        elif spec.next_of and (bad := pair & end[1:] & ~step[:-1]).any():
-            why = "an end row does not follow a step"
-        elif (bad := pair & ended[:-1] & ~begins[1:]).any():
-            why = "the row after an episode's end does not start an episode"
-        if why is not None:
-            at = int(np.flatnonzero(bad)[0])
-            raise LayoutError(f"{file}: tensor '_kind' at rows {first + at}-{first + at + 1} of lane {lane}: {why} "
+        slots = slot(lane, np.arange(first, stop, dtype=np.int64), buf.lane_capacity)
+        found = misplaced(buf.options.rows, slots, snapshot.restored(buf, slots), buf.block.fields)
+        if found is not None:
+            at = first + found[0]
+            raise LayoutError(f"{file}: tensor '_kind' {found[1].format(lane=lane, row=at, next=at + 1)} "
                               "(frames.py); the file was altered")
 
 

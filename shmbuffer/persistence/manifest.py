@@ -104,7 +104,7 @@ from typing import Any
 from ..errors import LayoutError
 from ..protocol.layout import ROW_COLUMNS, SAMPLER
 from ..schema import Schema
-from .format import FORMAT, MAX_HEADER, Tensor, tensors, version_of
+from .format import FORMAT, FORMAT_VERSION_3, MAX_HEADER, Tensor, tensors, version_of
 from .loading import READERS, open_regular, read_header, read_meta
 
 __all__ = ["BLOCKS", "CHECKPOINT_VERSION", "LOCK", "MANIFEST", "ChunkFile", "Manifest", "chunk_name", "open_chunk",
@@ -269,7 +269,7 @@ def read_manifest(folder: Path, *, missing_ok: bool = False) -> Manifest | None:
         if lane in seen or type(p["final"]) is not bool or not (p["episode"] is None or type(p["episode"]) is int):
             raise _bad(file, f"pending[{i}]", p["lane"], "each lane once, final true or false, episode an int or null")
         seen.add(lane)
-    if pending and not saved.opts.rows.once:
+    if pending and version_of(saved.opts, True) < FORMAT_VERSION_3:  # pending lanes came with version 3
         raise _bad(file, "pending", pending, "[] for a buffer without next_of/stack")
     for key in ("generator", "device_generator"):
         if c[key] is not None and not isinstance(c[key], dict):

@@ -8,7 +8,7 @@ the whole update sees ``UPDATES`` move and reads those rows again (``gather.gath
 that fails leaves the rows empty (never torn). ``delete`` sets the stamps and tree leaves of
 current rows to 0 under the lock: never sampled, taken, exported or saved again (a save keeps a
 hole). Once a buffer has lost a row this way or by ``max_use`` (``Counter.REMOVED``), ``len``
-scans the held slots (``removed``).
+scans the held slots (``reader.held``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,11 @@ import numpy as np
 
 from ..batch import Batch
 from ..errors import FieldError, ReadOnlyError
-from ..frames import KIND, transitions
 from ..schema import as_numpy, stack_rows
 from ..shm.lock import defer_signals, resume_signals
 from .layout import Counter
-from .reader import Source, gone
-from .rows import lane_of, number_of, slot
+from .reader import Source
+from .rows import lane_of, number_of
 
 OneCall = Callable[[Any, Any, Any], "np.ndarray | None"]
 
@@ -121,7 +120,7 @@ def _check_ends(src: Source, ids: np.ndarray, slots: np.ndarray, arrays: dict[st
     update cannot add: the rows would read as neither. The lane's newest row (its next row not
     pushed yet) and a row that already ends its episode may be changed."""
     spec = src.block.rows
-    if not spec.next_of or not ids.size:
+    if not spec.last_apart or not ids.size:
         return
     ends = [n for n in spec.ends if n in arrays]
     if not ends:
@@ -170,11 +169,9 @@ def delete(src: Source, rows: Batch | Any) -> int:
     ring = src.ring
     if ring.frozen:
         raise ReadOnlyError(f"buffer {src.name!r} is frozen (read-only): its rows cannot be deleted")
-    if src.block.rows.once:
-        raise FieldError(
-            f"delete: buffer {src.name!r} stores observations once for several rows (next_of/stack): a deleted "
-            "row would take its neighbours' next observations and frames with it; lower the rows' priorities "
-            "(update_priorities) or use max_use instead")
+    src.block.rows.whole(f"delete from buffer {src.name!r}", "a deleted row would take its neighbours' next "
+                         "observations and frames with it; lower the rows' priorities (update_priorities) "
+                         "or use max_use instead")
     prios = src.priorities
     with ring.lock:
         live = ring.current(ids)
@@ -188,57 +185,6 @@ def delete(src: Source, rows: Batch | Any) -> int:
         if prios is not None:
             prios.remove(slots)
     return int(slots.size)
-
-
-def end_rows(src: Source) -> int:
-    """Held slots that are not transitions (``next_of``, ``stack``; ``frames.transitions``): end
-    rows holding an episode's final observation, lead rows (``push(resume=True)``, a lane started
-    again after ``clear()``), with ``next_of`` each lane's newest row while it waits for its next
-    one and a row whose episode stopped without its end, and rows whose stacks reach rows lapped;
-    slots that ``removed`` counts are not counted again (``reader.counted`` is the rule both follow)."""
-    spec = src.block.rows
-    kind = src.block.arrays[KIND]
-    ring = src.ring
-    lost = bool(src.block.counters[Counter.REMOVED])
-    first, stop = ring.bounds()
-    lc = ring.lane_capacity
-    count = 0
-    for lane in range(ring.lanes):
-        a, b = int(first[lane]), int(stop[lane])
-        if b <= a:
-            continue
-        slots = slot(lane, np.arange(a, b), lc)  # oldest first: a row's neighbours decide
-        other = ~transitions(spec, kind[slots])
-        if lost:
-            other &= ~gone(src, slots)
-        count += int(np.count_nonzero(other))
-    return count
-
-
-def removed(src: Source) -> int:
-    """Held slots (within the lanes' bounds) whose row is gone (``reader.gone``: deleted, lost or used up)."""
-    ring = src.ring
-    first, stop = ring.bounds()
-    lc = ring.lane_capacity
-    count = 0
-    for lane in range(ring.lanes):
-        a, b = int(first[lane]), int(stop[lane])
-        if b > a:
-            slots = slice(lane * lc, (lane + 1) * lc) if b - a >= lc else slot(lane, np.arange(a, b), lc)
-            count += int(np.count_nonzero(gone(src, slots)))
-    return count
-
-
-def held(src: Source) -> int:
-    """``len(buf)``: the rows that count (``reader.counted``'s rule): the ring's rows, less those
-    gone (once a row was deleted or used up: a scan) and, with ``next_of``/``stack``, the rows
-    that are not transitions (``end_rows``)."""
-    n = len(src.ring)
-    if n and src.block.counters[Counter.REMOVED]:
-        n -= removed(src)
-    if n and src.block.rows.once:
-        n -= end_rows(src)
-    return n
 
 
 def clear(src: Source) -> None:

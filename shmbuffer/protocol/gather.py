@@ -81,7 +81,7 @@ def gather(
     or ``stack`` reads each transition from its rows in the lane (``_transitions``), unless
     ``stored``: then the rows are read as they are stored (the stored record, every large column
     ``frames.KIND`` included), as for a buffer without frames (a copy of the columns: ``persistence``)."""
-    if block.rows.once and not stored:
+    if block.kinds is not None and not stored:
         return _transitions(block, ring, ids, out, large)
     return _gather(block, ring, ids, out=out, large=large)
 

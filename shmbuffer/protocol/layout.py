@@ -186,6 +186,12 @@ class Options:
             raise ValueError(f"capacity: a transition of this buffer reads {need // 2} rows of its lane (next_of/stack): "
                              f"expected lanes of {need} rows or more, got {cap // lanes}; raise capacity")
 
+    @property
+    def ordered(self) -> bool:
+        """Whether each lane must hold one env's steps in order: the buffer keeps episodes, or reads
+        next observations and older frames from the lane (``frames.py``)."""
+        return self.episodes or self.rows.once
+
     @classmethod
     def make(cls, schema: Schema, capacity: int, *, sampler: Sampler, max_use: int | None, lanes: int | None,
              envs: int | None, episodes: bool, limiter: RateLimiter | None, next_of: Any, stack: Any) -> Options:
@@ -387,8 +393,11 @@ class Block:
         small = self.stored_record.views(self.packed) if self.packed is not None else {}
         self.fields = {name: small[name] if name in small else self.large[name] for name in self.stored.names}
         """Every stored field as a ``(capacity, *shape)`` view, in schema order (and ``_kind``)."""
-        if self.rows.once:
-            self.large[KIND] = self.fields[KIND] = arrays[KIND]
+        self.kinds: np.ndarray | None = arrays.get(KIND)
+        """Each row's kind (``frames.KIND``) where fields are stored once: a read assembles a transition
+        from rows of its lane; ``None``: each row is a whole transition."""
+        if self.kinds is not None:
+            self.large[KIND] = self.fields[KIND] = self.kinds
 
     @property
     def interleaved(self) -> bool:

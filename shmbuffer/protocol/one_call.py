@@ -68,12 +68,9 @@ class OneCall:
         spec = block.rows
         self.stacks: dict[str, frames.Stack] = {}
         """the outs that hold stacks' frames ``(n, k, *frame)``, for ``frames.assemble``"""
-        if not spec.once:
-            self.large: list[Out] = [(name, col.shape[1:], col.dtype) for name, col in large.items()]
-            frames_plan = None
-        else:
-            self.large, parts = self._frames(block, large)
-            frames_plan = (block.arrays[frames.KIND], spec.depth, spec.ahead, tuple(parts))
+        self.large, parts = self._frames(block, large)  # PLAIN: the large columns as they are
+        kinds = block.kinds  # the C reads a row's window only where rows have kinds
+        frames_plan = None if kinds is None else (kinds, spec.depth, spec.ahead, tuple(parts))
         tree = None if prios is None else (prios.tree.sums, prios.tree.mins, prios.tree.plan)
         counting = prios is not None and prios.uses is not None
         claim = (ring.lock.memory, prios.uses, prios.max_use) if counting else None  # type: ignore[union-attr]
@@ -88,8 +85,8 @@ class OneCall:
 
     def _frames(self, block: Block, large: dict[str, np.ndarray]) -> tuple[list[Out], list[tuple[int, ...]]]:
         """The outs after the record's (in order) and the C parts that fill them, the record's and
-        the episode's included, of a buffer with ``next_of``/``stack``: what ``_transitions`` reads
-        (``Part`` in ``native/sample.c``: column, offset, bytes, window column, frames)."""
+        the episode's included: what ``_transitions`` reads (``Part`` in ``native/sample.c``: column,
+        offset, bytes, window column, frames); without ``next_of``/``stack`` the outs are the large columns."""
         spec = block.rows
         stored, record = block.stored, block.stored_record
         index = {name: at + (block.packed is not None) for at, name in enumerate(large)}

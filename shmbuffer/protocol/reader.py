@@ -31,7 +31,7 @@ from .gather import REDRAW_ROUNDS, Rows, assemble, gather, settle
 from .layout import Block, Counter, Options
 from .priorities import Priorities
 from .ring import Ring
-from .rows import is_writing, lane_of, number_of, positions
+from .rows import is_writing, lane_of, number_of, positions, slot
 
 NONE = np.empty(0, np.int64)
 GIVE_UP = 1.0
@@ -469,6 +469,49 @@ def counted(src: Source) -> np.ndarray:
             keep[at:at + b - a] &= frames.transitions(spec, kind[at:at + b - a])
             at += b - a
     return ids[keep]
+
+
+def held(src: Source) -> int:
+    """``len(buf)``: how many rows ``counted`` lists, counted lane by lane without listing them: the
+    ring's rows, less those gone (once a row was deleted or used up) and, with frames, those that
+    are not transitions (``frames.transitions``)."""
+    n = len(src.ring)
+    spec, lost = src.block.rows, bool(src.block.counters[Counter.REMOVED])
+    if not n or not (lost or spec.once):
+        return n
+    ring = src.ring
+    first, stop = ring.bounds()
+    lc = ring.lane_capacity
+    for lane in range(ring.lanes):
+        a, b = int(first[lane]), int(stop[lane])
+        if b <= a:
+            continue
+        # oldest first: a row's neighbours decide whether it is a transition; a full lane's gone rows are its slots'
+        slots = slot(lane, np.arange(a, b), lc) if spec.once or b - a < lc else slice(lane * lc, (lane + 1) * lc)
+        if spec.once:
+            out = ~frames.transitions(spec, src.block.arrays[frames.KIND][slots])
+            if lost:
+                out |= gone(src, slots)
+        else:
+            out = gone(src, slots)
+        n -= int(np.count_nonzero(out))
+    return n
+
+
+def check_transitions(src: Source, n: int, replace: bool) -> None:
+    """With ``next_of``/``stack``: refuse a sample of more whole transitions than the buffer
+    holds (``frames.transitions``: an episode's final observation, each lane's newest row with
+    ``next_of``, a row whose stack reaches rows lapped are not)."""
+    spec = src.block.rows
+    ring = src.ring
+    if spec.once and (not replace or (spec.next_of and len(ring) <= 2 * ring.lanes)):
+        # len scans the lanes (O(capacity)): only where it can say no (few rows, or distinct ones)
+        whole = held(src)  # rows that are whole transitions (frames.py)
+        if whole == 0 or (not replace and n > whole):
+            raise EmptyBufferError(
+                f"sample({n}{'' if replace else ', replace=False'}): buffer {src.name!r} holds {whole} whole "
+                "transitions (an episode's final observation, each lane's newest row with next_of, which "
+                "waits for its next, and a row whose stack reaches rows lapped are not)")
 
 
 def get(src: Source, index: Any) -> Batch:

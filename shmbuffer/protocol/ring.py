@@ -94,7 +94,7 @@ _CURSOR, _BASE = int(Lane.CURSOR), int(Lane.BASE)
 _SAMPLED, _RECLAIMED, _RECOVERIES = int(Counter.SAMPLED), int(Counter.RECLAIMED), int(Counter.LOCK_RECOVERIES)
 _REMOVED = int(Counter.REMOVED)
 """Set once a slot of the lanes' rows is left empty (a dead writer's, an abandoned push's): ``len`` and
-``get``'s positions then leave such slots out, as deleted rows (``edits.removed``)."""
+``get``'s positions then leave such slots out, as deleted rows (``reader.held``)."""
 _INSERTED, _FROZEN, _UPDATES = int(Counter.INSERTED), int(Counter.FROZEN), int(Counter.UPDATES)
 _EDITS, _EDITS_BEGUN = int(Counter.EDITS), int(Counter.EDITS_BEGUN)
 Gate = Callable[[int, int, int], bool]
