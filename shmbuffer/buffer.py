@@ -343,7 +343,7 @@ class ReplayBuffer(MappedBlock):
         return reader.take(self, ids)
 
     def get(self, index: int | slice | Any) -> Batch:
-        """Rows by position among those ``len`` counts (``reader.counted``): 0 the oldest, -1 the
+        """Rows by position among those ``len`` counts (``reader.counted_ids``): 0 the oldest, -1 the
         newest, lane by lane. An int gives single-row fields; a slice or ints give rows. A row
         being written is waited for (up to a second). Once rows were lost, or with
         ``next_of``/``stack``, each call scans the held rows: read many with one ``get(slice)``."""
@@ -459,4 +459,4 @@ for _name in hints.METHODS:  # another library's name (cpprb's get_stored_size .
     if not hasattr(ReplayBuffer, _name):  # (a name of ours stays ours: tests/test_hints.py)
         setattr(ReplayBuffer, _name, hints.Hint(_name))
 
-SEATS = push.Seats(ReplayBuffer)
+SEATS = push.NativePush(ReplayBuffer)

@@ -272,7 +272,7 @@ def transitions(spec: Frames, kind: np.ndarray) -> np.ndarray:
     ``next_of`` not the lane's newest row, nor a row followed by another episode's start (its
     episode stopped without its end row: it has no next observation); with ``stack`` no stack that
     reaches back past the lane's oldest row (its episode's start lapped or cleared). ``len`` and
-    ``get``'s positions count these (``reader.counted``, ``reader.held``)."""
+    ``get``'s positions count these (``reader.counted_ids``, ``reader.held``)."""
     ok = kind & (END | LEAD) == 0
     if spec.ahead and kind.size:
         ok[-1] = False

@@ -406,7 +406,7 @@ def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] |
                 f"{what}: no episode is complete yet (an episode counts once its last row is marked done or the next "
                 "one has started in its lane); push whole episodes first (SB3: learning_starts above the longest "
                 "episode)")
-        more = sampler.draw(ring, tree, src.rng, k, again=True, taken=taken, slow=slow)
+        more = sampler.draw(ring, tree, src.rng, k, retry=True, taken=taken, from_scan=slow)
         if more.ids.size < k and len(ring) == 0:
             raise EmptyBufferError(f"{what}: the buffer was emptied (cleared) while sampling")
         return more.ids, more.leaves
@@ -416,7 +416,7 @@ def sample(src: Source, spec: Hindsight, n: int, *, out: dict[str, np.ndarray] |
         if first.ids.size < k:
             if len(ring) == 0:
                 raise EmptyBufferError(f"{what}: the buffer is empty; push whole episodes first")
-            first = sampler.draw(ring, tree, src.rng, k, again=True, slow=True)
+            first = sampler.draw(ring, tree, src.rng, k, retry=True, from_scan=True)
             if first.ids.size < k:
                 why = f"the draw gave {first.ids.size} ids for the {k} asked" if by else "every row has priority 0 or is used up"
                 raise EmptyBufferError(f"{what}: no row can be drawn ({why})")

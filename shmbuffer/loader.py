@@ -68,8 +68,8 @@ from . import arguments, hints
 from .batch import Batch, empty, jax_module, torch_views
 from .device import DeviceReplay
 from .errors import CapacityError, FieldError, LayoutError, WaitTimeout
+from .protocol.draw_gather import sample_for_another
 from .protocol.layout import Block
-from .protocol.one_call import sample_for_another
 from .sampling.samplers import check_batch_size
 
 SLICE = 0.1

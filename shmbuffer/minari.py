@@ -31,7 +31,7 @@ import numpy as np
 from .buffer import ReplayBuffer
 from .errors import FieldError, SchemaError
 from .persistence import export
-from .protocol import places
+from .protocol import by_position
 from .schema import Schema
 
 STEP = ("obs", "action", "reward", "next_obs", "done", "terminated", "truncated")
@@ -60,8 +60,8 @@ def episodes(buf: ReplayBuffer) -> list[dict[str, Any]]:
         raise SchemaError(f"to_minari: buffer {buf.name!r} keeps no episodes: make it with episodes=True (and push with "
                           "episode=), e.g. through shmbuffer.vector.RecordTransitions")
     rows = export(buf)
-    _, lane = places.in_lane(buf, rows["index"])
-    written = places.lanes(buf)[1]
+    _, lane = by_position.in_lane(buf, rows["index"])
+    written = by_position.lanes(buf)[1]
     ep = rows["episode"]
     n = ep.size
     cut = np.flatnonzero((ep[1:] != ep[:-1]) | (lane[1:] != lane[:-1])) + 1

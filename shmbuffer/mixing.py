@@ -41,7 +41,7 @@ from . import arguments
 from .batch import Batch
 from .buffer import BufferHandle, ReplayBuffer
 from .errors import EmptyBufferError, SchemaError, WaitTimeout
-from .protocol import places
+from .protocol import by_position
 from .protocol.priorities import check_priorities
 
 
@@ -249,7 +249,7 @@ class Mix:
             prios = buf.priorities
             if rows.any() and prios is not None and prios.prioritized:
                 what = f"update_priorities: source {i} ({buf.name!r})"
-                ids = places.known(buf, index[rows], what)
+                ids = by_position.known(buf, index[rows], what)
                 work.append((buf, ids, prios.check(priorities[rows], ids.size, what)))
         return sum(buf.update_priorities(ids, p) for buf, ids, p in work)
 

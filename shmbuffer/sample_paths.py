@@ -1,5 +1,5 @@
 """The paths a sample call takes on a buffer (``ReplayBuffer.sample``): its checks, the one C call
-where it serves (``protocol/one_call.py``), else the reader's draw (``reader.draw``); hindsight
+where it serves (``protocol/draw_gather.py``), else the reader's draw (``reader.draw``); hindsight
 relabelling (``hindsight.py``) or n-step returns (``sequences.add_n_step``) on top; and the rows
 counted as sampled, through the rate limiter when the buffer has one (``sampling/limiter.py``).
 
@@ -19,8 +19,8 @@ from . import hints, native, sequences
 from .batch import Batch
 from .errors import EmptyBufferError, LayoutError
 from .protocol import reader
+from .protocol.draw_gather import DrawGather
 from .protocol.gather import check_out
-from .protocol.one_call import OneCall
 from .protocol.reader import Source, count
 from .sampling import ranks
 from .sampling.samplers import Draw, check_batch_size
@@ -38,8 +38,8 @@ class Buffer(Source, Protocol):
 class SamplePaths:
     """One buffer's sample calls in this process (see the module docstring)."""
 
-    one_call: OneCall | None = None
-    """The one-call sample (``OneCall``), made at the first sample that it serves."""
+    one_call: DrawGather | None = None
+    """The one-call sample (``DrawGather``), made at the first sample that it serves."""
     one_calls = True
     """Whether samples try the one call (``False`` once it serves none of this buffer's, or to test
     the Python path)."""
@@ -99,13 +99,13 @@ class SamplePaths:
 
         return count(src, n, timeout, draw)
 
-    def make_one_call(self, src: Source) -> OneCall | None:
-        """The one-call sample of ``src`` (``OneCall``), or ``None`` where it serves none."""
+    def make_one_call(self, src: Source) -> DrawGather | None:
+        """The one-call sample of ``src`` (``DrawGather``), or ``None`` where it serves none."""
         self.close()
-        if not OneCall.serves(src):
+        if not DrawGather.serves(src):
             self.one_calls = False
             return None
-        self.one_call = OneCall(native.lib, src)
+        self.one_call = DrawGather(native.lib, src)
         return self.one_call
 
     def close(self) -> None:
@@ -131,7 +131,7 @@ def first_draw(src: Buffer, n: int, replace: bool) -> Draw | None:
 
 def generator_state(paths: SamplePaths | None, rng: np.random.Generator) -> dict[str, Any]:
     """The state of a buffer's sampling generator ``rng``, for a checkpoint. The one-call sample's
-    own generator (``OneCall``, in ``paths``) is made again from ``rng`` at the next sample, so that
+    own generator (``DrawGather``, in ``paths``) is made again from ``rng`` at the next sample, so that
     what is drawn after the checkpoint follows from this state alone."""
     if paths is not None:
         paths.close()

@@ -86,7 +86,7 @@ from .errors import EmptyBufferError
 from .persistence import MANIFEST
 from .persistence import META as SAVE_META
 from .persistence import ROWS as SAVE_ROWS
-from .protocol import places
+from .protocol import by_position
 from .schema import RESERVED, Schema
 from .shm.segment import new_name
 from .tensordicts import SEP
@@ -161,7 +161,7 @@ class ShmStorage(StoreStorage):
         self.shared_writers = False  # whether writers elsewhere have written since (see the module docstring)
         if buffer is not None:
             self._keys(buffer.schema)
-            self._seen = places.cursor(buffer)
+            self._seen = by_position.cursor(buffer)
 
     @property
     def initialized(self) -> bool:
@@ -177,7 +177,7 @@ class ShmStorage(StoreStorage):
     def _adopt(self, buf: SharedBuffer, described: dict[str, Any]) -> None:
         self.buffer = buf
         self._keys(buf.schema)
-        self._seen = places.cursor(buf)
+        self._seen = by_position.cursor(buf)
         self.kind = described["kind"]
         names = described.get("tensorclass") or {}
         if {SEP.join(p): tensordicts.class_name(c) for p, c in self.classes.items()} != names:
@@ -305,11 +305,11 @@ class ShmStorage(StoreStorage):
         if self.buffer is None and self.deferred is not None and self.deferred.record is not None:
             self._buffer_for(rows, kind, classes, td, row_batch)  # shared: the first write anywhere makes it
         cap = self._cap(row_batch)
-        head = 0 if self.buffer is None else places.next_slot(self.buffer)
-        appends = places.is_run(slots, head, cap)
+        head = 0 if self.buffer is None else by_position.next_slot(self.buffer)
+        appends = by_position.is_run(slots, head, cap)
         if not appends:
             slots = self._in_range(slots)
-            if set_cursor and self.buffer is not None and places.is_run(slots, int(slots[0]), cap):
+            if set_cursor and self.buffer is not None and by_position.is_run(slots, int(slots[0]), cap):
                 appends = self._writer_run(self.buffer, slots)
         if self.buffer is None and not appends:
             raise IndexError(f"ShmStorage.set: the storage is empty: expected the first rows at slots 0..{k - 1}, "
@@ -324,7 +324,7 @@ class ShmStorage(StoreStorage):
             self._append(buf, rows, k)
         else:
             self._write_at(buf, slots, rows)
-        self._seen = places.cursor(buf)
+        self._seen = by_position.cursor(buf)
         if set_cursor:
             self._set_last_cursor(cursor)
         self._bump_mutation_revision()
@@ -346,15 +346,15 @@ class ShmStorage(StoreStorage):
         while True:
             if self._others_wrote(buf):
                 return True
-            if places.is_run(slots, places.next_slot(buf), cap):
+            if by_position.is_run(slots, by_position.next_slot(buf), cap):
                 return True
-            if places.held(buf, slots).any() or time.monotonic() >= deadline:
+            if by_position.held(buf, slots).any() or time.monotonic() >= deadline:
                 return False
             time.sleep(0.0005)
 
     def _others_wrote(self, buf: SharedBuffer) -> bool:
         """Whether rows were added by someone else since this object last wrote (sticky)."""
-        if not self.shared_writers and self._seen is not None and places.cursor(buf) != self._seen:
+        if not self.shared_writers and self._seen is not None and by_position.cursor(buf) != self._seen:
             self.shared_writers = True
         return self.shared_writers
 
@@ -364,11 +364,11 @@ class ShmStorage(StoreStorage):
         # a slot given twice keeps its last row, as tensor indexing does
         last = np.sort(slots.size - 1 - np.unique(slots[::-1], return_index=True)[1])
         slots, rows = slots[last], {n: a[last] for n, a in rows.items()}
-        empty = ~places.held(buf, slots)
-        if not places.is_run(slots[empty], places.next_slot(buf), cap):
+        empty = ~by_position.held(buf, slots)
+        if not by_position.is_run(slots[empty], by_position.next_slot(buf), cap):
             raise IndexError(
                 f"ShmStorage.set: slots {slots[empty][:5].tolist()} hold no row and are not the next ones "
-                f"({self._rows()} rows held): write at held slots to overwrite them, or at slot {places.next_slot(buf)} and "
+                f"({self._rows()} rows held): write at held slots to overwrite them, or at slot {by_position.next_slot(buf)} and "
                 "on to add rows"
             )
         fresh = {n: a[empty] for n, a in rows.items()}
@@ -382,7 +382,7 @@ class ShmStorage(StoreStorage):
     def _overwrite(self, buf: SharedBuffer, slots: np.ndarray, rows: dict[str, np.ndarray]) -> None:
         deadline = time.monotonic() + WAIT
         while True:
-            ids = places.ids_at(buf, slots)
+            ids = by_position.ids_at(buf, slots)
             if (ids >= 0).all():
                 break
             if time.monotonic() > deadline:
@@ -421,7 +421,7 @@ class ShmStorage(StoreStorage):
         slots = np.where(slots < 0, slots + n, slots)
         deadline = time.monotonic() + WAIT
         while True:
-            ids = places.ids_at(buf, slots)
+            ids = by_position.ids_at(buf, slots)
             if (ids >= 0).all():
                 try:
                     batch = buf.take(ids)
@@ -549,7 +549,7 @@ class ShmStorage(StoreStorage):
     def _empty(self) -> None:
         if self.buffer is not None:
             self.buffer.clear()
-            self._seen = places.cursor(self.buffer)
+            self._seen = by_position.cursor(self.buffer)
 
     def _meta(self) -> dict[str, Any]:
         return self._describe(self.kind, self.classes, self.row_batch)
@@ -563,7 +563,7 @@ class ShmStorage(StoreStorage):
         """The rows in slot order (so a load puts each back in its slot), not a name."""
         if (buf := self._attach()) is None:
             return {"rows": None, **self._meta()}
-        return {"rows": places.in_slot_order(buf.export(), buf.capacity), "schema": buf.schema.to_json(), **self._meta()}
+        return {"rows": by_position.in_slot_order(buf.export(), buf.capacity), "schema": buf.schema.to_json(), **self._meta()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """TorchRL's ``load_state_dict``: the rows of ``state_dict`` (``state_dict()``'s), each back in its slot."""
@@ -585,7 +585,7 @@ class ShmStorage(StoreStorage):
         self.row_batch = row_batch
         if k:
             buf.push(rows)
-        self._seen = places.cursor(buf)
+        self._seen = by_position.cursor(buf)
         self._bump_mutation_revision()
 
     def _kind_of(self, meta: dict[str, Any], where: str) -> tuple[str, dict[tuple[str, ...], type]]:
@@ -653,7 +653,7 @@ class ShmStorage(StoreStorage):
         self._kind_of(kinds, "loads")  # before the rows are read: a file chose what it says
         restore = SharedBuffer.resume if (Path(path) / MANIFEST).exists() else SharedBuffer.load
         with restore(path) as saved:
-            rows = places.in_slot_order(saved.export(), saved.capacity)
+            rows = by_position.in_slot_order(saved.export(), saved.capacity)
             self.load_state_dict({"rows": rows, "schema": saved.schema.to_json(), **kinds})
         return None
 

@@ -38,12 +38,12 @@ def column(src: Source, name: str) -> np.ndarray:
 
 
 def _positions_with_holes(src: Source, start: int, stop: int, lane: int) -> tuple[int, int]:
-    """``view``'s positions among the rows of ``lane`` that count (``reader.counted``) as
+    """``view``'s positions among the rows of ``lane`` that count (``reader.counted_ids``) as
     positions among all its held slots; ``ValueError`` when rows between them are gone."""
     ring = src.ring
     if not 0 <= lane < ring.lanes:
         raise ValueError(f"lane: expected a lane in [0, {ring.lanes}), got {lane}")
-    ids = reader.counted(src)
+    ids = reader.counted_ids(src)
     mine = ids[ids % ring.lanes == lane] // ring.lanes
     lo, hi, step = slice(start, stop).indices(mine.size)
     if step != 1 or hi < lo:

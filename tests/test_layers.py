@@ -200,7 +200,7 @@ def above_the_buffer() -> list[str]:
 @pytest.mark.parametrize("module", above_the_buffer())
 def test_modules_above_the_buffer_leave_the_protocol_to_it(module: str) -> None:
     """The facades, integrations, top and the cli reach rows through the buffer's methods and
-    ``protocol/``'s functions (``places.py``, ``census.py``): only ``protocol/`` reads stamps,
+    ``protocol/``'s functions (``by_position.py``, ``census.py``): only ``protocol/`` reads stamps,
     cursors and the ring, so each rule of the commit protocol is written once."""
     found = protocol_reads(module_paths()[module])
     assert not found, f"shmbuffer/{module.replace('.', '/')} reads the protocol's internals: {found}"

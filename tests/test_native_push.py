@@ -72,7 +72,7 @@ def test_push_native_equals_python(make: Make, name: str, monkeypatch: pytest.Mo
 
 @needs_lib
 @pytest.mark.parametrize("lanes", [1, 4])
-def test_one_call_push_equals_python(make: Make, name: str, monkeypatch: pytest.MonkeyPatch, lanes: int) -> None:
+def test_draw_gather_push_equals_python(make: Make, name: str, monkeypatch: pytest.MonkeyPatch, lanes: int) -> None:
     """Uniform pushes take one C call (``_native.push``): one lane or a lane per row, episodes,
     wrapping lanes, float64 into float32 and Python numbers cast as ``Schema.validate`` casts; the
     same bytes, ids and counts as the Python path; a frozen buffer still refuses."""
@@ -131,7 +131,7 @@ def test_one_call_push_equals_python(make: Make, name: str, monkeypatch: pytest.
 
 
 @needs_lib
-def test_one_call_push_leaves_what_python_must_decide_alone(make: Make, name: str) -> None:
+def test_draw_gather_push_leaves_what_python_must_decide_alone(make: Make, name: str) -> None:
     """Anything the one call does not take returns ``None`` with the buffer unchanged, and the
     Python steps then push it or raise their clear error: values it would have to cast otherwise,
     a lane out of range or too full, episodes missing or unwanted, a push that may interleave

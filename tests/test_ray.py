@@ -161,7 +161,7 @@ class Semaphores:
     def left(self, before: set[str], settle: float) -> list[str]:
         """Files of ours made since ``before`` that are still there and held by no live process:
         waits 2 s (the resource tracker of a process that exited unlinks its semaphores then) and
-        up to ``settle`` s while a live process holds one (a Ray worker still dying after its
+        up to ``regather`` s while a live process holds one (a Ray worker still dying after its
         cluster's shutdown). Those left are removed, and returned."""
         self.scan()
         now = time.monotonic()

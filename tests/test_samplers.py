@@ -27,7 +27,7 @@ class NewestK(sb.Sampler):
     kind: ClassVar[str] = "test-newest"
 
     def draw(self, ring: Any, tree: Any, rng: np.random.Generator, n: int, *, replace: bool = True,
-             taken: np.ndarray | None = None, again: bool = False, slow: bool = False) -> sb.Draw:
+             taken: np.ndarray | None = None, retry: bool = False, from_scan: bool = False) -> sb.Draw:
         first, stop = ring.bounds()
         return sb.Draw(uniform_ids(rng, n, np.maximum(first, stop - self.k), stop, replace=replace, taken=taken))
 
@@ -41,7 +41,7 @@ class NewestUniform(sb.Uniform):
     kind: ClassVar[str] = "test-newest-uniform"
 
     def draw(self, ring: Any, tree: Any, rng: np.random.Generator, n: int, *, replace: bool = True,
-             taken: np.ndarray | None = None, again: bool = False, slow: bool = False) -> sb.Draw:
+             taken: np.ndarray | None = None, retry: bool = False, from_scan: bool = False) -> sb.Draw:
         first, stop = ring.bounds()
         return sb.Draw(uniform_ids(rng, n, np.maximum(first, stop - self.k), stop, replace=replace, taken=taken))
 
@@ -55,7 +55,7 @@ class NewestPrioritized(sb.Prioritized):
     kind: ClassVar[str] = "test-newest-prioritized"
 
     def draw(self, ring: Any, tree: Any, rng: np.random.Generator, n: int, *, replace: bool = True,
-             taken: np.ndarray | None = None, again: bool = False, slow: bool = False) -> sb.Draw:
+             taken: np.ndarray | None = None, retry: bool = False, from_scan: bool = False) -> sb.Draw:
         first, stop = ring.bounds()
         ids = uniform_ids(rng, n, np.maximum(first, stop - self.k), stop, replace=replace, taken=taken)
         return sb.Draw(ids, tree.leaves[ring.slots(ids)])
@@ -413,7 +413,7 @@ def test_a_clear_between_draw_and_gather(sampler: Any, make: Make, name: str, mo
     from shmbuffer.protocol import reader
 
     buf = make(MUJOCO, capacity=64, name=name, seed=0, sampler=sampler)
-    buf._paths.one_calls = False  # the Python path, whose gather is the seam (test_one_call.py: the one call)
+    buf._paths.one_calls = False  # the Python path, whose gather is the seam (test_draw_gather.py: the one call)
     buf.push(transition(0, 32))
     real = reader.gather
     cleared: list[bool] = []
@@ -626,13 +626,13 @@ def test_a_sample_size_may_be_a_numpy_int() -> None:
 def test_a_users_sampler_draws_on_every_path(lanes: int, make: Make, name: str, tmp_path: Any) -> None:
     """Its own draw, never a built-in one in its place: the C one-call path leaves it to the reader;
     the batches, distinct rows, max_use, a save and load, and an attach all keep it."""
-    from shmbuffer.protocol.one_call import OneCall
+    from shmbuffer.protocol.draw_gather import DrawGather
 
     buf = make(sb.Schema(x=((), "int64")), 120, lanes=lanes, sampler=NewestK(5), seed=0, name=name)
     for ln in range(lanes):
         buf.push(x=np.arange(40) + 100 * ln, lane=ln)
     newest = {100 * ln + i for ln in range(lanes) for i in range(35, 40)}
-    assert not OneCall.serves(buf)
+    assert not DrawGather.serves(buf)
     got = buf.sample(2000).x.tolist()
     assert set(got) == newest  # each of them, and nothing else
     counts = np.bincount(np.array(got) % 100 - 35 + 5 * (np.array(got) // 100))
@@ -796,7 +796,7 @@ class BadDraw(sb.Sampler):
     kind: ClassVar[str] = "test-bad-draw"
 
     def draw(self, ring: Any, tree: Any, rng: np.random.Generator, n: int, *, replace: bool = True,
-             taken: np.ndarray | None = None, again: bool = False, slow: bool = False) -> Any:
+             taken: np.ndarray | None = None, retry: bool = False, from_scan: bool = False) -> Any:
         first, stop = ring.bounds()
         ids = uniform_ids(rng, n, first, stop, replace=replace, taken=taken)
         spoilt = {"many": lambda: np.concatenate([ids, ids, ids[:3]]), "column": lambda: ids[:, None],

@@ -58,7 +58,7 @@ class ByHand:
 
 def lanes(buf: sb.ReplayBuffer) -> list[dict[str, np.ndarray]]:
     rows = sb.export(buf)
-    lane = sb.protocol.places.in_lane(buf, rows["index"])[1]
+    lane = sb.protocol.by_position.in_lane(buf, rows["index"])[1]
     return [{k: v[lane == e] for k, v in rows.items()} for e in range(N)]
 
 

@@ -33,7 +33,7 @@ import numpy as np
 from ..buffer import ReplayBuffer as _Core
 from ..errors import UnknownKeyword
 from ..hints import keyword_error, page
-from ..protocol import places
+from ..protocol import by_position
 from ..sampling.samplers import Prioritized
 from ..schema import Schema
 from . import Facade
@@ -114,7 +114,7 @@ class ReplayBuffer(Facade):
     def get_next_index(self) -> int:
         """Where the next row goes: the slot of the buffer's next row (0 again after ``clear``; with
         ``next_of`` rows holding episodes' final observations take slots too)."""
-        return places.next_slot(self.buffer)
+        return by_position.next_slot(self.buffer)
 
     def clear(self) -> None:
         """Forget every row."""

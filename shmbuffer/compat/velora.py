@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import persistence
 from ..buffer import ReplayBuffer as _Core
-from ..protocol import places
+from ..protocol import by_position
 from ..schema import Schema
 from . import Facade, numpy_of
 
@@ -163,7 +163,7 @@ class ReplayBuffer(Facade):
     def _position(self) -> int:
         """The slot the next row goes to: 0 again after ``clear()`` (not rows ever inserted modulo
         the capacity)."""
-        return places.next_slot(self.buffer)
+        return by_position.next_slot(self.buffer)
 
     def save(self, dirpath: str | os.PathLike[str], prefix: str = "buffer_") -> None:
         """Write ``{prefix}metadata.json`` and the save ``{prefix}state/`` into ``dirpath``."""

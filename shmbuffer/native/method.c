@@ -2,7 +2,7 @@
  *
  * PushMethod(func) stands for ReplayBuffer.push on the class (buffer.py); read from the class
  * it is func. Each buffer holds a BoundPush in its own __dict__ (PushMethod.seat, from
- * protocol/push.py's Seats.seat as ReplayBuffer._setup lays the buffer out): func bound to the buffer, as a bound method is, whose
+ * protocol/push.py's NativePush.seat as ReplayBuffer._setup lays the buffer out): func bound to the buffer, as a bound method is, whose
  * usual calls are push_from_args (push.c) when the buffer has a push plan (a uniform buffer
  * the one call serves), and every other call func(buffer, ...). So `buf.push` is a plain
  * instance attribute: CPython's specialised read, with no descriptor call and nothing made per

@@ -23,7 +23,7 @@ from ..frames import Frames, frames_of
 from ..progress import Progress as Line
 from ..protocol import edits, snapshot
 from ..protocol.frames_push import Pusher, last_of_lanes
-from ..protocol.gather import assemble, gather, settle
+from ..protocol.gather import assemble, gather, regather
 from ..protocol.layout import EXTRA
 from ..protocol.rows import lane_of, number_of, row_id
 from ..schema import Schema
@@ -112,7 +112,7 @@ def _export_transitions(buf: Buffer) -> dict[str, np.ndarray]:
     for at in range(0, max(held.size, 1), step):  # once with no rows when none is held: the keys, empty
         ids = held[at:at + step]
         rows = gather(buf.block, ring, ids)
-        settle(buf.block, ring, ids, rows)
+        regather(buf.block, ring, ids, rows)
         keep = np.flatnonzero(rows.ok)
         batch = assemble(buf.block, ids[keep], rows.subset(keep))
         part = {n: np.ascontiguousarray(batch.fields[n]) for n in buf.schema.names}

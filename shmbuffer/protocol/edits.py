@@ -26,7 +26,7 @@ from .layout import Counter
 from .reader import Source
 from .rows import lane_of, number_of
 
-OneCall = Callable[[Any, Any, Any], "np.ndarray | None"]
+DrawGather = Callable[[Any, Any, Any], "np.ndarray | None"]
 
 
 def ids_of(src: Source, rows: Batch | Any, what: str) -> np.ndarray:

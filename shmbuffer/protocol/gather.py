@@ -163,7 +163,7 @@ def gather_run(stamp: np.ndarray, columns: tuple[np.ndarray, ...], first: int, n
     return int(np.count_nonzero(ok))
 
 
-def settle(block: Block, ring: Ring, ids: np.ndarray, rows: Rows, *, stored: bool = False) -> None:
+def regather(block: Block, ring: Ring, ids: np.ndarray, rows: Rows, *, stored: bool = False) -> None:
     """Gather again (a few rounds) the rows of ``ids`` (flat) that did not count but are still
     current: an update of *other* rows during the gather (``_unless_updated``) discards every
     row of it, and a read that cannot re-draw (``take``, ``epoch``) must not lose them for that.

@@ -385,7 +385,7 @@ def note_interleaving(src: Source, ids: np.ndarray, episodes: np.ndarray | None,
         block.mark_interleaved()
 
 
-class Seats:
+class NativePush:
     """``push(...)`` in C for its usual calls (``_native.PushMethod``, ``native/method.c``) on the
     class ``cls``: a bound method like any other, seated on each buffer (``seat``) so that
     ``buf.push`` is a plain attribute read; where the buffer has a C push plan its usual calls

@@ -7,7 +7,7 @@ writers' rows are reaped, and for at most ``GIVE_UP`` seconds; with ``unique`` a
 once, with a ``claim`` (``Uses``, ``max_use``) each row's use is counted under the lock once it is
 read, and given back when the read raises. On them: ``draw`` (the sampler's draw, read),
 ``epoch``, ``take`` and ``get``; ``counted`` says which rows ``len`` counts, ``get``'s positions.
-``one_call.py`` makes ``draw`` one C call where it serves.
+``draw_gather.py`` makes ``draw`` one C call where it serves.
 
 Everything here works through a ``Source`` (``ReplayBuffer`` is one): its block, ring, options,
 priorities and generator.
@@ -27,7 +27,7 @@ from ..errors import EmptyBufferError, WaitTimeout
 from ..sampling import limiter, ranks
 from ..sampling.ranks import EPOCH, Rank
 from ..sampling.samplers import Draw, drawn_by
-from .gather import REDRAW_ROUNDS, Rows, assemble, gather, settle
+from .gather import REDRAW_ROUNDS, Rows, assemble, gather, regather
 from .layout import Block, Counter, Options
 from .priorities import Priorities
 from .ring import Ring
@@ -187,14 +187,14 @@ def draw(src: Source, n: int, *, replace: bool = True, out: dict[str, np.ndarray
     spares = (max(8, n // 32) if block.rows.once and replace and out is None and not counting
               and first is None else 0)
     # uniform draws are independent: the spares come in the same call; a prioritized draw is
-    # stratified over its n, so its spares are drawn apart (``again``: unstratified)
+    # stratified over its n, so its spares are drawn apart (``retry``: unstratified)
     if first is None:
         first = sampler.draw(ring, tree, src.rng, n + (spares if tree is None else 0), replace=replace)
     if first.ids.size < n:
         nothing_to_draw(src, n, final=True, got=first.ids.size, replace=replace)
     ids, leaves = first
     if spares and tree is not None:
-        more = sampler.draw(ring, tree, src.rng, spares, replace=True, taken=ids, again=True)
+        more = sampler.draw(ring, tree, src.rng, spares, replace=True, taken=ids, retry=True)
         ids = np.concatenate([ids, more.ids])
         leaves = None if leaves is None or more.leaves is None else np.concatenate([leaves, more.leaves])
 
@@ -226,18 +226,18 @@ def count(src: Source, rows: int, timeout: float | None, draw: Callable[[], Any]
         result = draw()
         src.ring.count_sampled(rows)
         return result
-    return limiter.counted(src.options.limiter, src.ring, rows, timeout, draw)
+    return limiter.draw_admitted(src.options.limiter, src.ring, rows, timeout, draw)
 
 
-def draw_ids(src: Source, k: int, again: bool) -> Draw:
+def draw_ids(src: Source, k: int, retry: bool) -> Draw:
     """``k`` ids drawn by ``src``'s sampler (from the tree where it has one), for a reader that
-    reads them elsewhere (the device copy); ``again``: a re-draw. A rank's first draw is its part
+    reads them elsewhere (the device copy); ``retry``: a re-draw. A rank's first draw is its part
     of the step's keyed global draw (``ranks.draw``); its re-draws are its own generator's."""
     prios = src.priorities
     tree = prios.tree if prios is not None else None
-    if src.ranked is not None and not again:
+    if src.ranked is not None and not retry:
         return ranks.draw(src.options.sampler, src.ring, tree, src.ranked, k, True)
-    return src.options.sampler.draw(src.ring, tree, src.rng, k, again=again)
+    return src.options.sampler.draw(src.ring, tree, src.rng, k, retry=retry)
 
 
 def redrawer(src: Source, n: int, replace: bool) -> Redraw:
@@ -259,7 +259,7 @@ def redrawer(src: Source, n: int, replace: bool) -> Redraw:
                 raise EmptyBufferError(
                     f"sample({n}, replace=False): only {left} rows of buffer {src.name!r} can be drawn; "
                     "the others were deleted or are empty")
-        more = sampler.draw(ring, tree, src.rng, k, replace=replace, taken=taken, again=True, slow=slow)
+        more = sampler.draw(ring, tree, src.rng, k, replace=replace, taken=taken, retry=True, from_scan=slow)
         if more.ids.size < k:
             nothing_to_draw(src, n, final=False)
         return more.ids, more.leaves
@@ -390,7 +390,7 @@ def epoch(src: Source, batch_size: int, *, shuffle: bool, drop_last: bool) -> It
             continue
         rows = gather(src.block, ring, chunk)
         if not rows.ok.all():
-            settle(src.block, ring, chunk, rows)
+            regather(src.block, ring, chunk, rows)
         keep = np.flatnonzero(rows.ok)
         if counting:
             keep = np.setdiff1d(keep, Uses(src).claim(chunk, keep), assume_unique=True)
@@ -414,7 +414,7 @@ def take(src: Source, ids: Any) -> Batch:
         raise ValueError("take: expected at least one id")
     rows = gather(src.block, ring, ids)
     if not rows.ok.all():
-        settle(src.block, ring, ids, rows)
+        regather(src.block, ring, ids, rows)
     if not rows.ok.all():
         gone = ids[~rows.ok]
         # a slot left empty inside its lane's rows lost its row (deleted, a dead or failed push):
@@ -438,7 +438,7 @@ _LOST = ("a row was lost: its writer died mid-push, its push failed after anothe
          "after it, or it was deleted")
 
 
-def gone(src: Source, slots: Any) -> np.ndarray:
+def lost_rows(src: Source, slots: Any) -> np.ndarray:
     """Which held ``slots`` lost their row: deleted or lost (stamp 0: ``edits.delete``, a dead
     writer's reaped row) or used up (``max_use``). ``len`` leaves them out, and ``get``'s positions."""
     out = src.ring.stamp[slots] == 0
@@ -448,10 +448,10 @@ def gone(src: Source, slots: Any) -> np.ndarray:
     return out
 
 
-def counted(src: Source) -> np.ndarray:
+def counted_ids(src: Source) -> np.ndarray:
     """The ids of the rows ``len`` counts, lane by lane, oldest first: ``get``'s positions (and
     the order of ``export``, which also keeps used-up rows with their uses). Rows being written
-    count (a read waits for them); rows that are gone (``gone``, once the buffer has lost one:
+    count (a read waits for them); rows that are gone (``lost_rows``, once the buffer has lost one:
     ``Counter.REMOVED``) do not; with ``next_of``/``stack`` only transitions count (``frames.transitions``: not end or
     lead rows, not a lane's newest row with ``next_of``, not a stack reaching rows lapped).
     O(rows held) a call."""
@@ -459,7 +459,7 @@ def counted(src: Source) -> np.ndarray:
     ids = ring.held_ids()
     keep = np.ones(ids.size, bool)
     if src.block.counters[Counter.REMOVED]:
-        keep &= ~gone(src, ring.slots(ids))
+        keep &= ~lost_rows(src, ring.slots(ids))
     spec = src.block.rows
     if spec.once:  # held_ids lists each lane's rows oldest first, lane after lane
         kind = src.block.arrays[frames.KIND][ring.slots(ids)]
@@ -491,9 +491,9 @@ def held(src: Source) -> int:
         if spec.once:
             out = ~frames.transitions(spec, src.block.arrays[frames.KIND][slots])
             if lost:
-                out |= gone(src, slots)
+                out |= lost_rows(src, slots)
         else:
-            out = gone(src, slots)
+            out = lost_rows(src, slots)
         n -= int(np.count_nonzero(out))
     return n
 
@@ -522,12 +522,12 @@ def get(src: Source, index: Any) -> Batch:
         if not src.block.rows.once and not src.block.counters[Counter.REMOVED]:
             ids = ring.ids_at(index)  # every held row counts: positions are arithmetic
         else:
-            held = counted(src)
+            held = counted_ids(src)
             ids = np.asarray(held[positions(index, held.size)])
         flat = ids.reshape(-1)
         rows = gather(src.block, ring, flat)
         if not rows.ok.all():
-            settle(src.block, ring, flat, rows)
+            regather(src.block, ring, flat, rows)
         if rows.ok.all():
             break
         expect = ring.expected(flat)

@@ -32,7 +32,7 @@ read intact (episode ids with it: they are part of the row), and each lane's kep
 are consecutive row numbers: the snapshot of a moment, less a lane's rows up to the newest one that
 writers overwrote while it ran, and less the rows from the first one a live writer was still
 writing. Rows that an update (``ReplayBuffer.update``) spanned are gathered again
-(``gather.settle``), and once more holding the ring's lock (no update can begin) if updates are
+(``gather.regather``), and once more holding the ring's lock (no update can begin) if updates are
 still under way. Tree leaves and use counts are copied under the ring's lock after their piece's
 rows: each as of that moment, not of the start (samplers change them without touching the rows);
 a row overwritten by then (its stamp names a later row) is not kept.
@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import closed
-from .gather import Rows, gather, settle
+from .gather import Rows, gather, regather
 from .layout import ROW, SAMPLER, Counter, row_columns
 from .rows import committed, row_id, slot, writing
 
@@ -196,7 +196,7 @@ class Snapshot:
         block, stamp = buf.block, ring.stamp
         rows = gather(block, ring, ids, stored=True)
         if not rows.ok.all():
-            settle(block, ring, ids, rows, stored=True)
+            regather(block, ring, ids, rows, stored=True)
         now = stamp[sl].copy()  # one read: the stamps change under us
         pending = ~rows.ok & ~hole & ((now == committed(numbers)) | (now == writing(numbers)))
         locked = bool(pending.any())

@@ -120,7 +120,7 @@ class RateLimiter:
         return cls(**spec)
 
 
-def counted(limiter: RateLimiter | None, ring: Any, rows: int, timeout: float | None, draw: Callable[[], Any]) -> Any:
+def draw_admitted(limiter: RateLimiter | None, ring: Any, rows: int, timeout: float | None, draw: Callable[[], Any]) -> Any:
     """Run ``draw`` (a sample), counting its ``rows`` as sampled in ``ring`` (``ring.Ring``). With
     a limiter, wait until it admits them — tested and counted atomically under the ring's lock —
     before drawing, and give them back if the draw fails."""

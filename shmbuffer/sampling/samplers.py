@@ -24,7 +24,7 @@ and every path asks it instead of checking its class:
   tree, updates, pushes, exports and loads use them; a subclass of ``Prioritized`` may give its
   own (with both), and is then still served by the tree's draw (``formula`` says whether the
   shortcuts that rely on the built-in formula apply).
-* ``served``: which built-in draw the C one-call sample (``one_call.OneCall``) and the device copy
+* ``served``: which built-in draw the C one-call sample (``draw_gather.DrawGather``) and the device copy
   (``device/replay.py``) may run in its place: ``"uniform"`` (uniform over the lanes' rows), ``"tree"``
   (from the priority tree), or ``None`` (only its own ``draw``, in Python: the C path leaves such
   a sampler to the reader, never substituting another draw). Derived, never declared: a subclass
@@ -138,13 +138,13 @@ class Sampler:
 
     def draw(
         self, ring: RingView, tree: SumTree | None, rng: np.random.Generator, k: int, *, replace: bool = True,
-        taken: np.ndarray | None = None, again: bool = False, slow: bool = False,
+        taken: np.ndarray | None = None, retry: bool = False, from_scan: bool = False,
     ) -> Draw:
         """``k`` ids of rows to read (``INVALID`` for a draw to throw away; fewer when there are
         not enough rows). ``tree`` is the priority tree when the buffer has one (``prioritized``, or
         ``max_use``: leaf 0 once a row is used up, so draw from it then); ``replace=False`` wants
-        distinct ids, none of ``taken``; ``again``: the reader re-draws rows that were not intact;
-        ``slow``: they kept failing (draw from ``ring.committed_ids()``). A subclass's own ``draw``
+        distinct ids, none of ``taken``; ``retry``: the reader re-draws rows that were not intact;
+        ``from_scan``: they kept failing (draw from ``ring.committed_ids()``). A subclass's own ``draw``
         is checked as it returns (``check_draw``)."""
         raise NotImplementedError(f"{type(self).__name__}.draw")
 
@@ -256,14 +256,14 @@ class Uniform(Sampler):
 
     def draw(
         self, ring: RingView, tree: SumTree | None, rng: np.random.Generator, k: int, *, replace: bool = True,
-        taken: np.ndarray | None = None, again: bool = False, slow: bool = False,
+        taken: np.ndarray | None = None, retry: bool = False, from_scan: bool = False,
     ) -> Draw:
         """``k`` ids (fewer when there are not enough rows): from the tree when there is one, else
-        from the lanes' bounds; ``slow`` (rows kept failing the reader's check): from a scan of the
+        from the lanes' bounds; ``from_scan`` (rows kept failing the reader's check): from a scan of the
         committed rows. ``taken`` are left out when drawing distinct rows."""
         if tree is not None:
-            return tree_draw(ring, tree, rng, k, stratified=not again)
-        if slow:
+            return tree_draw(ring, tree, rng, k, stratified=not retry)
+        if from_scan:
             ok = ring.committed_ids()
             if not replace and taken is not None:
                 ok = ok[~np.isin(ok, taken)]
@@ -331,12 +331,12 @@ class Prioritized(Sampler):
 
     def draw(
         self, ring: RingView, tree: SumTree | None, rng: np.random.Generator, k: int, *, replace: bool = True,
-        taken: np.ndarray | None = None, again: bool = False, slow: bool = False,
+        taken: np.ndarray | None = None, retry: bool = False, from_scan: bool = False,
     ) -> Draw:
-        """``k`` rows in proportion to their leaves, stratified on a first draw, plainly ``again``
+        """``k`` rows in proportion to their leaves, stratified on a first draw, plainly ``retry``
         (the reader re-draws a few rows); distinct rows are the reader's business."""
         assert tree is not None, "a prioritized buffer has a tree"
-        return tree_draw(ring, tree, rng, k, stratified=not again)
+        return tree_draw(ring, tree, rng, k, stratified=not retry)
 
     def weights(self, tree: SumTree | None, leaves: np.ndarray | None, calls: int) -> np.ndarray | None:
         """Importance weights ``(leaf / min leaf) ** -beta`` with ``beta`` after ``calls`` samples."""
@@ -462,7 +462,7 @@ class Unimported(Sampler):
 
     def draw(
         self, ring: RingView, tree: SumTree | None, rng: np.random.Generator, k: int, *, replace: bool = True,
-        taken: np.ndarray | None = None, again: bool = False, slow: bool = False,
+        taken: np.ndarray | None = None, retry: bool = False, from_scan: bool = False,
     ) -> Draw:
         """Refused: this process does not have the sampler's class."""
         where = self.spec.get("class")

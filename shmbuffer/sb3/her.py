@@ -45,7 +45,7 @@ from stable_baselines3.her.goal_selection_strategy import KEY_TO_GOAL_STRATEGY, 
 from ..batch import Batch
 from ..errors import EmptyBufferError
 from ..hindsight import Hindsight
-from ..protocol import places
+from ..protocol import by_position
 from ..sampling.limiter import RateLimiter
 from .buffers import DictReplayBuffer, _key
 
@@ -138,7 +138,7 @@ class HerReplayBuffer(DictReplayBuffer, sb3_her.HerReplayBuffer):
         return np.asarray(rewards[0]).astype(np.float32)
 
     def _infos_of(self, batch: Batch, positions: np.ndarray) -> Any:
-        return copy.deepcopy(self.infos[places.in_lane(self.buffer, batch.index[positions])])
+        return copy.deepcopy(self.infos[by_position.in_lane(self.buffer, batch.index[positions])])
 
     def sample(self, batch_size: int, env: Any = None) -> DictReplayBufferSamples:  # type: ignore[override]
         """SB3's ``sample``: transitions of complete episodes, ``her_ratio`` of them relabelled."""

@@ -11,7 +11,7 @@ from gymnasium import spaces
 from stable_baselines3.common import buffers as sb3_buffers
 from stable_baselines3.common.type_aliases import ReplayBufferSamples
 
-from ..protocol import places
+from ..protocol import by_position
 from .buffers import ReplayBuffer, waiting
 
 
@@ -59,9 +59,9 @@ class NStepReplayBuffer(ReplayBuffer, sb3_buffers.NStepReplayBuffer):
         lane = np.asarray(env_indices, np.int64)
 
         def read() -> tuple[Any, np.ndarray, np.ndarray]:  # as _take: one stamped copy of every window's rows
-            row, last = places.newest_at(self.buffer, batch_inds, lane)  # last: each lane's newest row, SB3's pos - 1
+            row, last = by_position.newest_at(self.buffer, batch_inds, lane)  # last: each lane's newest row, SB3's pos - 1
             rows = np.minimum(row[:, None] + np.arange(n), last[:, None])  # past the newest: masked below
-            return self.buffer.take(places.row_ids(self.buffer, rows, lane[:, None]).reshape(-1)), rows, last
+            return self.buffer.take(by_position.row_ids(self.buffer, rows, lane[:, None]).reshape(-1)), rows, last
 
         batch, rows, last = waiting(read, "rows of the drawn windows")
         # from here on SB3's NStepReplayBuffer._get_samples, step for step (float32 included)

@@ -19,7 +19,7 @@ from stable_baselines3.common.utils import get_device
 
 from ..buffer import ReplayBuffer as SharedBuffer
 from ..errors import EmptyBufferError
-from ..protocol import places
+from ..protocol import by_position
 from ..protocol.rows import lane_of
 from ..sampling.limiter import RateLimiter
 from ..schema import Schema
@@ -169,7 +169,7 @@ class Shared:
     def _least(self) -> tuple[int, int]:
         """The cursor of the least filled lane and the rows written to it since the last clear
         (SB3's ``pos`` counts on past the end)."""
-        stop, rows = places.lanes(self.buffer)
+        stop, rows = by_position.lanes(self.buffer)
         lane = int(np.argmin(rows))
         return int(stop[lane]), int(rows[lane])
 
@@ -177,7 +177,7 @@ class Shared:
     def pos(self) -> int:
         """The position SB3 writes next: the slot of the least filled lane's next row (a lane's
         row ``n`` is in its slot ``n % buffer_size``; ``reset()`` starts every lane at slot 0)."""
-        return int(places.position(self.buffer, self._least()[0]))
+        return int(by_position.position(self.buffer, self._least()[0]))
 
     @pos.setter
     def pos(self, value: int) -> None:
@@ -215,7 +215,7 @@ class Shared:
         cursor, rows = self._least()
         if self._full_set or (rows >= self.buffer_size and cursor >= self._full_from):  # ``full``
             return self.buffer_size
-        return int(places.position(self.buffer, cursor))
+        return int(by_position.position(self.buffer, cursor))
 
     def reset(self) -> None:
         """SB3's ``reset()``: the shared buffer cleared (every process sees it empty)."""
@@ -262,10 +262,10 @@ class Shared:
         ``dones[pos - 1]`` is every env's newest row, as SB3 means it)."""
         bs, lane = self.buffer_size, np.arange(self.n_envs)[None, :]
         if not self.optimize_memory_usage:
-            return places.lane_slots(self.buffer, lane, np.arange(bs)[:, None])
-        stop = places.lanes(self.buffer)[0]
+            return by_position.lane_slots(self.buffer, lane, np.arange(bs)[:, None])
+        stop = by_position.lanes(self.buffer)[0]
         back = (self.pos - 1 - np.arange(bs)) % bs  # how far position p is behind pos - 1
-        return places.lane_slots(self.buffer, lane, stop[None, :] - 1 - back[:, None])
+        return by_position.lane_slots(self.buffer, lane, stop[None, :] - 1 - back[:, None])
 
     def _column(self, field: str) -> Column:
         """The field as SB3's array ``(buffer_size, n_envs, *shape)``: a view of the shared column
@@ -307,20 +307,20 @@ class Shared:
         slots, which = np.unique(np.asarray(at).reshape(-1), return_inverse=True)
         if not slots.size:
             return
-        ids = places.ids_at(self.buffer, slots)  # first: a row overwritten after this is skipped by update
+        ids = by_position.ids_at(self.buffer, slots)  # first: a row overwritten after this is skipped by update
         rows = raw[slots].reshape(slots.size, width).copy()
         rows[which.reshape(-1), np.asarray(off).reshape(-1)] = new.reshape(-1)
         rows = rows.reshape(slots.size, *inner)
-        live = ids != places.INVALID
+        live = ids != by_position.INVALID
         if live.any():
             self.buffer.update(ids[live], {field: rows[live]})
         if not live.all():
-            places.write_free(self.buffer, slots[~live], field, rows[~live])
+            by_position.write_free(self.buffer, slots[~live], field, rows[~live])
         if self._episodic and field in ("done", "timeouts"):
             # a lane's newest row set done by hand ends its episode: the env's next add starts one
             lanes = np.arange(self.n_envs)
-            last, since_clear = places.newest(self.buffer, lanes)
-            newest = places.lane_slots(self.buffer, lanes, last)
+            last, since_clear = by_position.newest(self.buffer, lanes)
+            newest = by_position.lane_slots(self.buffer, lanes, last)
             ended = (self.buffer.block.fields["done"][newest] != 0) | (self.buffer.block.fields["timeouts"][newest] != 0)
             self._cut |= ended & since_clear
 
@@ -369,7 +369,7 @@ class Shared:
         newest row of lane ``env`` in slot ``pos`` (below the lane's first row where the lane has
         not come to that slot since its last clear)."""
         lane = np.asarray(env_indices, np.int64)
-        return places.row_ids(self.buffer, places.newest_at(self.buffer, batch_inds, lane)[0], lane)
+        return by_position.row_ids(self.buffer, by_position.newest_at(self.buffer, batch_inds, lane)[0], lane)
 
     def _take(self, batch_inds: np.ndarray, env_indices: np.ndarray) -> dict[str, np.ndarray]:
         """The rows at those positions: stamped copies, read again (up to ``WAIT`` seconds) while
@@ -385,7 +385,7 @@ class Shared:
                     return ids, None, self.buffer.take(ids)
                 except EmptyBufferError:  # some position holds no row, or a row being written (then again)
                     pass
-            empty = places.cleared(self.buffer, ids)
+            empty = by_position.cleared(self.buffer, ids)
             return ids, empty, None if empty.all() else self.buffer.take(ids[~empty])
 
         ids, empty, batch = waiting(read, "rows at the drawn positions")
@@ -397,7 +397,7 @@ class Shared:
                 got = batch[name]
                 out[name] = np.empty((ids.size, *got.shape[1:]), got.dtype)
                 out[name][~empty] = got
-        slots = places.slots_of(self.buffer, ids[empty])
+        slots = by_position.slots_of(self.buffer, ids[empty])
         for name in self.buffer.schema.names:  # every field, also for no position (SB3's sample(0))
             raw = self.buffer.block.fields[name]
             out.setdefault(name, np.empty((ids.size, *raw.shape[1:]), raw.dtype))[empty] = raw[slots]
@@ -458,7 +458,7 @@ class Shared:
         SB3 reads them once ``full`` is set by hand): ``"slot"`` and each field, for the slots not
         all zeros (a copy starts from zeros)."""
         fields = self.buffer.block.fields
-        slots = places.free(self.buffer)
+        slots = by_position.free(self.buffer)
         used = np.zeros(slots.size, bool)
         for column in fields.values():
             if slots.size and column[0].size:  # (a reshape of no rows cannot infer the width)
@@ -479,7 +479,7 @@ class Shared:
             free = state.get("free")
             if free is not None and free["slot"].size:
                 for n in self.buffer.block.fields:
-                    places.write_free(self.buffer, free["slot"], n, free[n])
+                    by_position.write_free(self.buffer, free["slot"], n, free[n])
             return
         try:  # rows refused leave no shared buffer behind
             self._push_saved(rows, state)

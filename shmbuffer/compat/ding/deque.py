@@ -19,7 +19,7 @@ from ... import persistence
 from ...batch import Batch
 from ...buffer import ReplayBuffer
 from ...errors import EmptyBufferError, FieldError
-from ...protocol import places
+from ...protocol import by_position
 from ...protocol.priorities import check_priorities
 from ...sampling.samplers import Prioritized, Sampler, Uniform
 from .. import Facade
@@ -85,7 +85,7 @@ class PriorityExperienceReplay:
         if store is None:
             return {}
         ids = live(store)
-        return dict(zip(places.slots_of(store, ids).tolist(), ids.tolist(), strict=True))
+        return dict(zip(by_position.slots_of(store, ids).tolist(), ids.tolist(), strict=True))
 
     @property
     def max_priority(self) -> float:
@@ -239,7 +239,7 @@ class DequeBuffer(Facade):
         buf = store.make(layout)
         index = int(buf.push(row, priority=priority)[0])
         if self._prioritized:
-            stored["priority_idx"] = int(places.slots_of(buf, np.array([index]))[0])
+            stored["priority_idx"] = int(by_position.slots_of(buf, np.array([index]))[0])
         return BufferedData(data, index, stored)
 
     @apply_middleware("update")
@@ -287,7 +287,7 @@ class DequeBuffer(Facade):
         if buf is None or isinstance(index, bool) or not isinstance(index, (int, np.integer)):
             return False
         try:
-            places.known(buf, np.array([index], np.int64), "index")
+            by_position.known(buf, np.array([index], np.int64), "index")
         except (FieldError, OverflowError):
             return False
         return True
@@ -358,7 +358,7 @@ class DequeBuffer(Facade):
         trusted = self._store.trusted
         metas = layout.metas(batch.fields, rows, ids[rows], trusted)
         if self._prioritized:
-            slots = places.slots_of(buf, ids[rows]).tolist()
+            slots = by_position.slots_of(buf, ids[rows]).tolist()
             weight = batch.extras.get("weight") if self._store.is_weight else None
             for j, meta in enumerate(metas):
                 if "priority" not in meta:  # a meta updated without one: the tree has it

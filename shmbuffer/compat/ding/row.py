@@ -14,7 +14,7 @@ import numpy as np
 
 from ...buffer import ReplayBuffer
 from ...errors import UnsafePickle
-from ...protocol import places
+from ...protocol import by_position
 from ...schema import RESERVED, Schema
 from . import codec
 from .codec import BufferedData
@@ -333,5 +333,5 @@ def flat(sampled: Any) -> Iterator[BufferedData]:
 
 def live(buf: ReplayBuffer) -> np.ndarray:
     """The ids of the rows of ``buf`` held and committed now, oldest first (deleted rows left out)."""
-    return places.live(buf)
+    return by_position.live(buf)
 

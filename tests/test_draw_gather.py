@@ -1,4 +1,4 @@
-"""The one-call sample (``one_call.OneCall``, ``native/sample.c``) against the Python path it stands
+"""The one-call sample (``draw_gather.DrawGather``, ``native/sample.c``) against the Python path it stands
 in for (``reader.draw``): the same rows for the same ids, the same distribution (chi-square tests
 against the expected counts and against the Python path's counts), the same weights, the same
 refusals; and what only it has: its generator, its plan's life, ``out=``."""
@@ -19,7 +19,7 @@ import shmbuffer as sb
 from shmbuffer import native
 from shmbuffer.errors import ClosedError
 from shmbuffer.protocol import reader
-from shmbuffer.protocol.one_call import MAX_COLUMNS, OneCall, sample_for_another
+from shmbuffer.protocol.draw_gather import MAX_COLUMNS, DrawGather, sample_for_another
 from shmbuffer.sampling.samplers import importance_weights
 from shmbuffer.schema import PACK_LIMIT
 
@@ -72,10 +72,10 @@ def python_path(buf: sb.ReplayBuffer) -> None:
     buf._paths.one_calls = False
 
 
-def served(buf: sb.ReplayBuffer) -> OneCall:
+def served(buf: sb.ReplayBuffer) -> DrawGather:
     buf.sample(1)
     one = buf._paths.one_call
-    assert isinstance(one, OneCall), "this buffer's samples should be one call"
+    assert isinstance(one, DrawGather), "this buffer's samples should be one call"
     return one
 
 
@@ -369,7 +369,7 @@ def test_max_use_one_returns_every_row_once_then_says_so(sampler: Any, make: Mak
     buf.push(transition(0, 32), lane=0)
     buf.push(transition(100, 32), lane=1)
     got = np.concatenate([seq_of(buf.sample(8)) for _ in range(8)])
-    assert isinstance(buf._paths.one_call, OneCall)
+    assert isinstance(buf._paths.one_call, DrawGather)
     assert sorted(got.tolist()) == list(range(32)) + list(range(100, 132))
     with pytest.raises(sb.EmptyBufferError, match="max_use=1"):
         buf.sample(1)
@@ -389,7 +389,7 @@ def test_a_sample_that_raises_gives_back_the_uses_it_counted(one_call: bool, sam
         buf.update_priorities(ids, 1.0 + np.arange(10))
     leaves = buf.priority(ids)
     first = buf.sample(7)
-    assert isinstance(buf._paths.one_call, OneCall) == one_call
+    assert isinstance(buf._paths.one_call, DrawGather) == one_call
     left = np.setdiff1d(ids, first.index)
     assert left.size >= 3  # with repeats, 7 draws used up at most 7 rows
     with pytest.raises(sb.EmptyBufferError, match="max_use=1"):
@@ -412,7 +412,7 @@ def test_max_use_counts_every_row_returned_and_no_other(make: Make, name: str, m
             returned[i] = returned.get(i, 0) + 1
     uses = dict(zip(ids.tolist(), buf.uses(ids).tolist(), strict=True))
     assert all(returned.get(i, 0) == uses[i] <= 3 for i in ids.tolist())
-    assert sum(returned.values()) == 120 and isinstance(buf._paths.one_call, OneCall)
+    assert sum(returned.values()) == 120 and isinstance(buf._paths.one_call, DrawGather)
     assert not python_claims  # the C call counted every use (the Python steps: test below)
 
 
@@ -422,7 +422,7 @@ def test_max_use_with_the_lock_busy_waits_for_it_and_loses_no_row(make: Make, na
     buf = make(MUJOCO, capacity=32, name=name, seed=0, max_use=1)
     buf.push(transition(0, 32))
     got: list[int] = seq_of(buf.sample(8)).tolist()  # the plan is made
-    assert isinstance(buf._paths.one_call, OneCall)
+    assert isinstance(buf._paths.one_call, DrawGather)
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -459,7 +459,7 @@ def test_prioritized_redraws_use_the_total_of_now(make: Make, name: str) -> None
     buf.update_priorities(ids, np.ones(64))
     buf.sample(1)
     one = buf._paths.one_call
-    assert isinstance(one, OneCall)
+    assert isinstance(one, DrawGather)
     ring, prios = buf.ring, buf.priorities
     assert prios is not None
     remove = prios.remove
@@ -486,13 +486,13 @@ def test_prioritized_redraws_use_the_total_of_now(make: Make, name: str) -> None
 
 def test_out_arrays_numpy_takes_are_taken_by_the_one_call_too(make: Make, name: str) -> None:
     """gather._gather_native falls back to numpy for outs the C gather refuses (not C-contiguous);
-    OneCall passes them to _native.sample, whose TypeError reaches the caller."""
+    DrawGather passes them to _native.sample, whose TypeError reaches the caller."""
     big = sb.Schema(obs=((4, 84, 84), "uint8"), reward=((), "float32"))
     buf = make(big, capacity=40, name=name, seed=0)
     buf.push(obs=np.arange(40, dtype=np.uint8)[:, None, None, None] * np.ones((1, 4, 84, 84), np.uint8),
              reward=np.arange(40, dtype=np.float32))
     buf.sample(1)
-    assert isinstance(buf._paths.one_call, OneCall)
+    assert isinstance(buf._paths.one_call, DrawGather)
     stage = np.empty((32, 4, 84, 84), np.uint8)
     out = {"_block": np.empty((16, buf.schema.record.itemsize), np.uint8), "obs": stage[::2]}
     batch = buf.sample(16, out=out)  # TypeError: sample out: expected a C-contiguous writable buffer
@@ -510,7 +510,7 @@ def test_a_schema_of_65_columns_samples(make: Make, name: str) -> None:
     assert (np.asarray(b["f62"]) == 62).all()
 
 
-def test_one_calls_false_takes_the_python_path(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_draw_gathers_false_takes_the_python_path(make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """buffer.py: _one_calls 'False ... to test the Python path'; the fast path at the top of
     sample() never looks at it once a one call was made."""
     buf = make(MUJOCO, 64, name=name, seed=0)

@@ -1,5 +1,5 @@
 """``draw`` with replacement as one C call (``native/sample.c``), where the buffer's sampler and
-columns allow it (``OneCall.serves``); ``sample_for_another`` for threads that sample for another.
+columns allow it (``DrawGather.serves``); ``sample_for_another`` for threads that sample for another.
 
 The reader's Python steps (``reader.draw``) stay the reference: this returns ``None`` wherever
 they must decide or explain, and hands rows still not intact after its rounds to ``reader.fetch``.
@@ -39,19 +39,19 @@ def sample_for_another(on: bool = True) -> None:
     _THREAD.nogil = on
 
 
-class OneCall:
+class DrawGather:
     """``draw`` with replacement as one C call (``_native.sample``, ``native/sample.c``): the draw
     (uniform, or prioritized from the tree, stratified), the stamped gather of every column (with
     ``next_of``/``stack``: of each transition's window of rows, ``frames.py``'s rules in C), a few
     rounds of re-draws of rows not intact, and the importance weights, the GIL released around big
     copies; then the batch of the packed record's views. The draw's random numbers come from a
     xoshiro256** generator in C seeded from the buffer's ``rng`` (made again when ``rng`` is
-    replaced): another stream than numpy's, the same distribution (``tests/test_one_call.py``).
+    replaced): another stream than numpy's, the same distribution (``tests/test_draw_gather.py``).
     What the call does not serve it says: an empty buffer, an update during the gather
     (``_unless_updated``) and a closed plan go to ``draw`` (which raises or reads again), and rows
     still not intact after its rounds to ``fetch``.
 
-    Served (``OneCall.serves``): every buffer of at most ``MAX_COLUMNS`` columns (and a frames
+    Served (``DrawGather.serves``): every buffer of at most ``MAX_COLUMNS`` columns (and a frames
     window of at most 64 rows), ``max_use`` included (each row returned counts its use in C, under
     the lock tried once); ``replace=False`` and hindsight take ``draw``."""
 

@@ -15,11 +15,11 @@ import pytest
 
 import shmbuffer as sb
 from shmbuffer import native
-from shmbuffer.protocol import gather, one_call, reader
+from shmbuffer.protocol import draw_gather, gather, reader
 from shmbuffer.sampling.samplers import importance_weights
 
+from .test_draw_gather import counts, p_value, served, uniform_on_both_paths
 from .test_frames import CASES, same, schema, stepper
-from .test_one_call import counts, p_value, served, uniform_on_both_paths
 
 Make = Callable[..., sb.ReplayBuffer]
 
@@ -47,8 +47,8 @@ def filled(case: int, seed: int, make: Make, name: str, pushes: int = 60, **opti
 
 def readable(buf: sb.ReplayBuffer) -> np.ndarray:
     """The ids of the transitions ``buf`` can read now (not those whose stack reaches rows
-    overwritten: ``reader.counted`` counts them)."""
-    ids = reader.counted(buf)
+    overwritten: ``reader.counted_ids`` counts them)."""
+    ids = reader.counted_ids(buf)
     return ids[gather.gather(buf.block, buf.ring, ids).ok]
 
 
@@ -115,9 +115,9 @@ def test_no_transition_uses_a_row_being_written(case: int, make: Make, name: str
             assert gather.gather(comp.block, ring, batch.index).ok.all()  # the Python reading: none torn
             uses = np.concatenate([uses, batch.index])
         # some transitions were refused for a torn row other than their own
-        refused = ~gather.gather(comp.block, ring, reader.counted(comp)).ok
+        refused = ~gather.gather(comp.block, ring, reader.counted_ids(comp)).ok
         assert refused.sum() > torn.size // 2
-        assert not np.isin(uses, reader.counted(comp)[refused]).any()
+        assert not np.isin(uses, reader.counted_ids(comp)[refused]).any()
     finally:
         ring.stamp[slots] -= 1
     batch = comp.sample(64)
@@ -142,7 +142,7 @@ def test_max_use_counts_each_transition_returned(make: Make, name: str) -> None:
     _, comp, _ = filled(1, 4, make, name, max_use=2)
     ids = readable(comp)
     got: list[int] = comp.sample(1).index.tolist()
-    assert isinstance(comp._paths.one_call, one_call.OneCall)
+    assert isinstance(comp._paths.one_call, draw_gather.DrawGather)
     for _ in range(ids.size // 8):  # half their uses: every sample finds rows left
         got += comp.sample(8).index.tolist()
     drawn, times = np.unique(got, return_counts=True)
@@ -197,11 +197,11 @@ def test_transitions_still_torn_after_the_c_rounds_go_to_fetch(case: int, make: 
     slots = ring.slots(torn)
     ring.stamp[slots] += 1
     fetched = []
-    real = one_call.fetch
-    monkeypatch.setattr(one_call, "fetch", lambda *a, **k: fetched.append(1) or real(*a, **k))
+    real = draw_gather.fetch
+    monkeypatch.setattr(draw_gather, "fetch", lambda *a, **k: fetched.append(1) or real(*a, **k))
     monkeypatch.setattr(reader, "draw", None)  # the call serves each sample (no fallback to draw)
     try:
-        ids = reader.counted(comp)
+        ids = reader.counted_ids(comp)
         whole = set(ids[gather.gather(comp.block, ring, ids).ok].tolist())
         assert whole
         for _ in range(10):
