@@ -83,7 +83,9 @@ def _measure(buf: ReplayBuffer, name: str, uid: int, ident: tuple[int, int],
              before: Reading | None) -> tuple[dict[str, Any], Reading]:
     now = time.monotonic()
     c = census.take(buf)
-    count = len(buf)  # the held rows, less (a scan) deleted ones and those that are not transitions
+    # the census's own count, of the same moment as its inserted rows; len (a scan) where deleted
+    # rows or rows that are not transitions (frames' end rows) must be left out
+    count = c.rows if buf.block.kinds is None and not c.removed else len(buf)
     reading = Reading(now, ident, c.cursors, c.inserted, c.sampled, c.writer_sampled, c.lock_waits)
     wpid, wstart, wsampled = c.writer_pid, c.writer_start, c.writer_sampled
     alive = {int(w): segment.process_alive(int(wpid[w]), float(wstart[w])) for w in np.flatnonzero(wpid)}
