@@ -24,6 +24,10 @@ MAX_COLUMNS = 64
 (``native.h``'s ``MAX_COLS``); a buffer with more samples through ``draw`` (numpy past them)."""
 
 
+_NO_ROW: dict[str, np.ndarray] = {}
+"""The per-row outs of a buffer that gathers no per-row column (never written to)."""
+
+
 class _Thread(threading.local):
     nogil = False
 
@@ -162,7 +166,7 @@ class DrawGather:
         if large is None:
             return None  # an out the C copies do not take: the reader's path
         outs += large.values()
-        row = {name: np.empty(n, dtype) for name, dtype in self.row.items()}
+        row = {name: np.empty(n, dtype) for name, dtype in self.row.items()} if self.row else _NO_ROW
         outs += row.values()
         ids, ok = np.empty(n, np.int64), np.empty(n, np.bool_)
         leaves: np.ndarray | None = None
@@ -195,7 +199,9 @@ class DrawGather:
                 prios = src.priorities
                 assert prios is not None
                 weight = src.options.sampler.weights(prios.tree, leaves, calls)
-        extras = {"index": ids, **{EXTRA[name]: a for name, a in row.items() if name in EXTRA}}
+        extras = {"index": ids}
+        if row:  # a plain uniform buffer has no per-row column to hand out: skip the loop
+            extras.update((EXTRA[name], a) for name, a in row.items() if name in EXTRA)
         if weight is not None:
             extras["weight"] = weight
         if large:
