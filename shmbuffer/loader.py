@@ -332,15 +332,16 @@ class Loader:
         if out is not None:
             kwargs["out"] = out
         limiter = self.buffer.options.limiter
+        sample = self.buffer.sample if self._resident is None else self._resident.sample
         if limiter is None:
-            return self.buffer.sample(self._batch_size, **kwargs)
+            return sample(self._batch_size, **kwargs)
         given = kwargs.pop("timeout", None)
         total = limiter.timeout if given is None else float(given)  # checked by _check_sample_keywords
         deadline = time.monotonic() + total
         while True:
             left = max(deadline - time.monotonic(), 0.0)
             try:
-                return self.buffer.sample(self._batch_size, timeout=min(SLICE, left), **kwargs)
+                return sample(self._batch_size, timeout=min(SLICE, left), **kwargs)
             except WaitTimeout as exc:
                 if self._stop.is_set():
                     return None
@@ -349,7 +350,7 @@ class Loader:
 
     def _to_cpu(self) -> Batch | None:
         if self._resident is not None:
-            return self._resident.sample(self._batch_size)
+            return self._draw()
         if not self._jax:
             batch = self._draw()
             return None if batch is None else batch.to("cpu")

@@ -19,7 +19,7 @@ import pytest
 import shmbuffer as sb
 from shmbuffer import native
 from shmbuffer.device import DeviceReplay
-from shmbuffer.protocol import refresh
+from shmbuffer.protocol import reader, refresh
 from shmbuffer.protocol.layout import EDIT_LOG
 
 from .conftest import MUJOCO, copy_through, needs_lib, seq_of, transition
@@ -347,6 +347,25 @@ def test_a_device_sample_short_of_uses_gives_them_back_as_the_host_does(make: Ma
         assert str(device.value) == str(host.value) and "4 draws left" in str(host.value)
         assert np.array_equal(buf.uses(np.arange(16)), before)
         assert np.unique(dev.sample(4).index.numpy()).size == 4
+
+
+def test_a_device_sample_that_raises_before_counting_its_uses_gives_none_back(
+        make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A use is given back only once it was counted: a sample interrupted while it counts them
+    (here the count itself raises) leaves every use count as it was, never wrapped below 0."""
+    buf = make(MUJOCO, 16, name=name, max_use=3)
+    buf.push(transition(0, 16))
+    with DeviceReplay(buf, "cpu", refresher=False, seed=0) as dev:
+
+        def interrupted(self: Any, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(reader.Uses, "claim", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            dev.sample(4)
+        monkeypatch.undo()
+        assert not buf.uses(np.arange(16)).any()
+        assert len(buf) == 16 and dev.sample(4).index.shape == (4,)
 
 
 def test_a_rate_limiter_holds_the_device_sample_as_it_holds_the_host_sample(make: Make, name: str) -> None:

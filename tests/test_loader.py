@@ -227,13 +227,16 @@ def _until(cond: Callable[[], bool], seconds: float = 5.0) -> bool:
     return True
 
 
-def test_close_while_a_rate_limiter_holds_the_sample(make: Make, name: str) -> None:
+@pytest.mark.parametrize("resident", [False, True])
+def test_close_while_a_rate_limiter_holds_the_sample(resident: bool, make: Make, name: str) -> None:
     """close() returns at once with the thread joined, and the thread admits no sample after it:
-    nobody would receive it, yet it would count in the shared window."""
+    nobody would receive it, yet it would count in the shared window. The same from a device
+    copy (``resident=True``), whose sample the limiter holds as it holds the buffer's."""
     limiter = sb.RateLimiter(min_size=20, timeout=30.0)
     buf = make(MUJOCO, capacity=64, limiter=limiter, name=name)
     buf.push(transition(0, 10))
-    loader = Loader(buf, 4, background=True)
+    loader = Loader(buf, 4, background=True, resident=resident)
+    assert loader.path == ("resident" if resident else "host")
     time.sleep(0.3)  # the thread is waiting for min_size
     t0 = time.monotonic()
     loader.close()

@@ -53,7 +53,7 @@ With ``max_use`` the rows are drawn on the host from the tree of uses, each row 
 use (``reader.Uses``, given back when the sample raises), so no row is handed out more than
 ``max_use`` times on either path; a rate limiter holds ``sample`` and ``sample_sequences`` as it
 holds the host's (``reader.count``). Not done on the device yet, and refused with the alternative
-named: n-step returns and sequences over frames stored once, a rank's part of global draws;
+named: n-step returns and sequences over frames stored once;
 groups and whole episodes stay ``ReplayBuffer``'s. The device must hold the copy: on CUDA the bytes needed are checked against
 ``torch.cuda.mem_get_info`` before anything is allocated.
 """
@@ -393,9 +393,8 @@ class DeviceReplay(DeviceRows):
                 if d.leaves is not None:
                     leaves[todo[ok]] = d.leaves[ok]
                 if uses is not None:  # used up meanwhile: drawn again
-                    claimed[todo[ok]] = True
                     refused = uses.claim(ids, todo[ok])
-                    claimed[refused] = False
+                    claimed[np.setdiff1d(todo[ok], refused)] = True
                     ok &= ~np.isin(todo, refused)
                 todo = todo[~ok]
                 if todo.size == 0:

@@ -428,7 +428,7 @@ def _again(buf: Buffer, lanes: list[_Lane], since: int, edits: int) -> list[tupl
 
 
 def _read_again(snap: Snapshot, lanes: list[_Lane], again: list[tuple[int, int, int]]) -> list[Piece]:
-    """The rows ``retry`` names, read as a save reads them; a row overwritten meanwhile drops its
+    """The rows ``again`` names, read as a save reads them; a row overwritten meanwhile drops its
     lane's rows up to it (``_Lane.keep``), and the pieces of rows dropped."""
     out: list[Piece] = []
     for lane, n0, n1 in again:

@@ -13,7 +13,7 @@ scans the held slots (``reader.held``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -25,8 +25,6 @@ from ..shm.lock import defer_signals, resume_signals
 from .layout import Counter
 from .reader import Source
 from .rows import lane_of, number_of
-
-DrawGather = Callable[[Any, Any, Any], "np.ndarray | None"]
 
 
 def ids_of(src: Source, rows: Batch | Any, what: str) -> np.ndarray:

@@ -6,7 +6,7 @@ windows of rows) that are not accepted are drawn again, a bounded number of roun
 writers' rows are reaped, and for at most ``GIVE_UP`` seconds; with ``unique`` a row appears
 once, with a ``claim`` (``Uses``, ``max_use``) each row's use is counted under the lock once it is
 read, and given back when the read raises. On them: ``draw`` (the sampler's draw, read),
-``epoch``, ``take`` and ``get``; ``counted`` says which rows ``len`` counts, ``get``'s positions.
+``epoch``, ``take`` and ``get``; ``counted_ids`` says which rows ``len`` counts, ``get``'s positions.
 ``draw_gather.py`` makes ``draw`` one C call where it serves.
 
 Everything here works through a ``Source`` (``ReplayBuffer`` is one): its block, ring, options,
@@ -472,7 +472,7 @@ def counted_ids(src: Source) -> np.ndarray:
 
 
 def held(src: Source) -> int:
-    """``len(buf)``: how many rows ``counted`` lists, counted lane by lane without listing them: the
+    """``len(buf)``: how many rows ``counted_ids`` lists, counted lane by lane without listing them: the
     ring's rows, less those gone (once a row was deleted or used up) and, with frames, those that
     are not transitions (``frames.transitions``)."""
     n = len(src.ring)
