@@ -75,8 +75,8 @@ from .format import (
     tensors,
 )
 
-__all__ = ["READERS", "STATS", "check_kinds", "check_leaves", "load", "open_regular", "pread_into", "read_header", "read_meta",
-           "read_v1", "read_v2", "read_v3"]
+__all__ = ["READERS", "STATS", "check_kinds", "check_leaves", "load", "open_regular", "pread_into", "read_header",
+           "read_json", "read_meta", "read_v1", "read_v2", "read_v3"]
 
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 STATS = {"sampled": Counter.SAMPLED, "reclaimed": Counter.RECLAIMED, "inserted": Counter.INSERTED,
@@ -113,29 +113,36 @@ def load(
     a buffer larger than ``/dev/shm`` has room for raises ``OutOfSharedMemory``, as creating it would."""
     folder = Path(path)
     meta_file = folder / META
-    fd = open_regular(meta_file, f"load: {meta_file} does not exist; expected a directory written by shmbuffer.save")
+    missing = f"load: {meta_file} does not exist; expected a directory written by shmbuffer.save"
+    meta, version = read_json(meta_file, missing, "shmbuffer.save", "", "load it")
+    return READERS[version](folder, meta, factory, name=name, capacity=capacity, seed=seed)
+
+
+def read_json(file: Path, missing: str, writer: str, damaged: str, then: str) -> tuple[dict[str, Any], int]:
+    """The JSON object ``file`` holds (a save's meta, a checkpoint's manifest: ``writer`` wrote
+    it) and its format version, one ``READERS`` reads: ``FileNotFoundError(missing)`` when there is
+    no file, ``LayoutError`` naming it when it is too long, not JSON (``damaged`` says what to do),
+    not shmbuffer's ``FORMAT`` or of another version (``then`` with a newer shmbuffer)."""
+    fd = open_regular(file, missing)
     try:
         size = os.fstat(fd).st_size
         if size > MAX_HEADER:
-            raise LayoutError(f"{meta_file}: {size} bytes, expected at most {MAX_HEADER}: not written by shmbuffer.save")
+            raise LayoutError(f"{file}: {size} bytes, expected at most {MAX_HEADER}: not written by {writer}")
         text = os.pread(fd, MAX_HEADER, 0)
     finally:
         os.close(fd)
     try:
         meta = json.loads(text)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to parse
-        raise LayoutError(f"{meta_file}: not valid JSON ({type(exc).__name__}: {_clip(str(exc))})") from None
+        raise LayoutError(f"{file}: not valid JSON ({type(exc).__name__}: {_clip(str(exc))}){damaged}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise LayoutError(f"{meta_file}: format {_show(found)}, expected {FORMAT!r}: not written by shmbuffer.save")
+        raise LayoutError(f"{file}: format {_show(found)}, expected {FORMAT!r}: not written by {writer}")
     version = meta.get("format_version")
-    read = READERS.get(version) if type(version) is int else None
-    if read is None:
-        raise LayoutError(
-            f"{meta_file}: format version {_show(version)}; this shmbuffer reads versions "
-            f"{', '.join(map(str, READERS))}: load it with a newer shmbuffer"
-        )
-    return read(folder, meta, factory, name=name, capacity=capacity, seed=seed)
+    if type(version) is not int or version not in READERS:
+        raise LayoutError(f"{file}: format version {_show(version)}; this shmbuffer reads versions "
+                          f"{', '.join(map(str, READERS))}: {then} with a newer shmbuffer")
+    return meta, version
 
 
 def open_regular(file: Path, missing: str) -> int:
