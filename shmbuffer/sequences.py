@@ -434,15 +434,11 @@ def add_n_step(src: Source, batch: Batch, n_step: int, gamma: float, names: dict
     when it was gathered; the rows after each one are read here under their own: a following
     row counts only while it is intact, of the row's lane and of the row's episode *as read
     with the row* (its slot may hold another row by now). A window whose last row's large
-    ``next_obs`` changed before it was read is read again (it is shorter then)."""
-    what = f"n_step={n_step}"
-    _need_episodes(src, what)
+    ``next_obs`` changed before it was read is read again (it is shorter then). The request was
+    checked before the draw (``check_n_step``: episodes kept, ``reward`` and ``done`` small fields)."""
     reward, next_obs, done = n_step_fields(src, names)
     record = src.block.record
     packed = record.offsets
-    for name in (reward, done):
-        if name not in packed:
-            raise FieldError(f"{what}: field {name!r} must be a small field (a scalar per row)")
     n = len(batch)
     own_episode = batch.extras["episode"]
     own_reward = batch.fields[reward].reshape(n)

@@ -380,9 +380,7 @@ class DeviceReplay(DeviceRows):
                 if got.shape[0] != todo.size:
                     fewer = True
                     break
-                ok = self._window(got)[0]
-                if self.spec.once:
-                    ok &= self._transitions(np.where(ok, got, 0))[0]
+                ok = self._transitions(got)[0] if self.spec.once else self._window(got)[0]
                 ids[todo[ok]] = got[ok]
                 if d.leaves is not None:
                     leaves[todo[ok]] = d.leaves[ok]
