@@ -54,7 +54,7 @@ from ..protocol import snapshot
 from ..protocol.frames_push import Last
 from ..protocol.layout import Counter, Options, row_columns
 from ..protocol.priorities import MAX_LEAF
-from ..protocol.rows import lane_capacity, slot
+from ..protocol.rows import lane_capacity, pieces, slot
 from ..protocol.snapshot import CHUNK_BYTES, Buffer, columns
 from ..sampling.samplers import sampler_from_json
 from ..schema import Schema
@@ -556,16 +556,14 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
     step = max(1, CHUNK_BYTES // max(1, sum(t.row_bytes for t in files)))
     pos = 0
     removed = False
-    pieces = [t for t in files if t.name != "_present"]
+    tensors = [t for t in files if t.name != "_present"]
 
     def offset(name: str, row: int, row_bytes: int) -> int:
         return data_start + entries[name].begin + row * row_bytes
 
     for lane, (first, stop, _) in enumerate(lanes):
-        n0 = first
-        while n0 < stop:
-            n1 = min(stop, n0 + step, (n0 // lc + 1) * lc)
-            sl, present, got = read_piece(fd, file, offset, "", pos + n0 - first, pieces, targets, lane, n0, n1, lc)
+        for n0, n1, sl in pieces(lane, first, stop, lc, step):
+            present, got = read_piece(fd, file, offset, "", pos + n0 - first, tensors, targets, lane, n0, sl)
             removed |= not present.all()
             leaf, uses = got.get("_leaf"), got.get("_uses")
             if uses is not None and max_use is not None and uses.size and int(uses.max()) > max_use:
@@ -584,23 +582,21 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
                 removed |= check_leaves(buf, leaf, uses, rows, file, lane, n0)
             snapshot.restore(buf, sl, n0, present)
             line.update(pos + n1 - first)
-            n0 = n1
         pos += stop - first
     return removed
 
 
 def read_piece(fd: int, file: Path, offset: Callable[[str, int, int], int], prefix: str, row: int,
-               tensors: list[Tensor], targets: dict[str, np.ndarray], lane: int, n0: int, n1: int,
-               lc: int) -> tuple[slice, np.ndarray, dict[str, np.ndarray]]:
-    """Rows ``n0 .. n1`` of ``lane`` (one run of its slots) from a save or a checkpoint's chunk: their
-    ``_present`` flags and each of ``tensors`` (tensor ``prefix + name``'s row ``row`` lies at
-    ``offset(prefix + name, row, row bytes)`` of ``fd``), each read straight into its slots of
-    ``targets`` where it has them (the tree's leaves have none); their slots, the flags as bools and
+               tensors: list[Tensor], targets: dict[str, np.ndarray], lane: int, n0: int,
+               sl: slice) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Rows ``n0 ..`` of ``lane`` in its slots ``sl`` (a piece, ``rows.pieces``) from a save or a
+    checkpoint's chunk: their ``_present`` flags and each of ``tensors`` (tensor ``prefix + name``'s
+    row ``row`` lies at ``offset(prefix + name, row, row bytes)`` of ``fd``), each read straight into
+    its slots of ``targets`` where it has them (the tree's leaves have none); the flags as bools and
     the tensors read. ``LayoutError`` naming ``file`` for a flag other than 0 or 1, or a hole whose
     bytes are not zeros (a save writes zeros in every tensor of a hole)."""
-    s0 = int(slot(lane, n0, lc))
-    sl = slice(s0, s0 + n1 - n0)
-    flags = np.empty(n1 - n0, np.uint8)
+    k = sl.stop - sl.start
+    flags = np.empty(k, np.uint8)
     pread_into(fd, flags, offset(prefix + "_present", row, 1), file)
     if flags.size and flags.max() > 1:
         raise LayoutError(f"{file}: tensor '{prefix}_present' holds {int(flags.max())}, expected 0 or 1")
@@ -608,7 +604,7 @@ def read_piece(fd: int, file: Path, offset: Callable[[str, int, int], int], pref
     got: dict[str, np.ndarray] = {}
     for t in tensors:
         target = targets[t.name][sl] if t.name in targets else None
-        staged = target if target is not None and target.flags.c_contiguous else np.empty((n1 - n0, *t.shape), t.dtype)
+        staged = target if target is not None and target.flags.c_contiguous else np.empty((k, *t.shape), t.dtype)
         pread_into(fd, staged, offset(prefix + t.name, row, t.row_bytes), file)
         if not present.all() and staged[~present].any():
             raise LayoutError(
@@ -617,7 +613,7 @@ def read_piece(fd: int, file: Path, offset: Callable[[str, int, int], int], pref
         if target is not None and staged is not target:
             target[...] = staged
         got[t.name] = staged
-    return sl, present, got
+    return present, got
 
 
 def check_leaves(buf: Buffer, leaf: np.ndarray, uses: np.ndarray | None, rows: np.ndarray, file: Path,

@@ -27,7 +27,7 @@ from ..protocol import snapshot
 from ..protocol.frames_push import Last
 from ..protocol.layout import ROW, SAMPLER, Counter, row_columns
 from ..protocol.priorities import MAX_LEAF
-from ..protocol.rows import slot
+from ..protocol.rows import pieces, slot
 from ..protocol.snapshot import CHUNK_BYTES, Buffer, columns
 from ..sample_paths import generator_from_state
 from .format import tensor_of
@@ -145,16 +145,13 @@ def _fill(buf: Buffer, man: Manifest, opened: list[ChunkFile], values: dict[str,
             mask = np.zeros(stop - first, bool)
             for n0s, n1s, c, b, at in segs:
                 src, block = opened[c], BLOCKS[b]
-                n0 = n0s
-                while n0 < n1s:
-                    n1 = min(n1s, n0 + step, (n0 // lc + 1) * lc)
-                    sl, here, _ = read_piece(src.fd, src.file, src.offset, f"{block}/", at + n0 - n0s, files, targets,
-                                             lane, n0, n1, lc)
+                for n0, n1, sl in pieces(lane, n0s, n1s, lc, step):
+                    here, _ = read_piece(src.fd, src.file, src.offset, f"{block}/", at + n0 - n0s, files, targets, lane,
+                                         n0, sl)
                     snapshot.restore(buf, sl, n0, here)
                     mask[n0 - first:n1 - first] = here
                     done += n1 - n0
                     line.update(done)
-                    n0 = n1
             present.append(mask)
             removed |= not mask.all()
     removed |= _internals(buf, man, opened[-1], present)
