@@ -298,11 +298,8 @@ class Moment:
 
 
 def _lane_rows(a: np.ndarray, lane: int, n0: int, n1: int, lc: int) -> np.ndarray:
-    """A copy of ``a`` at the slots of rows ``[n0, n1)`` of ``lane`` (one or two slices: no index array)."""
-    base, i0, k = lane * lc, n0 % lc, n1 - n0
-    if i0 + k <= lc:
-        return a[base + i0:base + i0 + k].copy()
-    return np.concatenate([a[base + i0:base + lc], a[base:base + i0 + k - lc]])
+    """A copy of ``a`` at the slots of rows ``[n0, n1)`` of ``lane`` (one or two slices, ``pieces``: no index array)."""
+    return np.concatenate([a[:0], *(a[sl] for _, _, sl in pieces(lane, n0, n1, lc))])
 
 
 def at_one_moment(buf: Buffer, spans: list[tuple[int, int, int]]) -> Moment:
