@@ -362,12 +362,11 @@ def assemble(s: Stack, frames: Any, out: np.ndarray | None = None) -> Any:
             return stacked
         out.reshape(stacked.shape)[...] = stacked
         return out
-    # (m, ..., k, width, ...); its reshape below copies into a new contiguous array or tensor
     moved = np.moveaxis(frames, 1, 1 + s.axis) if isinstance(frames, np.ndarray) else frames.movedim(1, 1 + s.axis)
-    shape = moved.shape
+    shape = moved.shape  # (m, ..., k, width, ...)
     full = (*shape[:1 + s.axis], s.k * s.width, *shape[3 + s.axis:])
-    if out is None:
-        return moved.reshape(full)
+    if out is None:  # numpy: a contiguous array (a reshape alone can give a strided view: width 1)
+        return (np.ascontiguousarray(moved) if isinstance(moved, np.ndarray) else moved).reshape(full)
     out.reshape(m, *full[1:])[...] = moved.reshape(full)
     return out
 
