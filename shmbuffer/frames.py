@@ -327,11 +327,10 @@ def misplaced(spec: Frames, slots: np.ndarray, there: np.ndarray, fields: Mappin
 
 
 def stack_columns(spec: Frames, s: Stack) -> dict[str, int]:
-    """The window column of the newest frame of each stack a read of ``s`` builds: ``s.name``
-    for the observation, ``"next:" + s.name`` for the next one (with ``next_of``)."""
+    """The window column of the newest frame of each stack a read of ``s`` builds, by the field it
+    fills: ``s.name`` for the observation, its ``next_of`` field for the next one."""
     c = spec.depth
-    sources = {src for _, src in spec.next_of}
-    return {s.name: c, **({"next:" + s.name: c + 1} if s.name in sources else {})}
+    return {s.name: c, **{nxt: c + 1 for nxt, src in spec.next_of if src == s.name}}
 
 
 def stack_plan(ok: np.ndarray, kind: np.ndarray, last: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -353,8 +352,9 @@ def stack_plan(ok: np.ndarray, kind: np.ndarray, last: int, k: int) -> tuple[np.
     return np.ascontiguousarray(cols), np.ascontiguousarray(zero), fine
 
 
-def assemble(s: Stack, frames: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Stacks from frames ``(m, k, *frame)`` (chronological), in the field's layout."""
+def assemble(s: Stack, frames: Any, out: np.ndarray | None = None) -> Any:
+    """Stacks from frames ``(m, k, *frame)`` (chronological), in the field's layout: numpy arrays,
+    or torch tensors (the device copy's reads; without ``out``)."""
     m = frames.shape[0]
     if s.axis == 0:  # the frames are the stack's rows already: a view
         stacked = frames.reshape(m, s.k * s.width, *frames.shape[3:])
@@ -362,11 +362,11 @@ def assemble(s: Stack, frames: np.ndarray, out: np.ndarray | None = None) -> np.
             return stacked
         out.reshape(stacked.shape)[...] = stacked
         return out
-    moved = np.moveaxis(frames, 1, 1 + s.axis)  # (m, ..., k, width, ...)
-    shape = moved.shape
+    moved = np.moveaxis(frames, 1, 1 + s.axis) if isinstance(frames, np.ndarray) else frames.movedim(1, 1 + s.axis)
+    shape = moved.shape  # (m, ..., k, width, ...)
     full = (*shape[:1 + s.axis], s.k * s.width, *shape[3 + s.axis:])
-    if out is None:
-        return moved.reshape(full) if s.axis == 0 else np.ascontiguousarray(moved).reshape(full)
+    if out is None:  # numpy: a contiguous array (a reshape alone can give a strided view: width 1)
+        return (np.ascontiguousarray(moved) if isinstance(moved, np.ndarray) else moved).reshape(full)
     out.reshape(m, *full[1:])[...] = moved.reshape(full)
     return out
 

@@ -434,15 +434,11 @@ def add_n_step(src: Source, batch: Batch, n_step: int, gamma: float, names: dict
     when it was gathered; the rows after each one are read here under their own: a following
     row counts only while it is intact, of the row's lane and of the row's episode *as read
     with the row* (its slot may hold another row by now). A window whose last row's large
-    ``next_obs`` changed before it was read is read again (it is shorter then)."""
-    what = f"n_step={n_step}"
-    _need_episodes(src, what)
+    ``next_obs`` changed before it was read is read again (it is shorter then). The request was
+    checked before the draw (``check_sample``: episodes kept, ``reward`` and ``done`` small fields)."""
     reward, next_obs, done = n_step_fields(src, names)
     record = src.block.record
     packed = record.offsets
-    for name in (reward, done):
-        if name not in packed:
-            raise FieldError(f"{what}: field {name!r} must be a small field (a scalar per row)")
     n = len(batch)
     own_episode = batch.extras["episode"]
     own_reward = batch.fields[reward].reshape(n)
@@ -505,21 +501,15 @@ def check_sample(src: Source, n: Any, n_step: Any, gamma: float, names: dict[str
             raise ValueError(f"sample: n_step must be an int >= 1, got {n_step!r}")
         if not 0 <= gamma <= 1:
             raise ValueError(f"sample: gamma must be in [0, 1], got {gamma!r}")
-        check_n_step(src, int(n_step), names)
+        what = f"n_step={n_step}"  # and one the buffer can serve
+        _need_episodes(src, what)
+        reward, _, done = n_step_fields(src, names)
+        for name in (reward, done):
+            if name not in src.block.record.offsets:
+                raise FieldError(f"{what}: field {name!r} must be a small field (a scalar per row)")
+        if n_step > src.ring.lane_capacity:
+            raise CapacityError(f"{what}: longer than a lane ({src.ring.lane_capacity} rows)")
     return n, timeout
-
-
-def check_n_step(src: Source, n_step: int, names: dict[str, str] | None) -> None:
-    """Refuse an n-step request the buffer cannot serve, before anything is drawn."""
-    what = f"n_step={n_step}"
-    _need_episodes(src, what)
-    names = names or {}
-    for key, choices in (("reward", REWARD), ("next_obs", NEXT_OBS), ("done", DONE)):
-        name = _field(src, names.get(key), choices, key)
-        if key != "next_obs" and name not in src.block.record.offsets:
-            raise FieldError(f"{what}: field {name!r} must be a small field (a scalar per row)")
-    if n_step > src.ring.lane_capacity:
-        raise CapacityError(f"{what}: longer than a lane ({src.ring.lane_capacity} rows)")
 
 
 def _need_episodes(src: Source, what: str) -> np.ndarray:

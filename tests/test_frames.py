@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import shmbuffer as sb
-from shmbuffer import persistence
+from shmbuffer import frames, persistence
 from shmbuffer.errors import FieldError, SchemaError
 from shmbuffer.protocol.layout import Counter
 
@@ -970,3 +970,16 @@ def test_distinct_draws_beyond_the_transitions_of_a_stack_buffer_are_refused_at_
         buf.sample(14, replace=False)
     assert time.monotonic() - t0 < 0.5
     assert buf.sample(13, replace=False).index.size == 13
+
+
+def test_stacks_assembled_along_a_later_axis_are_contiguous_arrays() -> None:
+    """Stacks along a later axis are new contiguous arrays, also where a frame is one wide along it
+    (channels last: a reshape alone gives a strided view there); torch tensors (the device copy's)
+    assemble to the same values."""
+    s = frames.Stack("obs", 4, 2, 1)
+    fr = np.arange(3 * 4 * 5 * 6, dtype=np.int64).reshape(3, 4, 5, 6, 1)
+    got = frames.assemble(s, fr)
+    assert got.shape == (3, 5, 6, 4) and got.flags.c_contiguous
+    assert np.array_equal(got[:, :, :, 1], fr[:, 1, :, :, 0])
+    torch = pytest.importorskip("torch")
+    assert np.array_equal(frames.assemble(s, torch.from_numpy(fr)).numpy(), got)

@@ -70,7 +70,7 @@ import numpy as np
 from .. import arguments
 from ..batch import Batch, torch_views
 from ..errors import ClosedError, EmptyBufferError, FieldError, WaitTimeout
-from ..frames import Stack, stack_columns, stack_plan
+from ..frames import Stack, assemble, stack_columns, stack_plan
 from ..frames import center as frames_center
 from ..protocol import refresh
 from ..protocol.reader import GIVE_UP, Source, Uses, count, draw_ids, held, nothing_to_draw, short_of_uses
@@ -92,17 +92,6 @@ REFRESH_AT = 0.5
 """The background refresher refreshes once the lag reaches this share of a bound (of ``max_lag_s``:
 a refresh every 5 ms at most by default, each copying the rows of those 5 ms in a few copies), so
 that a sample seldom finds a bound broken; without bounds, whenever rows came in."""
-
-
-def _assemble(s: Stack, got: Any) -> Any:
-    """Stacks from frames ``(m, k, *frame)`` in the field's layout (``frames.assemble``, in torch)."""
-    m = got.shape[0]
-    if s.axis == 0:
-        return got.reshape(m, s.k * s.width, *got.shape[3:])
-    moved = got.movedim(1, 1 + s.axis)  # (m, ..., k, width, ...)
-    shape = moved.shape
-    return moved.reshape(*shape[:1 + s.axis], s.k * s.width, *shape[3 + s.axis:])
-
 
 
 def _torch() -> Any:
@@ -148,8 +137,8 @@ class DeviceReplay(DeviceRows):
         seeds = arguments.seeds(seed, "DeviceReplay: seed")
         super().__init__(buf, device, chunk)
         self.max_lag_rows, self.max_lag_s = max_lag_rows, max_lag_s
-        self.spec = opts.rows if buf.block.kinds is not None else None
-        """The buffer's frames stored once (``next_of``/``stack``), read by their kinds; ``None`` without."""
+        self.spec = opts.rows
+        """The buffer's rows variant: with frames stored once (``next_of``/``stack``) a draw plans transitions."""
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(seeds.generate_state(1)[0]))
         self._rng = seeds.spawn(1)[0].generate_state(4, np.uint64)
@@ -272,7 +261,7 @@ class DeviceReplay(DeviceRows):
         device copy holds as committed; ``batch.steps``). With ``max_use`` each row drawn counts a
         use, and with a rate limiter the sample waits for it (``timeout``), as there."""
         n, timeout = check_sample(self.buf, n, n_step, gamma, fields, timeout)
-        if n_step != 1 and self.spec is not None:
+        if n_step != 1 and self.spec.once:
             raise FieldError(f"sample(n_step={n_step}): the device copy does not rebuild n-step returns over "
                              "frames stored once (next_of/stack) yet: buf.sample(n, n_step=...) does")
         return count(self.buf, n, timeout, lambda: self._sample_waiting(n, int(n_step), float(gamma), fields))
@@ -303,7 +292,7 @@ class DeviceReplay(DeviceRows):
         self._maybe_sync()
         # what the sampler lets the device draw in its place; with max_use, the host's tree (uses)
         served = self.buf.options.sampler.served if self.buf.options.max_use is None else None
-        if served == "uniform" and self._draw_call is not None and self.spec is None and self.buf.ranked is None:
+        if served == "uniform" and self._draw_call is not None and not self.spec.once and self.buf.ranked is None:
             batch = self._uniform_one_call(n)  # takes the lock itself, in C
             if n_step > 1:
                 with self.lock:
@@ -321,8 +310,13 @@ class DeviceReplay(DeviceRows):
         return batch
 
     def _uniform(self, n: int) -> Batch:
-        if self.spec is not None:
-            return self._uniform_transitions(n)
+        if self.spec.once:  # transitions only: end and lead rows, a lane's newest with next_of, drawn again
+            ids = self._draw_held(n, lambda got: self._transitions(got)[0])
+            if ids is not None:
+                return self._frames_batch(ids, None)
+            raise EmptyBufferError(f"sample({n}): the device copy of buffer {self.buf.name!r} holds no whole "
+                                   "transitions yet (an episode's final observation and each lane's newest row, "
+                                   "which waits for its next, are not): push, then sync() or sample again")
         m = len(self)
         if m == 0:
             raise EmptyBufferError(f"sample({n}): the device copy of buffer {self.buf.name!r} holds no rows yet "
@@ -386,9 +380,7 @@ class DeviceReplay(DeviceRows):
                 if got.shape[0] != todo.size:
                     fewer = True
                     break
-                ok = self._window(got)[0]
-                if self.spec is not None:
-                    ok &= self._transitions(np.where(ok, got, 0))[0]
+                ok = self._transitions(got)[0] if self.spec.once else self._window(got)[0]
                 ids[todo[ok]] = got[ok]
                 if d.leaves is not None:
                     leaves[todo[ok]] = d.leaves[ok]
@@ -409,7 +401,7 @@ class DeviceReplay(DeviceRows):
                     + (f", or {by} gave fewer ids than asked (it has no more rows to draw from)" if by else ""))
             weights = sampler.weights(prios.tree if prios is not None else None, leaves, calls) if sampler.weighted else None
             w = None if weights is None else torch.from_numpy(np.ascontiguousarray(weights)).to(self.device)
-            if self.spec is not None:
+            if self.spec.once:
                 return self._frames_batch(ids, w)
             return self._batch(torch.from_numpy(self._window(ids)[1]).to(self.device), torch.from_numpy(ids).to(self.device), w)
         except BaseException as e:
@@ -422,21 +414,28 @@ class DeviceReplay(DeviceRows):
                     raise _DrawGaveFewer(str(short)) from None
             raise
 
-    def _batch(self, slots: Any, ids: Any, weight: Any) -> Batch:
-        return self._batch_of({name: dev.index_select(0, slots) for name, dev in self.rows.items()}, ids, weight)
+    def _batch(self, slots: Any, ids: Any, weight: Any, rebuilt: dict[str, Any] | None = None) -> Batch:
+        """The batch of the rows in device ``slots``; ``rebuilt``: the fields read from other rows
+        (frames stored once), not from their own."""
+        got = dict(rebuilt or {})
+        got.update({name: dev.index_select(0, slots) for name, dev in self.rows.items() if name not in got})
+        return self._batch_of(got, ids, weight)
 
-    def _batch_of(self, got: dict[str, Any], ids: Any, weight: Any) -> Batch:
-        """The batch of rows copied from the device columns (``got``: one tensor per column)."""
+    def _batch_of(self, got: dict[str, Any], ids: Any, weight: Any, lead: tuple[int, ...] | None = None) -> Batch:
+        """The batch of rows copied from the device columns (``got``: one tensor per column; with
+        ``lead``, the windows' leading dimensions, its rows flattened)."""
         packed = got.pop("_record", None)
         if packed is not None:
             packed = packed.view(_torch().uint8)
         small = torch_views(packed, self.record) if packed is not None and self.record is not None else {}
         extras: dict[str, Any] = {"index": ids}
-        extras.update({key: got.pop(name) for name, key in self.extras.items()})
+        extras.update({key: got.pop(name) for name, key in self.extras.items() if name in got})
         if weight is not None:
             extras["weight"] = weight
         fields = {name: got[name] if name in got else small[name] for name in self.buf.block.schema.names}
-        return Batch(fields, extras, block=packed, record=self.record)
+        if lead is not None:
+            fields = {name: a.reshape(*lead, *a.shape[1:]) for name, a in fields.items()}
+        return Batch(fields, extras, block=packed, record=self.record, lead=lead)
 
     def _n_step(self, batch: Batch, n_step: int, gamma: float, names: dict[str, str] | None) -> None:
         """``sequences.add_n_step`` on the device, in place: a following row counts while the
@@ -502,73 +501,45 @@ class DeviceReplay(DeviceRows):
         return window(anchors, offsets, lanes, np.zeros(lanes, np.int64), np.full(lanes, np.iinfo(np.int64).max))[0]
 
     # -- frames stored once: transitions rebuilt on the device (frames.py's read rules) ------------
-    def _transitions(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    def _transitions(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[str, tuple[Stack, np.ndarray, np.ndarray]]]:
         """Which of ``ids`` the device copy can serve as transitions, by ``frames.center`` and
         ``frames.stack_plan`` over their windows (a window row counts when the copy holds that
-        exact row, as a stamp check would pass it); the windows' ids and each stack's plan."""
+        exact row, as a stamp check would pass it); the windows' ids and the plan of each field a
+        stack fills (``frames.stack_columns``): its stack, window columns and padding zeros."""
         spec = self.spec
-        assert spec is not None
         win = self._window_ids(ids, np.arange(-spec.depth, spec.ahead + 1))
         ok, slots = self._window(win)
         kind = self.kinds[slots]
         valid = frames_center(spec, ok, kind)
         plans = {}
         for s in spec.stack:
-            for key, last in stack_columns(spec, s).items():
+            for name, last in stack_columns(spec, s).items():
                 cols, zero, fine = stack_plan(ok, kind, last, s.k)
                 valid &= fine
-                plans[key] = (cols, zero)
+                plans[name] = (s, cols, zero)
         return valid, win, plans
 
-    def _uniform_transitions(self, n: int) -> Batch:
-        """``n`` transitions drawn uniformly over the usable rows that are transitions (end and
-        lead rows, and each lane's newest row with ``next_of``, are drawn again)."""
-        ids = self._draw_held(n, lambda got: self._transitions(got)[0])
-        if ids is not None:
-            return self._frames_batch(ids, None)
-        raise EmptyBufferError(f"sample({n}): the device copy of buffer {self.buf.name!r} holds no whole "
-                               "transitions yet (an episode's final observation and each lane's newest row, "
-                               "which waits for its next, are not): push, then sync() or sample again")
-
     def _frames_batch(self, ids: np.ndarray, weight: Any) -> Batch:
-        """The transitions ``ids`` (each servable: ``_transitions``) rebuilt on the device."""
+        """The transitions ``ids`` (each servable: ``_transitions``) rebuilt on the device: the
+        stacks from their planned frames, the next fields from the next rows, the rest the row's own."""
         torch = _torch()
         spec = self.spec
-        assert spec is not None
-        block = self.buf.block
         valid, win, plans = self._transitions(ids)
         assert valid.all()
-        m, c, lanes, lc = ids.shape[0], spec.depth, self.lanes, self.lane_capacity
+        m, c = ids.shape[0], spec.depth
         cols = self._stored_columns(torch)
 
-        def at(column: int) -> Any:
-            return torch.from_numpy(slot_of_id(win[:, column], lanes, lc)).to(self.device)
+        def at(chosen: np.ndarray) -> Any:
+            return torch.from_numpy(slot_of_id(chosen.reshape(-1), self.lanes, self.lane_capacity)).to(self.device)
 
-        center = at(c)
-        packed = self.rows["_record"].view(torch.uint8).index_select(0, center) if "_record" in self.rows else None
-        small = torch_views(packed, self.record) if packed is not None and self.record is not None else {}
-        nexts = {nxt: src for nxt, src in spec.next_of}
-        fields: dict[str, Any] = {}
-        for name in block.schema.names:
-            stack = spec.stacked(name) or (spec.stacked(nexts[name]) if name in nexts else None)
-            if stack is not None:
-                key = stack.name if name == stack.name else "next:" + stack.name
-                chosen, zero = plans[key]
-                where = torch.from_numpy(slot_of_id(win[np.arange(m)[:, None], chosen].reshape(-1), lanes, lc))
-                got = cols[stack.name].index_select(0, where.to(self.device))
-                got = got.reshape(m, stack.k, *got.shape[1:])
-                if zero.any():
-                    got[torch.from_numpy(zero).to(self.device)] = 0
-                fields[name] = _assemble(stack, got)
-            elif name in nexts:
-                fields[name] = cols[nexts[name]].index_select(0, at(c + 1))
-            else:
-                fields[name] = small[name] if name in small else cols[name].index_select(0, center)
-        extras: dict[str, Any] = {"index": torch.from_numpy(ids).to(self.device)}
-        extras.update({key: self.rows[name].index_select(0, center) for name, key in self.extras.items()})
-        if weight is not None:
-            extras["weight"] = weight
-        return Batch(fields, extras, block=packed, record=self.record)
+        got = {nxt: cols[src].index_select(0, at(win[:, c + 1])) for nxt, src in spec.next_of if spec.stacked(src) is None}
+        for name, (s, chosen, zero) in plans.items():
+            frames = cols[s.name].index_select(0, at(win[np.arange(m)[:, None], chosen]))
+            frames = frames.reshape(m, s.k, *frames.shape[1:])
+            if zero.any():
+                frames[torch.from_numpy(zero).to(self.device)] = 0
+            got[name] = assemble(s, frames)
+        return self._batch(at(win[:, c]), torch.from_numpy(ids).to(self.device), weight, got)
 
     def _stored_columns(self, torch: Any) -> dict[str, Any]:
         """Every stored field's whole device column (the small ones views of the packed block), and ``Block.row``'s."""
@@ -586,7 +557,7 @@ class DeviceReplay(DeviceRows):
         ``batch.index`` -1 there. Anchors are drawn uniformly over the rows the copy holds."""
         what = f"sample_sequences({n}, {length})"
         check_windows(self.buf, what, n, length, burn_in)
-        if self.spec is not None:
+        if self.spec.once:
             raise FieldError(f"{what}: the device copy does not serve windows over frames stored once "
                              "(next_of/stack) yet: buf.sample_sequences(...) does")
         return count(self.buf, n * (length + burn_in), None, lambda: self._windows(n, length, burn_in, time_major))
@@ -618,23 +589,15 @@ class DeviceReplay(DeviceRows):
     def _window_batch(self, ids: np.ndarray, slots: np.ndarray, mask: np.ndarray, time_major: bool) -> Batch:
         torch = _torch()
         order = slots.T if time_major else slots
-        lead = order.shape
         where = torch.from_numpy(np.ascontiguousarray(order).reshape(-1)).to(self.device)
         hole = torch.from_numpy(~np.ascontiguousarray(mask.T if time_major else mask).reshape(-1)).to(self.device)
         got = {name: dev.index_select(0, where) for name, dev in self.rows.items() if name not in self.buf.block.row}
         for col in got.values():
             col[hole] = 0
-        packed = got.pop("_record", None)
-        if packed is not None:
-            packed = packed.view(torch.uint8)
-        small = torch_views(packed, self.record) if packed is not None and self.record is not None else {}
-        flat = {name: got[name] if name in got else small[name] for name in self.buf.block.schema.names}
-        fields = {name: a.reshape(*lead, *a.shape[1:]) for name, a in flat.items()}
-        index = ids.T if time_major else ids
-        keep = mask.T if time_major else mask
-        extras = {"index": torch.from_numpy(np.ascontiguousarray(index)).to(self.device),
-                  "mask": torch.from_numpy(np.ascontiguousarray(keep)).to(self.device)}
-        return Batch(fields, extras, block=packed, record=self.record, lead=lead)
+        index = torch.from_numpy(np.ascontiguousarray(ids.T if time_major else ids)).to(self.device)
+        batch = self._batch_of(got, index, None, order.shape)
+        batch.extras["mask"] = torch.from_numpy(np.ascontiguousarray(mask.T if time_major else mask)).to(self.device)
+        return batch
 
     def update_priorities(self, ids: Any, priorities: Any) -> None:
         """Set the priorities of rows ``ids`` in the shared tree (``ReplayBuffer.update_priorities``:

@@ -24,6 +24,7 @@ import numpy as np
 from ..errors import FieldError, LayoutError
 from ..protocol.frames_push import Last
 from ..protocol.layout import EDIT_LOG, Counter
+from ..protocol.rows import pieces
 from ..protocol.snapshot import at_one_moment
 from .format import ALIGN, FORMAT, Layout, Tensor, tensor_of, tensors, version_of
 from .loading import pread_into
@@ -362,13 +363,8 @@ def _direct(snap: Snapshot, chunk: _Chunk, files: list[Tensor]) -> Layout | None
     runs = snap.runs
     if any(run.hole_count() for run in runs):
         return None
-    spans = []  # (lane, n0, n1, first slot): rows whose slots do not wrap
-    for run in runs:
-        n0 = run.keep
-        while n0 < run.end:
-            n1 = min(run.end, (n0 // lc + 1) * lc)
-            spans.append((run.lane, n0, n1, run.lane * lc + n0 % lc))
-            n0 = n1
+    # (lane, n0, n1, first slot): rows whose slots do not wrap
+    spans = [(run.lane, n0, n1, sl.start) for run in runs for n0, n1, sl in pieces(run.lane, run.keep, run.end, lc)]
     columns: dict[str, Any] = {**block.fields, **block.row}
     if any(t.name != "_present" and columns.get(t.name) is None for t in files):
         return None

@@ -54,7 +54,7 @@ from ..protocol import snapshot
 from ..protocol.frames_push import Last
 from ..protocol.layout import Counter, Options, row_columns
 from ..protocol.priorities import MAX_LEAF
-from ..protocol.rows import lane_capacity, slot
+from ..protocol.rows import lane_capacity, pieces, slot
 from ..protocol.snapshot import CHUNK_BYTES, Buffer, columns
 from ..sampling.samplers import sampler_from_json
 from ..schema import Schema
@@ -75,8 +75,8 @@ from .format import (
     tensors,
 )
 
-__all__ = ["READERS", "STATS", "check_kinds", "check_leaves", "load", "open_regular", "pread_into", "read_header", "read_meta",
-           "read_v1", "read_v2", "read_v3"]
+__all__ = ["READERS", "STATS", "check_kinds", "check_leaves", "load", "open_regular", "pread_into", "read_header",
+           "read_json", "read_meta", "read_piece", "read_v1", "read_v2", "read_v3"]
 
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 STATS = {"sampled": Counter.SAMPLED, "reclaimed": Counter.RECLAIMED, "inserted": Counter.INSERTED,
@@ -113,29 +113,36 @@ def load(
     a buffer larger than ``/dev/shm`` has room for raises ``OutOfSharedMemory``, as creating it would."""
     folder = Path(path)
     meta_file = folder / META
-    fd = open_regular(meta_file, f"load: {meta_file} does not exist; expected a directory written by shmbuffer.save")
+    missing = f"load: {meta_file} does not exist; expected a directory written by shmbuffer.save"
+    meta, version = read_json(meta_file, missing, "shmbuffer.save", "", "load it")
+    return READERS[version](folder, meta, factory, name=name, capacity=capacity, seed=seed)
+
+
+def read_json(file: Path, missing: str, writer: str, damaged: str, then: str) -> tuple[dict[str, Any], int]:
+    """The JSON object ``file`` holds (a save's meta, a checkpoint's manifest: ``writer`` wrote
+    it) and its format version, one ``READERS`` reads: ``FileNotFoundError(missing)`` when there is
+    no file, ``LayoutError`` naming it when it is too long, not JSON (``damaged`` says what to do),
+    not shmbuffer's ``FORMAT`` or of another version (``then`` with a newer shmbuffer)."""
+    fd = open_regular(file, missing)
     try:
         size = os.fstat(fd).st_size
         if size > MAX_HEADER:
-            raise LayoutError(f"{meta_file}: {size} bytes, expected at most {MAX_HEADER}: not written by shmbuffer.save")
+            raise LayoutError(f"{file}: {size} bytes, expected at most {MAX_HEADER}: not written by {writer}")
         text = os.pread(fd, MAX_HEADER, 0)
     finally:
         os.close(fd)
     try:
         meta = json.loads(text)
     except (ValueError, RecursionError) as exc:  # RecursionError: nested too deep to parse
-        raise LayoutError(f"{meta_file}: not valid JSON ({type(exc).__name__}: {_clip(str(exc))})") from None
+        raise LayoutError(f"{file}: not valid JSON ({type(exc).__name__}: {_clip(str(exc))}){damaged}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-        raise LayoutError(f"{meta_file}: format {_show(found)}, expected {FORMAT!r}: not written by shmbuffer.save")
+        raise LayoutError(f"{file}: format {_show(found)}, expected {FORMAT!r}: not written by {writer}")
     version = meta.get("format_version")
-    read = READERS.get(version) if type(version) is int else None
-    if read is None:
-        raise LayoutError(
-            f"{meta_file}: format version {_show(version)}; this shmbuffer reads versions "
-            f"{', '.join(map(str, READERS))}: load it with a newer shmbuffer"
-        )
-    return read(folder, meta, factory, name=name, capacity=capacity, seed=seed)
+    if type(version) is not int or version not in READERS:
+        raise LayoutError(f"{file}: format version {_show(version)}; this shmbuffer reads versions "
+                          f"{', '.join(map(str, READERS))}: {then} with a newer shmbuffer")
+    return meta, version
 
 
 def open_regular(file: Path, missing: str) -> int:
@@ -549,58 +556,64 @@ def _fill(buf: Buffer, fd: int, file: Path, data_start: int, entries: dict[str, 
     step = max(1, CHUNK_BYTES // max(1, sum(t.row_bytes for t in files)))
     pos = 0
     removed = False
+    tensors = [t for t in files if t.name != "_present"]
+
+    def offset(name: str, row: int, row_bytes: int) -> int:
+        return data_start + entries[name].begin + row * row_bytes
+
     for lane, (first, stop, _) in enumerate(lanes):
-        n0 = first
-        while n0 < stop:
-            n1 = min(stop, n0 + step, (n0 // lc + 1) * lc)
-            s0 = int(slot(lane, n0, lc))
-            sl = slice(s0, s0 + n1 - n0)
-            flags = np.empty(n1 - n0, np.uint8)
-            pread_into(fd, flags, data_start + entries["_present"].begin + pos + n0 - first, file)
-            if flags.size and flags.max() > 1:
-                raise LayoutError(f"{file}: tensor '_present' holds {int(flags.max())}, expected 0 or 1")
-            present = flags.astype(bool)
-            if not present.all():
-                removed = True
-            got: dict[str, np.ndarray] = {}
-            for t in files:
-                if t.name == "_present":
-                    continue
-                offset = data_start + entries[t.name].begin + (pos + n0 - first) * t.row_bytes
-                target = targets[t.name][sl] if t.name in targets else None  # the tree's leaves have no column
-                if target is not None and target.flags.c_contiguous:
-                    pread_into(fd, target, offset, file)
-                    staged = target
-                else:
-                    staged = np.empty((n1 - n0, *t.shape), t.dtype)
-                    pread_into(fd, staged, offset, file)
-                if not present.all() and staged[~present].any():
-                    hole = int(np.flatnonzero(~present)[0]) + n0
+        for n0, n1, sl in pieces(lane, first, stop, lc, step):
+            present, got = read_piece(fd, file, offset, "", pos + n0 - first, tensors, targets, lane, n0, sl)
+            removed |= not present.all()
+            leaf, uses = got.get("_leaf"), got.get("_uses")
+            if uses is not None and max_use is not None and uses.size and int(uses.max()) > max_use:
+                raise LayoutError(f"{file}: tensor '_uses' holds {int(uses.max())}, more than max_use={max_use}")
+            if leaf is not None:
+                assert prios is not None
+                if not np.all((leaf >= 0) & (leaf <= MAX_LEAF)) or not prios.leaves_valid(leaf):
                     raise LayoutError(
-                        f"{file}: tensor '_present' marks row {hole} of lane {lane} a hole, but its {t.name!r} is "
-                        "not zeros (a save writes zeros in every tensor of a hole): the file was altered")
-                if t.name == "_leaf":
-                    assert prios is not None
-                    if not np.all((staged >= 0) & (staged <= MAX_LEAF)) or not prios.leaves_valid(staged):
-                        raise LayoutError(
-                            f"{file}: tensor '_leaf' holds negative or non-finite priorities, or leaves "
-                            f"above {MAX_LEAF:g} or of no finite priority: expected tree leaves (sampler.leaf(p)) "
-                            f"in [0, {MAX_LEAF:g}] of finite priorities p; the file was altered or is not a save"
-                        )
-                    prios.tree.update(np.arange(sl.start, sl.stop), staged)
-                elif t.name == "_uses" and max_use is not None and staged.size and int(staged.max()) > max_use:
-                    raise LayoutError(f"{file}: tensor '_uses' holds {int(staged.max())}, more than max_use={max_use}")
-                elif target is not None and staged is not target:
-                    target[...] = staged
-                got[t.name] = staged
-            if "_leaf" in got:  # end and lead rows are never drawn: their leaves are 0
+                        f"{file}: tensor '_leaf' holds negative or non-finite priorities, or leaves "
+                        f"above {MAX_LEAF:g} or of no finite priority: expected tree leaves (sampler.leaf(p)) "
+                        f"in [0, {MAX_LEAF:g}] of finite priorities p; the file was altered or is not a save"
+                    )
+                prios.tree.update(np.arange(sl.start, sl.stop), leaf)
+                # end and lead rows are never drawn: their leaves are 0
                 rows = present if KIND not in got else present & (got[KIND] & (END | LEAD) == 0)
-                removed |= check_leaves(buf, got["_leaf"], got.get("_uses"), rows, file, lane, n0)
+                removed |= check_leaves(buf, leaf, uses, rows, file, lane, n0)
             snapshot.restore(buf, sl, n0, present)
             line.update(pos + n1 - first)
-            n0 = n1
         pos += stop - first
     return removed
+
+
+def read_piece(fd: int, file: Path, offset: Callable[[str, int, int], int], prefix: str, row: int,
+               tensors: list[Tensor], targets: dict[str, np.ndarray], lane: int, n0: int,
+               sl: slice) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Rows ``n0 ..`` of ``lane`` in its slots ``sl`` (a piece, ``rows.pieces``) from a save or a
+    checkpoint's chunk: their ``_present`` flags and each of ``tensors`` (tensor ``prefix + name``'s
+    row ``row`` lies at ``offset(prefix + name, row, row bytes)`` of ``fd``), each read straight into
+    its slots of ``targets`` where it has them (the tree's leaves have none); the flags as bools and
+    the tensors read. ``LayoutError`` naming ``file`` for a flag other than 0 or 1, or a hole whose
+    bytes are not zeros (a save writes zeros in every tensor of a hole)."""
+    k = sl.stop - sl.start
+    flags = np.empty(k, np.uint8)
+    pread_into(fd, flags, offset(prefix + "_present", row, 1), file)
+    if flags.size and flags.max() > 1:
+        raise LayoutError(f"{file}: tensor '{prefix}_present' holds {int(flags.max())}, expected 0 or 1")
+    present = flags.astype(bool)
+    got: dict[str, np.ndarray] = {}
+    for t in tensors:
+        target = targets[t.name][sl] if t.name in targets else None
+        staged = target if target is not None and target.flags.c_contiguous else np.empty((k, *t.shape), t.dtype)
+        pread_into(fd, staged, offset(prefix + t.name, row, t.row_bytes), file)
+        if not present.all() and staged[~present].any():
+            raise LayoutError(
+                f"{file}: tensor '{prefix}_present' marks row {n0 + int(np.flatnonzero(~present)[0])} of lane {lane} a "
+                f"hole, but its {t.name!r} is not zeros (a save writes zeros in every tensor of a hole): the file was altered")
+        if target is not None and staged is not target:
+            target[...] = staged
+        got[t.name] = staged
+    return present, got
 
 
 def check_leaves(buf: Buffer, leaf: np.ndarray, uses: np.ndarray | None, rows: np.ndarray, file: Path,

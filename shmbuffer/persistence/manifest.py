@@ -94,7 +94,6 @@ draws what the checkpointing process drew after the checkpoint.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -104,8 +103,8 @@ from typing import Any
 from ..errors import LayoutError
 from ..protocol.layout import ROW_COLUMNS, SAMPLER
 from ..schema import Schema
-from .format import FORMAT, FORMAT_VERSION_3, MAX_HEADER, Tensor, tensors, version_of
-from .loading import READERS, open_regular, read_header, read_meta
+from .format import FORMAT, FORMAT_VERSION_3, Tensor, tensors, version_of
+from .loading import open_regular, read_header, read_json, read_meta
 
 __all__ = ["BLOCKS", "CHECKPOINT_VERSION", "LOCK", "MANIFEST", "ChunkFile", "Manifest", "chunk_name", "open_chunk",
            "read_manifest", "row_tensors"]
@@ -184,30 +183,13 @@ def read_manifest(folder: Path, *, missing_ok: bool = False) -> Manifest | None:
     their lane's newest); ``LayoutError`` naming the first one that is wrong."""
     file = folder / MANIFEST
     try:
-        fd = open_regular(file, f"resume: {file} does not exist; expected a folder written by checkpoint()")
+        meta, version = read_json(file, f"resume: {file} does not exist; expected a folder written by checkpoint()",
+                                  "checkpoint()", "; the manifest is damaged (truncated or altered): resume from "
+                                  "another folder", "resume")
     except FileNotFoundError:
         if missing_ok:
             return None
         raise
-    try:
-        size = os.fstat(fd).st_size
-        if size > MAX_HEADER:
-            raise LayoutError(f"{file}: {size} bytes, expected at most {MAX_HEADER}: not written by checkpoint()")
-        text = os.pread(fd, MAX_HEADER, 0)
-    finally:
-        os.close(fd)
-    try:
-        meta = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise LayoutError(f"{file}: not valid JSON ({type(exc).__name__}: {str(exc)[:200]}); the manifest is damaged "
-                          "(truncated or altered): resume from another folder") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise LayoutError(f"{file}: format {meta.get('format') if isinstance(meta, dict) else None!r}, expected "
-                          f"{FORMAT!r}: not written by checkpoint()")
-    version = meta.get("format_version")
-    if type(version) is not int or version not in READERS:
-        raise LayoutError(f"{file}: format version {version!r}; this shmbuffer reads versions "
-                          f"{', '.join(map(str, READERS))}: resume with a newer shmbuffer")
     saved = read_meta(file, meta, version)
     expected = sorted((t.name, t.code, tuple(t.file_shape(saved.rows)), t.dtype.str)
                       for t in tensors(saved.schema, saved.opts))

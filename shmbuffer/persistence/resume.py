@@ -27,11 +27,11 @@ from ..protocol import snapshot
 from ..protocol.frames_push import Last
 from ..protocol.layout import ROW, SAMPLER, Counter, row_columns
 from ..protocol.priorities import MAX_LEAF
-from ..protocol.rows import slot
+from ..protocol.rows import pieces, slot
 from ..protocol.snapshot import CHUNK_BYTES, Buffer, columns
 from ..sample_paths import generator_from_state
 from .format import tensor_of
-from .loading import STATS, check_kinds, check_leaves, pread_into
+from .loading import STATS, check_kinds, check_leaves, pread_into, read_piece
 from .manifest import BLOCKS, ChunkFile, Manifest, open_chunk, read_manifest, row_tensors
 
 __all__ = ["resume", "resume_sampling"]
@@ -145,31 +145,13 @@ def _fill(buf: Buffer, man: Manifest, opened: list[ChunkFile], values: dict[str,
             mask = np.zeros(stop - first, bool)
             for n0s, n1s, c, b, at in segs:
                 src, block = opened[c], BLOCKS[b]
-                n0 = n0s
-                while n0 < n1s:
-                    n1 = min(n1s, n0 + step, (n0 // lc + 1) * lc)
-                    s0 = int(slot(lane, n0, lc))
-                    sl = slice(s0, s0 + n1 - n0)
-                    row = at + n0 - n0s
-                    flags = np.empty(n1 - n0, np.uint8)
-                    pread_into(src.fd, flags, src.offset(f"{block}/_present", row, 1), src.file)
-                    if flags.size and flags.max() > 1:
-                        raise LayoutError(f"{src.file}: tensor '{block}/_present' holds {int(flags.max())}, expected 0 or 1")
-                    here = flags.astype(bool)
-                    for t in files:
-                        target = targets[t.name][sl]
-                        staged = target if target.flags.c_contiguous else np.empty((n1 - n0, *t.shape), t.dtype)
-                        pread_into(src.fd, staged, src.offset(f"{block}/{t.name}", row, t.row_bytes), src.file)
-                        if staged is not target:
-                            target[...] = staged
-                        if not here.all() and staged[~here].any():
-                            raise LayoutError(f"{src.file}: tensor '{block}/_present' marks row {n0 + int(np.flatnonzero(~here)[0])} "
-                                              f"of lane {lane} a hole, but its {t.name!r} is not zeros: the chunk was altered")
+                for n0, n1, sl in pieces(lane, n0s, n1s, lc, step):
+                    here, _ = read_piece(src.fd, src.file, src.offset, f"{block}/", at + n0 - n0s, files, targets, lane,
+                                         n0, sl)
                     snapshot.restore(buf, sl, n0, here)
                     mask[n0 - first:n1 - first] = here
                     done += n1 - n0
                     line.update(done)
-                    n0 = n1
             present.append(mask)
             removed |= not mask.all()
     removed |= _internals(buf, man, opened[-1], present)

@@ -111,10 +111,7 @@ class DrawGather:
                 parts.append((*source(src), c + 1, 0))
                 outs.append((nxt, stored[src].shape, stored[src].dtype))
         for s in spec.stack:
-            then = next((n for n, src in spec.next_of if src == s.name), None)
-            for key, last in frames.stack_columns(spec, s).items():
-                name = s.name if key == s.name else then
-                assert name is not None
+            for name, last in frames.stack_columns(spec, s).items():
                 parts.append((*source(s.name), last, s.k))
                 outs.append((name, (s.k, *stored[s.name].shape), stored[s.name].dtype))
                 self.stacks[name] = s

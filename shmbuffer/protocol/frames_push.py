@@ -261,8 +261,7 @@ class Pusher:
                         at, firsts, lasts, frozenset(lane_list[i] for i in cleared))
 
     def _values(self, full: dict[str, np.ndarray], i: int) -> dict[str, np.ndarray]:
-        keep = {s.name for s in self.spec.stack} | {n for n, _ in self.spec.next_of}
-        return {n: full[n][i] for n in keep}
+        return {n: full[n][i] for n in self.spec.rebuilt}
 
     def _checked(self, full: dict[str, np.ndarray], inside: list[tuple[int, int]],
                remembered: list[tuple[int, int, Last]]) -> None:

@@ -252,15 +252,10 @@ def _transitions(
         if nxt in want and spec.stacked(src) is None:
             got[nxt] = _into(out, nxt, frames_at(src, after)[0][:, 0])
     for s in spec.stack:
-        then = next((n for n, src in spec.next_of if src == s.name), None)
-        columns = frames.stack_columns(spec, s)
-        names = {s.name: s.name, "next:" + s.name: then}
-        keys = [key for key in columns if names[key] in want]
+        columns = {name: last for name, last in frames.stack_columns(spec, s).items() if name in want}
         # the next stack's frames are read from the rows too, in the same pass: measured faster
         # than copying three frames of the stack (0.68x vs 0.62x the uncompressed sample)
-        for key, fr in zip(keys, stacks(s, [columns[key] for key in keys]) if keys else [], strict=True):
-            name = names[key]
-            assert name is not None
+        for name, fr in zip(columns, stacks(s, list(columns.values())) if columns else [], strict=True):
             got[name] = frames.assemble(s, fr, out.get(name) if out is not None else None)
     rest = tuple(n for n in block.large if n != frames.KIND and spec.stacked(n) is None and n in want)
     if rest:

@@ -163,8 +163,7 @@ class Lanes:
                 "take two views, or get() for one copy"
             )
         ids = rows.row_id(int(first[lane]) + np.arange(lo, hi), lane, self.lanes)
-        start_slot = rows.slot(lane, int(first[lane]) + lo, lc)
-        return slice(start_slot, start_slot + hi - lo), ids
+        return rows.run_slots(lane, int(first[lane]) + lo, int(first[lane]) + hi, lc), ids
 
     def current(self, ids: np.ndarray) -> np.ndarray:
         """Which ids still name the committed row in their slot and count (not overwritten, not

@@ -38,7 +38,7 @@ import numpy as np
 from .gather import Rows, gather, gather_run
 from .layout import EDIT_LOG, Counter, Lane
 from .reader import Source
-from .rows import committed, committed_of_id, lane_of, number_of, number_of_stamp, row_id, slot
+from .rows import committed, committed_of_id, lane_of, number_of, number_of_stamp, pieces, row_id
 
 _UPDATES, _DELETES, _INSERTED = int(Counter.UPDATES), int(Counter.DELETES), int(Counter.INSERTED)
 _EDITS, _EDITS_BEGUN = int(Counter.EDITS), int(Counter.EDITS_BEGUN)
@@ -236,14 +236,7 @@ def _forget_lapped(copy: Any, lanes: int, start: np.ndarray, stop: np.ndarray) -
 
 
 def _runs(lc: int, chunk: int, first: np.ndarray, stop: np.ndarray) -> list[tuple[int, int, int]]:
-    """Each lane's rows ``[first, stop)`` as runs of consecutive slots (split where the lane
-    wraps, and into pieces of ``chunk`` rows): ``(first slot, first row number, rows)``."""
-    out = []
-    for lane in np.flatnonzero(stop > first):
-        n, end = int(first[lane]), int(stop[lane])
-        while n < end:
-            at = n % lc
-            k = min(end - n, lc - at, chunk)
-            out.append((slot(int(lane), n, lc), n, k))
-            n += k
-    return out
+    """Each lane's rows ``[first, stop)`` as runs of consecutive slots (``rows.pieces``: split where
+    the lane wraps, and into pieces of ``chunk`` rows): ``(first slot, first row number, rows)``."""
+    return [(sl.start, n0, n1 - n0) for lane in np.flatnonzero(stop > first)
+            for n0, n1, sl in pieces(int(lane), int(first[lane]), int(stop[lane]), lc, chunk)]

@@ -29,6 +29,7 @@ uniform draw's (``samplers.ids_at``): ``sampling/`` lies below this package.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -50,6 +51,21 @@ def lane_capacity(capacity: int, lanes: int) -> int:
 def slot(lane: Ints, n: Ints, lane_capacity: int) -> Ints:
     """The slot (row of the columns) that row number ``n`` of lane ``lane`` lives in."""
     return lane * lane_capacity + n % lane_capacity
+
+
+def run_slots(lane: int, n0: int, n1: int, lane_capacity: int) -> slice:
+    """The slots of rows ``[n0, n1)`` of ``lane`` (ints), which do not wrap: one slice."""
+    s0 = int(slot(lane, n0, lane_capacity))
+    return slice(s0, s0 + n1 - n0)
+
+
+def pieces(lane: int, first: int, stop: int, lane_capacity: int, most: int = 2**62) -> Iterator[tuple[int, int, slice]]:
+    """Rows ``[first, stop)`` of ``lane`` (ints) as pieces of consecutive slots, cut where the lane
+    wraps and every ``most`` rows: each piece's ``(n0, n1, run_slots)``."""
+    while first < stop:
+        n1 = min(stop, first + most, (first // lane_capacity + 1) * lane_capacity)
+        yield first, n1, run_slots(lane, first, n1, lane_capacity)
+        first = n1
 
 
 def row_id(n: Ints, lane: Ints, lanes: int) -> Ints:

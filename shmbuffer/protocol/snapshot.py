@@ -56,7 +56,7 @@ import numpy as np
 from ..errors import closed
 from .gather import Rows, gather, regather
 from .layout import ROW, SAMPLER, Counter, row_columns
-from .rows import committed, row_id, slot, writing
+from .rows import committed, pieces, row_id, run_slots, writing
 
 __all__ = ["CHUNK_BYTES", "Buffer", "Moment", "Piece", "Run", "Snapshot", "at_one_moment", "columns"]
 
@@ -149,13 +149,11 @@ class Snapshot:
         """Find the run's end (the first row a live writer is still writing after the wait), the
         overwritten rows before it and the holes (empty rows) among them, from row ``start``."""
         stamp = self.buf.ring.stamp
-        keep, n0 = start, start
+        keep = start
         holes: list[np.ndarray] = []
         step = CHUNK_BYTES // 8
         end = stop
-        while n0 < stop:
-            n1 = min(stop, n0 + step, (n0 // self.lc + 1) * self.lc)
-            sl = self._slots(lane, n0, n1)
+        for n0, n1, sl in pieces(lane, start, stop, self.lc, step):
             numbers = np.arange(n0, n1, dtype=np.int64)
             expect, odd = committed(numbers), writing(numbers)
             s = stamp[sl].copy()
@@ -179,14 +177,8 @@ class Snapshot:
             if stuck.size:
                 end = n0 + cut
                 break
-            n0 = n1
         found = np.concatenate(holes) if holes else np.empty(0, np.int64)
         return Run(lane, first, stop, base, end, keep, keep, found[found >= keep])
-
-    def _slots(self, lane: int, n0: int, n1: int) -> slice:
-        """The slots of rows ``[n0, n1)`` of ``lane``, which do not wrap."""
-        s0 = int(slot(lane, n0, self.lc))
-        return slice(s0, s0 + n1 - n0)
 
     def _read(self, ids: np.ndarray, sl: slice, numbers: np.ndarray, hole: np.ndarray) -> tuple[Rows, dict[str, np.ndarray], np.ndarray]:
         """Gather the rows ``ids`` (slots ``sl``) as stored, their sampler state (``sampler_state``,
@@ -223,7 +215,7 @@ class Snapshot:
         buf = self.buf
         n0 = run.at
         n1 = min(run.end, n0 + rows, (n0 // self.lc + 1) * self.lc)
-        sl = self._slots(run.lane, n0, n1)
+        sl = run_slots(run.lane, n0, n1, self.lc)
         numbers = np.arange(n0, n1, dtype=np.int64)
         ids = row_id(numbers, run.lane, buf.ring.lanes)
         hole = run.hole_mask(n0, n1)
@@ -254,7 +246,7 @@ class Snapshot:
         the columns since the scan (``persistence/checkpoint.py``)."""
         ring = self.buf.ring
         numbers = np.arange(n0, n1, dtype=np.int64)
-        if not np.array_equal(ring.stamp[self._slots(lane, n0, n1)], committed(numbers)):
+        if not np.array_equal(ring.stamp[run_slots(lane, n0, n1, self.lc)], committed(numbers)):
             return False
         return not ring.cleared(row_id(numbers, lane, ring.lanes)).size
 
@@ -306,11 +298,8 @@ class Moment:
 
 
 def _lane_rows(a: np.ndarray, lane: int, n0: int, n1: int, lc: int) -> np.ndarray:
-    """A copy of ``a`` at the slots of rows ``[n0, n1)`` of ``lane`` (one or two slices: no index array)."""
-    base, i0, k = lane * lc, n0 % lc, n1 - n0
-    if i0 + k <= lc:
-        return a[base + i0:base + i0 + k].copy()
-    return np.concatenate([a[base + i0:base + lc], a[base:base + i0 + k - lc]])
+    """A copy of ``a`` at the slots of rows ``[n0, n1)`` of ``lane`` (one or two slices, ``pieces``: no index array)."""
+    return np.concatenate([a[:0], *(a[sl] for _, _, sl in pieces(lane, n0, n1, lc))])
 
 
 def at_one_moment(buf: Buffer, spans: list[tuple[int, int, int]]) -> Moment:
