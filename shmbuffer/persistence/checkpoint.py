@@ -120,23 +120,25 @@ def _sync_file_range() -> Any:
     return call
 
 
-def _start_writeback(fd: int, at: int, nbytes: int) -> None:
-    """Start writing the whole pages of bytes ``[at, at + nbytes)`` of ``fd`` to the disk, without
-    waiting (``sync_file_range``): they go while the rest of the chunk is written, and its
-    ``fsync`` waits for what is left. Only a head start: without the call (not Linux), or where it
-    fails (a file system without it), the ``fsync`` writes them all. The pages cut by the ends are
-    left to it too (written back now, each would be written again with its other part)."""
+def _start_writeback(fd: int, at: int = 0, nbytes: int = 0) -> None:
+    """Start writing bytes ``[at, at + nbytes)`` of ``fd`` to the disk, without waiting
+    (``sync_file_range``): they go while the rest is written, and the ``fsync`` waits for what is
+    left. Only whole pages of the range (those cut by its ends would be written again with their
+    other part); ``nbytes`` 0: every page from ``at`` on (the file is complete). Only a head start:
+    without the call (not Linux), or where it fails (a file system without it), the ``fsync``
+    writes them all."""
     call = _sync_file_range()
-    a, z = -(-at // mmap.PAGESIZE) * mmap.PAGESIZE, (at + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-    if call is not None and a < z:
+    a = -(-at // mmap.PAGESIZE) * mmap.PAGESIZE
+    z = (at + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE if nbytes else a
+    if call is not None and (a < z or not nbytes):
         call(fd, a, z - a, _SYNC_FILE_RANGE_WRITE)
 
 
 class _Chunk:
     """A chunk being written: tensors appended to the data section; the header written last into
     the room reserved for it (an upper bound: every number in it at most ``_BIG``). ``sync``: its
-    pages are sent to the disk as they are written (``_start_writeback``), and ``finish`` waits for
-    them (``fsync``)."""
+    pages start to the disk as they are written (``_start_writeback``); the caller waits for them
+    (``fsync``)."""
 
     def __init__(self, dfd: int, tmp: str, chunk_id: str, version: int, planned: dict[str, Tensor],
                  sync: bool) -> None:
@@ -175,7 +177,7 @@ class _Chunk:
         os.ftruncate(self.fd, size)
         pwrite(self.fd, struct.pack("<Q", self.data_start - 8) + text + b" " * (self.data_start - 8 - len(text)), 0)
         if self.sync:
-            os.fsync(self.fd)
+            _start_writeback(self.fd)
         return size
 
     def rows(self) -> int:
@@ -294,6 +296,7 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
     planned = {f"{b}/{t.name}": t for b in BLOCKS for t in files}
     planned |= {t.name: t for t in everything if t.name in SAMPLER_STATE}
     planned |= {f"_last/{f.name}": tensor_of(f.name, f.shape, f.dtype) for f in buf.schema}
+    mtmp, mfd, written = f".{MANIFEST}.{chunk_id}.tmp", -1, False
     chunk = _Chunk(dfd, tmp, chunk_id, version_of(buf.options), planned, sync)
     try:
         snap, lanes, new_rows = _copy_new(buf, chunk, files, prev, wait, me)
@@ -329,26 +332,22 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
         size = chunk.finish()
         listed = [chunks[c] for c in keep_chunks[:-1]] + [
             {"file": chunk_name(sequence), "id": chunk_id, "bytes": size, "rows": chunk.rows()}]
-    except BaseException:
+        manifest = _manifest(buf, lanes, rows, state, sequence, listed, lasts, sampling, edits)
+        mfd = create_file(mtmp, dfd)
+        pwrite(mfd, (json.dumps(manifest, indent=1) + "\n").encode(), 0)
+        if sync:  # the manifest's pages go with the chunk's last ones, then both are waited for
+            _start_writeback(mfd)
+            os.fsync(chunk.fd)
+            os.fsync(mfd)
+        written = True
+    finally:
         chunk.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=dfd)
-        raise
-    chunk.close()
+        if mfd >= 0:
+            os.close(mfd)
+        for name in () if written else (tmp, mtmp):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dfd)
     os.replace(tmp, chunk_name(sequence), src_dir_fd=dfd, dst_dir_fd=dfd)
-    manifest = _manifest(buf, lanes, rows, state, sequence, listed, lasts, sampling, edits)
-    mtmp = f".{MANIFEST}.{chunk_id}.tmp"
-    fd = create_file(mtmp, dfd)
-    try:
-        pwrite(fd, (json.dumps(manifest, indent=1) + "\n").encode(), 0)
-        if sync:
-            os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(mtmp, dir_fd=dfd)
-        raise
-    os.close(fd)
     os.replace(mtmp, MANIFEST, src_dir_fd=dfd, dst_dir_fd=dfd)
     if sync:
         os.fsync(dfd)
