@@ -7,10 +7,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import mmap
 import multiprocessing as mp
 import os
 import select
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -346,6 +348,149 @@ def test_an_overrun_log_of_edits_writes_every_row(make: Make, resumed: list, nam
     new = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
     resumed.append(new)
     assert np.array_equal(new.export()["x"], -np.arange(ids.size))
+
+
+def _open_in(folder: Path) -> list[str]:
+    """The files under ``folder`` this process holds open (Linux: ``/proc/self/fd``)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(str(folder) + os.sep):
+                out.append(target)
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files through /proc")
+def test_a_log_of_edits_that_overruns_while_a_checkpoint_runs_leaves_no_file_open(
+        make: Make, resumed: list, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More rows edited while a checkpoint runs than the log of edits holds: the checkpoint starts
+    again with every row, and the chunk it had begun is closed and removed, not left open."""
+    module = importlib.import_module("shmbuffer.persistence.checkpoint")
+    buf = make(sb.Schema(x=((), "int64")), 4 * EDIT_LOG, name=name)
+    ids = buf.push(x=np.arange(3 * EDIT_LOG))
+    buf.checkpoint(tmp_path / "c")
+    buf.push(x=np.arange(10))
+    real = module._locked
+    tries: list[int] = []
+
+    def overrun(*args: Any) -> Any:
+        if not tries:
+            for i in range(0, ids.size, 64):
+                buf.update(ids[i:i + 64], x=-np.arange(i, min(i + 64, ids.size)))
+        tries.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(module, "_locked", overrun)
+    got = buf.checkpoint(tmp_path / "c")
+    assert got["full"] and len(tries) == 2
+    assert _open_in(tmp_path / "c") == []
+    assert not [f for f in os.listdir(tmp_path / "c") if f.endswith(".tmp")]
+    back = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(back)
+    assert_same(state(buf), state(back))
+
+
+class _Disk:
+    """What a checkpoint asks of the disk, in order: ``("start", file, offset, nbytes)`` for each
+    ``sync_file_range`` (``fail``: each returns -1, as on a file system without it), ``("fsync",
+    file)`` and ``("rename", src, dst)``; files by the names they were created under, the folder as
+    ``"folder"``."""
+
+    def __init__(self, module: Any, monkeypatch: pytest.MonkeyPatch, call: str) -> None:
+        self.events: list[tuple[Any, ...]] = []
+        self.names: dict[int, str] = {}
+        real_create, real_fsync, real_replace = module.create_file, os.fsync, os.replace
+
+        def create(file: str, dfd: int) -> int:
+            fd = real_create(file, dfd)
+            self.names[fd] = file
+            return fd
+
+        def start(fd: int, offset: int, nbytes: int, flags: int) -> int:
+            self.events.append(("start", self.names[fd], offset, nbytes, flags))
+            return -1 if call == "failing" else 0
+
+        def fsync(fd: int) -> None:
+            self.events.append(("fsync", "folder" if os.path.isdir(f"/proc/self/fd/{fd}") else self.names.get(fd)))
+            real_fsync(fd)
+
+        def replace(src: str, dst: str, **kwargs: Any) -> None:
+            self.events.append(("rename", src, dst))
+            real_replace(src, dst, **kwargs)
+
+        monkeypatch.setattr(module, "create_file", create)
+        monkeypatch.setattr(module, "_sync_file_range", lambda: None if call == "none" else start)
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "replace", replace)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="tells the folder from files through /proc")
+@pytest.mark.parametrize("sync", [True, False])
+def test_a_synced_checkpoint_starts_its_pages_to_the_disk_as_it_writes_them(
+        sync: bool, make: Make, resumed: list, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``sync``, each write of the chunk starts its whole pages to the disk at once
+    (``sync_file_range``), and the rest of the chunk and the manifest once they are complete, so
+    that the fsyncs wait only for what is left; the chunk and the manifest are fsync-ed before the
+    manifest is renamed into place, the folder after. Without ``sync``, neither."""
+    module = importlib.import_module("shmbuffer.persistence.checkpoint")
+    buf = make(sb.Schema(x=((4096,), "float32"), y=((), "int64")), 256, name=name)
+    buf.push(x=np.ones((100, 4096), np.float32), y=np.arange(100))
+    buf.checkpoint(tmp_path / "c")
+    buf.push(x=np.full((64, 4096), 2, np.float32), y=np.arange(64))  # 1 MB of x
+    disk = _Disk(module, monkeypatch, "working")
+    got = buf.checkpoint(tmp_path / "c", sync=sync)
+    back = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(back)
+    assert_same(state(buf), state(back))
+    if not sync:
+        assert [e[0] for e in disk.events] == ["rename", "rename"]
+        return
+    chunk, man = (next(n for n in disk.names.values() if n.startswith(p)) for p in (".chunk-", f".{MANIFEST}"))
+    at = {e: i for i, e in enumerate(disk.events)}
+    page = mmap.PAGESIZE
+    writes = [e for e in disk.events if e[:2] == ("start", chunk) and e[3]]
+    assert writes and all(e[2] % page == 0 and e[3] % page == 0 and e[4] == 2 for e in writes)
+    assert sum(e[3] for e in writes) >= 64 * 4096 * 4 - 2 * page  # every whole page of x as it is written
+    assert at[("start", chunk, 0, 0, 2)] > max(at[e] for e in writes)  # the rest once complete
+    assert at[("start", man, 0, 0, 2)] < at[("fsync", chunk)] < at[("fsync", man)]
+    assert [e for e in disk.events if e[0] != "start"] == [
+        ("fsync", chunk), ("fsync", man), ("rename", chunk, f"chunk-{got['sequence']:08d}.safetensors"),
+        ("rename", man, MANIFEST), ("fsync", "folder")]
+
+
+@pytest.mark.parametrize("call", ["none", "failing"])
+def test_where_pages_cannot_be_started_early_the_fsyncs_write_them(
+        call: str, make: Make, resumed: list, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``sync_file_range`` (not Linux), or one that fails (a file system without it): a synced
+    checkpoint is written and fsync-ed all the same, and resumes to the buffer."""
+    module = importlib.import_module("shmbuffer.persistence.checkpoint")
+    buf = make(sb.Schema(x=((4096,), "float32"), y=((), "int64")), 256, name=name)
+    buf.push(x=np.ones((100, 4096), np.float32), y=np.arange(100))
+    buf.checkpoint(tmp_path / "c")
+    buf.push(x=np.full((64, 4096), 2, np.float32), y=np.arange(64))
+    disk = _Disk(module, monkeypatch, call)
+    buf.checkpoint(tmp_path / "c")
+    assert ("start" in [e[0] for e in disk.events]) == (call == "failing")
+    assert [e[0] for e in disk.events if e[0] != "start"] == ["fsync", "fsync", "rename", "rename", "fsync"]
+    back = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(back)
+    assert_same(state(buf), state(back))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_sync_file_range_is_found_on_linux(tmp_path: Path) -> None:
+    """On Linux the checkpoint finds libc's ``sync_file_range``, and it takes a file's pages."""
+    module = importlib.import_module("shmbuffer.persistence.checkpoint")
+    call = module._sync_file_range()
+    assert call is not None
+    fd = os.open(tmp_path / "f", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        os.write(fd, b"x" * 3 * mmap.PAGESIZE)
+        assert call(fd, 0, 2 * mmap.PAGESIZE, 2) == 0
+        assert call(fd, 0, 0, 2) == 0
+    finally:
+        os.close(fd)
 
 
 def test_a_buffer_resumed_under_its_name_goes_on_incrementally(make: Make, resumed: list, name: str,

@@ -9,11 +9,15 @@ writes every row again.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
+import functools
 import json
+import mmap
 import os
 import secrets
 import struct
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +54,8 @@ _TRIES = 3
 _BIG = 10**16
 """More than any number a header holds (``format.MAX_BLOCK``): sizes the room reserved for it."""
 _EDITS, _EDITS_BEGUN = int(Counter.EDITS), int(Counter.EDITS_BEGUN)
+_SYNC_FILE_RANGE_WRITE = 2
+"""``sync_file_range``'s flag to start writing the pages out, without waiting (``<linux/fs.h>``)."""
 
 
 # -- the segments of a lane --------------------------------------------------------------------------
@@ -101,12 +107,43 @@ def _ranges(rows: np.ndarray) -> list[tuple[int, int]]:
 
 
 # -- a chunk file --------------------------------------------------------------------------------------
+@functools.cache
+def _sync_file_range() -> Any:
+    """libc's ``sync_file_range`` (Linux), or ``None`` where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        call = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+def _start_writeback(fd: int, at: int = 0, nbytes: int = 0) -> None:
+    """Start writing bytes ``[at, at + nbytes)`` of ``fd`` to the disk, without waiting
+    (``sync_file_range``): they go while the rest is written, and the ``fsync`` waits for what is
+    left. Only whole pages of the range (those cut by its ends would be written again with their
+    other part); ``nbytes`` 0: every page from ``at`` on (the file is complete). Only a head start:
+    without the call (not Linux), or where it fails (a file system without it), the ``fsync``
+    writes them all."""
+    call = _sync_file_range()
+    a = -(-at // mmap.PAGESIZE) * mmap.PAGESIZE
+    z = (at + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE if nbytes else a
+    if call is not None and (a < z or not nbytes):
+        call(fd, a, z - a, _SYNC_FILE_RANGE_WRITE)
+
+
 class _Chunk:
     """A chunk being written: tensors appended to the data section; the header written last into
-    the room reserved for it (an upper bound: every number in it at most ``_BIG``)."""
+    the room reserved for it (an upper bound: every number in it at most ``_BIG``). ``sync``: its
+    pages start to the disk as they are written (``_start_writeback``); the caller waits for them
+    (``fsync``)."""
 
-    def __init__(self, dfd: int, tmp: str, chunk_id: str, version: int, planned: dict[str, Tensor]) -> None:
-        self.fd = create_file(tmp, dfd)
+    def __init__(self, dfd: int, tmp: str, chunk_id: str, version: int, planned: dict[str, Tensor],
+                 sync: bool) -> None:
+        self.fd, self.sync = create_file(tmp, dfd), sync
         self.meta = {"format": FORMAT, "format_version": str(version), "save_id": chunk_id, "checkpoint": "1"}
         most: dict[str, Any] = {"__metadata__": self.meta}
         for n, t in planned.items():
@@ -127,8 +164,10 @@ class _Chunk:
     def write(self, offset: int, a: np.ndarray) -> None:
         """The bytes of ``a`` at data offset ``offset``."""
         pwrite(self.fd, a, self.data_start + offset)
+        if self.sync:
+            _start_writeback(self.fd, self.data_start + offset, a.nbytes)
 
-    def finish(self, sync: bool) -> int:
+    def finish(self) -> int:
         """Write the header (tensors in data order); returns the file's size."""
         head: dict[str, Any] = {"__metadata__": self.meta}
         for name, (code, shape, begin, end) in sorted(self.entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
@@ -138,8 +177,8 @@ class _Chunk:
         size = self.data_start + self.at
         os.ftruncate(self.fd, size)
         pwrite(self.fd, struct.pack("<Q", self.data_start - 8) + text + b" " * (self.data_start - 8 - len(text)), 0)
-        if sync:
-            os.fsync(self.fd)
+        if self.sync:
+            _start_writeback(self.fd)
         return size
 
     def rows(self) -> int:
@@ -258,7 +297,8 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
     planned = {f"{b}/{t.name}": t for b in BLOCKS for t in files}
     planned |= {t.name: t for t in everything if t.name in SAMPLER_STATE}
     planned |= {f"_last/{f.name}": tensor_of(f.name, f.shape, f.dtype) for f in buf.schema}
-    chunk = _Chunk(dfd, tmp, chunk_id, version_of(buf.options), planned)
+    mtmp, mfd, written = f".{MANIFEST}.{chunk_id}.tmp", -1, False
+    chunk = _Chunk(dfd, tmp, chunk_id, version_of(buf.options), planned, sync)
     try:
         snap, lanes, new_rows = _copy_new(buf, chunk, files, prev, wait, me)
         edits, state = _locked(buf, lanes, prev is None or buf.priorities is not None)
@@ -290,29 +330,25 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
                 t = tensor_of(n, f.shape, f.dtype)
                 chunk.write(chunk.add(f"_last/{n}", t, len(lasts)), np.stack([np.asarray(last.values[n], f.dtype)
                                                                               for _, last in lasts]))
-        size = chunk.finish(sync)
+        size = chunk.finish()
         listed = [chunks[c] for c in keep_chunks[:-1]] + [
             {"file": chunk_name(sequence), "id": chunk_id, "bytes": size, "rows": chunk.rows()}]
-    except BaseException:
+        manifest = _manifest(buf, lanes, rows, state, sequence, listed, lasts, sampling, edits)
+        mfd = create_file(mtmp, dfd)
+        pwrite(mfd, (json.dumps(manifest, indent=1) + "\n").encode(), 0)
+        if sync:  # the manifest's pages go with the chunk's last ones, then both are waited for
+            _start_writeback(mfd)
+            os.fsync(chunk.fd)
+            os.fsync(mfd)
+        written = True
+    finally:
         chunk.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp, dir_fd=dfd)
-        raise
-    chunk.close()
+        if mfd >= 0:
+            os.close(mfd)
+        for name in () if written else (tmp, mtmp):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=dfd)
     os.replace(tmp, chunk_name(sequence), src_dir_fd=dfd, dst_dir_fd=dfd)
-    manifest = _manifest(buf, lanes, rows, state, sequence, listed, lasts, sampling, edits)
-    mtmp = f".{MANIFEST}.{chunk_id}.tmp"
-    fd = create_file(mtmp, dfd)
-    try:
-        pwrite(fd, (json.dumps(manifest, indent=1) + "\n").encode(), 0)
-        if sync:
-            os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(mtmp, dir_fd=dfd)
-        raise
-    os.close(fd)
     os.replace(mtmp, MANIFEST, src_dir_fd=dfd, dst_dir_fd=dfd)
     if sync:
         os.fsync(dfd)

@@ -12,12 +12,12 @@ wrote it, 8 digits). The folder is created with mode 0700 as ``save`` creates it
 temporary name ``.NAME.<id>.tmp``. ``.lock`` (empty) is held with ``flock`` while a checkpoint
 runs: one checkpoint at a time writes a folder.
 
-A checkpoint, in this order: its chunk is written, ``fsync``-ed and renamed into place; the new
-manifest is written to a temporary file, ``fsync``-ed and renamed over ``manifest.json``; the
-folder is ``fsync``-ed; then the chunks the new manifest no longer names, and temporary files left
-by a checkpoint that was killed, are removed. The manifest names only chunks complete before it
-was renamed, so a process killed at any instant leaves the previous complete checkpoint (or the
-new one) loadable, never a half one.
+A checkpoint, in this order: its chunk and then the new manifest are written to their temporary
+files and both ``fsync``-ed; the chunk is renamed into place, then the manifest over
+``manifest.json``; the folder is ``fsync``-ed; then the chunks the new manifest no longer names,
+and temporary files left by a checkpoint that was killed, are removed. The manifest names only
+chunks complete before it was renamed, so a process killed at any instant leaves the previous
+complete checkpoint (or the new one) loadable, never a half one.
 
 ``manifest.json``
 -----------------
