@@ -13,9 +13,18 @@ random actions) whose every transition is stored, three ways in the same run::
   each call: the autoreset step is stored (SB3's buffer has no way to leave an env out), as an SB3
   user of EnvPool gets it.
 
-Envs: CartPole-v1 (obs 4 float32) and, where the installed EnvPool runs it, Pong-v5 (obs
-(4, 84, 84) uint8). Rounds interleave the subjects; medians and same-run ratios are reported.
-Say how loaded the machine was.
+The asynchronous loop (``--loops async``; both by default): ``ASYNC_ENVS`` envs stepped
+``ENVS`` at a time by EnvPool's ``send``/``recv`` (``batch_size=ENVS``), so that the threads step
+one batch while the main thread stores the other. Every subject runs the same loop: ``recv``,
+store the batch, ``send`` its envs their actions: ``shmbuffer`` by ``RecordTransitions.recv``/
+``send`` (the push inside ``recv``); ``cpprb`` and ``sb3`` from each env's last observation and
+action, keyed by ``info["env_id"]``, as a user writes it (cpprb leaves out the batch's first
+observations and autoreset steps; SB3's ``n_envs=ENVS`` buffer stores the batch as it comes).
+
+EnvPool runs ``THREADS`` threads in both loops. Envs: CartPole-v1 (obs 4 float32) and, where the
+installed EnvPool runs it, Pong-v5 (obs (4, 84, 84) uint8). Rounds interleave the subjects;
+medians and same-run ratios are reported, with ``envpool alone`` (the same loop, storing nothing)
+as the bound: no store can make a loop faster than that. Say how loaded the machine was.
 """
 
 from __future__ import annotations
@@ -36,6 +45,9 @@ import numpy as np
 import shmbuffer as sb
 
 ENVS = 8
+ASYNC_ENVS = 16
+"""Envs of the asynchronous loop: two batches of ``ENVS``, one stepping while the other is stored."""
+THREADS = 2
 CAPACITY = 200_000
 """Rows a store holds, at most ``MEMORY`` bytes of observations (every peer allocates it up front)."""
 MEMORY = 1 << 30
@@ -47,13 +59,15 @@ def capacity_of(env: Any) -> int:
     return min(CAPACITY, MEMORY // row // ENVS * ENVS)
 
 
-def pool(env_id: str) -> Any:
+def pool(env_id: str, envs: int = ENVS) -> Any:
+    """An EnvPool pool of ``envs`` envs stepped ``ENVS`` at a time by ``THREADS`` threads."""
     import envpool
 
     with warnings.catch_warnings():
         # EnvPool's CartPole bounds are float64, which Gymnasium's Box casts (spaces made when first read)
         warnings.filterwarnings("ignore", ".*precision lowered by casting", UserWarning)
-        env = envpool.make(env_id, env_type="gymnasium", num_envs=ENVS, seed=0, num_threads=2)
+        env = envpool.make(env_id, env_type="gymnasium", num_envs=envs, batch_size=ENVS, seed=0,
+                           num_threads=THREADS)
         env.single_observation_space, env.single_action_space  # noqa: B018
         return env
 
@@ -92,14 +106,9 @@ def run_ours(env_id: str, seconds: float) -> tuple[float, float]:
 
 
 def run_cpprb(env_id: str, seconds: float) -> tuple[float, float]:
-    import cpprb
-
     env = pool(env_id)
     n = int(env.single_action_space.n)
-    space = env.single_observation_space
-    rb = cpprb.ReplayBuffer(capacity_of(env), {"obs": {"shape": space.shape, "dtype": space.dtype}, "act": {"shape": 1},
-                                       "rew": {}, "next_obs": {"shape": space.shape, "dtype": space.dtype},
-                                       "done": {}, "truncated": {}})
+    rb = cpprb_buffer(env)
     rng = np.random.default_rng(0)
     state = {"obs": env.reset()[0], "resetting": np.zeros(ENVS, bool)}
 
@@ -154,7 +163,120 @@ def run_alone(env_id: str, seconds: float) -> tuple[float, float]:
         env.close()
 
 
+def cpprb_buffer(env: Any) -> Any:
+    import cpprb
+
+    space = env.single_observation_space
+    return cpprb.ReplayBuffer(capacity_of(env), {"obs": {"shape": space.shape, "dtype": space.dtype}, "act": {"shape": 1},
+                                                 "rew": {}, "next_obs": {"shape": space.shape, "dtype": space.dtype},
+                                                 "done": {}, "truncated": {}})
+
+
+def async_loop(env_id: str, seconds: float, store: Any) -> tuple[float, float]:
+    """The asynchronous loop: ``recv`` a batch, ``store(env, batch, actions sent before)``, ``send``
+    the batch's envs their actions; ``env`` is ``store``'s to wrap (``RecordTransitions``)."""
+    env = pool(env_id, ASYNC_ENVS)
+    n = int(env.single_action_space.n)
+    rng = np.random.default_rng(0)
+    state = store(env, None, None)  # the store's setup; it returns what it steps with
+    sent = np.zeros(ASYNC_ENVS, np.int64)
+    state.async_reset()
+
+    def step() -> None:
+        batch = state.recv()
+        ids = batch[4]["env_id"]
+        actions = rng.integers(0, n, ids.shape[0])
+        store(state, batch, sent)
+        state.send(actions, ids)
+        sent[ids] = actions
+
+    try:
+        return _timed(step, seconds)
+    finally:
+        env.close()
+
+
+def async_ours(env_id: str, seconds: float) -> tuple[float, float]:
+    from shmbuffer.vector import RecordTransitions
+
+    buf: list[sb.ReplayBuffer] = []
+
+    def store(env: Any, batch: Any, sent: Any) -> Any:
+        if batch is None:  # the pool's envs into their lanes; RecordTransitions.recv pushes
+            buf.append(sb.ReplayBuffer(schema_of(env), capacity_of(env) // ASYNC_ENVS * ASYNC_ENVS, envs=ASYNC_ENVS))
+            return RecordTransitions(env, buf[0])
+        return env
+
+    try:
+        return async_loop(env_id, seconds, store)
+    finally:
+        buf[0].close()
+
+
+class _Keyed:
+    """A peer's memory of each env in the asynchronous loop: its last observation, and whether
+    its next batch is a first observation (after ``async_reset`` or an episode's end)."""
+
+    def __init__(self, env: Any) -> None:
+        space = env.single_observation_space
+        self.env = env
+        self.obs = np.zeros((ASYNC_ENVS, *space.shape), space.dtype)
+        self.resetting = np.ones(ASYNC_ENVS, bool)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+
+def async_cpprb(env_id: str, seconds: float) -> tuple[float, float]:
+    rb: list[Any] = []
+
+    def store(env: Any, batch: Any, sent: Any) -> Any:
+        if batch is None:
+            rb.append(cpprb_buffer(env))
+            return _Keyed(env)
+        obs, reward, terminated, truncated, info = batch
+        ids = info["env_id"]
+        moved = ~env.resetting[ids]  # a first observation is not a transition
+        at = ids[moved]
+        rb[0].add(obs=env.obs[at], act=sent[at], rew=reward[moved], next_obs=obs[moved], done=terminated[moved],
+                  truncated=truncated[moved])
+        env.resetting[ids] = moved & (terminated | truncated)
+        env.obs[ids] = obs
+        return env
+
+    return async_loop(env_id, seconds, store)
+
+
+def async_sb3(env_id: str, seconds: float) -> tuple[float, float]:
+    from stable_baselines3.common.buffers import ReplayBuffer
+
+    rb: list[Any] = []
+    infos = [{} for _ in range(ENVS)]
+
+    def store(env: Any, batch: Any, sent: Any) -> Any:
+        if batch is None:
+            rb.append(ReplayBuffer(capacity_of(env), env.single_observation_space, env.single_action_space,
+                                   device="cpu", n_envs=ENVS, optimize_memory_usage=False,
+                                   handle_timeout_termination=True))
+            return _Keyed(env)
+        obs, reward, terminated, truncated, info = batch
+        ids = info["env_id"]
+        for i in range(ENVS):
+            infos[i]["TimeLimit.truncated"] = bool(truncated[i] and not terminated[i])
+        rb[0].add(env.obs[ids], obs, sent[ids], reward, terminated | truncated, infos)
+        env.obs[ids] = obs
+        return env
+
+    return async_loop(env_id, seconds, store)
+
+
+def async_alone(env_id: str, seconds: float) -> tuple[float, float]:
+    return async_loop(env_id, seconds, lambda env, batch, sent: env)
+
+
 SUBJECTS = {"shmbuffer": run_ours, "cpprb": run_cpprb, "sb3": run_sb3, "envpool alone": run_alone}
+ASYNC_SUBJECTS = {"shmbuffer": async_ours, "cpprb": async_cpprb, "sb3": async_sb3, "envpool alone": async_alone}
+LOOPS = {"sync": SUBJECTS, "async": ASYNC_SUBJECTS}
 STORES = ("shmbuffer", "cpprb", "sb3")
 
 
@@ -177,35 +299,40 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--seconds", type=float, default=3.0, help="length of a run (default 3)")
     p.add_argument("--envs", default="CartPole-v1,Pong-v5", help="EnvPool env ids, comma-separated")
+    p.add_argument("--loops", default="sync,async", help="sync, async or both (default), comma-separated")
     p.add_argument("--out", type=Path, help="write the results as JSON")
     args = p.parse_args(argv)
     rounds, seconds = (1, 1.0) if args.quick else (args.rounds, args.seconds)
     out: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                       "load": os.getloadavg()}, "envs": {}}
+                                       "load": os.getloadavg()}, "threads": THREADS, "envs": {}}
     for env_id in args.envs.split(","):
         if not runs(env_id):
             continue
-        got: dict[str, list[float]] = {name: [] for name in SUBJECTS}
-        cpu: dict[str, list[float]] = {name: [] for name in SUBJECTS}
-        for r in range(rounds):
-            order = list(SUBJECTS)[r % len(SUBJECTS):] + list(SUBJECTS)[:r % len(SUBJECTS)]
-            for name in order:
-                wall, per_cpu = SUBJECTS[name](env_id, seconds)
-                got[name].append(wall)
-                cpu[name].append(per_cpu)
-        res: dict[str, Any] = {"steps_per_s": got, "steps_per_cpu_s": cpu}
-        for kind, runs_ in (("wall", got), ("cpu", cpu)):
-            med = {name: statistics.median(v) for name, v in runs_.items()}
-            # what storing costs an env step: its time with the store less EnvPool's alone (same run)
-            cost = {name: 1e6 / med[name] - 1e6 / med["envpool alone"] for name in STORES}
-            res[kind] = {"median": med, "store_us_per_env_step": cost,
-                         "ratio": {name: med["shmbuffer"] / med[name] for name in STORES[1:]}}
-            print(f"{env_id} ({'per wall-clock second' if kind == 'wall' else 'per CPU-second'}): "
-                  + ", ".join(f"{name} {v:,.0f}" for name, v in med.items())
-                  + "; shmbuffer / " + ", ".join(f"{k} {v:.2f}x" for k, v in res[kind]["ratio"].items())
-                  + "; storing costs " + ", ".join(f"{k} {v:.2f} us" for k, v in cost.items()) + " an env step")
-        out["envs"][env_id] = res
-    print(f"load average {out['machine']['load'][0]:.1f}")
+        for loop in args.loops.split(","):
+            subjects = LOOPS[loop]
+            got: dict[str, list[float]] = {name: [] for name in subjects}
+            cpu: dict[str, list[float]] = {name: [] for name in subjects}
+            for r in range(rounds):
+                order = list(subjects)[r % len(subjects):] + list(subjects)[:r % len(subjects)]
+                for name in order:
+                    wall, per_cpu = subjects[name](env_id, seconds)
+                    got[name].append(wall)
+                    cpu[name].append(per_cpu)
+            res: dict[str, Any] = {"steps_per_s": got, "steps_per_cpu_s": cpu}
+            for kind, runs_ in (("wall", got), ("cpu", cpu)):
+                med = {name: statistics.median(v) for name, v in runs_.items()}
+                # what storing costs an env step: its time with the store less EnvPool's alone (same run)
+                cost = {name: 1e6 / med[name] - 1e6 / med["envpool alone"] for name in STORES}
+                res[kind] = {"median": med, "store_us_per_env_step": cost,
+                             "ratio": {name: med["shmbuffer"] / med[name] for name in STORES[1:]},
+                             "bound": {name: med["envpool alone"] / med[name] for name in STORES[1:]}}
+                print(f"{env_id} {loop} ({'per wall-clock second' if kind == 'wall' else 'per CPU-second'}): "
+                      + ", ".join(f"{name} {v:,.0f}" for name, v in med.items())
+                      + "; shmbuffer / " + ", ".join(f"{k} {v:.2f}x" for k, v in res[kind]["ratio"].items())
+                      + " (bound, alone / " + ", ".join(f"{k} {v:.2f}x" for k, v in res[kind]["bound"].items())
+                      + "); storing costs " + ", ".join(f"{k} {v:.2f} us" for k, v in cost.items()) + " an env step")
+            out["envs"].setdefault(env_id, {})[loop] = res
+    print(f"load average {out['machine']['load'][0]:.1f}, EnvPool threads {THREADS}")
     if args.out:
         args.out.write_text(json.dumps(out, indent=2))
     return out

@@ -281,7 +281,7 @@ class RecordTransitions(_VectorWrapper):
             raise RuntimeError("RecordTransitions.recv: call async_reset() (or reset()) and send() first")
         obs, reward, terminated, truncated, info = self.env.recv()
         ids = np.asarray(info["env_id"], np.int64)
-        obs = np.array(obs)
+        obs = np.asarray(obs)  # a new array each recv; its rows are copied into self._obs below
         terminated = np.asarray(terminated, bool)
         truncated = np.asarray(truncated, bool)
         moved = ~self._resetting[ids]
@@ -290,8 +290,9 @@ class RecordTransitions(_VectorWrapper):
             if moved.any():
                 assert self._sent is not None
                 at = ids[moved]
-                rows = _row(self._names, self._obs[at], self._sent[at], np.asarray(reward)[moved], obs[moved],
-                            terminated[moved], truncated[moved])
+                now: Any = slice(None) if moved.all() else moved  # most batches: views, not boolean-mask copies
+                rows = _row(self._names, self._obs[at], self._sent[at], np.asarray(reward)[now], obs[now],
+                            terminated[now], truncated[now])
                 episode = (self._ids | self._episode)[at] if self.buffer.options.episodes else None
                 lane = self._lanes[at] if self.buffer.lanes > 1 else None
                 self.buffer.push(rows, lane=lane, episode=episode)
