@@ -69,7 +69,41 @@ def pool(env_id: str, envs: int = ENVS) -> Any:
         env = envpool.make(env_id, env_type="gymnasium", num_envs=envs, batch_size=ENVS, seed=0,
                            num_threads=THREADS)
         env.single_observation_space, env.single_action_space  # noqa: B018
-        return env
+        return _Clocked(env)
+
+
+IN_ENVPOOL = [0.0, 0.0]
+"""Seconds spent in EnvPool's ``step``, ``send`` and ``recv`` (``_Clocked``), for ``_timed``: wall-clock
+and the main thread's CPU time."""
+
+
+class _Clocked:
+    """An EnvPool pool whose ``step``, ``send`` and ``recv`` add their time to ``IN_ENVPOOL``: the
+    rest of the main thread's CPU time is the store's and the loop's own, which another process's
+    load on the machine disturbs far less than the steps per second."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+    def _clocked(self, call: Any, *args: Any) -> Any:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return call(*args)
+        finally:
+            IN_ENVPOOL[0] += time.perf_counter() - t0
+            IN_ENVPOOL[1] += time.thread_time() - c0
+
+    def step(self, actions: Any) -> Any:
+        return self._clocked(self.env.step, actions)
+
+    def send(self, actions: Any, env_id: Any = None) -> Any:
+        return self._clocked(self.env.send, actions, env_id)
+
+    def recv(self) -> Any:
+        return self._clocked(self.env.recv)
 
 
 def schema_of(env: Any) -> sb.Schema:
@@ -78,19 +112,22 @@ def schema_of(env: Any) -> sb.Schema:
                      next_obs=(space.shape, space.dtype), done=((), "bool"), truncated=((), "bool"))
 
 
-def _timed(step: Any, seconds: float) -> tuple[float, float]:
-    """Env steps per wall-clock second and per CPU-second of this process (its EnvPool threads
-    included: on a machine loaded by other work, the cost that the wall clock hides)."""
+def _timed(step: Any, seconds: float) -> tuple[float, float, float]:
+    """Env steps per wall-clock second, per CPU-second of this process (its EnvPool threads
+    included: on a machine loaded by other work, the cost that the wall clock hides), and the
+    main thread's CPU microseconds an env step outside EnvPool's calls (the store and the loop)."""
     for _ in range(20):  # warm up
         step()
-    steps, t0, c0 = 0, time.perf_counter(), time.process_time()
+    steps, t0, c0, m0 = 0, time.perf_counter(), time.process_time(), time.thread_time()
+    IN_ENVPOOL[:] = [0.0, 0.0]
     while (now := time.perf_counter()) - t0 < seconds:
         step()
         steps += ENVS
-    return steps / (now - t0), steps / (time.process_time() - c0)
+    main = time.thread_time() - m0 - IN_ENVPOOL[1]
+    return steps / (now - t0), steps / (time.process_time() - c0), main / steps * 1e6
 
 
-def run_ours(env_id: str, seconds: float) -> tuple[float, float]:
+def run_ours(env_id: str, seconds: float) -> tuple[float, float, float]:
     from shmbuffer.vector import RecordTransitions
 
     env = pool(env_id)
@@ -105,7 +142,7 @@ def run_ours(env_id: str, seconds: float) -> tuple[float, float]:
             rec.close()
 
 
-def run_cpprb(env_id: str, seconds: float) -> tuple[float, float]:
+def run_cpprb(env_id: str, seconds: float) -> tuple[float, float, float]:
     env = pool(env_id)
     n = int(env.single_action_space.n)
     rb = cpprb_buffer(env)
@@ -127,7 +164,7 @@ def run_cpprb(env_id: str, seconds: float) -> tuple[float, float]:
         env.close()
 
 
-def run_sb3(env_id: str, seconds: float) -> tuple[float, float]:
+def run_sb3(env_id: str, seconds: float) -> tuple[float, float, float]:
     from stable_baselines3.common.buffers import ReplayBuffer
 
     env = pool(env_id)
@@ -152,7 +189,7 @@ def run_sb3(env_id: str, seconds: float) -> tuple[float, float]:
         env.close()
 
 
-def run_alone(env_id: str, seconds: float) -> tuple[float, float]:
+def run_alone(env_id: str, seconds: float) -> tuple[float, float, float]:
     env = pool(env_id)
     n = int(env.single_action_space.n)
     rng = np.random.default_rng(0)
@@ -172,7 +209,7 @@ def cpprb_buffer(env: Any) -> Any:
                                                  "done": {}, "truncated": {}})
 
 
-def async_loop(env_id: str, seconds: float, store: Any) -> tuple[float, float]:
+def async_loop(env_id: str, seconds: float, store: Any) -> tuple[float, float, float]:
     """The asynchronous loop: ``recv`` a batch, ``store(env, batch, actions sent before)``, ``send``
     the batch's envs their actions; ``env`` is ``store``'s to wrap (``RecordTransitions``)."""
     env = pool(env_id, ASYNC_ENVS)
@@ -196,7 +233,7 @@ def async_loop(env_id: str, seconds: float, store: Any) -> tuple[float, float]:
         env.close()
 
 
-def async_ours(env_id: str, seconds: float) -> tuple[float, float]:
+def async_ours(env_id: str, seconds: float) -> tuple[float, float, float]:
     from shmbuffer.vector import RecordTransitions
 
     buf: list[sb.ReplayBuffer] = []
@@ -227,7 +264,7 @@ class _Keyed:
         return getattr(self.env, name)
 
 
-def async_cpprb(env_id: str, seconds: float) -> tuple[float, float]:
+def async_cpprb(env_id: str, seconds: float) -> tuple[float, float, float]:
     rb: list[Any] = []
 
     def store(env: Any, batch: Any, sent: Any) -> Any:
@@ -247,7 +284,7 @@ def async_cpprb(env_id: str, seconds: float) -> tuple[float, float]:
     return async_loop(env_id, seconds, store)
 
 
-def async_sb3(env_id: str, seconds: float) -> tuple[float, float]:
+def async_sb3(env_id: str, seconds: float) -> tuple[float, float, float]:
     from stable_baselines3.common.buffers import ReplayBuffer
 
     rb: list[Any] = []
@@ -270,7 +307,7 @@ def async_sb3(env_id: str, seconds: float) -> tuple[float, float]:
     return async_loop(env_id, seconds, store)
 
 
-def async_alone(env_id: str, seconds: float) -> tuple[float, float]:
+def async_alone(env_id: str, seconds: float) -> tuple[float, float, float]:
     return async_loop(env_id, seconds, lambda env, batch, sent: env)
 
 
@@ -312,13 +349,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             subjects = LOOPS[loop]
             got: dict[str, list[float]] = {name: [] for name in subjects}
             cpu: dict[str, list[float]] = {name: [] for name in subjects}
+            outside: dict[str, list[float]] = {name: [] for name in subjects}
             for r in range(rounds):
                 order = list(subjects)[r % len(subjects):] + list(subjects)[:r % len(subjects)]
                 for name in order:
-                    wall, per_cpu = subjects[name](env_id, seconds)
+                    wall, per_cpu, us = subjects[name](env_id, seconds)
                     got[name].append(wall)
                     cpu[name].append(per_cpu)
-            res: dict[str, Any] = {"steps_per_s": got, "steps_per_cpu_s": cpu}
+                    outside[name].append(us)
+            res: dict[str, Any] = {"steps_per_s": got, "steps_per_cpu_s": cpu, "us_outside_envpool": outside}
+            out_med = {name: statistics.median(v) for name, v in outside.items()}
+            res["store_us_outside_envpool"] = {name: out_med[name] - out_med["envpool alone"] for name in STORES}
             for kind, runs_ in (("wall", got), ("cpu", cpu)):
                 med = {name: statistics.median(v) for name, v in runs_.items()}
                 # what storing costs an env step: its time with the store less EnvPool's alone (same run)
@@ -331,6 +372,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       + "; shmbuffer / " + ", ".join(f"{k} {v:.2f}x" for k, v in res[kind]["ratio"].items())
                       + " (bound, alone / " + ", ".join(f"{k} {v:.2f}x" for k, v in res[kind]["bound"].items())
                       + "); storing costs " + ", ".join(f"{k} {v:.2f} us" for k, v in cost.items()) + " an env step")
+            print(f"{env_id} {loop}: the main thread's CPU time an env step outside EnvPool's calls: "
+                  + ", ".join(f"{name} {v:.2f} us" for name, v in out_med.items()) + "; the stores' part: "
+                  + ", ".join(f"{k} {v:.2f} us" for k, v in res["store_us_outside_envpool"].items()))
             out["envs"].setdefault(env_id, {})[loop] = res
     print(f"load average {out['machine']['load'][0]:.1f}, EnvPool threads {THREADS}")
     if args.out:
