@@ -183,8 +183,10 @@ class RecordTransitions(_VectorWrapper):
         self._guessed = autoreset_mode is None and "autoreset_mode" not in (getattr(envs, "metadata", None) or {})
         n = envs.num_envs
         check_fits(buf.schema, envs.single_observation_space, envs.single_action_space, "RecordTransitions")
-        self._lanes = lanes_of(buf, n, "RecordTransitions")
+        lanes = lanes_of(buf, n, "RecordTransitions")
         self._names = set(buf.schema.names)
+        self._episodes = buf.options.episodes  # both fixed at creation: read once, not each step
+        self._lane_of = lanes if buf.lanes > 1 else None  # one lane: a push names none
         self._obs: np.ndarray | None = None
         self._resetting = np.zeros(n, bool)  # next-step mode: these envs' next step is their reset
         self._episode = np.full(n, -1, np.int64)
@@ -230,7 +232,7 @@ class RecordTransitions(_VectorWrapper):
                                "result is the error's .result)", (obs, reward, terminated, truncated, info))
         finally:  # the envs stepped, pushed or not: so does the recorder
             if self.autoreset_mode == NEXT_STEP:
-                self._episode[self._resetting] += 1
+                self._episode += self._resetting  # one a reset env: one ufunc, no boolean-mask indexing
                 self._resetting = moved & ended
             elif self.autoreset_mode == SAME_STEP:
                 self._episode[ended] += 1
@@ -247,9 +249,8 @@ class RecordTransitions(_VectorWrapper):
         at: Any = slice(None) if moved.all() else moved  # most steps: views, not boolean-mask copies
         rows = _row(self._names, before[at], np.asarray(actions)[at], np.asarray(reward)[at],
                     next_obs[at], terminated[at], truncated[at])
-        episode = (self._ids | self._episode)[at] if self.buffer.options.episodes else None
-        lane = self._lanes[at] if self.buffer.lanes > 1 else None
-        self.buffer.push(rows, lane=lane, episode=episode)
+        episode = (self._ids | self._episode)[at] if self._episodes else None
+        self.buffer.push(rows, lane=None if self._lane_of is None else self._lane_of[at], episode=episode)
 
     # -- EnvPool's asynchronous API ------------------------------------------------------------
     def async_reset(self) -> None:
@@ -281,7 +282,7 @@ class RecordTransitions(_VectorWrapper):
             raise RuntimeError("RecordTransitions.recv: call async_reset() (or reset()) and send() first")
         obs, reward, terminated, truncated, info = self.env.recv()
         ids = np.asarray(info["env_id"], np.int64)
-        obs = np.array(obs)
+        obs = np.asarray(obs)  # a new array each recv; its rows are copied into self._obs below
         terminated = np.asarray(terminated, bool)
         truncated = np.asarray(truncated, bool)
         moved = ~self._resetting[ids]
@@ -289,12 +290,12 @@ class RecordTransitions(_VectorWrapper):
         try:
             if moved.any():
                 assert self._sent is not None
-                at = ids[moved]
-                rows = _row(self._names, self._obs[at], self._sent[at], np.asarray(reward)[moved], obs[moved],
-                            terminated[moved], truncated[moved])
-                episode = (self._ids | self._episode)[at] if self.buffer.options.episodes else None
-                lane = self._lanes[at] if self.buffer.lanes > 1 else None
-                self.buffer.push(rows, lane=lane, episode=episode)
+                now: Any = slice(None) if moved.all() else moved  # most batches: views, not boolean-mask copies
+                at = ids[now]
+                rows = _row(self._names, self._obs[at], self._sent[at], np.asarray(reward)[now], obs[now],
+                            terminated[now], truncated[now])
+                episode = (self._ids | self._episode)[at] if self._episodes else None
+                self.buffer.push(rows, lane=None if self._lane_of is None else self._lane_of[at], episode=episode)
         except BaseException as exc:
             _raise_saying(exc, f"RecordTransitions.recv: this batch's {int(moved.sum())} rows (envs "
                                f"{ids[moved].tolist()}) were not pushed and are lost; the recorder follows the envs, "

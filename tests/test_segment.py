@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import mmap
 import os
+import resource
 import signal
 import struct
 import subprocess
@@ -13,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import shmbuffer as sb
@@ -111,6 +114,25 @@ def test_fallocate_failure_leaves_nothing(name: str, monkeypatch: pytest.MonkeyP
     with pytest.raises(sb.OutOfSharedMemory, match="ran out of space"):
         sb.ReplayBuffer(MUJOCO, capacity=100, name=name)
     assert not os.path.exists(segment.path_of(name))
+
+
+def test_the_creators_first_pass_writes_into_mapped_pages(make: Make, name: str) -> None:
+    """The creator maps every page of the block at creation: its first writes through the ring take
+    no page fault each 4 KB (tmpfs has no huge pages), which made a first pass up to 10x slower."""
+    probe = mmap.mmap(-1, 4096)
+    try:
+        probe.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))
+    except OSError:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux 5.14+)")
+    finally:
+        probe.close()
+    buf = make(sb.Schema(obs=((4, 84, 84), "uint8")), capacity=600, name=name)
+    rows = {"obs": np.ones((600, 4, 84, 84), np.uint8)}  # 16.9 MB: 4,134 pages of 4 KB
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    buf.push(rows)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < 200, f"{faults} page faults writing 4,134 pages"
+    assert buf.sample(600, replace=False)["obs"].min() == 1
 
 
 def test_the_creator_is_on_record_before_the_pages_are_reserved(name: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -71,11 +71,15 @@ alive, and may be called again once they are gone. Both are idempotent.
 
 Blocks are created with mode 0600 and their pages reserved up front with ``posix_fallocate``: a
 tmpfs that runs out of pages later kills the writer with SIGBUS, the worst failure a user of a
-replay buffer can meet, so it is refused at creation instead.
+replay buffer can meet, so it is refused at creation instead. The creator then maps them all
+(``MADV_POPULATE_WRITE``: 0.36 s a GB on a 2-core VM, against 0.48 s of faults, one a 4 KB page as
+tmpfs has no huge pages, that made a first pass through the ring 6x slower for Atari rows).
+Attaching processes map pages as they touch them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import json
@@ -108,6 +112,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _DTYPE = re.compile(r"[<>|][biufc][0-9]{1,2}")
 _MAX_META = 1 << 24
 _MAX_DIMS = 32
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux's number, where Python's mmap lacks the name
 
 #: What parsing a damaged block's "schema" or "options" can raise; callers turn it into LayoutError.
 MALFORMED = (ShmBufferError, KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError,
@@ -600,6 +605,8 @@ class Segment:
                     "(docker: --shm-size)"
                 ) from None
             mm = mmap.mmap(fd, size)
+            with contextlib.suppress(OSError):  # a kernel before 5.14 lacks it: pages map at first touch then
+                mm.madvise(_MADV_POPULATE_WRITE)
             header = Header(name, VERSION, size, data_offset, pid, started, fingerprint, json.loads(blob), ident)
             mm[:8] = MAGIC  # last: the block is ready
             return cls(header, mm, created=True)
