@@ -504,9 +504,11 @@ def check_sample(src: Source, n: Any, n_step: Any, gamma: float, names: dict[str
         what = f"n_step={n_step}"  # and one the buffer can serve
         _need_episodes(src, what)
         reward, _, done = n_step_fields(src, names)
-        for name in (reward, done):
-            if name not in src.block.record.offsets:
-                raise FieldError(f"{what}: field {name!r} must be a small field (a scalar per row)")
+        for name in (reward, done):  # add_n_step reads one value a row of each, from the packed record
+            field = src.block.schema[name]
+            if name not in src.block.record.offsets or int(np.prod(field.shape)) != 1:
+                raise FieldError(f"{what}: field {name!r} must be a scalar per row (a small field of shape () or "
+                                 f"(1,)), got {field.describe()}: name another with fields={{'reward': ..., 'done': ...}}")
         if n_step > src.ring.lane_capacity:
             raise CapacityError(f"{what}: longer than a lane ({src.ring.lane_capacity} rows)")
     return n, timeout

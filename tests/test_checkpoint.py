@@ -5,6 +5,7 @@ tampered with, and consistent while writers and a learner run."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib
 import json
 import mmap
@@ -389,6 +390,35 @@ def test_a_log_of_edits_that_overruns_while_a_checkpoint_runs_leaves_no_file_ope
     back = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
     resumed.append(back)
     assert_same(state(buf), state(back))
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_checkpoint_whose_rename_fails_leaves_no_temporary_file(
+        which: int, make: Make, resumed: list, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunk's rename (0) or the manifest's (1) fails: the error comes out, no temporary file is
+    left (nor open), and the folder resumes as the previous checkpoint left it."""
+    buf = make(sb.Schema(x=((64,), "float32"), y=((), "int64")), 64, name=name)
+    buf.push(x=np.ones((20, 64), np.float32), y=np.arange(20))
+    buf.checkpoint(tmp_path / "c")
+    before = state(buf)
+    buf.push(x=np.full((8, 64), 2, np.float32), y=np.arange(8))
+    real, calls = os.replace, []
+
+    def replace(src: str, dst: str, **kwargs: Any) -> None:
+        calls.append(src)
+        if len(calls) == which + 1:
+            raise OSError(errno.EIO, "rename failed", src)
+        real(src, dst, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="rename failed"):
+        buf.checkpoint(tmp_path / "c")
+    monkeypatch.setattr(os, "replace", real)
+    assert _open_in(tmp_path / "c") == []
+    assert not [f for f in os.listdir(tmp_path / "c") if f.endswith(".tmp")]
+    back = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
+    resumed.append(back)
+    assert_same(before, state(back))
 
 
 class _Disk:

@@ -1020,3 +1020,39 @@ def test_a_row_edited_during_a_refresh_is_held_only_once_the_edit_is_read(
     assert dev.sync() == 1 and dev.usable[33]
     assert dev.rows["_record"].numpy()[33].tobytes() == buf.block.packed[33].tobytes()
     dev.close()
+
+
+def test_a_kept_transition_whose_older_frames_a_refresh_midway_lapped_is_drawn_again(
+        make: Make, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host draw (prioritized) over frames stored once keeps the transitions the copy holds and
+    refreshes for the rows it lacks; a writer meanwhile laps the older frames of some kept ones'
+    stacks (their own row stays): those are drawn again, not served from overwritten frames."""
+    from .test_frames import episode, same, schema
+
+    frame, k = (1, 4, 4), 4
+    sch = schema(frame, k, 0)
+    steps = iter(episode(0, 0, 100, "terminated", frame, k, 0, "zero"))
+
+    def push(m: int) -> np.ndarray:
+        rows = [next(steps) for _ in range(m)]
+        return buf.push({n: np.stack([np.asarray(r[n]) for r in rows]) for n in sch.names}, episode=np.zeros(m, int))
+
+    buf = make(sch, 40, episodes=True, next_of="obs", stack="obs", sampler=sb.Prioritized(), name=name, seed=0)
+    ids = push(30)
+    dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
+    ids = np.concatenate([ids, push(9)])  # rows the copy lacks: the draw refreshes for them
+    # drawn: now and then rows 12-14 (the copy holds them and their stacks' rows 9-11), mostly rows it lacks
+    buf.update_priorities(ids, np.where(ids >= 30, 1.0, np.where(np.isin(ids, [12, 13, 14]), 0.15, 1e-9)))
+    monkeypatch.setattr(dev, "_maybe_sync", lambda: None)
+    real_sync, pushed = dev.sync, []
+
+    def writer_then_sync() -> int:
+        if not pushed:  # a writer meanwhile: laps rows 0-11, which the refresh copies over
+            pushed.append(push(12))
+        return real_sync()
+
+    monkeypatch.setattr(dev, "sync", writer_then_sync)
+    got = dev.sample(16)
+    assert pushed and np.isin(got.index.numpy(), [12, 13, 14]).any()  # kept ones whose stacks stayed whole
+    assert same(got.numpy(), buf.take(got.index.numpy()), sch.names)
+    dev.close()

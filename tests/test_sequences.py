@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import multiprocessing as mp
 import time
 from collections.abc import Callable
@@ -447,3 +448,26 @@ def test_episodes_are_distinct_in_a_call(make: Make, name: str) -> None:
         assert sorted(groups.reward[:, 0].tolist()) == [0, 1, 2, 3, 4, 5]
         ordered = buf.sample_groups(4, 4, replace=False)              # only episodes of 4 rows or more
         assert sorted(ordered.reward[:, 0].tolist()) == [1, 3, 4, 5] and "mask" not in ordered
+
+
+@pytest.mark.parametrize("wide", ["r", "d"])
+def test_n_step_refuses_a_reward_or_done_of_several_values_before_drawing(wide: str, make: Make, name: str) -> None:
+    """A reward or done field of several values a row is small (packed) but not a scalar per row:
+    refused by name before anything is drawn, on the host and by the device copy, the buffer as it was
+    (not a numpy or torch reshape error after the draw)."""
+    sch = sb.Schema(o=((2,), "float32"), next_obs=((2,), "float32"), r=((2,) if wide == "r" else (), "float32"),
+                    d=((2,) if wide == "d" else (), "bool"))
+    buf = make(sch, capacity=16, episodes=True, max_use=1, name=name)
+    buf.push({"o": np.zeros((8, 2)), "next_obs": np.zeros((8, 2)), "r": np.zeros((8, 2) if wide == "r" else 8),
+              "d": np.zeros((8, 2) if wide == "d" else 8, bool)}, episode=np.zeros(8, int))
+    samples = [buf.sample]
+    if importlib.util.find_spec("torch") is not None:
+        from shmbuffer.device import DeviceReplay
+        dev = DeviceReplay(buf, "cpu", max_lag_rows=0, refresher=False, seed=0)
+        samples.append(dev.sample)
+    for sample in samples:
+        before = dict(buf.stats)
+        with pytest.raises(sb.FieldError, match=rf"n_step=2: field '{wide}' must be a scalar per row .*\(2,\)"):
+            sample(4, n_step=2, fields={"reward": "r", "done": "d"})
+        assert dict(buf.stats) == before and len(buf) == 8
+    assert buf.sample(8).index.size == 8  # no row was used up by the refused samples

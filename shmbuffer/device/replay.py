@@ -370,7 +370,7 @@ class DeviceReplay(DeviceRows):
                     finally:
                         self.lock.acquire()
                     done = np.setdiff1d(np.arange(n), todo)  # the sync may have copied newer rows over them
-                    stale = done[~self._window(ids[done])[0]]
+                    stale = done[~self._servable(ids[done])]  # a kept transition's older frames lapped, too
                     if uses is not None and claimed[stale].any():
                         uses.give_back(ids, stale[claimed[stale]], leaves)
                         claimed[stale] = False
@@ -380,7 +380,7 @@ class DeviceReplay(DeviceRows):
                 if got.shape[0] != todo.size:
                     fewer = True
                     break
-                ok = self._transitions(got)[0] if self.spec.once else self._window(got)[0]
+                ok = self._servable(got)
                 ids[todo[ok]] = got[ok]
                 if d.leaves is not None:
                     leaves[todo[ok]] = d.leaves[ok]
@@ -413,6 +413,10 @@ class DeviceReplay(DeviceRows):
                 except EmptyBufferError as short:
                     raise _DrawGaveFewer(str(short)) from None
             raise
+
+    def _servable(self, ids: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` the copy can serve now: rows it holds, transitions where frames are stored once."""
+        return self._transitions(ids)[0] if self.spec.once else self._window(ids)[0]
 
     def _batch(self, slots: Any, ids: Any, weight: Any, rebuilt: dict[str, Any] | None = None) -> Batch:
         """The batch of the rows in device ``slots``; ``rebuilt``: the fields read from other rows

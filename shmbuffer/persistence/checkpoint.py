@@ -340,16 +340,17 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
             _start_writeback(mfd)
             os.fsync(chunk.fd)
             os.fsync(mfd)
+        os.replace(tmp, chunk_name(sequence), src_dir_fd=dfd, dst_dir_fd=dfd)
+        os.replace(mtmp, MANIFEST, src_dir_fd=dfd, dst_dir_fd=dfd)
         written = True
     finally:
         chunk.close()
         if mfd >= 0:
             os.close(mfd)
+        # a renamed chunk stays (no manifest names it: the next checkpoint's _tidy removes it)
         for name in () if written else (tmp, mtmp):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(name, dir_fd=dfd)
-    os.replace(tmp, chunk_name(sequence), src_dir_fd=dfd, dst_dir_fd=dfd)
-    os.replace(mtmp, MANIFEST, src_dir_fd=dfd, dst_dir_fd=dfd)
     if sync:
         os.fsync(dfd)
     _tidy(dfd, {c["file"] for c in listed})
