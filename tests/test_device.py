@@ -117,19 +117,21 @@ def test_a_sample_waits_for_rows_the_copy_lacks_while_the_buffer_holds_them(make
     refreshed, as when writers lap a small ring faster than it refreshes) refreshes and draws
     again, as the host's sample waits for rows being written: within ``GIVE_UP`` seconds, then
     ``WaitTimeout``. An empty buffer still raises ``EmptyBufferError`` at once."""
-    buf = make(MUJOCO, 8, name=name, sampler=sampler)
+    buf = make(MUJOCO, 16, name=name, sampler=sampler)
     dev = DeviceReplay(buf, "cpu", max_lag_rows=None, max_lag_s=None, refresher=False, seed=0)
     start = time.monotonic()
     with pytest.raises(sb.EmptyBufferError, match=r"holds no rows|holds none of the rows"):
         dev.sample(4)
     assert time.monotonic() - start < 0.5
-    res = buf.ring.reserve(8, deferring=False)  # every slot being written
+    res = buf.ring.reserve(8, deferring=False)  # every row the buffer holds being written
     assert dev.sync() == 0 and len(dev) == 0
     start = time.monotonic()
     with pytest.raises(sb.WaitTimeout, match=r"held no row to draw for 1 s while the buffer holds 8"):
         dev.sample(4)
     assert 0.9 < time.monotonic() - start < 5
-    late = threading.Timer(0.2, lambda: (buf.ring.abandon(res), buf.push(transition(8, 8))))
+    # rows come in while those are still being written (abandoned after: a sample between an
+    # abandon and a push would find the buffer empty, which raises at once, as it should)
+    late = threading.Timer(0.2, lambda: (buf.push(transition(8, 8)), buf.ring.abandon(res)))
     late.start()
     try:
         batch = dev.sample(64)
