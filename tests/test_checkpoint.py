@@ -461,8 +461,9 @@ def test_a_synced_checkpoint_starts_its_pages_to_the_disk_as_it_writes_them(
         sync: bool, make: Make, resumed: list, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``sync``, each write of the chunk starts its whole pages to the disk at once
     (``sync_file_range``), and the rest of the chunk and the manifest once they are complete, so
-    that the fsyncs wait only for what is left; the chunk and the manifest are fsync-ed before the
-    manifest is renamed into place, the folder after. Without ``sync``, neither."""
+    that the fsyncs wait only for what is left; the chunk and the manifest are fsync-ed before
+    either is renamed into place, the folder after each rename (the chunk's name is on the disk
+    before the manifest that names it). Without ``sync``, neither."""
     module = importlib.import_module("shmbuffer.persistence.checkpoint")
     buf = make(sb.Schema(x=((4096,), "float32"), y=((), "int64")), 256, name=name)
     buf.push(x=np.ones((100, 4096), np.float32), y=np.arange(100))
@@ -486,7 +487,7 @@ def test_a_synced_checkpoint_starts_its_pages_to_the_disk_as_it_writes_them(
     assert at[("start", man, 0, 0, 2)] < at[("fsync", chunk)] < at[("fsync", man)]
     assert [e for e in disk.events if e[0] != "start"] == [
         ("fsync", chunk), ("fsync", man), ("rename", chunk, f"chunk-{got['sequence']:08d}.safetensors"),
-        ("rename", man, MANIFEST), ("fsync", "folder")]
+        ("fsync", "folder"), ("rename", man, MANIFEST), ("fsync", "folder")]
 
 
 @pytest.mark.parametrize("call", ["none", "failing"])
@@ -502,7 +503,7 @@ def test_where_pages_cannot_be_started_early_the_fsyncs_write_them(
     disk = _Disk(module, monkeypatch, call)
     buf.checkpoint(tmp_path / "c")
     assert ("start" in [e[0] for e in disk.events]) == (call == "failing")
-    assert [e[0] for e in disk.events if e[0] != "start"] == ["fsync", "fsync", "rename", "rename", "fsync"]
+    assert [e[0] for e in disk.events if e[0] != "start"] == ["fsync", "fsync", "rename", "fsync", "rename", "fsync"]
     back = sb.ReplayBuffer.resume(tmp_path / "c", name=name + "r")
     resumed.append(back)
     assert_same(state(buf), state(back))

@@ -341,6 +341,8 @@ def _write(buf: Buffer, folder: Path, dfd: int, prev: Manifest | None, old: Mani
             os.fsync(chunk.fd)
             os.fsync(mfd)
         os.replace(tmp, chunk_name(sequence), src_dir_fd=dfd, dst_dir_fd=dfd)
+        if sync:  # the chunk's name durable before a manifest names it (a power cut, not just a kill)
+            os.fsync(dfd)
         os.replace(mtmp, MANIFEST, src_dir_fd=dfd, dst_dir_fd=dfd)
         written = True
     finally:

@@ -13,8 +13,10 @@ temporary name ``.NAME.<id>.tmp``. ``.lock`` (empty) is held with ``flock`` whil
 runs: one checkpoint at a time writes a folder.
 
 A checkpoint, in this order: its chunk and then the new manifest are written to their temporary
-files and both ``fsync``-ed; the chunk is renamed into place, then the manifest over
-``manifest.json``; the folder is ``fsync``-ed; then the chunks the new manifest no longer names,
+files and both ``fsync``-ed; the chunk is renamed into place and the folder ``fsync``-ed (the
+chunk's name is on the disk before a manifest names it, even across a power cut), then the
+manifest is renamed over ``manifest.json`` and the folder ``fsync``-ed again; then the chunks the
+new manifest no longer names,
 and temporary files left by a checkpoint that was killed, are removed. The manifest names only
 chunks complete before it was renamed, so a process killed at any instant leaves the previous
 complete checkpoint (or the new one) loadable, never a half one.
