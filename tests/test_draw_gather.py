@@ -352,7 +352,9 @@ def test_a_thread_sampling_for_another_reads_whole_rows_while_rows_are_written(m
     t.start()
     try:
         i, start = 64, len(seen)
-        while (len(seen) - start < 50 or i < 64 * 4) and i < 64 * 100_000:  # until it read the rows' writes
+        # until it read the rows' writes: 50 samples meanwhile, and the newest holds a row pushed
+        # meanwhile (the 50 could all come before the pushes land)
+        while (len(seen) - start < 50 or i < 64 * 4 or int(seen[-1].max()) < 64) and i < 64 * 100_000:
             buf.push(transition(i, 16))
             i += 16
     finally:
